@@ -1,0 +1,1 @@
+"""loopspec.convert: staged conversion to deployable artifacts (ONNX, TensorRT, serving bundles)."""

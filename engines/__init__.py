@@ -1,0 +1,1 @@
+"""loopspec.engines: what the runtime calls — engine specs and export wrappers."""

@@ -1,0 +1,5 @@
+"""The one error type every user-facing entry point turns into a clear message (exit code 2)."""
+
+
+class LoopspecError(Exception):
+    """Bad input from the user: wrong path, mismatched models, invalid parameters, ..."""

@@ -1,0 +1,328 @@
+"""DFlash block-diffusion drafter (z-lab checkpoint format).
+
+One forward ("stage") drafts a whole block `[anchor, MASK × (k-1)]` at positions a .. a+k-1. Every
+layer's queries come from the block only; its keys/values are `[context ; block]`, where the context
+is the target's tapped hidden states projected by `fc` → `hidden_norm` and then by the layer's own
+`k_proj`/`v_proj` (+ `k_norm`, RoPE at absolute positions). Inside the block attention is
+bidirectional. The drafter has no embedding or lm_head of its own: it borrows the target's.
+The output at block position i (1..k-1) predicts the token AT position a+i.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loopspec.errors import LoopspecError
+from loopspec.model.target import MLP, RMSNorm, RotaryTable, TargetConfig, apply_rope, default_target_layer_ids
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int | None
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    extra: dict = field(default_factory=dict)  # loopspec settings kept beside the z-lab fields
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, num_layers: int = 1, block_size: int = 16,
+                   target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
+                   intermediate_size: int | None = None) -> "DrafterConfig":
+        """A fresh drafter whose widths are all set explicitly from the target's."""
+        if num_layers < 1:
+            raise LoopspecError(f"a drafter needs at least one layer, got {num_layers}")
+        if block_size < 2:
+            raise LoopspecError(f"block size must be at least 2, got {block_size}")
+        ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
+        return cls(hidden_size=target.hidden_size,
+                   intermediate_size=intermediate_size or target.intermediate_size,
+                   num_layers=num_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+                   head_dim=target.head_dim, vocab_size=target.vocab_size,
+                   num_target_layers=target.num_layers, target_layer_ids=list(ids),
+                   mask_token_id=mask_token_id, block_size=block_size, rms_norm_eps=target.rms_norm_eps,
+                   rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
+                   max_position_embeddings=target.max_position_embeddings)
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def to_zlab(self) -> dict:
+        """A Qwen3 config + the DFlash fields, as TensorRT-LLM / vLLM / SGLang read them."""
+        rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)
+        cfg = {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids},
+        }
+        if self.extra:
+            cfg["loopspec"] = self.extra
+        return cfg
+
+    @classmethod
+    def from_zlab(cls, cfg: dict) -> "DrafterConfig":
+        archs = cfg.get("architectures") or []
+        if ARCHITECTURE not in archs:
+            raise LoopspecError(f"not a DFlash drafter: architectures={archs} (expected {ARCHITECTURE})")
+        dflash = cfg.get("dflash_config") or {}
+        try:
+            heads = cfg["num_attention_heads"]
+            num_layers = cfg["num_hidden_layers"]
+            ids = dflash.get("target_layer_ids") or cfg.get("target_layer_ids")
+            num_target_layers = cfg["num_target_layers"]
+            if ids is None:
+                ids = default_target_layer_ids(num_target_layers, num_layers)
+            rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
+            rope_theta = cfg.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))
+            if rope is not None:
+                rope = {k: v for k, v in rope.items() if k != "rope_theta"}
+                if rope.get("rope_type", rope.get("type", "default")) == "default":
+                    rope = None
+            return cls(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                       num_layers=num_layers, num_heads=heads,
+                       num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                       vocab_size=cfg["vocab_size"], num_target_layers=num_target_layers,
+                       target_layer_ids=list(ids), mask_token_id=dflash.get("mask_token_id"),
+                       block_size=cfg.get("block_size", 16), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                       rope_theta=float(rope_theta), rope_scaling=rope,
+                       max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                       extra=dict(cfg.get("loopspec") or {}))
+        except KeyError as e:
+            raise LoopspecError(f"drafter config.json lacks {e.args[0]!r}") from None
+
+
+def check_fits(drafter: DrafterConfig, target: TargetConfig) -> None:
+    """Refuse a drafter that cannot run against this target, naming what does not match."""
+    problems = []
+    if drafter.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {drafter.hidden_size} != target's {target.hidden_size}")
+    if drafter.vocab_size != target.vocab_size:
+        problems.append(f"vocab size {drafter.vocab_size} != target's {target.vocab_size}")
+    if drafter.num_target_layers != target.num_layers:
+        problems.append(f"drafter was built for {drafter.num_target_layers} target layers, target has {target.num_layers}")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        problems.append(f"tap ids {bad} out of range for a target with {target.num_layers} layers")
+    if drafter.mask_token_id is None:
+        problems.append("no mask token id (set dflash_config.mask_token_id)")
+    elif not 0 <= drafter.mask_token_id < target.vocab_size:
+        problems.append(f"mask token id {drafter.mask_token_id} outside the vocabulary of {target.vocab_size}")
+    if problems:
+        raise LoopspecError("drafter does not fit the target: " + "; ".join(problems))
+
+
+def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, vocab_size: int) -> int:
+    """The checkpoint's mask id; else the first unused embedding row; else a clear error."""
+    if configured is not None:
+        return configured
+    if tokenizer_len is not None and tokenizer_len < vocab_size:
+        return tokenizer_len
+    raise LoopspecError("the drafter has no mask_token_id and the target's vocabulary has no unused row; "
+                        "pass --mask-token-id")
+
+
+class ContextCache:
+    """Every drafter layer's context K/V as one static buffer with a length (rollback moves it)."""
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_length: int, head_dim: int,
+                 dtype=torch.float32, device="cpu"):
+        shape = (num_layers, batch, num_kv_heads, max_length, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_length = max_length
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [N, B, kvh, T, hd]
+        T = k.shape[3]
+        if self.length + T > self.max_length:
+            raise LoopspecError(f"drafter context of {self.length + T} exceeds {self.max_length}")
+        self.k[:, :, :, self.length:self.length + T] = k
+        self.v[:, :, :, self.length:self.length + T] = v
+        self.length += T
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length} from {self.length}")
+        self.length = length
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (k_norm + RoPE) and V of `x` [B, T, H] → [B, kvh, T, hd] each."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2))
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        # x: [B, k, H] block hidden; ctx_k/ctx_v: [B, kvh, C, hd] context K/V (already normed + roped)
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2))
+        q = apply_rope(q, cos, sin)  # [B, h, k, hd]
+        k, v = self.keys_values(x, cos, sin)
+        keys = torch.cat([ctx_k, k], dim=2)  # [B, kvh, C + k, hd]
+        values = torch.cat([ctx_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def new_context(self, max_length: int, batch: int = 1) -> ContextCache:
+        p = self.fc.weight
+        return ContextCache(self.cfg.num_layers, batch, self.cfg.num_kv_heads,
+                            min(max_length, self.cfg.max_position_embeddings), self.cfg.head_dim,
+                            dtype=p.dtype, device=p.device)
+
+    def features(self, taps: torch.Tensor) -> torch.Tensor:
+        """Context features hidden_norm(fc(concat(taps))): [B, T, n*H] → [B, T, H]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's context K/V from H-dim features [B, T, H] in ONE matmul → [N, B, kvh, T, hd]."""
+        B, T, _ = features.shape
+        N, kvh, hd = self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
+        weight = torch.cat([torch.cat([l.self_attn.k_proj.weight, l.self_attn.v_proj.weight]) for l in self.layers])
+        kv = (features @ weight.T).view(B, T, N, 2, kvh, hd)  # [B, T, N, 2, kvh, hd]
+        k = kv[:, :, :, 0].permute(2, 0, 3, 1, 4)  # [N, B, kvh, T, hd]
+        v = kv[:, :, :, 1].permute(2, 0, 3, 1, 4)
+        k_norm_w = torch.stack([l.self_attn.k_norm.weight for l in self.layers])  # [N, hd]
+        k = k.float()
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        k = k_norm_w[:, None, None, None, :] * k.to(features.dtype)
+        cos, sin = self.rotary(positions)  # [T, hd]
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One stage: block embeddings [B, k, H] at `positions` [k] (or [B, 1, k]) attending to the
+        context K/V [N, B, kvh, C, hd] and the whole block → final-norm hidden states [B, k, H]."""
+        cos, sin = self.rotary(positions)
+        if cos.dim() == 2:
+            cos, sin = cos[None, None], sin[None, None]
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
+        return self.norm(x)
+
+    # ----------------------------------------------------------------------------------------------
+    # z-lab checkpoint I/O
+
+    def zlab_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in self.state_dict().items():
+            if ".mlp.gate_up_proj." in name:
+                gate, up = t.split(self.cfg.intermediate_size, dim=0)
+                out[name.replace("gate_up_proj", "gate_proj")] = gate
+                out[name.replace("gate_up_proj", "up_proj")] = up
+            else:
+                out[name] = t
+        return out
+
+    def save(self, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        from loopspec.weights import write_safetensors
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        cfg = self.cfg.to_zlab()
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        state = {k: v.detach().to(dtype).cpu() for k, v in self.zlab_state_dict().items()}
+        write_safetensors(state, directory / "model.safetensors")
+        (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter":
+        from loopspec.weights import read_json, read_safetensors
+
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise LoopspecError(f"drafter path does not exist or is not a directory: {directory}")
+        cfg = DrafterConfig.from_zlab(read_json(directory / "config.json", "drafter config"))
+        weights = directory / "model.safetensors"
+        if not weights.is_file():
+            raise LoopspecError(f"missing drafter weights: {weights}")
+        src = read_safetensors(weights)
+        for unexpected in ("embed_tokens.weight", "lm_head.weight"):
+            src.pop(unexpected, None)  # some exports carry a copy of the target's; we borrow the target's
+        state = {}
+        for i in range(cfg.num_layers):
+            m = f"layers.{i}.mlp."
+            if m + "gate_proj.weight" in src and m + "up_proj.weight" in src:
+                state[m + "gate_up_proj.weight"] = torch.cat([src.pop(m + "gate_proj.weight"), src.pop(m + "up_proj.weight")])
+        state.update(src)
+        model = cls(cfg)
+        try:
+            model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+        except RuntimeError as e:
+            raise LoopspecError(f"drafter weights do not match its config.json: {e}") from None
+        return model.to(dtype).eval()

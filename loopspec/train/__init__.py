@@ -1,0 +1,1 @@
+"""loopspec.train: drafter training (imports loopspec core only)."""

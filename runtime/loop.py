@@ -1,0 +1,145 @@
+"""The speculative loop: prefill → draft → verify → accept → commit/rollback → repeat.
+
+Autoregressive decoding is the same loop with block size 1 (nothing drafted, the verification of the
+anchor alone yields the next token), so every speedup is measured by identical code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from loopspec.decoding import SamplingParams, greedy_accept, next_token, probabilities, speculative_accept
+from loopspec.errors import LoopspecError
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)  # drafts accepted per verification
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def verifications(self) -> int:
+        return len(self.accepted_per_round)
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: tokens committed per target verification (accepted drafts + 1 bonus)."""
+        if not self.accepted_per_round:
+            return 0.0
+        return sum(n + 1 for n in self.accepted_per_round) / len(self.accepted_per_round)
+
+    @property
+    def accepted_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.accepted_per_round).items()))
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode_s = self.total_s - self.prefill_s
+        return (self.new_tokens - 1) / decode_s if decode_s > 0 and self.new_tokens > 1 else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.new_tokens} tokens in {self.total_s:.2f}s ({self.new_tokens / max(self.total_s, 1e-9):.1f} tok/s)"
+                f" | tau {self.acceptance_length:.2f} over {self.verifications} verifications"
+                f" | prefill {self.prefill_s * 1e3:.0f} ms, draft {self.draft_s * 1e3:.0f} ms,"
+                f" verify {self.verify_s * 1e3:.0f} ms, other {self.other_s * 1e3:.0f} ms"
+                f" | finish: {self.finish_reason}")
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    stats: GenerationStats
+
+
+def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, params: SamplingParams = SamplingParams(),
+             block_size: int = 1, stop_token_ids: frozenset[int] | set[int] = frozenset(),
+             generator: torch.Generator | None = None,
+             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """Decode up to `max_new_tokens` after `prompt_ids`; block_size 1 = autoregressive."""
+    if not prompt_ids:
+        raise LoopspecError("empty prompt")
+    if max_new_tokens < 1:
+        raise LoopspecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if block_size < 1:
+        raise LoopspecError(f"block size must be >= 1, got {block_size}")
+    if len(prompt_ids) >= engine.max_context:
+        raise LoopspecError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {engine.max_context}")
+    drafting = block_size > 1
+    if drafting and engine.drafter is None:
+        raise LoopspecError("a drafter is needed for block size > 1")
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    t_start = time.perf_counter()
+    engine.reset()
+
+    logits, taps = engine.target_verify(prompt_ids, all_logits=False, want_taps=drafting)
+    if drafting:
+        engine.drafter_context(taps)  # the context holds features for every prompt position
+    anchor = next_token(logits[-1], params, generator)
+    stats.prefill_s = time.perf_counter() - t_start
+    out = [anchor]
+    finish = "stop" if anchor in stop_token_ids else ""
+    if on_tokens:
+        on_tokens([anchor])
+
+    while not finish:
+        position = len(prompt_ids) + len(out) - 1  # the anchor's position (not yet in the KV cache)
+        remaining = max_new_tokens - len(out)
+        room = engine.max_context - position - 1  # how many drafts still fit after the anchor
+        if remaining <= 0:
+            finish = "length"
+            break
+        if room < 0:
+            finish = "context"
+            break
+        num_drafts = min(block_size - 1, remaining - 1, room)
+
+        t0 = time.perf_counter()
+        drafts = torch.empty(0, dtype=torch.long)
+        if num_drafts > 0:
+            # near the end of the context the block shrinks so that its positions stay inside it
+            stage_size = min(block_size, engine.max_context - position)
+            drafts = engine.drafter_block(anchor, position, stage_size)[0][:num_drafts]
+        t1 = time.perf_counter()
+        logits, taps = engine.target_verify([anchor] + drafts.tolist(), want_taps=drafting)
+        if params.greedy:
+            accepted, bonus = greedy_accept(drafts, logits)
+        else:
+            accepted, bonus = speculative_accept(drafts, None, probabilities(logits, params), generator)
+        t2 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.accepted_per_round.append(accepted)
+
+        # Commit the anchor and the accepted drafts; the rejected ones leave the KV cache.
+        engine.target_rollback(position + accepted + 1)
+        if drafting:
+            engine.drafter_context(taps[:accepted + 1])  # only accepted taps enter the context
+        new = drafts[:accepted].tolist() + [bonus]
+        for i, token in enumerate(new):
+            if token in stop_token_ids:
+                new, finish = new[:i + 1], "stop"
+                break
+        out += new
+        if on_tokens:
+            on_tokens(new)
+        anchor = bonus
+
+    stats.new_tokens = len(out)
+    stats.total_s = time.perf_counter() - t_start
+    stats.finish_reason = finish
+    return GenerationResult(tokens=out, stats=stats)

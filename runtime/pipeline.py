@@ -1,0 +1,111 @@
+"""A ready pair: tokenizer + target + optional drafter + an engine, resolved from user arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from loopspec.decoding import SamplingParams
+from loopspec.defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DRAFTER_DIR, DEFAULT_DRAFTER_LAYERS,
+                               DEFAULT_TARGET_MASK_TOKEN_ID)
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import Drafter, DrafterConfig, check_fits, resolve_mask_token_id
+from loopspec.model.target import Target
+from loopspec.weights import load_target_dir, load_tokenizer, resolve_target_dir
+from loopspec.runtime.loop import GenerationResult, generate
+from loopspec.runtime.torch_engine import TorchEngine
+
+METHODS = ("ar", "dflash")
+
+
+def fresh_drafter(target: Target, tokenizer_len: int | None, is_default_target: bool, seed: int = 0,
+                  mask_token_id: int | None = None) -> Drafter:
+    """An untrained drafter shaped for `target` (lossless, but it rarely guesses right)."""
+    if mask_token_id is None and is_default_target:
+        mask_token_id = DEFAULT_TARGET_MASK_TOKEN_ID
+    mask = resolve_mask_token_id(mask_token_id, tokenizer_len, target.cfg.vocab_size)
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=DEFAULT_DRAFTER_LAYERS, block_size=DEFAULT_BLOCK_SIZE,
+                                   mask_token_id=mask)
+    torch.manual_seed(seed)
+    drafter = Drafter(cfg)
+    with torch.no_grad():
+        for module in drafter.modules():
+            if isinstance(module, torch.nn.Linear):
+                torch.nn.init.normal_(module.weight, std=0.02)
+    return drafter.eval()
+
+
+@dataclass
+class Pipeline:
+    tokenizer: object
+    target: Target
+    drafter: Drafter | None
+    engine: TorchEngine
+    drafter_description: str  # "shipped", "untrained (fresh random init)" or a path
+    stop_token_ids: frozenset[int]
+
+    @property
+    def default_block_size(self) -> int:
+        return self.drafter.cfg.block_size if self.drafter is not None else 1
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        if not prompt or not prompt.strip():
+            raise LoopspecError("empty prompt")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode([t for t in tokens if t not in self.stop_token_ids], skip_special_tokens=False)
+
+    def block_size_for(self, method: str, block_size: int | None) -> int:
+        if method not in METHODS:
+            raise LoopspecError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        if block_size is not None and block_size < 1:
+            raise LoopspecError(f"block size must be >= 1, got {block_size}")
+        if method == "ar":
+            return 1
+        if self.drafter is None:
+            raise LoopspecError(f"method {method!r} needs a drafter (got --drafter none)")
+        return block_size or self.default_block_size
+
+    def run(self, prompt_ids: list[int], *, method: str = "dflash", max_new_tokens: int = 128,
+            params: SamplingParams = SamplingParams(), block_size: int | None = None, seed: int | None = None,
+            on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        return generate(self.engine, prompt_ids, max_new_tokens=max_new_tokens, params=params,
+                        block_size=self.block_size_for(method, block_size), stop_token_ids=self.stop_token_ids,
+                        generator=generator, on_tokens=on_tokens)
+
+
+def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,
+                  mask_token_id: int | None = None, num_threads: int | None = None) -> Pipeline:
+    """Resolve `target` ('default' | checkpoint dir | .gguf) and `drafter` ('default' | dir | 'none')."""
+    is_default = str(target) == "default"
+    target_dir = resolve_target_dir(target)
+    tokenizer = load_tokenizer(target_dir)
+    model = load_target_dir(target_dir)
+    if drafter in (None, "none"):
+        draft_model, description = None, "none"
+    elif drafter == "default" and is_default and DEFAULT_DRAFTER_DIR.is_dir():
+        draft_model, description = Drafter.load(DEFAULT_DRAFTER_DIR), f"shipped ({DEFAULT_DRAFTER_DIR.name})"
+    elif drafter == "default":
+        draft_model = fresh_drafter(model, len(tokenizer), is_default, mask_token_id=mask_token_id)
+        description = "untrained (fresh random init: lossless but few drafts accepted)"
+    else:
+        draft_model, description = Drafter.load(Path(drafter)), str(drafter)
+        if draft_model.cfg.mask_token_id is None:
+            draft_model.cfg.mask_token_id = resolve_mask_token_id(mask_token_id, len(tokenizer), model.cfg.vocab_size)
+    if draft_model is not None:
+        check_fits(draft_model.cfg, model.cfg)
+    stop = set(model.cfg.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        stop.add(tokenizer.eos_token_id)
+    engine = TorchEngine(model, draft_model, max_context or model.cfg.max_position_embeddings, num_threads)
+    return Pipeline(tokenizer=tokenizer, target=model, drafter=draft_model, engine=engine,
+                    drafter_description=description, stop_token_ids=frozenset(stop))

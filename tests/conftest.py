@@ -1,0 +1,51 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+
+
+def tiny_hf_config(family: str, vocab_size: int = 128, num_layers: int = 6, tie: bool | None = None,
+                   rope_scaling: dict | None = None):
+    """A tiny random transformers config of the given family (GQA, 2 kv heads)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1)
+    if family == "llama":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+        cfg = LlamaConfig(**common, rope_parameters=rope_scaling or rope,
+                          tie_word_embeddings=True if tie is None else tie)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**common, tie_word_embeddings=False if tie is None else tie)
+    else:
+        cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=False if tie is None else tie)
+    return cfg
+
+
+def save_tiny_target(family: str, directory: Path, seed: int = 0, **kw) -> Path:
+    """Build a random transformers model of `family`, save it as an HF checkpoint directory."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(family, **kw)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # random norms so that q/k-norm and layer norms are really exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "bias" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(tmp_path_factory):
+    """{family: checkpoint dir} for one tiny random target of every supported family."""
+    root = tmp_path_factory.mktemp("targets")
+    return {f: save_tiny_target(f, root / f, seed=i) for i, f in enumerate(FAMILIES)}

@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from loopspec.decoding import SamplingParams
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.runtime.loop import generate
+from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.weights import load_target_dir
+
+from conftest import FAMILIES
+
+
+def random_drafter(target, block_size=8, num_layers=2, seed=0, mask=127):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=num_layers, block_size=block_size, mask_token_id=mask)
+    return Drafter(cfg).eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_dflash_equals_ar(family, tiny_targets):
+    target = load_target_dir(tiny_targets[family])
+    drafter = random_drafter(target)
+    engine = TorchEngine(target, drafter, max_context=256)
+    prompt = torch.randint(0, 120, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    ar = generate(engine, prompt, max_new_tokens=60, block_size=1)
+    for k in (2, 5, 8, 12):
+        spec = generate(engine, prompt, max_new_tokens=60, block_size=k)
+        assert spec.tokens == ar.tokens
+        assert spec.stats.verifications <= ar.stats.verifications
+
+
+def test_greedy_identity_with_accepted_drafts(tiny_targets):
+    """Long accepted prefixes: an engine whose stage proposes the true AR continuation with one
+    wrong token at block position 4, so acceptance, rejection and the bonus are all exercised."""
+    target = load_target_dir(tiny_targets["llama"])
+    drafter = random_drafter(target)
+    engine = TorchEngine(target, drafter, max_context=256)
+    ar = generate(engine, [5, 6, 7] * 4, max_new_tokens=40, block_size=1)
+
+    class OracleEngine(TorchEngine):
+        def drafter_block(self, anchor, position, block_size):
+            start = position - 12 + 1  # index in ar.tokens of the first token after the anchor
+            guess = ar.tokens[start:start + block_size - 1]
+            guess = guess + [0] * (block_size - 1 - len(guess))
+            if len(guess) > 3:
+                guess[3] = (guess[3] + 1) % 128  # one wrong token so that both paths are exercised
+            return torch.tensor(guess), torch.zeros(block_size - 1), None
+
+    oracle = OracleEngine(target, drafter, max_context=256)
+    spec = generate(oracle, [5, 6, 7] * 4, max_new_tokens=40, block_size=8)
+    assert spec.tokens == ar.tokens
+    assert max(spec.stats.accepted_per_round) == 3
+    assert spec.stats.acceptance_length > 3
+
+
+def test_stop_tokens_max_new_tokens_and_context(tiny_targets):
+    target = load_target_dir(tiny_targets["qwen3"])
+    drafter = random_drafter(target)
+    engine = TorchEngine(target, drafter, max_context=40)
+    prompt = list(range(10, 30))
+    ar = generate(engine, prompt, max_new_tokens=100, block_size=1)
+    assert ar.stats.finish_reason == "context" and len(prompt) + len(ar.tokens) == 41  # last token not run
+    spec = generate(engine, prompt, max_new_tokens=100, block_size=8)
+    assert spec.tokens == ar.tokens and spec.stats.finish_reason == "context"
+    stop = ar.tokens[7]
+    first = ar.tokens.index(stop)
+    for k in (1, 8):
+        res = generate(engine, prompt, max_new_tokens=100, block_size=k, stop_token_ids={stop})
+        assert res.tokens == ar.tokens[:first + 1] and res.stats.finish_reason == "stop"
+        res = generate(engine, prompt, max_new_tokens=5, block_size=k)
+        assert res.tokens == ar.tokens[:5] and res.stats.finish_reason == "length"
+
+
+def test_streaming_callback_sees_every_token(tiny_targets):
+    target = load_target_dir(tiny_targets["qwen2"])
+    engine = TorchEngine(target, random_drafter(target), max_context=128)
+    chunks = []
+    res = generate(engine, [1, 2, 3], max_new_tokens=30, block_size=6, on_tokens=chunks.append)
+    assert sum(chunks, []) == res.tokens
+
+
+def test_bad_arguments(tiny_targets):
+    target = load_target_dir(tiny_targets["llama"])
+    engine = TorchEngine(target, None, max_context=16)
+    with pytest.raises(LoopspecError, match="empty prompt"):
+        generate(engine, [], max_new_tokens=4)
+    with pytest.raises(LoopspecError, match="does not fit"):
+        generate(engine, list(range(16)), max_new_tokens=4)
+    with pytest.raises(LoopspecError, match="block size"):
+        generate(engine, [1], max_new_tokens=4, block_size=0)
+    with pytest.raises(LoopspecError, match="drafter"):
+        generate(engine, [1], max_new_tokens=4, block_size=4)
+    with pytest.raises(LoopspecError, match="temperature"):
+        SamplingParams(temperature=-1)
