@@ -41,6 +41,7 @@ def fresh_drafter(target: Target, tokenizer_len: int | None, is_default_target: 
 @dataclass
 class Pipeline:
     tokenizer: object
+    target_dir: Path
     target: Target
     drafter: Drafter | None
     engine: TorchEngine
@@ -61,7 +62,8 @@ class Pipeline:
         return self.tokenizer.encode(prompt)
 
     def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode([t for t in tokens if t not in self.stop_token_ids], skip_special_tokens=False)
+        return self.tokenizer.decode([t for t in tokens if t not in self.stop_token_ids], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
 
     def block_size_for(self, method: str, block_size: int | None) -> int:
         if method not in METHODS:
@@ -107,5 +109,5 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
     if getattr(tokenizer, "eos_token_id", None) is not None:
         stop.add(tokenizer.eos_token_id)
     engine = TorchEngine(model, draft_model, max_context or model.cfg.max_position_embeddings, num_threads)
-    return Pipeline(tokenizer=tokenizer, target=model, drafter=draft_model, engine=engine,
+    return Pipeline(tokenizer=tokenizer, target_dir=target_dir, target=model, drafter=draft_model, engine=engine,
                     drafter_description=description, stop_token_ids=frozenset(stop))

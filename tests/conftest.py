@@ -49,3 +49,35 @@ def tiny_targets(tmp_path_factory):
     """{family: checkpoint dir} for one tiny random target of every supported family."""
     root = tmp_path_factory.mktemp("targets")
     return {f: save_tiny_target(f, root / f, seed=i) for i, f in enumerate(FAMILIES)}
+
+
+def save_tiny_tokenizer(directory: Path, vocab_size: int = 128) -> None:
+    """A character-level tokenizer (ids 0..2 special, then printable characters) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    chars = [chr(c) for c in range(32, 127)][: vocab_size - len(specials) - 1]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    fast.save_pretrained(str(directory))
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """A tiny llama target dir with a tokenizer, and a matching random z-lab drafter dir."""
+    from loopspec.model.drafter import Drafter, DrafterConfig
+    from loopspec.weights import load_target_dir
+
+    root = tmp_path_factory.mktemp("pair")
+    target_dir = save_tiny_target("llama", root / "target", seed=5)
+    save_tiny_tokenizer(target_dir)
+    target = load_target_dir(target_dir)
+    torch.manual_seed(0)
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=6, mask_token_id=127)
+    Drafter(cfg).save(root / "drafter", dtype=torch.float32)
+    return target_dir, root / "drafter"

@@ -52,7 +52,9 @@ class DrafterConfig:
             raise LoopspecError(f"a drafter needs at least one layer, got {num_layers}")
         if block_size < 2:
             raise LoopspecError(f"block size must be at least 2, got {block_size}")
-        ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
+        ids = target_layer_ids if target_layer_ids is not None else default_target_layer_ids(target.num_layers, num_layers)
+        if not ids:
+            raise LoopspecError("target_layer_ids must name at least one target layer")
         return cls(hidden_size=target.hidden_size,
                    intermediate_size=intermediate_size or target.intermediate_size,
                    num_layers=num_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
@@ -98,10 +100,28 @@ class DrafterConfig:
 
     @classmethod
     def from_zlab(cls, cfg: dict) -> "DrafterConfig":
+        if not isinstance(cfg, dict):
+            raise LoopspecError(f"drafter config.json must hold a JSON object, got {type(cfg).__name__}")
         archs = cfg.get("architectures") or []
-        if ARCHITECTURE not in archs:
+        if not isinstance(archs, list) or ARCHITECTURE not in archs:
             raise LoopspecError(f"not a DFlash drafter: architectures={archs} (expected {ARCHITECTURE})")
         dflash = cfg.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise LoopspecError("drafter config.json: dflash_config must be an object")
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "vocab_size", "num_target_layers", "num_key_value_heads", "head_dim", "block_size"):
+            value = cfg.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise LoopspecError(f"drafter config.json: {key} must be a positive integer, got {value!r}")
+        if cfg.get("block_size", 16) < 2:
+            raise LoopspecError(f"drafter config.json: block_size must be at least 2, got {cfg['block_size']}")
+        ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
+        if ids is not None and (not isinstance(ids, list) or not ids
+                                or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise LoopspecError(f"drafter config.json: target_layer_ids must be a non-empty list of ints, got {ids!r}")
+        mask = dflash.get("mask_token_id")
+        if mask is not None and (not isinstance(mask, int) or isinstance(mask, bool)):
+            raise LoopspecError(f"drafter config.json: mask_token_id must be an integer, got {mask!r}")
         try:
             heads = cfg["num_attention_heads"]
             num_layers = cfg["num_hidden_layers"]
@@ -321,6 +341,9 @@ class Drafter(nn.Module):
                 state[m + "gate_up_proj.weight"] = torch.cat([src.pop(m + "gate_proj.weight"), src.pop(m + "up_proj.weight")])
         state.update(src)
         model = cls(cfg)
+        for name, t in state.items():
+            if not torch.is_floating_point(t):
+                raise LoopspecError(f"drafter tensor {name} has non-float dtype {t.dtype}")
         try:
             model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
         except RuntimeError as e:

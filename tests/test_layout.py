@@ -1,0 +1,99 @@
+"""The import arrows of design §6, no bare subpackage imports, and packaging that matches the folders."""
+
+import ast
+import sys
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"loopspec": ROOT / "loopspec", "loopspec.engines": ROOT / "engines",
+           "loopspec.convert": ROOT / "convert", "loopspec.runtime": ROOT / "runtime"}
+OPTIONAL = {"onnxruntime", "onnx", "onnxscript", "tensorrt", "tensorrt_llm", "modelopt", "fastapi", "uvicorn",
+            "openai", "matplotlib", "vllm", "sglang"}
+STDLIB = set(sys.stdlib_module_names)
+
+
+def layer_of(path: Path) -> str:
+    rel = path.relative_to(ROOT).parts
+    if rel[0] in ("engines", "convert", "runtime"):
+        return rel[0]
+    if rel[:2] == ("loopspec", "train"):
+        return "train"
+    if rel == ("loopspec", "cli.py"):
+        return "cli"
+    return "core"
+
+
+def imports(path: Path):
+    """(module, is_top_level) for every import in the file, relative imports resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    top = set(id(n) for n in tree.body)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, id(node) in top
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                raise AssertionError(f"{path}: use absolute imports (loopspec....)")
+            yield node.module, id(node) in top
+
+
+def target_layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "loopspec":
+        return None
+    if len(parts) > 1 and parts[1] in ("engines", "convert", "runtime", "train", "cli"):
+        return parts[1]
+    return "core"
+
+
+ALLOWED = {
+    "core": {"core"},
+    "train": {"core", "train"},
+    "engines": {"core", "engines"},
+    "convert": {"core", "engines", "convert"},
+    "runtime": {"core", "engines", "runtime"},
+    "cli": {"core", "train", "engines", "convert", "runtime", "cli"},
+}
+
+
+def python_files():
+    for folder in FOLDERS.values():
+        yield from sorted(folder.rglob("*.py"))
+
+
+def test_import_arrows():
+    problems = []
+    for path in python_files():
+        layer = layer_of(path)
+        for module, top_level in imports(path):
+            root = module.split(".")[0]
+            if root in ("runtime", "convert", "engines"):
+                problems.append(f"{path}: bare import of {module!r} (use loopspec.{module})")
+            dest = target_layer(module)
+            if dest is not None and dest not in ALLOWED[layer]:
+                problems.append(f"{path}: {layer} must not import {module}")
+            if layer == "runtime" and (module.startswith("torch.onnx") or root == "modelopt"):
+                problems.append(f"{path}: runtime must not import {module}")
+            if top_level and root in OPTIONAL:
+                problems.append(f"{path}: optional library {root} imported at module level (import it lazily)")
+            if top_level and layer in ("core", "train") and dest is None and root not in STDLIB | {"torch", "numpy"}:
+                problems.append(f"{path}: core imports {root} at module level (core is torch + numpy)")
+    assert not problems, "\n".join(problems)
+
+
+def test_declared_packages_match_folders():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared = set(config["packages"])
+    mapping = config["package-dir"]
+    found = set()
+    for name, folder in FOLDERS.items():
+        assert name == "loopspec" or mapping[name] == folder.name
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder).parts
+            found.add(".".join((name,) + rel))
+    assert declared == found
