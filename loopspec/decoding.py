@@ -88,7 +88,7 @@ def speculative_accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, t
     else:
         q_x = draft_probs[idx, drafts]
     u = torch.rand(n, generator=generator, dtype=torch.float32)
-    ok = u * q_x <= p_x  # u < p/q without dividing by a zero q
+    ok = u * q_x < p_x  # u < p/q without dividing by a zero q (u = 0 never accepts p = 0)
     rejected = (~ok).nonzero()
     accepted = int(rejected[0]) if rejected.numel() else n
     if accepted == n:

@@ -44,6 +44,16 @@ def file_sha256(path: str | Path, limit_bytes: int | None = None) -> str:
     return h.hexdigest()
 
 
+def target_fingerprint(directory: str | Path) -> str:
+    """sha256 over config.json and the first 16 MiB of every safetensors file (cheap, content-based)."""
+    directory = Path(directory)
+    h = hashlib.sha256()
+    for f in [directory / "config.json"] + sorted(directory.glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(file_sha256(f, limit_bytes=16 << 20).encode())
+    return h.hexdigest()
+
+
 # --------------------------------------------------------------------------------------------------
 # safetensors
 

@@ -313,10 +313,8 @@ def test_speculative_accept_rejects_zero_probability_draft():
         assert acc == 0 and bonus in (0, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="speculative_accept tests u * q <= p: a uniform draw of exactly 0 "
-                   "(probability 2^-24 per draft for torch.rand fp32) accepts a draft with p = 0; "
-                   "`u * q < p` is exact. Remove this mark once decoding.py is fixed.")
 def test_speculative_accept_zero_uniform_never_accepts_zero_probability(monkeypatch):
+    """A uniform draw of exactly 0 (probability 2^-24 for fp32 torch.rand) must not accept p = 0."""
     real_rand = torch.rand
     monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.zeros_like(real_rand(*a, **kw)))
     p = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])

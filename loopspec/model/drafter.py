@@ -257,6 +257,10 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        with torch.no_grad():  # HF's Qwen3 initialisation: N(0, 0.02) projections, unit norms
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.normal_(0.0, 0.02)
 
     def new_context(self, max_length: int, batch: int = 1) -> ContextCache:
         p = self.fc.weight

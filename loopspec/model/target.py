@@ -322,18 +322,32 @@ class Target(nn.Module):
         return KVCache(self.cfg.num_layers, batch, self.cfg.num_kv_heads, max_length, self.cfg.head_dim,
                        dtype=p.dtype, device=p.device)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: taps feed drafter training, whose autograd must save them
     def forward(self, input_ids: torch.Tensor, cache: KVCache, want_taps: bool = True,
-                last_logits_only: bool = False) -> TargetOutput:
-        """Run `input_ids` [B, T] after the cache's contents; advances `cache.length` by T."""
+                last_logits_only: bool = False, positions: torch.Tensor | None = None,
+                key_mask: torch.Tensor | None = None) -> TargetOutput:
+        """Run `input_ids` [B, T] in the cache slots after `cache.length`; advances it by T.
+
+        positions: [B, T] per-row absolute positions (default: the slot index, same for every row).
+        key_mask: [B, cache.length + T] bool, False for slots a row must ignore (e.g. left padding)."""
         B, T = input_ids.shape
         start = cache.length
         if start + T > cache.max_length:
             raise LoopspecError(f"sequence of {start + T} tokens exceeds the context of {cache.max_length}")
-        positions = torch.arange(start, start + T, device=input_ids.device)
-        cos, sin = self.rotary(positions)
-        cos, sin = cos[None, None], sin[None, None]  # [1, 1, T, hd]
+        if positions is None:
+            cos, sin = self.rotary(torch.arange(start, start + T, device=input_ids.device))
+            cos, sin = cos[None, None], sin[None, None]  # [1, 1, T, hd]
+        else:
+            cos, sin = self.rotary(positions)
+            cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
         mask = causal_mask(T, start, input_ids.device)
+        if key_mask is not None:
+            causal = mask if mask is not None else torch.ones(T, start + T, dtype=torch.bool, device=input_ids.device)
+            mask = causal[None, None] & key_mask[:, None, None, :]  # [B, 1, T, S]
+            # every query keeps its own slot: a padding query then attends to itself instead of to
+            # nothing (which would give NaN K/V that poison the real rows through 0 * NaN)
+            own = torch.arange(start + T, device=input_ids.device)[None, :] == (start + torch.arange(T, device=input_ids.device))[:, None]
+            mask = mask | own[None, None]
         x = self.embed_tokens(input_ids)  # [B, T, H]
         tapped = set(self.target_layer_ids) if want_taps else set()
         taps: dict[int, torch.Tensor] = {}

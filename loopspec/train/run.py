@@ -1,0 +1,149 @@
+"""The training driver: data → steps → z-lab checkpoints, resumable, with a progress bar and a log."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import Drafter
+from loopspec.model.target import Target
+from loopspec.train.data import Sample, read_samples, safe_name
+from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, lr_at
+
+
+class TapSource:
+    """Taps from the data directory's cache when it matches the drafter's layers, else computed online."""
+
+    def __init__(self, data_dir: Path, trainer: DrafterTrainer, need_logits: bool):
+        manifest = json.loads((data_dir / "manifest.json").read_text()) if (data_dir / "manifest.json").is_file() else {}
+        cached = (manifest.get("settings") or {}).get("tap_layer_ids")
+        self.cached = cached == trainer.drafter.cfg.target_layer_ids and not need_logits
+        self.dir, self.trainer, self.need_logits = data_dir / "taps", trainer, need_logits
+
+    def __call__(self, sample: Sample, tokens: torch.Tensor):
+        if self.cached:
+            from loopspec.weights import read_safetensors
+
+            path = self.dir / f"{safe_name(sample.id)}.safetensors"
+            if path.is_file():
+                return read_safetensors(path)["taps"].float(), None
+        return self.trainer.target_pass(tokens, self.need_logits)
+
+
+def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out_dir: str | Path, cfg: TrainConfig,
+                  draft_vocab: DraftVocab | None = None, resume: bool = True, progress: bool = True,
+                  max_steps: int | None = None, max_seconds: float | None = None) -> dict:
+    from tqdm import tqdm
+
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    samples = [s for s in read_samples(data_dir) if len(s.tokens) - s.prompt_len >= 2]
+    if len(samples) < 2:
+        raise LoopspecError(f"{data_dir} has too few usable samples ({len(samples)})")
+    rng = random.Random(cfg.seed)
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    n_eval = min(cfg.eval_samples, max(1, len(samples) // 10))
+    eval_set = [samples[i] for i in order[:n_eval]]
+    train_set = [samples[i] for i in order[n_eval:]]
+    steps_per_epoch = max(1, len(train_set) // cfg.batch_sequences)
+    total_steps = max(1, int(cfg.epochs * steps_per_epoch))
+    if max_steps is not None:
+        total_steps = min(total_steps, max_steps)
+
+    torch.manual_seed(cfg.seed)
+    trainer = DrafterTrainer(target, drafter, cfg, draft_vocab)
+    taps = TapSource(data_dir, trainer, need_logits=cfg.kl_weight > 0)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    state_path = out_dir / "checkpoint" / "train_state.pt"
+    log_path = out_dir / "train_log.jsonl"
+    step, elapsed = 0, 0.0
+    if resume and state_path.is_file():
+        state = torch.load(state_path, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed = state["step"], state.get("elapsed", 0.0)
+        rng.setstate(state["rng"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def evaluate() -> float:
+        drafter.eval()
+        s_sum, count = 0.0, 0
+        for s in eval_set:
+            tokens = torch.tensor(s.tokens[: cfg.max_len])
+            mask = torch.tensor(s.loss_mask[: cfg.max_len])
+            t, _ = taps(s, tokens)
+            a, c = trainer.expected_tau(tokens, mask, t)
+            s_sum, count = s_sum + a, count + c
+        drafter.train()
+        return s_sum / max(count, 1)
+
+    def save(final: bool = False) -> None:
+        ck = out_dir / "checkpoint"
+        ck.mkdir(parents=True, exist_ok=True)
+        drafter.save(ck, dtype=torch.float32)
+        torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                    "elapsed": elapsed, "rng": rng.getstate(), "config": asdict(cfg)}, state_path)
+        if draft_vocab is not None:
+            from loopspec.weights import write_safetensors
+
+            write_safetensors({"d2t": draft_vocab.ids - torch.arange(draft_vocab.ids.numel())}, ck / "d2t.safetensors")
+
+    drafter.train()
+    bar = tqdm(total=total_steps, initial=step, desc="training drafter", disable=not progress)
+    t_start = time.time() - elapsed
+    last = {}
+    cursor = step * cfg.batch_sequences
+    while step < total_steps:
+        lr = lr_at(step, total_steps, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        loss_total, correct, labels, used = 0.0, 0, 0, 0
+        for _ in range(cfg.batch_sequences):
+            s = train_set[cursor % len(train_set)]
+            cursor += 1
+            tokens = torch.tensor(s.tokens[: cfg.max_len])
+            mask = torch.tensor(s.loss_mask[: cfg.max_len])
+            t, logits = taps(s, tokens)
+            loss, st = trainer.sequence_loss(tokens, mask, t, rng, logits)
+            if loss is None:
+                continue
+            (loss / cfg.batch_sequences).backward()
+            loss_total += loss.item()
+            correct += st["correct"]
+            labels += st["labels"]
+            used += 1
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip))
+        optimizer.step()
+        step += 1
+        elapsed = time.time() - t_start
+        last = {"step": step, "loss": loss_total / max(used, 1), "acc": correct / max(labels, 1), "lr": lr,
+                "grad_norm": grad_norm, "elapsed_s": round(elapsed, 1)}
+        if step % cfg.eval_every == 0 or step == total_steps:
+            last["heldout_tau"] = evaluate()
+        with open(log_path, "a") as f:
+            f.write(json.dumps(last) + "\n")
+        bar.update(1)
+        bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.2f}",
+                        **({"tau": f"{last['heldout_tau']:.2f}"} if "heldout_tau" in last else {}))
+        if step % cfg.save_every == 0:
+            save()
+        if max_seconds is not None and elapsed > max_seconds:
+            break
+    bar.close()
+    save()
+    drafter.cfg.extra = {**drafter.cfg.extra, "training": {"steps": step, "wall_s": round(elapsed, 1),
+                                                           "samples": len(train_set), "config": asdict(cfg)}}
+    drafter.save(out_dir, dtype=torch.bfloat16)
+    if draft_vocab is not None:
+        from loopspec.weights import write_safetensors
+
+        write_safetensors({"d2t": draft_vocab.ids - torch.arange(draft_vocab.ids.numel())}, out_dir / "d2t.safetensors")
+    return last

@@ -1,0 +1,269 @@
+"""DFlash drafter training (design §5).
+
+Per sequence: the target's taps give context features for every position; up to `anchors` anchors
+are sampled where the position and the next are supervised, each opening a block
+`[x_a, MASK × (B-1)]` at positions a .. a+B-1. A block sees the context strictly before its anchor
+and the whole of its own block, nothing else. The loss is cross-entropy at block positions
+k = 1 .. B-1 with weight exp(-(k-1)/γ), normalised by the weight sum; the lm_head is evaluated only at
+the rows that carry a label (and, with a reduced draft vocabulary, only over its rows).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import Drafter
+from loopspec.model.target import KVCache, Target
+
+GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """γ = 7 for B = 16, 5 for 10, 4 for 8; otherwise interpolated linearly in B."""
+    return GAMMA_BY_BLOCK.get(block_size, max(1.0, 0.5 * block_size - 1.0 if block_size < 8 else block_size / 2 - 1))
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """exp(-(k-1)/γ) for in-block positions k = 1 .. B-1 → [B-1]."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: random.Random) -> torch.Tensor:
+    """Uniformly sampled anchors (sorted) among positions a where a and a+1 are both supervised."""
+    ok = loss_mask[:-1] & loss_mask[1:]
+    candidates = ok.nonzero().flatten().tolist()
+    if len(candidates) > max_anchors:
+        candidates = generator.sample(candidates, max_anchors)
+    return torch.tensor(sorted(candidates), dtype=torch.long)
+
+
+def block_mask_dense(anchors: torch.Tensor, block_size: int, context_len: int, causal_in_block: bool = False) -> torch.Tensor:
+    """Dense bool mask [nA*B, context_len + nA*B]: query row of block b sees context slots j < a_b and
+    the keys of its own block (all of them, or those up to itself with causal_in_block)."""
+    n = anchors.numel()
+    q_block = torch.arange(n * block_size) // block_size  # [Q]
+    q_pos = torch.arange(n * block_size) % block_size
+    ctx = torch.arange(context_len)[None, :] < anchors[q_block][:, None]  # [Q, C]
+    k_block = torch.arange(n * block_size) // block_size
+    k_pos = torch.arange(n * block_size) % block_size
+    own = q_block[:, None] == k_block[None, :]
+    if causal_in_block:
+        own = own & (k_pos[None, :] <= q_pos[:, None])
+    return torch.cat([ctx, own], dim=1)
+
+
+def block_mask_mod(anchors: torch.Tensor, block_size: int, context_len: int, causal_in_block: bool = False):
+    """The same rule as a flex-attention mask_mod(b, h, q_idx, kv_idx) (used on GPU)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_block = q_idx // block_size
+        in_ctx = kv_idx < context_len
+        ctx_ok = kv_idx < anchors[q_block]
+        k_rel = kv_idx - context_len
+        same = (k_rel // block_size) == q_block
+        if causal_in_block:
+            same = same & ((k_rel % block_size) <= (q_idx % block_size))
+        return torch.where(in_ctx, ctx_ok, same & (k_rel >= 0))
+
+    return mask_mod
+
+
+@dataclass
+class TrainConfig:
+    anchors: int = 512
+    anchor_chunk: int = 64  # anchors per forward (bounds the dense mask's memory on CPU)
+    gamma: float | None = None
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    epochs: float = 1.0
+    batch_sequences: int = 4  # sequences per optimizer step
+    dpace: bool = False
+    kl_weight: float = 0.0  # forward KL to the target's distribution (needs online taps)
+    causal_in_block: bool = False
+    eval_samples: int = 16
+    eval_every: int = 100
+    save_every: int = 200
+    seed: int = 0
+    max_len: int = 1024
+    extra: dict = field(default_factory=dict)
+
+
+class DraftVocab:
+    """An optional reduced draft vocabulary: target ids `ids` [Vd] (d2t offsets = ids - arange)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids.long()
+        self.t2d = None
+
+    def target_to_draft(self, vocab_size: int) -> torch.Tensor:
+        if self.t2d is None:
+            self.t2d = torch.full((vocab_size,), -1, dtype=torch.long)
+            self.t2d[self.ids] = torch.arange(self.ids.numel())
+        return self.t2d
+
+
+def top_token_vocab(samples, size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent response tokens (plus `always`), as sorted target ids."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(torch.tensor(s.tokens[s.prompt_len:], dtype=torch.long), minlength=vocab_size)
+    for t in always:
+        counts[t] = counts.max() + 1
+    return torch.sort(torch.topk(counts, min(size, vocab_size)).indices).values
+
+
+class DrafterTrainer:
+    def __init__(self, target: Target, drafter: Drafter, cfg: TrainConfig, draft_vocab: DraftVocab | None = None):
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        for p in target.parameters():
+            p.requires_grad_(False)
+        self.draft_vocab = draft_vocab
+        self.head_weight = target.lm_head.weight if draft_vocab is None else target.lm_head.weight[draft_vocab.ids]
+        self.weights = position_weights(drafter.cfg.block_size, cfg.gamma or default_gamma(drafter.cfg.block_size))
+        target.set_taps(drafter.cfg.target_layer_ids)
+
+    # ---- taps ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def target_pass(self, tokens: torch.Tensor, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced target forward → taps [L, n*H] (and logits [L, V] when asked)."""
+        cache = KVCache(self.target.cfg.num_layers, 1, self.target.cfg.num_kv_heads, tokens.numel(),
+                        self.target.cfg.head_dim, dtype=self.target.embed_tokens.weight.dtype)
+        out = self.target(tokens[None], cache, want_taps=True)
+        return out.taps[0], (out.logits[0] if want_logits else None)
+
+    # ---- loss of one sequence ----------------------------------------------------------------------
+    def sequence_loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
+                      rng: random.Random, target_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """tokens/loss_mask [L]; taps [>= L-1, n*H] → (weighted loss, stats). Backward is the caller's."""
+        B = self.drafter.cfg.block_size
+        L = tokens.numel()
+        anchors = sample_anchors(loss_mask, self.cfg.anchors, rng)
+        if anchors.numel() == 0:
+            return None, {}
+        taps = taps[: L - 1].to(self.drafter.fc.weight.dtype)
+        features = self.drafter.features(taps[None])  # [1, L-1, H]
+        ctx_k, ctx_v = self.drafter.context_kv(features, torch.arange(L - 1))  # [N, 1, kvh, L-1, hd]
+        total_loss, total_weight, stats = 0.0, 0.0, {"correct": 0, "labels": 0}
+        chunks = anchors.split(self.cfg.anchor_chunk)
+        losses = []
+        for chunk in chunks:
+            loss_sum, weight_sum, st = self._chunk_loss(tokens, loss_mask, chunk, ctx_k, ctx_v, target_logits)
+            losses.append(loss_sum)
+            total_weight += weight_sum
+            for k, v in st.items():
+                stats[k] += v
+        loss = torch.stack(losses).sum() / max(total_weight, 1e-9)
+        stats["anchors"] = anchors.numel()
+        return loss, stats
+
+    def _chunk_loss(self, tokens, loss_mask, anchors, ctx_k, ctx_v, target_logits):
+        B = self.drafter.cfg.block_size
+        L = tokens.numel()
+        n = anchors.numel()
+        offsets = torch.arange(B)
+        pos = anchors[:, None] + offsets[None, :]  # [n, B] absolute positions
+        block_ids = torch.full((n, B), self.drafter.cfg.mask_token_id, dtype=torch.long)
+        block_ids[:, 0] = tokens[anchors]
+        valid = pos < L
+        label_pos = pos.clamp(max=L - 1)
+        labels = tokens[label_pos]  # [n, B]: the token AT position a+i (no shift)
+        supervised = valid & loss_mask[label_pos]
+        supervised[:, 0] = False
+        with torch.no_grad():
+            embeds = self.target.embed_tokens(block_ids.flatten())[None]  # [1, n*B, H]
+        mask = block_mask_dense(anchors, B, ctx_k.shape[3], self.cfg.causal_in_block)[None, None]
+        hidden = self.drafter(embeds, pos.flatten(), ctx_k, ctx_v, mask)[0].view(n, B, -1)  # [n, B, H]
+
+        rows = supervised.nonzero(as_tuple=True)
+        h = hidden[rows]  # [R, H] only the rows that carry a label
+        k_idx = rows[1]  # in-block position 1..B-1
+        y = labels[rows]
+        w = self.weights[k_idx - 1]
+        if self.draft_vocab is not None:
+            y_d = self.draft_vocab.target_to_draft(self.target.cfg.vocab_size)[y]
+            keep = y_d >= 0  # labels outside the draft vocabulary cannot be drafted: no loss
+            h, y_d, w, k_idx, y = h[keep], y_d[keep], w[keep], k_idx[keep], y[keep]
+            rows = (rows[0][keep], rows[1][keep])
+        else:
+            y_d = y
+        logits = h @ self.head_weight.T  # [R, Vd]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        nll = -logp.gather(1, y_d[:, None])[:, 0]  # [R]
+        if self.cfg.dpace:
+            w = w * self._dpace_factor(nll.detach(), rows, n, B)
+        loss = (w * nll).sum()
+        if self.cfg.kl_weight > 0 and target_logits is not None:
+            t_logits = target_logits[anchors[rows[0]] + rows[1] - 1]  # target row predicting position a+k
+            if self.draft_vocab is not None:
+                t_logits = t_logits[:, self.draft_vocab.ids]
+            p = torch.softmax(t_logits.float(), dim=-1)
+            kl = (p * (torch.log(p.clamp_min(1e-30)) - logp)).sum(-1)
+            loss = loss + self.cfg.kl_weight * (w * kl).sum()
+        correct = int((logits.argmax(-1) == y_d).sum())
+        return loss, float(w.sum()), {"correct": correct, "labels": int(y_d.numel())}
+
+    @staticmethod
+    def _dpace_factor(nll: torch.Tensor, rows, n: int, B: int) -> torch.Tensor:
+        """D-PACE: weight of position i ∝ ∂E[accepted]/∂log p_i = Σ_{k≥i} Π_{j≤k} p_j (detached),
+        with E[accepted] = Σ_k Π_{j≤k} p_j the differentiable surrogate of the accepted length."""
+        p = torch.ones(n, B)
+        p[:, 0] = 1.0
+        grid = torch.zeros(n, B)
+        grid[rows] = torch.exp(-nll)
+        has = torch.zeros(n, B, dtype=torch.bool)
+        has[rows] = True
+        p = torch.where(has, grid, torch.zeros_like(grid))  # unsupervised positions end the chain
+        cum = torch.cumprod(p[:, 1:], dim=1)  # [n, B-1]: Π_{j≤k} p_j
+        tail = torch.flip(torch.cumsum(torch.flip(cum, [1]), 1), [1])  # Σ_{k≥i}
+        factor = torch.zeros(n, B)
+        factor[:, 1:] = tail
+        f = factor[rows]
+        return f / f.mean().clamp_min(1e-9)
+
+    # ---- held-out acceptance ---------------------------------------------------------------------
+    @torch.no_grad()
+    def expected_tau(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
+                     max_anchors: int = 64) -> tuple[float, int]:
+        """Mean over anchors of 1 + the number of leading block positions whose drafted argmax equals
+        the data token (for greedy-regenerated data: the target's own prediction). → (sum, count)"""
+        B = self.drafter.cfg.block_size
+        L = tokens.numel()
+        anchors = sample_anchors(loss_mask, max_anchors, random.Random(0))
+        if anchors.numel() == 0:
+            return 0.0, 0
+        features = self.drafter.features(taps[None, : L - 1].to(self.drafter.fc.weight.dtype))
+        ctx_k, ctx_v = self.drafter.context_kv(features, torch.arange(L - 1))
+        n = anchors.numel()
+        pos = anchors[:, None] + torch.arange(B)[None]
+        ids = torch.full((n, B), self.drafter.cfg.mask_token_id, dtype=torch.long)
+        ids[:, 0] = tokens[anchors]
+        mask = block_mask_dense(anchors, B, L - 1, self.cfg.causal_in_block)[None, None]
+        hidden = self.drafter(self.target.embed_tokens(ids.flatten())[None], pos.flatten(), ctx_k, ctx_v, mask)
+        logits = hidden[0].view(n, B, -1)[:, 1:] @ self.head_weight.T
+        drafts = logits.argmax(-1)
+        if self.draft_vocab is not None:
+            drafts = self.draft_vocab.ids[drafts]
+        label_pos = pos[:, 1:].clamp(max=L - 1)
+        good = (drafts == tokens[label_pos]) & (pos[:, 1:] < L) & loss_mask[label_pos]
+        accepted = torch.cumprod(good.long(), dim=1).sum(1)  # leading matches
+        return float((accepted + 1).sum()), n
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    warm = max(1, int(cfg.warmup * total))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))

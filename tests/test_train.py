@@ -1,0 +1,102 @@
+"""Drafter training: block mask, anchors, weights, and a tiny overfit run."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.train.data import Sample
+from loopspec.train.trainer import (DrafterTrainer, TrainConfig, block_mask_dense, block_mask_mod, default_gamma,
+                                    position_weights, sample_anchors)
+from loopspec.weights import load_target_dir
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_mask_sees_strict_context_and_own_block(causal):
+    anchors = torch.tensor([0, 3, 4, 9])
+    B, C = 4, 12
+    dense = block_mask_dense(anchors, B, C, causal)
+    assert dense.shape == (16, C + 16)
+    for q in range(16):
+        blk, qi = divmod(q, B)
+        for kv in range(C + 16):
+            if kv < C:
+                expect = kv < int(anchors[blk])  # strictly before its anchor
+            else:
+                kb, ki = divmod(kv - C, B)
+                expect = kb == blk and (not causal or ki <= qi)
+            assert bool(dense[q, kv]) == expect, (q, kv)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_mask_mod_agrees_with_dense_mask_elementwise(causal):
+    anchors = torch.tensor([2, 5, 6, 11, 20])
+    B, C = 8, 24
+    dense = block_mask_dense(anchors, B, C, causal)
+    mod = block_mask_mod(anchors, B, C, causal)
+    q = torch.arange(dense.shape[0])[:, None].expand_as(dense)
+    kv = torch.arange(dense.shape[1])[None, :].expand_as(dense)
+    assert torch.equal(mod(0, 0, q, kv), dense)
+
+
+def test_anchor_sampling_respects_loss_mask():
+    mask = torch.tensor([False] * 10 + [True] * 20 + [False] * 3 + [True] * 1)
+    rng = random.Random(0)
+    for limit in (5, 100):
+        anchors = sample_anchors(mask, limit, rng)
+        assert anchors.tolist() == sorted(anchors.tolist())
+        assert len(anchors) == min(limit, 19)
+        for a in anchors.tolist():
+            assert mask[a] and mask[a + 1]
+    assert sample_anchors(torch.tensor([True, False, True]), 8, rng).numel() == 0
+
+
+def test_weight_formula():
+    w = position_weights(16, default_gamma(16))
+    assert w.shape == (15,)
+    assert torch.allclose(w, torch.exp(-torch.arange(15.0) / 7.0))
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+
+
+def cycle_samples(n, length, cycle=11, prompt_len=4, seed=0):
+    """Deterministic toy continuation: tokens walk a fixed cycle 3, 4, ..., 3 + cycle - 1, 3, ..."""
+    g = random.Random(seed)
+    return [Sample(f"s{i}", [3 + (g.randrange(cycle) + t) % cycle for t in range(length)], prompt_len, "length")
+            for i in range(n)]
+
+
+def test_tiny_overfit_reaches_long_acceptance(tiny_targets):
+    """On a deterministic toy continuation (counting), the drafter learns to draft whole blocks."""
+    target = load_target_dir(tiny_targets["llama"])
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=6, mask_token_id=127, target_layer_ids=[1, 4])
+    torch.manual_seed(0)
+    drafter = Drafter(cfg)
+    trainer = DrafterTrainer(target, drafter, TrainConfig(anchors=16))
+    samples = cycle_samples(4, 30)
+    data = []
+    for s in samples:
+        tokens = torch.tensor(s.tokens)
+        taps, _ = trainer.target_pass(tokens, False)
+        data.append((tokens, torch.tensor(s.loss_mask), taps))
+
+    def tau():
+        total, count = 0.0, 0
+        for tokens, mask, taps in data:
+            a, c = trainer.expected_tau(tokens, mask, taps)
+            total, count = total + a, count + c
+        return total / count
+
+    before = tau()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    rng = random.Random(0)
+    for step in range(120):
+        opt.zero_grad()
+        for tokens, mask, taps in data:
+            loss, _ = trainer.sequence_loss(tokens, mask, taps, rng)
+            (loss / len(data)).backward()
+        opt.step()
+    after = tau()
+    assert before < 2.0
+    assert after >= 0.8 * cfg.block_size, after  # τ approaches the block size (6)
