@@ -147,8 +147,8 @@ def cmd_train(args) -> int:
         torch.manual_seed(args.seed)
         drafter = Drafter(cfg)
     check_fits(drafter.cfg, target.cfg)
-    draft_vocab = None
-    if args.draft_vocab_size:
+    draft_vocab = DraftVocab(drafter.draft_ids) if drafter.draft_ids is not None else None
+    if args.draft_vocab_size and draft_vocab is None:
         samples = read_samples(args.data)
         ids = top_token_vocab(samples, args.draft_vocab_size, target.cfg.vocab_size,
                               always=sorted(set(target.cfg.eos_token_ids)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from loopspec.model.drafter import Drafter
-from loopspec.model.target import Target, pack_linears_for_cpu_
+from loopspec.model.target import Target, inference_linear, pack_linears_for_cpu_
 
 
 class TorchEngine:
@@ -30,6 +30,10 @@ class TorchEngine:
         self.cache = target.new_cache(self.max_context)
         self.context = drafter.new_context(self.max_context) if drafter is not None else None
         self.block_size = drafter.cfg.block_size if drafter is not None else 1
+        # a reduced draft vocabulary drafts over its rows of the target's lm_head only (cheaper stage)
+        self.draft_ids = drafter.draft_ids if drafter is not None else None
+        self.draft_head = (inference_linear(target.lm_head.weight[self.draft_ids]) if self.draft_ids is not None
+                           else self.target.lm_head)
         self.mask_token_id = drafter.cfg.mask_token_id if drafter is not None else None
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -93,7 +97,9 @@ class TorchEngine:
         n = self.context.length
         hidden = self.drafter(self.target.embed_tokens(ids), positions,
                               self.context.k[:, :, :, :n], self.context.v[:, :, :, :n])  # [1, k, H]
-        logits = self.target.lm_head(hidden[0, 1:])  # [k-1, V]
+        logits = self.draft_head(hidden[0, 1:])  # [k-1, V] (or [k-1, Vd])
         best, drafts = logits.max(-1)
         logprobs = best - torch.logsumexp(logits, dim=-1)
+        if self.draft_ids is not None:
+            drafts = self.draft_ids[drafts]
         return drafts, logprobs, hidden[0]

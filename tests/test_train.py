@@ -100,3 +100,54 @@ def test_tiny_overfit_reaches_long_acceptance(tiny_targets):
     after = tau()
     assert before < 2.0
     assert after >= 0.8 * cfg.block_size, after  # τ approaches the block size (6)
+
+
+def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path):
+    """`loopspec data` → `loopspec train` (reduced vocab, resumed) → a drafter the loop runs losslessly."""
+    from loopspec.cli import main
+    from loopspec.runtime.loop import generate
+    from loopspec.runtime.torch_engine import TorchEngine
+
+    target_dir, _ = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"prompt number {i} says hello"]}) + "\n" for i in range(12)))
+    data = tmp_path / "data"
+    assert main(["data", "--prompts", str(prompts), "--target", str(target_dir), "--out", str(data),
+                 "--max-new-tokens", "24", "--batch-size", "5", "--cache-taps", "--tap-layers", "1,4",
+                 "--limit", "7"]) == 0
+    assert main(["data", "--prompts", str(prompts), "--target", str(target_dir), "--out", str(data),
+                 "--max-new-tokens", "24", "--batch-size", "5", "--cache-taps", "--tap-layers", "1,4"]) == 0
+    lines = (data / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 12 and len({json.loads(l)["id"] for l in lines}) == 12  # resumed, no duplicates
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["samples"] == 12 and manifest["settings"]["tap_layer_ids"] == [1, 4]
+    first = json.loads(lines[0])
+    from loopspec.weights import read_safetensors
+    taps = read_safetensors(data / "taps" / "p_0.safetensors")["taps"]
+    assert taps.shape == (len(first["tokens"]) - 1, 2 * 64)
+
+    out = tmp_path / "drafter"
+    common = ["train", "--data", str(data), "--target", str(target_dir), "--out", str(out), "--block-size", "4",
+              "--tap-layers", "1,4", "--mask-token-id", "127", "--anchors", "8", "--batch-sequences", "2",
+              "--draft-vocab-size", "40", "--eval-every", "2", "--save-every", "2"]
+    assert main(common + ["--max-steps", "2"]) == 0
+    assert main(common + ["--max-steps", "4"]) == 0  # resumes from step 2
+    log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4] and "heldout_tau" in log[-1]
+
+    drafter = Drafter.load(out)
+    assert drafter.draft_ids is not None and drafter.draft_ids.numel() == 40
+    target = load_target_dir(target_dir)
+    engine = TorchEngine(target, drafter, max_context=128)
+    ar = generate(engine, [5, 6, 7, 8], max_new_tokens=30, block_size=1)
+    spec = generate(engine, [5, 6, 7, 8], max_new_tokens=30, block_size=4)
+    assert spec.tokens == ar.tokens
+
+
+def test_prompt_file_with_unicode_line_separator(tmp_path):
+    """JSON strings may hold U+2028; lines are split on newlines only."""
+    from loopspec.train.data import read_prompt_file
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"turns": ["a\u2028b"]}, ensure_ascii=False) + "\n" + json.dumps({"turns": ["c"]}) + "\n")
+    assert read_prompt_file(f) == ["a\u2028b", "c"]

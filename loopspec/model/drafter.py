@@ -257,6 +257,8 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        # optional reduced draft vocabulary: target ids of the draft rows (d2t map), None = full vocab
+        self.draft_ids: torch.Tensor | None = None
         with torch.no_grad():  # HF's Qwen3 initialisation: N(0, 0.02) projections, unit norms
             for module in self.modules():
                 if isinstance(module, nn.Linear):
@@ -352,4 +354,13 @@ class Drafter(nn.Module):
             model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
         except RuntimeError as e:
             raise LoopspecError(f"drafter weights do not match its config.json: {e}") from None
+        d2t_path = directory / "d2t.safetensors"
+        if d2t_path.is_file():
+            d2t = read_safetensors(d2t_path).get("d2t")
+            if d2t is None or d2t.dim() != 1:
+                raise LoopspecError(f"{d2t_path} must hold a 1-D 'd2t' tensor")
+            ids = torch.arange(d2t.numel()) + d2t.long()  # EAGLE-3 / vLLM convention: target = draft + d2t
+            if ids.min() < 0 or ids.max() >= cfg.vocab_size or ids.unique().numel() != ids.numel():
+                raise LoopspecError(f"{d2t_path} maps draft rows outside the vocabulary or twice")
+            model.draft_ids = ids
         return model.to(dtype).eval()

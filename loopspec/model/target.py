@@ -198,6 +198,14 @@ class PackedLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
+def inference_linear(weight: torch.Tensor) -> nn.Module:
+    """A bias-free inference Linear over `weight` [out, in], oneDNN-packed when possible."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+    holder = nn.Sequential(linear)
+    return pack_linears_for_cpu_(holder)[0]
+
+
 def pack_linears_for_cpu_(module: nn.Module) -> nn.Module:
     """Swap every fp32 CPU Linear of `module` for a PackedLinear (no-op where oneDNN is missing)."""
     if not torch.backends.mkldnn.is_available():

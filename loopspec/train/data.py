@@ -40,7 +40,9 @@ def read_prompt_file(path: Path) -> list[str]:
     if not path.is_file():
         raise LoopspecError(f"prompt file does not exist: {path}")
     out = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    with open(path, encoding="utf-8") as f:  # not str.splitlines(): it also splits at U+2028 inside strings
+        lines = f.read().split("\n")
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -62,7 +64,7 @@ def read_samples(directory: str | Path) -> list[Sample]:
     if not path.is_file():
         raise LoopspecError(f"no samples.jsonl in {directory} (create it with `loopspec data`)")
     samples = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text().split("\n"), 1):
         if not line.strip():
             continue
         try:
