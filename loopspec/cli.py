@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt (streamed) and print stats")
     g.add_argument("--prompt", required=True)
     _add_model_args(g)
-    g.add_argument("--method", default="dflash", help="ar | dflash")
+    g.add_argument("--method", default="dflash", help="ar | dflash | dloop")
     _add_sampling_args(g)
     g.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="every method on the same prompts in one process")
     b.add_argument("--prompts", required=True, nargs="+", help="JSONL files of {\"turns\": [...]}")
     _add_model_args(b)
-    b.add_argument("--methods", default="ar,dflash", help="comma-separated: ar,dflash")
+    b.add_argument("--methods", default="ar,dflash", help="comma-separated: ar,dflash,dloop,hf,hf-lookup")
     _add_sampling_args(b)
     b.add_argument("--limit", type=_positive_int("--limit"), default=None)
     b.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
@@ -211,10 +211,15 @@ def cmd_generate(args) -> int:
     prompt_ids = pipe.encode(args.prompt, chat=args.chat)
     stream = TextStream(pipe)
     result = pipe.run(prompt_ids, method=args.method, max_new_tokens=args.max_new_tokens, params=params,
-                      block_size=block_size, seed=args.seed, on_tokens=stream)
+                      block_size=block_size, seed=args.seed, gate_threshold=args.gate_threshold,
+                      max_stages=args.max_stages, on_tokens=stream)
     stream.flush()
     print()
     drafter = f", drafter: {pipe.drafter_description}" if args.method != "ar" else ""
+    if args.method == "dloop":
+        loop = pipe.dloop_settings(args.gate_threshold, args.max_stages)
+        drafter += (f", gate {loop['gate_threshold']}, max stages {loop['max_stages']},"
+                    f" stages/verification {result.stats.stages_histogram}")
     print(f"[{args.method}, k={block_size}{drafter}] {result.stats.summary()}", file=sys.stderr)
     return 0
 
@@ -249,7 +254,8 @@ def cmd_bench(args) -> int:
               target=args.target, drafter=args.drafter, limit=args.limit, max_new_tokens=args.max_new_tokens,
               all_turns=args.all_turns, params=params, block_size=args.block_size, seed=args.seed,
               repeats=args.repeats, json_out=args.json_out, chat=args.chat, max_context=args.max_context,
-              mask_token_id=args.mask_token_id, num_threads=args.threads)
+              mask_token_id=args.mask_token_id, num_threads=args.threads,
+              gate_threshold=args.gate_threshold, max_stages=args.max_stages)
     return 0
 
 

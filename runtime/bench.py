@@ -27,6 +27,8 @@ class BenchResult:
     verifications: int
     draft_s: float
     verify_s: float
+    stages_per_verification: float | None = None
+    later_stage_share: float | None = None  # share of committed tokens drafted by stages > 1
 
 
 def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[str]:
@@ -69,7 +71,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
               limit: int | None = None, max_new_tokens: int = 128, all_turns: bool = False,
               params: SamplingParams = SamplingParams(), block_size: int | None = None, seed: int = 0,
               repeats: int = 1, json_out: str | None = None, chat: bool = True, max_context: int | None = None,
-              mask_token_id: int | None = None, num_threads: int | None = None) -> list[BenchResult]:
+              mask_token_id: int | None = None, num_threads: int | None = None,
+              gate_threshold: float | None = None, max_stages: int | None = None) -> list[BenchResult]:
     from tqdm import tqdm
 
     from loopspec.runtime.peers import PEER_METHODS, HFPeer
@@ -104,7 +107,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
             if method in PEER_METHODS:
                 peer.run(encoded[0], method, 8)
             else:
-                pipe.run(encoded[0], method=method, max_new_tokens=8, params=params, block_size=sizes[method])
+                pipe.run(encoded[0], method=method, max_new_tokens=8, params=params, block_size=sizes[method],
+                         gate_threshold=gate_threshold, max_stages=max_stages)
         outputs: dict[str, list[list[int]]] = {}
         per_method: dict[str, BenchResult] = {}
         for method in order:
@@ -118,7 +122,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
                         runs.append(peer.run(ids, method, max_new_tokens))
                     else:
                         runs.append(pipe.run(ids, method=method, max_new_tokens=max_new_tokens, params=params,
-                                             block_size=k, seed=seed + i))
+                                             block_size=k, seed=seed + i, gate_threshold=gate_threshold,
+                                             max_stages=max_stages))
                 times.append(time.perf_counter() - t0)
             seconds = statistics.median(times)
             outputs[method] = [r.tokens for r in runs]
@@ -134,6 +139,10 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
                 method=method, dataset=dataset, prompts=len(prompts), new_tokens=new_tokens, tau=tau,
                 tokens_per_s=new_tokens / seconds, speedup_vs_ar=None, identical_to_ar=None, seconds=seconds,
                 verifications=verifications, draft_s=draft_s, verify_s=verify_s)
+            if method == "dloop":
+                stages = [n for r in runs for n in r.stats.stages_per_round]
+                per_method[method].stages_per_verification = sum(stages) / max(len(stages), 1)
+                per_method[method].later_stage_share = sum(r.stats.later_stage_tokens for r in runs) / max(new_tokens, 1)
         base = per_method["ar"]
         for method in order:
             if method not in methods:

@@ -22,6 +22,8 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     accepted_per_round: list[int] = field(default_factory=list)  # drafts accepted per verification
+    stages_per_round: list[int] = field(default_factory=list)  # draft stages per verification (DLoop)
+    later_stage_tokens: int = 0  # committed drafts that came from stages > 1
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -42,6 +44,10 @@ class GenerationStats:
     @property
     def accepted_histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.accepted_per_round).items()))
+
+    @property
+    def stages_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.stages_per_round).items()))
 
     @property
     def other_s(self) -> float:
@@ -66,11 +72,40 @@ class GenerationResult:
     stats: GenerationStats
 
 
+def draft_chain(engine, anchor: int, position: int, block_size: int, max_drafts: int, max_stages: int,
+                gate_threshold: float) -> tuple[torch.Tensor, int]:
+    """Draft stages for one verification (design §4) → (drafts [≤ max_drafts], stages run).
+
+    Stage 1 drafts [anchor, MASK…] on the target context. While the gate score of the newest stage
+    (sum of its drafts' log-probs) is >= gate_threshold and fewer than max_stages ran, the next stage
+    drafts from the previous stage's last draft, its context extended — temporarily — with the
+    previous stage's own final-norm hidden states as pseudo-features (feature(p) = z(p+1)). The gate
+    only decides whether to ADD a stage: a drafted block is never dropped or cut for its own score."""
+    context_length = engine.context_length
+    chain, stages = [], 0
+    while True:
+        stage_size = min(block_size, engine.max_context - position)
+        drafts, logprobs, hidden = engine.drafter_block(anchor, position, stage_size)
+        chain.append(drafts)
+        stages += 1
+        drafted = sum(d.numel() for d in chain)
+        next_position = position + stage_size - 1
+        if (stages >= max_stages or drafted >= max_drafts or engine.max_context - next_position < block_size
+                or float(logprobs.sum()) < gate_threshold):
+            break
+        engine.drafter_context_hidden(hidden[1:])  # positions position .. position+k-2
+        anchor, position = int(drafts[-1]), next_position
+    if stages > 1:
+        engine.context_rollback(context_length)  # the pseudo-context never outlives the round
+    return torch.cat(chain)[:max_drafts], stages
+
+
 def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, params: SamplingParams = SamplingParams(),
              block_size: int = 1, stop_token_ids: frozenset[int] | set[int] = frozenset(),
-             generator: torch.Generator | None = None,
+             generator: torch.Generator | None = None, max_stages: int = 1, gate_threshold: float = -0.5,
              on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-    """Decode up to `max_new_tokens` after `prompt_ids`; block_size 1 = autoregressive."""
+    """Decode up to `max_new_tokens` after `prompt_ids`; block_size 1 = autoregressive,
+    max_stages 1 = DFlash, max_stages > 1 = DLoop."""
     if not prompt_ids:
         raise LoopspecError("empty prompt")
     if max_new_tokens < 1:
@@ -82,6 +117,8 @@ def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, params: Samp
     drafting = block_size > 1
     if drafting and engine.drafter is None:
         raise LoopspecError("a drafter is needed for block size > 1")
+    if max_stages < 1:
+        raise LoopspecError(f"max_stages must be >= 1, got {max_stages}")
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
     t_start = time.perf_counter()
     engine.reset()
@@ -106,14 +143,12 @@ def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, params: Samp
         if room < 0:
             finish = "context"
             break
-        num_drafts = min(block_size - 1, remaining - 1, room)
+        num_drafts = min(max_stages * (block_size - 1), remaining - 1, room)
 
         t0 = time.perf_counter()
-        drafts = torch.empty(0, dtype=torch.long)
+        drafts, stages = torch.empty(0, dtype=torch.long), 0
         if num_drafts > 0:
-            # near the end of the context the block shrinks so that its positions stay inside it
-            stage_size = min(block_size, engine.max_context - position)
-            drafts = engine.drafter_block(anchor, position, stage_size)[0][:num_drafts]
+            drafts, stages = draft_chain(engine, anchor, position, block_size, num_drafts, max_stages, gate_threshold)
         t1 = time.perf_counter()
         logits, taps = engine.target_verify([anchor] + drafts.tolist(), want_taps=drafting)
         if params.greedy:
@@ -124,6 +159,8 @@ def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, params: Samp
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.accepted_per_round.append(accepted)
+        stats.stages_per_round.append(stages)
+        stats.later_stage_tokens += max(0, accepted - (block_size - 1))
 
         # Commit the anchor and the accepted drafts; the rejected ones leave the KV cache.
         engine.target_rollback(position + accepted + 1)

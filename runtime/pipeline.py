@@ -18,7 +18,8 @@ from loopspec.weights import load_target_dir, load_tokenizer, resolve_target_dir
 from loopspec.runtime.loop import GenerationResult, generate
 from loopspec.runtime.torch_engine import TorchEngine
 
-METHODS = ("ar", "dflash")
+METHODS = ("ar", "dflash", "dloop")
+DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4}
 
 
 def fresh_drafter(target: Target, tokenizer_len: int | None, is_default_target: bool, seed: int = 0,
@@ -76,13 +77,27 @@ class Pipeline:
             raise LoopspecError(f"method {method!r} needs a drafter (got --drafter none)")
         return block_size or self.default_block_size
 
+    def dloop_settings(self, gate_threshold: float | None = None, max_stages: int | None = None) -> dict:
+        """DLoop's gate threshold and stage limit: given, else stored with the drafter, else defaults."""
+        stored = (self.drafter.cfg.extra.get("dloop") or {}) if self.drafter is not None else {}
+        out = {**DLOOP_DEFAULTS, **{k: v for k, v in stored.items() if k in DLOOP_DEFAULTS}}
+        if gate_threshold is not None:
+            out["gate_threshold"] = gate_threshold
+        if max_stages is not None:
+            if max_stages < 1:
+                raise LoopspecError(f"max stages must be >= 1, got {max_stages}")
+            out["max_stages"] = max_stages
+        return out
+
     def run(self, prompt_ids: list[int], *, method: str = "dflash", max_new_tokens: int = 128,
             params: SamplingParams = SamplingParams(), block_size: int | None = None, seed: int | None = None,
+            gate_threshold: float | None = None, max_stages: int | None = None,
             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        loop = self.dloop_settings(gate_threshold, max_stages) if method == "dloop" else {"max_stages": 1}
         return generate(self.engine, prompt_ids, max_new_tokens=max_new_tokens, params=params,
                         block_size=self.block_size_for(method, block_size), stop_token_ids=self.stop_token_ids,
-                        generator=generator, on_tokens=on_tokens)
+                        generator=generator, on_tokens=on_tokens, **loop)
 
 
 def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,

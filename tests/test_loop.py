@@ -93,3 +93,57 @@ def test_bad_arguments(tiny_targets):
         generate(engine, [1], max_new_tokens=4, block_size=4)
     with pytest.raises(LoopspecError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_dloop_equals_ar(family, tiny_targets):
+    target = load_target_dir(tiny_targets[family])
+    engine = TorchEngine(target, random_drafter(target, block_size=5), max_context=200)
+    prompt = torch.randint(0, 120, (9,), generator=torch.Generator().manual_seed(7)).tolist()
+    ar = generate(engine, prompt, max_new_tokens=70, block_size=1)
+    for stages, gate in ((2, -1e9), (4, -1e9), (3, -5.0)):
+        res = generate(engine, prompt, max_new_tokens=70, block_size=5, max_stages=stages, gate_threshold=gate)
+        assert res.tokens == ar.tokens
+        assert engine.context_length <= 200
+        if gate == -1e9:
+            assert max(res.stats.stages_per_round) == stages  # an always-open gate runs every stage
+
+
+class RecordingEngine(TorchEngine):
+    """Scripted gate scores: stage i of a round reports log-prob sum scores[i]; records stage calls."""
+
+    def __init__(self, *a, scores, **kw):
+        super().__init__(*a, **kw)
+        self.scores, self.calls = scores, []
+
+    def drafter_block(self, anchor, position, block_size):
+        drafts, logprobs, hidden = super().drafter_block(anchor, position, block_size)
+        i = len(self.calls) % len(self.scores)
+        self.calls.append((anchor, position, self.context_length))
+        logprobs = torch.full_like(logprobs, self.scores[i] / logprobs.numel())
+        return drafts, logprobs, hidden
+
+
+def test_gate_adds_next_stage_only_and_never_cuts_a_block(tiny_targets):
+    from loopspec.runtime.loop import draft_chain
+
+    target = load_target_dir(tiny_targets["qwen2"])
+    drafter = random_drafter(target, block_size=5)
+    # stage 1 scores -0.1 (>= gate): stage 2 runs; stage 2 scores -9 (< gate): no stage 3, but all of
+    # stage 2's drafts are still proposed for verification.
+    engine = RecordingEngine(target, drafter, max_context=100, scores=[-0.1, -9.0, -0.1])
+    engine.reset()
+    _, taps = engine.target_verify(list(range(3, 13)))
+    engine.drafter_context(taps)
+    before = engine.context_length
+    drafts, stages = draft_chain(engine, anchor=7, position=10, block_size=5, max_drafts=100, max_stages=4,
+                                 gate_threshold=-0.5)
+    assert stages == 2 and drafts.numel() == 8  # two whole blocks of 4 drafts
+    (a1, p1, c1), (a2, p2, c2) = engine.calls
+    assert (p1, c1) == (10, before) and p2 == 14 and c2 == before + 4  # 4 pseudo-features, then gone
+    assert a2 == int(drafts[3])  # stage 2's anchor is stage 1's last draft
+    assert engine.context_length == before
+    # a low-scoring FIRST stage is still verified whole: its own score never drops it
+    engine.scores, engine.calls = [-9.0], []
+    drafts, stages = draft_chain(engine, 7, 10, 5, 100, 4, -0.5)
+    assert stages == 1 and drafts.numel() == 4

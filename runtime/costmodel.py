@@ -1,0 +1,81 @@
+"""Cost model of speculative decoding on the current machine.
+
+Measures the memory read bandwidth, the target's verification time per number of tokens and the
+drafter's stage time, and derives the bounds: plain decoding cannot beat weight_bytes / bandwidth per
+token, and a speculative method with acceptance length τ cannot beat
+τ · t_verify(1) / (t_draft + t_verify(k)) over autoregressive decoding.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def memory_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s: sum over a buffer much larger than the caches (median of repeats)."""
+    x = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of distinct parameters (tied weights once)."""
+    seen, total = set(), 0
+    for p in module.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def verify_times(engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one target verification of `n` tokens after `context` committed ones."""
+    engine.reset()
+    engine.target_verify(list(range(10, 10 + context)), all_logits=False, want_taps=False)
+    out = {}
+    for n in lengths:
+        def step():
+            engine.target_verify(list(range(20, 20 + n)), want_taps=engine.drafter is not None)
+            engine.target_rollback(context)
+        out[n] = _median_time(step, repeats)
+    engine.reset()
+    return out
+
+
+def draft_time(engine, block_size: int, context: int = 128, repeats: int = 5) -> float:
+    """Seconds of one drafter stage (block forward + draft head) plus the context append it needs."""
+    engine.reset()
+    taps = None
+    _, taps = engine.target_verify(list(range(10, 10 + context)), want_taps=True)
+    engine.drafter_context(taps[:-4])
+
+    def stage():
+        engine.drafter_block(5, context - 4, block_size)
+        engine.drafter_context(taps[-4:])  # a typical accepted run of 4 positions
+        engine.context_rollback(context - 4)
+    t = _median_time(stage, repeats)
+    engine.reset()
+    return t
+
+
+def speedup_bound(tau: float, t_verify_1: float, t_draft: float, t_verify_k: float) -> float:
+    """τ · t(1) / (t_draft + t_verify(k))."""
+    return tau * t_verify_1 / (t_draft + t_verify_k)
