@@ -29,6 +29,7 @@ class BenchResult:
     verify_s: float
     stages_per_verification: float | None = None
     later_stage_share: float | None = None  # share of committed tokens drafted by stages > 1
+    speedup_bound: float | None = None  # τ·t(1) / (stages·t_draft + t_verify(len)) from the cost model
 
 
 def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[str]:
@@ -72,7 +73,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
               params: SamplingParams = SamplingParams(), block_size: int | None = None, seed: int = 0,
               repeats: int = 1, json_out: str | None = None, chat: bool = True, max_context: int | None = None,
               mask_token_id: int | None = None, num_threads: int | None = None,
-              gate_threshold: float | None = None, max_stages: int | None = None) -> list[BenchResult]:
+              gate_threshold: float | None = None, max_stages: int | None = None,
+              cost_model: bool = False) -> list[BenchResult]:
     from tqdm import tqdm
 
     from loopspec.runtime.peers import PEER_METHODS, HFPeer
@@ -140,7 +142,7 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
                 tokens_per_s=new_tokens / seconds, speedup_vs_ar=None, identical_to_ar=None, seconds=seconds,
                 verifications=verifications, draft_s=draft_s, verify_s=verify_s)
             if method == "dloop":
-                stages = [n for r in runs for n in r.stats.stages_per_round]
+                stages = [n for r in runs for n in r.stats.stages_per_round if n > 0]  # rounds that drafted
                 per_method[method].stages_per_verification = sum(stages) / max(len(stages), 1)
                 per_method[method].later_stage_share = sum(r.stats.later_stage_tokens for r in runs) / max(new_tokens, 1)
         base = per_method["ar"]
@@ -152,7 +154,43 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
             r.identical_to_ar = outputs[method] == outputs["ar"] if params.greedy else None
             results.append(r)
 
+    cm = measure_cost_model(pipe, sizes, results, gate_threshold, max_stages) if cost_model else None
+    report = {"results": [asdict(r) for r in results]}
+    if cm is not None:
+        report["cost_model"] = cm
     print(_table(results))
+    if cost_model:
+        cm = report["cost_model"]
+        print(f"memory bandwidth {cm['bandwidth_gbs']:.1f} GB/s, target weights {cm['target_weight_mb']:.0f} MB "
+              f"→ plain decoding bound {cm['ar_bound_tokens_per_s']:.1f} tok/s; "
+              f"t_verify(n) ms: {', '.join(f'{n}: {t * 1e3:.1f}' for n, t in cm['verify_s'].items())}; "
+              f"draft stage {cm['draft_stage_s'] * 1e3:.1f} ms" if cm.get("draft_stage_s") else "")
+        for r in results:
+            if r.speedup_bound is not None:
+                print(f"  {r.dataset}/{r.method}: speedup {r.speedup_vs_ar:.2f}x of a {r.speedup_bound:.2f}x bound")
     if json_out is not None:
-        Path(json_out).write_text(json.dumps({"results": [asdict(r) for r in results]}, indent=2) + "\n")
+        Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
     return results
+
+
+def measure_cost_model(pipe, sizes: dict, results: list[BenchResult], gate_threshold, max_stages) -> dict:
+    """Bandwidth bound of plain decoding, t_verify(n), drafter stage time, and each result's bound."""
+    from loopspec.runtime.costmodel import draft_time, memory_bandwidth_gbs, speedup_bound, verify_times, weight_bytes
+
+    bandwidth = memory_bandwidth_gbs()
+    weights = weight_bytes(pipe.target)
+    lengths = sorted({1, 2, 4, 8} | {k for k in sizes.values()}
+                     | ({min(64, (pipe.dloop_settings(gate_threshold, max_stages)["max_stages"]) * (sizes["dloop"] - 1) + 1)}
+                        if "dloop" in sizes else set()))
+    t_verify = verify_times(pipe.engine, lengths)
+    t_draft = draft_time(pipe.engine, max(sizes.values())) if pipe.drafter is not None and max(sizes.values()) > 1 else None
+    for r in results:
+        if r.method == "ar":
+            r.speedup_bound = 1.0
+        elif r.method in ("dflash", "dloop") and t_draft is not None and r.tau is not None:
+            stages = r.stages_per_verification or 1.0
+            n = min(max(t_verify), int(round(stages * (sizes[r.method] - 1))) + 1)
+            nearest = min(t_verify, key=lambda m: abs(m - n))
+            r.speedup_bound = speedup_bound(r.tau, t_verify[1], stages * t_draft, t_verify[nearest])
+    return {"bandwidth_gbs": bandwidth, "target_weight_mb": weights / 1e6,
+            "ar_bound_tokens_per_s": bandwidth * 1e9 / weights, "verify_s": t_verify, "draft_stage_s": t_draft}

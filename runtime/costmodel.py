@@ -48,12 +48,13 @@ def _median_time(fn, repeats: int) -> float:
 
 def verify_times(engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repeats: int = 5) -> dict[int, float]:
     """Seconds of one target verification of `n` tokens after `context` committed ones."""
+    vocab = engine.target.cfg.vocab_size
     engine.reset()
-    engine.target_verify(list(range(10, 10 + context)), all_logits=False, want_taps=False)
+    engine.target_verify([(10 + i) % vocab for i in range(context)], all_logits=False, want_taps=False)
     out = {}
     for n in lengths:
         def step():
-            engine.target_verify(list(range(20, 20 + n)), want_taps=engine.drafter is not None)
+            engine.target_verify([(20 + i) % vocab for i in range(n)], want_taps=engine.drafter is not None)
             engine.target_rollback(context)
         out[n] = _median_time(step, repeats)
     engine.reset()
@@ -62,9 +63,9 @@ def verify_times(engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repea
 
 def draft_time(engine, block_size: int, context: int = 128, repeats: int = 5) -> float:
     """Seconds of one drafter stage (block forward + draft head) plus the context append it needs."""
+    vocab = engine.target.cfg.vocab_size
     engine.reset()
-    taps = None
-    _, taps = engine.target_verify(list(range(10, 10 + context)), want_taps=True)
+    _, taps = engine.target_verify([(10 + i) % vocab for i in range(context)], want_taps=True)
     engine.drafter_context(taps[:-4])
 
     def stage():

@@ -34,10 +34,16 @@ def test_bench_json(capsys, tiny_pair, tmp_path):
     prompts.write_text('{"turns": ["abc def"]}\n{"turns": ["xyz", "second turn"]}\n')
     out_json = tmp_path / "r.json"
     code, out, err = run(capsys, "bench", "--prompts", str(prompts), "--target", str(target), "--drafter",
-                         str(drafter), "--max-new-tokens", "12", "--json", str(out_json), "--all-turns")
+                         str(drafter), "--max-new-tokens", "12", "--json", str(out_json), "--all-turns",
+                         "--methods", "ar,dflash,dloop", "--cost-model")
     assert code == 0
-    results = json.loads(out_json.read_text())["results"]
-    assert [r["method"] for r in results] == ["ar", "dflash"]
+    report = json.loads(out_json.read_text())
+    results = report["results"]
+    assert [r["method"] for r in results] == ["ar", "dflash", "dloop"]
+    cm = report["cost_model"]
+    assert cm["bandwidth_gbs"] > 0 and cm["ar_bound_tokens_per_s"] > 0 and cm["draft_stage_s"] > 0
+    assert all(r["speedup_bound"] > 0 for r in results)
+    assert results[2]["stages_per_verification"] >= 1
     for r in results:
         assert set(r) >= {"method", "dataset", "prompts", "new_tokens", "tau", "tokens_per_s", "speedup_vs_ar",
                           "identical_to_ar"}
