@@ -41,6 +41,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="dloop: add a stage while the last one's summed draft log-prob is >= this (default -0.5)")
     p.add_argument("--max-stages", type=_positive_int("--max-stages"), default=None,
                    help="dloop: draft stages per verification (default 4)")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode plainly while drafting does not pay on a request (output unchanged)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -218,7 +220,7 @@ def cmd_generate(args) -> int:
     stream = TextStream(pipe)
     result = pipe.run(prompt_ids, method=args.method, max_new_tokens=args.max_new_tokens, params=params,
                       block_size=block_size, seed=args.seed, gate_threshold=args.gate_threshold,
-                      max_stages=args.max_stages, on_tokens=stream)
+                      max_stages=args.max_stages, adaptive=args.adaptive, on_tokens=stream)
     stream.flush()
     print()
     drafter = f", drafter: {pipe.drafter_description}" if args.method != "ar" else ""
@@ -261,7 +263,8 @@ def cmd_bench(args) -> int:
               all_turns=args.all_turns, params=params, block_size=args.block_size, seed=args.seed,
               repeats=args.repeats, json_out=args.json_out, chat=args.chat, max_context=args.max_context,
               mask_token_id=args.mask_token_id, num_threads=args.threads,
-              gate_threshold=args.gate_threshold, max_stages=args.max_stages, cost_model=args.cost_model)
+              gate_threshold=args.gate_threshold, max_stages=args.max_stages, cost_model=args.cost_model,
+              adaptive=args.adaptive)
     return 0
 
 

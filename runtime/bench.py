@@ -30,6 +30,7 @@ class BenchResult:
     stages_per_verification: float | None = None
     later_stage_share: float | None = None  # share of committed tokens drafted by stages > 1
     speedup_bound: float | None = None  # τ·t(1) / (stages·t_draft + t_verify(len)) from the cost model
+    fallback_rounds: int = 0  # plain rounds chosen by the adaptive fallback
 
 
 def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[str]:
@@ -74,7 +75,7 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
               repeats: int = 1, json_out: str | None = None, chat: bool = True, max_context: int | None = None,
               mask_token_id: int | None = None, num_threads: int | None = None,
               gate_threshold: float | None = None, max_stages: int | None = None,
-              cost_model: bool = False) -> list[BenchResult]:
+              cost_model: bool = False, adaptive: bool = True) -> list[BenchResult]:
     from tqdm import tqdm
 
     from loopspec.runtime.peers import PEER_METHODS, HFPeer
@@ -125,7 +126,7 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
                     else:
                         runs.append(pipe.run(ids, method=method, max_new_tokens=max_new_tokens, params=params,
                                              block_size=k, seed=seed + i, gate_threshold=gate_threshold,
-                                             max_stages=max_stages))
+                                             max_stages=max_stages, adaptive=adaptive))
                 times.append(time.perf_counter() - t0)
             seconds = statistics.median(times)
             outputs[method] = [r.tokens for r in runs]
@@ -141,6 +142,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
                 method=method, dataset=dataset, prompts=len(prompts), new_tokens=new_tokens, tau=tau,
                 tokens_per_s=new_tokens / seconds, speedup_vs_ar=None, identical_to_ar=None, seconds=seconds,
                 verifications=verifications, draft_s=draft_s, verify_s=verify_s)
+            if method not in PEER_METHODS:
+                per_method[method].fallback_rounds = sum(r.stats.fallback_rounds for r in runs)
             if method == "dloop":
                 stages = [n for r in runs for n in r.stats.stages_per_round if n > 0]  # rounds that drafted
                 per_method[method].stages_per_verification = sum(stages) / max(len(stages), 1)

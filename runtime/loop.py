@@ -24,6 +24,8 @@ class GenerationStats:
     accepted_per_round: list[int] = field(default_factory=list)  # drafts accepted per verification
     stages_per_round: list[int] = field(default_factory=list)  # draft stages per verification (DLoop)
     later_stage_tokens: int = 0  # committed drafts that came from stages > 1
+    fallback_rounds: int = 0  # plain rounds the adaptive fallback chose while drafting did not pay
+    fallback_switches: int = 0
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -63,7 +65,56 @@ class GenerationStats:
                 f" | tau {self.acceptance_length:.2f} over {self.verifications} verifications"
                 f" | prefill {self.prefill_s * 1e3:.0f} ms, draft {self.draft_s * 1e3:.0f} ms,"
                 f" verify {self.verify_s * 1e3:.0f} ms, other {self.other_s * 1e3:.0f} ms"
+                f"{f' | fallback: {self.fallback_rounds} plain rounds' if self.fallback_switches else ''}"
                 f" | finish: {self.finish_reason}")
+
+
+class AdaptiveFallback:
+    """Per request: decode autoregressively while drafting does not pay, and probe again later.
+
+    Drafting pays when the rolling τ per second of a drafting round beats one token per second of a
+    plain round: τ / t_round(draft) > 1 / t_round(ar). Both round costs and τ are measured on this
+    request (exponential moving averages). When drafting loses, `backoff` plain rounds follow (8,
+    doubling on each consecutive loss up to 64), then drafting is probed again. Only the number of
+    drafted tokens changes, never the output."""
+
+    def __init__(self, alpha: float = 0.3, min_rounds: int = 3, backoff: int = 8, max_backoff: int = 64):
+        self.alpha, self.min_rounds, self.initial_backoff, self.max_backoff = alpha, min_rounds, backoff, max_backoff
+        self.backoff = backoff
+        self.tau = self.t_draft_round = self.t_ar_round = None
+        self.plain_left = 1  # one plain round first: it measures t_round(ar)
+        self.draft_rounds = 0
+        self.rounds_since_probe = 0
+        self.fallback_rounds = 0
+        self.switches = 0
+
+    def _ema(self, old, new):
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def want_draft(self) -> bool:
+        return self.plain_left <= 0
+
+    def record(self, drafted: bool, committed: int, seconds: float) -> None:
+        if not drafted:
+            self.t_ar_round = self._ema(self.t_ar_round, seconds)
+            self.plain_left -= 1
+            if self.draft_rounds:  # a backoff round (the first calibration round is not a fallback)
+                self.fallback_rounds += 1
+            return
+        self.draft_rounds += 1
+        self.tau = self._ema(self.tau, committed)
+        self.t_draft_round = self._ema(self.t_draft_round, seconds)
+        self.rounds_since_probe += 1
+        if self.rounds_since_probe < self.min_rounds or self.t_ar_round is None:
+            return
+        if self.tau / self.t_draft_round < 1.0 / self.t_ar_round:
+            self.plain_left = self.backoff
+            self.backoff = min(self.max_backoff, self.backoff * 2)
+            self.switches += 1
+            self.rounds_since_probe = 0
+            self.tau = None  # the next probe judges on fresh evidence
+        else:
+            self.backoff = self.initial_backoff
 
 
 @dataclass
@@ -103,6 +154,7 @@ def draft_chain(engine, anchor: int, position: int, block_size: int, max_drafts:
 def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, params: SamplingParams = SamplingParams(),
              block_size: int = 1, stop_token_ids: frozenset[int] | set[int] = frozenset(),
              generator: torch.Generator | None = None, max_stages: int = 1, gate_threshold: float = -0.5,
+             fallback: AdaptiveFallback | None = None,
              on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Decode up to `max_new_tokens` after `prompt_ids`; block_size 1 = autoregressive,
     max_stages 1 = DFlash, max_stages > 1 = DLoop."""
@@ -143,7 +195,10 @@ def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, params: Samp
         if room < 0:
             finish = "context"
             break
-        num_drafts = min(max_stages * (block_size - 1), remaining - 1, room)
+        possible = min(max_stages * (block_size - 1), remaining - 1, room)
+        num_drafts = possible
+        if fallback is not None and possible > 0 and not fallback.want_draft():
+            num_drafts = 0  # a plain round; its taps still enter the drafter context below
 
         t0 = time.perf_counter()
         drafts, stages = torch.empty(0, dtype=torch.long), 0
@@ -161,6 +216,8 @@ def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, params: Samp
         stats.accepted_per_round.append(accepted)
         stats.stages_per_round.append(stages)
         stats.later_stage_tokens += max(0, accepted - (block_size - 1))
+        if fallback is not None and drafting and possible > 0:
+            fallback.record(drafted=num_drafts > 0, committed=accepted + 1, seconds=t2 - t0)
 
         # Commit the anchor and the accepted drafts; the rejected ones leave the KV cache.
         engine.target_rollback(position + accepted + 1)
@@ -176,6 +233,8 @@ def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, params: Samp
             on_tokens(new)
         anchor = bonus
 
+    if fallback is not None:
+        stats.fallback_rounds, stats.fallback_switches = fallback.fallback_rounds, fallback.switches
     stats.new_tokens = len(out)
     stats.total_s = time.perf_counter() - t_start
     stats.finish_reason = finish

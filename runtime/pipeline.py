@@ -15,7 +15,7 @@ from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig, check_fits, resolve_mask_token_id
 from loopspec.model.target import Target
 from loopspec.weights import load_target_dir, load_tokenizer, resolve_target_dir
-from loopspec.runtime.loop import GenerationResult, generate
+from loopspec.runtime.loop import AdaptiveFallback, GenerationResult, generate
 from loopspec.runtime.torch_engine import TorchEngine
 
 METHODS = ("ar", "dflash", "dloop")
@@ -91,13 +91,15 @@ class Pipeline:
 
     def run(self, prompt_ids: list[int], *, method: str = "dflash", max_new_tokens: int = 128,
             params: SamplingParams = SamplingParams(), block_size: int | None = None, seed: int | None = None,
-            gate_threshold: float | None = None, max_stages: int | None = None,
+            gate_threshold: float | None = None, max_stages: int | None = None, adaptive: bool = True,
             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        """`adaptive`: decode plainly while drafting does not pay on this request (output unchanged)."""
         generator = torch.Generator().manual_seed(seed if seed is not None else 0)
         loop = self.dloop_settings(gate_threshold, max_stages) if method == "dloop" else {"max_stages": 1}
+        fallback = AdaptiveFallback() if adaptive and method != "ar" else None
         return generate(self.engine, prompt_ids, max_new_tokens=max_new_tokens, params=params,
                         block_size=self.block_size_for(method, block_size), stop_token_ids=self.stop_token_ids,
-                        generator=generator, on_tokens=on_tokens, **loop)
+                        generator=generator, on_tokens=on_tokens, fallback=fallback, **loop)
 
 
 def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,

@@ -61,6 +61,8 @@ def test_greedy_dflash_equals_ar_on_default(pipe, prompt):
     spec = pipe.run(ids, method="dflash", max_new_tokens=48)
     assert spec.tokens == ar.tokens
     assert len(ar.tokens) > 0
+    loop = pipe.run(ids, method="dloop", max_new_tokens=48, gate_threshold=-3.0, max_stages=3)
+    assert loop.tokens == ar.tokens
 
 
 def test_cli_generate_default():

@@ -147,3 +147,35 @@ def test_gate_adds_next_stage_only_and_never_cuts_a_block(tiny_targets):
     engine.scores, engine.calls = [-9.0], []
     drafts, stages = draft_chain(engine, 7, 10, 5, 100, 4, -0.5)
     assert stages == 1 and drafts.numel() == 4
+
+
+def test_adaptive_fallback_changes_speed_not_output(tiny_targets):
+    from loopspec.runtime.loop import AdaptiveFallback
+
+    target = load_target_dir(tiny_targets["llama"])
+    engine = TorchEngine(target, random_drafter(target, block_size=6), max_context=256)
+    prompt = [9, 8, 7, 6, 5]
+    ar = generate(engine, prompt, max_new_tokens=80, block_size=1)
+    # a random drafter never pays: the fallback must switch to plain rounds, output unchanged
+    fb = AdaptiveFallback(min_rounds=2, backoff=4)
+    res = generate(engine, prompt, max_new_tokens=80, block_size=6, fallback=fb)
+    assert res.tokens == ar.tokens
+    assert res.stats.fallback_switches >= 1 and res.stats.fallback_rounds >= 4
+    for stages in (1, 3):
+        res = generate(engine, prompt, max_new_tokens=80, block_size=6, max_stages=stages, gate_threshold=-1e9,
+                       fallback=AdaptiveFallback(min_rounds=1, backoff=2))
+        assert res.tokens == ar.tokens
+
+
+def test_adaptive_fallback_keeps_drafting_when_it_pays():
+    from loopspec.runtime.loop import AdaptiveFallback
+
+    fb = AdaptiveFallback(min_rounds=2)
+    fb.record(drafted=False, committed=1, seconds=0.020)  # calibration: plain round 20 ms
+    assert fb.want_draft()
+    for _ in range(10):  # τ = 4 in 50 ms beats 1 token in 20 ms
+        fb.record(drafted=True, committed=4, seconds=0.050)
+    assert fb.want_draft() and fb.switches == 0
+    for _ in range(3):  # τ = 1.5 in 50 ms loses
+        fb.record(drafted=True, committed=1, seconds=0.050)
+    assert not fb.want_draft() and fb.switches == 1
