@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dpace", action="store_true", help="D-PACE position weighting")
     t.add_argument("--kl-weight", type=float, default=0.0, help="forward KL to the target (online taps)")
     t.add_argument("--causal-in-block", action="store_true")
+    t.add_argument("--loop-stages", type=int, nargs="?", const=3, default=0,
+                   help="DLoop loop-aware training: per anchor S-1 ~ U{1..N} extra stages (e.g. 3; 0 = DFlash)")
     t.add_argument("--draft-vocab-size", type=_positive_int("--draft-vocab-size"), default=None,
                    help="reduced draft vocabulary (most frequent response tokens) + d2t map")
     t.add_argument("--eval-every", type=_positive_int("--eval-every"), default=100)
@@ -164,7 +166,7 @@ def cmd_train(args) -> int:
         drafter.cfg.extra = {**drafter.cfg.extra, "draft_vocab_size": int(ids.numel())}
     cfg = TrainConfig(anchors=args.anchors, gamma=args.gamma, lr=args.lr, epochs=args.epochs,
                       batch_sequences=args.batch_sequences, dpace=args.dpace, kl_weight=args.kl_weight,
-                      causal_in_block=args.causal_in_block, eval_every=args.eval_every,
+                      causal_in_block=args.causal_in_block, loop_stages=args.loop_stages, eval_every=args.eval_every,
                       save_every=args.save_every, seed=args.seed)
     last = train_drafter(data_dir=args.data, target=target, drafter=drafter, out_dir=args.out, cfg=cfg,
                          draft_vocab=draft_vocab, max_steps=args.max_steps,

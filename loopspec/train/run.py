@@ -112,7 +112,10 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
             tokens = torch.tensor(s.tokens[: cfg.max_len])
             mask = torch.tensor(s.loss_mask[: cfg.max_len])
             t, logits = taps(s, tokens)
-            loss, st = trainer.sequence_loss(tokens, mask, t, rng, logits)
+            if cfg.loop_stages > 0:
+                loss, st = trainer.loop_sequence_loss(tokens, mask, t, rng)
+            else:
+                loss, st = trainer.sequence_loss(tokens, mask, t, rng, logits)
             if loss is None:
                 continue
             (loss / cfg.batch_sequences).backward()

@@ -78,6 +78,18 @@ def block_mask_mod(anchors: torch.Tensor, block_size: int, context_len: int, cau
     return mask_mod
 
 
+def block_mask_with_private(anchors: torch.Tensor, block_size: int, context_len: int, private_len: int) -> torch.Tensor:
+    """DLoop stages: keys are [shared target context (C) ; per-block private pseudo-context
+    (private_len entries per block, block-major) ; blocks]. A block sees the shared context strictly
+    before its anchor, its own pseudo-context and its own block. → bool [nA*B, C + nA*m + nA*B]."""
+    n = anchors.numel()
+    q_block = torch.arange(n * block_size) // block_size
+    ctx = torch.arange(context_len)[None, :] < anchors[q_block][:, None]
+    private = (torch.arange(n * private_len) // max(private_len, 1))[None, :] == q_block[:, None]
+    own = (torch.arange(n * block_size) // block_size)[None, :] == q_block[:, None]
+    return torch.cat([ctx, private, own], dim=1)
+
+
 @dataclass
 class TrainConfig:
     anchors: int = 512
@@ -92,6 +104,7 @@ class TrainConfig:
     dpace: bool = False
     kl_weight: float = 0.0  # forward KL to the target's distribution (needs online taps)
     causal_in_block: bool = False
+    loop_stages: int = 0  # DLoop loop-aware training: S-1 ~ U{1..N} extra stages per anchor (0 = DFlash)
     eval_samples: int = 16
     eval_every: int = 100
     save_every: int = 200
@@ -167,6 +180,102 @@ class DrafterTrainer:
         loss = torch.stack(losses).sum() / max(total_weight, 1e-9)
         stats["anchors"] = anchors.numel()
         return loss, stats
+
+    def _labelled_rows(self, hidden, tokens, loss_mask, positions, keep):
+        """Weighted CE over the block rows that carry a label. hidden [n, B, H]; positions [n, B];
+        keep [n] which blocks count. → (loss sum, weight sum, stats)."""
+        L = tokens.numel()
+        valid = (positions < L) & keep[:, None]
+        label_pos = positions.clamp(max=L - 1)
+        supervised = valid & loss_mask[label_pos]
+        supervised[:, 0] = False
+        rows = supervised.nonzero(as_tuple=True)
+        y = tokens[label_pos][rows]
+        w = self.weights[rows[1] - 1]
+        h = hidden[rows]
+        if self.draft_vocab is not None:
+            y = self.draft_vocab.target_to_draft(self.target.cfg.vocab_size)[y]
+            inside = y >= 0
+            h, y, w = h[inside], y[inside], w[inside]
+        if y.numel() == 0:
+            return hidden.sum() * 0.0, 0.0, {"correct": 0, "labels": 0}
+        logp = torch.log_softmax((h @ self.head_weight.T).float(), dim=-1)
+        nll = -logp.gather(1, y[:, None])[:, 0]
+        correct = int((logp.argmax(-1) == y).sum())
+        return (w * nll).sum(), float(w.sum()), {"correct": correct, "labels": int(y.numel())}
+
+    def loop_sequence_loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
+                           rng: random.Random) -> tuple[torch.Tensor | None, dict]:
+        """Loop-aware loss (design §4): per anchor S-1 ~ U{1..N}; stage 1 on the target context;
+        stages 2..S anchored on the previous stage's argmax at its last position, with the previous
+        stages' final-norm hidden states as pseudo-context (feature(p) = z(p+1)), exactly as at
+        inference. L = (L(1) + L(S)) / 2; middle stages get no loss (only their last row's argmax)."""
+        B, N = self.drafter.cfg.block_size, self.cfg.loop_stages
+        L = tokens.numel()
+        anchors = sample_anchors(loss_mask, self.cfg.anchors, rng)
+        if anchors.numel() == 0:
+            return None, {}
+        taps = taps[: L - 1].to(self.drafter.fc.weight.dtype)
+        features = self.drafter.features(taps[None])
+        ctx_k, ctx_v = self.drafter.context_kv(features, torch.arange(L - 1))
+        first_loss, first_w, last_loss, last_w = [], 0.0, [], 0.0
+        stats = {"correct": 0, "labels": 0}
+        for chunk in anchors.split(self.cfg.anchor_chunk):
+            n = chunk.numel()
+            total_stages = torch.tensor([1 + rng.randint(1, N) for _ in range(n)])  # S per anchor
+            for stage, positions, hidden in self.loop_stages(tokens, chunk, ctx_k, ctx_v, int(total_stages.max())):
+                if stage == 1:
+                    keep = torch.ones(n, dtype=torch.bool)
+                elif (total_stages == stage).any():
+                    keep = total_stages == stage
+                else:
+                    continue  # a middle stage for every block here: no loss, no logits
+                loss_sum, w_sum, st = self._labelled_rows(hidden, tokens, loss_mask, positions, keep)
+                if stage == 1:
+                    first_loss.append(loss_sum)
+                    first_w += w_sum
+                else:
+                    last_loss.append(loss_sum)
+                    last_w += w_sum
+                for k, v in st.items():
+                    stats[k] += v
+        loss_first = torch.stack(first_loss).sum() / max(first_w, 1e-9)
+        loss_last = torch.stack(last_loss).sum() / max(last_w, 1e-9) if last_loss else loss_first * 0.0
+        stats["anchors"] = anchors.numel()
+        return (loss_first + loss_last) / 2, stats
+
+    def loop_stages(self, tokens: torch.Tensor, anchors: torch.Tensor, ctx_k, ctx_v, num_stages: int):
+        """Run stages 1..num_stages for every anchor as inference does; yields (stage, positions [n, B],
+        final-norm hidden [n, B, H]). Stage s+1's anchor is stage s's argmax at its last row; its
+        context adds the previous stages' hidden states z[1:] as pseudo-features at a .. a_s - 1."""
+        B = self.drafter.cfg.block_size
+        n = anchors.numel()
+        anchor_tokens = tokens[anchors]
+        pseudo: list[torch.Tensor] = []  # per finished stage: [n, B-1, H]
+        for stage in range(1, num_stages + 1):
+            start = anchors + (stage - 1) * (B - 1)  # this stage's anchor position
+            positions = start[:, None] + torch.arange(B)[None]
+            ids = torch.full((n, B), self.drafter.cfg.mask_token_id, dtype=torch.long)
+            ids[:, 0] = anchor_tokens
+            with torch.no_grad():
+                embeds = self.target.embed_tokens(ids.flatten())[None]
+            if pseudo:
+                private = torch.cat(pseudo, dim=1)  # [n, m, H] at positions a .. start-1 of each block
+                m = private.shape[1]
+                private_pos = (anchors[:, None] + torch.arange(m)[None]).flatten()
+                pk, pv = self.drafter.context_kv(private.reshape(1, n * m, -1), private_pos)
+                keys_k, keys_v = torch.cat([ctx_k, pk], dim=3), torch.cat([ctx_v, pv], dim=3)
+                mask = block_mask_with_private(anchors, B, ctx_k.shape[3], m)
+            else:
+                keys_k, keys_v = ctx_k, ctx_v
+                mask = block_mask_dense(anchors, B, ctx_k.shape[3], self.cfg.causal_in_block)
+            hidden = self.drafter(embeds, positions.flatten(), keys_k, keys_v, mask[None, None])[0].view(n, B, -1)
+            yield stage, positions, hidden
+            if stage < num_stages:
+                with torch.no_grad():  # the next anchor: this stage's argmax at its last row
+                    best = (hidden[:, -1] @ self.head_weight.T).argmax(-1)
+                    anchor_tokens = self.draft_vocab.ids[best] if self.draft_vocab is not None else best
+                pseudo.append(hidden[:, 1:])
 
     def _chunk_loss(self, tokens, loss_mask, anchors, ctx_k, ctx_v, target_logits):
         B = self.drafter.cfg.block_size
