@@ -43,6 +43,7 @@ def fresh_drafter(target: Target, tokenizer_len: int | None, is_default_target: 
 class Pipeline:
     tokenizer: object
     target_dir: Path
+    drafter_dir: Path | None  # where the drafter was loaded from (None: none or fresh)
     target: Target
     drafter: Drafter | None
     engine: TorchEngine
@@ -75,11 +76,17 @@ class Pipeline:
             return 1
         if self.drafter is None:
             raise LoopspecError(f"method {method!r} needs a drafter (got --drafter none)")
+        if block_size is None and method == "dloop":
+            block_size = self.tuned_dloop().get("block_size")
         return block_size or self.default_block_size
+
+    def tuned_dloop(self) -> dict:
+        """The setting `loopspec tune` stored with the drafter (config.json loopspec.dloop), if any."""
+        return dict(self.drafter.cfg.extra.get("dloop") or {}) if self.drafter is not None else {}
 
     def dloop_settings(self, gate_threshold: float | None = None, max_stages: int | None = None) -> dict:
         """DLoop's gate threshold and stage limit: given, else stored with the drafter, else defaults."""
-        stored = (self.drafter.cfg.extra.get("dloop") or {}) if self.drafter is not None else {}
+        stored = self.tuned_dloop()
         out = {**DLOOP_DEFAULTS, **{k: v for k, v in stored.items() if k in DLOOP_DEFAULTS}}
         if gate_threshold is not None:
             out["gate_threshold"] = gate_threshold
@@ -122,9 +129,12 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
             draft_model.cfg.mask_token_id = resolve_mask_token_id(mask_token_id, len(tokenizer), model.cfg.vocab_size)
     if draft_model is not None:
         check_fits(draft_model.cfg, model.cfg)
+    drafter_dir = None if draft_model is None or description.startswith("untrained") else (
+        DEFAULT_DRAFTER_DIR if drafter == "default" else Path(drafter))
     stop = set(model.cfg.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         stop.add(tokenizer.eos_token_id)
     engine = TorchEngine(model, draft_model, max_context or model.cfg.max_position_embeddings, num_threads)
-    return Pipeline(tokenizer=tokenizer, target_dir=target_dir, target=model, drafter=draft_model, engine=engine,
+    return Pipeline(tokenizer=tokenizer, target_dir=target_dir, drafter_dir=drafter_dir, target=model,
+                    drafter=draft_model, engine=engine,
                     drafter_description=description, stop_token_ids=frozenset(stop))

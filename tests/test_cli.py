@@ -121,3 +121,30 @@ def test_console_script_entry_point(tiny_pair):
     proc = subprocess.run([sys.executable, "-m", "loopspec.cli", "generate", "--prompt", "hi", "--target", "/nonexistent"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_tune_stores_fastest_lossless_setting(capsys, tiny_pair, tmp_path):
+    import shutil
+
+    target, drafter = tiny_pair
+    mine = tmp_path / "drafter"
+    shutil.copytree(drafter, mine)
+    prompts = tmp_path / "calib.jsonl"
+    prompts.write_text('{"turns": ["tune me"]}\n{"turns": ["and me too"]}\n')
+    out_json = tmp_path / "tune.json"
+    code = main(["tune", "--prompts", str(prompts), "--target", str(target), "--drafter", str(mine),
+                 "--max-new-tokens", "16", "--thresholds=-0.5,-2", "--stages", "1,3", "--block-sizes", "3,6",
+                 "--json", str(out_json)])
+    assert code == 0
+    report = json.loads(out_json.read_text())
+    assert len(report["rows"]) == 2 * (1 + 2)  # k x (one-stage + two thresholds for 3 stages)
+    assert all(r["lossless"] for r in report["rows"])
+    stored = json.loads((mine / "config.json").read_text())["loopspec"]["dloop"]
+    assert stored == {k: report["best"][k] for k in ("gate_threshold", "max_stages", "block_size")}
+    from loopspec.runtime.pipeline import load_pipeline
+
+    pipe = load_pipeline(str(target), str(mine))
+    assert pipe.dloop_settings()["max_stages"] == stored["max_stages"]
+    assert pipe.block_size_for("dloop", None) == stored["block_size"]
+    assert main(["tune", "--prompts", str(prompts), "--target", str(target), "--drafter", str(mine),
+                 "--stages", "0"]) == 2

@@ -1,0 +1,57 @@
+"""`loopspec tune`: sweep DLoop's gate threshold × max stages (× block size) on calibration prompts,
+keep the fastest setting whose greedy output equals plain decoding, and store it with the drafter.
+
+The DLoop paper uses one global threshold that must be re-swept per deployment; this does the sweep
+on the machine that will serve.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+from loopspec.errors import LoopspecError
+
+
+def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, max_new_tokens: int,
+          progress: bool = True) -> list[dict]:
+    """Tokens/s of every setting on the same prompts (after one warm-up), with losslessness checked."""
+    from tqdm import tqdm
+
+    reference = [pipe.run(p, method="ar", max_new_tokens=max_new_tokens).tokens for p in prompts]
+    t0 = time.perf_counter()
+    for p in prompts:
+        pipe.run(p, method="ar", max_new_tokens=max_new_tokens)
+    ar_seconds = time.perf_counter() - t0
+    settings = []
+    for k, s, g in itertools.product(block_sizes, stages, thresholds):
+        if s == 1 and g != thresholds[0]:
+            continue  # one stage: the gate never decides anything
+        settings.append((k, s, g))
+    rows = []
+    for k, s, g in tqdm(settings, desc="tuning dloop", disable=not progress, file=sys.stderr):
+        pipe.run(prompts[0], method="dloop", max_new_tokens=8, block_size=k, max_stages=s, gate_threshold=g)
+        t0 = time.perf_counter()
+        outs = [pipe.run(p, method="dloop", max_new_tokens=max_new_tokens, block_size=k, max_stages=s,
+                         gate_threshold=g, adaptive=False) for p in prompts]
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(o.tokens) for o in outs)
+        committed = sum(n + 1 for o in outs for n in o.stats.accepted_per_round)
+        verifications = sum(o.stats.verifications for o in outs)
+        rows.append({"block_size": k, "max_stages": s, "gate_threshold": g, "tokens_per_s": tokens / seconds,
+                     "speedup_vs_ar": ar_seconds / seconds, "tau": committed / max(verifications, 1),
+                     "lossless": [o.tokens for o in outs] == reference})
+    return rows
+
+
+def store_setting(drafter_dir: str | Path, setting: dict) -> None:
+    """Write the chosen setting into the drafter's config.json under loopspec.dloop."""
+    path = Path(drafter_dir) / "config.json"
+    if not path.is_file():
+        raise LoopspecError(f"cannot store the tuned setting: {path} does not exist")
+    cfg = json.loads(path.read_text())
+    cfg.setdefault("loopspec", {})["dloop"] = {k: setting[k] for k in ("gate_threshold", "max_stages", "block_size")}
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
