@@ -18,14 +18,18 @@ $BIN/loopspec data \
 # 2. one drafter layer over five taps, block 16, reduced draft vocabulary (d2t)
 $BIN/loopspec train --data "$WORK/data-v1" --out "$WORK/drafter-v1" \
     --num-layers 1 --block-size 16 --tap-layers 1,8,14,20,27 --draft-vocab-size 8192 \
-    --anchors 48 --batch-sequences 4 --lr 1e-3 --epochs 2 --eval-every 50 --save-every 50
+    --anchors 96 --batch-sequences 4 --lr 1e-3 --epochs 2 --eval-every 100 --save-every 100
 
 # 3. ship it and measure it
 rm -rf loopspec/drafters/smollm2-135m-instruct
 mkdir -p loopspec/drafters/smollm2-135m-instruct
 cp "$WORK/drafter-v1/config.json" "$WORK/drafter-v1/model.safetensors" "$WORK/drafter-v1/d2t.safetensors" \
     loopspec/drafters/smollm2-135m-instruct/
-for set in humaneval mbpp math500 mt-bench alpaca; do
-    $BIN/loopspec bench --prompts "$DATA/eval/$set.jsonl" --limit 20 --max-new-tokens 128 \
-        --methods ar,dflash --json "$WORK/bench-$set.json"
-done
+# 4. tune DLoop/block size on calibration prompts from train/ (never eval/) and store it with the drafter
+head -200 "$DATA/train/gsm8k-train.jsonl" | tail -6 > "$WORK/calib.jsonl"
+head -400 "$DATA/train/livecodebench.jsonl" | tail -30 | awk 'length($0) < 1500' | head -4 >> "$WORK/calib.jsonl"
+$BIN/loopspec tune --prompts "$WORK/calib.jsonl" --limit 10 --max-new-tokens 96 --block-sizes 4,8,16 \
+    --stages 1,2,4 --thresholds=-0.5,-1.0 --drafter loopspec/drafters/smollm2-135m-instruct
+
+# 5. measure it on the five eval sets
+scripts/bench_eval_sets.sh "$DATA/eval" "$WORK/bench.json" ar,dflash,dloop --block-size 8 --cost-model
