@@ -19,7 +19,7 @@ $(BIN)/.setup-done: pyproject.toml
 setup: $(BIN)/.setup-done
 
 demo: setup
-	$(BIN)/loopspec generate --prompt "$(PROMPT)" --max-new-tokens 128 --method dflash
+	$(BIN)/loopspec generate --prompt "$(PROMPT)" --max-new-tokens 128 --method dloop
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not gpu"

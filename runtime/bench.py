@@ -134,9 +134,12 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
             if method in PEER_METHODS:  # transformers does not report its acceptance
                 tau, verifications, draft_s, verify_s = (1.0 if method == "hf" else None), 0, 0.0, 0.0
             else:
-                committed = sum(sum(n + 1 for n in r.stats.accepted_per_round) for r in runs)
                 verifications = sum(r.stats.verifications for r in runs)
-                tau = committed / max(verifications, 1)
+                # τ over the verifications that checked drafts (plain rounds of the adaptive fallback and
+                # the last single-token rounds commit 1 by construction and would dilute it)
+                drafted = [n + 1 for r in runs for n, s in zip(r.stats.accepted_per_round, r.stats.stages_per_round)
+                           if s > 0 or method == "ar"]
+                tau = sum(drafted) / max(len(drafted), 1)
                 draft_s, verify_s = sum(r.stats.draft_s for r in runs), sum(r.stats.verify_s for r in runs)
             per_method[method] = BenchResult(
                 method=method, dataset=dataset, prompts=len(prompts), new_tokens=new_tokens, tau=tau,

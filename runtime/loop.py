@@ -38,10 +38,11 @@ class GenerationStats:
 
     @property
     def acceptance_length(self) -> float:
-        """τ: tokens committed per target verification (accepted drafts + 1 bonus)."""
-        if not self.accepted_per_round:
-            return 0.0
-        return sum(n + 1 for n in self.accepted_per_round) / len(self.accepted_per_round)
+        """τ: tokens committed per target verification (accepted drafts + 1 bonus), over the
+        verifications that checked drafts (all of them for plain decoding)."""
+        drafted = [n + 1 for n, s in zip(self.accepted_per_round, self.stages_per_round) if s > 0]
+        rounds = drafted or [n + 1 for n in self.accepted_per_round]
+        return sum(rounds) / len(rounds) if rounds else 0.0
 
     @property
     def accepted_histogram(self) -> dict[int, int]:
