@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopspec.errors import LoopspecError
-from loopspec.model.target import MLP, RMSNorm, RotaryTable, TargetConfig, apply_rope, default_target_layer_ids
+from loopspec.model.target import (MLP, KVCache, RMSNorm, RotaryTable, TargetConfig, apply_rope,
+                                   default_target_layer_ids)
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -179,16 +180,8 @@ def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, voc
                         "pass --mask-token-id")
 
 
-class ContextCache:
+class ContextCache(KVCache):
     """Every drafter layer's context K/V as one static buffer with a length (rollback moves it)."""
-
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_length: int, head_dim: int,
-                 dtype=torch.float32, device="cpu"):
-        shape = (num_layers, batch, num_kv_heads, max_length, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_length = max_length
-        self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [N, B, kvh, T, hd]
@@ -198,11 +191,6 @@ class ContextCache:
         self.k[:, :, :, self.length:self.length + T] = k
         self.v[:, :, :, self.length:self.length + T] = v
         self.length += T
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length} from {self.length}")
-        self.length = length
 
 
 class DrafterAttention(nn.Module):
