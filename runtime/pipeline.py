@@ -116,21 +116,22 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
     target_dir = resolve_target_dir(target)
     tokenizer = load_tokenizer(target_dir)
     model = load_target_dir(target_dir)
+    drafter_dir = None  # where the drafter was loaded from (tune stores its setting there)
     if drafter in (None, "none"):
         draft_model, description = None, "none"
     elif drafter == "default" and is_default and DEFAULT_DRAFTER_DIR.is_dir():
-        draft_model, description = Drafter.load(DEFAULT_DRAFTER_DIR), f"shipped ({DEFAULT_DRAFTER_DIR.name})"
+        drafter_dir = DEFAULT_DRAFTER_DIR
+        draft_model, description = Drafter.load(drafter_dir), f"shipped ({drafter_dir.name})"
     elif drafter == "default":
         draft_model = fresh_drafter(model, len(tokenizer), is_default, mask_token_id=mask_token_id)
         description = "untrained (fresh random init: lossless but few drafts accepted)"
     else:
-        draft_model, description = Drafter.load(Path(drafter)), str(drafter)
+        drafter_dir = Path(drafter)
+        draft_model, description = Drafter.load(drafter_dir), str(drafter)
         if draft_model.cfg.mask_token_id is None:
             draft_model.cfg.mask_token_id = resolve_mask_token_id(mask_token_id, len(tokenizer), model.cfg.vocab_size)
     if draft_model is not None:
         check_fits(draft_model.cfg, model.cfg)
-    drafter_dir = None if draft_model is None or description.startswith("untrained") else (
-        DEFAULT_DRAFTER_DIR if drafter == "default" else Path(drafter))
     stop = set(model.cfg.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         stop.add(tokenizer.eos_token_id)

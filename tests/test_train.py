@@ -221,3 +221,23 @@ def test_loop_aware_loss_trains(tiny_targets):
         losses.append(loss.item())
     assert torch.isfinite(torch.tensor(losses)).all()
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.4  # (this tiny target's logits start near uniform)
+
+
+def test_dpace_and_kl_options_change_the_loss(tiny_targets):
+    target = load_target_dir(tiny_targets["qwen2"])
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=4, mask_token_id=127, target_layer_ids=[2])
+    torch.manual_seed(0)
+    drafter = Drafter(cfg)
+    s = cycle_samples(1, 30)[0]
+    tokens, mask = torch.tensor(s.tokens), torch.tensor(s.loss_mask)
+    losses = {}
+    for name, tc in {"plain": TrainConfig(anchors=8), "dpace": TrainConfig(anchors=8, dpace=True),
+                     "kl": TrainConfig(anchors=8, kl_weight=1.0)}.items():
+        trainer = DrafterTrainer(target, drafter, tc)
+        taps, logits = trainer.target_pass(tokens, True)
+        loss, _ = trainer.sequence_loss(tokens, mask, taps, random.Random(0), logits)
+        loss.backward()
+        losses[name] = loss.item()
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    assert losses["kl"] > losses["plain"]  # KL to the target is >= 0 and > 0 for a random drafter
+    assert losses["dpace"] != losses["plain"]

@@ -28,8 +28,8 @@ GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
 def default_gamma(block_size: int) -> float:
-    """γ = 7 for B = 16, 5 for 10, 4 for 8; otherwise interpolated linearly in B."""
-    return GAMMA_BY_BLOCK.get(block_size, max(1.0, 0.5 * block_size - 1.0 if block_size < 8 else block_size / 2 - 1))
+    """γ = 7 for B = 16, 5 for 10, 4 for 8; otherwise B/2 - 1 (the line through those), at least 1."""
+    return GAMMA_BY_BLOCK.get(block_size, max(1.0, block_size / 2 - 1))
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -160,7 +160,6 @@ class DrafterTrainer:
     def sequence_loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
                       rng: random.Random, target_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """tokens/loss_mask [L]; taps [>= L-1, n*H] → (weighted loss, stats). Backward is the caller's."""
-        B = self.drafter.cfg.block_size
         L = tokens.numel()
         anchors = sample_anchors(loss_mask, self.cfg.anchors, rng)
         if anchors.numel() == 0:
@@ -168,10 +167,8 @@ class DrafterTrainer:
         taps = taps[: L - 1].to(self.drafter.fc.weight.dtype)
         features = self.drafter.features(taps[None])  # [1, L-1, H]
         ctx_k, ctx_v = self.drafter.context_kv(features, torch.arange(L - 1))  # [N, 1, kvh, L-1, hd]
-        total_loss, total_weight, stats = 0.0, 0.0, {"correct": 0, "labels": 0}
-        chunks = anchors.split(self.cfg.anchor_chunk)
-        losses = []
-        for chunk in chunks:
+        total_weight, stats, losses = 0.0, {"correct": 0, "labels": 0}, []
+        for chunk in anchors.split(self.cfg.anchor_chunk):
             loss_sum, weight_sum, st = self._chunk_loss(tokens, loss_mask, chunk, ctx_k, ctx_v, target_logits)
             losses.append(loss_sum)
             total_weight += weight_sum
@@ -181,28 +178,39 @@ class DrafterTrainer:
         stats["anchors"] = anchors.numel()
         return loss, stats
 
-    def _labelled_rows(self, hidden, tokens, loss_mask, positions, keep):
-        """Weighted CE over the block rows that carry a label. hidden [n, B, H]; positions [n, B];
-        keep [n] which blocks count. → (loss sum, weight sum, stats)."""
+    def _labelled_rows(self, hidden, tokens, loss_mask, positions, keep, target_logits=None):
+        """Weighted CE over the block rows that carry a label (lm_head on those rows only), plus
+        D-PACE weighting and forward KL when configured. hidden [n, B, H]; positions [n, B];
+        keep [n] which blocks count; target_logits [L, V] for KL. → (loss sum, weight sum, stats)."""
+        n, B = positions.shape
         L = tokens.numel()
         valid = (positions < L) & keep[:, None]
         label_pos = positions.clamp(max=L - 1)
         supervised = valid & loss_mask[label_pos]
         supervised[:, 0] = False
         rows = supervised.nonzero(as_tuple=True)
-        y = tokens[label_pos][rows]
-        w = self.weights[rows[1] - 1]
-        h = hidden[rows]
+        y = tokens[label_pos][rows]  # the token AT position a+k (no shift)
         if self.draft_vocab is not None:
             y = self.draft_vocab.target_to_draft(self.target.cfg.vocab_size)[y]
-            inside = y >= 0
-            h, y, w = h[inside], y[inside], w[inside]
+            inside = y >= 0  # labels outside the draft vocabulary cannot be drafted: no loss
+            rows, y = (rows[0][inside], rows[1][inside]), y[inside]
         if y.numel() == 0:
             return hidden.sum() * 0.0, 0.0, {"correct": 0, "labels": 0}
-        logp = torch.log_softmax((h @ self.head_weight.T).float(), dim=-1)
+        w = self.weights[rows[1] - 1]
+        logp = torch.log_softmax((hidden[rows] @ self.head_weight.T).float(), dim=-1)  # [R, Vd]
         nll = -logp.gather(1, y[:, None])[:, 0]
+        if self.cfg.dpace:
+            w = w * self._dpace_factor(nll.detach(), rows, n, B)
+        loss = (w * nll).sum()
+        if self.cfg.kl_weight > 0 and target_logits is not None:
+            t_logits = target_logits[positions[rows] - 1]  # the target row predicting position a+k
+            if self.draft_vocab is not None:
+                t_logits = t_logits[:, self.draft_vocab.ids]
+            p = torch.softmax(t_logits.float(), dim=-1)
+            kl = (p * (torch.log(p.clamp_min(1e-30)) - logp)).sum(-1)
+            loss = loss + self.cfg.kl_weight * (w * kl).sum()
         correct = int((logp.argmax(-1) == y).sum())
-        return (w * nll).sum(), float(w.sum()), {"correct": correct, "labels": int(y.numel())}
+        return loss, float(w.sum()), {"correct": correct, "labels": int(y.numel())}
 
     def loop_sequence_loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
                            rng: random.Random) -> tuple[torch.Tensor | None, dict]:
@@ -278,57 +286,15 @@ class DrafterTrainer:
                 pseudo.append(hidden[:, 1:])
 
     def _chunk_loss(self, tokens, loss_mask, anchors, ctx_k, ctx_v, target_logits):
-        B = self.drafter.cfg.block_size
-        L = tokens.numel()
-        n = anchors.numel()
-        offsets = torch.arange(B)
-        pos = anchors[:, None] + offsets[None, :]  # [n, B] absolute positions
-        block_ids = torch.full((n, B), self.drafter.cfg.mask_token_id, dtype=torch.long)
-        block_ids[:, 0] = tokens[anchors]
-        valid = pos < L
-        label_pos = pos.clamp(max=L - 1)
-        labels = tokens[label_pos]  # [n, B]: the token AT position a+i (no shift)
-        supervised = valid & loss_mask[label_pos]
-        supervised[:, 0] = False
-        with torch.no_grad():
-            embeds = self.target.embed_tokens(block_ids.flatten())[None]  # [1, n*B, H]
-        mask = block_mask_dense(anchors, B, ctx_k.shape[3], self.cfg.causal_in_block)[None, None]
-        hidden = self.drafter(embeds, pos.flatten(), ctx_k, ctx_v, mask)[0].view(n, B, -1)  # [n, B, H]
-
-        rows = supervised.nonzero(as_tuple=True)
-        h = hidden[rows]  # [R, H] only the rows that carry a label
-        k_idx = rows[1]  # in-block position 1..B-1
-        y = labels[rows]
-        w = self.weights[k_idx - 1]
-        if self.draft_vocab is not None:
-            y_d = self.draft_vocab.target_to_draft(self.target.cfg.vocab_size)[y]
-            keep = y_d >= 0  # labels outside the draft vocabulary cannot be drafted: no loss
-            h, y_d, w, k_idx, y = h[keep], y_d[keep], w[keep], k_idx[keep], y[keep]
-            rows = (rows[0][keep], rows[1][keep])
-        else:
-            y_d = y
-        logits = h @ self.head_weight.T  # [R, Vd]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        nll = -logp.gather(1, y_d[:, None])[:, 0]  # [R]
-        if self.cfg.dpace:
-            w = w * self._dpace_factor(nll.detach(), rows, n, B)
-        loss = (w * nll).sum()
-        if self.cfg.kl_weight > 0 and target_logits is not None:
-            t_logits = target_logits[anchors[rows[0]] + rows[1] - 1]  # target row predicting position a+k
-            if self.draft_vocab is not None:
-                t_logits = t_logits[:, self.draft_vocab.ids]
-            p = torch.softmax(t_logits.float(), dim=-1)
-            kl = (p * (torch.log(p.clamp_min(1e-30)) - logp)).sum(-1)
-            loss = loss + self.cfg.kl_weight * (w * kl).sum()
-        correct = int((logits.argmax(-1) == y_d).sum())
-        return loss, float(w.sum()), {"correct": correct, "labels": int(y_d.numel())}
+        """DFlash: one stage per anchor on the target context, loss over its labelled rows."""
+        ((_, positions, hidden),) = self.loop_stages(tokens, anchors, ctx_k, ctx_v, 1)
+        keep = torch.ones(anchors.numel(), dtype=torch.bool)
+        return self._labelled_rows(hidden, tokens, loss_mask, positions, keep, target_logits)
 
     @staticmethod
     def _dpace_factor(nll: torch.Tensor, rows, n: int, B: int) -> torch.Tensor:
         """D-PACE: weight of position i ∝ ∂E[accepted]/∂log p_i = Σ_{k≥i} Π_{j≤k} p_j (detached),
         with E[accepted] = Σ_k Π_{j≤k} p_j the differentiable surrogate of the accepted length."""
-        p = torch.ones(n, B)
-        p[:, 0] = 1.0
         grid = torch.zeros(n, B)
         grid[rows] = torch.exp(-nll)
         has = torch.zeros(n, B, dtype=torch.bool)
