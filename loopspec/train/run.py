@@ -65,7 +65,10 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
     log_path = out_dir / "train_log.jsonl"
     step, elapsed = 0, 0.0
     if resume and state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
+        try:
+            state = torch.load(state_path, weights_only=False)
+        except Exception as e:  # truncated or foreign file: say which, keep it for inspection
+            raise LoopspecError(f"cannot resume from {state_path}: {e} (move it away to start over)") from None
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         step, elapsed = state["step"], state.get("elapsed", 0.0)
