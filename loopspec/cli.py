@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="drafter directory (z-lab format); re-running resumes")
     t.add_argument("--init", default=None, help="start from this drafter directory")
     t.add_argument("--num-layers", type=_positive_int("--num-layers"), default=1)
-    t.add_argument("--block-size", type=_positive_int("--block-size"), default=16)
+    t.add_argument("--block-size", type=_positive_int("--block-size"), default=None,
+                   help="block size (default 16, or the --init drafter's; the weights do not depend on it)")
     t.add_argument("--tap-layers", default=None, help="comma-separated target layer ids (default: formula)")
     t.add_argument("--num-taps", type=_positive_int("--num-taps"), default=None,
                    help="number of taps by the formula (default: one per drafter layer)")
@@ -157,6 +158,10 @@ def cmd_train(args) -> int:
     target = load_target_dir(target_dir)
     if args.init:
         drafter = Drafter.load(args.init)
+        if args.block_size:
+            if args.block_size < 2:
+                raise LoopspecError(f"block size must be at least 2, got {args.block_size}")
+            drafter.cfg.block_size = args.block_size
     else:
         mask = args.mask_token_id
         if mask is None and args.target == "default":
@@ -164,7 +169,7 @@ def cmd_train(args) -> int:
         mask = resolve_mask_token_id(mask, len(load_tokenizer(target_dir)), target.cfg.vocab_size)
         taps = _int_list(args.tap_layers, "--tap-layers") or default_target_layer_ids(
             target.cfg.num_layers, args.num_taps or args.num_layers)
-        cfg = DrafterConfig.for_target(target.cfg, num_layers=args.num_layers, block_size=args.block_size,
+        cfg = DrafterConfig.for_target(target.cfg, num_layers=args.num_layers, block_size=args.block_size or 16,
                                        target_layer_ids=taps, mask_token_id=mask)
         torch.manual_seed(args.seed)
         drafter = Drafter(cfg)
