@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(u)
     u.add_argument("--limit", type=_positive_int("--limit"), default=8)
     u.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=96)
-    u.add_argument("--thresholds", default="-0.25,-0.5,-0.75,-1.0")
+    # the DLoop paper's grid plus lower gates: a small drafter's block log-prob sums sit far below -1
+    u.add_argument("--thresholds", default="-0.25,-0.5,-0.75,-1.0,-2.0,-4.0",
+                   help="comma-separated gate thresholds (write --thresholds=-1,-2)")
     u.add_argument("--stages", default="1,2,3,4")
     u.add_argument("--block-sizes", default=None, help="comma-separated (default: the drafter's)")
     u.add_argument("--no-store", action="store_true", help="print the result, do not write it to the drafter")
