@@ -1,0 +1,362 @@
+"""Serving bundles for multi-GPU engines: TensorRT-LLM, vLLM and SGLang serve the target with the DFlash
+drafter in the z-lab format they all load.
+
+A bundle directory holds
+  drafter/    z-lab config.json + model.safetensors (no d2t: see DRAFT_VOCAB_NOTE)
+  target/     Hugging Face checkpoint (config.json, *.safetensors, tokenizer files), optionally
+              modelopt-quantized (FP8 / NVFP4)
+  trtllm/     extra_llm_api_options.yaml + launch.sh      (only the engines asked for)
+  vllm/       launch.sh
+  sglang/     launch.sh
+  README.md   what each engine uses, how to launch, the support matrix
+  manifest.json  sha256 of every file, source hashes, tool versions
+
+Launch scripts cd into the bundle root and use relative paths (`./target`, `./drafter`), so a bundle
+can be copied to the serving machine as it is. DLoop runs only in loopspec's own runtime.
+
+Engine facts this module relies on (from each engine's documentation; re-check on upgrades):
+- TensorRT-LLM >= 1.3, LLM API reference `DFlashDecodingConfig`: `speculative_config` with
+  `decoding_type: DFlash`, `speculative_model`, `max_draft_len` (drafted tokens per step, at most
+  block_size - 1), `mask_token_id`, `target_layer_ids`; `CudaGraphConfig` (`enable_padding`,
+  `max_batch_size`); `tensor_parallel_size` is an LLM API argument. trtllm-serve
+  (tensorrt_llm/commands/serve.py) reads that YAML with `--config`, alias `--extra_llm_api_options`
+  (the older spelling, accepted by every 1.x), `--tp_size`, `--backend pytorch`.
+- vLLM (speculative decoding docs; z-lab/dflash README): `vllm serve TARGET --speculative-config
+  '{"method": "dflash", "model": DRAFTER, "num_speculative_tokens": k - 1}'`,
+  `--tensor-parallel-size N`; the mask token and tap layers come from the drafter's config.json
+  (`dflash_config`). A modelopt checkpoint's quantization is read from the target's config.
+- SGLang (docs.sglang.io speculative decoding; z-lab model cards): `python -m sglang.launch_server
+  --model-path TARGET --speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER
+  --speculative-num-draft-tokens k` (the block size, anchor included; newer releases also spell it
+  `--speculative-dflash-block-size` and require both to agree when both are set), `--tp-size N`;
+  `--speculative-draft-model-quantization unquant` keeps the drafter unquantized when the target is.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loopspec.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET_MASK_TOKEN_ID
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import Drafter, check_fits, resolve_mask_token_id
+from loopspec.model.target import TargetConfig
+from loopspec.weights import (DEFAULT_TARGET_NAME, file_sha256, load_tokenizer, read_json, read_safetensors,
+                              resolve_target_dir, target_fingerprint, write_safetensors)
+
+ENGINES = ("trtllm", "vllm", "sglang")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+PRECISIONS = ("fp8", "nvfp4")
+# what an engine needs beside the weights to serve the target (chat template, stop tokens, tokenizer)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+ENGINE_NAMES = {"trtllm": "TensorRT-LLM >= 1.3", "vllm": "vLLM", "sglang": "SGLang"}
+
+DRAFT_VOCAB_NOTE = ("The engines' DFlash drafting multiplies the drafter's hidden states by the target's "
+                    "lm_head over the full vocabulary; none documents a reduced draft vocabulary (d2t) "
+                    "for DFlash, so the bundle writes none. The drafter weights do not depend on the "
+                    "vocabulary: d2t only restricts which rows are drafted (loopspec's own runtime uses it).")
+
+# Which engine supports what, declared once (README and docs/serving.md print it).
+SUPPORT_COLUMNS = ("DFlash", "DLoop", "d2t reduced vocab", "FP8", "NVFP4", "tensor parallel")
+SUPPORT = {
+    "loopspec runtime": ("yes", "yes", "yes", "drafter (ONNX Runtime / TensorRT)", "TensorRT on Blackwell",
+                         "no (one device)"),
+    "TensorRT-LLM >= 1.3": ("yes (`DFlashDecodingConfig`)", "no", "no (full vocab)",
+                            "yes (modelopt checkpoint)", "Blackwell only", "yes (`tensor_parallel_size`)"),
+    "vLLM": ("yes (`method: dflash`)", "no", "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
+             "yes (`--tensor-parallel-size`)"),
+    "SGLang": ("yes (`DFLASH`)", "no", "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
+               "yes (`--tp-size`)"),
+}
+
+
+def support_matrix_markdown() -> str:
+    lines = ["| engine | " + " | ".join(SUPPORT_COLUMNS) + " |", "|---" * (len(SUPPORT_COLUMNS) + 1) + "|"]
+    lines += [f"| {engine} | " + " | ".join(row) + " |" for engine, row in SUPPORT.items()]
+    return "\n".join(lines)
+
+
+@dataclass
+class LaunchSettings:
+    """What every engine's launch needs to know about the pair."""
+
+    name: str  # served model name
+    tp: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    precision: str | None
+    max_batch_size: int
+
+
+# --------------------------------------------------------------------------------------------------
+# launch files per engine: {relative path: text}
+
+
+def _command(argv: list[str]) -> str:
+    """A shell command: the program and its positional words on the first line, then one flag (and its
+    value) per line, every argument quoted; extra flags given to the script pass through ("$@")."""
+    i = 0
+    while i < len(argv) and not argv[i].startswith("--"):
+        i += 1
+    lines = [" ".join(shlex.quote(a) for a in argv[:i])]
+    while i < len(argv):
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            lines.append(f"{argv[i]} {shlex.quote(argv[i + 1])}")
+            i += 2
+        else:
+            lines.append(shlex.quote(argv[i]))
+            i += 1
+    return "exec " + " \\\n    ".join(lines + ['"$@"']) + "\n"
+
+
+def _launch_script(engine: str, argv: list[str]) -> str:
+    return ("#!/bin/sh\n"
+            f"# Serve this bundle with {ENGINE_NAMES[engine]}: target + DFlash drafter. Extra flags are passed on.\n"
+            "set -eu\n"
+            'cd "$(dirname "$0")/.."  # paths below are relative to the bundle root\n'
+            + _command(argv))
+
+
+def trtllm_options(s: LaunchSettings) -> dict:
+    """The LLM API options trtllm-serve reads from YAML."""
+    spec = {"decoding_type": "DFlash", "speculative_model": "./drafter", "max_draft_len": s.block_size - 1,
+            "mask_token_id": s.mask_token_id, "target_layer_ids": list(s.target_layer_ids)}
+    return {"tensor_parallel_size": s.tp,
+            "cuda_graph_config": {"enable_padding": True, "max_batch_size": s.max_batch_size},
+            "speculative_config": spec}
+
+
+def trtllm_files(s: LaunchSettings) -> dict[str, str]:
+    import yaml  # PyYAML comes with transformers
+
+    options = "# TensorRT-LLM LLM API options (trtllm-serve --extra_llm_api_options / --config)\n"
+    options += yaml.safe_dump(trtllm_options(s), sort_keys=False)
+    argv = ["trtllm-serve", "./target", "--backend", "pytorch", "--tp_size", str(s.tp),
+            "--extra_llm_api_options", "./trtllm/extra_llm_api_options.yaml"]
+    return {"trtllm/extra_llm_api_options.yaml": options, "trtllm/launch.sh": _launch_script("trtllm", argv)}
+
+
+def vllm_speculative_config(s: LaunchSettings) -> dict:
+    return {"method": "dflash", "model": "./drafter", "num_speculative_tokens": s.block_size - 1}
+
+
+def vllm_files(s: LaunchSettings) -> dict[str, str]:
+    argv = ["vllm", "serve", "./target", "--served-model-name", s.name, "--tensor-parallel-size", str(s.tp),
+            "--speculative-config", json.dumps(vllm_speculative_config(s))]
+    return {"vllm/launch.sh": _launch_script("vllm", argv)}
+
+
+def sglang_files(s: LaunchSettings) -> dict[str, str]:
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", "./target", "--served-model-name", s.name,
+            "--tp-size", str(s.tp), "--speculative-algorithm", "DFLASH",
+            "--speculative-draft-model-path", "./drafter", "--speculative-num-draft-tokens", str(s.block_size)]
+    if s.precision is not None:  # SGLang quantizes the drafter like the target unless told otherwise
+        argv += ["--speculative-draft-model-quantization", "unquant"]
+    return {"sglang/launch.sh": _launch_script("sglang", argv)}
+
+
+LAUNCH_FILES = {"trtllm": trtllm_files, "vllm": vllm_files, "sglang": sglang_files}
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs
+
+
+def parse_engines(text: str | list[str]) -> list[str]:
+    """'trtllm', 'vllm,sglang' or 'all' → engine names in a fixed order."""
+    names = text if isinstance(text, list) else [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["all"]:
+        return list(ENGINES)
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown or not names:
+        raise LoopspecError(f"unknown engine {', '.join(unknown) or repr(text)} (choose from {', '.join(ENGINES)} or all)")
+    return [e for e in ENGINES if e in names]
+
+
+def check_tp(tp: int, heads: int, kv_heads: int, what: str) -> None:
+    """Attention heads are split across GPUs; K/V heads are split or replicated evenly."""
+    if tp < 1:
+        raise LoopspecError(f"--tp must be >= 1, got {tp}")
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
+        raise LoopspecError(f"tensor parallel size {tp} does not split the {what}'s {heads} attention heads / "
+                            f"{kv_heads} K/V heads evenly")
+
+
+def _resolve_drafter(drafter: str, target: str) -> Path:
+    if drafter == "default":
+        if str(target) != "default" or not DEFAULT_DRAFTER_DIR.is_dir():
+            raise LoopspecError("a bundle needs a trained drafter: pass --drafter DIR (the shipped one fits "
+                                "only --target default)")
+        return DEFAULT_DRAFTER_DIR
+    return Path(drafter)
+
+
+# --------------------------------------------------------------------------------------------------
+# writing
+
+
+def export_target(src: Path, dst: Path, dtype: torch.dtype) -> None:
+    """Copy an HF checkpoint shard by shard, floats cast to `dtype` (one shard in memory at a time)."""
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards:
+        raise LoopspecError(f"no *.safetensors file in {src}")
+    dst.mkdir(parents=True)
+    for shard in shards:
+        state = read_safetensors(shard)
+        write_safetensors({k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in state.items()},
+                          dst / shard.name)
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        shutil.copyfile(index, dst / index.name)
+    cfg = read_json(src / "config.json", "target config")
+    name = str(dtype).removeprefix("torch.")
+    cfg["torch_dtype"] = name
+    if "dtype" in cfg:
+        cfg["dtype"] = name
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    copied = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+    if not any(f.startswith("tokenizer") for f in copied):
+        raise LoopspecError(f"the target {src} has no tokenizer files; the engines need them")
+    for f in copied:
+        shutil.copyfile(src / f, dst / f)
+
+
+def quantize_target(src: Path, dst: Path, precision: str) -> None:
+    """A modelopt-quantized HF checkpoint of the target (convert/quantize.py does the calibration)."""
+    try:
+        from loopspec.convert import quantize
+    except ImportError:
+        quantize = None
+    export = getattr(quantize, "quantize_target_checkpoint", None)
+    if export is None:
+        raise LoopspecError(f"--precision {precision} needs the modelopt quantization of convert/quantize "
+                            "(quantize_target_checkpoint), which this installation does not provide; "
+                            "build the bundle without --precision")
+    export(src, dst, precision)
+
+
+def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None, sources: dict) -> str:
+    trained = (f" This drafter was trained with a reduced draft vocabulary of {vocab} tokens; drafting over "
+               "the full vocabulary keeps the output exact (verification decides) but can lower τ a little."
+               if vocab else "")
+    precision = s.precision or dtype
+    lines = [f"# Serving bundle: {s.name}", "",
+             f"Target `{sources['target']}` ({precision}) with the DFlash drafter `{sources['drafter']}` "
+             f"(block size {s.block_size}, taps {s.target_layer_ids}, mask token {s.mask_token_id}), "
+             f"tensor parallel size {s.tp}.", "",
+             "## Launch", ""]
+    for e in engines:
+        lines.append(f"- {ENGINE_NAMES[e]}: `sh {e}/launch.sh [extra engine flags]`")
+    if "trtllm" in engines:
+        lines += ["", "`trtllm/extra_llm_api_options.yaml` holds the `speculative_config` (DFlash), "
+                  "`cuda_graph_config` and `tensor_parallel_size`; trtllm-serve reads it with "
+                  "`--extra_llm_api_options` (alias `--config`)."]
+    lines += ["", "Every launch script changes into the bundle root first: the paths `./target` and "
+              "`./drafter` (also in the YAML) are relative to it.", "",
+              "## What each engine uses", "",
+              "- `drafter/`: z-lab DFlash format (`config.json` with `dflash_config.mask_token_id` and "
+              "`target_layer_ids`, `model.safetensors`), read by all three engines.",
+              f"- Draft vocabulary: full. {DRAFT_VOCAB_NOTE}{trained}",
+              "- DLoop (several draft stages per verification) runs only in loopspec's own runtime; the "
+              "engines run plain DFlash (one stage per verification).",
+              "- `target/`: Hugging Face checkpoint" + (f", modelopt {s.precision.upper()}-quantized." if s.precision
+                                                         else f" in {dtype}.")]
+    if s.precision == "nvfp4":
+        lines.append("- NVFP4 kernels need a Blackwell GPU (compute capability >= 10.0); other GPUs refuse it.")
+    lines += ["", "## Support matrix", "", support_matrix_markdown(), "",
+              "`manifest.json` lists the sha256 of every file, the sources' hashes and the tool versions.", ""]
+    return "\n".join(lines)
+
+
+def _manifest(out: Path, engines: list[str], s: LaunchSettings, dtype: str, sources: dict) -> dict:
+    import importlib.metadata as md
+
+    import loopspec
+
+    tools = {"loopspec": loopspec.__version__, "torch": torch.__version__}
+    for package in ("transformers", "safetensors", "nvidia-modelopt"):
+        try:
+            tools[package] = md.version(package)
+        except md.PackageNotFoundError:
+            pass
+    files = {str(p.relative_to(out)): file_sha256(p) for p in sorted(out.rglob("*")) if p.is_file()}
+    return {"kind": "serving-bundle", "engines": engines, "tensor_parallel_size": s.tp,
+            "precision": s.precision or dtype, "block_size": s.block_size, "mask_token_id": s.mask_token_id,
+            "target_layer_ids": s.target_layer_ids, "draft_vocab": "full", "sources": sources, "tools": tools,
+            "files": files}
+
+
+def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | list[str], *,
+                 precision: str | None = None, tp: int = 1, dtype: str = "bfloat16",
+                 mask_token_id: int | None = None, max_batch_size: int = 8) -> dict:
+    """Write a serving bundle for `engines` into `out_dir`; returns its manifest."""
+    engines = parse_engines(engines)
+    if precision is not None and precision not in PRECISIONS:
+        raise LoopspecError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
+    if dtype not in DTYPES:
+        raise LoopspecError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if max_batch_size < 1:
+        raise LoopspecError(f"max batch size must be >= 1, got {max_batch_size}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "manifest.json").is_file())):
+        raise LoopspecError(f"{out} exists and is not a bundle; refusing to overwrite it")
+
+    target_dir = resolve_target_dir(target)
+    target_cfg = TargetConfig.from_hf(read_json(target_dir / "config.json", "target config"))
+    drafter_dir = _resolve_drafter(drafter, target)
+    model = Drafter.load(drafter_dir)
+    cfg = model.cfg
+    if cfg.mask_token_id is None:
+        if mask_token_id is None and str(target) == "default":
+            mask_token_id = DEFAULT_TARGET_MASK_TOKEN_ID
+        cfg.mask_token_id = resolve_mask_token_id(mask_token_id, len(load_tokenizer(target_dir)), target_cfg.vocab_size)
+    check_fits(cfg, target_cfg)
+    check_tp(tp, target_cfg.num_heads, target_cfg.num_kv_heads, "target")
+    check_tp(tp, cfg.num_heads, cfg.num_kv_heads, "drafter")
+
+    name = DEFAULT_TARGET_NAME if str(target) == "default" else target_dir.name
+    s = LaunchSettings(name=name, tp=tp, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                       target_layer_ids=list(cfg.target_layer_ids), precision=precision,
+                       max_batch_size=max_batch_size)
+    sources = {"target": str(target), "target_fingerprint": target_fingerprint(target_dir),
+               "drafter": str(drafter_dir),
+               "drafter_files": {p.name: file_sha256(p) for p in sorted(drafter_dir.glob("*")) if p.is_file()}}
+
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        # the engines draft over the full vocabulary, so the reduced-vocab size is not carried along
+        trained_vocab = cfg.extra.get("draft_vocab_size")
+        cfg.extra = {k: v for k, v in cfg.extra.items() if k != "draft_vocab_size"}
+        model.save(tmp / "drafter", dtype=DTYPES[dtype])
+        if precision is None:
+            export_target(target_dir, tmp / "target", DTYPES[dtype])
+        else:
+            quantize_target(target_dir, tmp / "target", precision)
+        for engine in engines:
+            for rel, text in LAUNCH_FILES[engine](s).items():
+                path = tmp / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+                if path.suffix == ".sh":
+                    path.chmod(0o755)
+        (tmp / "README.md").write_text(_readme(engines, s, dtype, trained_vocab, sources))
+        manifest = _manifest(tmp, engines, s, dtype, sources)
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return manifest
