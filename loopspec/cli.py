@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap the prompt in the target's chat template")
 
     b = sub.add_parser("bench", help="every method on the same prompts in one process")
-    b.add_argument("--prompts", required=True, nargs="+", help="JSONL files of {\"turns\": [...]}")
+    b.add_argument("--prompts", required=True, nargs="+",
+                   help="JSONL files of {\"turns\": [...]} (dataset = file stem) or the built-in set 'humaneval'")
     _add_model_args(b)
     b.add_argument("--methods", default="ar,dflash", help="comma-separated: ar,dflash,dloop,hf,hf-lookup")
     _add_sampling_args(b)
@@ -74,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--all-turns", action="store_true", help="use every turn (each as its own prompt)")
     b.add_argument("--repeats", type=_positive_int("--repeats"), default=1, help="timed repeats (median)")
     b.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    b.add_argument("--out", dest="out_dir", default=None,
+                   help="report directory: bench.json, bench.md (tables per dataset) and PNG plots")
     b.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     b.add_argument("--cost-model", action="store_true",
                    help="also measure bandwidth, t_verify(n), draft time and each method's speedup bound")
@@ -327,7 +331,7 @@ def cmd_bench(args) -> int:
               repeats=args.repeats, json_out=args.json_out, chat=args.chat, max_context=args.max_context,
               mask_token_id=args.mask_token_id, num_threads=args.threads,
               gate_threshold=args.gate_threshold, max_stages=args.max_stages, cost_model=args.cost_model,
-              adaptive=args.adaptive)
+              adaptive=args.adaptive, out_dir=args.out_dir, command="loopspec " + shlex.join(args.argv))
     return 0
 
 
@@ -337,6 +341,7 @@ COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune, "dat
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse itself exits 2 with one line for malformed flags
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # reports record the exact command
     try:
         return COMMANDS[args.command](args)
     except LoopspecError as e:

