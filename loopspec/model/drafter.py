@@ -263,7 +263,8 @@ class Drafter(nn.Module):
         return self.hidden_norm(self.fc(taps))
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's context K/V from H-dim features [B, T, H] in ONE matmul → [N, B, kvh, T, hd]."""
+        """Every layer's context K/V from H-dim features [B, T, H] at positions [T] (or per row [B, T])
+        in ONE matmul → [N, B, kvh, T, hd]."""
         B, T, _ = features.shape
         N, kvh, hd = self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
         weight = torch.cat([torch.cat([l.self_attn.k_proj.weight, l.self_attn.v_proj.weight]) for l in self.layers])
@@ -274,7 +275,9 @@ class Drafter(nn.Module):
         k = k.float()
         k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         k = k_norm_w[:, None, None, None, :] * k.to(features.dtype)
-        cos, sin = self.rotary(positions)  # [T, hd]
+        cos, sin = self.rotary(positions)  # [T, hd], or [B, T, hd] for per-row positions [B, T]
+        if positions.dim() == 2:
+            cos, sin = cos[None, :, None], sin[None, :, None]  # [1, B, 1, T, hd]
         return apply_rope(k, cos, sin), v
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor,

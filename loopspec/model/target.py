@@ -239,6 +239,73 @@ class KVCache:
             raise ValueError(f"cannot roll back to {length} from {self.length}")
         self.length = length
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor, length: int) -> "KVCache":
+        """A cache over existing buffers [N, B, kvh, S, hd] (e.g. one row of a BatchKVCache): writes go through."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.max_length, cache.length = k, v, k.shape[3], length
+        return cache
+
+
+class BatchKVCache:
+    """Static K/V buffers for up to `rows` sequences, each with its own length (`lengths` [rows]).
+
+    A ragged forward runs rows 0..B-1, so the caller keeps its live rows packed at the front
+    (`move_row` fills a hole). `row(r)` is a one-row KVCache over the same buffers: the single-sequence
+    path (e.g. a prefill) runs on it unchanged."""
+
+    def __init__(self, num_layers: int, rows: int, num_kv_heads: int, max_length: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        shape = (num_layers, rows, num_kv_heads, max_length, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_length = max_length
+        self.lengths = torch.zeros(rows, dtype=torch.long)
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    def row(self, r: int) -> KVCache:
+        return KVCache.over(self.k[:, r:r + 1], self.v[:, r:r + 1], int(self.lengths[r]))
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> None:
+        """Every layer at once: the first counts[i] entries of k/v [N, R, kvh, T, hd] row i go to cache
+        row rows[i] at its length, which advances by counts[i]."""
+        starts = self.lengths[rows]
+        if int((starts + counts).max()) > self.max_length:
+            raise LoopspecError(f"sequence of {int((starts + counts).max())} exceeds the context of {self.max_length}")
+        i, t = (torch.arange(k.shape[3])[None, :] < counts[:, None]).nonzero(as_tuple=True)  # valid (row, token) pairs
+        slots = starts[i] + t
+        self.k[:, rows[i], :, slots] = k[:, i, :, t]  # [P, N, kvh, hd] on both sides
+        self.v[:, rows[i], :, slots] = v[:, i, :, t]
+        self.lengths[rows] = starts + counts
+
+    def move_row(self, src: int, dst: int) -> None:
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+
+
+class RaggedStep:
+    """One ragged forward over rows 0..B-1 of a BatchKVCache: row b's first counts[b] new tokens are
+    stored at its own length; padding tokens are never stored."""
+
+    def __init__(self, cache: BatchKVCache, counts: torch.Tensor, width: int):
+        self.cache, self.batch = cache, counts.shape[0]
+        starts = cache.lengths[:self.batch]
+        self.row_idx, self.t_idx = (torch.arange(width)[None, :] < counts[:, None]).nonzero(as_tuple=True)
+        self.slots = starts[self.row_idx] + self.t_idx
+        self.keys = int((starts + counts).max())  # key slots any real query can see
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: [B, kvh, T, hd] → every row's keys/values [B, kvh, keys, hd] (masked per row by the caller)
+        cache_k, cache_v = self.cache.k[layer, :self.batch], self.cache.v[layer, :self.batch]
+        cache_k[self.row_idx, :, self.slots] = k[self.row_idx, :, self.t_idx]  # [P, kvh, hd]
+        cache_v[self.row_idx, :, self.slots] = v[self.row_idx, :, self.t_idx]
+        return cache_k[:, :, :self.keys], cache_v[:, :, :self.keys]
+
 
 def causal_mask(q_len: int, past: int, device) -> torch.Tensor | None:
     """Bool mask [q_len, past+q_len]: query i sees keys 0 .. past+i. None when q_len == 1."""
@@ -274,11 +341,14 @@ class TargetAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        start = cache.length
-        cache.k[layer, :, :, start:start + T] = k
-        cache.v[layer, :, :, start:start + T] = v
-        keys = cache.k[layer, :, :, :start + T]  # [B, kvh, S, hd]
-        values = cache.v[layer, :, :, :start + T]
+        if isinstance(cache, RaggedStep):  # rows of a BatchKVCache, each at its own length
+            keys, values = cache.store(layer, k, v)
+        else:
+            start = cache.length
+            cache.k[layer, :, :, start:start + T] = k
+            cache.v[layer, :, :, start:start + T] = v
+            keys = cache.k[layer, :, :, :start + T]  # [B, kvh, S, hd]
+            values = cache.v[layer, :, :, :start + T]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -330,6 +400,12 @@ class Target(nn.Module):
         return KVCache(self.cfg.num_layers, batch, self.cfg.num_kv_heads, max_length, self.cfg.head_dim,
                        dtype=p.dtype, device=p.device)
 
+    def new_batch_cache(self, max_length: int, rows: int) -> BatchKVCache:
+        p = self.embed_tokens.weight
+        return BatchKVCache(self.cfg.num_layers, rows, self.cfg.num_kv_heads,
+                            min(max_length, self.cfg.max_position_embeddings), self.cfg.head_dim,
+                            dtype=p.dtype, device=p.device)
+
     @torch.no_grad()  # not inference_mode: taps feed drafter training, whose autograd must save them
     def forward(self, input_ids: torch.Tensor, cache: KVCache, want_taps: bool = True,
                 last_logits_only: bool = False, positions: torch.Tensor | None = None,
@@ -356,7 +432,32 @@ class Target(nn.Module):
             # nothing (which would give NaN K/V that poison the real rows through 0 * NaN)
             own = torch.arange(start + T, device=input_ids.device)[None, :] == (start + torch.arange(T, device=input_ids.device))[:, None]
             mask = mask | own[None, None]
-        x = self.embed_tokens(input_ids)  # [B, T, H]
+        out = self._stack(self.embed_tokens(input_ids), cos, sin, cache, mask, want_taps, last_logits_only)
+        cache.length = start + T
+        return out
+
+    @torch.no_grad()
+    def forward_ragged(self, input_ids: torch.Tensor, counts: torch.Tensor, cache: BatchKVCache,
+                       want_taps: bool = True) -> TargetOutput:
+        """Rows 0..B-1 of `cache` at once, each at its own length: row b runs its first counts[b]
+        tokens of `input_ids` [B, T] (right-padded) and advances by counts[b]. Row b's outputs equal
+        those of running its tokens alone (fp32 summation order aside); padding outputs are junk."""
+        B, T = input_ids.shape
+        starts = cache.lengths[:B]
+        if int((starts + counts).max()) > cache.max_length:
+            raise LoopspecError(f"sequence of {int((starts + counts).max())} tokens exceeds the context of {cache.max_length}")
+        step = RaggedStep(cache, counts, T)
+        positions = starts[:, None] + torch.arange(T)[None, :]  # [B, T]
+        cos, sin = self.rotary(positions.clamp_max(cache.max_length - 1))  # padding may run past the end
+        # query t of row b sees that row's slots 0 .. start_b + t: its history and its own new tokens
+        mask = torch.arange(step.keys)[None, None, :] <= positions[:, :, None]  # [B, T, keys]
+        out = self._stack(self.embed_tokens(input_ids), cos[:, None], sin[:, None], step, mask[:, None],
+                          want_taps, last_logits_only=False)
+        cache.lengths[:B] = starts + counts
+        return out
+
+    def _stack(self, x, cos, sin, cache, mask, want_taps: bool, last_logits_only: bool) -> TargetOutput:
+        """The decoder layers, final norm and lm_head over embeddings x [B, T, H]."""
         tapped = set(self.target_layer_ids) if want_taps else set()
         taps: dict[int, torch.Tensor] = {}
         last = self.cfg.num_layers - 1
@@ -364,7 +465,6 @@ class Target(nn.Module):
             x = layer(x, cos, sin, cache, i, mask)
             if i in tapped:
                 taps[i] = x
-        cache.length = start + T
         x = self.norm(x)
         if last in tapped:
             taps[last] = x  # HF's hidden_states[L] is the final-normed output; keep that meaning

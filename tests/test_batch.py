@@ -1,0 +1,230 @@
+"""Batched speculative decoding: every row of a batch commits what the same request commits alone."""
+
+import pytest
+import torch
+
+from loopspec.decoding import SamplingParams
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.runtime.batch import (BatchedDecoder, Method, SingleRowBatchEngine, TorchBatchEngine,
+                                    decode_together, open_batch)
+from loopspec.runtime.loop import generate
+from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.weights import load_target_dir
+
+from conftest import FAMILIES
+
+METHODS = {"ar": Method(), "dflash": Method(block_size=5), "dloop": Method(block_size=5, max_stages=3, gate_threshold=-1e9)}
+
+
+def random_drafter(target, block_size=5, seed=0):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=2, block_size=block_size, mask_token_id=127)
+    return Drafter(cfg).eval()
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 120, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def alone(engine, prompt, method: Method, max_new_tokens, params=SamplingParams(), seed=0, stop=frozenset()):
+    return generate(engine, prompt, max_new_tokens=max_new_tokens, params=params, block_size=method.block_size,
+                    max_stages=method.max_stages, gate_threshold=method.gate_threshold, stop_token_ids=stop,
+                    generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_targets):
+    out = {}
+    for family in FAMILIES:
+        target = load_target_dir(tiny_targets[family])
+        out[family] = TorchEngine(target, random_drafter(target), max_context=160)
+    return out
+
+
+def test_ragged_forward_equals_rows_alone(engines):
+    engine = engines["qwen3"]
+    target = engine.target
+    cache = target.new_batch_cache(64, rows=3)
+    rows = prompts(3, seed=1)
+    singles = []
+    for r, p in enumerate(rows):  # prefill each row alone through a one-row view
+        view = cache.row(r)
+        target(torch.tensor([p]), view)
+        cache.lengths[r] = view.length
+        ref = target.new_cache(64)
+        target(torch.tensor([p]), ref)
+        singles.append(ref)
+    new = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+    ids = torch.zeros(3, 5, dtype=torch.long)
+    for b, t in enumerate(new):
+        ids[b, :len(t)] = torch.tensor(t)
+    out = target.forward_ragged(ids, torch.tensor([3, 1, 5]), cache)
+    assert cache.lengths.tolist() == [len(p) + len(t) for p, t in zip(rows, new)]
+    for b, t in enumerate(new):
+        ref = target(torch.tensor([t]), singles[b])
+        assert (out.logits[b, :len(t)] - ref.logits[0]).abs().max() < 1e-4
+        assert (out.taps[b, :len(t)] - ref.taps[0]).abs().max() < 1e-4
+        n = cache.lengths[b]
+        assert torch.allclose(cache.k[:, b, :, :n], singles[b].k[:, 0, :, :n], atol=1e-5)
+    with pytest.raises(LoopspecError, match="exceeds the context"):
+        target.forward_ragged(torch.zeros(1, 64, dtype=torch.long), torch.tensor([64]), cache)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", list(METHODS))
+def test_batched_greedy_equals_alone(family, name, engines):
+    engine, method = engines[family], METHODS[name]
+    ps = prompts(5, seed=2)
+    refs = [alone(engine, p, Method(), 40).tokens for p in ps]  # plain autoregressive decoding
+    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=5), method)
+    done = decode_together(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)])
+    assert [done[i].tokens for i in range(5)] == refs
+    if name == "dloop":
+        assert max(max(done[i].stats.stages_per_round) for i in range(5)) == 3
+
+
+def test_admit_and_retire_between_steps(engines):
+    """More requests than rows, different lengths and budgets: rows retire and new ones are admitted
+    (moving the last row into a hole) while the others are mid-decode."""
+    engine, method = engines["llama"], METHODS["dloop"]
+    ps = prompts(9, seed=3)
+    budgets = [5, 40, 12, 1, 33, 20, 7, 40, 26]
+    refs = [alone(engine, p, Method(), n).tokens for p, n in zip(ps, budgets)]
+    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=3), method)
+    admitted_mid_run = 0
+    waiting = list(range(9))
+    done = {}
+    while waiting or decoder.rows:
+        while waiting and decoder.free_rows:
+            i = waiting.pop(0)
+            admitted_mid_run += any(len(r.tokens) > 1 for r in decoder.rows)
+            row, first = decoder.admit(i, ps[i], max_new_tokens=budgets[i])
+            assert first == refs[i][:1]
+            if row.finish:
+                done[i] = row
+        assert len(decoder.rows) <= 3
+        for row, new in decoder.step():
+            assert row.tokens[-len(new):] == new if new else True
+            if row.finish:
+                done[row.key] = row
+    assert admitted_mid_run >= 3
+    assert [done[i].tokens for i in range(9)] == refs
+    assert [done[i].stats.finish_reason for i in range(9)] == ["length"] * 9
+
+
+def test_ragged_acceptance_with_oracle_drafts(engines):
+    """Drafts that are the true continuation with one wrong token at a row-specific place: rows
+    accept different numbers of drafts in the same verification, and still commit the AR tokens."""
+    engine = engines["qwen2"]
+    ps = prompts(4, seed=4)
+    refs = [alone(engine, p, Method(), 50).tokens for p in ps]
+    wrong_at = [1, 3, 6, 100]  # index in the chain of the first wrong draft (100: never wrong)
+
+    class OracleBatch(TorchBatchEngine):
+        def draft(self, rows, anchors, positions, block_size):
+            drafts, logprobs, hidden = super().draft(rows, anchors, positions, block_size)
+            drafts = drafts.clone()
+            for i, b in enumerate(rows):
+                row = decoder.rows[b]
+                start = positions[i] - row.prompt_len + 1  # index in refs of the token after the anchor
+                guess = (refs[row.key] + [0] * 64)[start:start + block_size - 1]
+                chain_index = start - len(row.tokens)  # which draft of this round's chain
+                for j in range(len(guess)):
+                    if chain_index + j == wrong_at[row.key]:
+                        guess[j] = (guess[j] + 1) % 128
+                drafts[i] = torch.tensor(guess)
+            return drafts, logprobs, hidden
+
+    decoder = BatchedDecoder(OracleBatch(engine, max_rows=4), Method(block_size=5, max_stages=3, gate_threshold=-1e9))
+    done = decode_together(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=50) for i, p in enumerate(ps)])
+    assert [done[i].tokens for i in range(4)] == refs
+    accepted = [done[i].stats.accepted_per_round for i in range(4)]
+    assert max(accepted[0]) == 1 and max(accepted[1]) == 3 and max(accepted[2]) == 6
+    assert max(accepted[3]) == 12  # three whole stages of 4 drafts accepted
+    assert done[3].stats.acceptance_length > done[0].stats.acceptance_length
+
+
+@pytest.mark.parametrize("name", ["ar", "dflash", "dloop"])
+def test_sampled_rows_reproduce_their_seed(name, engines):
+    """T > 0: a row's tokens depend on its own seed only: the same as the request alone with that seed."""
+    engine, method = engines["llama"], METHODS[name]
+    ps = prompts(4, seed=5)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(), SamplingParams(temperature=1.3, top_k=20)]
+    seeds = [11, 12, 13, 14]
+    refs = [alone(engine, p, method, 30, params=q, seed=s).tokens for p, q, s in zip(ps, params, seeds)]
+    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=4), method)
+    reqs = [dict(key=i, prompt_ids=p, max_new_tokens=30, params=q, seed=s)
+            for i, (p, q, s) in enumerate(zip(ps, params, seeds))]
+    done = decode_together(decoder, reqs)
+    assert [done[i].tokens for i in range(4)] == refs
+    assert refs[0] != alone(engine, ps[0], method, 30, params=params[0], seed=99).tokens
+
+
+def test_stop_tokens_and_context_end(engines):
+    engine = engines["qwen3"]
+    ps = prompts(3, seed=6)
+    ref = alone(engine, ps[0], Method(), 200)
+    assert ref.stats.finish_reason == "context"
+    stop = ref.tokens[9]
+    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=3), METHODS["dloop"])
+    reqs = [dict(key=0, prompt_ids=ps[0], max_new_tokens=200),
+            dict(key=1, prompt_ids=ps[0], max_new_tokens=200, stop_token_ids=frozenset({stop})),
+            dict(key=2, prompt_ids=ps[1], max_new_tokens=3)]
+    done = decode_together(decoder, reqs)
+    assert done[0].tokens == ref.tokens and done[0].finish == "context"
+    assert done[1].tokens == ref.tokens[:ref.tokens.index(stop) + 1] and done[1].finish == "stop"
+    assert done[2].tokens == alone(engine, ps[1], Method(), 3).tokens and done[2].finish == "length"
+
+
+def test_single_row_fallback_for_engines_without_batched_calls(engines):
+    """An engine with only the single-sequence calls is served one row at a time, still exact."""
+    engine = engines["qwen2"]
+
+    class SingleOnly:  # the single-sequence protocol of loop.generate, nothing else
+        backend = "single-sequence"
+
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    batch = open_batch(SingleOnly(engine), max_rows=8)
+    assert isinstance(batch, SingleRowBatchEngine) and batch.max_rows == 1
+    assert isinstance(open_batch(engine, max_rows=8), TorchBatchEngine)
+    ps = prompts(3, seed=7)
+    refs = [alone(engine, p, Method(), 25).tokens for p in ps]
+    done = decode_together(BatchedDecoder(batch, METHODS["dloop"]),
+                           [dict(key=i, prompt_ids=p, max_new_tokens=25) for i, p in enumerate(ps)])
+    assert [done[i].tokens for i in range(3)] == refs
+
+
+def test_cancel_and_bad_input(engines):
+    engine = engines["llama"]
+    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=2), METHODS["dflash"])
+    ps = prompts(2, seed=8)
+    decoder.admit("a", ps[0], max_new_tokens=30)
+    decoder.admit("b", ps[1], max_new_tokens=30)
+    decoder.step()
+    assert decoder.cancel("a").finish == "cancelled" and [r.key for r in decoder.rows] == ["b"]
+    assert decoder.cancel("zzz") is None
+    while decoder.rows:
+        decoder.step()
+    with pytest.raises(LoopspecError, match="does not fit"):
+        decoder.admit("c", list(range(160)), max_new_tokens=4)
+    with pytest.raises(LoopspecError, match="max_new_tokens"):
+        decoder.admit("c", [1, 2], max_new_tokens=0)
+    with pytest.raises(LoopspecError, match="empty prompt"):
+        decoder.admit("c", [], max_new_tokens=3)
+    with pytest.raises(LoopspecError, match="drafter"):
+        BatchedDecoder(TorchBatchEngine(TorchEngine(engine.target, None, 64), 2), METHODS["dflash"])
+    with pytest.raises(LoopspecError, match="max batch size"):
+        open_batch(engine, 0)
+    decoder.admit("d", ps[0], max_new_tokens=2)
+    decoder.admit("e", ps[1], max_new_tokens=2)
+    with pytest.raises(LoopspecError, match="no free row"):
+        decoder.admit("f", ps[1], max_new_tokens=2)
