@@ -30,6 +30,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache length (default: the target's max_position_embeddings)")
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token for a drafter whose config has none")
     p.add_argument("--threads", type=_positive_int("--threads"), default=None, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help="where the torch engine runs: cpu or cuda")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay captured CUDA graphs of the verify and draft forwards (default: on with --device cuda)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -212,7 +215,8 @@ def cmd_tune(args) -> int:
         raise LoopspecError("--thresholds and --stages need at least one value; stages >= 1")
     texts = [t for f in args.prompts for t in load_prompts(f, args.limit)]
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
-                         mask_token_id=args.mask_token_id, num_threads=args.threads)
+                         mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
+                         cuda_graphs=args.cuda_graphs)
     if pipe.drafter is None:
         raise LoopspecError("tune needs a drafter")
     block_sizes = _int_list(args.block_sizes, "--block-sizes") or [pipe.default_block_size]
@@ -281,7 +285,8 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
-                         mask_token_id=args.mask_token_id, num_threads=args.threads)
+                         mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
+                         cuda_graphs=args.cuda_graphs)
     block_size = pipe.block_size_for(args.method, args.block_size)
     prompt_ids = pipe.encode(args.prompt, chat=args.chat)
     stream = TextStream(pipe)
@@ -331,7 +336,8 @@ def cmd_bench(args) -> int:
               repeats=args.repeats, json_out=args.json_out, chat=args.chat, max_context=args.max_context,
               mask_token_id=args.mask_token_id, num_threads=args.threads,
               gate_threshold=args.gate_threshold, max_stages=args.max_stages, cost_model=args.cost_model,
-              adaptive=args.adaptive, out_dir=args.out_dir, command="loopspec " + shlex.join(args.argv))
+              adaptive=args.adaptive, device=args.device, cuda_graphs=args.cuda_graphs, out_dir=args.out_dir,
+              command="loopspec " + shlex.join(args.argv))
     return 0
 
 

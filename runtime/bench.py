@@ -165,7 +165,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
               repeats: int = 1, json_out: str | None = None, out_dir: str | None = None, chat: bool = True,
               max_context: int | None = None, mask_token_id: int | None = None, num_threads: int | None = None,
               gate_threshold: float | None = None, max_stages: int | None = None,
-              cost_model: bool = False, adaptive: bool = True, command: str | None = None) -> list[BenchResult]:
+              cost_model: bool = False, adaptive: bool = True, command: str | None = None, device: str = "cpu",
+              cuda_graphs: bool | None = None) -> list[BenchResult]:
     from tqdm import tqdm
 
     from loopspec.runtime.peers import PEER_METHODS, HFPeer
@@ -186,7 +187,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     out_path = _prepare_out_dir(out_dir)
     needs_drafter = any(m not in ("ar",) + PEER_METHODS for m in methods)
     pipe = load_pipeline(target, drafter if needs_drafter else "none",
-                         max_context=max_context, mask_token_id=mask_token_id, num_threads=num_threads)
+                         max_context=max_context, mask_token_id=mask_token_id, num_threads=num_threads,
+                         device=device, cuda_graphs=cuda_graphs)
     backend = str(getattr(pipe, "backend", "torch"))
     sizes = {m: pipe.block_size_for(m, block_size) for m in methods if m in METHODS}
     sizes["ar"] = 1

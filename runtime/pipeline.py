@@ -39,6 +39,19 @@ def fresh_drafter(target: Target, tokenizer_len: int | None, is_default_target: 
     return drafter.eval()
 
 
+def resolve_device(name: str) -> torch.device:
+    """'cpu' or 'cuda' (optionally 'cuda:N'), refused clearly when torch cannot use it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise LoopspecError(f"unknown device {name!r} (use cpu or cuda)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise LoopspecError(f"unsupported device {name!r} (use cpu or cuda)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LoopspecError(f"device {name!r} needs a CUDA GPU, and torch sees none (this torch: {torch.__version__})")
+    return device
+
+
 @dataclass
 class Pipeline:
     tokenizer: object
@@ -110,8 +123,19 @@ class Pipeline:
 
 
 def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,
-                  mask_token_id: int | None = None, num_threads: int | None = None) -> Pipeline:
-    """Resolve `target` ('default' | checkpoint dir | .gguf) and `drafter` ('default' | dir | 'none')."""
+                  mask_token_id: int | None = None, num_threads: int | None = None, device: str = "cpu",
+                  cuda_graphs: bool | None = None) -> Pipeline:
+    """Resolve `target` ('default' | checkpoint dir | .gguf) and `drafter` ('default' | dir | 'none').
+
+    device: where the torch engine runs ('cpu' or 'cuda'); cuda_graphs: replay captured forwards
+    (default: on for CUDA, off for the CPU)."""
+    device = resolve_device(device)
+    if cuda_graphs is None:
+        cuda_graphs = device.type == "cuda"
+    if cuda_graphs:
+        from loopspec.runtime.cuda_graphs import require_cuda
+
+        require_cuda(device)  # before any model is loaded
     is_default = str(target) == "default"
     target_dir = resolve_target_dir(target)
     tokenizer = load_tokenizer(target_dir)
@@ -135,7 +159,11 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
     stop = set(model.cfg.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         stop.add(tokenizer.eos_token_id)
-    engine = TorchEngine(model, draft_model, max_context or model.cfg.max_position_embeddings, num_threads)
+    if device.type != "cpu":
+        model = model.to(device)
+        draft_model = draft_model.to(device) if draft_model is not None else None
+    engine = TorchEngine(model, draft_model, max_context or model.cfg.max_position_embeddings, num_threads,
+                         cuda_graphs=cuda_graphs)
     return Pipeline(tokenizer=tokenizer, target_dir=target_dir, drafter_dir=drafter_dir, target=model,
                     drafter=draft_model, engine=engine,
                     drafter_description=description, stop_token_ids=frozenset(stop))

@@ -341,8 +341,8 @@ class TargetAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(cache, RaggedStep):  # rows of a BatchKVCache, each at its own length
-            keys, values = cache.store(layer, k, v)
+        if not isinstance(cache, KVCache):  # a step that stores K/V itself: RaggedStep (rows of a
+            keys, values = cache.store(layer, k, v)  # BatchKVCache), the CUDA-graph runner's StaticStep
         else:
             start = cache.length
             cache.k[layer, :, :, start:start + T] = k
