@@ -229,7 +229,8 @@ def export_target(src: Path, dst: Path, dtype: torch.dtype) -> None:
         shutil.copyfile(src / f, dst / f)
 
 
-def quantize_target(src: Path, dst: Path, precision: str) -> None:
+def quantize_target(src: Path, dst: Path, precision: str, calib_prompts: str | None = None,
+                    calib_size: int | None = None) -> None:
     """A modelopt-quantized HF checkpoint of the target (convert/quantize.py does the calibration)."""
     try:
         from loopspec.convert import quantize
@@ -240,7 +241,8 @@ def quantize_target(src: Path, dst: Path, precision: str) -> None:
         raise LoopspecError(f"--precision {precision} needs the modelopt quantization of convert/quantize "
                             "(quantize_target_checkpoint), which this installation does not provide; "
                             "build the bundle without --precision")
-    export(src, dst, precision)
+    options = {"calib_prompts": calib_prompts} | ({"calib_size": calib_size} if calib_size else {})
+    export(src, dst, precision, **options)
 
 
 def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None, sources: dict) -> str:
@@ -296,7 +298,8 @@ def _manifest(out: Path, engines: list[str], s: LaunchSettings, dtype: str, sour
 
 def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | list[str], *,
                  precision: str | None = None, tp: int = 1, dtype: str = "bfloat16",
-                 mask_token_id: int | None = None, max_batch_size: int = 8) -> dict:
+                 mask_token_id: int | None = None, max_batch_size: int = 8, calib_prompts: str | None = None,
+                 calib_size: int | None = None) -> dict:
     """Write a serving bundle for `engines` into `out_dir`; returns its manifest."""
     engines = parse_engines(engines)
     if precision is not None and precision not in PRECISIONS:
@@ -342,7 +345,7 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
         if precision is None:
             export_target(target_dir, tmp / "target", DTYPES[dtype])
         else:
-            quantize_target(target_dir, tmp / "target", precision)
+            quantize_target(target_dir, tmp / "target", precision, calib_prompts, calib_size)
         for engine in engines:
             for rel, text in LAUNCH_FILES[engine](s).items():
                 path = tmp / rel

@@ -221,6 +221,25 @@ def test_precision_needs_the_quantizer(tiny_pair, tmp_path):
         bundle_module.build_bundle(str(target_dir), str(drafter_dir), tmp_path / "q", "vllm", precision="fp8")
 
 
+def test_fp8_bundle_has_a_modelopt_target(tiny_pair, tmp_path):
+    quantize = pytest.importorskip("loopspec.convert.quantize")
+    if getattr(quantize, "quantize_target_checkpoint", None) is None:
+        pytest.skip("convert/quantize has no quantize_target_checkpoint")
+    pytest.importorskip("modelopt", reason="needs nvidia-modelopt (the quant extra)")
+    target_dir, drafter_dir = tiny_pair
+    out = tmp_path / "fp8"
+    manifest = build_bundle(str(target_dir), str(drafter_dir), out, "all", precision="fp8", calib_size=2)
+    assert manifest["precision"] == "fp8"
+    config = json.loads((out / "target" / "config.json").read_text())
+    assert "quantization_config" in config and (out / "target" / "hf_quant_config.json").is_file()
+    weights = read_safetensors(out / "target" / "model.safetensors")
+    assert any(t.dtype == torch.float8_e4m3fn for t in weights.values())
+    assert flag(launch_argv(out / "sglang" / "launch.sh"), "--speculative-draft-model-quantization") == "unquant"
+    drafter = read_safetensors(out / "drafter" / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in drafter.values())  # the drafter stays unquantized
+    assert "FP8" in (out / "README.md").read_text()
+
+
 def test_rebuild_replaces_a_previous_bundle(tiny_pair, tmp_path):
     target_dir, drafter_dir = tiny_pair
     out = tmp_path / "b"
