@@ -195,7 +195,9 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     sizes["ar"] = 1
     loop = pipe.dloop_settings(gate_threshold, max_stages) if "dloop" in methods else None
     max_drafts = {m: (loop["max_stages"] if m == "dloop" else 1) * (k - 1) for m, k in sizes.items()}
-    peer = HFPeer(pipe.target_dir, pipe.stop_token_ids, num_threads) if any(m in PEER_METHODS for m in methods) else None
+    engine_device = getattr(pipe.engine, "device", "cpu")
+    peer = (HFPeer(pipe.target_dir, pipe.stop_token_ids, num_threads, engine_device)
+            if any(m in PEER_METHODS for m in methods) else None)
     order = ["ar"] + [m for m in methods if m != "ar"]  # ar always runs: it is the reference
 
     encoded_sets = {name: [pipe.encode(p, chat=chat) for p in prompts] for name, prompts in datasets.items()}
@@ -321,6 +323,7 @@ def settings(command, pipe, backend, datasets, sources, methods, sizes, loop, li
         "target": str(pipe.target_dir),
         "drafter": pipe.drafter_description if pipe.drafter is not None else "none",
         "backend": backend,
+        "device": str(getattr(pipe.engine, "device", "cpu")),
         "methods": methods,
         "datasets": {name: {"source": src, "prompts": len(p)} for (name, p), src in zip(datasets.items(), sources)},
         "limit": limit, "max_new_tokens": max_new_tokens, "repeats": repeats, "all_turns": all_turns, "chat": chat,

@@ -19,20 +19,23 @@ class PeerRun:
 
 
 class HFPeer:
-    def __init__(self, target_dir, stop_token_ids, num_threads: int | None = None):
+    """The target loaded by transformers (fp32) on the device loopspec's engine uses."""
+
+    def __init__(self, target_dir, stop_token_ids, num_threads: int | None = None, device: str | torch.device = "cpu"):
         from transformers import AutoModelForCausalLM
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(self.device).eval()
         self.stop = sorted(stop_token_ids)
 
     @torch.inference_mode()
     def run(self, prompt_ids: list[int], method: str, max_new_tokens: int) -> PeerRun:
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=self.device)
         extra = {"prompt_lookup_num_tokens": 10} if method == "hf-lookup" else {}
         t0 = time.perf_counter()
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                   do_sample=False, eos_token_id=self.stop, pad_token_id=self.stop[0], **extra)
-        seconds = time.perf_counter() - t0
-        return PeerRun(tokens=out[0, len(prompt_ids):].tolist(), seconds=seconds)
+        tokens = out[0, len(prompt_ids):].tolist()  # on the CPU: waits for the device
+        return PeerRun(tokens=tokens, seconds=time.perf_counter() - t0)

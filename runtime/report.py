@@ -66,7 +66,8 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
         machine = settings.get("machine", {})
         sampling = settings.get("sampling", {})
         lines += [
-            f"- target `{settings.get('target')}`, drafter: {settings.get('drafter')}, backend `{settings.get('backend')}`",
+            f"- target `{settings.get('target')}`, drafter: {settings.get('drafter')}, backend `{settings.get('backend')}` "
+            f"on `{settings.get('device', 'cpu')}`",
             f"- {settings.get('max_new_tokens')} new tokens, temperature {sampling.get('temperature')}, "
             f"{repeats} repeat(s) (each prompt's median wall time), adaptive fallback "
             f"{'on' if settings.get('adaptive') else 'off'}, block size {settings.get('block_size')}, "
