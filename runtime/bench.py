@@ -167,7 +167,7 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
               max_context: int | None = None, mask_token_id: int | None = None, num_threads: int | None = None,
               gate_threshold: float | None = None, max_stages: int | None = None,
               cost_model: bool = False, adaptive: bool = True, command: str | None = None, device: str = "cpu",
-              cuda_graphs: bool | None = None) -> list[BenchResult]:
+              cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | None = None) -> list[BenchResult]:
     from tqdm import tqdm
 
     from loopspec.runtime.peers import PEER_METHODS, HFPeer
@@ -189,8 +189,10 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     needs_drafter = any(m not in ("ar",) + PEER_METHODS for m in methods)
     pipe = load_pipeline(target, drafter if needs_drafter else "none",
                          max_context=max_context, mask_token_id=mask_token_id, num_threads=num_threads,
-                         device=device, cuda_graphs=cuda_graphs)
+                         device=device, cuda_graphs=cuda_graphs, backend=backend, onnx_dir=onnx_dir)
     backend = str(getattr(pipe, "backend", "torch"))
+    if pipe.target is None and (cost_model or any(m in PEER_METHODS for m in methods)):
+        raise LoopspecError("the transformers peers and --cost-model need the target's weights: run without --onnx-dir")
     sizes = {m: pipe.block_size_for(m, block_size) for m in methods if m in METHODS}
     sizes["ar"] = 1
     loop = pipe.dloop_settings(gate_threshold, max_stages) if "dloop" in methods else None
@@ -321,7 +323,7 @@ def settings(command, pipe, backend, datasets, sources, methods, sizes, loop, li
     return {
         "command": command,
         "target": str(pipe.target_dir),
-        "drafter": pipe.drafter_description if pipe.drafter is not None else "none",
+        "drafter": pipe.drafter_description if pipe.engine.has_drafter else "none",
         "backend": backend,
         "device": str(getattr(pipe.engine, "device", "cpu")),
         "methods": methods,
@@ -346,7 +348,7 @@ def measure_cost_model(pipe, sizes: dict, results: list[BenchResult], gate_thres
                      | ({min(64, (pipe.dloop_settings(gate_threshold, max_stages)["max_stages"]) * (sizes["dloop"] - 1) + 1)}
                         if "dloop" in sizes else set()))
     t_verify = verify_times(pipe.engine, lengths)
-    t_draft = draft_time(pipe.engine, max(sizes.values())) if pipe.drafter is not None and max(sizes.values()) > 1 else None
+    t_draft = draft_time(pipe.engine, max(sizes.values())) if pipe.engine.has_drafter and max(sizes.values()) > 1 else None
     for r in results:
         if r.method == "ar":
             r.speedup_bound = r.speedup_bound_as_run = 1.0

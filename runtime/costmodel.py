@@ -51,14 +51,14 @@ def verify_times(engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repea
 
     The lengths are interleaved within each repeat, so a transient slowdown of the machine spreads
     over all of them instead of skewing one length's median."""
-    vocab = engine.target.cfg.vocab_size
+    vocab = engine.vocab_size
     engine.reset()
     engine.target_verify([(10 + i) % vocab for i in range(context)], all_logits=False, want_taps=False)
     times: dict[int, list[float]] = {n: [] for n in lengths}
     for repeat in range(repeats + 1):  # the first round warms up
         for n in lengths:
             t0 = time.perf_counter()
-            engine.target_verify([(20 + i) % vocab for i in range(n)], want_taps=engine.drafter is not None)
+            engine.target_verify([(20 + i) % vocab for i in range(n)], want_taps=engine.has_drafter)
             engine.target_rollback(context)
             if repeat:
                 times[n].append(time.perf_counter() - t0)
@@ -68,7 +68,7 @@ def verify_times(engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repea
 
 def draft_time(engine, block_size: int, context: int = 128, repeats: int = 5) -> float:
     """Seconds of one drafter stage (block forward + draft head) plus the context append it needs."""
-    vocab = engine.target.cfg.vocab_size
+    vocab = engine.vocab_size
     engine.reset()
     _, taps = engine.target_verify([(10 + i) % vocab for i in range(context)], want_taps=True)
     engine.drafter_context(taps[:-4])

@@ -168,7 +168,7 @@ def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, params: Samp
     if len(prompt_ids) >= engine.max_context:
         raise LoopspecError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {engine.max_context}")
     drafting = block_size > 1
-    if drafting and engine.drafter is None:
+    if drafting and not engine.has_drafter:
         raise LoopspecError("a drafter is needed for block size > 1")
     if max_stages < 1:
         raise LoopspecError(f"max_stages must be >= 1, got {max_stages}")

@@ -19,6 +19,7 @@ from loopspec.runtime.loop import AdaptiveFallback, GenerationResult, generate
 from loopspec.runtime.torch_engine import TorchEngine
 
 METHODS = ("ar", "dflash", "dloop")
+BACKENDS = ("torch", "onnxruntime")
 DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4}
 
 
@@ -57,15 +58,19 @@ class Pipeline:
     tokenizer: object
     target_dir: Path
     drafter_dir: Path | None  # where the drafter was loaded from (None: none or fresh)
-    target: Target
+    target: Target | None  # None when the engines run from an exported --onnx-dir (no torch weights)
     drafter: Drafter | None
-    engine: TorchEngine
+    engine: TorchEngine  # or an engine of the same interface (OrtEngine)
     drafter_description: str  # "shipped", "untrained (fresh random init)" or a path
     stop_token_ids: frozenset[int]
 
     @property
+    def backend(self) -> str:
+        return self.engine.backend
+
+    @property
     def default_block_size(self) -> int:
-        return self.drafter.cfg.block_size if self.drafter is not None else 1
+        return self.engine.drafter_cfg.block_size if self.engine.has_drafter else 1
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         if not prompt or not prompt.strip():
@@ -87,7 +92,7 @@ class Pipeline:
             raise LoopspecError(f"block size must be >= 1, got {block_size}")
         if method == "ar":
             return 1
-        if self.drafter is None:
+        if not self.engine.has_drafter:
             raise LoopspecError(f"method {method!r} needs a drafter (got --drafter none)")
         if block_size is None and method == "dloop":
             block_size = self.tuned_dloop().get("block_size")
@@ -95,7 +100,7 @@ class Pipeline:
 
     def tuned_dloop(self) -> dict:
         """The setting `loopspec tune` stored with the drafter (config.json loopspec.dloop), if any."""
-        return dict(self.drafter.cfg.extra.get("dloop") or {}) if self.drafter is not None else {}
+        return dict(self.engine.drafter_cfg.extra.get("dloop") or {}) if self.engine.has_drafter else {}
 
     def dloop_settings(self, gate_threshold: float | None = None, max_stages: int | None = None) -> dict:
         """DLoop's gate threshold and stage limit: given, else stored with the drafter, else defaults."""
@@ -124,11 +129,21 @@ class Pipeline:
 
 def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,
                   mask_token_id: int | None = None, num_threads: int | None = None, device: str = "cpu",
-                  cuda_graphs: bool | None = None) -> Pipeline:
+                  cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | Path | None = None) -> Pipeline:
     """Resolve `target` ('default' | checkpoint dir | .gguf) and `drafter` ('default' | dir | 'none').
 
     device: where the torch engine runs ('cpu' or 'cuda'); cuda_graphs: replay captured forwards
-    (default: on for CUDA, off for the CPU)."""
+    (default: on for CUDA, off for the CPU). backend 'onnxruntime': the exported engines in `onnx_dir`
+    (target and drafter are then not read), or — without onnx_dir — the pair exported once into
+    ~/.cache/loopspec/onnx/<key of target + drafter> and reused while its manifest matches."""
+    if backend not in BACKENDS:
+        raise LoopspecError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    if backend != "onnxruntime" and onnx_dir is not None:
+        raise LoopspecError("--onnx-dir needs --backend onnxruntime")
+    if backend == "onnxruntime" and (device != "cpu" or cuda_graphs):
+        raise LoopspecError("the onnxruntime backend runs on the CPU here (use --device cpu, no CUDA graphs)")
+    if onnx_dir is not None:
+        return onnx_dir_pipeline(Path(onnx_dir), max_context, num_threads)
     device = resolve_device(device)
     if cuda_graphs is None:
         cuda_graphs = device.type == "cuda"
@@ -162,8 +177,46 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
     if device.type != "cpu":
         model = model.to(device)
         draft_model = draft_model.to(device) if draft_model is not None else None
-    engine = TorchEngine(model, draft_model, max_context or model.cfg.max_position_embeddings, num_threads,
-                         cuda_graphs=cuda_graphs)
+    if backend == "onnxruntime":
+        engine = cached_ort_engine(model, draft_model, target_dir, drafter_dir, max_context, num_threads)
+    else:
+        engine = TorchEngine(model, draft_model, max_context or model.cfg.max_position_embeddings, num_threads,
+                             cuda_graphs=cuda_graphs)
     return Pipeline(tokenizer=tokenizer, target_dir=target_dir, drafter_dir=drafter_dir, target=model,
                     drafter=draft_model, engine=engine,
                     drafter_description=description, stop_token_ids=frozenset(stop))
+
+
+def onnx_dir_pipeline(onnx_dir: Path, max_context: int | None, num_threads: int | None) -> Pipeline:
+    """A pipeline over an exported directory alone: its engines, its tokenizer and configs."""
+    from loopspec.runtime.ort_engine import OrtEngine
+
+    engine = OrtEngine(onnx_dir, max_context, num_threads)
+    tokenizer = load_tokenizer(onnx_dir / "target")
+    stop = set(engine.target_cfg.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        stop.add(tokenizer.eos_token_id)
+    description = f"exported ({onnx_dir})" if engine.has_drafter else "none"
+    return Pipeline(tokenizer=tokenizer, target_dir=onnx_dir / "target", drafter_dir=None, target=None, drafter=None,
+                    engine=engine, drafter_description=description, stop_token_ids=frozenset(stop))
+
+
+def cached_ort_engine(model: Target, draft_model: Drafter | None, target_dir: Path, drafter_dir: Path | None,
+                      max_context: int | None, num_threads: int | None):
+    """OrtEngine over the pair's export in the cache, exported on first use (and again when the
+    cached files no longer match their manifest)."""
+    import sys
+
+    from loopspec.engines.export import OPSET, export_engines, source_key
+    from loopspec.runtime.ort_engine import OrtEngine
+    from loopspec.weights import cache_root
+
+    onnx_dir = cache_root() / "onnx" / source_key(target_dir, draft_model, drafter_dir, {"opset": OPSET})
+    if (onnx_dir / "manifest.json").is_file():
+        try:
+            return OrtEngine(onnx_dir, max_context, num_threads)
+        except LoopspecError as e:
+            print(f"[loopspec] cached ONNX engines unusable ({e}); exporting again", file=sys.stderr)
+    print(f"[loopspec] exporting ONNX engines to {onnx_dir} (once)", file=sys.stderr)
+    export_engines(model, draft_model, onnx_dir, target_dir=target_dir, drafter_dir=drafter_dir)
+    return OrtEngine(onnx_dir, max_context, num_threads)

@@ -38,6 +38,8 @@ class TorchEngine:
         self.draft_head = (inference_linear(target.lm_head.weight[self.draft_ids]) if self.draft_ids is not None
                            else self.target.lm_head)
         self.mask_token_id = drafter.cfg.mask_token_id if drafter is not None else None
+        self.drafter_cfg = drafter.cfg if drafter is not None else None
+        self.vocab_size = target.cfg.vocab_size
         self.device = target.embed_tokens.weight.device
         self.graphs = None
         if cuda_graphs:
@@ -45,6 +47,10 @@ class TorchEngine:
 
             self.graphs = CudaGraphRunner(self.target, self.cache, self.drafter, self.context, self.draft_head,
                                           self.draft_ids, self.mask_token_id)
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.drafter is not None
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def reset(self) -> None:

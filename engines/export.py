@@ -1,0 +1,364 @@
+"""Export wrappers — `nn.Module`s that compute exactly what the engine specs declare — and the
+export of all engines of a target (+ drafter) into one artifact directory with its manifest.
+
+The export lives here, beside the wrappers, because two callers need it: the `convert onnx` stage
+(convert/onnx_export.py, which adds validation) and the runtime's first-use cache for
+`--backend onnxruntime` (the runtime must not import convert). torch.onnx is imported lazily.
+
+They read the weights of the reference modules (`Target`, `Drafter`) — through `.weight`, so a
+oneDNN-packed inference copy works too — and use only plain ops that map onto standard ONNX
+operators: Gather, MatMul, Softmax, Where, Concat, Reshape, Transpose, ReduceMean, Sqrt, ...
+(no mkldnn packed linears, no fused rms_norm / scaled_dot_product_attention kernels).
+
+KV cache layout. The target graph takes the cache's `past_key`/`past_value` [L, 1, kvh, past, hd]
+of dynamic length `past` and returns only the NEW tokens' `new_key`/`new_value` [L, 1, kvh, T, hd].
+The runtime keeps ONE static buffer of the maximum length and writes the new K/V at the current
+length; rollback is moving the length, nothing is copied back. Returning the full `present` cache
+instead would make the graph copy the whole cache every step (past + new) and the runtime swap
+buffers, and a graph over the static buffer itself would attend over the full maximum length every
+step. The drafter's context K/V follows the same rule: `drafter_context*` return the new positions'
+K/V, `drafter_block` reads the valid prefix.
+
+Positions are inputs (absolute RoPE positions), so one graph serves prefill and decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loopspec.engines.manifest import Manifest, source_hashes, write_manifest
+from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY,
+                                    EngineSpec, engine_specs)
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import Drafter
+from loopspec.model.target import Target
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, T, hd]; cos/sin: [1, 1, T, hd] (rotate-half convention of HF)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Grouped-query attention without repeating K/V: q [1, h, T, hd], k/v [1, kvh, S, hd],
+    mask [T, S] bool or None → [1, T, h·hd]. Query head j reads kv head j // (h / kvh), as HF's repeat_kv.
+    The head counts are Python ints (fixed in the graph); T and S stay symbolic."""
+    h, kvh, hd = num_heads, num_kv_heads, head_dim
+    T = q.shape[2]
+    group = h // kvh
+    q = (q * (1.0 / math.sqrt(hd))).reshape(1, kvh, group * T, hd)  # [1, kvh, g·T, hd]
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [1, kvh, g·T, S]
+    if mask is not None:
+        scores = scores.reshape(1, kvh, group, T, -1).masked_fill(~mask, float("-inf")).reshape(1, kvh, group * T, -1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [1, kvh, g·T, hd]
+    return out.reshape(1, h, T, hd).transpose(1, 2).reshape(1, T, h * hd)
+
+
+def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    if getattr(module, "exports_itself", False):  # a quantized linear (convert/qdq.py) emits its own Q/DQ ops
+        return module(x)
+    return F.linear(x, module.weight, module.bias)
+
+
+def fused_linear(parts: list[nn.Module]) -> nn.Module:
+    """One bias-free linear whose output is the parts' outputs side by side (weights stacked by rows);
+    quantized linears fuse themselves."""
+    if getattr(parts[0], "exports_itself", False):
+        return type(parts[0]).fused(parts)
+    weight = torch.cat([p.weight for p in parts]).detach().clone()
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    return fused
+
+
+def swiglu(x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
+    gate, up = linear(x, mlp.gate_up_proj).split(mlp.intermediate, dim=-1)
+    return linear(F.silu(gate) * up, mlp.down_proj)
+
+
+class TargetVerify(nn.Module):
+    """(input_ids [1, T], positions [1, T], logit_index [n], past_key/past_value [L, 1, kvh, P, hd])
+    → logits [1, n, V], taps [1, T, taps·H] (when tap layers are given), new_key/new_value [L, 1, kvh, T, hd]."""
+
+    def __init__(self, target: Target, tap_layer_ids: list[int]):
+        super().__init__()
+        self.target = target
+        self.cfg = target.cfg
+        self.tap_layer_ids = list(tap_layer_ids)
+
+    def forward(self, input_ids, positions, logit_index, past_key, past_value):
+        cfg, t = self.cfg, self.target
+        T, past = input_ids.shape[1], past_key.shape[3]
+        h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos = t.rotary.cos[positions][:, None]  # [1, 1, T, hd]
+        sin = t.rotary.sin[positions][:, None]
+        # query i (at slot past + i) sees keys 0 .. past + i
+        keys_at = torch.arange(past + T, device=input_ids.device)
+        mask = keys_at[None, :] <= (past + torch.arange(T, device=input_ids.device))[:, None]  # [T, P + T]
+        x = F.embedding(input_ids, t.embed_tokens.weight)  # [1, T, H]
+        taps, new_keys, new_values = {}, [], []
+        last = cfg.num_layers - 1
+        for i, layer in enumerate(t.layers):
+            attn = layer.self_attn
+            y = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            q, k, v = linear(y, attn.qkv_proj).split(attn.split, dim=-1)
+            q = q.reshape(1, T, h, hd).transpose(1, 2)  # [1, h, T, hd]
+            k = k.reshape(1, T, kvh, hd).transpose(1, 2)  # [1, kvh, T, hd]
+            v = v.reshape(1, T, kvh, hd).transpose(1, 2)
+            if attn.q_norm is not None:
+                q = rms_norm(q, attn.q_norm.weight, attn.q_norm.eps)
+                k = rms_norm(k, attn.k_norm.weight, attn.k_norm.eps)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            new_keys.append(k)
+            new_values.append(v)
+            keys = torch.cat([past_key[i], k], dim=2)  # [1, kvh, P + T, hd]
+            values = torch.cat([past_value[i], v], dim=2)
+            x = x + linear(grouped_attention(q, keys, values, mask, h, kvh, hd), attn.o_proj)
+            x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
+                           layer.mlp)
+            if i in self.tap_layer_ids and i != last:
+                taps[i] = x
+        x = rms_norm(x, t.norm.weight, t.norm.eps)
+        if last in self.tap_layer_ids:
+            taps[last] = x  # HF's hidden_states[L] is the final-normed output (as the reference)
+        logits = F.linear(x[:, logit_index], t.lm_head.weight)  # [1, n, V]
+        outputs = [logits]
+        if self.tap_layer_ids:
+            outputs.append(torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1))  # [1, T, taps·H]
+        return (*outputs, torch.stack(new_keys), torch.stack(new_values))
+
+
+class DrafterContext(nn.Module):
+    """The fused KV injection: (taps [1, T, n·H] or hidden [1, T, H], positions [1, T]) →
+    every drafter layer's context K/V [N, 1, kvh, T, hd]: fc → hidden_norm (taps only) → ONE matmul
+    producing all layers' K and V → k_norm → RoPE."""
+
+    def __init__(self, drafter: Drafter, from_taps: bool = True):
+        super().__init__()
+        # persistent buffers: the exporter stores them as initializers (external data), not as inline constants
+        self.drafter = drafter
+        self.from_taps = from_taps
+        cfg = drafter.cfg
+        # [N·2·kvh·hd, H]: per layer, k_proj rows then v_proj rows (as Drafter.context_kv)
+        self.kv_proj = fused_linear([p for l in drafter.layers for p in (l.self_attn.k_proj, l.self_attn.v_proj)])
+        k_norm = torch.stack([l.self_attn.k_norm.weight for l in drafter.layers])  # [N, hd]
+        self.register_buffer("k_norm_weight", k_norm.detach().clone()[:, None, None, None, :])
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, features, positions):
+        d, cfg = self.drafter, self.drafter.cfg
+        N, kvh, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        T = features.shape[1]
+        if self.from_taps:
+            features = rms_norm(linear(features, d.fc), d.hidden_norm.weight, d.hidden_norm.eps)  # [1, T, H]
+        kv = linear(features, self.kv_proj).reshape(1, T, N, 2, kvh, hd)
+        k = kv[:, :, :, 0].permute(2, 0, 3, 1, 4)  # [N, 1, kvh, T, hd]
+        v = kv[:, :, :, 1].permute(2, 0, 3, 1, 4)
+        k = rms_norm(k, self.k_norm_weight, self.eps)
+        cos = d.rotary.cos[positions][:, None]  # [1, 1, T, hd]
+        sin = d.rotary.sin[positions][:, None]
+        return rope(k, cos, sin), v
+
+
+class DrafterBlock(nn.Module):
+    """(block_ids [1, k], positions [1, k], context_key/context_value [N, 1, kvh, C, hd]) →
+    draft_ids [1, k-1] (target ids), draft_logprobs [1, k-1], gate_score [1], hidden [1, k, H].
+
+    The block embeds with the target's embedding and drafts with the target's lm_head rows (only the
+    reduced draft vocabulary's rows when the drafter has a d2t map; ids are mapped back in-graph)."""
+
+    def __init__(self, drafter: Drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("embed_weight", embed_weight.detach())
+        draft_ids = drafter.draft_ids
+        head = lm_head_weight.detach()[draft_ids] if draft_ids is not None else lm_head_weight.detach()
+        self.register_buffer("head_weight", head)
+        self.register_buffer("draft_to_target", draft_ids.clone() if draft_ids is not None else None)
+
+    def forward(self, block_ids, positions, context_key, context_value):
+        d, cfg = self.drafter, self.drafter.cfg
+        h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        k_len = block_ids.shape[1]
+        cos = d.rotary.cos[positions][:, None]  # [1, 1, k, hd]
+        sin = d.rotary.sin[positions][:, None]
+        x = F.embedding(block_ids, self.embed_weight)  # [1, k, H]
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            y = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            q = linear(y, attn.q_proj).reshape(1, k_len, h, hd).transpose(1, 2)  # [1, h, k, hd]
+            k = linear(y, attn.k_proj).reshape(1, k_len, kvh, hd).transpose(1, 2)  # [1, kvh, k, hd]
+            v = linear(y, attn.v_proj).reshape(1, k_len, kvh, hd).transpose(1, 2)
+            q = rope(rms_norm(q, attn.q_norm.weight, attn.q_norm.eps), cos, sin)
+            k = rope(rms_norm(k, attn.k_norm.weight, attn.k_norm.eps), cos, sin)
+            keys = torch.cat([context_key[i], k], dim=2)  # [1, kvh, C + k, hd]
+            values = torch.cat([context_value[i], v], dim=2)
+            x = x + linear(grouped_attention(q, keys, values, None, h, kvh, hd), attn.o_proj)  # bidirectional block
+            x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
+                           layer.mlp)
+        hidden = rms_norm(x, d.norm.weight, d.norm.eps)  # [1, k, H]
+        logits = F.linear(hidden[:, 1:], self.head_weight)  # [1, k-1, V or Vd]
+        best, index = logits.max(dim=-1)  # [1, k-1]
+        logprobs = -torch.log(torch.exp(logits - best[..., None]).sum(-1))  # log softmax at the argmax
+        draft_ids = self.draft_to_target[index] if self.draft_to_target is not None else index
+        return draft_ids, logprobs, logprobs.sum(-1), hidden
+
+
+# --------------------------------------------------------------------------------------------------
+# Export of every engine into one directory
+
+OPSET = 17
+# sizes of the symbolic dims in the example inputs of the trace: distinct values, so that no two
+# dims can be confused, none 0 or 1 (the graph itself accepts those: past = 0 at prefill)
+EXAMPLE_SIZES = {"tokens": 3, "past": 5, "logits": 2, "block": 4, "context": 7}
+TARGET_SUBDIR, DRAFTER_SUBDIR = "target", "drafter"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def example_inputs(spec: EngineSpec, vocab_size: int) -> tuple[torch.Tensor, ...]:
+    """Valid inputs of the example sizes: token ids in the vocabulary, positions after the past,
+    logit indices inside the tokens."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for t in spec.inputs:
+        shape = t.shape(EXAMPLE_SIZES)
+        if t.name in ("input_ids", "block_ids"):
+            out.append(torch.randint(0, vocab_size, shape, generator=g))
+        elif t.name == "positions":
+            start = EXAMPLE_SIZES["past"] if spec.name == TARGET_VERIFY else EXAMPLE_SIZES["context"]
+            out.append(torch.arange(start, start + shape[1])[None])
+        elif t.name == "logit_index":
+            out.append(torch.arange(EXAMPLE_SIZES["tokens"] - shape[0], EXAMPLE_SIZES["tokens"]))
+        else:
+            out.append(torch.randn(shape, generator=g))
+    return tuple(out)
+
+
+def export_graph(module: nn.Module, spec: EngineSpec, args: tuple, path: Path, opset: int = OPSET) -> None:
+    """One engine → `path` (graph) + `path`.data (weights, external data in the same directory)."""
+    import onnx
+
+    path = Path(path)
+    traced = path.with_suffix(".traced.onnx")
+    with warnings.catch_warnings():
+        # the TorchScript exporter announces its deprecation and the tracer warns about shape
+        # arithmetic that is traced symbolically anyway; the parity tests are the real check
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            torch.onnx.export(module.eval(), args, str(traced), input_names=spec.input_names,
+                              output_names=spec.output_names, dynamic_axes=spec.dynamic_axes(),
+                              opset_version=opset, dynamo=False, do_constant_folding=True)
+    model = onnx.load(str(traced))
+    traced.unlink()
+    for extra in traced.parent.glob(traced.name + "*"):  # exporter side files of very large graphs
+        extra.unlink()
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024, convert_attribute=True)
+    onnx.checker.check_model(str(path))
+
+
+def tensors_sha256(module: nn.Module) -> str:
+    """Content hash of a module's tensors (for sources that exist only in memory)."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def drafter_source(drafter: Drafter, drafter_dir: Path | None) -> dict:
+    if drafter_dir is not None:
+        return source_hashes(drafter_dir)
+    return {"path": None, "in_memory_sha256": tensors_sha256(drafter)}
+
+
+def source_key(target_dir: Path, drafter: Drafter | None, drafter_dir: Path | None, settings: dict) -> str:
+    """Short key of (target checkpoint, drafter, export settings): names a cached export."""
+    from loopspec.weights import target_fingerprint
+
+    h = hashlib.sha256(target_fingerprint(target_dir).encode())
+    if drafter is not None:
+        h.update(json.dumps(drafter.cfg.to_zlab(), sort_keys=True).encode())
+        h.update(json.dumps(drafter_source(drafter, drafter_dir), sort_keys=True).encode())
+        if drafter.draft_ids is not None:
+            h.update(drafter.draft_ids.numpy().tobytes())
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> None:
+    """What running needs besides the graphs: the target's config + tokenizer files, the drafter's
+    config (mask token resolved) and its d2t map."""
+    from loopspec.weights import write_safetensors
+
+    (out_dir / TARGET_SUBDIR).mkdir()
+    for f in sorted(Path(target_dir).iterdir()):
+        if (f.is_file() and not f.name.startswith(".") and f.suffix not in WEIGHT_SUFFIXES
+                and not f.name.endswith(".index.json")):
+            shutil.copy2(f, out_dir / TARGET_SUBDIR / f.name)
+    if drafter is not None:
+        (out_dir / DRAFTER_SUBDIR).mkdir()
+        (out_dir / DRAFTER_SUBDIR / "config.json").write_text(json.dumps(drafter.cfg.to_zlab(), indent=2) + "\n")
+        if drafter.draft_ids is not None:  # EAGLE-3 / vLLM convention: target id = draft id + d2t
+            d2t = drafter.draft_ids - torch.arange(drafter.draft_ids.numel())
+            write_safetensors({"d2t": d2t}, out_dir / DRAFTER_SUBDIR / "d2t.safetensors")
+
+
+def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path, *, target_dir: str | Path,
+                   drafter_dir: str | Path | None = None, max_context: int | None = None,
+                   block_size: int | None = None, opset: int = OPSET) -> Manifest:
+    """Export target_verify (+ the three drafter engines when a drafter is given) as fp32 ONNX into
+    `out_dir`, with the run files and manifest.json. Written into a temporary sibling directory
+    and moved into place at the end, so an interrupted export never looks complete."""
+    import onnx  # noqa: F401  (fail early, with the extra to install)
+
+    out_dir, target_dir = Path(out_dir), Path(target_dir)
+    drafter_dir = Path(drafter_dir) if drafter_dir is not None else None
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file())):
+        raise LoopspecError(f"{out_dir} exists and is not an artifact directory; refusing to overwrite it")
+    limits = [target.cfg.max_position_embeddings] + ([drafter.cfg.max_position_embeddings] if drafter else [])
+    max_context = min([max_context or min(limits)] + limits)
+    specs = engine_specs(target.cfg, drafter.cfg if drafter is not None else None, max_context=max_context,
+                         block_size=block_size)
+    taps = drafter.cfg.target_layer_ids if drafter is not None else []
+    modules = {TARGET_VERIFY: TargetVerify(target, taps)}
+    if drafter is not None:
+        modules[DRAFTER_CONTEXT] = DrafterContext(drafter, from_taps=True)
+        modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(drafter, from_taps=False)
+        modules[DRAFTER_BLOCK] = DrafterBlock(drafter, target.embed_tokens.weight, target.lm_head.weight)
+
+    work = out_dir.with_name(out_dir.name + ".partial")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    files = {}
+    for name, module in modules.items():
+        files[name] = f"{name}.onnx"
+        export_graph(module, specs[name], example_inputs(specs[name], target.cfg.vocab_size), work / files[name], opset)
+    copy_run_files(target_dir, drafter, work)
+    settings = {"opset": opset, "max_context": max_context, "block_size": specs.get(DRAFTER_BLOCK) and
+                specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
+                "exporter": "torch.onnx.export (TorchScript)", "kv_layout": "past in, new out"}
+    sources = {"target": source_hashes(target_dir),
+               "drafter": drafter_source(drafter, drafter_dir) if drafter is not None else None}
+    write_manifest(work, stage="onnx", precision="fp32", specs=specs, engine_files=files, sources=sources,
+                   settings=settings)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    work.rename(out_dir)
+    return Manifest(out_dir, json.loads((out_dir / "manifest.json").read_text()))

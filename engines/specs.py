@@ -1,0 +1,199 @@
+"""The four engines' inputs and outputs, declared once as data.
+
+ONNX export takes names and dynamic axes from these specs, the runtime binds inputs and outputs by
+these names, and a TensorRT builder turns `ranges` into optimization profiles (`profile_shapes()`).
+
+Batch is 1 everywhere (one request per engine instance). KV tensors are laid out
+`[layers, batch, kv_heads, length, head_dim]`, the layout of the reference caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loopspec.errors import LoopspecError
+
+DTYPES = ("float32", "float16", "bfloat16", "int64", "int32")
+
+TARGET_VERIFY = "target_verify"
+DRAFTER_CONTEXT = "drafter_context"
+DRAFTER_CONTEXT_HIDDEN = "drafter_context_hidden"
+DRAFTER_BLOCK = "drafter_block"
+ENGINE_NAMES = (TARGET_VERIFY, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK)
+DRAFTER_ENGINES = (DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy/ONNX name: float32, int64, ...
+    dims: tuple[int | str, ...]  # ints are fixed, strings are symbolic (named in EngineSpec.ranges)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise LoopspecError(f"tensor {self.name}: unknown dtype {self.dtype!r} (known: {', '.join(DTYPES)})")
+
+    def shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        """Concrete shape with the symbolic dims taken from `sizes`."""
+        return tuple(d if isinstance(d, int) else sizes[d] for d in self.dims)
+
+    def dynamic_axes(self) -> dict[int, str]:
+        return {axis: d for axis, d in enumerate(self.dims) if isinstance(d, str)}
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "dims": list(self.dims)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorSpec":
+        return cls(d["name"], d["dtype"], tuple(d["dims"]))
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    ranges: dict[str, tuple[int, int, int]]  # symbolic input dim → (min, opt, max)
+
+    def __post_init__(self):
+        for t in self.inputs:
+            for d in t.dims:
+                if isinstance(d, str) and d not in self.ranges:
+                    raise LoopspecError(f"engine {self.name}: input {t.name} dim {d!r} has no range")
+        for dim, (lo, opt, hi) in self.ranges.items():
+            if not 0 <= lo <= opt <= hi:
+                raise LoopspecError(f"engine {self.name}: range of {dim!r} must be 0 <= min <= opt <= max, "
+                                    f"got {(lo, opt, hi)}")
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        """{tensor name: {axis: symbolic name}} for every input and output (torch.onnx.export's form)."""
+        return {t.name: t.dynamic_axes() for t in self.inputs + self.outputs if t.dynamic_axes()}
+
+    def profile_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """{input: (min_shape, opt_shape, max_shape)} — one TensorRT optimization profile."""
+        pick = [{d: r[i] for d, r in self.ranges.items()} for i in range(3)]
+        return {t.name: tuple(t.shape(sizes) for sizes in pick) for t in self.inputs}
+
+    def check_input(self, name: str, shape: tuple[int, ...]) -> None:
+        """Refuse a shape outside the declared dims/ranges (a clear error instead of a backend crash)."""
+        spec = next((t for t in self.inputs if t.name == name), None)
+        if spec is None:
+            raise LoopspecError(f"engine {self.name} has no input {name!r}")
+        if len(shape) != len(spec.dims):
+            raise LoopspecError(f"engine {self.name}: {name} must have {len(spec.dims)} dims, got shape {shape}")
+        for axis, (d, n) in enumerate(zip(spec.dims, shape)):
+            if isinstance(d, int) and d != n:
+                raise LoopspecError(f"engine {self.name}: {name} axis {axis} must be {d}, got {n}")
+            if isinstance(d, str) and not self.ranges[d][0] <= n <= self.ranges[d][2]:
+                lo, _, hi = self.ranges[d]
+                raise LoopspecError(f"engine {self.name}: {name} {d}={n} is outside [{lo}, {hi}]")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "inputs": [t.to_dict() for t in self.inputs],
+                "outputs": [t.to_dict() for t in self.outputs],
+                "ranges": {k: list(v) for k, v in self.ranges.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineSpec":
+        try:
+            return cls(d["name"], tuple(TensorSpec.from_dict(t) for t in d["inputs"]),
+                       tuple(TensorSpec.from_dict(t) for t in d["outputs"]),
+                       {k: tuple(v) for k, v in d["ranges"].items()})
+        except (KeyError, TypeError, ValueError) as e:
+            raise LoopspecError(f"malformed engine spec: {e!r}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# The four engines
+
+
+def target_verify_spec(target, num_taps: int, max_context: int, max_verify: int = 16) -> EngineSpec:
+    """Tokens + absolute positions + the cache's past K/V → logits at `logit_index`, taps, new K/V.
+
+    `target` is a TargetConfig. The graph returns only the new tokens' K/V; the runtime writes them into
+    its static cache at the current length (rollback = moving the length). `logit_index` picks the
+    positions whose logits are needed (all for verification, the last one for prefill), so a long
+    prefill does not pay the lm_head for every prompt token. num_taps 0: no taps output (plain `ar`)."""
+    L, kvh, hd = target.num_layers, target.num_kv_heads, target.head_dim
+    kv = (L, 1, kvh)
+    inputs = (TensorSpec("input_ids", "int64", (1, "tokens")),
+              TensorSpec("positions", "int64", (1, "tokens")),
+              TensorSpec("logit_index", "int64", ("logits",)),
+              TensorSpec("past_key", "float32", kv + ("past", hd)),
+              TensorSpec("past_value", "float32", kv + ("past", hd)))
+    outputs = [TensorSpec("logits", "float32", (1, "logits", target.vocab_size))]
+    if num_taps:
+        outputs.append(TensorSpec("taps", "float32", (1, "tokens", num_taps * target.hidden_size)))
+    outputs += [TensorSpec("new_key", "float32", kv + ("tokens", hd)),
+                TensorSpec("new_value", "float32", kv + ("tokens", hd))]
+    max_verify = min(max_verify, max_context)
+    ranges = {"tokens": (1, max_verify, max_context), "logits": (1, max_verify, max_context),
+              "past": (0, max_context // 2, max_context - 1)}
+    return EngineSpec(TARGET_VERIFY, inputs, tuple(outputs), ranges)
+
+
+def _context_kv_outputs(drafter) -> tuple[TensorSpec, ...]:
+    kv = (drafter.num_layers, 1, drafter.num_kv_heads, "tokens", drafter.head_dim)
+    return (TensorSpec("context_key", "float32", kv), TensorSpec("context_value", "float32", kv))
+
+
+def drafter_context_spec(drafter, max_context: int, max_verify: int = 16) -> EngineSpec:
+    """Taps [1, T, n·H] + positions → every drafter layer's context K/V (the fused KV injection:
+    fc → hidden_norm → one matmul for all layers' K and V → k_norm → RoPE). `drafter` is a DrafterConfig."""
+    inputs = (TensorSpec("taps", "float32", (1, "tokens", drafter.num_taps * drafter.hidden_size)),
+              TensorSpec("positions", "int64", (1, "tokens")))
+    return EngineSpec(DRAFTER_CONTEXT, inputs, _context_kv_outputs(drafter),
+                      {"tokens": (1, min(max_verify, max_context), max_context)})
+
+
+def drafter_context_hidden_spec(drafter, max_context: int, block_size: int | None = None) -> EngineSpec:
+    """The drafter's own H-dim hidden states (DLoop pseudo-features) + positions → context K/V
+    (no fc / hidden_norm: pseudo-features enter where hidden_norm(fc(taps)) would)."""
+    block_size = block_size or drafter.block_size
+    inputs = (TensorSpec("hidden", "float32", (1, "tokens", drafter.hidden_size)),
+              TensorSpec("positions", "int64", (1, "tokens")))
+    return EngineSpec(DRAFTER_CONTEXT_HIDDEN, inputs, _context_kv_outputs(drafter),
+                      {"tokens": (1, block_size - 1, max_context)})
+
+
+def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
+                       max_block: int | None = None) -> EngineSpec:
+    """Block ids [anchor, MASK…] + positions + context K/V → draft target-token ids, their log-probs,
+    the gate score (their sum) and the final-norm hidden states."""
+    block_size = block_size or drafter.block_size
+    max_block = max(max_block or block_size, block_size)
+    N, kvh, hd = drafter.num_layers, drafter.num_kv_heads, drafter.head_dim
+    inputs = (TensorSpec("block_ids", "int64", (1, "block")),
+              TensorSpec("positions", "int64", (1, "block")),
+              TensorSpec("context_key", "float32", (N, 1, kvh, "context", hd)),
+              TensorSpec("context_value", "float32", (N, 1, kvh, "context", hd)))
+    outputs = (TensorSpec("draft_ids", "int64", (1, "drafts")),
+               TensorSpec("draft_logprobs", "float32", (1, "drafts")),
+               TensorSpec("gate_score", "float32", (1,)),
+               TensorSpec("hidden", "float32", (1, "block", drafter.hidden_size)))
+    ranges = {"block": (2, block_size, max_block), "context": (1, max_context // 2, max_context)}
+    return EngineSpec(DRAFTER_BLOCK, inputs, outputs, ranges)
+
+
+def engine_specs(target, drafter=None, *, max_context: int, max_verify: int | None = None,
+                 block_size: int | None = None, max_block: int | None = None) -> dict[str, EngineSpec]:
+    """Every engine for a target (TargetConfig) and an optional drafter (DrafterConfig), by name."""
+    if max_context < 2:
+        raise LoopspecError(f"max context must be at least 2, got {max_context}")
+    block_size = block_size or (drafter.block_size if drafter is not None else 1)
+    max_verify = max_verify or block_size
+    specs = {TARGET_VERIFY: target_verify_spec(target, drafter.num_taps if drafter is not None else 0,
+                                               max_context, max_verify)}
+    if drafter is not None:
+        specs[DRAFTER_CONTEXT] = drafter_context_spec(drafter, max_context, max_verify)
+        specs[DRAFTER_CONTEXT_HIDDEN] = drafter_context_hidden_spec(drafter, max_context, block_size)
+        specs[DRAFTER_BLOCK] = drafter_block_spec(drafter, max_context, block_size, max_block)
+    return specs
