@@ -65,13 +65,15 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
     if settings:
         machine = settings.get("machine", {})
         sampling = settings.get("sampling", {})
+        loop = settings.get("dloop")
         lines += [
             f"- target `{settings.get('target')}`, drafter: {settings.get('drafter')}, backend `{settings.get('backend')}` "
             f"on `{settings.get('device', 'cpu')}`",
             f"- {settings.get('max_new_tokens')} new tokens, temperature {sampling.get('temperature')}, "
             f"{repeats} repeat(s) (each prompt's median wall time), adaptive fallback "
-            f"{'on' if settings.get('adaptive') else 'off'}, block size {settings.get('block_size')}, "
-            f"DLoop {settings.get('dloop')}",
+            f"{'on' if settings.get('adaptive') else 'off'}, block size "
+            + ", ".join(f"{m} {k}" for m, k in (settings.get("block_size") or {}).items())
+            + (f", DLoop gate {loop['gate_threshold']}, max stages {loop['max_stages']}" if loop else ""),
             f"- {machine.get('processor')}, {machine.get('platform')}, torch {machine.get('torch')} "
             f"({machine.get('torch_threads')} threads), transformers {machine.get('transformers')}",
             "",
@@ -93,7 +95,7 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
                   f"| memory read bandwidth | {cm['bandwidth_gbs']:.1f} GB/s |",
                   f"| target weights | {cm['target_weight_mb']:.0f} MB |",
                   f"| plain-decoding bound (bandwidth ÷ weight bytes) | {cm['ar_bound_tokens_per_s']:.1f} tokens/s |",
-                  f"| t_verify(n) ms, n: ms | {verify} |",
+                  f"| t_verify(n) after 128 tokens of context, n: ms | {verify} |",
                   f"| drafter stage | {_num(cm.get('draft_stage_s') and cm['draft_stage_s'] * 1e3, '.1f', ' ms')} |",
                   "", "Bounds of a drafting method: *drafting* = τ · t_verify(1) / (stages · t_draft + t_verify(drafts + 1)), "
                   "the speedup if every round drafted at this τ; *as run* = the same over the rounds it ran, where "
