@@ -19,7 +19,7 @@ from loopspec.runtime.loop import AdaptiveFallback, GenerationResult, generate
 from loopspec.runtime.torch_engine import TorchEngine
 
 METHODS = ("ar", "dflash", "dloop")
-BACKENDS = ("torch", "onnxruntime")
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
 DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4}
 
 
@@ -129,21 +129,28 @@ class Pipeline:
 
 def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,
                   mask_token_id: int | None = None, num_threads: int | None = None, device: str = "cpu",
-                  cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | Path | None = None) -> Pipeline:
+                  cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | Path | None = None,
+                  trt_dir: str | Path | None = None) -> Pipeline:
     """Resolve `target` ('default' | checkpoint dir | .gguf) and `drafter` ('default' | dir | 'none').
 
     device: where the torch engine runs ('cpu' or 'cuda'); cuda_graphs: replay captured forwards
     (default: on for CUDA, off for the CPU). backend 'onnxruntime': the exported engines in `onnx_dir`
     (target and drafter are then not read), or — without onnx_dir — the pair exported once into
-    ~/.cache/loopspec/onnx/<key of target + drafter> and reused while its manifest matches."""
+    ~/.cache/loopspec/onnx/<key of target + drafter> and reused while its manifest matches.
+    backend 'tensorrt': the plans in `trt_dir` (built by `loopspec convert trt`) on the GPU."""
     if backend not in BACKENDS:
         raise LoopspecError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     if backend != "onnxruntime" and onnx_dir is not None:
         raise LoopspecError("--onnx-dir needs --backend onnxruntime")
     if backend == "onnxruntime" and (device != "cpu" or cuda_graphs):
         raise LoopspecError("the onnxruntime backend runs on the CPU here (use --device cpu, no CUDA graphs)")
+    if (backend == "tensorrt") != (trt_dir is not None):
+        raise LoopspecError("--backend tensorrt runs the plans of --trt-dir DIR (built by `loopspec convert trt`), "
+                            "and --trt-dir needs --backend tensorrt")
     if onnx_dir is not None:
         return onnx_dir_pipeline(Path(onnx_dir), max_context, num_threads)
+    if trt_dir is not None:
+        return trt_dir_pipeline(Path(trt_dir), max_context)
     device = resolve_device(device)
     if cuda_graphs is None:
         cuda_graphs = device.type == "cuda"
@@ -191,14 +198,25 @@ def onnx_dir_pipeline(onnx_dir: Path, max_context: int | None, num_threads: int 
     """A pipeline over an exported directory alone: its engines, its tokenizer and configs."""
     from loopspec.runtime.ort_engine import OrtEngine
 
-    engine = OrtEngine(onnx_dir, max_context, num_threads)
-    tokenizer = load_tokenizer(onnx_dir / "target")
+    return artifact_pipeline(OrtEngine(onnx_dir, max_context, num_threads), onnx_dir)
+
+
+def artifact_pipeline(engine, directory: Path) -> Pipeline:
+    """The pipeline around an engine that runs from an artifact directory (its tokenizer and configs)."""
+    tokenizer = load_tokenizer(directory / "target")
     stop = set(engine.target_cfg.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         stop.add(tokenizer.eos_token_id)
-    description = f"exported ({onnx_dir})" if engine.has_drafter else "none"
-    return Pipeline(tokenizer=tokenizer, target_dir=onnx_dir / "target", drafter_dir=None, target=None, drafter=None,
+    description = f"exported ({directory})" if engine.has_drafter else "none"
+    return Pipeline(tokenizer=tokenizer, target_dir=directory / "target", drafter_dir=None, target=None, drafter=None,
                     engine=engine, drafter_description=description, stop_token_ids=frozenset(stop))
+
+
+def trt_dir_pipeline(plan_dir: Path, max_context: int | None) -> Pipeline:
+    """A pipeline over TensorRT plans alone: their engines, tokenizer and configs."""
+    from loopspec.runtime.trt_engine import TrtEngine
+
+    return artifact_pipeline(TrtEngine(plan_dir, max_context), plan_dir)
 
 
 def cached_ort_engine(model: Target, draft_model: Drafter | None, target_dir: Path, drafter_dir: Path | None,

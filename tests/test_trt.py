@@ -1,0 +1,143 @@
+"""TensorRT plans and backend. Here (no TensorRT, no GPU): the clear refusals, the precision-vs-GPU
+rule as a pure function, and the optimization profiles taken from the engine specs. On a GPU with
+TensorRT (marked `gpu`): build the plans from an ONNX export and check parity and greedy identity."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from loopspec.engines.specs import DRAFTER_BLOCK, TARGET_VERIFY, engine_specs
+from loopspec.engines.trt import check_precision_supported, profile_shapes
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import DrafterConfig
+from loopspec.model.target import TargetConfig
+from loopspec.weights import load_target_dir
+
+HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
+needs_trt_gpu = pytest.mark.skipif(not (HAVE_TRT and torch.cuda.is_available()), reason="needs TensorRT and a CUDA GPU")
+
+
+@pytest.mark.parametrize("precision, capability, ok", [
+    ("nvfp4", (9, 0), False),   # Hopper (H100/H200): no FP4 kernels
+    ("nvfp4", (8, 9), False),
+    ("nvfp4", (10, 0), True),   # Blackwell B200
+    ("nvfp4", (12, 0), True),   # Blackwell RTX
+    ("fp8", (8, 6), False),     # Ampere A10/RTX 30xx
+    ("fp8", (8, 9), True),      # Ada L4/L40
+    ("fp8", (9, 0), True),
+    ("bf16", (7, 5), False),
+    ("bf16", (8, 0), True),
+    ("fp32", (7, 5), True),
+])
+def test_precision_needs_the_right_gpu(precision, capability, ok):
+    if ok:
+        check_precision_supported(precision, capability, "GPU X")
+    else:
+        with pytest.raises(LoopspecError, match=r"GPU X has \d+\.\d"):
+            check_precision_supported(precision, capability, "GPU X")
+
+
+def test_nvfp4_refusal_names_blackwell():
+    with pytest.raises(LoopspecError, match="nvfp4 engines need a Blackwell GPU .compute capability >= 10.0.; "
+                                            "NVIDIA H200 has 9.0"):
+        check_precision_supported("nvfp4", (9, 0), "NVIDIA H200")
+    with pytest.raises(LoopspecError, match="unknown engine precision"):
+        check_precision_supported("int3", (10, 0))
+
+
+def test_profiles_come_from_the_specs(tiny_pair):
+    target = load_target_dir(tiny_pair[0])
+    t: TargetConfig = target.cfg
+    d = DrafterConfig.for_target(t, num_layers=1, block_size=6, mask_token_id=127)
+    specs = engine_specs(t, d, max_context=128)
+    for spec in specs.values():
+        profile = profile_shapes(spec)
+        assert [name for name, *_ in profile] == spec.input_names
+        for name, lo, opt, hi in profile:
+            assert len(lo) == len(opt) == len(hi)
+            assert all(a <= b <= c for a, b, c in zip(lo, opt, hi)), name
+    verify = {name: (lo, opt, hi) for name, lo, opt, hi in profile_shapes(specs[TARGET_VERIFY])}
+    lo, _, hi = verify["past_key"]
+    assert lo == (t.num_layers, 1, t.num_kv_heads, 0, t.head_dim)  # the first prefill has no past
+    assert hi[3] == 127 and verify["input_ids"][2] == (1, 128)
+    block = {name: (lo, opt, hi) for name, lo, opt, hi in profile_shapes(specs[DRAFTER_BLOCK])}
+    assert block["block_ids"][1] == (1, 6)  # optimized for the drafter's block size
+
+
+@pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
+def test_without_tensorrt_a_clear_error(tmp_path):
+    from loopspec.convert.trt import build_plans
+    from loopspec.runtime.trt_engine import TrtEngine
+
+    for make in (lambda: build_plans(tmp_path, tmp_path / "plans"), lambda: TrtEngine(tmp_path)):
+        with pytest.raises(LoopspecError, match="TensorRT is not installed: pip install tensorrt"):
+            make()
+    assert not (tmp_path / "plans").exists()
+
+
+def test_tensorrt_backend_needs_its_plans(tmp_path):
+    from loopspec.runtime.pipeline import load_pipeline
+
+    with pytest.raises(LoopspecError, match="--backend tensorrt runs the plans of --trt-dir"):
+        load_pipeline(backend="tensorrt")
+    with pytest.raises(LoopspecError, match="--trt-dir needs --backend tensorrt"):
+        load_pipeline(trt_dir=tmp_path)
+    if not HAVE_TRT:
+        with pytest.raises(LoopspecError, match="TensorRT is not installed"):
+            load_pipeline(backend="tensorrt", trt_dir=tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# on a GPU with TensorRT
+
+
+@pytest.fixture(scope="module")
+def plans(tiny_pair, tmp_path_factory):
+    from loopspec.cli import main
+
+    target_dir, drafter_dir = tiny_pair
+    root = tmp_path_factory.mktemp("trt")
+    assert main(["convert", "onnx", "--target", str(target_dir), "--drafter", str(drafter_dir),
+                 "--out", str(root / "onnx")]) == 0
+    assert main(["convert", "trt", "--onnx", str(root / "onnx"), "--out", str(root / "plans")]) == 0
+    return root / "plans"
+
+
+@pytest.mark.gpu
+@needs_trt_gpu
+def test_plans_match_torch(plans, tiny_pair):
+    from loopspec.model.drafter import Drafter
+    from loopspec.runtime.torch_engine import TorchEngine
+    from loopspec.runtime.trt_engine import TrtEngine
+
+    target_dir, drafter_dir = tiny_pair
+    trt_engine = TrtEngine(plans, max_context=128)
+    torch_engine = TorchEngine(load_target_dir(target_dir).cuda(), Drafter.load(drafter_dir).cuda(), max_context=128)
+    prompt = list(range(3, 20))
+    for engine in (torch_engine, trt_engine):
+        engine.reset()
+        engine.drafter_context(engine.target_verify(prompt, all_logits=False)[1])
+    (tl, tt), (rl, rt) = torch_engine.target_verify([5, 6, 7]), trt_engine.target_verify([5, 6, 7])
+    torch.testing.assert_close(rl, tl, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(rt, tt, rtol=1e-3, atol=1e-3)
+    for engine, taps in ((torch_engine, tt), (trt_engine, rt)):
+        engine.drafter_context(taps)
+    (td, tp, th), (rd, rp, rh) = (e.drafter_block(7, 20, 6) for e in (torch_engine, trt_engine))
+    assert torch.equal(rd, td)
+    torch.testing.assert_close(rp, tp, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(rh, th, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_trt_gpu
+def test_trt_greedy_identity(plans):
+    from loopspec.runtime.loop import generate
+    from loopspec.runtime.trt_engine import TrtEngine
+
+    engine = TrtEngine(plans, max_context=128)
+    prompt = [5, 6, 7, 8, 9, 10]
+    ar = generate(engine, prompt, max_new_tokens=40, block_size=1)
+    assert generate(engine, prompt, max_new_tokens=40, block_size=6).tokens == ar.tokens
+    dloop = generate(engine, prompt, max_new_tokens=40, block_size=6, max_stages=3, gate_threshold=-1e9)
+    assert dloop.tokens == ar.tokens
