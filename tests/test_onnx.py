@@ -1,0 +1,318 @@
+"""ONNX export → ONNX Runtime: per-engine parity with PyTorch, greedy identity across backends for
+ar / dflash / dloop, the specs, the manifest, the first-use cache, the CLI and the bad paths."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+from loopspec.cli import main  # noqa: E402
+from loopspec.convert.validate import validate_onnx  # noqa: E402
+from loopspec.engines.export import export_engines  # noqa: E402
+from loopspec.engines.manifest import read_manifest  # noqa: E402
+from loopspec.engines.specs import ENGINE_NAMES, TARGET_VERIFY, EngineSpec, TensorSpec, engine_specs  # noqa: E402
+from loopspec.errors import LoopspecError  # noqa: E402
+from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from loopspec.runtime.loop import generate  # noqa: E402
+from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
+from loopspec.runtime.torch_engine import TorchEngine  # noqa: E402
+from loopspec.weights import load_target_dir  # noqa: E402
+
+from conftest import FAMILIES  # noqa: E402
+
+
+def random_drafter(target, reduced_vocab: bool, block_size=5):
+    torch.manual_seed(1)
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=2, block_size=block_size, mask_token_id=127)
+    drafter = Drafter(cfg).eval()
+    if reduced_vocab:  # a d2t draft vocabulary: the block graph must map draft rows back to target ids
+        drafter.draft_ids = torch.randperm(target.cfg.vocab_size, generator=torch.Generator().manual_seed(2))[:48]
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_targets, tmp_path_factory):
+    """{family: (target, drafter, onnx dir)}: one export per family (qwen2 with a reduced draft vocab)."""
+    out = {}
+    for family in FAMILIES:
+        target = load_target_dir(tiny_targets[family])
+        drafter = random_drafter(target, reduced_vocab=family == "qwen2")
+        onnx_dir = tmp_path_factory.mktemp("onnx") / family
+        export_engines(target, drafter, onnx_dir, target_dir=tiny_targets[family])
+        out[family] = (target, drafter, onnx_dir)
+    return out
+
+
+def copy_of(onnx_dir, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(onnx_dir, dst)
+    return dst
+
+
+# ---- export and parity ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_engine_matches_pytorch(family, exported):
+    target, drafter, onnx_dir = exported[family]
+    manifest = read_manifest(onnx_dir)
+    assert manifest.engines == list(ENGINE_NAMES) and manifest.stage == "onnx" and manifest.precision == "fp32"
+    for name in ENGINE_NAMES:
+        graph = onnx.load(str(manifest.path(name)))
+        assert {n.domain for n in graph.graph.node} <= {""}  # standard ONNX ops only
+        assert graph.opset_import[0].version >= 17
+        spec = manifest.spec(name)
+        assert [i.name for i in graph.graph.input] == spec.input_names
+        assert [o.name for o in graph.graph.output] == spec.output_names
+    report = validate_onnx(onnx_dir, target, drafter, "fp32")
+    assert report["passed"] and report["greedy_identical"]
+    for engine, r in report["engines"].items():
+        for output, error in r["errors"].items():
+            assert error < 1e-5, (engine, output, error)
+    assert report["acceptance"]["relative_drop"] == 0.0
+    assert read_manifest(onnx_dir).data["validation"]["passed"]  # the report is stored with the artifact
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identical_across_backends(family, exported):
+    target, drafter, onnx_dir = exported[family]
+    engines = {"torch": TorchEngine(target, drafter, max_context=160), "onnxruntime": OrtEngine(onnx_dir, 160)}
+    prompt = torch.randint(0, 120, (11,), generator=torch.Generator().manual_seed(4)).tolist()
+    outputs = {}
+    for backend, engine in engines.items():
+        assert engine.has_drafter and engine.block_size == 5 and engine.mask_token_id == 127
+        ar = generate(engine, prompt, max_new_tokens=50, block_size=1)
+        dflash = generate(engine, prompt, max_new_tokens=50, block_size=5)
+        dloop = generate(engine, prompt, max_new_tokens=50, block_size=5, max_stages=3, gate_threshold=-1e9)
+        assert dflash.tokens == ar.tokens and dloop.tokens == ar.tokens
+        assert max(dloop.stats.stages_per_round) == 3  # the pseudo-context engine really ran
+        outputs[backend] = (ar.tokens, dflash.stats.accepted_per_round, dloop.stats.accepted_per_round)
+    assert outputs["onnxruntime"] == outputs["torch"]  # same tokens and the same drafts accepted
+
+
+def test_engine_calls_match_torch_engine(exported):
+    target, drafter, onnx_dir = exported["qwen2"]
+    te, oe = TorchEngine(target, drafter, max_context=64), OrtEngine(onnx_dir, 64)
+    for engine in (te, oe):
+        engine.reset()
+    prompt = list(range(3, 17))
+    (lt, tt), (lo, to) = (e.target_verify(prompt, all_logits=False) for e in (te, oe))
+    assert lo.shape == lt.shape == (1, 128) and torch.allclose(lo, lt, atol=1e-5)
+    assert torch.allclose(to, tt, atol=1e-5)
+    for e, taps in ((te, tt), (oe, to)):
+        e.drafter_context(taps)
+    (dt, pt, ht), (do, po, ho) = (e.drafter_block(7, 14, 5) for e in (te, oe))
+    assert torch.equal(do, dt) and set(do.tolist()) <= set(drafter.draft_ids.tolist())  # target ids
+    assert torch.allclose(po, pt, atol=1e-5) and torch.allclose(ho, ht, atol=1e-5)
+    for e in (te, oe):  # DLoop pseudo-context, then rollback
+        e.drafter_context_hidden(ht[1:] if e is te else ho[1:])
+        assert e.context_length == 18
+        e.context_rollback(14)
+    (lt, _), (lo, _) = (e.target_verify([5, 6, 7]) for e in (te, oe))
+    assert lo.shape == (3, 128) and torch.allclose(lo, lt, atol=1e-5)
+    for e in (te, oe):
+        e.target_rollback(15)
+        assert e.target_length == 15
+    with pytest.raises(ValueError):
+        oe.target_rollback(16)
+    with pytest.raises(LoopspecError, match="exceeds the context"):
+        oe.target_verify(list(range(60)))
+
+
+def test_target_only_export_runs_ar(tiny_targets, tmp_path):
+    target = load_target_dir(tiny_targets["llama"])
+    manifest = export_engines(target, None, tmp_path / "ar", target_dir=tiny_targets["llama"])
+    assert manifest.engines == [TARGET_VERIFY] and "taps" not in manifest.spec(TARGET_VERIFY).output_names
+    engine = OrtEngine(tmp_path / "ar", 100)
+    assert not engine.has_drafter and engine.block_size == 1
+    prompt = [4, 9, 16, 25]
+    ref = generate(TorchEngine(target, None, max_context=100), prompt, max_new_tokens=30)
+    assert generate(engine, prompt, max_new_tokens=30).tokens == ref.tokens
+    with pytest.raises(LoopspecError, match="drafter"):
+        generate(engine, prompt, max_new_tokens=5, block_size=4)
+    assert validate_onnx(tmp_path / "ar", target, None)["passed"]
+
+
+# ---- specs ---------------------------------------------------------------------------------------
+
+
+def test_specs_are_the_one_source_of_truth(tiny_targets):
+    target = load_target_dir(tiny_targets["qwen3"])
+    drafter = random_drafter(target, reduced_vocab=False, block_size=8)
+    specs = engine_specs(target.cfg, drafter.cfg, max_context=256)
+    assert list(specs) == list(ENGINE_NAMES)
+    verify = specs[TARGET_VERIFY]
+    L, kvh, hd = target.cfg.num_layers, target.cfg.num_kv_heads, target.cfg.head_dim
+    shapes = verify.profile_shapes()
+    assert shapes["past_key"] == ((L, 1, kvh, 0, hd), (L, 1, kvh, 128, hd), (L, 1, kvh, 255, hd))
+    assert shapes["input_ids"] == ((1, 1), (1, 8), (1, 256))
+    assert verify.dynamic_axes()["taps"] == {1: "tokens"}
+    block = specs["drafter_block"]
+    assert block.profile_shapes()["block_ids"] == ((1, 2), (1, 8), (1, 8))
+    assert block.output_names == ["draft_ids", "draft_logprobs", "gate_score", "hidden"]
+    assert EngineSpec.from_dict(json.loads(json.dumps(block.to_dict()))) == block
+    block.check_input("block_ids", (1, 5))
+    with pytest.raises(LoopspecError, match="outside"):
+        block.check_input("block_ids", (1, 9))
+    with pytest.raises(LoopspecError, match="axis 0 must be 1"):
+        block.check_input("block_ids", (2, 5))
+    with pytest.raises(LoopspecError, match="no range"):
+        EngineSpec("x", (TensorSpec("a", "float32", (1, "n")),), (), {})
+    with pytest.raises(LoopspecError, match="min <= opt <= max"):
+        EngineSpec("x", (TensorSpec("a", "float32", (1, "n")),), (), {"n": (4, 2, 8)})
+    with pytest.raises(LoopspecError, match="dtype"):
+        TensorSpec("a", "float8", (1,))
+
+
+# ---- the runtime's cache and the CLI --------------------------------------------------------------
+
+
+def test_pipeline_exports_once_and_reuses_the_cache(tiny_pair, tmp_path, monkeypatch, capsys):
+    from loopspec.runtime.pipeline import load_pipeline
+
+    target_dir, drafter_dir = tiny_pair
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=128, backend="onnxruntime")
+    assert "exporting ONNX engines" in capsys.readouterr().err
+    cached = pipe.engine.onnx_dir
+    assert cached.parent == tmp_path / "loopspec" / "onnx" and pipe.backend == "onnxruntime"
+    torch_pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=128)
+    ids = pipe.encode("hello there")
+    for method in ("ar", "dflash", "dloop"):
+        assert pipe.run(ids, method=method, max_new_tokens=24).tokens == torch_pipe.run(ids, method=method, max_new_tokens=24).tokens
+    again = load_pipeline(str(target_dir), str(drafter_dir), max_context=128, backend="onnxruntime")
+    assert again.engine.onnx_dir == cached and "exporting" not in capsys.readouterr().err
+    (cached / "drafter_block.onnx.data").write_bytes(b"garbage")  # a damaged cache is exported again
+    load_pipeline(str(target_dir), str(drafter_dir), max_context=128, backend="onnxruntime")
+    err = capsys.readouterr().err
+    assert "hash mismatch" in err and "exporting" in err
+    assert read_manifest(cached).has_drafter
+
+
+def test_cli_convert_then_generate_and_bench_on_both_backends(tiny_pair, tmp_path, capsys):
+    target_dir, drafter_dir = tiny_pair
+    out = tmp_path / "onnx"
+    assert main(["convert", "onnx", "--target", str(target_dir), "--drafter", str(drafter_dir), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "PASSED" in printed and "identical to PyTorch" in printed
+    assert read_manifest(out).data["sources"]["drafter"]["files"]["model.safetensors"]
+    texts = {}
+    for backend in (["--backend", "torch", "--target", str(target_dir), "--drafter", str(drafter_dir)],
+                    ["--backend", "onnxruntime", "--onnx-dir", str(out)]):
+        for method in ("ar", "dloop"):
+            assert main(["generate", "--prompt", "abc", "--method", method, "--max-new-tokens", "24"] + backend) == 0
+            texts.setdefault(method, []).append(capsys.readouterr().out)
+    assert texts["ar"][0] == texts["ar"][1] == texts["dloop"][0] == texts["dloop"][1]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hello"]}) + "\n" + json.dumps({"turns": ["world"]}) + "\n")
+    report = tmp_path / "bench.json"
+    assert main(["bench", "--prompts", str(prompts), "--methods", "ar,dflash,dloop", "--max-new-tokens", "16",
+                 "--backend", "onnxruntime", "--onnx-dir", str(out), "--json", str(report)]) == 0
+    results = json.loads(report.read_text())["results"]
+    assert {r["backend"] for r in results} == {"onnxruntime"} and all(r["identical_to_ar"] for r in results)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+
+def test_corrupt_or_edited_files_are_refused(exported, tmp_path):
+    _, _, onnx_dir = exported["llama"]
+    bad = copy_of(onnx_dir, tmp_path)
+    data = bytearray((bad / "drafter_block.onnx").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "drafter_block.onnx").write_bytes(bytes(data))
+    with pytest.raises(LoopspecError, match="hash mismatch for drafter_block.onnx"):
+        OrtEngine(bad)
+    # a corrupt graph whose manifest was rewritten to match: ONNX Runtime itself refuses it
+    (bad / "drafter_block.onnx").write_bytes(b"\x08\x07garbage that is not a protobuf")
+    manifest = read_manifest(bad, verify=False)
+    from loopspec.engines.manifest import sha256_file
+
+    manifest.data["files"]["drafter_block.onnx"] = sha256_file(bad / "drafter_block.onnx")
+    manifest.save()
+    with pytest.raises(LoopspecError, match="cannot load ONNX engine .*drafter_block.onnx"):
+        OrtEngine(bad)
+
+
+def test_missing_engine_manifest_and_precision_are_refused(exported, tmp_path):
+    target, drafter, onnx_dir = exported["qwen3"]
+    missing_file = copy_of(onnx_dir, tmp_path / "a")
+    (missing_file / "drafter_context.onnx.data").unlink()
+    with pytest.raises(LoopspecError, match="missing artifact file drafter_context.onnx.data"):
+        OrtEngine(missing_file)
+    missing_engine = copy_of(onnx_dir, tmp_path / "b")
+    manifest = read_manifest(missing_engine)
+    del manifest.data["engines"]["drafter_block"]
+    manifest.save()
+    with pytest.raises(LoopspecError, match="missing drafter engine.*drafter_block"):
+        OrtEngine(missing_engine)
+    no_manifest = copy_of(onnx_dir, tmp_path / "c")
+    (no_manifest / "manifest.json").unlink()
+    with pytest.raises(LoopspecError, match="missing manifest.json"):
+        OrtEngine(no_manifest)
+    nvfp4 = copy_of(onnx_dir, tmp_path / "d")
+    manifest = read_manifest(nvfp4)
+    manifest.data["precision"] = "nvfp4"
+    manifest.save()
+    not_here = r"(?i)nvfp4.*(cannot run on ONNX Runtime|not run here)"
+    with pytest.raises(LoopspecError, match=not_here):
+        OrtEngine(nvfp4)
+    with pytest.raises(LoopspecError, match=not_here):
+        validate_onnx(nvfp4, target, drafter, "nvfp4")
+    with pytest.raises(LoopspecError, match="unknown precision"):
+        validate_onnx(onnx_dir, target, drafter, "int3")
+    with pytest.raises(LoopspecError, match="holds fp32 engines, not fp8"):
+        validate_onnx(onnx_dir, target, drafter, "fp8")
+    with pytest.raises(LoopspecError, match="no reference drafter"):
+        validate_onnx(onnx_dir, target, None)
+
+
+def test_cli_bad_input_exits_2_with_one_line(exported, tmp_path, capsys):
+    _, _, onnx_dir = exported["llama"]
+    bad = copy_of(onnx_dir, tmp_path)
+    (bad / "target_verify.onnx.data").write_bytes(b"\0" * 16)
+    cases = [
+        (["generate", "--prompt", "x", "--backend", "onnxruntime", "--onnx-dir", str(bad)], "hash mismatch"),
+        (["generate", "--prompt", "x", "--backend", "onnxruntime", "--onnx-dir", str(tmp_path / "nope")], "does not exist"),
+        (["generate", "--prompt", "x", "--backend", "tensorflow"], "unknown backend"),
+        (["generate", "--prompt", "x", "--onnx-dir", str(onnx_dir)], "needs --backend onnxruntime"),
+        (["convert", "onnx", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "o")], "does not exist"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("mine")
+    target_dir = onnx_dir.parent  # any existing target works: the refusal comes first
+    with pytest.raises(LoopspecError, match="refusing to overwrite"):
+        export_engines(exported["llama"][0], None, occupied, target_dir=target_dir)
+    assert (occupied / "notes.txt").read_text() == "mine"
+
+
+# ---- the default pair --------------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_default_pair_onnxruntime_equals_torch(tmp_path_factory):
+    from loopspec.convert.onnx_export import convert_onnx
+    from loopspec.runtime.pipeline import load_pipeline
+
+    torch_pipe = load_pipeline("default", "default", max_context=512)
+    onnx_dir = tmp_path_factory.mktemp("default") / "onnx"
+    _, report = convert_onnx(torch_pipe.target, torch_pipe.drafter, onnx_dir, target_dir=torch_pipe.target_dir,
+                             drafter_dir=torch_pipe.drafter_dir)
+    assert report["passed"] and report["greedy_identical"]
+    ort_pipe = load_pipeline(backend="onnxruntime", onnx_dir=onnx_dir, max_context=512)
+    assert ort_pipe.tuned_dloop() == torch_pipe.tuned_dloop()  # the tuned setting travels with the export
+    ids = torch_pipe.encode("Write a Python function that checks whether a number is prime.")
+    assert ort_pipe.encode("Write a Python function that checks whether a number is prime.") == ids
+    ar = torch_pipe.run(ids, method="ar", max_new_tokens=24).tokens
+    for method in ("ar", "dflash", "dloop"):
+        assert ort_pipe.run(ids, method=method, max_new_tokens=24, adaptive=False).tokens == ar, method
