@@ -251,7 +251,8 @@ def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None
                if vocab else "")
     precision = s.precision or dtype
     lines = [f"# Serving bundle: {s.name}", "",
-             f"Target `{sources['target']}` ({precision}) with the DFlash drafter `{sources['drafter']}` "
+             f"Target `{s.name}` ({precision}, from `{sources['target']}`) with the DFlash drafter "
+             f"`{sources['drafter']}` "
              f"(block size {s.block_size}, taps {s.target_layer_ids}, mask token {s.mask_token_id}), "
              f"tensor parallel size {s.tp}.", "",
              "## Launch", ""]

@@ -246,3 +246,12 @@ def test_rebuild_replaces_a_previous_bundle(tiny_pair, tmp_path):
     build_bundle(str(target_dir), str(drafter_dir), out, "trtllm")
     build_bundle(str(target_dir), str(drafter_dir), out, "vllm")
     assert (out / "vllm" / "launch.sh").is_file() and not (out / "trtllm").exists()
+
+
+def test_docs_carry_the_support_matrix():
+    from pathlib import Path
+
+    from loopspec.convert.bundle import support_matrix_markdown
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    assert support_matrix_markdown() in docs
