@@ -3,14 +3,16 @@
 
 A CUDA graph replays fixed kernels on fixed addresses, so nothing inside it may depend on a Python
 int that changes between calls (the cache length, the context length). The captured forwards
-therefore take positions and lengths as tensors and always see the whole static buffer:
+therefore take positions and lengths as tensors and see a fixed-size window of the static buffer,
+the first `keys` slots (a power of two >= what the call needs, so attention costs at most twice
+the live length):
 - target verify: T real tokens are padded to the bucket length with positions that continue after
-  them. Every query attends to the whole static KV cache with the mask `key slot <= own position`,
-  so a real query never sees a padding key (padding sits after it) nor a stale slot past the
-  cache length; the padding's K/V land in slots past the new length, which the next forward
-  overwrites before any query can see them. Outputs are sliced to the real tokens.
-- drafter block: the block attends to the whole static context buffer with the mask
-  `context slot < context length` (a tensor) plus the whole block (bidirectional).
+  them. Every query attends to the window with the mask `key slot <= own position`, so a real
+  query never sees a padding key (padding sits after it) nor a stale slot past the cache length;
+  the padding's K/V land in slots past the new length, which the next forward overwrites before any
+  query can see them. Outputs are sliced to the real tokens.
+- drafter block: the block attends to the context window with the mask `context slot < context
+  length` (a tensor) plus the whole block (bidirectional).
 Calls that fit no bucket (a long prefill, the last slots of the context) run eagerly.
 
 Batch is 1 (an engine serves one request); the bucket key carries it so a batched engine can add rows.
@@ -29,6 +31,15 @@ from loopspec.model.target import KVCache, Target, TargetOutput
 
 # verify lengths: 1 (plain decoding) up to a DLoop chain of 4 stages of 16 (61 tokens)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_KEYS = 64  # the smallest attention window
+
+
+def key_bucket(needed: int, max_length: int) -> int:
+    """The attention window for `needed` live slots: the next power of two (>= MIN_KEYS), at most the buffer."""
+    keys = MIN_KEYS
+    while keys < needed:
+        keys *= 2
+    return min(keys, max_length)
 
 
 def require_cuda(device: torch.device) -> None:
@@ -40,40 +51,44 @@ def require_cuda(device: torch.device) -> None:
 
 
 class StaticStep:
-    """KV writes at tensor positions into the whole static cache (the `store` step protocol of the
-    target's attention): the same kernels whatever the cache length."""
+    """KV writes at tensor positions into the static cache (the `store` step protocol of the target's
+    attention), attention over its first `keys` slots: the same kernels whatever the cache length."""
 
-    def __init__(self, cache: KVCache, positions: torch.Tensor):
-        self.cache, self.positions = cache, positions  # positions: [T] slots (= absolute positions)
+    def __init__(self, cache: KVCache, positions: torch.Tensor, keys: int):
+        self.cache, self.positions, self.keys = cache, positions, keys  # positions: [T] slots (< keys)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: [1, kvh, T, hd] → the layer's whole cache [1, kvh, S, hd] (masked by the caller)
+        # k, v: [1, kvh, T, hd] → the layer's window [1, kvh, keys, hd] (masked by the caller)
         self.cache.k[layer].index_copy_(2, self.positions, k)
         self.cache.v[layer].index_copy_(2, self.positions, v)
-        return self.cache.k[layer], self.cache.v[layer]
+        return self.cache.k[layer, :, :, :self.keys], self.cache.v[layer, :, :, :self.keys]
 
 
 def target_verify_static(target: Target, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,
-                         want_taps: bool) -> TargetOutput:
-    """The target over ids/positions [1, T] with static shapes (cache.length is neither read nor moved).
+                         want_taps: bool, keys: int | None = None) -> TargetOutput:
+    """The target over ids/positions [1, T] with static shapes (cache.length is neither read nor moved),
+    attending to the cache's first `keys` slots (default: all; every position must be below it).
 
     Row t equals the eager forward's row t whenever positions continue the cache (start .. start+T-1)."""
-    slots = torch.arange(cache.max_length, device=ids.device)
-    mask = slots[None, :] <= positions[0][:, None]  # [T, S]: own history and itself
+    keys = keys or cache.max_length
+    slots = torch.arange(keys, device=ids.device)
+    mask = slots[None, :] <= positions[0][:, None]  # [T, keys]: own history and itself
     cos, sin = target.rotary(positions)  # [1, T, hd]
-    return target._stack(target.embed_tokens(ids), cos[:, None], sin[:, None], StaticStep(cache, positions[0]),
+    return target._stack(target.embed_tokens(ids), cos[:, None], sin[:, None], StaticStep(cache, positions[0], keys),
                          mask[None, None], want_taps, last_logits_only=False)
 
 
 def drafter_block_static(drafter: Drafter, embed: torch.nn.Module, draft_head: torch.nn.Module,
                          context: ContextCache, ids: torch.Tensor, positions: torch.Tensor,
-                         context_length: torch.Tensor, draft_ids: torch.Tensor | None):
-    """One stage over ids [1, k] at positions [k] against the whole context buffer, of which the first
-    `context_length` (0-d tensor) slots are live → drafts [k-1], log-probs [k-1], hidden [k, H]."""
-    k = ids.shape[1]
-    live = torch.arange(context.max_length, device=ids.device) < context_length  # [C]
-    visible = torch.cat([live, torch.ones(k, dtype=torch.bool, device=ids.device)])  # [C + k]
-    hidden = drafter(embed(ids), positions, context.k, context.v, visible[None, None, None, :])  # [1, k, H]
+                         context_length: torch.Tensor, draft_ids: torch.Tensor | None, keys: int | None = None):
+    """One stage over ids [1, k] at positions [k] against the context buffer's first `keys` slots (default
+    all), of which the first `context_length` (0-d tensor) are live → drafts [k-1], log-probs [k-1],
+    hidden [k, H]."""
+    k, keys = ids.shape[1], keys or context.max_length
+    live = torch.arange(keys, device=ids.device) < context_length  # [keys]
+    visible = torch.cat([live, torch.ones(k, dtype=torch.bool, device=ids.device)])  # [keys + k]
+    ctx_k, ctx_v = context.k[:, :, :, :keys], context.v[:, :, :, :keys]
+    hidden = drafter(embed(ids), positions, ctx_k, ctx_v, visible[None, None, None, :])  # [1, k, H]
     logits = draft_head(hidden[0, 1:])  # [k-1, V] (or [k-1, Vd])
     best, drafts = logits.max(-1)
     logprobs = best - torch.logsumexp(logits, dim=-1)
@@ -133,7 +148,8 @@ class CudaGraphRunner:
         bucket = self.verify_bucket(T)
         if bucket is None:
             raise LoopspecError(f"no CUDA-graph bucket holds {T} tokens at length {start}")
-        key = ("verify", 1, bucket, want_taps)
+        keys = key_bucket(start + bucket, self.cache.max_length)
+        key = ("verify", 1, bucket, keys, want_taps)
         ids = torch.zeros(1, bucket, dtype=torch.long)  # padding: token 0, after the real tokens
         ids[0, :T] = torch.tensor(input_ids, dtype=torch.long)
         positions = torch.arange(start, start + bucket)[None]
@@ -141,7 +157,8 @@ class CudaGraphRunner:
         if captured is None:
             inputs = {"ids": ids.to(self.device), "positions": positions.to(self.device)}
             captured = self.graphs[key] = capture(
-                lambda: target_verify_static(self.target, self.cache, inputs["ids"], inputs["positions"], want_taps),
+                lambda: target_verify_static(self.target, self.cache, inputs["ids"], inputs["positions"], want_taps,
+                                             keys),
                 inputs)
         else:
             captured.inputs["ids"].copy_(ids)
@@ -154,7 +171,8 @@ class CudaGraphRunner:
     # ---- drafter block ---------------------------------------------------------------------------
     def drafter_block(self, anchor: int, position: int, block_size: int):
         """→ drafts [k-1] (CPU), log-probs [k-1] (CPU), final-norm hidden states [k, H] (GPU)."""
-        key = ("block", 1, block_size)
+        keys = key_bucket(self.context.length, self.context.max_length)
+        key = ("block", 1, block_size, keys)
         ids = torch.full((1, block_size), self.mask_token_id, dtype=torch.long)
         ids[0, 0] = anchor
         positions = torch.arange(position, position + block_size)
@@ -165,7 +183,8 @@ class CudaGraphRunner:
                       "length": length.to(self.device)}
             captured = self.graphs[key] = capture(
                 lambda: drafter_block_static(self.drafter, self.target.embed_tokens, self.draft_head, self.context,
-                                             inputs["ids"], inputs["positions"], inputs["length"], self.draft_ids),
+                                             inputs["ids"], inputs["positions"], inputs["length"], self.draft_ids,
+                                             keys),
                 inputs)
         else:
             captured.inputs["ids"].copy_(ids)

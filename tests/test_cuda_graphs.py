@@ -12,7 +12,7 @@ from conftest import FAMILIES
 from loopspec.cli import main
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
-from loopspec.runtime.cuda_graphs import drafter_block_static, target_verify_static
+from loopspec.runtime.cuda_graphs import drafter_block_static, key_bucket, target_verify_static
 from loopspec.runtime.loop import generate
 from loopspec.runtime.torch_engine import TorchEngine
 from loopspec.weights import load_target_dir
@@ -33,7 +33,7 @@ def test_padded_static_verify_equals_eager(family, tiny_targets):
     target.set_taps([1, 4])
     prompt = torch.randint(0, 120, (1, 9), generator=torch.Generator().manual_seed(1))
     verify = torch.randint(0, 120, (1, 5), generator=torch.Generator().manual_seed(2))
-    eager_cache, static_cache = target.new_cache(64), target.new_cache(64)
+    eager_cache, static_cache = target.new_cache(256), target.new_cache(256)
     for cache in (eager_cache, static_cache):
         target(prompt, cache)
     static_cache.k[:, :, :, 9:] = 7.0  # stale slots past the length must stay invisible
@@ -42,7 +42,9 @@ def test_padded_static_verify_equals_eager(family, tiny_targets):
     bucket = 8  # 5 real tokens + 3 padding tokens with positions that continue after them
     ids = torch.cat([verify, torch.zeros(1, bucket - 5, dtype=torch.long)], dim=1)
     positions = torch.arange(9, 9 + bucket)[None]
-    static = target_verify_static(target, static_cache, ids, positions, want_taps=True)
+    keys = key_bucket(9 + bucket, static_cache.max_length)
+    assert keys == 64  # a window of the 256-slot cache
+    static = target_verify_static(target, static_cache, ids, positions, want_taps=True, keys=keys)
     torch.testing.assert_close(static.logits[:, :5], eager.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(static.taps[:, :5], eager.taps, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(static_cache.k[:, :, :, :14], eager_cache.k[:, :, :, :14], rtol=1e-5, atol=1e-6)
@@ -53,7 +55,7 @@ def test_padded_static_verify_equals_eager(family, tiny_targets):
 def test_static_drafter_block_equals_eager(tiny_targets):
     target = load_target_dir(tiny_targets["qwen3"])
     drafter = random_drafter(target)
-    context = drafter.new_context(64)
+    context = drafter.new_context(256)
     taps = torch.randn(1, 11, drafter.cfg.num_taps * drafter.cfg.hidden_size)
     context.append(*drafter.context_kv(drafter.features(taps), torch.arange(11)))
     context.k[:, :, :, 11:] = 5.0  # junk past the context length
@@ -63,11 +65,17 @@ def test_static_drafter_block_equals_eager(tiny_targets):
     positions = torch.arange(position, position + k)
     hidden = drafter(target.embed_tokens(ids), positions, context.k[:, :, :, :11], context.v[:, :, :, :11])
     logits = target.lm_head(hidden[0, 1:])
-    drafts, logprobs, static_hidden = drafter_block_static(drafter, target.embed_tokens, target.lm_head, context, ids,
-                                                           positions, torch.tensor(11), None)
-    assert torch.equal(drafts, logits.argmax(-1))
-    torch.testing.assert_close(logprobs, logits.log_softmax(-1).max(-1).values, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(static_hidden, hidden[0], rtol=1e-5, atol=1e-5)
+    for keys in (None, key_bucket(11, context.max_length)):  # the whole buffer, a 64-slot window
+        drafts, logprobs, static_hidden = drafter_block_static(drafter, target.embed_tokens, target.lm_head, context,
+                                                               ids, positions, torch.tensor(11), None, keys)
+        assert torch.equal(drafts, logits.argmax(-1))
+        torch.testing.assert_close(logprobs, logits.log_softmax(-1).max(-1).values, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(static_hidden, hidden[0], rtol=1e-5, atol=1e-5)
+
+
+def test_key_buckets():
+    assert [key_bucket(n, 8192) for n in (0, 1, 64, 65, 300, 4097)] == [64, 64, 64, 128, 512, 8192]
+    assert key_bucket(300, 256) == 256 and key_bucket(10, 40) == 40  # never past the buffer
 
 
 def test_cuda_graphs_on_cpu_is_a_clear_error(tiny_targets, tiny_pair, capsys):
