@@ -31,7 +31,7 @@ import torch
 
 from loopspec.decoding import SamplingParams, greedy_accept, next_token, probabilities, speculative_accept
 from loopspec.errors import LoopspecError
-from loopspec.runtime.loop import GenerationStats
+from loopspec.runtime.loop import AdaptiveFallback, GenerationStats
 
 
 # --------------------------------------------------------------------------------------------------
@@ -44,6 +44,8 @@ class TorchBatchEngine:
 
     def __init__(self, engine, max_rows: int):
         self.target, self.drafter = engine.target, engine.drafter
+        self.has_drafter = self.drafter is not None
+        self.device = self.target.embed_tokens.weight.device
         self.max_rows, self.max_context, self.block_size = max_rows, engine.max_context, engine.block_size
         self.draft_head, self.draft_ids, self.mask_token_id = engine.draft_head, engine.draft_ids, engine.mask_token_id
         self.cache = self.target.new_batch_cache(self.max_context, max_rows)
@@ -62,7 +64,8 @@ class TorchBatchEngine:
         drafter context when `want_taps` → the last position's logits [V]."""
         view = self.cache.row(row)
         view.length = 0
-        out = self.target(torch.tensor([prompt_ids]), view, want_taps=want_taps, last_logits_only=True)
+        out = self.target(torch.tensor([prompt_ids], device=self.device), view, want_taps=want_taps,
+                          last_logits_only=True)
         self.cache.lengths[row] = view.length
         if want_taps:
             self.context.lengths[row] = 0
@@ -78,7 +81,8 @@ class TorchBatchEngine:
         for b, t in enumerate(tokens):
             ids[b, :len(t)] = torch.tensor(t)
         counts = torch.tensor([len(t) for t in tokens])
-        out = self.target.forward_ragged(ids, counts, self.cache, want_taps=want_taps and self.drafter is not None)
+        out = self.target.forward_ragged(ids.to(self.device), counts, self.cache,
+                                         want_taps=want_taps and self.has_drafter)
         return out.logits, out.taps
 
     def target_rollback(self, lengths: list[int]) -> None:
@@ -101,7 +105,7 @@ class TorchBatchEngine:
 
     def _append_context(self, rows: torch.Tensor, features: torch.Tensor, counts: torch.Tensor) -> None:
         positions = self.context.lengths[rows][:, None] + torch.arange(features.shape[1])[None, :]  # [R, T]
-        k, v = self.drafter.context_kv(features, positions.clamp_max(self.max_context - 1))
+        k, v = self.drafter.context_kv(features, positions.clamp_max(self.max_context - 1).to(self.device))
         self.context.write(k, v, rows, counts)
 
     def context_lengths(self, rows: list[int]) -> list[int]:
@@ -116,20 +120,21 @@ class TorchBatchEngine:
         """One stage for each of `rows`: [anchor, MASK × (k-1)] at positions .. positions+k-1 on the
         row's own context → drafts [R, k-1], their log-probs [R, k-1], final-norm hidden [R, k, H]."""
         R, k = len(rows), block_size
-        index = torch.tensor(rows)
-        lengths = self.context.lengths[index]  # [R]
+        lengths = self.context.lengths[rows]  # [R]
         width = int(lengths.max())
         if rows == list(range(R)):  # the live rows are packed at the front: a view, no copy
             ctx_k, ctx_v = self.context.k[:, :R, :, :width], self.context.v[:, :R, :, :width]
         else:
+            index = torch.tensor(rows, device=self.device)
             ctx_k, ctx_v = self.context.k[:, index, :, :width], self.context.v[:, index, :, :width]
         mask = None
         if bool((lengths != width).any()):  # shorter contexts hide their stale slots; the block sees all
             seen = torch.arange(width + k)[None, :]
-            mask = ((seen < lengths[:, None]) | (seen >= width))[:, None, None, :]  # [R, 1, 1, width + k]
+            mask = ((seen < lengths[:, None]) | (seen >= width))[:, None, None, :].to(self.device)  # [R, 1, 1, width + k]
         ids = torch.full((R, k), self.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor(anchors)
-        pos = torch.tensor(positions)[:, None, None] + torch.arange(k)  # [R, 1, k]
+        ids = ids.to(self.device)
+        pos = (torch.tensor(positions)[:, None, None] + torch.arange(k)).to(self.device)  # [R, 1, k]
         hidden = self.drafter(self.target.embed_tokens(ids), pos, ctx_k, ctx_v, mask)  # [R, k, H]
         logits = self.draft_head(hidden[:, 1:])  # [R, k-1, V] (or [R, k-1, Vd])
         best, drafts = logits.max(-1)
@@ -152,7 +157,8 @@ class SingleRowBatchEngine:
 
     def __init__(self, engine):
         self.engine = engine
-        self.max_context, self.block_size, self.drafter = engine.max_context, engine.block_size, engine.drafter
+        self.max_context, self.block_size = engine.max_context, engine.block_size
+        self.has_drafter = getattr(engine, "has_drafter", getattr(engine, "drafter", None) is not None)
 
     def prefill(self, row: int, prompt_ids: list[int], want_taps: bool) -> torch.Tensor:
         self.engine.reset()
@@ -228,11 +234,23 @@ class Row:
 
 @dataclass(frozen=True)
 class Method:
-    """How every row drafts: block size 1 = ar; max_stages 1 = dflash; more = dloop."""
+    """How every row drafts: block size 1 = ar; max_stages 1 = dflash; more = dloop. `adaptive`: the
+    batch decodes plainly while drafting does not pay (`loop.AdaptiveFallback` on whole steps: a
+    step's cost is the batch's, so the decision is the batch's). It changes speed, never greedy
+    output; seeded sampling is then exact in distribution but no longer replayable token for token."""
 
     block_size: int = 1
     max_stages: int = 1
     gate_threshold: float = -0.5
+    adaptive: bool = False
+
+
+def method_for(pipe, name: str, block_size: int | None = None, gate_threshold: float | None = None,
+               max_stages: int | None = None, adaptive: bool = False) -> Method:
+    """The Method of `ar` | `dflash` | `dloop` for a Pipeline (its drafter's block size and tuned DLoop setting)."""
+    k = pipe.block_size_for(name, block_size)
+    loop = pipe.dloop_settings(gate_threshold, max_stages) if name == "dloop" else {"max_stages": 1}
+    return Method(block_size=k, adaptive=adaptive and k > 1, **loop)
 
 
 class BatchedDecoder:
@@ -242,10 +260,11 @@ class BatchedDecoder:
     def __init__(self, engine, method: Method = Method()):
         if method.block_size < 1 or method.max_stages < 1:
             raise LoopspecError(f"block size and max stages must be >= 1, got {method}")
-        if method.block_size > 1 and engine.drafter is None:
+        if method.block_size > 1 and not engine.has_drafter:
             raise LoopspecError("a drafter is needed for block size > 1")
         self.engine, self.method = engine, method
         self.drafting = method.block_size > 1
+        self.fallback = AdaptiveFallback() if method.adaptive and self.drafting else None
         self.rows: list[Row] = []
 
     @property
@@ -286,7 +305,8 @@ class BatchedDecoder:
             return []
         t0 = time.perf_counter()
         budgets = [self._draft_budget(r) for r in rows]
-        drafts, stages = self._draft(budgets)
+        plain = self.fallback is not None and not self.fallback.want_draft()
+        drafts, stages = self._draft([0] * len(rows) if plain else budgets)
         t1 = time.perf_counter()
         logits, taps = self.engine.verify([[r.tokens[-1]] + d.tolist() for r, d in zip(rows, drafts)],
                                           want_taps=self.drafting)
@@ -298,6 +318,9 @@ class BatchedDecoder:
                 row.finish, row.error = "error", f"{type(e).__name__}: {e}"
                 results.append((0, None))
         t2 = time.perf_counter()
+        if self.fallback is not None and any(budgets):  # committed tokens per row per step, and its cost
+            self.fallback.record(drafted=not plain, committed=sum(a + 1 for a, _ in results) / len(rows),
+                                 seconds=t2 - t0)
         # Commit: each row keeps its anchor and accepted drafts; only their taps enter its context.
         kept = [r.position + accepted + 1 for r, (accepted, _) in zip(rows, results)]
         self.engine.target_rollback(kept)

@@ -35,11 +35,22 @@ def alone(engine, prompt, method: Method, max_new_tokens, params=SamplingParams(
                     generator=torch.Generator().manual_seed(seed))
 
 
+def lively(target, scale: float = 8.0):
+    """Random tiny targets repeat one token forever; with every matrix scaled up their greedy
+    continuations depend on the context (10-30 distinct tokens in 40), so a row reading another
+    row's KV or context would show."""
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return target
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_targets):
     out = {}
     for family in FAMILIES:
-        target = load_target_dir(tiny_targets[family])
+        target = lively(load_target_dir(tiny_targets[family]))
         out[family] = TorchEngine(target, random_drafter(target), max_context=160)
     return out
 
@@ -79,6 +90,7 @@ def test_batched_greedy_equals_alone(family, name, engines):
     engine, method = engines[family], METHODS[name]
     ps = prompts(5, seed=2)
     refs = [alone(engine, p, Method(), 40).tokens for p in ps]  # plain autoregressive decoding
+    assert len({tuple(r) for r in refs}) == 5 and min(len(set(r)) for r in refs) >= 3
     decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=5), method)
     done = decode_together(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)])
     assert [done[i].tokens for i in range(5)] == refs
@@ -228,3 +240,20 @@ def test_cancel_and_bad_input(engines):
     decoder.admit("e", ps[1], max_new_tokens=2)
     with pytest.raises(LoopspecError, match="no free row"):
         decoder.admit("f", ps[1], max_new_tokens=2)
+
+
+def test_batch_level_adaptive_fallback_changes_speed_not_output(engines):
+    from loopspec.runtime.loop import AdaptiveFallback
+
+    engine = engines["qwen3"]
+    ps = prompts(4, seed=9)
+    refs = [alone(engine, p, Method(), 40).tokens for p in ps]
+    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=4),
+                             Method(block_size=5, max_stages=2, gate_threshold=-1e9, adaptive=True))
+    decoder.fallback = AdaptiveFallback(min_rounds=1, backoff=2)  # decide fast: a random drafter never pays
+    done = decode_together(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)])
+    assert [done[i].tokens for i in range(4)] == refs
+    assert decoder.fallback.switches >= 1
+    stages = done[0].stats.stages_per_round
+    assert 0 in stages[1:] and max(stages) == 2  # plain rounds (0 stages) between drafted ones
+    assert BatchedDecoder(TorchBatchEngine(engine, 1), Method(adaptive=True)).fallback is None  # ar: nothing to adapt

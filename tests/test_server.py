@@ -1,0 +1,334 @@
+"""The OpenAI-compatible server, over real HTTP on loopback, driven by the official `openai` client."""
+
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from loopspec.decoding import SamplingParams
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+CONTEXT = 384
+
+
+class ServerThread:
+    """A uvicorn server for `app` on a free loopback port, in a background thread."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert match, f"{name} not in /metrics"
+        return float(match.group(1))
+
+    def wait_metric(self, name: str, value: float, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.metric(name) != value:
+            assert time.monotonic() < deadline, f"{name} never reached {value} (now {self.metric(name)})"
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_pair, tmp_path_factory):
+    """The tiny pair, its target's matrices scaled up so that greedy text varies with the prompt
+    (a random tiny target repeats one character; see test_batch.lively)."""
+    import shutil
+
+    from loopspec.runtime.pipeline import load_pipeline
+    from loopspec.weights import read_safetensors, write_safetensors
+
+    target_dir, drafter_dir = tiny_pair
+    lively = tmp_path_factory.mktemp("lively") / "target"
+    shutil.copytree(target_dir, lively)
+    for f in lively.glob("*.safetensors"):
+        write_safetensors({k: v * 8 if v.dim() == 2 else v for k, v in read_safetensors(f).items()}, f)
+    return load_pipeline(str(lively), str(drafter_dir), max_context=CONTEXT)
+
+
+def make_app(pipe, **kw):
+    from loopspec.runtime.server import ServeConfig, create_app
+
+    config = dict(method="dloop", model_name="tiny", max_batch_size=4, max_body_bytes=16384, adaptive=False)
+    return create_app(pipe, ServeConfig(**{**config, **kw}))
+
+
+@pytest.fixture(scope="module")
+def server(pipe):
+    with ServerThread(make_app(pipe)) as s:
+        yield s
+
+
+def alone(pipe, ids, n, method="ar", params=SamplingParams(), seed=0):
+    """The same request decoded alone, in this process (no server, no batch)."""
+    return pipe.run(ids, method=method, max_new_tokens=n, params=params, seed=seed, adaptive=False)
+
+
+PROMPTS = ["The quick brown fox", "Hello, world!", "def f(x): return", "1 2 3 4 5", "Once upon a time",
+           "Lorem ipsum dolor", "abc", "zyx wvu"]
+
+
+def test_models_health_metrics(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    metrics = httpx.get(server.url + "/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    for name in ("loopspec_requests_total", "loopspec_generation_tokens_total", "loopspec_tokens_per_second",
+                 "loopspec_queue_depth", "loopspec_acceptance_length_bucket"):
+        assert name in metrics.text
+
+
+def test_completions_and_chat_with_openai_client(server, pipe):
+    client = server.client()
+    prompt = PROMPTS[0]
+    ref = alone(pipe, pipe.tokenizer.encode(prompt), 24)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    assert out.choices[0].text == pipe.decode(ref.tokens)
+    assert out.choices[0].finish_reason == ref.stats.finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(pipe.tokenizer.encode(prompt)), 24)
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    chat_ref = alone(pipe, pipe.encode(PROMPTS[1]), 20)
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == pipe.decode(chat_ref.tokens)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
+
+
+def test_raw_stream_is_server_sent_events_ending_with_done(server):
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_concurrent_streams_equal_requests_alone(server, pipe):
+    """8 streaming clients at once on 4 batch rows (so some wait, and rows are reused mid-run)."""
+    budgets = [40, 7, 33, 20, 12, 40, 25, 3]
+    refs = [pipe.decode(alone(pipe, pipe.tokenizer.encode(p), n).tokens) for p, n in zip(PROMPTS, budgets)]
+    assert len(set(refs)) == 8 and min(len(set(r)) for r in refs if len(r) > 10) >= 4  # varied text
+
+    def one(i):
+        stream = server.client().completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=budgets[i],
+                                                    temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in stream)
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(one, range(8)))
+    assert outs == refs
+
+
+def test_sampling_seed_and_stop_strings(server, pipe):
+    client = server.client()
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    ids = pipe.tokenizer.encode(PROMPTS[4])
+    ref = pipe.decode(alone(pipe, ids, 30, method="dloop", params=params, seed=7).tokens)
+
+    def sampled(seed):
+        return client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=30, temperature=0.8,
+                                         top_p=0.9, seed=seed).choices[0].text
+    assert sampled(7) == sampled(7) == ref
+    assert sampled(8) != ref
+
+    greedy = pipe.decode(alone(pipe, ids, 40).tokens)
+    stop = greedy[10:12]
+    out = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=40, temperature=0, stop=[stop, "\x00"])
+    assert out.choices[0].text == greedy[:greedy.index(stop)] and out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=40, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
+    url = server.url + "/v1/completions"
+    ok = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
+
+    def error(response, status, code=None, param=None):
+        assert response.status_code == status, response.text
+        err = response.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        if code:
+            assert err["code"] == code
+        if param:
+            assert err["param"] == param
+        return err
+
+    error(httpx.post(url, content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"}),
+          400, code="invalid_json")
+    error(httpx.post(url, json=[1, 2]), 400)
+    error(httpx.post(url, json={**ok, "model": "gpt-17"}), 404, code="model_not_found", param="model")
+    error(httpx.post(url, json={**ok, "max_tokens": -5}), 400, param="max_tokens")
+    error(httpx.post(url, json={**ok, "max_tokens": "5"}), 400, param="max_tokens")
+    error(httpx.post(url, json={**ok, "prompt": "a" * (CONTEXT + 10)}), 400, code="context_length_exceeded")
+    error(httpx.post(url, json={**ok, "prompt": "a" * 300, "max_tokens": 200}), 400, code="context_length_exceeded")
+    error(httpx.post(url, json={**ok, "prompt": "a" * 20000}), 413, code="request_too_large")
+    chunked = (part for part in [b'{"prompt": "', b"a" * 20000, b'"}'])  # no content-length: counted while read
+    error(httpx.post(url, content=chunked), 413, code="request_too_large")
+    error(httpx.post(url, json={**ok, "n": 2}), 400, param="n")
+    error(httpx.post(url, json={**ok, "temperature": -1}), 400, param="temperature")
+    error(httpx.post(url, json={**ok, "top_p": 0}), 400, param="top_p")
+    error(httpx.post(url, json={**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, param="stop")
+    error(httpx.post(url, json={**ok, "prompt": ""}), 400, param="prompt")
+    error(httpx.post(url, json={**ok, "prompt": [1, 2, 999]}), 400, param="prompt")
+    chat = server.url + "/v1/chat/completions"
+    error(httpx.post(chat, json={"model": "tiny", "messages": []}), 400, param="messages")
+    error(httpx.post(chat, json={"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}), 400)
+    error(httpx.get(server.url + "/v1/nothing"), 404)
+    error(httpx.get(url), 405)
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().completions.create(model="tiny", prompt="hello", max_tokens=-1)
+    assert "max_tokens" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    # still serving, and the failures were counted
+    assert httpx.post(url, json=ok).json()["usage"]["completion_tokens"] == 3
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert server.metric('loopspec_requests_total{outcome="invalid"}') >= 19
+
+
+LONG = {"model": "tiny", "prompt": "x", "max_tokens": CONTEXT - 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def slow_server(pipe):
+    """One batch row, one queue slot, four always-open DLoop stages: a long request takes seconds."""
+    with ServerThread(make_app(pipe, max_batch_size=1, max_queue=1, gate_threshold=-1e9, max_stages=4)) as s:
+        yield s
+
+
+def test_queue_full_is_429_and_a_disconnect_cancels(slow_server):
+    s = slow_server
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", s.url + "/v1/completions", json={**LONG, "stream": True}) as running:
+            lines = running.iter_lines()  # keep it: a dropped line iterator closes the connection
+            first = next(line for line in lines if line)  # A holds the only row
+            assert first.startswith("data: ")
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(httpx.post, s.url + "/v1/completions",
+                                      json={**LONG, "max_tokens": 4}, timeout=60)  # B waits in the queue
+                s.wait_metric("loopspec_queue_depth", 1)
+                full = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 4})  # C: no room
+                assert full.status_code == 429
+                assert full.json()["error"]["type"] == "rate_limit_error"
+                assert full.json()["error"]["code"] == "queue_full"
+                cancelled = s.metric('loopspec_requests_total{outcome="cancelled"}')
+                running.close()  # A's client goes away: its row is freed for B
+                assert waiting.result().json()["usage"]["completion_tokens"] == 4
+    s.wait_metric('loopspec_requests_total{outcome="cancelled"}', cancelled + 1)
+    assert s.metric('loopspec_requests_total{outcome="rejected"}') == 1
+    # a non-streaming client that gives up is cancelled too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(s.url + "/v1/completions", json=LONG, timeout=0.5)
+    s.wait_metric('loopspec_requests_total{outcome="cancelled"}', cancelled + 2)
+    s.wait_metric("loopspec_running_requests", 0)
+    assert httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 2}).status_code == 200
+
+
+def test_request_timeout(pipe):
+    with ServerThread(make_app(pipe, max_batch_size=2, request_timeout_s=0.3, gate_threshold=-1e9)) as s:
+        late = httpx.post(s.url + "/v1/completions", json=LONG, timeout=30)
+        assert late.status_code == 504 and "timed out" in late.json()["error"]["message"]
+        with httpx.stream("POST", s.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert json.loads(lines[-2][6:])["error"]["type"] == "timeout_error" and lines[-1] == "data: [DONE]"
+        assert s.metric('loopspec_requests_total{outcome="timeout"}') == 2
+        assert httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 2}).status_code == 200
+
+
+def test_scheduler_isolates_a_failing_request(pipe):
+    """A consumer that raises and an admission that fails end their own requests only."""
+    from loopspec.runtime.batch import BatchedDecoder, Method, open_batch
+    from loopspec.runtime.scheduler import Request, Scheduler
+
+    scheduler = Scheduler(BatchedDecoder(open_batch(pipe.engine, 4), Method(block_size=6)), pipe.decode,
+                          stop_token_ids=pipe.stop_token_ids).start()
+    try:
+        events = {name: [] for name in ("good", "broken", "too_long")}
+        done = threading.Event()
+
+        def good(event):
+            events["good"].append(event)
+            if event.kind in ("done", "error"):
+                done.set()
+
+        def broken(event):
+            raise RuntimeError("consumer failed")
+
+        ids = pipe.tokenizer.encode("hello")
+        scheduler.submit(Request(prompt_ids=ids, max_tokens=200, on_event=broken))
+        scheduler.submit(Request(prompt_ids=list(range(3, 3 + CONTEXT)), max_tokens=5,
+                                 on_event=events["too_long"].append))
+        scheduler.submit(Request(prompt_ids=ids, max_tokens=30, on_event=good))
+        assert done.wait(30)
+        assert events["good"][-1].kind == "done"
+        assert "".join(e.text for e in events["good"][:-1]) == pipe.decode(alone(pipe, ids, 30).tokens)
+        deadline = time.monotonic() + 10
+        while not events["too_long"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert events["too_long"][0].kind == "error" and events["too_long"][0].status == 400
+        assert scheduler.metrics.requests["cancelled"] == 1 and scheduler.alive
+    finally:
+        scheduler.close()
+    assert not scheduler.alive
+
+
+@pytest.mark.e2e
+def test_default_pair_four_concurrent_greedy_streams_equal_alone():
+    from loopspec.runtime.pipeline import load_pipeline
+
+    pipe = load_pipeline("default", "default", max_context=1024)
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.",
+               "Give me three tips for writing clean Python.", "Explain what a hash table is."]
+    refs = [pipe.decode(alone(pipe, pipe.encode(p), 32).tokens) for p in prompts]
+    with ServerThread(make_app(pipe, method="dloop", model_name=None, adaptive=True)) as s:
+        name = s.client().models.list().data[0].id
+
+        def one(prompt):
+            stream = s.client().chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
+                                                        max_tokens=32, temperature=0, stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(one, prompts)) == refs
