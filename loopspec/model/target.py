@@ -272,13 +272,14 @@ class BatchKVCache:
     def write(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> None:
         """Every layer at once: the first counts[i] entries of k/v [N, R, kvh, T, hd] row i go to cache
         row rows[i] at its length, which advances by counts[i]."""
-        starts = self.lengths[rows]
+        starts = self.lengths[rows]  # lengths, rows and counts live on the host
         if int((starts + counts).max()) > self.max_length:
             raise LoopspecError(f"sequence of {int((starts + counts).max())} exceeds the context of {self.max_length}")
         i, t = (torch.arange(k.shape[3])[None, :] < counts[:, None]).nonzero(as_tuple=True)  # valid (row, token) pairs
-        slots = starts[i] + t
-        self.k[:, rows[i], :, slots] = k[:, i, :, t]  # [P, N, kvh, hd] on both sides
-        self.v[:, rows[i], :, slots] = v[:, i, :, t]
+        dev = self.k.device
+        slots, dest, i, t = (starts[i] + t).to(dev), rows[i].to(dev), i.to(dev), t.to(dev)
+        self.k[:, dest, :, slots] = k[:, i, :, t]  # [P, N, kvh, hd] on both sides
+        self.v[:, dest, :, slots] = v[:, i, :, t]
         self.lengths[rows] = starts + counts
 
     def move_row(self, src: int, dst: int) -> None:
@@ -295,8 +296,9 @@ class RaggedStep:
     def __init__(self, cache: BatchKVCache, counts: torch.Tensor, width: int):
         self.cache, self.batch = cache, counts.shape[0]
         starts = cache.lengths[:self.batch]
-        self.row_idx, self.t_idx = (torch.arange(width)[None, :] < counts[:, None]).nonzero(as_tuple=True)
-        self.slots = starts[self.row_idx] + self.t_idx
+        row_idx, t_idx = (torch.arange(width)[None, :] < counts[:, None]).nonzero(as_tuple=True)
+        dev = cache.k.device
+        self.row_idx, self.t_idx, self.slots = row_idx.to(dev), t_idx.to(dev), (starts[row_idx] + t_idx).to(dev)
         self.keys = int((starts + counts).max())  # key slots any real query can see
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -440,17 +442,19 @@ class Target(nn.Module):
     def forward_ragged(self, input_ids: torch.Tensor, counts: torch.Tensor, cache: BatchKVCache,
                        want_taps: bool = True) -> TargetOutput:
         """Rows 0..B-1 of `cache` at once, each at its own length: row b runs its first counts[b]
-        tokens of `input_ids` [B, T] (right-padded) and advances by counts[b]. Row b's outputs equal
-        those of running its tokens alone (fp32 summation order aside); padding outputs are junk."""
+        tokens of `input_ids` [B, T] (right-padded; counts is a host tensor [B]) and advances by
+        counts[b]. Row b's outputs equal those of running its tokens alone (fp32 summation order
+        aside); padding outputs are junk."""
         B, T = input_ids.shape
         starts = cache.lengths[:B]
         if int((starts + counts).max()) > cache.max_length:
             raise LoopspecError(f"sequence of {int((starts + counts).max())} tokens exceeds the context of {cache.max_length}")
         step = RaggedStep(cache, counts, T)
-        positions = starts[:, None] + torch.arange(T)[None, :]  # [B, T]
+        dev = input_ids.device
+        positions = (starts[:, None] + torch.arange(T)[None, :]).to(dev)  # [B, T]
         cos, sin = self.rotary(positions.clamp_max(cache.max_length - 1))  # padding may run past the end
         # query t of row b sees that row's slots 0 .. start_b + t: its history and its own new tokens
-        mask = torch.arange(step.keys)[None, None, :] <= positions[:, :, None]  # [B, T, keys]
+        mask = torch.arange(step.keys, device=dev)[None, None, :] <= positions[:, :, None]  # [B, T, keys]
         out = self._stack(self.embed_tokens(input_ids), cos[:, None], sin[:, None], step, mask[:, None],
                           want_taps, last_logits_only=False)
         cache.lengths[:B] = starts + counts
