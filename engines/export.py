@@ -47,26 +47,58 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, heads, T, hd]; cos/sin: [1, 1, T, hd] (rotate-half convention of HF)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+def rotate_half_matrix(head_dim: int) -> torch.Tensor:
+    """R [hd, hd] with x @ R = cat(-x[hd/2:], x[:hd/2]) exactly (one ±1 per column): RoPE's rotate-half
+    as ONE MatMul instead of Slice, Slice, Neg, Concat on every q/k."""
+    half = head_dim // 2
+    r = torch.zeros(head_dim, head_dim)
+    r[torch.arange(half) + half, torch.arange(half)] = -1.0
+    r[torch.arange(half), torch.arange(half) + half] = 1.0
+    return r
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Grouped-query attention without repeating K/V: q [1, h, T, hd], k/v [1, kvh, S, hd],
-    mask [T, S] bool or None → [1, T, h·hd]. Query head j reads kv head j // (h / kvh), as HF's repeat_kv.
-    The head counts are Python ints (fixed in the graph); T and S stay symbolic."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor) -> torch.Tensor:
+    # x [..., hd]; cos/sin broadcast to x (rotate-half convention of HF)
+    return x * cos + torch.matmul(x, rotate) * sin
+
+
+def attend(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           past: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention of q [1, kvh, g·T, hd] (pre-scaled; query head j = kv head j // g, as
+    HF's repeat_kv) over [past ; new] keys without concatenating the K/V: one softmax over the joined
+    scores, then the two value products summed. The past is only read (MatMul with its transpose
+    fuses into one kernel), never copied. past_k/past_v [1, kvh, P, hd], k/v [1, kvh, T, hd],
+    bias [g·T, T] additive mask among the new tokens (None: they all see each other) → [1, kvh, g·T, hd]."""
+    scores_new = torch.matmul(q, k.transpose(-1, -2))  # [1, kvh, g·T, T]
+    if bias is not None:
+        scores_new = scores_new + bias
+    scores = torch.cat([torch.matmul(q, past_k.transpose(-1, -2)), scores_new], dim=-1)  # [1, kvh, g·T, P + T]
+    p_past, p_new = torch.split(torch.softmax(scores, dim=-1), [past, k.shape[2]], dim=-1)
+    return torch.matmul(p_past, past_v) + torch.matmul(p_new, v)
+
+
+def head_scales(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """[h + kvh, 1]: the attention scale 1/sqrt(hd) on the query heads, 1 on the key heads; folded
+    into the RoPE tables of the joint q/k tensor, so no separate scaling op per layer."""
+    return torch.cat([torch.full((num_heads, 1), 1.0 / math.sqrt(head_dim)), torch.ones(num_kv_heads, 1)])
+
+
+def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm_weight, eps: float,
+              cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor):
+    """The fused projection's output [1, T, (h + 2kvh)·hd] → q [1, kvh, g·T, hd] (scaled), k, v
+    [1, kvh, T, hd]: q and k are normed (Qwen3) and rotated together as one [1, T, h + kvh, hd] tensor."""
     h, kvh, hd = num_heads, num_kv_heads, head_dim
-    T = q.shape[2]
-    group = h // kvh
-    q = (q * (1.0 / math.sqrt(hd))).reshape(1, kvh, group * T, hd)  # [1, kvh, g·T, hd]
-    scores = torch.matmul(q, k.transpose(-1, -2))  # [1, kvh, g·T, S]
-    if mask is not None:
-        scores = scores.reshape(1, kvh, group, T, -1).masked_fill(~mask, float("-inf")).reshape(1, kvh, group * T, -1)
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [1, kvh, g·T, hd]
-    return out.reshape(1, h, T, hd).transpose(1, 2).reshape(1, T, h * hd)
+    qk, v = qkv.reshape(1, -1, h + 2 * kvh, hd).split([h + kvh, kvh], dim=2)
+    if qk_norm_weight is not None:
+        qk = rms_norm(qk, qk_norm_weight, eps)  # weight [h + kvh, hd]: q_norm rows, then k_norm rows
+    qk = rope(qk, cos, sin, rotate).transpose(1, 2)  # [1, h + kvh, T, hd]
+    q, k = qk.split([h, kvh], dim=1)
+    return q.reshape(1, kvh, -1, hd), k, v.transpose(1, 2)
+
+
+def merge_heads(out: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    # [1, kvh, g·T, hd] → [1, T, h·hd]
+    return out.reshape(1, num_heads, -1, head_dim).transpose(1, 2).reshape(1, -1, num_heads * head_dim)
 
 
 def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -93,42 +125,49 @@ def swiglu(x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
 
 class TargetVerify(nn.Module):
     """(input_ids [1, T], positions [1, T], logit_index [n], past_key/past_value [L, 1, kvh, P, hd])
-    → logits [1, n, V], taps [1, T, taps·H] (when tap layers are given), new_key/new_value [L, 1, kvh, T, hd]."""
+    → logits [1, n, V], taps [1, T, taps·H] (when tap layers are given), new_key/new_value [L, 1, kvh, T, hd].
+
+    Written for a small graph: head counts are Python ints and every reshape has at most one
+    symbolic dim (-1), so no shape arithmetic is traced per layer."""
 
     def __init__(self, target: Target, tap_layer_ids: list[int]):
         super().__init__()
         self.target = target
-        self.cfg = target.cfg
+        self.cfg = cfg = target.cfg
         self.tap_layer_ids = list(tap_layer_ids)
+        h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.register_buffer("rotate", rotate_half_matrix(hd))
+        self.register_buffer("head_scale", head_scales(h, kvh, hd))
+        if cfg.qk_norm:  # per layer [h + kvh, hd]: q_norm's weight on the query heads, k_norm's on the key heads
+            self.register_buffer("qk_norm_weight", torch.stack([torch.cat([
+                l.self_attn.q_norm.weight.detach().expand(h, hd), l.self_attn.k_norm.weight.detach().expand(kvh, hd)])
+                for l in target.layers]))
+        else:
+            self.qk_norm_weight = None
 
     def forward(self, input_ids, positions, logit_index, past_key, past_value):
         cfg, t = self.cfg, self.target
-        T, past = input_ids.shape[1], past_key.shape[3]
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos = t.rotary.cos[positions][:, None]  # [1, 1, T, hd]
-        sin = t.rotary.sin[positions][:, None]
-        # query i (at slot past + i) sees keys 0 .. past + i
-        keys_at = torch.arange(past + T, device=input_ids.device)
-        mask = keys_at[None, :] <= (past + torch.arange(T, device=input_ids.device))[:, None]  # [T, P + T]
+        group = h // kvh
+        past = past_key.shape[3]
+        cos = t.rotary.cos[positions][:, :, None] * self.head_scale  # [1, T, h + kvh, hd]
+        sin = t.rotary.sin[positions][:, :, None] * self.head_scale
+        # new token i sees every past key and the new keys 0 .. i; rows of the bias follow q's (g, T) order
+        new = torch.arange(input_ids.shape[1], device=input_ids.device)
+        bias = torch.where(new[None, :] <= new[:, None], 0.0, float("-inf")).repeat(group, 1)  # [g·T, T]
         x = F.embedding(input_ids, t.embed_tokens.weight)  # [1, T, H]
         taps, new_keys, new_values = {}, [], []
         last = cfg.num_layers - 1
         for i, layer in enumerate(t.layers):
             attn = layer.self_attn
             y = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            q, k, v = linear(y, attn.qkv_proj).split(attn.split, dim=-1)
-            q = q.reshape(1, T, h, hd).transpose(1, 2)  # [1, h, T, hd]
-            k = k.reshape(1, T, kvh, hd).transpose(1, 2)  # [1, kvh, T, hd]
-            v = v.reshape(1, T, kvh, hd).transpose(1, 2)
-            if attn.q_norm is not None:
-                q = rms_norm(q, attn.q_norm.weight, attn.q_norm.eps)
-                k = rms_norm(k, attn.k_norm.weight, attn.k_norm.eps)
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
-            new_keys.append(k)
+            norm_w = self.qk_norm_weight[i] if self.qk_norm_weight is not None else None
+            eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
+            q, k, v = qkv_heads(linear(y, attn.qkv_proj), h, kvh, hd, norm_w, eps, cos, sin, self.rotate)
+            new_keys.append(k)  # [1, kvh, T, hd]
             new_values.append(v)
-            keys = torch.cat([past_key[i], k], dim=2)  # [1, kvh, P + T, hd]
-            values = torch.cat([past_value[i], v], dim=2)
-            x = x + linear(grouped_attention(q, keys, values, mask, h, kvh, hd), attn.o_proj)
+            out = attend(q, past_key[i], past_value[i], k, v, past, bias)  # [1, kvh, g·T, hd]
+            x = x + linear(merge_heads(out, h, hd), attn.o_proj)
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
             if i in self.tap_layer_ids and i != last:
@@ -158,21 +197,20 @@ class DrafterContext(nn.Module):
         self.kv_proj = fused_linear([p for l in drafter.layers for p in (l.self_attn.k_proj, l.self_attn.v_proj)])
         k_norm = torch.stack([l.self_attn.k_norm.weight for l in drafter.layers])  # [N, hd]
         self.register_buffer("k_norm_weight", k_norm.detach().clone()[:, None, None, None, :])
+        self.register_buffer("rotate", rotate_half_matrix(cfg.head_dim))
         self.eps = cfg.rms_norm_eps
 
     def forward(self, features, positions):
         d, cfg = self.drafter, self.drafter.cfg
         N, kvh, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        T = features.shape[1]
         if self.from_taps:
             features = rms_norm(linear(features, d.fc), d.hidden_norm.weight, d.hidden_norm.eps)  # [1, T, H]
-        kv = linear(features, self.kv_proj).reshape(1, T, N, 2, kvh, hd)
-        k = kv[:, :, :, 0].permute(2, 0, 3, 1, 4)  # [N, 1, kvh, T, hd]
-        v = kv[:, :, :, 1].permute(2, 0, 3, 1, 4)
+        kv = linear(features, self.kv_proj).reshape(1, -1, N, 2, kvh, hd)
+        k, v = kv.permute(3, 2, 0, 4, 1, 5).unbind(0)  # [N, 1, kvh, T, hd] each
         k = rms_norm(k, self.k_norm_weight, self.eps)
         cos = d.rotary.cos[positions][:, None]  # [1, 1, T, hd]
         sin = d.rotary.sin[positions][:, None]
-        return rope(k, cos, sin), v
+        return rope(k, cos, sin, self.rotate), v
 
 
 class DrafterBlock(nn.Module):
@@ -185,30 +223,36 @@ class DrafterBlock(nn.Module):
     def __init__(self, drafter: Drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
         super().__init__()
         self.drafter = drafter
+        cfg = drafter.cfg
+        h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.register_buffer("embed_weight", embed_weight.detach())
         draft_ids = drafter.draft_ids
         head = lm_head_weight.detach()[draft_ids] if draft_ids is not None else lm_head_weight.detach()
         self.register_buffer("head_weight", head)
         self.register_buffer("draft_to_target", draft_ids.clone() if draft_ids is not None else None)
+        # q, k and v of each layer as one product, as the target's qkv_proj
+        self.qkv_proj = nn.ModuleList(fused_linear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
+                                      for l in drafter.layers)
+        self.register_buffer("qk_norm_weight", torch.stack([torch.cat([
+            l.self_attn.q_norm.weight.detach().expand(h, hd), l.self_attn.k_norm.weight.detach().expand(kvh, hd)])
+            for l in drafter.layers]))  # [N, h + kvh, hd]
+        self.register_buffer("rotate", rotate_half_matrix(hd))
+        self.register_buffer("head_scale", head_scales(h, kvh, hd))
 
     def forward(self, block_ids, positions, context_key, context_value):
         d, cfg = self.drafter, self.drafter.cfg
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        k_len = block_ids.shape[1]
-        cos = d.rotary.cos[positions][:, None]  # [1, 1, k, hd]
-        sin = d.rotary.sin[positions][:, None]
+        context = context_key.shape[3]
+        cos = d.rotary.cos[positions][:, :, None] * self.head_scale  # [1, k, h + kvh, hd]
+        sin = d.rotary.sin[positions][:, :, None] * self.head_scale
         x = F.embedding(block_ids, self.embed_weight)  # [1, k, H]
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             y = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            q = linear(y, attn.q_proj).reshape(1, k_len, h, hd).transpose(1, 2)  # [1, h, k, hd]
-            k = linear(y, attn.k_proj).reshape(1, k_len, kvh, hd).transpose(1, 2)  # [1, kvh, k, hd]
-            v = linear(y, attn.v_proj).reshape(1, k_len, kvh, hd).transpose(1, 2)
-            q = rope(rms_norm(q, attn.q_norm.weight, attn.q_norm.eps), cos, sin)
-            k = rope(rms_norm(k, attn.k_norm.weight, attn.k_norm.eps), cos, sin)
-            keys = torch.cat([context_key[i], k], dim=2)  # [1, kvh, C + k, hd]
-            values = torch.cat([context_value[i], v], dim=2)
-            x = x + linear(grouped_attention(q, keys, values, None, h, kvh, hd), attn.o_proj)  # bidirectional block
+            q, k, v = qkv_heads(linear(y, self.qkv_proj[i]), h, kvh, hd, self.qk_norm_weight[i], attn.q_norm.eps,
+                                cos, sin, self.rotate)
+            out = attend(q, context_key[i], context_value[i], k, v, context, None)  # bidirectional block
+            x = x + linear(merge_heads(out, h, hd), attn.o_proj)
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
         hidden = rms_norm(x, d.norm.weight, d.norm.eps)  # [1, k, H]
