@@ -13,9 +13,11 @@ import numpy as np
 from loopspec.engines.specs import EngineSpec
 from loopspec.errors import LoopspecError
 
-# Precisions whose graphs ONNX Runtime runs on this machine's CPU (standard fp32 ops). Quantized
-# formats for GPUs (fp8, nvfp4) need TensorRT on a GPU that has them.
-ORT_PRECISIONS = ("fp32",)
+# Precisions whose graphs ONNX Runtime runs on this machine's CPU: fp32, and fp8 as standard
+# QuantizeLinear/DequantizeLinear with float8e4m3fn (opset 19), which ORT's CPU kernels execute.
+# NVFP4 graphs hold TensorRT's TRT_FP4DynamicQuantize and float4 weights: TensorRT on Blackwell only.
+ORT_PRECISIONS = ("fp32", "fp8")
+NVFP4_NOT_HERE = "NVFP4 numerics need a Blackwell GPU (TensorRT); not run here"
 
 
 def require_onnxruntime():
@@ -27,9 +29,11 @@ def require_onnxruntime():
 
 
 def check_precision(precision: str, where: str) -> None:
+    if precision == "nvfp4":
+        raise LoopspecError(f"{where}: {NVFP4_NOT_HERE}")
     if precision not in ORT_PRECISIONS:
         raise LoopspecError(f"{where}: precision {precision!r} cannot run on ONNX Runtime on this CPU "
-                            f"(supported: {', '.join(ORT_PRECISIONS)}); fp8/nvfp4 engines need TensorRT on a GPU "
+                            f"(supported: {', '.join(ORT_PRECISIONS)}); other precisions need TensorRT on a GPU "
                             f"with those formats")
 
 

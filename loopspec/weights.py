@@ -92,6 +92,15 @@ def read_json(path: Path, what: str) -> dict:
         raise LoopspecError(f"corrupt {what} {path}: {e}") from None
 
 
+def refuse_quantized(config: dict, directory: str | Path) -> None:
+    """A modelopt FP8/NVFP4 checkpoint holds packed weights and scales that fp32 modules would misread."""
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if quant:
+        algo = quant.get("quant_algo", "quantized") if isinstance(quant, dict) else "quantized"
+        raise LoopspecError(f"{directory} is a {algo} checkpoint for TensorRT-LLM / vLLM / SGLang; here run its "
+                            f"exported engines (--backend onnxruntime --onnx-dir) or the unquantized checkpoint")
+
+
 # --------------------------------------------------------------------------------------------------
 # HF names → loopspec target
 
@@ -141,6 +150,7 @@ def load_target_dir(directory: str | Path, dtype: torch.dtype = torch.float32) -
     if not directory.exists():
         raise LoopspecError(f"target path does not exist: {directory}")
     hf_cfg = read_json(directory / "config.json", "target config")
+    refuse_quantized(hf_cfg, directory)
     if hf_cfg.get("mlp_bias"):
         raise LoopspecError("unsupported architecture: mlp_bias=true")
     cfg = TargetConfig.from_hf(hf_cfg)

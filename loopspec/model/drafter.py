@@ -319,12 +319,14 @@ class Drafter(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter":
-        from loopspec.weights import read_json, read_safetensors
+        from loopspec.weights import read_json, read_safetensors, refuse_quantized
 
         directory = Path(directory)
         if not directory.is_dir():
             raise LoopspecError(f"drafter path does not exist or is not a directory: {directory}")
-        cfg = DrafterConfig.from_zlab(read_json(directory / "config.json", "drafter config"))
+        raw = read_json(directory / "config.json", "drafter config")
+        refuse_quantized(raw, directory)
+        cfg = DrafterConfig.from_zlab(raw)
         weights = directory / "model.safetensors"
         if not weights.is_file():
             raise LoopspecError(f"missing drafter weights: {weights}")

@@ -1,0 +1,285 @@
+"""Quantized linears for ONNX export: the weight stored quantized, Q/DQ in the graph.
+
+FP8 (opset 19): standard `QuantizeLinear` / `DequantizeLinear` with float8e4m3fn zero points, the
+pattern TensorRT fuses into FP8 GEMMs and ONNX Runtime runs on a CPU:
+    x → QuantizeLinear(input_scale) → DequantizeLinear ─┐
+    weight float8 [in, out] → DequantizeLinear(weight_scale) → MatMul (+ bias)
+NVFP4 (opset 23): modelopt's NVFP4 ONNX pattern:
+    x → trt::TRT_FP4DynamicQuantize(input_scale, block 16) → (x float4, scales float8)
+      → DequantizeLinear(scales, input_scale) → DequantizeLinear(x, ·, block 16) ─┐
+    weight float4e2m1 [out, in] → DequantizeLinear(DequantizeLinear(weight_scale float8 [out, in/16],
+      weight_scale_2), block 16) → Transpose → MatMul
+TRT_FP4DynamicQuantize is a TensorRT op: NVFP4 graphs run only on TensorRT with a Blackwell GPU.
+
+The ops are torch custom ops (`loopspec::…`) translated to ONNX by `TRANSLATIONS` (torch.onnx.export's
+custom_translation_table). Eagerly, the FP8 ops compute exactly what the ONNX ops compute (saturating
+round-to-nearest-even float8); the NVFP4 ops refuse: their numerics are not run on this machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loopspec.engines.ort import NVFP4_NOT_HERE
+from loopspec.errors import LoopspecError
+
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+NVFP4_BLOCK = 16
+FP8_OPSET = 19  # QuantizeLinear / DequantizeLinear with float8 types
+NVFP4_OPSET = 23  # float4e2m1 and blocked DequantizeLinear
+
+
+@torch.library.custom_op("loopspec::fp8_qdq", mutates_args=())
+def fp8_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Activations through float8 e4m3 at a per-tensor scale and back (QuantizeLinear saturate=1)."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
+
+
+@fp8_qdq.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("loopspec::fp8_dequantize", mutates_args=())
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8 weight [in, out] × scale (scalar, or one per output column) → float32 [in, out]."""
+    return weight.to(torch.float32) * scale
+
+
+@fp8_dequantize.register_fake
+def _(weight, scale):
+    return torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+
+
+@torch.library.custom_op("loopspec::nvfp4_qdq", mutates_args=())
+def nvfp4_qdq(x: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    raise LoopspecError(NVFP4_NOT_HERE)
+
+
+@nvfp4_qdq.register_fake
+def _(x, scale_2):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("loopspec::nvfp4_dequantize", mutates_args=())
+def nvfp4_dequantize(weight: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    raise LoopspecError(NVFP4_NOT_HERE)
+
+
+@nvfp4_dequantize.register_fake
+def _(weight, block_scale, scale_2):
+    return torch.empty((weight.shape[0], weight.shape[1] * 2), dtype=torch.float32, device=weight.device)
+
+
+# --------------------------------------------------------------------------------------------------
+# ONNX translations (onnxscript is imported when an export asks for them)
+
+
+def _fp8_zero_point(op):
+    from onnx import TensorProto, helper
+
+    return op.Constant(value=helper.make_tensor("fp8_zero_point", TensorProto.FLOAT8E4M3FN, [], [0]))
+
+
+def _fp8_qdq_onnx(x, scale):
+    from onnxscript import opset19 as op
+
+    zero = _fp8_zero_point(op)
+    return op.DequantizeLinear(op.QuantizeLinear(x, scale, zero, saturate=1), scale, zero)
+
+
+def _fp8_dequantize_onnx(weight, scale):
+    from onnxscript import opset19 as op
+
+    return op.DequantizeLinear(weight, scale, axis=1)  # axis: the output column of [in, out] (per-tensor: ignored)
+
+
+def _register_trt_fp4_quantize() -> None:
+    """Declare TensorRT's TRT_FP4DynamicQuantize to ONNX (inputs x, per-tensor scale; outputs float4
+    values and float8 block scales), so the exporter can emit it as modelopt's NVFP4 graphs do."""
+    import onnx
+    from onnx.defs import OpSchema
+
+    if onnx.defs.has("TRT_FP4DynamicQuantize", "trt"):
+        return
+    onnx.defs.register_schema(OpSchema(
+        "TRT_FP4DynamicQuantize", "trt", 1,
+        inputs=[OpSchema.FormalParameter("x", "T1"), OpSchema.FormalParameter("scale", "T1")],
+        outputs=[OpSchema.FormalParameter("y", "T2"), OpSchema.FormalParameter("y_scale", "T3")],
+        type_constraints=[("T1", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "high precision"),
+                          ("T2", ["tensor(float4e2m1)"], "quantized values"),
+                          ("T3", ["tensor(float8e4m3fn)"], "block scales")],
+        attributes=[OpSchema.Attribute("axis", OpSchema.AttrType.INT, "blocked axis"),
+                    OpSchema.Attribute("block_size", OpSchema.AttrType.INT, "block size"),
+                    OpSchema.Attribute("scale_type", OpSchema.AttrType.INT, "block scale data type")]))
+
+
+def _nvfp4_qdq_onnx(x, scale_2):
+    import onnxscript
+    from onnx import TensorProto
+    from onnxscript import opset23 as op
+
+    trt = onnxscript.values.Opset("trt", 1)
+    values, scales = trt.TRT_FP4DynamicQuantize(x, scale_2, axis=-1, block_size=NVFP4_BLOCK,
+                                                 scale_type=TensorProto.FLOAT8E4M3FN)
+    return op.DequantizeLinear(values, op.DequantizeLinear(scales, scale_2), axis=-1, block_size=NVFP4_BLOCK)
+
+
+def _nvfp4_dequantize_onnx(weight, block_scale, scale_2):
+    from onnxscript import opset23 as op
+
+    return op.DequantizeLinear(weight, op.DequantizeLinear(block_scale, scale_2), axis=-1, block_size=NVFP4_BLOCK)
+
+
+def translations(precision: str) -> dict:
+    """torch.onnx.export's custom_translation_table for a precision's ops."""
+    if precision == "fp8":
+        return {torch.ops.loopspec.fp8_qdq.default: _fp8_qdq_onnx,
+                torch.ops.loopspec.fp8_dequantize.default: _fp8_dequantize_onnx}
+    _register_trt_fp4_quantize()
+    return {torch.ops.loopspec.nvfp4_qdq.default: _nvfp4_qdq_onnx,
+            torch.ops.loopspec.nvfp4_dequantize.default: _nvfp4_dequantize_onnx}
+
+
+# --------------------------------------------------------------------------------------------------
+# modules
+
+
+class Fp8Linear(nn.Module):
+    """y = DQ(Q(x)) · DQ(weight) (+ bias). The weight is kept transposed, [in, out], so the graph is
+    DequantizeLinear → MatMul with no Transpose between them."""
+
+    exports_itself = True  # engines/export.py's `linear` calls the module instead of reading .weight
+
+    def __init__(self, weight_t: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight_t", weight_t.contiguous())  # float8_e4m3fn [in, out]
+        self.register_buffer("weight_scale", weight_scale.float())  # scalar or [out]
+        self.register_buffer("input_scale", input_scale.float().reshape(()))
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    @classmethod
+    def from_quantized(cls, q) -> "Fp8Linear":
+        return cls(q.weight.t(), q.weight_scale, q.input_scale, q.bias)
+
+    @classmethod
+    def fused(cls, parts: list["Fp8Linear"]) -> "Fp8Linear":
+        """One linear computing every part's output, concatenated: one input scale (the parts were
+        calibrated to share it), weight columns side by side with their own scales."""
+        _same_input_scale(parts)
+        scales = [p.weight_scale.expand(p.weight_t.shape[1]) for p in parts]
+        scale = torch.cat(scales)
+        if bool((scale == scale[0]).all()):
+            scale = scale[0]
+        bias = None if all(p.bias is None for p in parts) else torch.cat(
+            [p.bias if p.bias is not None else torch.zeros(p.weight_t.shape[1]) for p in parts])
+        return cls(torch.cat([p.weight_t for p in parts], dim=1), scale, parts[0].input_scale, bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [out, in] (what the graph computes)."""
+        return fp8_dequantize(self.weight_t, self.weight_scale).t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(fp8_qdq(x, self.input_scale), fp8_dequantize(self.weight_t, self.weight_scale))
+        return y if self.bias is None else y + self.bias
+
+
+class Nvfp4Linear(nn.Module):
+    """y = DQ(dynamic FP4 Q(x)) · DQ(weight)ᵀ (+ bias): weight float4e2m1 [out, in] (two per byte),
+    float8 block scales [out, in/16], fp32 global scales. Exported, never run here."""
+
+    exports_itself = True
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                 input_scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight.contiguous().view(torch.float4_e2m1fn_x2))  # [out, in/2] packed
+        self.register_buffer("weight_scale", weight_scale.contiguous())  # float8_e4m3fn [out, in/16]
+        self.register_buffer("weight_scale_2", weight_scale_2.float().reshape(()))
+        self.register_buffer("input_scale", input_scale.float().reshape(()))
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    @classmethod
+    def from_quantized(cls, q) -> "Nvfp4Linear":
+        return cls(q.weight, q.weight_scale, q.weight_scale_2, q.input_scale, q.bias)
+
+    @classmethod
+    def fused(cls, parts: list["Nvfp4Linear"]) -> "Nvfp4Linear":
+        """Rows stacked: the parts were calibrated to share the input and global weight scales."""
+        _same_input_scale(parts)
+        if any(not torch.equal(p.weight_scale_2, parts[0].weight_scale_2) for p in parts):
+            raise LoopspecError("cannot fuse NVFP4 linears with different global weight scales")
+        bias = None if all(p.bias is None for p in parts) else torch.cat(
+            [p.bias if p.bias is not None else torch.zeros(p.weight.shape[0]) for p in parts])
+        return cls(torch.cat([p.weight.view(torch.uint8) for p in parts]), torch.cat([p.weight_scale for p in parts]),
+                   parts[0].weight_scale_2, parts[0].input_scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = nvfp4_dequantize(self.weight, self.weight_scale, self.weight_scale_2)  # [out, in]
+        return F.linear(nvfp4_qdq(x, self.input_scale), w, self.bias)
+
+
+MODULES = {"fp8": Fp8Linear, "nvfp4": Nvfp4Linear}
+
+
+def _same_input_scale(parts) -> None:
+    if any(not torch.equal(p.input_scale, parts[0].input_scale) for p in parts):
+        raise LoopspecError("cannot fuse quantized linears with different input scales (calibrate them together)")
+
+
+def qdq_copy(model: nn.Module, weights: dict) -> nn.Module:
+    """A copy of the fp32 `model` whose Linears named in `weights` ({name: QuantizedWeight}, from
+    convert/quantize.py) are the matching Fp8Linear / Nvfp4Linear."""
+    out = copy.deepcopy(model)
+    for name, q in weights.items():
+        parent_name, _, leaf = name.rpartition(".")
+        parent = out.get_submodule(parent_name) if parent_name else out
+        if not isinstance(getattr(parent, leaf), nn.Linear):
+            raise LoopspecError(f"{name} is not a Linear of the model")
+        setattr(parent, leaf, MODULES[q.precision].from_quantized(q))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# export
+
+
+def export_quantized_graph(module: nn.Module, spec, args: tuple, path: Path, precision: str) -> None:
+    """One engine with quantized linears → `path` + `path`.data (external weights), by the dynamo
+    exporter: it traces with fake tensors (the NVFP4 ops are never computed) and maps the custom ops
+    through `translations`. Dynamic dims and their ranges come from the engine spec."""
+    import onnx
+
+    dims: dict[str, torch.export.Dim] = {}
+
+    def dim(name: str):
+        low, _, high = spec.ranges[name]
+        return dims.setdefault(name, torch.export.Dim(name, min=low, max=high))
+
+    dynamic_shapes = tuple({axis: dim(d) for axis, d in t.dynamic_axes().items()} or None for t in spec.inputs)
+    opset = FP8_OPSET if precision == "fp8" else NVFP4_OPSET
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's progress and deprecation chatter
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            program = torch.onnx.export(module.eval(), args, None, dynamo=True, opset_version=opset,
+                                        input_names=spec.input_names, output_names=spec.output_names,
+                                        dynamic_shapes=dynamic_shapes, custom_translation_table=translations(precision))
+    model = program.model_proto
+    if precision == "nvfp4":
+        model.ir_version = max(model.ir_version, 11)  # float4e2m1 is an IR 11 type
+    path = Path(path)
+    for stale in (path, path.with_name(path.name + ".data")):
+        stale.unlink(missing_ok=True)
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024, convert_attribute=True)
+    onnx.checker.check_model(str(path))

@@ -1,0 +1,271 @@
+"""modelopt FP8 / NVFP4 quantization: calibration, checkpoints, ONNX graphs, ONNX Runtime runs of FP8,
+NVFP4 refused where its numerics cannot run, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("modelopt.torch.quantization")
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from loopspec.cli import main  # noqa: E402
+from loopspec.convert import quantize as Q  # noqa: E402
+from loopspec.errors import LoopspecError  # noqa: E402
+from loopspec.model.drafter import Drafter  # noqa: E402
+from loopspec.weights import load_target_dir, load_tokenizer, read_safetensors  # noqa: E402
+
+MAX_CONTEXT = "256"
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the e2m1 magnitudes, codes 0..7 (bit 3: sign)
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip() and "quantizers" not in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair):
+    target_dir, drafter_dir = tiny_pair
+    target = load_target_dir(target_dir)
+    sequences = Q.calibration_sequences(target, load_tokenizer(target_dir), Q.read_calib_prompts(None), 3,
+                                        new_tokens=24)
+    return target_dir, drafter_dir, target, Drafter.load(drafter_dir), sequences
+
+
+@pytest.fixture(scope="module")
+def fp8_out(tiny_pair, tmp_path_factory):
+    """`loopspec convert quantize --precision fp8` on the tiny pair (drafter only)."""
+    target_dir, drafter_dir = tiny_pair
+    out = tmp_path_factory.mktemp("fp8") / "q"
+    code = main(["convert", "quantize", "--precision", "fp8", "--target", str(target_dir), "--drafter",
+                 str(drafter_dir), "--out", str(out), "--calib-size", "3", "--max-context", MAX_CONTEXT])
+    assert code == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def nvfp4_out(pair, tmp_path_factory):
+    """NVFP4 calibration of drafter and target, checkpoints and ONNX graphs (no validation: not runnable here)."""
+    target_dir, drafter_dir = pair[:2]
+    out = tmp_path_factory.mktemp("nvfp4") / "q"
+    report = Q.quantize_pair(target=str(target_dir), drafter=str(drafter_dir), out_dir=out, precision="nvfp4",
+                             calib_size=2, target_too=True, max_context=int(MAX_CONTEXT))
+    return out, report
+
+
+# ---- calibration ----------------------------------------------------------------------------------
+
+
+def test_fp8_calibration_changes_outputs_within_tolerance(pair):
+    _, _, target, drafter, sequences = pair
+    quantized = Q.quantize_drafter(drafter, target, sequences, "fp8")
+    assert drafter.fc.__class__ is torch.nn.Linear  # the reference stays unquantized
+    for name, module in quantized.named_modules():
+        if name.endswith(("input_quantizer", "weight_quantizer")):
+            assert module.is_enabled and float(module.amax) > 0, name
+    attn = quantized.layers[0].self_attn  # q/k/v share one input and one weight scale (fused in deployment)
+    assert float(attn.q_proj.input_quantizer.amax) == float(attn.k_proj.input_quantizer.amax)
+    assert float(attn.q_proj.weight_quantizer.amax) == float(attn.v_proj.weight_quantizer.amax)
+
+    seq = sequences[0]
+    taps = target(torch.tensor([seq.tokens]), target.new_cache(len(seq.tokens))).taps
+    block = target.embed_tokens(torch.tensor([[seq.tokens[-1]] + [127] * 5]))
+    positions = torch.arange(len(seq.tokens), len(seq.tokens) + 6)
+    with torch.no_grad():
+        outs = []
+        for model in (drafter, quantized):
+            k, v = Q._layer_kv(model, model.features(taps), torch.arange(len(seq.tokens)))
+            outs.append(model(block, positions, k, v))
+    error = float((outs[0] - outs[1]).abs().max() / outs[0].abs().max())
+    assert 1e-4 < error < 0.1  # FP8 changes the outputs, a little
+
+
+def test_calibration_prompts_from_file_and_bad_files(tmp_path):
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"turns": ["first", "second"]}\n\n{"turns": ["third"]}\n')
+    assert Q.read_calib_prompts(good) == ["first", "third"]
+    assert len(Q.read_calib_prompts(None)) == len(Q.DEFAULT_CALIB_PROMPTS)
+    with pytest.raises(LoopspecError, match="does not exist"):
+        Q.read_calib_prompts(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "no turns"}\n')
+    with pytest.raises(LoopspecError, match=r"bad.jsonl:1: expected a JSON object with a 'turns' list"):
+        Q.read_calib_prompts(bad)
+    with pytest.raises(LoopspecError, match="unknown quantization precision 'int4'"):
+        Q.modelopt_config("int4")
+
+
+# ---- FP8: checkpoint, ONNX, ONNX Runtime ----------------------------------------------------------
+
+
+def test_fp8_checkpoint_layout(fp8_out, pair):
+    drafter = pair[3]
+    ckpt = fp8_out / "drafter"
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["mask_token_id"] == 127
+    assert config["quantization_config"]["quant_method"] == "modelopt"
+    assert config["quantization_config"]["quant_algo"] == "FP8"
+    quant = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "FP8" and quant["kv_cache_quant_algo"] is None
+    state = read_safetensors(ckpt / "model.safetensors")
+    assert "embed_tokens.weight" not in state and "lm_head.weight" not in state
+    assert state["norm.weight"].dtype == torch.bfloat16
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        w, scale = state[f"layers.0.{proj}.weight"], state[f"layers.0.{proj}.weight_scale"]
+        assert w.dtype == torch.float8_e4m3fn and scale.dim() == 0 and scale.dtype == torch.float32
+        assert state[f"layers.0.{proj}.input_scale"].dim() == 0
+    # the fused gate_up_proj is split back into gate/up rows; dequantized weights ≈ the fp32 weights
+    gate_up = drafter.layers[0].mlp.gate_up_proj.weight
+    for name, rows in (("gate_proj", gate_up[:96]), ("up_proj", gate_up[96:]), ("fc", drafter.fc.weight)):
+        key = f"layers.0.mlp.{name}" if name != "fc" else "fc"
+        restored = state[key + ".weight"].float() * state[key + ".weight_scale"]
+        assert (restored - rows).abs().max() <= rows.abs().max() / 8  # e4m3: 3 mantissa bits
+    assert Q.check_checkpoint(ckpt)["quant_algo"] == "FP8"
+    with pytest.raises(LoopspecError, match="FP8 checkpoint for TensorRT-LLM"):
+        Drafter.load(ckpt)  # fp32 modules would misread float8 weights
+
+
+def test_fp8_onnx_has_float8_qdq_and_ort_runs_it_with_bounded_error(fp8_out):
+    manifest = json.loads((fp8_out / "onnx" / "manifest.json").read_text())
+    assert manifest["stage"] == "quantized" and manifest["precision"] == "fp8"
+    assert manifest["settings"]["quantized_engines"] == ["drafter_context", "drafter_context_hidden", "drafter_block"]
+    block = onnx.load(str(fp8_out / "onnx" / "drafter_block.onnx"))
+    assert {o.domain: o.version for o in block.opset_import}[""] >= 19
+    ops = [n.op_type for n in block.graph.node]
+    assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
+    assert any(i.data_type == onnx.TensorProto.FLOAT8E4M3FN and len(i.dims) == 2 for i in block.graph.initializer)
+    checks = Q.check_onnx(fp8_out / "onnx")
+    # one drafter layer: qkv (fused by the export wrapper), o, gate_up, down; the context graph: fc + fused k/v
+    assert checks["drafter_block"]["quantized_weights"] == 4 and checks["drafter_context"]["quantized_weights"] == 2
+
+    report = json.loads((fp8_out / "quantize.json").read_text())
+    logits = report["drafter_logits"]  # ONNX Runtime's FP8 drafter against the fp32 PyTorch drafter
+    assert logits["positions"] > 0 and 0 < logits["max_abs"] <= 0.1 * logits["logit_scale"]
+    assert logits["top1_agreement"] >= 0.9
+    validation = report["validation"]
+    assert validation["greedy_identical"] and validation["acceptance"]["passed"]
+    assert validation["engines"]["drafter_block"]["errors"]["hidden"] < 0.1
+
+
+def test_fp8_engines_generate_exactly_what_ar_generates(fp8_out):
+    from loopspec.runtime.pipeline import load_pipeline
+
+    pipe = load_pipeline(backend="onnxruntime", onnx_dir=fp8_out / "onnx")
+    ids = pipe.encode("The quick brown fox")
+    ar = pipe.run(ids, method="ar", max_new_tokens=24).tokens
+    for method in ("dflash", "dloop"):
+        result = pipe.run(ids, method=method, max_new_tokens=24, adaptive=False)
+        assert result.tokens == ar, method
+        assert result.stats.verifications > 0 and result.stats.acceptance_length >= 1
+
+
+# ---- NVFP4: structure, and refused where its numerics would run -----------------------------------
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in/2] (low nibble first) → e2m1 values [out, in]."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
+    return torch.where(codes >= 8, -1.0, 1.0) * E2M1[codes & 7]
+
+
+def test_nvfp4_checkpoints_hold_packed_weights_and_scales(nvfp4_out, pair):
+    out, report = nvfp4_out
+    drafter = pair[3]
+    assert report["numerics"] == "NVFP4 numerics need a Blackwell GPU (TensorRT); not run here"
+    for sub in ("drafter", "target"):
+        assert Q.check_checkpoint(out / sub)["quant_algo"] == "NVFP4"
+        quant = json.loads((out / sub / "hf_quant_config.json").read_text())["quantization"]
+        assert quant["quant_algo"] == "NVFP4" and quant["group_size"] == 16
+        assert json.loads((out / sub / "config.json").read_text())["quantization_config"]["quant_algo"] == "NVFP4"
+    state = read_safetensors(out / "drafter" / "model.safetensors")
+    w, scale = state["layers.0.self_attn.q_proj.weight"], state["layers.0.self_attn.q_proj.weight_scale"]
+    scale_2 = state["layers.0.self_attn.q_proj.weight_scale_2"]
+    assert w.dtype == torch.uint8 and tuple(w.shape) == (64, 32)  # [out, in/2]
+    assert scale.dtype == torch.float8_e4m3fn and tuple(scale.shape) == (64, 4)  # [out, in/16]
+    assert scale_2.dtype == torch.float32 and scale_2.dim() == 0
+    assert state["layers.0.self_attn.q_proj.input_scale"].dim() == 0
+    # the packing decodes back to the weight: value × block scale × global scale
+    restored = unpack_e2m1(w) * scale.float().repeat_interleave(16, dim=1) * scale_2
+    original = drafter.layers[0].self_attn.q_proj.weight
+    assert (restored - original).abs().max() <= original.abs().max() / 4
+    target_state = read_safetensors(out / "target" / "model.safetensors")
+    assert target_state["model.layers.0.self_attn.k_proj.weight"].dtype == torch.uint8
+    assert target_state["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert (out / "target" / "tokenizer.json").is_file()
+    assert "model.embed_tokens" in json.loads((out / "target" / "hf_quant_config.json").read_text())[
+        "quantization"]["exclude_modules"]
+
+
+def test_nvfp4_onnx_graphs(nvfp4_out):
+    out, report = nvfp4_out
+    assert set(report["onnx"]) == {"drafter_context", "drafter_context_hidden", "drafter_block", "target_verify"}
+    block = onnx.load(str(out / "onnx" / "drafter_block.onnx"))
+    assert {o.domain: o.version for o in block.opset_import}[""] >= 23
+    weights = [i for i in block.graph.initializer if i.data_type == onnx.TensorProto.FLOAT4E2M1]
+    assert weights and all(len(i.raw_data) * 2 == int(np.prod(i.dims)) for i in weights)  # two values per byte
+    assert "TRT_FP4DynamicQuantize" in {n.op_type for n in block.graph.node}
+    blocked = [n for n in block.graph.node if n.op_type == "DequantizeLinear"
+               and any(a.name == "block_size" and a.i == 16 for a in n.attribute)]
+    assert len(blocked) >= len(weights)
+
+
+def test_nvfp4_is_refused_where_it_would_run(nvfp4_out, capsys):
+    from loopspec.convert.qdq import Nvfp4Linear
+    from loopspec.convert.validate import validate_onnx
+    from loopspec.runtime.ort_engine import OrtEngine
+
+    out, _ = nvfp4_out
+    with pytest.raises(LoopspecError, match=r"NVFP4 numerics need a Blackwell GPU \(TensorRT\); not run here"):
+        OrtEngine(out / "onnx")
+    with pytest.raises(LoopspecError, match="Blackwell"):
+        validate_onnx(out / "onnx", None, None, "nvfp4")
+    layer = Nvfp4Linear(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1).to(torch.float8_e4m3fn),
+                        torch.tensor(1.0), torch.tensor(1.0))
+    with pytest.raises(LoopspecError, match="Blackwell"):
+        layer(torch.ones(1, 16))
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--backend", "onnxruntime", "--onnx-dir",
+                       str(out / "onnx"), "--max-new-tokens", "4")
+    assert code == 2 and "NVFP4 numerics need a Blackwell GPU" in one_error_line(err)
+
+
+# ---- the target's checkpoint for serving bundles, and bad input -------------------------------------
+
+
+def test_quantize_target_checkpoint(tiny_pair, tmp_path):
+    target_dir, _ = tiny_pair
+    out = Q.quantize_target_checkpoint(target_dir, tmp_path / "t", "fp8", calib_size=1)
+    assert Q.check_checkpoint(out)["quantized"] == 6 * 7  # q, k, v, o, gate, up, down per layer
+    with pytest.raises(LoopspecError, match="FP8 checkpoint"):
+        load_target_dir(out)
+
+
+def test_cli_bad_input_exits_2_with_one_line(tiny_pair, tmp_path, capsys):
+    target_dir, drafter_dir = tiny_pair
+    base = ["convert", "quantize", "--target", str(target_dir), "--drafter", str(drafter_dir)]
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("mine")
+    cases = [
+        (["--precision", "int4", "--out", str(tmp_path / "a")], "unknown quantization precision 'int4'"),
+        (["--precision", "fp8", "--out", str(tmp_path / "b"), "--calib-prompts", str(tmp_path / "none.jsonl")],
+         "calibration prompt file does not exist"),
+        (["--precision", "fp8", "--out", str(occupied)], "not a quantize output directory"),
+    ]
+    for extra, message in cases:
+        code, _, err = run(capsys, *base, *extra)
+        assert code == 2 and message in one_error_line(err), err
+    code, _, err = run(capsys, "convert", "quantize", "--precision", "fp8", "--target", str(target_dir),
+                       "--drafter", "none", "--out", str(tmp_path / "c"))
+    assert code == 2 and "needs a drafter" in one_error_line(err)
+    assert (occupied / "notes.txt").read_text() == "mine"
