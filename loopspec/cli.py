@@ -116,8 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(v)
     v.set_defaults(max_context=2048)  # the KV caches hold --max-batch-size rows of this length
     v.add_argument("--method", default="dflash", help="ar | dflash | dloop")
-    v.add_argument("--backend", default="torch", help="torch | onnxruntime (one row at a time)")
-    v.add_argument("--onnx-dir", default=None, help="exported engines for --backend onnxruntime")
+    _add_backend_args(v)  # batched rows on torch; other backends serve one request at a time
     v.add_argument("--block-size", type=_positive_int("--block-size"), default=None)
     v.add_argument("--gate-threshold", type=float, default=None)
     v.add_argument("--max-stages", type=_positive_int("--max-stages"), default=None)
@@ -370,14 +369,17 @@ def cmd_serve(args) -> int:
     from loopspec.runtime.pipeline import load_pipeline
     from loopspec.runtime.server import ServeConfig, serve
 
+    from loopspec.weights import DEFAULT_TARGET_NAME
+
     if not args.request_timeout > 0:
         raise LoopspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
-    if args.backend not in ("torch", "onnxruntime"):
-        raise LoopspecError(f"unknown backend {args.backend!r} (choose from torch, onnxruntime)")
-    backend = {} if args.backend == "torch" else {"backend": args.backend, "onnx_dir": args.onnx_dir}
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context, mask_token_id=args.mask_token_id,
-                         num_threads=args.threads, **backend)
-    config = ServeConfig(method=args.method, model_name=args.model_name, max_batch_size=args.max_batch_size,
+                         num_threads=args.threads, device=args.device, cuda_graphs=args.cuda_graphs,
+                         backend=args.backend, onnx_dir=args.onnx_dir)
+    source = Path(args.onnx_dir or args.target)
+    name = args.model_name or (DEFAULT_TARGET_NAME if source == Path("default") else
+                               source.stem if source.suffix == ".gguf" else source.resolve().name)
+    config = ServeConfig(method=args.method, model_name=name, max_batch_size=args.max_batch_size,
                          max_queue=args.max_queue, request_timeout_s=args.request_timeout,
                          max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
                          block_size=args.block_size, gate_threshold=args.gate_threshold, max_stages=args.max_stages,

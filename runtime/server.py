@@ -214,7 +214,7 @@ def create_app(pipeline, config: ServeConfig = ServeConfig()):
     metrics = scheduler.metrics
     model_name = config.model_name or pipeline.target_dir.name
     max_context = pipeline.engine.max_context
-    vocab_size = pipeline.target.cfg.vocab_size
+    vocab_size = pipeline.engine.vocab_size
     created = int(time.time())
 
     @asynccontextmanager

@@ -257,3 +257,21 @@ def test_batch_level_adaptive_fallback_changes_speed_not_output(engines):
     stages = done[0].stats.stages_per_round
     assert 0 in stages[1:] and max(stages) == 2  # plain rounds (0 stages) between drafted ones
     assert BatchedDecoder(TorchBatchEngine(engine, 1), Method(adaptive=True)).fallback is None  # ar: nothing to adapt
+
+
+def test_onnxruntime_engine_is_served_one_row_at_a_time(engines, tiny_targets, tmp_path):
+    """The ONNX Runtime engine has only the single-sequence calls: a batch of one row, still exact."""
+    pytest.importorskip("onnxruntime")
+    from loopspec.engines.export import export_engines
+    from loopspec.runtime.ort_engine import OrtEngine
+
+    engine = engines["qwen3"]
+    export_engines(engine.target, engine.drafter, tmp_path / "onnx", target_dir=tiny_targets["qwen3"], max_context=160)
+    batch = open_batch(OrtEngine(tmp_path / "onnx", max_context=160), max_rows=4)
+    assert isinstance(batch, SingleRowBatchEngine)
+    ps = prompts(3, seed=10)
+    refs = [alone(engine, p, Method(), 20).tokens for p in ps]
+    for method in METHODS.values():
+        done = decode_together(BatchedDecoder(batch, method),
+                               [dict(key=i, prompt_ids=p, max_new_tokens=20) for i, p in enumerate(ps)])
+        assert [done[i].tokens for i in range(3)] == refs
