@@ -52,9 +52,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="torch", help="torch | onnxruntime (engines exported once and cached, "
-                                                      "or the ones in --onnx-dir)")
+                                                      "or the ones in --onnx-dir) | tensorrt (the plans in --trt-dir)")
     p.add_argument("--onnx-dir", default=None,
                    help="run the engines of this `loopspec convert onnx` directory (--target/--drafter unused)")
+    p.add_argument("--trt-dir", default=None,
+                   help="run the TensorRT plans of this `loopspec convert trt` directory (--target/--drafter unused)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -326,7 +328,8 @@ def cmd_generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
                          mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
-                         cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir)
+                         cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir,
+                         trt_dir=args.trt_dir)
     block_size = pipe.block_size_for(args.method, args.block_size)
     prompt_ids = pipe.encode(args.prompt, chat=args.chat)
     stream = TextStream(pipe)
@@ -400,7 +403,7 @@ def cmd_bench(args) -> int:
               mask_token_id=args.mask_token_id, num_threads=args.threads,
               gate_threshold=args.gate_threshold, max_stages=args.max_stages, cost_model=args.cost_model,
               adaptive=args.adaptive, device=args.device, cuda_graphs=args.cuda_graphs, out_dir=args.out_dir,
-              backend=args.backend, onnx_dir=args.onnx_dir,
+              backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir,
               command="loopspec " + shlex.join(args.argv))
     return 0
 
@@ -464,12 +467,64 @@ def cmd_convert_quantize(args) -> int:
     return 0
 
 
+def _add_convert_trt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--onnx", required=True, help="ONNX artifact directory (`convert onnx`, or `convert quantize`'s onnx/)")
+    p.add_argument("--out", required=True, help="plan directory (an earlier build there is replaced)")
+    p.add_argument("--precision", default=None,
+                   help="fp32 | fp8 | nvfp4: require graphs of this precision (default: the graphs' own)")
+    p.add_argument("--workspace-gb", type=float, default=None, help="TensorRT builder workspace limit")
+
+
+def cmd_convert_trt(args) -> int:
+    from loopspec.convert.trt import build_plans
+
+    manifest = build_plans(args.onnx, args.out, precision=args.precision, workspace_gb=args.workspace_gb)
+    settings = manifest.data["settings"]
+    print(f"built {', '.join(manifest.engines)} ({manifest.precision}) TensorRT plans for {settings['device']} "
+          f"(compute capability {settings['compute_capability']}) in {args.out}")
+    return 0
+
+
+def _add_convert_bundle_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", required=True, help="trtllm | vllm | sglang, a comma-separated list, or all")
+    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF checkpoint dir or a .gguf file")
+    p.add_argument("--drafter", default="default", help="'default' (the shipped drafter) or a z-lab DFlash drafter dir")
+    p.add_argument("--out", required=True, help="bundle directory (an earlier bundle there is replaced)")
+    p.add_argument("--precision", default=None,
+                   help="fp8 | nvfp4: a modelopt-quantized target (NVFP4 runs on Blackwell GPUs only)")
+    p.add_argument("--tp", type=_positive_int("--tp"), default=1, help="tensor-parallel size of every launch")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32: the unquantized weights")
+    p.add_argument("--max-batch-size", type=_positive_int("--max-batch-size"), default=8,
+                   help="TensorRT-LLM cuda_graph_config.max_batch_size")
+    p.add_argument("--mask-token-id", type=int, default=None, help="mask token for a drafter whose config has none")
+    p.add_argument("--calib-prompts", default=None, help="--precision: JSONL of {\"turns\": [...]} (default: built-in)")
+    p.add_argument("--calib-size", type=_positive_int("--calib-size"), default=None, help="--precision: calibration prompts")
+
+
+def cmd_convert_bundle(args) -> int:
+    from loopspec.convert.bundle import ENGINE_NAMES, build_bundle
+
+    manifest = build_bundle(args.target, args.drafter, args.out, args.engine, precision=args.precision, tp=args.tp,
+                            dtype=args.dtype, mask_token_id=args.mask_token_id, max_batch_size=args.max_batch_size,
+                            calib_prompts=args.calib_prompts, calib_size=args.calib_size)
+    print(f"serving bundle ({manifest['precision']}, tensor parallel {manifest['tensor_parallel_size']}) in {args.out}")
+    for engine in manifest["engines"]:
+        print(f"  {ENGINE_NAMES[engine]}: sh {Path(args.out) / engine / 'launch.sh'}")
+    if args.precision == "nvfp4":
+        print("  NVFP4 runs only on Blackwell GPUs (compute capability >= 10.0)")
+    return 0
+
+
 # stage → (help, arguments, command): `loopspec convert <stage>`
 CONVERT_STAGES = {
     "onnx": ("export the target (+ drafter) engines as fp32 ONNX, with manifest.json, and validate them",
              _add_convert_onnx_args, cmd_convert_onnx),
     "quantize": ("modelopt FP8 / NVFP4 calibration of the drafter (and target): HF checkpoints + ONNX engines",
                  _add_convert_quantize_args, cmd_convert_quantize),
+    "trt": ("build TensorRT plans from ONNX engines (needs TensorRT and an NVIDIA GPU)",
+            _add_convert_trt_args, cmd_convert_trt),
+    "bundle": ("a TensorRT-LLM / vLLM / SGLang serving bundle: z-lab drafter, HF target, launch files",
+               _add_convert_bundle_args, cmd_convert_bundle),
 }
 
 

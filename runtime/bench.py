@@ -167,7 +167,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
               max_context: int | None = None, mask_token_id: int | None = None, num_threads: int | None = None,
               gate_threshold: float | None = None, max_stages: int | None = None,
               cost_model: bool = False, adaptive: bool = True, command: str | None = None, device: str = "cpu",
-              cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | None = None) -> list[BenchResult]:
+              cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | None = None,
+              trt_dir: str | None = None) -> list[BenchResult]:
     from tqdm import tqdm
 
     from loopspec.runtime.peers import PEER_METHODS, HFPeer
@@ -189,7 +190,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     needs_drafter = any(m not in ("ar",) + PEER_METHODS for m in methods)
     pipe = load_pipeline(target, drafter if needs_drafter else "none",
                          max_context=max_context, mask_token_id=mask_token_id, num_threads=num_threads,
-                         device=device, cuda_graphs=cuda_graphs, backend=backend, onnx_dir=onnx_dir)
+                         device=device, cuda_graphs=cuda_graphs, backend=backend, onnx_dir=onnx_dir,
+                         trt_dir=trt_dir)
     backend = str(getattr(pipe, "backend", "torch"))
     if pipe.target is None and (cost_model or any(m in PEER_METHODS for m in methods)):
         raise LoopspecError("the transformers peers and --cost-model need the target's weights: run without --onnx-dir")

@@ -76,6 +76,17 @@ def test_without_tensorrt_a_clear_error(tmp_path):
     assert not (tmp_path / "plans").exists()
 
 
+@pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
+def test_cli_convert_trt_without_tensorrt(tmp_path, capsys):
+    from loopspec.cli import main
+
+    assert main(["convert", "trt", "--onnx", str(tmp_path), "--out", str(tmp_path / "plans")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loopspec: error: TensorRT is not installed: pip install tensorrt") and err.count("\n") == 1
+    assert main(["generate", "--backend", "tensorrt", "--trt-dir", str(tmp_path), "--prompt", "hi"]) == 2
+    assert "TensorRT is not installed" in capsys.readouterr().err
+
+
 def test_tensorrt_backend_needs_its_plans(tmp_path):
     from loopspec.runtime.pipeline import load_pipeline
 
