@@ -25,8 +25,7 @@ def require_tensorrt():
     try:
         import tensorrt
     except ImportError:
-        raise LoopspecError("TensorRT is not installed: pip install tensorrt (on a machine with an NVIDIA GPU); "
-                            "on this machine use --backend torch or onnxruntime") from None
+        raise LoopspecError("TensorRT is not installed: pip install tensorrt (on a machine with an NVIDIA GPU)") from None
     return tensorrt
 
 
