@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -28,8 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loopspec.engines.export import (OPSET, DrafterBlock, DrafterContext, TargetVerify, copy_run_files, drafter_source,
+                                     example_inputs, export_graph)
+from loopspec.engines.manifest import Manifest, read_manifest, source_hashes, tool_versions, write_manifest
 from loopspec.engines.ort import NVFP4_NOT_HERE
+from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY, engine_specs
 from loopspec.errors import LoopspecError
+from loopspec.model.drafter import Drafter
+from loopspec.model.target import Target
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 NVFP4_BLOCK = 16
@@ -230,6 +238,12 @@ class Nvfp4Linear(nn.Module):
 
 
 MODULES = {"fp8": Fp8Linear, "nvfp4": Nvfp4Linear}
+PRECISIONS = tuple(MODULES)
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise LoopspecError(f"unknown quantization precision {precision!r} (choose from {', '.join(PRECISIONS)})")
 
 
 def _same_input_scale(parts) -> None:
@@ -283,3 +297,122 @@ def export_quantized_graph(module: nn.Module, spec, args: tuple, path: Path, pre
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=path.name + ".data", size_threshold=1024, convert_attribute=True)
     onnx.checker.check_model(str(path))
+
+
+# --------------------------------------------------------------------------------------------------
+# ONNX engines with quantized drafter (and target) graphs
+
+
+def export_quantized_engines(target: Target, drafter: Drafter, out_dir: str | Path, *, precision: str,
+                             drafter_weights: dict, target_weights: dict | None = None,
+                             target_dir: str | Path, drafter_dir: str | Path | None = None,
+                             max_context: int | None = None, block_size: int | None = None,
+                             quantization: dict | None = None) -> Manifest:
+    """The four engines in one artifact directory, as `convert onnx` lays it out, with the drafter's
+    graphs (and the target's, given `target_weights`) quantized: FP8 as standard Q/DQ that ONNX
+    Runtime runs, NVFP4 as modelopt's pattern for TensorRT. Unquantized graphs are the fp32 export.
+    The manifest records stage "quantized", the precision and which engines are quantized."""
+    check_precision(precision)
+    out_dir, target_dir = Path(out_dir), Path(target_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file())):
+        raise LoopspecError(f"{out_dir} exists and is not an artifact directory; refusing to overwrite it")
+    limits = [target.cfg.max_position_embeddings, drafter.cfg.max_position_embeddings]
+    max_context = min([max_context or min(limits)] + limits)
+    specs = engine_specs(target.cfg, drafter.cfg, max_context=max_context, block_size=block_size)
+    qdrafter = qdq_copy(drafter, drafter_weights)
+    modules = {TARGET_VERIFY: TargetVerify(qdq_copy(target, target_weights) if target_weights else target,
+                                           drafter.cfg.target_layer_ids),
+               DRAFTER_CONTEXT: DrafterContext(qdrafter, from_taps=True),
+               DRAFTER_CONTEXT_HIDDEN: DrafterContext(qdrafter, from_taps=False),
+               DRAFTER_BLOCK: DrafterBlock(qdrafter, target.embed_tokens.weight, target.lm_head.weight)}
+    quantized = [DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK] + ([TARGET_VERIFY] if target_weights else [])
+
+    work = out_dir.with_name(out_dir.name + ".partial")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    files = {}
+    try:
+        for name, module in modules.items():
+            files[name] = f"{name}.onnx"
+            args = example_inputs(specs[name], target.cfg.vocab_size)
+            if name in quantized:
+                export_quantized_graph(module, specs[name], args, work / files[name], precision)
+            else:
+                export_graph(module, specs[name], args, work / files[name], OPSET)
+        copy_run_files(target_dir, drafter, work)
+        opsets = {name: (FP8_OPSET if precision == "fp8" else NVFP4_OPSET) if name in quantized else OPSET
+                  for name in modules}
+        settings = {"opset": opsets, "max_context": max_context, "block_size": specs[DRAFTER_BLOCK].ranges["block"][1],
+                    "target_layer_ids": drafter.cfg.target_layer_ids, "quantized_engines": quantized,
+                    "exporter": {"quantized": "torch.onnx.export (dynamo, custom Q/DQ translations)",
+                                 "fp32": "torch.onnx.export (TorchScript)"},
+                    "quantization": quantization or {}}
+        sources = {"target": source_hashes(target_dir), "drafter": drafter_source(drafter, drafter_dir)}
+        write_manifest(work, stage="quantized", precision=precision, specs=specs, engine_files=files, sources=sources,
+                       settings=settings, tools=tool_versions(("torch", "onnx", "onnxruntime", "onnxscript",
+                                                               "nvidia-modelopt", "loopspec")))
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    work.rename(out_dir)
+    return Manifest(out_dir, json.loads((out_dir / "manifest.json").read_text()))
+
+
+def check_onnx(onnx_dir: str | Path) -> dict:
+    """Verify the quantized engines' graphs: FP8 → QuantizeLinear/DequantizeLinear pairs with float8e4m3fn
+    zero points and float8 weights; NVFP4 → float4e2m1 weights behind two DequantizeLinear (float8 block
+    scales of 1/16 of the row, blocked axis -1, block 16) and TRT_FP4DynamicQuantize on activations.
+    → {engine: {"quantized_weights": n, "activation_quantizers": m}}."""
+    import onnx
+    from onnx import TensorProto
+
+    manifest = read_manifest(onnx_dir)
+    precision = manifest.precision
+    check_precision(precision)
+    out = {}
+    for engine in manifest.data["settings"].get("quantized_engines", []):
+        model = onnx.load(str(manifest.path(engine)))  # external data loaded from beside the graph
+        inits = {i.name: i for i in model.graph.initializer}
+        nodes = list(model.graph.node)
+        producers = {o: n for n in nodes for o in n.output}
+        if precision == "fp8":
+            weights = [i for i in inits.values() if i.data_type == TensorProto.FLOAT8E4M3FN and len(i.dims) == 2]
+            quantize = [n for n in nodes if n.op_type == "QuantizeLinear"]
+            bad = [n.name for n in quantize if len(n.input) < 3 or _elem_type(n.input[2], inits, producers)
+                   != TensorProto.FLOAT8E4M3FN]
+            if bad or not quantize:
+                raise LoopspecError(f"{engine}: activation QuantizeLinear without a float8e4m3fn zero point: {bad}")
+            weight_dq = [n for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in {w.name for w in weights}]
+        else:
+            weights = [i for i in inits.values() if i.data_type == TensorProto.FLOAT4E2M1]
+            quantize = [n for n in nodes if n.op_type == "TRT_FP4DynamicQuantize"]
+            weight_dq = [n for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in {w.name for w in weights}]
+            for n in weight_dq:
+                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+                scale = producers.get(n.input[1])
+                block = inits.get(scale.input[0]) if scale is not None and scale.op_type == "DequantizeLinear" else None
+                w = inits[n.input[0]]
+                if (attrs.get("block_size") != NVFP4_BLOCK or attrs.get("axis") != -1 or block is None
+                        or block.data_type != TensorProto.FLOAT8E4M3FN
+                        or list(block.dims) != [w.dims[0], w.dims[1] // NVFP4_BLOCK]):
+                    raise LoopspecError(f"{engine}: float4 weight {w.name} is not dequantized by float8 block scales "
+                                        f"[out, in/16] with block_size 16")
+        if not weights or len(weight_dq) != len(weights) or not quantize:
+            raise LoopspecError(f"{engine}: expected quantized weights behind DequantizeLinear and quantized "
+                                f"activations (found {len(weights)} weights, {len(weight_dq)} weight DQ, "
+                                f"{len(quantize)} activation quantizers)")
+        out[engine] = {"quantized_weights": len(weights), "activation_quantizers": len(quantize)}
+    return out
+
+
+def _elem_type(name: str, inits: dict, producers: dict) -> int | None:
+    """Element type of a constant input: an initializer or a Constant node's value."""
+    if name in inits:
+        return inits[name].data_type
+    node = producers.get(name)
+    if node is not None and node.op_type == "Constant":
+        return node.attribute[0].t.data_type
+    return None

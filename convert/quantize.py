@@ -11,14 +11,12 @@ Deployment fuses projections that read the same input, and a fused GEMM has one 
 weight scale: the drafter's q/k/v of every layer (the context K/V of all layers is one GEMM, the block
 q/k/v of a layer another) share them, as modelopt's `preprocess_linear_fusion` sets them.
 
-Checkpoints: modelopt's `export_hf_checkpoint` needs a transformers `PreTrainedModel` (it reads
-`model.config` and calls `save_pretrained`), which the drafter is not. The z-lab checkpoint is written
-here from modelopt's own export primitives (`get_quant_config`, `get_weight_scaling_factor[_2]`,
-`get_activation_scaling_factor`, `to_quantized_weight`, `convert_hf_quant_config_format`), in the
-layout TensorRT-LLM and vLLM read: FP8 `weight` float8_e4m3fn + `weight_scale` / `input_scale` fp32
-scalars; NVFP4 `weight` uint8 [out, in/2] (two e2m1 per byte), `weight_scale` float8_e4m3fn
-[out, in/16], `weight_scale_2` and `input_scale` fp32 scalars; `hf_quant_config.json` and
-`quantization_config` in config.json.
+What is written from the calibrated modules: `QuantizedWeight` per Linear, computed by modelopt's
+export primitives (`get_weight_scaling_factor[_2]`, `get_activation_scaling_factor`,
+`to_quantized_weight`); convert/quant_checkpoint.py lays them out as z-lab / Hugging Face checkpoints
+(modelopt's `export_hf_checkpoint` needs a transformers PreTrainedModel, which these modules are not)
+and convert/qdq.py as ONNX graphs. `loopspec convert quantize` (quantize_pair) does all of it and, for
+FP8, measures the ONNX Runtime engines against the fp32 drafter.
 
 modelopt is the optional `quant` extra and is imported lazily. NVFP4 calibration runs on a CPU (it only
 records ranges); NVFP4 numerics need a Blackwell GPU (TensorRT) and are never run here.
@@ -35,12 +33,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from loopspec.convert.qdq import PRECISIONS, check_precision
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 
-PRECISIONS = ("fp8", "nvfp4")
-NVFP4_GROUP = 16  # e2m1 values per float8 block scale
 DEFAULT_CALIB_SIZE = 16
 DEFAULT_CALIB_NEW_TOKENS = 64
 UNQUANTIZED_DTYPE = torch.bfloat16  # norms, embeddings and excluded layers, as modelopt exports them
@@ -65,10 +62,6 @@ DEFAULT_CALIB_PROMPTS = (
     "Translate into French: 'The library opens at nine and closes at six.'",
 )
 
-# Fused modules of loopspec's models → the Hugging Face modules they hold, in row order.
-HF_SPLITS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
 def require_modelopt():
     """`modelopt.torch.quantization`, or a clear error naming the extra."""
     try:
@@ -76,11 +69,6 @@ def require_modelopt():
     except ImportError:
         raise LoopspecError("quantization needs NVIDIA Model Optimizer: pip install 'loopspec[quant]'") from None
     return mtq
-
-
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise LoopspecError(f"unknown quantization precision {precision!r} (choose from {', '.join(PRECISIONS)})")
 
 
 MODELOPT_CONFIG_NAMES = {"fp8": "FP8_DEFAULT_CFG", "nvfp4": "NVFP4_DEFAULT_CFG"}
@@ -306,290 +294,18 @@ def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
     return out
 
 
-def hf_state(model: nn.Module, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors under Hugging Face names: quantized linears in deployment form, fused
-    modules split back (qkv_proj → q/k/v_proj, gate_up_proj → gate/up_proj), the rest in bf16."""
-    state: dict[str, torch.Tensor] = {}
-    for name, module in model.named_modules():
-        own = dict(module.named_parameters(recurse=False))
-        if name in skip or "weight" not in own:
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        q = quantized_weight(module) if isinstance(module, nn.Linear) and hasattr(module, "weight_quantizer") else None
-        if q is None:
-            plain = {k: v.detach().to(UNQUANTIZED_DTYPE) for k, v in own.items()}  # weight (+ bias)
-        parts = HF_SPLITS.get(leaf) if isinstance(module, nn.Linear) else None
-        if parts is None:
-            state.update(q.tensors(prefix + name + ".") if q is not None
-                         else {prefix + name + "." + k: v for k, v in plain.items()})
-            continue
-        start, base = 0, prefix + name.removesuffix(leaf)
-        for part, size in zip(parts, _split_sizes(model, name, module)):
-            state.update(q.rows(start, start + size).tensors(base + part + ".") if q is not None
-                         else {base + part + "." + k: v[start:start + size] for k, v in plain.items()})
-            start += size
-    return {k: v.contiguous() for k, v in state.items()}
-
-
-def _split_sizes(model: nn.Module, name: str, module: nn.Module) -> tuple[int, ...]:
-    """Output rows of each part of a fused module."""
-    if name.endswith("gate_up_proj"):
-        half = module.weight.shape[0] // 2
-        return (half, half)
-    parent = model.get_submodule(name.rsplit(".", 1)[0])
-    return tuple(parent.split)  # TargetAttention: (q_out, kv_out, kv_out)
-
-
-def hf_quant_configs(model: nn.Module, prefix: str = "") -> tuple[dict, dict]:
-    """(hf_quant_config.json, config.json's quantization_config), both from modelopt; excluded module
-    names under the checkpoint's names (`prefix`, except lm_head which sits at the top in HF)."""
-    from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
-    from modelopt.torch.export.quant_utils import get_quant_config
-
-    quant = get_quant_config(model)
-    excluded = quant["quantization"].get("exclude_modules") or []
-    quant["quantization"]["exclude_modules"] = [n if n.startswith("lm_head") else prefix + n for n in excluded]
-    return quant, convert_hf_quant_config_format(quant)
-
-
-def export_drafter_checkpoint(qdrafter: Drafter, out_dir: str | Path) -> Path:
-    """The calibrated drafter as a z-lab checkpoint (config.json + model.safetensors [+ d2t])."""
-    from loopspec.weights import write_safetensors
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state = hf_state(qdrafter)
-    write_safetensors(state, out_dir / "model.safetensors")
-    quant, quantization_config = hf_quant_configs(qdrafter)
-    cfg = qdrafter.cfg.to_zlab()
-    cfg["torch_dtype"] = str(UNQUANTIZED_DTYPE).removeprefix("torch.")
-    cfg["quantization_config"] = quantization_config
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out_dir / "hf_quant_config.json").write_text(json.dumps(quant, indent=2) + "\n")
-    if qdrafter.draft_ids is not None:  # EAGLE-3 / vLLM convention: target id = draft id + d2t
-        d2t = qdrafter.draft_ids - torch.arange(qdrafter.draft_ids.numel())
-        write_safetensors({"d2t": d2t.to(torch.int64)}, out_dir / "d2t.safetensors")
-    return out_dir
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
-
-
-def export_target_checkpoint(qtarget: Target, source_dir: str | Path, out_dir: str | Path) -> Path:
-    """The calibrated target as a Hugging Face checkpoint: the source's config.json + quantization_config,
-    model.safetensors under HF names, hf_quant_config.json and the source's tokenizer files."""
-    from loopspec.weights import read_json, write_safetensors
-
-    source_dir, out_dir = Path(source_dir), Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tied = qtarget.cfg.tie_word_embeddings
-    state = hf_state(qtarget, prefix="model.", skip=("lm_head",))
-    if not tied:
-        lm_head = quantized_weight(qtarget.lm_head) if hasattr(qtarget.lm_head, "weight_quantizer") else None
-        state.update(lm_head.tensors("lm_head.") if lm_head is not None
-                     else {"lm_head.weight": qtarget.lm_head.weight.detach().to(UNQUANTIZED_DTYPE)})
-    write_safetensors(state, out_dir / "model.safetensors")
-    quant, quantization_config = hf_quant_configs(qtarget, prefix="model.")
-    cfg = read_json(source_dir / "config.json", "target config")
-    cfg["torch_dtype"] = str(UNQUANTIZED_DTYPE).removeprefix("torch.")
-    if "dtype" in cfg:
-        cfg["dtype"] = cfg["torch_dtype"]
-    cfg["quantization_config"] = quantization_config
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out_dir / "hf_quant_config.json").write_text(json.dumps(quant, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (source_dir / name).is_file():
-            shutil.copyfile(source_dir / name, out_dir / name)
-    return out_dir
-
-
 def quantize_target_checkpoint(src: str | Path, dst: str | Path, precision: str,
                                calib_prompts: str | Path | None = None,
                                calib_size: int = DEFAULT_CALIB_SIZE) -> Path:
     """An HF target checkpoint → its modelopt-quantized HF checkpoint (calibrated on `calib_prompts`
     or the built-in prompts)."""
+    from loopspec.convert.quant_checkpoint import export_target_checkpoint
     from loopspec.weights import load_target_dir, load_tokenizer
 
     check_precision(precision)
     target = load_target_dir(src)
     sequences = calibration_sequences(target, load_tokenizer(src), read_calib_prompts(calib_prompts), calib_size)
     return export_target_checkpoint(quantize_target(target, sequences, precision), src, dst)
-
-
-# --------------------------------------------------------------------------------------------------
-# ONNX engines with quantized drafter (and target) graphs
-
-
-def export_quantized_engines(target: Target, drafter: Drafter, out_dir: str | Path, *, precision: str,
-                             drafter_weights: dict[str, QuantizedWeight],
-                             target_weights: dict[str, QuantizedWeight] | None = None,
-                             target_dir: str | Path, drafter_dir: str | Path | None = None,
-                             max_context: int | None = None, block_size: int | None = None,
-                             calibration: dict | None = None):
-    """The four engines in one artifact directory, as `convert onnx` lays it out, with the drafter's
-    graphs (and the target's, given `target_weights`) quantized: FP8 as standard Q/DQ that ONNX
-    Runtime runs, NVFP4 as modelopt's pattern for TensorRT. Unquantized graphs are the fp32 export.
-    The manifest records stage "quantized", the precision and which engines are quantized."""
-    from loopspec.convert.qdq import FP8_OPSET, NVFP4_OPSET, export_quantized_graph, qdq_copy
-    from loopspec.engines.export import (OPSET, DrafterBlock, DrafterContext, TargetVerify, copy_run_files,
-                                         drafter_source, example_inputs, export_graph)
-    from loopspec.engines.manifest import Manifest, source_hashes, tool_versions, write_manifest
-    from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY, engine_specs
-
-    check_precision(precision)
-    out_dir, target_dir = Path(out_dir), Path(target_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file())):
-        raise LoopspecError(f"{out_dir} exists and is not an artifact directory; refusing to overwrite it")
-    limits = [target.cfg.max_position_embeddings, drafter.cfg.max_position_embeddings]
-    max_context = min([max_context or min(limits)] + limits)
-    specs = engine_specs(target.cfg, drafter.cfg, max_context=max_context, block_size=block_size)
-    qdrafter = qdq_copy(drafter, drafter_weights)
-    modules = {TARGET_VERIFY: TargetVerify(qdq_copy(target, target_weights) if target_weights else target,
-                                           drafter.cfg.target_layer_ids),
-               DRAFTER_CONTEXT: DrafterContext(qdrafter, from_taps=True),
-               DRAFTER_CONTEXT_HIDDEN: DrafterContext(qdrafter, from_taps=False),
-               DRAFTER_BLOCK: DrafterBlock(qdrafter, target.embed_tokens.weight, target.lm_head.weight)}
-    quantized = [DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK] + ([TARGET_VERIFY] if target_weights else [])
-
-    work = out_dir.with_name(out_dir.name + ".partial")
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    files = {}
-    try:
-        for name, module in modules.items():
-            files[name] = f"{name}.onnx"
-            args = example_inputs(specs[name], target.cfg.vocab_size)
-            if name in quantized:
-                export_quantized_graph(module, specs[name], args, work / files[name], precision)
-            else:
-                export_graph(module, specs[name], args, work / files[name], OPSET)
-        copy_run_files(target_dir, drafter, work)
-        opsets = {name: (FP8_OPSET if precision == "fp8" else NVFP4_OPSET) if name in quantized else OPSET
-                  for name in modules}
-        settings = {"opset": opsets, "max_context": max_context, "block_size": specs[DRAFTER_BLOCK].ranges["block"][1],
-                    "target_layer_ids": drafter.cfg.target_layer_ids, "quantized_engines": quantized,
-                    "exporter": {"quantized": "torch.onnx.export (dynamo, custom Q/DQ translations)",
-                                 "fp32": "torch.onnx.export (TorchScript)"},
-                    "quantization": {"tool": "nvidia-modelopt", "config": MODELOPT_CONFIG_NAMES[precision],
-                                     "algorithm": "max", **(calibration or {})}}
-        sources = {"target": source_hashes(target_dir), "drafter": drafter_source(drafter, drafter_dir)}
-        write_manifest(work, stage="quantized", precision=precision, specs=specs, engine_files=files, sources=sources,
-                       settings=settings, tools=tool_versions(("torch", "onnx", "onnxruntime", "onnxscript",
-                                                               "nvidia-modelopt", "loopspec")))
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    work.rename(out_dir)
-    return Manifest(out_dir, json.loads((out_dir / "manifest.json").read_text()))
-
-
-# --------------------------------------------------------------------------------------------------
-# checks of what was written
-
-
-def check_checkpoint(directory: str | Path) -> dict:
-    """Verify a quantized checkpoint's layout against its hf_quant_config.json: every quantized
-    weight with its scales in the deployment dtypes and shapes. → {"quant_algo", "quantized", "tensors"}."""
-    from loopspec.weights import read_json, read_safetensors_dir
-
-    directory = Path(directory)
-    quant = read_json(directory / "hf_quant_config.json", "hf_quant_config.json")
-    algo = (quant.get("quantization") or {}).get("quant_algo")
-    if algo not in ("FP8", "NVFP4"):
-        raise LoopspecError(f"{directory}: unsupported quant_algo {algo!r}")
-    config = read_json(directory / "config.json", "config.json").get("quantization_config") or {}
-    if config.get("quant_method") != "modelopt" or config.get("quant_algo") != algo:
-        raise LoopspecError(f"{directory}: config.json's quantization_config does not name modelopt {algo}")
-    state = read_safetensors_dir(directory)
-    quantized = 0
-    for name, scale in state.items():
-        if not name.endswith(".weight_scale"):
-            continue
-        base = name.removesuffix("weight_scale")
-        w, inp = state.get(base + "weight"), state.get(base + "input_scale")
-        if w is None or not _fp32_scalar(inp):
-            raise LoopspecError(f"{directory}: {base}weight needs weight, weight_scale and a scalar fp32 input_scale")
-        if algo == "FP8":
-            ok = w.dtype == torch.float8_e4m3fn and _fp32_scalar(scale)
-        else:  # two e2m1 values per byte: [out, in/2]; one float8 scale per 16 inputs: [out, in/16]
-            out, half = w.shape
-            ok = (w.dtype == torch.uint8 and scale.dtype == torch.float8_e4m3fn
-                  and tuple(scale.shape) == (out, 2 * half // NVFP4_GROUP)
-                  and _fp32_scalar(state.get(base + "weight_scale_2")))
-        if not ok:
-            raise LoopspecError(f"{directory}: {base}* is not a valid {algo} layout "
-                                f"(weight {w.dtype} {tuple(w.shape)}, weight_scale {scale.dtype} {tuple(scale.shape)})")
-        quantized += 1
-    if not quantized:
-        raise LoopspecError(f"{directory}: no quantized weights")
-    return {"quant_algo": algo, "quantized": quantized, "tensors": len(state)}
-
-
-def _fp32_scalar(t: torch.Tensor | None) -> bool:
-    return t is not None and t.dim() == 0 and t.dtype == torch.float32
-
-
-def check_onnx(onnx_dir: str | Path) -> dict:
-    """Verify the quantized engines' graphs: FP8 → QuantizeLinear/DequantizeLinear pairs with float8e4m3fn
-    zero points and float8 weights; NVFP4 → float4e2m1 weights behind two DequantizeLinear (float8 block
-    scales of 1/16 of the row, blocked axis -1, block 16) and TRT_FP4DynamicQuantize on activations.
-    → {engine: {"quantized_weights": n, "activation_quantizers": m}}."""
-    import onnx
-    from onnx import TensorProto
-
-    from loopspec.engines.manifest import read_manifest
-
-    manifest = read_manifest(onnx_dir)
-    precision = manifest.precision
-    check_precision(precision)
-    out = {}
-    for engine in manifest.data["settings"].get("quantized_engines", []):
-        model = onnx.load(str(manifest.path(engine)))  # external data loaded from beside the graph
-        inits = {i.name: i for i in model.graph.initializer}
-        nodes = list(model.graph.node)
-        producers = {o: n for n in nodes for o in n.output}
-        if precision == "fp8":
-            weights = [i for i in inits.values() if i.data_type == TensorProto.FLOAT8E4M3FN and len(i.dims) == 2]
-            quantize = [n for n in nodes if n.op_type == "QuantizeLinear"]
-            bad = [n.name for n in quantize if len(n.input) < 3 or _elem_type(n.input[2], inits, producers)
-                   != TensorProto.FLOAT8E4M3FN]
-            if bad or not quantize:
-                raise LoopspecError(f"{engine}: activation QuantizeLinear without a float8e4m3fn zero point: {bad}")
-            weight_dq = [n for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in {w.name for w in weights}]
-        else:
-            weights = [i for i in inits.values() if i.data_type == TensorProto.FLOAT4E2M1]
-            quantize = [n for n in nodes if n.op_type == "TRT_FP4DynamicQuantize"]
-            weight_dq = [n for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in {w.name for w in weights}]
-            for n in weight_dq:
-                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-                scale = producers.get(n.input[1])
-                block = inits.get(scale.input[0]) if scale is not None and scale.op_type == "DequantizeLinear" else None
-                w = inits[n.input[0]]
-                if (attrs.get("block_size") != NVFP4_GROUP or attrs.get("axis") != -1 or block is None
-                        or block.data_type != TensorProto.FLOAT8E4M3FN
-                        or list(block.dims) != [w.dims[0], w.dims[1] // NVFP4_GROUP]):
-                    raise LoopspecError(f"{engine}: float4 weight {w.name} is not dequantized by float8 block scales "
-                                        f"[out, in/16] with block_size 16")
-        if not weights or len(weight_dq) != len(weights) or not quantize:
-            raise LoopspecError(f"{engine}: expected quantized weights behind DequantizeLinear and quantized "
-                                f"activations (found {len(weights)} weights, {len(weight_dq)} weight DQ, "
-                                f"{len(quantize)} activation quantizers)")
-        out[engine] = {"quantized_weights": len(weights), "activation_quantizers": len(quantize)}
-    return out
-
-
-def _elem_type(name: str, inits: dict, producers: dict) -> int | None:
-    """Element type of a constant input: an initializer or a Constant node's value."""
-    if name in inits:
-        return inits[name].data_type
-    node = producers.get(name)
-    if node is not None and node.op_type == "Constant":
-        return node.attribute[0].t.data_type
-    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -684,6 +400,9 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
     measured against the fp32 reference. NVFP4: structure checks only (numerics need a Blackwell GPU)."""
     import time
 
+    from loopspec.convert.qdq import check_onnx, export_quantized_engines
+    from loopspec.convert.quant_checkpoint import check_checkpoint, export_drafter_checkpoint, export_target_checkpoint
+
     check_precision(precision)
     require_modelopt()
     if calib_size < 1:
@@ -697,7 +416,8 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
     t0 = time.perf_counter()
     target_dir, target_model, tokenizer, drafter_dir, drafter_model = load_pair(target, drafter, mask_token_id)
     sequences = calibration_sequences(target_model, tokenizer, prompts, calib_size)
-    calibration = {"prompts": str(calib_prompts) if calib_prompts else "built-in", "calib_size": len(sequences),
+    calibration = {"tool": "nvidia-modelopt", "config": MODELOPT_CONFIG_NAMES[precision], "algorithm": "max",
+                   "prompts": str(calib_prompts) if calib_prompts else "built-in", "calib_size": len(sequences),
                    "tokens": sum(len(s.tokens) for s in sequences), "new_tokens_per_prompt": DEFAULT_CALIB_NEW_TOKENS}
     qdrafter = quantize_drafter(drafter_model, target_model, sequences, precision)
     for sub in ("drafter", "target", "onnx"):
@@ -714,7 +434,7 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
     export_quantized_engines(target_model, drafter_model, out_dir / "onnx", precision=precision,
                              drafter_weights=quantized_weights(qdrafter), target_weights=target_weights,
                              target_dir=target_dir, drafter_dir=drafter_dir, max_context=max_context,
-                             calibration=calibration)
+                             quantization=calibration)
     report["onnx"] = check_onnx(out_dir / "onnx")
     if precision == "nvfp4":
         from loopspec.engines.ort import NVFP4_NOT_HERE

@@ -12,7 +12,9 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from loopspec.cli import main  # noqa: E402
+from loopspec.convert import quant_checkpoint as CK  # noqa: E402
 from loopspec.convert import quantize as Q  # noqa: E402
+from loopspec.convert.qdq import check_onnx  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.model.drafter import Drafter  # noqa: E402
 from loopspec.weights import load_target_dir, load_tokenizer, read_safetensors  # noqa: E402
@@ -131,7 +133,7 @@ def test_fp8_checkpoint_layout(fp8_out, pair):
         key = f"layers.0.mlp.{name}" if name != "fc" else "fc"
         restored = state[key + ".weight"].float() * state[key + ".weight_scale"]
         assert (restored - rows).abs().max() <= rows.abs().max() / 8  # e4m3: 3 mantissa bits
-    assert Q.check_checkpoint(ckpt)["quant_algo"] == "FP8"
+    assert CK.check_checkpoint(ckpt)["quant_algo"] == "FP8"
     with pytest.raises(LoopspecError, match="FP8 checkpoint for TensorRT-LLM"):
         Drafter.load(ckpt)  # fp32 modules would misread float8 weights
 
@@ -145,7 +147,7 @@ def test_fp8_onnx_has_float8_qdq_and_ort_runs_it_with_bounded_error(fp8_out):
     ops = [n.op_type for n in block.graph.node]
     assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
     assert any(i.data_type == onnx.TensorProto.FLOAT8E4M3FN and len(i.dims) == 2 for i in block.graph.initializer)
-    checks = Q.check_onnx(fp8_out / "onnx")
+    checks = check_onnx(fp8_out / "onnx")
     # one drafter layer: qkv (fused by the export wrapper), o, gate_up, down; the context graph: fc + fused k/v
     assert checks["drafter_block"]["quantized_weights"] == 4 and checks["drafter_context"]["quantized_weights"] == 2
 
@@ -184,7 +186,7 @@ def test_nvfp4_checkpoints_hold_packed_weights_and_scales(nvfp4_out, pair):
     drafter = pair[3]
     assert report["numerics"] == "NVFP4 numerics need a Blackwell GPU (TensorRT); not run here"
     for sub in ("drafter", "target"):
-        assert Q.check_checkpoint(out / sub)["quant_algo"] == "NVFP4"
+        assert CK.check_checkpoint(out / sub)["quant_algo"] == "NVFP4"
         quant = json.loads((out / sub / "hf_quant_config.json").read_text())["quantization"]
         assert quant["quant_algo"] == "NVFP4" and quant["group_size"] == 16
         assert json.loads((out / sub / "config.json").read_text())["quantization_config"]["quant_algo"] == "NVFP4"
@@ -245,7 +247,7 @@ def test_nvfp4_is_refused_where_it_would_run(nvfp4_out, capsys):
 def test_quantize_target_checkpoint(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     out = Q.quantize_target_checkpoint(target_dir, tmp_path / "t", "fp8", calib_size=1)
-    assert Q.check_checkpoint(out)["quantized"] == 6 * 7  # q, k, v, o, gate, up, down per layer
+    assert CK.check_checkpoint(out)["quantized"] == 6 * 7  # q, k, v, o, gate, up, down per layer
     with pytest.raises(LoopspecError, match="FP8 checkpoint"):
         load_target_dir(out)
 
