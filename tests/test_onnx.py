@@ -276,8 +276,19 @@ def test_cli_bad_input_exits_2_with_one_line(exported, tmp_path, capsys):
     _, _, onnx_dir = exported["llama"]
     bad = copy_of(onnx_dir, tmp_path)
     (bad / "target_verify.onnx.data").write_bytes(b"\0" * 16)
+    no_engine = copy_of(onnx_dir, tmp_path / "e")
+    manifest = read_manifest(no_engine)
+    del manifest.data["engines"]["drafter_context"]
+    manifest.save()
+    nvfp4 = copy_of(onnx_dir, tmp_path / "p")
+    manifest = read_manifest(nvfp4)
+    manifest.data["precision"] = "nvfp4"
+    manifest.save()
+    ort = ["generate", "--prompt", "x", "--backend", "onnxruntime", "--onnx-dir"]
     cases = [
-        (["generate", "--prompt", "x", "--backend", "onnxruntime", "--onnx-dir", str(bad)], "hash mismatch"),
+        (ort + [str(bad)], "hash mismatch"),
+        (ort + [str(no_engine)], "missing drafter engine(s) drafter_context"),
+        (ort + [str(nvfp4)], "NVFP4"),
         (["generate", "--prompt", "x", "--backend", "onnxruntime", "--onnx-dir", str(tmp_path / "nope")], "does not exist"),
         (["generate", "--prompt", "x", "--backend", "tensorflow"], "unknown backend"),
         (["generate", "--prompt", "x", "--onnx-dir", str(onnx_dir)], "needs --backend onnxruntime"),
@@ -286,7 +297,7 @@ def test_cli_bad_input_exits_2_with_one_line(exported, tmp_path, capsys):
     for argv, message in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
-        assert message in err and len(err.splitlines()) == 1, err
+        assert message.lower() in err.lower() and len(err.splitlines()) == 1, err
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "notes.txt").write_text("mine")
