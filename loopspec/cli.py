@@ -371,15 +371,14 @@ class TextStream:
 def cmd_serve(args) -> int:
     from loopspec.runtime.pipeline import load_pipeline
     from loopspec.runtime.server import ServeConfig, serve
-
     from loopspec.weights import DEFAULT_TARGET_NAME
 
     if not args.request_timeout > 0:
         raise LoopspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context, mask_token_id=args.mask_token_id,
                          num_threads=args.threads, device=args.device, cuda_graphs=args.cuda_graphs,
-                         backend=args.backend, onnx_dir=args.onnx_dir)
-    source = Path(args.onnx_dir or args.target)
+                         backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir)
+    source = Path(args.onnx_dir or args.trt_dir or args.target)
     name = args.model_name or (DEFAULT_TARGET_NAME if source == Path("default") else
                                source.stem if source.suffix == ".gguf" else source.resolve().name)
     config = ServeConfig(method=args.method, model_name=name, max_batch_size=args.max_batch_size,
