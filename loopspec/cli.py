@@ -109,11 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--no-store", action="store_true", help="print the result, do not write it to the drafter")
     u.add_argument("--json", dest="json_out", default=None)
 
-    c = sub.add_parser("convert", help=f"artifacts out, by stage: {', '.join(CONVERT_STAGES)}")
-    stages = c.add_subparsers(dest="stage", required=True)
-    for stage, (help_text, add_args, _) in CONVERT_STAGES.items():
-        add_args(stages.add_parser(stage, help=help_text))
-
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_model_args(v)
     v.set_defaults(max_context=2048)  # the KV caches hold --max-batch-size rows of this length
