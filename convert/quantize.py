@@ -457,7 +457,7 @@ def format_quantize_report(report: dict, out_dir: str | Path) -> str:
     out_dir = Path(out_dir)
     c = report["calibration"]
     lines = [f"modelopt {report['precision'].upper()} calibration on {c['calib_size']} prompts ({c['tokens']} tokens, "
-             f"{c['prompts']}) in {report['seconds']} s"]
+             f"{c['prompts']}); calibration, export and checks took {report['seconds']} s"]
     for name, info in report["checkpoints"].items():
         lines.append(f"  {out_dir / name}: {info['quant_algo']} checkpoint, {info['quantized']} quantized linears")
     engines = ", ".join(f"{e} ({v['quantized_weights']} weights)" for e, v in report["onnx"].items())
