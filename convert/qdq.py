@@ -11,9 +11,15 @@ NVFP4 (opset 23): modelopt's NVFP4 ONNX pattern:
       weight_scale_2), block 16) → Transpose → MatMul
 TRT_FP4DynamicQuantize is a TensorRT op: NVFP4 graphs run only on TensorRT with a Blackwell GPU.
 
-The ops are torch custom ops (`loopspec::…`) translated to ONNX by `TRANSLATIONS` (torch.onnx.export's
-custom_translation_table). Eagerly, the FP8 ops compute exactly what the ONNX ops compute (saturating
-round-to-nearest-even float8); the NVFP4 ops refuse: their numerics are not run on this machine.
+The ops are torch custom ops (`loopspec::…`) translated to ONNX by `translations(precision)` (the
+dynamo exporter's custom_translation_table). Eagerly, the FP8 ops compute exactly what the ONNX ops
+compute (saturating round-to-nearest-even float8); the NVFP4 ops refuse: their numerics are not run
+on this machine. The modules carry the tensors convert/quantize.py computes with modelopt
+(`QuantizedWeight`); `engines/export.py`'s wrappers call them as they are (`exports_itself`) and fuse
+them (`fused`: one input scale, weights side by side) where the graph has one GEMM for several.
+
+`export_quantized_engines` writes the four engines of a pair with these graphs into an artifact
+directory (manifest stage "quantized"); `check_onnx` verifies the Q/DQ structure of what it wrote.
 """
 
 from __future__ import annotations
