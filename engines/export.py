@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopspec.engines.manifest import Manifest, source_hashes, write_manifest
+from loopspec.engines.manifest import Manifest, sha256_file, source_hashes, write_manifest
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY,
                                     EngineSpec, engine_specs)
 from loopspec.errors import LoopspecError
@@ -331,11 +331,17 @@ def drafter_source(drafter: Drafter, drafter_dir: Path | None) -> dict:
     return {"path": None, "in_memory_sha256": tensors_sha256(drafter)}
 
 
+def export_code_sha256() -> str:
+    """The wrappers' own source: a cached export made by other code is not reused."""
+    return sha256_file(Path(__file__))
+
+
 def source_key(target_dir: Path, drafter: Drafter | None, drafter_dir: Path | None, settings: dict) -> str:
-    """Short key of (target checkpoint, drafter, export settings): names a cached export."""
+    """Short key of (target checkpoint, drafter, export settings, export code): names a cached export."""
     from loopspec.weights import target_fingerprint
 
     h = hashlib.sha256(target_fingerprint(target_dir).encode())
+    h.update(export_code_sha256().encode())
     if drafter is not None:
         h.update(json.dumps(drafter.cfg.to_zlab(), sort_keys=True).encode())
         h.update(json.dumps(drafter_source(drafter, drafter_dir), sort_keys=True).encode())
@@ -397,7 +403,8 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     copy_run_files(target_dir, drafter, work)
     settings = {"opset": opset, "max_context": max_context, "block_size": specs.get(DRAFTER_BLOCK) and
                 specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
-                "exporter": "torch.onnx.export (TorchScript)", "kv_layout": "past in, new out"}
+                "exporter": "torch.onnx.export (TorchScript)", "kv_layout": "past in, new out",
+                "export_code_sha256": export_code_sha256()}
     sources = {"target": source_hashes(target_dir),
                "drafter": drafter_source(drafter, drafter_dir) if drafter is not None else None}
     write_manifest(work, stage="onnx", precision="fp32", specs=specs, engine_files=files, sources=sources,
