@@ -232,17 +232,10 @@ def export_target(src: Path, dst: Path, dtype: torch.dtype) -> None:
 def quantize_target(src: Path, dst: Path, precision: str, calib_prompts: str | None = None,
                     calib_size: int | None = None) -> None:
     """A modelopt-quantized HF checkpoint of the target (convert/quantize.py does the calibration)."""
-    try:
-        from loopspec.convert import quantize
-    except ImportError:
-        quantize = None
-    export = getattr(quantize, "quantize_target_checkpoint", None)
-    if export is None:
-        raise LoopspecError(f"--precision {precision} needs the modelopt quantization of convert/quantize "
-                            "(quantize_target_checkpoint), which this installation does not provide; "
-                            "build the bundle without --precision")
+    from loopspec.convert.quantize import quantize_target_checkpoint
+
     options = {"calib_prompts": calib_prompts} | ({"calib_size": calib_size} if calib_size else {})
-    export(src, dst, precision, **options)
+    quantize_target_checkpoint(src, dst, precision, **options)
 
 
 def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None, sources: dict) -> str:

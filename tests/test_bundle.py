@@ -207,24 +207,7 @@ def test_bad_inputs(tiny_pair, tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()  # nothing half-written
 
 
-def test_precision_needs_the_quantizer(tiny_pair, tmp_path):
-    from loopspec.convert import bundle as bundle_module
-
-    target_dir, drafter_dir = tiny_pair
-    try:
-        from loopspec.convert import quantize
-    except ImportError:
-        quantize = None
-    if getattr(quantize, "quantize_target_checkpoint", None) is not None:
-        pytest.skip("convert/quantize provides quantize_target_checkpoint: covered by the quantized bundle test")
-    with pytest.raises(LoopspecError, match="needs the modelopt quantization of convert/quantize"):
-        bundle_module.build_bundle(str(target_dir), str(drafter_dir), tmp_path / "q", "vllm", precision="fp8")
-
-
 def test_fp8_bundle_has_a_modelopt_target(tiny_pair, tmp_path):
-    quantize = pytest.importorskip("loopspec.convert.quantize")
-    if getattr(quantize, "quantize_target_checkpoint", None) is None:
-        pytest.skip("convert/quantize has no quantize_target_checkpoint")
     pytest.importorskip("modelopt", reason="needs nvidia-modelopt (the quant extra)")
     target_dir, drafter_dir = tiny_pair
     out = tmp_path / "fp8"
