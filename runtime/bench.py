@@ -17,6 +17,7 @@ from pathlib import Path
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
+from loopspec.prompts import read_prompts
 
 # The built-in HumanEval wraps each problem exactly as the eval set humaneval.jsonl does, so both
 # name the same 164 prompts.
@@ -57,26 +58,7 @@ class BenchResult:
 
 def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[str]:
     """Prompts from a `{"turns": [...]}` JSONL file (first turn of each line unless all_turns)."""
-    path = Path(path)
-    if not path.is_file():
-        raise LoopspecError(f"prompt file does not exist: {path}")
-    prompts: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                turns = json.loads(line)["turns"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise LoopspecError(f"{path}:{number}: expected a JSON object with a 'turns' list") from None
-            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-                raise LoopspecError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
-            prompts.extend(turns if all_turns else turns[:1])
-            if limit is not None and len(prompts) >= limit:
-                return prompts[:limit]
-    if not prompts:
-        raise LoopspecError(f"no prompts in {path}")
-    return prompts
+    return read_prompts(path, limit, all_turns)
 
 
 def load_humaneval(limit: int | None = None) -> list[str]:

@@ -4,7 +4,6 @@ ar / dflash / dloop, the specs, the manifest, the first-use cache, the CLI and t
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 

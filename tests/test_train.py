@@ -146,11 +146,11 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path):
 
 def test_prompt_file_with_unicode_line_separator(tmp_path):
     """JSON strings may hold U+2028; lines are split on newlines only."""
-    from loopspec.train.data import read_prompt_file
+    from loopspec.prompts import read_prompts
 
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"turns": ["a\u2028b"]}, ensure_ascii=False) + "\n" + json.dumps({"turns": ["c"]}) + "\n")
-    assert read_prompt_file(f) == ["a\u2028b", "c"]
+    assert read_prompts(f) == ["a\u2028b", "c"]
 
 
 def test_block_mask_with_private_pseudo_context():

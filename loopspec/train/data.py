@@ -20,6 +20,7 @@ import torch
 
 from loopspec.decoding import SamplingParams, probabilities, sample
 from loopspec.errors import LoopspecError
+from loopspec.prompts import read_prompts
 from loopspec.model.target import Target, pack_linears_for_cpu_
 
 
@@ -35,24 +36,6 @@ class Sample:
         """True where the token is part of the response (supervised)."""
         return [i >= self.prompt_len for i in range(len(self.tokens))]
 
-
-def read_prompt_file(path: Path) -> list[str]:
-    if not path.is_file():
-        raise LoopspecError(f"prompt file does not exist: {path}")
-    out = []
-    with open(path, encoding="utf-8") as f:  # not str.splitlines(): it also splits at U+2028 inside strings
-        lines = f.read().split("\n")
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            turns = json.loads(line)["turns"]
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-                raise TypeError
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise LoopspecError(f"{path}:{number}: expected a JSON object with a 'turns' list of strings") from None
-        out.append(turns[0])
-    return out
 
 
 def safe_name(sample_id: str) -> str:
@@ -140,7 +123,7 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts: list[tuple[str, str]] = []
     for f in prompt_files:
-        texts = read_prompt_file(Path(f))[:limit]
+        texts = read_prompts(f, limit)
         prompts += [(f"{Path(f).stem}:{i}", t) for i, t in enumerate(texts)]
     manifest_path = out_dir / "manifest.json"
     settings = {"max_new_tokens": max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,

@@ -10,17 +10,12 @@ the rows that carry a label (and, with a reduced draft vocabulary, only over its
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import KVCache, Target
 
@@ -218,7 +213,7 @@ class DrafterTrainer:
         stages 2..S anchored on the previous stage's argmax at its last position, with the previous
         stages' final-norm hidden states as pseudo-context (feature(p) = z(p+1)), exactly as at
         inference. L = (L(1) + L(S)) / 2; middle stages get no loss (only their last row's argmax)."""
-        B, N = self.drafter.cfg.block_size, self.cfg.loop_stages
+        N = self.cfg.loop_stages
         L = tokens.numel()
         anchors = sample_anchors(loss_mask, self.cfg.anchors, rng)
         if anchors.numel() == 0:

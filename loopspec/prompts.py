@@ -1,0 +1,33 @@
+"""Prompt files: `{"turns": [...]}` JSONL, one conversation per line (bench, tune, data, calibration)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loopspec.errors import LoopspecError
+
+
+def read_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False,
+                 what: str = "prompt file") -> list[str]:
+    """The first turn of each line (every turn with `all_turns`), up to `limit` prompts."""
+    path = Path(path)
+    if not path.is_file():
+        raise LoopspecError(f"{what} does not exist: {path}")
+    prompts: list[str] = []
+    # split on "\n" only: str.splitlines() would also split at U+2028 inside JSON strings
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            turns = json.loads(line)["turns"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise LoopspecError(f"{path}:{number}: expected a JSON object with a 'turns' list") from None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise LoopspecError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
+        prompts.extend(turns if all_turns else turns[:1])
+        if limit is not None and len(prompts) >= limit:
+            return prompts[:limit]
+    if not prompts:
+        raise LoopspecError(f"no prompts in {path}")
+    return prompts
