@@ -50,9 +50,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="decode plainly while drafting does not pay on a request (output unchanged)")
 
 
-def _add_backend_args(p: argparse.ArgumentParser) -> None:
+def _add_backend_args(p: argparse.ArgumentParser, side_by_side: bool = False) -> None:
     p.add_argument("--backend", default="torch", help="torch | onnxruntime (engines exported once and cached, "
-                                                      "or the ones in --onnx-dir) | tensorrt (the plans in --trt-dir)")
+                                                      "or the ones in --onnx-dir) | tensorrt (the plans in --trt-dir)"
+                   + ("; a comma list (torch,onnxruntime) runs every backend side by side" if side_by_side else ""))
     p.add_argument("--onnx-dir", default=None,
                    help="run the engines of this `loopspec convert onnx` directory (--target/--drafter unused)")
     p.add_argument("--trt-dir", default=None,
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", required=True, nargs="+",
                    help="JSONL files of {\"turns\": [...]} (dataset = file stem) or the built-in set 'humaneval'")
     _add_model_args(b)
-    _add_backend_args(b)
+    _add_backend_args(b, side_by_side=True)
     b.add_argument("--methods", default="ar,dflash", help="comma-separated: ar,dflash,dloop,hf,hf-lookup")
     _add_sampling_args(b)
     b.add_argument("--limit", type=_positive_int("--limit"), default=None)

@@ -170,11 +170,16 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
         raise LoopspecError(f"directory for --json does not exist: {Path(json_out).parent}")
     out_path = _prepare_out_dir(out_dir)
     needs_drafter = any(m not in ("ar",) + PEER_METHODS for m in methods)
+    backends = [b.strip() for b in backend.split(",") if b.strip()]
+    if not backends or len(set(backends)) != len(backends):
+        raise LoopspecError(f"--backend needs distinct backends, got {backend!r}")
     pipe = load_pipeline(target, drafter if needs_drafter else "none",
                          max_context=max_context, mask_token_id=mask_token_id, num_threads=num_threads,
-                         device=device, cuda_graphs=cuda_graphs, backend=backend, onnx_dir=onnx_dir,
+                         device=device, cuda_graphs=cuda_graphs, backend=backends[0], onnx_dir=onnx_dir,
                          trt_dir=trt_dir)
-    backend = str(getattr(pipe, "backend", "torch"))
+    # every backend runs the same pair in this process; `ar` on the first one is the reference
+    pipes = {pipe.backend: pipe} | {b: pipe.on_backend(b, max_context, num_threads) for b in backends[1:]}
+    backend = ",".join(pipes)
     if pipe.target is None and (cost_model or any(m in PEER_METHODS for m in methods)):
         raise LoopspecError("the transformers peers and --cost-model need the target's weights: run without --onnx-dir")
     sizes = {m: pipe.block_size_for(m, block_size) for m in methods if m in METHODS}
@@ -184,7 +189,10 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     engine_device = getattr(pipe.engine, "device", "cpu")
     peer = (HFPeer(pipe.target_dir, pipe.stop_token_ids, num_threads, engine_device)
             if any(m in PEER_METHODS for m in methods) else None)
-    order = ["ar"] + [m for m in methods if m != "ar"]  # ar always runs: it is the reference
+    # (method, backend) runs; ar on the first backend always runs: it is the reference
+    own = ["ar"] + [m for m in methods if m != "ar" and m not in PEER_METHODS]
+    order = [(m, b) for b in pipes for m in own] + [(m, "transformers") for m in methods if m in PEER_METHODS]
+    reference = order[0]
 
     encoded_sets = {name: [pipe.encode(p, chat=chat) for p in prompts] for name, prompts in datasets.items()}
     for name, encoded in encoded_sets.items():
@@ -194,13 +202,14 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     if needs_drafter:
         print(f"[loopspec] drafter: {pipe.drafter_description}", file=sys.stderr)
 
-    def run_once(method: str, ids: list[int], i: int, new_tokens: int):
+    def run_once(run: tuple[str, str], ids: list[int], i: int, new_tokens: int):
         """(tokens, wall seconds, stats or None)."""
+        method, on = run
         t0 = time.perf_counter()
         if method in PEER_METHODS:
             out = peer.run(ids, method, new_tokens)
             return out.tokens, time.perf_counter() - t0, None
-        out = pipe.run(ids, method=method, max_new_tokens=new_tokens, params=params, block_size=sizes[method],
+        out = pipes[on].run(ids, method=method, max_new_tokens=new_tokens, params=params, block_size=sizes[method],
                        seed=seed + i, gate_threshold=gate_threshold, max_stages=max_stages, adaptive=adaptive)
         return out.tokens, time.perf_counter() - t0, out.stats
 
@@ -208,30 +217,31 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     progress = tqdm(total=total_runs, unit="run", file=sys.stderr, leave=False)
     results: list[BenchResult] = []
     for dataset, encoded in encoded_sets.items():
-        for method in order:  # warm-up: first calls allocate and pack
-            run_once(method, encoded[0], 0, 8)
-        outputs: dict[str, list[list[int]]] = {}
-        per_method: dict[str, BenchResult] = {}
-        for method in order:
-            progress.set_description(f"{dataset}/{method}")
+        for run in order:  # warm-up: first calls allocate and pack
+            run_once(run, encoded[0], 0, 8)
+        outputs: dict[tuple, list[list[int]]] = {}
+        per_run: dict[tuple, BenchResult] = {}
+        for run in order:
+            method, on = run
+            progress.set_description(f"{dataset}/{method}" + (f"/{on}" if len(pipes) > 1 else ""))
             runs: list[list[tuple]] = [[] for _ in encoded]  # per prompt: one (tokens, seconds, stats) per repeat
             for _ in range(repeats):
                 for i, ids in enumerate(encoded):
-                    runs[i].append(run_once(method, ids, i, max_new_tokens))
+                    runs[i].append(run_once(run, ids, i, max_new_tokens))
                     progress.update()
             median = [prompt_runs[median_run(prompt_runs)] for prompt_runs in runs]
-            outputs[method] = [tokens for tokens, _, _ in median]
-            per_method[method] = summarize(method, dataset, median, repeats, backend, sizes.get(method, 1),
-                                           max_drafts.get(method, 0), peer=method in PEER_METHODS)
-            per_method[method].same_across_repeats = all(r[0] == prompt_runs[0][0] for prompt_runs in runs
-                                                         for r in prompt_runs)
-        base = per_method["ar"]
-        for method in order:
-            if method not in methods:
+            outputs[run] = [tokens for tokens, _, _ in median]
+            per_run[run] = summarize(method, dataset, median, repeats, on, sizes.get(method, 1),
+                                     max_drafts.get(method, 0), peer=method in PEER_METHODS)
+            per_run[run].same_across_repeats = all(r[0] == prompt_runs[0][0] for prompt_runs in runs
+                                                   for r in prompt_runs)
+        base = per_run[reference]
+        for run in order:
+            if run[0] not in methods:
                 continue
-            r = per_method[method]
+            r = per_run[run]
             r.speedup_vs_ar = r.tokens_per_s / base.tokens_per_s
-            r.identical_to_ar = outputs[method] == outputs["ar"] if params.greedy else None
+            r.identical_to_ar = outputs[run] == outputs[reference] if params.greedy else None
             results.append(r)
     progress.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -67,6 +68,22 @@ class Pipeline:
     @property
     def backend(self) -> str:
         return self.engine.backend
+
+    def on_backend(self, backend: str, max_context: int | None = None, num_threads: int | None = None) -> "Pipeline":
+        """The same pair (tokenizer, weights, drafter) on another backend's engine: torch, or
+        onnxruntime over the pair's cached export. Used to compare backends in one process."""
+        if backend == self.backend:
+            return self
+        if self.target is None or backend not in ("torch", "onnxruntime"):
+            raise LoopspecError(f"cannot run this pipeline on backend {backend!r} as well: comparing backends needs "
+                                "the target's weights and one of torch, onnxruntime")
+        max_context = max_context or self.engine.max_context
+        if backend == "onnxruntime":
+            engine = cached_ort_engine(self.target, self.drafter, self.target_dir, self.drafter_dir, max_context,
+                                       num_threads)
+        else:
+            engine = TorchEngine(self.target, self.drafter, max_context, num_threads)
+        return dataclasses.replace(self, engine=engine)
 
     @property
     def default_block_size(self) -> int:

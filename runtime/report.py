@@ -177,7 +177,8 @@ def _integer_ticks(ax) -> None:
 
 def plot_speedup(results: list[dict], path: Path) -> Path:
     datasets = _datasets(results)
-    labels = [l for l in dict.fromkeys(_label(r) for r in results) if not l.startswith("ar ")]
+    reference = _label(results[0]) if results and results[0]["method"] == "ar" else None  # 1.0 by definition
+    labels = [l for l in dict.fromkeys(_label(r) for r in results) if l != reference]
     fig, (ax,) = _figure(width=max(7.5, 1.6 * len(datasets) + 3))
     width = 0.8 / max(len(labels), 1)
     legend_done = set()

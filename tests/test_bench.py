@@ -153,3 +153,24 @@ def test_bench_bad_out_and_methods(capsys, tiny_pair, prompt_sets, tmp_path):
         code = main(["bench", "--prompts", str(a), "--target", str(target), "--drafter", str(drafter), *extra])
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_backends_side_by_side_in_one_run(tiny_pair, prompt_sets, tmp_path):
+    """--backend torch,onnxruntime: every method on both backends in one process, same prompts;
+    ar on the first backend is the reference for speedup and identity."""
+    pytest.importorskip("onnxruntime")
+    target, drafter = tiny_pair
+    results = run_bench(prompt_files=[str(prompt_sets[0])], methods=["ar", "dflash", "dloop"], target=str(target),
+                        drafter=str(drafter), max_new_tokens=12, backend="torch,onnxruntime", adaptive=False,
+                        gate_threshold=-1000, max_stages=2, out_dir=str(tmp_path / "out"))
+    assert [(r.method, r.backend) for r in results] == [(m, b) for b in ("torch", "onnxruntime")
+                                                         for m in ("ar", "dflash", "dloop")]
+    assert all(r.identical_to_ar for r in results)
+    assert results[0].speedup_vs_ar == 1.0
+    by = {(r.method, r.backend): r for r in results}
+    assert by["dflash", "torch"].tau == by["dflash", "onnxruntime"].tau  # same drafts accepted on both
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "| ar (onnxruntime) |" in md
+    with pytest.raises(LoopspecError, match="distinct backends"):
+        run_bench(prompt_files=[str(prompt_sets[0])], methods=["ar"], target=str(target), drafter="none",
+                  backend="torch,torch")
