@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--epochs", type=float, default=1.0)
     t.add_argument("--max-steps", type=_positive_int("--max-steps"), default=None)
     t.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this wall time")
+    t.add_argument("--stop-after-steps", type=_positive_int("--stop-after-steps"), default=None,
+                   help="stop (and save) after this many steps of the unchanged schedule; re-running resumes")
     t.add_argument("--batch-sequences", type=_positive_int("--batch-sequences"), default=4)
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--gamma", type=float, default=None)
@@ -234,7 +236,8 @@ def cmd_train(args) -> int:
                       save_every=args.save_every, seed=args.seed)
     last = train_drafter(data_dir=args.data, target=target, drafter=drafter, out_dir=args.out, cfg=cfg,
                          draft_vocab=draft_vocab, max_steps=args.max_steps,
-                         max_seconds=args.max_minutes * 60 if args.max_minutes else None)
+                         max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+                         stop_after_steps=args.stop_after_steps)
     print(json.dumps(last))
     return 0
 

@@ -143,6 +143,17 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path):
     spec = generate(engine, [5, 6, 7, 8], max_new_tokens=30, block_size=4)
     assert spec.tokens == ar.tokens
 
+    # --stop-after-steps stops on the unchanged schedule: stop at 3 + resume == 5 steps in one go
+    from loopspec.weights import read_safetensors as read
+    runs = {}
+    for name, stops in (("straight", [None]), ("stopped", [3, None])):
+        for stop in stops:
+            extra = ["--stop-after-steps", str(stop)] if stop else []
+            assert main(common[:6] + [str(tmp_path / name)] + common[7:] + ["--max-steps", "5"] + extra) == 0
+        runs[name] = read(tmp_path / name / "model.safetensors")
+    assert runs["straight"].keys() == runs["stopped"].keys()
+    assert all(torch.equal(runs["straight"][k], runs["stopped"][k]) for k in runs["straight"])
+
 
 def test_prompt_file_with_unicode_line_separator(tmp_path):
     """JSON strings may hold U+2028; lines are split on newlines only."""

@@ -38,7 +38,10 @@ class TapSource:
 
 def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out_dir: str | Path, cfg: TrainConfig,
                   draft_vocab: DraftVocab | None = None, resume: bool = True, progress: bool = True,
-                  max_steps: int | None = None, max_seconds: float | None = None) -> dict:
+                  max_steps: int | None = None, max_seconds: float | None = None,
+                  stop_after_steps: int | None = None) -> dict:
+    """max_steps shortens the schedule; stop_after_steps and max_seconds stop (and save) early on the
+    unchanged schedule, so a re-run resumes the same trajectory from the checkpoint."""
     from tqdm import tqdm
 
     data_dir, out_dir = Path(data_dir), Path(out_dir)
@@ -141,7 +144,7 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
                         **({"tau": f"{last['heldout_tau']:.2f}"} if "heldout_tau" in last else {}))
         if step % cfg.save_every == 0:
             save()
-        if max_seconds is not None and elapsed > max_seconds:
+        if (max_seconds is not None and elapsed > max_seconds) or (stop_after_steps and step >= stop_after_steps):
             break
     bar.close()
     save()
