@@ -15,21 +15,42 @@ $BIN/loopspec data \
     --prompts "$DATA/train/gsm8k-train.jsonl" "$DATA/train/livecodebench.jsonl" "$DATA/train/arena-hard-v2.jsonl" \
     --limit 1000 --max-new-tokens 192 --batch-size 32 --cache-taps --out "$WORK/data-v1"
 
-# 2. one drafter layer over five taps, block 16, reduced draft vocabulary (d2t)
+# 2. v1: one drafter layer over five taps, block 16, reduced draft vocabulary (d2t)
 $BIN/loopspec train --data "$WORK/data-v1" --out "$WORK/drafter-v1" \
     --num-layers 1 --block-size 16 --tap-layers 1,8,14,20,27 --draft-vocab-size 8192 \
     --anchors 96 --batch-sequences 4 --lr 1e-3 --epochs 2 --eval-every 100 --save-every 100
 
-# 3. ship it and measure it
+# 3. v2 (DFlash): v1 continued at block 8 (the block the runtime drafts with on this CPU) for 3 epochs.
+#    Its step-900 checkpoint (fp32) is kept: the loop-aware branch starts there, so loop-aware and
+#    DFlash-only training get the same base and a comparable budget (the DLoop ablation).
+V2="--data $WORK/data-v1 --init $WORK/drafter-v1 --out $WORK/drafter-v2 --block-size 8 --anchors 160 \
+    --batch-sequences 4 --lr 6e-4 --epochs 3 --eval-every 150 --save-every 50"
+if [ ! -f "$WORK/drafter-v2-at900/model.safetensors" ]; then
+    $BIN/loopspec train $V2 --stop-after-steps 900
+    mkdir -p "$WORK/drafter-v2-at900"
+    cp "$WORK/drafter-v2/checkpoint/"*.json "$WORK/drafter-v2/checkpoint/"*.safetensors "$WORK/drafter-v2-at900/"
+fi
+$BIN/loopspec train $V2   # resumes at step 900 and finishes the schedule (1443 steps)
+
+# 4. v3 (shipped): loop-aware fine-tuning (DLoop, N = 3) from the step-900 checkpoint
+$BIN/loopspec train --data "$WORK/data-v1" --init "$WORK/drafter-v2-at900" --out "$WORK/drafter-v3-loop" \
+    --loop-stages 3 --block-size 8 --anchors 80 --batch-sequences 4 --lr 2e-4 --epochs 3 --max-steps 400 \
+    --eval-every 100 --save-every 50
+
+rm -rf loopspec/drafters/smollm2-135m-instruct.new
+mkdir -p loopspec/drafters/smollm2-135m-instruct.new
+cp "$WORK/drafter-v3-loop/config.json" "$WORK/drafter-v3-loop/model.safetensors" "$WORK/drafter-v3-loop/d2t.safetensors" \
+    loopspec/drafters/smollm2-135m-instruct.new/
+cp loopspec/drafters/smollm2-135m-instruct/README.md loopspec/drafters/smollm2-135m-instruct.new/ 2>/dev/null || true
 rm -rf loopspec/drafters/smollm2-135m-instruct
-mkdir -p loopspec/drafters/smollm2-135m-instruct
-cp "$WORK/drafter-v1/config.json" "$WORK/drafter-v1/model.safetensors" "$WORK/drafter-v1/d2t.safetensors" \
-    loopspec/drafters/smollm2-135m-instruct/
-# 4. tune DLoop/block size on calibration prompts from train/ (never eval/) and store it with the drafter
+mv loopspec/drafters/smollm2-135m-instruct.new loopspec/drafters/smollm2-135m-instruct
+
+# 5. tune DLoop/block size on calibration prompts from train/ (never eval/) and store it with the drafter
 head -200 "$DATA/train/gsm8k-train.jsonl" | tail -6 > "$WORK/calib.jsonl"
 head -400 "$DATA/train/livecodebench.jsonl" | tail -30 | awk 'length($0) < 1500' | head -4 >> "$WORK/calib.jsonl"
-$BIN/loopspec tune --prompts "$WORK/calib.jsonl" --limit 10 --max-new-tokens 96 --block-sizes 4,8,16 \
-    --stages 1,2,4 --thresholds=-0.5,-1.0 --drafter loopspec/drafters/smollm2-135m-instruct
+$BIN/loopspec tune --prompts "$WORK/calib.jsonl" --limit 8 --max-new-tokens 96 --block-sizes 8 \
+    --stages 1,2,3,4 --drafter loopspec/drafters/smollm2-135m-instruct
 
-# 5. measure it on the five eval sets
-scripts/bench_eval_sets.sh "$DATA/eval" "$WORK/bench.json" ar,dflash,dloop --block-size 8 --cost-model
+# 6. measure it on the five eval sets
+scripts/bench_eval_sets.sh "$DATA/eval" "$WORK/bench" ar,dflash,dloop,hf,hf-lookup --backend torch,onnxruntime \
+    --cost-model
