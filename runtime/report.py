@@ -201,6 +201,12 @@ def plot_speedup(results: list[dict], path: Path) -> Path:
     return path
 
 
+def _series_name(r: dict, results: list[dict]) -> str:
+    """The dataset, and the backend when several ran (their rows would share a name otherwise)."""
+    several = len({x["backend"] for x in results if x["backend"] != "transformers"}) > 1
+    return f"{r['dataset']} ({r['backend']})" if several else r["dataset"]
+
+
 def plot_acceptance(results: list[dict], block_sizes: dict, path: Path) -> Path | None:
     methods = [m for m in DRAFTING if any(r["method"] == m and r.get("acceptance_curve") for r in results)]
     if not methods:
@@ -210,7 +216,7 @@ def plot_acceptance(results: list[dict], block_sizes: dict, path: Path) -> Path 
         rows = [r for r in results if r["method"] == method and r.get("acceptance_curve")]
         for r in rows:
             curve = r["acceptance_curve"]
-            ax.plot(range(1, len(curve) + 1), curve, marker="o", markersize=3, label=r["dataset"])
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", markersize=3, label=_series_name(r, results))
         drafts_per_stage = block_sizes.get(method, 0) - 1
         positions = max(len(r["acceptance_curve"]) for r in rows)
         for boundary in range(drafts_per_stage, positions, drafts_per_stage) if drafts_per_stage > 0 else ():
@@ -234,7 +240,7 @@ def plot_tau_histogram(results: list[dict], path: Path) -> Path | None:
         rows = [r for r in results if r["method"] == method and r.get("drafting_verifications")]
         # up to the longest accepted run seen (the JSON keeps every bin up to the maximum possible)
         size = max(2, max(max((i for i, c in enumerate(r["accepted_histogram"]) if c), default=0) + 2 for r in rows))
-        series = {r["dataset"]: _fractions(r["accepted_histogram"], size) for r in rows}
+        series = {_series_name(r, results): _fractions(r["accepted_histogram"], size) for r in rows}
         _grouped_bars(ax, [str(n + 1) for n in range(size)], series)
         ax.set_title(f"{method}: tokens committed per verification")
         ax.set_xlabel("τ of one verification (accepted drafts + 1)")
@@ -270,7 +276,7 @@ def plot_dloop_stages(results: list[dict], path: Path) -> Path | None:
         return None
     size = max(len(r["stages_histogram"]) for r in rows)
     fig, (ax,) = _figure()
-    series = {r["dataset"]: _fractions(r["stages_histogram"], size) for r in rows}
+    series = {_series_name(r, results): _fractions(r["stages_histogram"], size) for r in rows}
     _grouped_bars(ax, [str(s) if s else "0 (plain)" for s in range(size)], series)
     ax.set_xlabel("draft stages before the verification")
     ax.set_ylabel("share of verifications")
