@@ -261,7 +261,7 @@ def test_batch_level_adaptive_fallback_changes_speed_not_output(engines):
 
 def test_onnxruntime_engine_is_served_one_row_at_a_time(engines, tiny_targets, tmp_path):
     """The ONNX Runtime engine has only the single-sequence calls: a batch of one row, still exact."""
-    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
     from loopspec.engines.export import export_engines
     from loopspec.runtime.ort_engine import OrtEngine
 

@@ -158,7 +158,7 @@ def test_bench_bad_out_and_methods(capsys, tiny_pair, prompt_sets, tmp_path):
 def test_backends_side_by_side_in_one_run(tiny_pair, prompt_sets, tmp_path):
     """--backend torch,onnxruntime: every method on both backends in one process, same prompts;
     ar on the first backend is the reference for speedup and identity."""
-    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
     target, drafter = tiny_pair
     results = run_bench(prompt_files=[str(prompt_sets[0])], methods=["ar", "dflash", "dloop"], target=str(target),
                         drafter=str(drafter), max_new_tokens=12, backend="torch,onnxruntime", adaptive=False,

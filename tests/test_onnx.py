@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-pytest.importorskip("onnxruntime")
-onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
+onnx = pytest.importorskip("onnx", reason="needs onnx: pip install 'loopspec[onnx]'")
 
 from loopspec.cli import main  # noqa: E402
 from loopspec.convert.validate import validate_onnx  # noqa: E402

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("modelopt.torch.quantization")
-onnx = pytest.importorskip("onnx")
-pytest.importorskip("onnxruntime")
+pytest.importorskip("modelopt.torch.quantization", reason="needs modelopt: pip install 'loopspec[quant]'")
+onnx = pytest.importorskip("onnx", reason="needs onnx: pip install 'loopspec[onnx]'")
+pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
 
 from loopspec.cli import main  # noqa: E402
 from loopspec.convert import quant_checkpoint as CK  # noqa: E402

@@ -11,9 +11,9 @@ import pytest
 
 from loopspec.decoding import SamplingParams
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai", reason="needs openai: pip install 'loopspec[serve]'")
+httpx = pytest.importorskip("httpx", reason="needs httpx: pip install 'loopspec[serve]'")
+uvicorn = pytest.importorskip("uvicorn", reason="needs uvicorn: pip install 'loopspec[serve]'")
 
 CONTEXT = 384
 
