@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from loopspec.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET_MASK_TOKEN_ID
+from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, check_fits, resolve_mask_token_id
 from loopspec.model.target import TargetConfig
@@ -302,9 +303,7 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
         raise LoopspecError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if max_batch_size < 1:
         raise LoopspecError(f"max batch size must be >= 1, got {max_batch_size}")
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "manifest.json").is_file())):
-        raise LoopspecError(f"{out} exists and is not a bundle; refusing to overwrite it")
+    out = check_out_dir(out_dir, "manifest.json", "a bundle")
 
     target_dir = resolve_target_dir(target)
     target_cfg = TargetConfig.from_hf(read_json(target_dir / "config.json", "target config"))
@@ -327,11 +326,7 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
                "drafter": str(drafter_dir),
                "drafter_files": {p.name: file_sha256(p) for p in sorted(drafter_dir.glob("*")) if p.is_file()}}
 
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_dir(out) as tmp:
         # the engines draft over the full vocabulary, so the reduced-vocab size is not carried along
         trained_vocab = cfg.extra.get("draft_vocab_size")
         cfg.extra = {k: v for k, v in cfg.extra.items() if k != "draft_vocab_size"}
@@ -350,10 +345,4 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
         (tmp / "README.md").write_text(_readme(engines, s, dtype, trained_vocab, sources))
         manifest = _manifest(tmp, engines, s, dtype, sources)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     return manifest

@@ -204,7 +204,7 @@ def test_bad_inputs(tiny_pair, tmp_path):
     with pytest.raises(LoopspecError, match="not a bundle"):
         build_bundle(str(target_dir), str(drafter_dir), busy, "vllm")
     assert (busy / "precious.txt").read_text() == "keep me"
-    assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()  # nothing half-written
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob("*.tmp"))  # nothing half-written
 
 
 def test_fp8_bundle_has_a_modelopt_target(tiny_pair, tmp_path):
@@ -229,6 +229,19 @@ def test_rebuild_replaces_a_previous_bundle(tiny_pair, tmp_path):
     build_bundle(str(target_dir), str(drafter_dir), out, "trtllm")
     build_bundle(str(target_dir), str(drafter_dir), out, "vllm")
     assert (out / "vllm" / "launch.sh").is_file() and not (out / "trtllm").exists()
+
+
+def test_a_failed_rebuild_keeps_the_previous_bundle(tiny_pair, tmp_path):
+    target_dir, drafter_dir = tiny_pair
+    out = tmp_path / "b"
+    build_bundle(str(target_dir), str(drafter_dir), out, "vllm")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    # fails inside the build: the drafter is already written when the target's calibration file is read
+    with pytest.raises(LoopspecError, match="calibration prompt file does not exist"):
+        build_bundle(str(target_dir), str(drafter_dir), out, "trtllm", precision="fp8",
+                     calib_prompts=str(tmp_path / "missing.jsonl"))
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no temporary left beside it
 
 
 def test_docs_carry_the_support_matrix():
