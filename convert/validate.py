@@ -91,7 +91,7 @@ def engine_errors(ref: Reference, sessions: dict[str, EngineSession], prompt: li
     run = sessions[TARGET_VERIFY].run(
         input_ids=np.asarray([prompt[P:]], dtype=np.int64), positions=np.arange(P, P + T, dtype=np.int64)[None],
         logit_index=np.arange(T, dtype=np.int64), past_key=cache.k[:, :, :, :P].numpy(),
-        past_value=cache.v[:, :, :, :P].numpy())
+        past_value=cache.v[:, :, :, :P].numpy(), past_lengths=np.asarray([P], dtype=np.int64))
     errors = {"logits": relative_error(run["logits"], second.logits),
               "new_key": relative_error(run["new_key"], cache.k[:, :, :, P:P + T]),
               "new_value": relative_error(run["new_value"], cache.v[:, :, :, P:P + T])}
@@ -110,7 +110,8 @@ def engine_errors(ref: Reference, sessions: dict[str, EngineSession], prompt: li
     ids[0, 0] = prompt[-1]
     run = sessions[DRAFTER_BLOCK].run(
         block_ids=ids, positions=np.arange(len(prompt), len(prompt) + block_size, dtype=np.int64)[None],
-        context_key=ctx_k.numpy(), context_value=ctx_v.numpy())
+        context_key=ctx_k.numpy(), context_value=ctx_v.numpy(),
+        context_lengths=np.asarray([ctx_k.shape[3]], dtype=np.int64))
     out[DRAFTER_BLOCK] = {"draft_ids": relative_error(run["draft_ids"][0], drafts),
                           "draft_logprobs": relative_error(run["draft_logprobs"][0], logprobs),
                           "gate_score": relative_error(run["gate_score"], logprobs.sum()[None]),
@@ -147,7 +148,8 @@ def onnx_greedy(session: EngineSession, prompt: list[int], new_tokens: int) -> t
         start = past_k.shape[3]
         run = session.run(input_ids=np.asarray([ids], dtype=np.int64),
                           positions=np.arange(start, start + len(ids), dtype=np.int64)[None],
-                          logit_index=np.asarray([len(ids) - 1], dtype=np.int64), past_key=past_k, past_value=past_v)
+                          logit_index=np.asarray([len(ids) - 1], dtype=np.int64), past_key=past_k, past_value=past_v,
+                          past_lengths=np.asarray([start], dtype=np.int64))
         past_k = np.concatenate([past_k, run["new_key"]], axis=3)
         past_v = np.concatenate([past_v, run["new_value"]], axis=3)
         tokens.append(int(run["logits"][0, -1].argmax()))
@@ -187,7 +189,8 @@ def acceptance(ref: Reference, sessions: dict[str, EngineSession], sequence: lis
         ids[0, 0] = sequence[a]
         out = sessions[DRAFTER_BLOCK].run(block_ids=ids, positions=np.arange(a, a + block_size, dtype=np.int64)[None],
                                           context_key=np.ascontiguousarray(onnx_k[:, :, :, :a]),
-                                          context_value=np.ascontiguousarray(onnx_v[:, :, :, :a]))
+                                          context_value=np.ascontiguousarray(onnx_v[:, :, :, :a]),
+                                          context_lengths=np.asarray([a], dtype=np.int64))
         return out["draft_ids"][0]
 
     return (offline_tau(draft_ref, sequence, prompt_len, block_size),

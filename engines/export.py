@@ -10,14 +10,20 @@ oneDNN-packed inference copy works too — and use only plain ops that map onto 
 operators: Gather, MatMul, Softmax, Where, Concat, Reshape, Transpose, ReduceMean, Sqrt, ...
 (no mkldnn packed linears, no fused rms_norm / scaled_dot_product_attention kernels).
 
-KV cache layout. The target graph takes the cache's `past_key`/`past_value` [L, 1, kvh, past, hd]
-of dynamic length `past` and returns only the NEW tokens' `new_key`/`new_value` [L, 1, kvh, T, hd].
+KV cache layout. The target graph takes the cache's `past_key`/`past_value` [L, B, kvh, past, hd]
+of dynamic length `past` and returns only the NEW tokens' `new_key`/`new_value` [L, B, kvh, T, hd].
 The runtime keeps ONE static buffer of the maximum length and writes the new K/V at the current
 length; rollback is moving the length, nothing is copied back. Returning the full `present` cache
 instead would make the graph copy the whole cache every step (past + new) and the runtime swap
 buffers, and a graph over the static buffer itself would attend over the full maximum length every
 step. The drafter's context K/V follows the same rule: `drafter_context*` return the new positions'
 K/V, `drafter_block` reads the valid prefix.
+
+Batch. Every graph takes B rows (one request, or several decoded together). Rows hold different
+numbers of valid past slots, so the past passed in is as wide as the longest row and each row's
+length (`past_lengths` / `context_lengths`) masks the rest: the additive mask is built in-graph
+from the lengths (Range, Less, Where) once per call and added to the past scores of every layer.
+For one row the mask is all zeros, and adding zeros changes no score.
 
 Positions are inputs (absolute RoPE positions), so one graph serves prefill and decoding.
 """
@@ -36,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopspec.engines.manifest import Manifest, sha256_file, source_hashes, write_manifest
-from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY,
-                                    EngineSpec, engine_specs)
+from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MAX_BATCH,
+                                    TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
@@ -62,17 +68,26 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Te
     return x * cos + torch.matmul(x, rotate) * sin
 
 
+def length_mask(lengths: torch.Tensor, width) -> torch.Tensor:
+    """Valid lengths [B] → additive mask [B, 1, 1, width]: 0 on row b's first lengths[b] slots, -inf
+    on the rest (another row's longer past, or stale slots after a rollback)."""
+    slots = torch.arange(width, device=lengths.device)
+    return torch.where(slots[None, :] < lengths[:, None], 0.0, float("-inf"))[:, None, None, :]
+
+
 def attend(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           past: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Grouped-query attention of q [1, kvh, g·T, hd] (pre-scaled; query head j = kv head j // g, as
+           past: torch.Tensor, past_mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention of q [B, kvh, g·T, hd] (pre-scaled; query head j = kv head j // g, as
     HF's repeat_kv) over [past ; new] keys without concatenating the K/V: one softmax over the joined
     scores, then the two value products summed. The past is only read (MatMul with its transpose
-    fuses into one kernel), never copied. past_k/past_v [1, kvh, P, hd], k/v [1, kvh, T, hd],
-    bias [g·T, T] additive mask among the new tokens (None: they all see each other) → [1, kvh, g·T, hd]."""
-    scores_new = torch.matmul(q, k.transpose(-1, -2))  # [1, kvh, g·T, T]
+    fuses into one kernel), never copied. past_k/past_v [B, kvh, P, hd], k/v [B, kvh, T, hd],
+    past_mask [B, 1, 1, P] additive mask of each row's invalid past slots, bias [g·T, T] additive mask
+    among the new tokens (None: they all see each other) → [B, kvh, g·T, hd]."""
+    scores_new = torch.matmul(q, k.transpose(-1, -2))  # [B, kvh, g·T, T]
     if bias is not None:
         scores_new = scores_new + bias
-    scores = torch.cat([torch.matmul(q, past_k.transpose(-1, -2)), scores_new], dim=-1)  # [1, kvh, g·T, P + T]
+    scores_past = torch.matmul(q, past_k.transpose(-1, -2)) + past_mask  # [B, kvh, g·T, P]
+    scores = torch.cat([scores_past, scores_new], dim=-1)  # [B, kvh, g·T, P + T]
     p_past, p_new = torch.split(torch.softmax(scores, dim=-1), [past, k.shape[2]], dim=-1)
     return torch.matmul(p_past, past_v) + torch.matmul(p_new, v)
 
@@ -83,22 +98,22 @@ def head_scales(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tenso
     return torch.cat([torch.full((num_heads, 1), 1.0 / math.sqrt(head_dim)), torch.ones(num_kv_heads, 1)])
 
 
-def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm_weight, eps: float,
-              cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor):
-    """The fused projection's output [1, T, (h + 2kvh)·hd] → q [1, kvh, g·T, hd] (scaled), k, v
-    [1, kvh, T, hd]: q and k are normed (Qwen3) and rotated together as one [1, T, h + kvh, hd] tensor."""
+def qkv_heads(qkv: torch.Tensor, batch, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm_weight,
+              eps: float, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor):
+    """The fused projection's output [B, T, (h + 2kvh)·hd] → q [B, kvh, g·T, hd] (scaled), k, v
+    [B, kvh, T, hd]: q and k are normed (Qwen3) and rotated together as one [B, T, h + kvh, hd] tensor."""
     h, kvh, hd = num_heads, num_kv_heads, head_dim
-    qk, v = qkv.reshape(1, -1, h + 2 * kvh, hd).split([h + kvh, kvh], dim=2)
+    qk, v = qkv.reshape(batch, -1, h + 2 * kvh, hd).split([h + kvh, kvh], dim=2)
     if qk_norm_weight is not None:
         qk = rms_norm(qk, qk_norm_weight, eps)  # weight [h + kvh, hd]: q_norm rows, then k_norm rows
-    qk = rope(qk, cos, sin, rotate).transpose(1, 2)  # [1, h + kvh, T, hd]
+    qk = rope(qk, cos, sin, rotate).transpose(1, 2)  # [B, h + kvh, T, hd]
     q, k = qk.split([h, kvh], dim=1)
-    return q.reshape(1, kvh, -1, hd), k, v.transpose(1, 2)
+    return q.reshape(batch, kvh, -1, hd), k, v.transpose(1, 2)
 
 
-def merge_heads(out: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    # [1, kvh, g·T, hd] → [1, T, h·hd]
-    return out.reshape(1, num_heads, -1, head_dim).transpose(1, 2).reshape(1, -1, num_heads * head_dim)
+def merge_heads(out: torch.Tensor, batch, num_heads: int, head_dim: int) -> torch.Tensor:
+    # [B, kvh, g·T, hd] → [B, T, h·hd]
+    return out.reshape(batch, num_heads, -1, head_dim).transpose(1, 2).reshape(batch, -1, num_heads * head_dim)
 
 
 def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -124,11 +139,12 @@ def swiglu(x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
 
 
 class TargetVerify(nn.Module):
-    """(input_ids [1, T], positions [1, T], logit_index [n], past_key/past_value [L, 1, kvh, P, hd])
-    → logits [1, n, V], taps [1, T, taps·H] (when tap layers are given), new_key/new_value [L, 1, kvh, T, hd].
+    """(input_ids [B, T], positions [B, T], logit_index [n], past_key/past_value [L, B, kvh, P, hd],
+    past_lengths [B]) → logits [B, n, V], taps [B, T, taps·H] (when tap layers are given),
+    new_key/new_value [L, B, kvh, T, hd].
 
-    Written for a small graph: head counts are Python ints and every reshape has at most one
-    symbolic dim (-1), so no shape arithmetic is traced per layer."""
+    Written for a small graph: head counts are Python ints and every reshape has one symbolic dim
+    (-1) besides the batch, read once from the input, so little shape arithmetic is traced per layer."""
 
     def __init__(self, target: Target, tap_layer_ids: list[int]):
         super().__init__()
@@ -145,17 +161,19 @@ class TargetVerify(nn.Module):
         else:
             self.qk_norm_weight = None
 
-    def forward(self, input_ids, positions, logit_index, past_key, past_value):
+    def forward(self, input_ids, positions, logit_index, past_key, past_value, past_lengths):
         cfg, t = self.cfg, self.target
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = h // kvh
-        past = past_key.shape[3]
-        cos = t.rotary.cos[positions][:, :, None] * self.head_scale  # [1, T, h + kvh, hd]
+        batch, past = input_ids.shape[0], past_key.shape[3]
+        cos = t.rotary.cos[positions][:, :, None] * self.head_scale  # [B, T, h + kvh, hd]
         sin = t.rotary.sin[positions][:, :, None] * self.head_scale
-        # new token i sees every past key and the new keys 0 .. i; rows of the bias follow q's (g, T) order
+        # new token i sees its row's valid past keys and the new keys 0 .. i; rows of the bias follow
+        # q's (g, T) order
+        past_mask = length_mask(past_lengths, past)  # [B, 1, 1, P]
         new = torch.arange(input_ids.shape[1], device=input_ids.device)
         bias = torch.where(new[None, :] <= new[:, None], 0.0, float("-inf")).repeat(group, 1)  # [g·T, T]
-        x = F.embedding(input_ids, t.embed_tokens.weight)  # [1, T, H]
+        x = F.embedding(input_ids, t.embed_tokens.weight)  # [B, T, H]
         taps, new_keys, new_values = {}, [], []
         last = cfg.num_layers - 1
         for i, layer in enumerate(t.layers):
@@ -163,11 +181,11 @@ class TargetVerify(nn.Module):
             y = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
             norm_w = self.qk_norm_weight[i] if self.qk_norm_weight is not None else None
             eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
-            q, k, v = qkv_heads(linear(y, attn.qkv_proj), h, kvh, hd, norm_w, eps, cos, sin, self.rotate)
-            new_keys.append(k)  # [1, kvh, T, hd]
+            q, k, v = qkv_heads(linear(y, attn.qkv_proj), batch, h, kvh, hd, norm_w, eps, cos, sin, self.rotate)
+            new_keys.append(k)  # [B, kvh, T, hd]
             new_values.append(v)
-            out = attend(q, past_key[i], past_value[i], k, v, past, bias)  # [1, kvh, g·T, hd]
-            x = x + linear(merge_heads(out, h, hd), attn.o_proj)
+            out = attend(q, past_key[i], past_value[i], k, v, past, past_mask, bias)  # [B, kvh, g·T, hd]
+            x = x + linear(merge_heads(out, batch, h, hd), attn.o_proj)
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
             if i in self.tap_layer_ids and i != last:
@@ -175,16 +193,16 @@ class TargetVerify(nn.Module):
         x = rms_norm(x, t.norm.weight, t.norm.eps)
         if last in self.tap_layer_ids:
             taps[last] = x  # HF's hidden_states[L] is the final-normed output (as the reference)
-        logits = F.linear(x[:, logit_index], t.lm_head.weight)  # [1, n, V]
+        logits = F.linear(x[:, logit_index], t.lm_head.weight)  # [B, n, V]
         outputs = [logits]
         if self.tap_layer_ids:
-            outputs.append(torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1))  # [1, T, taps·H]
+            outputs.append(torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1))  # [B, T, taps·H]
         return (*outputs, torch.stack(new_keys), torch.stack(new_values))
 
 
 class DrafterContext(nn.Module):
-    """The fused KV injection: (taps [1, T, n·H] or hidden [1, T, H], positions [1, T]) →
-    every drafter layer's context K/V [N, 1, kvh, T, hd]: fc → hidden_norm (taps only) → ONE matmul
+    """The fused KV injection: (taps [B, T, n·H] or hidden [B, T, H], positions [B, T]) →
+    every drafter layer's context K/V [N, B, kvh, T, hd]: fc → hidden_norm (taps only) → ONE matmul
     producing all layers' K and V → k_norm → RoPE."""
 
     def __init__(self, drafter: Drafter, from_taps: bool = True):
@@ -204,18 +222,19 @@ class DrafterContext(nn.Module):
         d, cfg = self.drafter, self.drafter.cfg
         N, kvh, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         if self.from_taps:
-            features = rms_norm(linear(features, d.fc), d.hidden_norm.weight, d.hidden_norm.eps)  # [1, T, H]
-        kv = linear(features, self.kv_proj).reshape(1, -1, N, 2, kvh, hd)
-        k, v = kv.permute(3, 2, 0, 4, 1, 5).unbind(0)  # [N, 1, kvh, T, hd] each
+            features = rms_norm(linear(features, d.fc), d.hidden_norm.weight, d.hidden_norm.eps)  # [B, T, H]
+        kv = linear(features, self.kv_proj).reshape(features.shape[0], -1, N, 2, kvh, hd)
+        k, v = kv.permute(3, 2, 0, 4, 1, 5).unbind(0)  # [N, B, kvh, T, hd] each
         k = rms_norm(k, self.k_norm_weight, self.eps)
-        cos = d.rotary.cos[positions][:, None]  # [1, 1, T, hd]
+        cos = d.rotary.cos[positions][:, None]  # [B, 1, T, hd]
         sin = d.rotary.sin[positions][:, None]
         return rope(k, cos, sin, self.rotate), v
 
 
 class DrafterBlock(nn.Module):
-    """(block_ids [1, k], positions [1, k], context_key/context_value [N, 1, kvh, C, hd]) →
-    draft_ids [1, k-1] (target ids), draft_logprobs [1, k-1], gate_score [1], hidden [1, k, H].
+    """(block_ids [B, k], positions [B, k], context_key/context_value [N, B, kvh, C, hd],
+    context_lengths [B]) → draft_ids [B, k-1] (target ids), draft_logprobs [B, k-1], gate_score [B],
+    hidden [B, k, H].
 
     The block embeds with the target's embedding and drafts with the target's lm_head rows (only the
     reduced draft vocabulary's rows when the drafter has a d2t map; ids are mapped back in-graph)."""
@@ -239,25 +258,26 @@ class DrafterBlock(nn.Module):
         self.register_buffer("rotate", rotate_half_matrix(hd))
         self.register_buffer("head_scale", head_scales(h, kvh, hd))
 
-    def forward(self, block_ids, positions, context_key, context_value):
+    def forward(self, block_ids, positions, context_key, context_value, context_lengths):
         d, cfg = self.drafter, self.drafter.cfg
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        context = context_key.shape[3]
-        cos = d.rotary.cos[positions][:, :, None] * self.head_scale  # [1, k, h + kvh, hd]
+        batch, context = block_ids.shape[0], context_key.shape[3]
+        cos = d.rotary.cos[positions][:, :, None] * self.head_scale  # [B, k, h + kvh, hd]
         sin = d.rotary.sin[positions][:, :, None] * self.head_scale
-        x = F.embedding(block_ids, self.embed_weight)  # [1, k, H]
+        context_mask = length_mask(context_lengths, context)  # [B, 1, 1, C]
+        x = F.embedding(block_ids, self.embed_weight)  # [B, k, H]
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             y = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            q, k, v = qkv_heads(linear(y, self.qkv_proj[i]), h, kvh, hd, self.qk_norm_weight[i], attn.q_norm.eps,
-                                cos, sin, self.rotate)
-            out = attend(q, context_key[i], context_value[i], k, v, context, None)  # bidirectional block
-            x = x + linear(merge_heads(out, h, hd), attn.o_proj)
+            q, k, v = qkv_heads(linear(y, self.qkv_proj[i]), batch, h, kvh, hd, self.qk_norm_weight[i],
+                                attn.q_norm.eps, cos, sin, self.rotate)
+            out = attend(q, context_key[i], context_value[i], k, v, context, context_mask, None)  # bidirectional block
+            x = x + linear(merge_heads(out, batch, h, hd), attn.o_proj)
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
-        hidden = rms_norm(x, d.norm.weight, d.norm.eps)  # [1, k, H]
-        logits = F.linear(hidden[:, 1:], self.head_weight)  # [1, k-1, V or Vd]
-        best, index = logits.max(dim=-1)  # [1, k-1]
+        hidden = rms_norm(x, d.norm.weight, d.norm.eps)  # [B, k, H]
+        logits = F.linear(hidden[:, 1:], self.head_weight)  # [B, k-1, V or Vd]
+        best, index = logits.max(dim=-1)  # [B, k-1]
         logprobs = -torch.log(torch.exp(logits - best[..., None]).sum(-1))  # log softmax at the argmax
         draft_ids = self.draft_to_target[index] if self.draft_to_target is not None else index
         return draft_ids, logprobs, logprobs.sum(-1), hidden
@@ -269,14 +289,15 @@ class DrafterBlock(nn.Module):
 OPSET = 17
 # sizes of the symbolic dims in the example inputs of the trace: distinct values, so that no two
 # dims can be confused, none 0 or 1 (the graph itself accepts those: past = 0 at prefill)
-EXAMPLE_SIZES = {"tokens": 3, "past": 5, "logits": 2, "block": 4, "context": 7}
+EXAMPLE_SIZES = {"batch": 6, "tokens": 3, "past": 5, "logits": 2, "block": 4, "context": 7}
+LENGTH_INPUTS = {"past_lengths": "past", "context_lengths": "context"}  # per-row valid length of that dim
 TARGET_SUBDIR, DRAFTER_SUBDIR = "target", "drafter"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def example_inputs(spec: EngineSpec, vocab_size: int) -> tuple[torch.Tensor, ...]:
     """Valid inputs of the example sizes: token ids in the vocabulary, positions after the past,
-    logit indices inside the tokens."""
+    logit indices inside the tokens, rows' valid lengths that differ (1 .. the full width)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for t in spec.inputs:
@@ -285,9 +306,12 @@ def example_inputs(spec: EngineSpec, vocab_size: int) -> tuple[torch.Tensor, ...
             out.append(torch.randint(0, vocab_size, shape, generator=g))
         elif t.name == "positions":
             start = EXAMPLE_SIZES["past"] if spec.name == TARGET_VERIFY else EXAMPLE_SIZES["context"]
-            out.append(torch.arange(start, start + shape[1])[None])
+            out.append(torch.arange(start, start + shape[1]).expand(shape).contiguous())
         elif t.name == "logit_index":
             out.append(torch.arange(EXAMPLE_SIZES["tokens"] - shape[0], EXAMPLE_SIZES["tokens"]))
+        elif t.name in LENGTH_INPUTS:
+            width = EXAMPLE_SIZES[LENGTH_INPUTS[t.name]]
+            out.append(width - torch.arange(shape[0]) % width)
         else:
             out.append(torch.randn(shape, generator=g))
     return tuple(out)
@@ -332,8 +356,14 @@ def drafter_source(drafter: Drafter, drafter_dir: Path | None) -> dict:
 
 
 def export_code_sha256() -> str:
-    """The wrappers' own source: a cached export made by other code is not reused."""
-    return sha256_file(Path(__file__))
+    """The wrappers' and the specs' source: a cached export made by other code (other graphs or
+    other inputs and outputs) is not reused."""
+    from loopspec.engines import specs
+
+    h = hashlib.sha256()
+    for source in (Path(__file__), Path(specs.__file__)):
+        h.update(sha256_file(source).encode())
+    return h.hexdigest()
 
 
 def source_key(target_dir: Path, drafter: Drafter | None, drafter_dir: Path | None, settings: dict) -> str:
@@ -371,9 +401,9 @@ def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> 
 
 def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path, *, target_dir: str | Path,
                    drafter_dir: str | Path | None = None, max_context: int | None = None,
-                   block_size: int | None = None, opset: int = OPSET) -> Manifest:
+                   block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET) -> Manifest:
     """Export target_verify (+ the three drafter engines when a drafter is given) as fp32 ONNX into
-    `out_dir`, with the run files and manifest.json. Written into a temporary sibling directory
+    `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Written into a temporary sibling directory
     and moved into place at the end, so an interrupted export never looks complete."""
     import onnx  # noqa: F401  (fail early, with the extra to install)
 
@@ -384,7 +414,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     limits = [target.cfg.max_position_embeddings] + ([drafter.cfg.max_position_embeddings] if drafter else [])
     max_context = min([max_context or min(limits)] + limits)
     specs = engine_specs(target.cfg, drafter.cfg if drafter is not None else None, max_context=max_context,
-                         block_size=block_size)
+                         block_size=block_size, max_batch=max_batch)
     taps = drafter.cfg.target_layer_ids if drafter is not None else []
     modules = {TARGET_VERIFY: TargetVerify(target, taps)}
     if drafter is not None:
@@ -401,8 +431,8 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
         files[name] = f"{name}.onnx"
         export_graph(module, specs[name], example_inputs(specs[name], target.cfg.vocab_size), work / files[name], opset)
     copy_run_files(target_dir, drafter, work)
-    settings = {"opset": opset, "max_context": max_context, "block_size": specs.get(DRAFTER_BLOCK) and
-                specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
+    settings = {"opset": opset, "max_context": max_context, "max_batch": max_batch,
+                "block_size": specs.get(DRAFTER_BLOCK) and specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
                 "exporter": "torch.onnx.export (TorchScript)", "kv_layout": "past in, new out",
                 "export_code_sha256": export_code_sha256()}
     sources = {"target": source_hashes(target_dir),

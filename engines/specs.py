@@ -3,7 +3,10 @@
 ONNX export takes names and dynamic axes from these specs, the runtime binds inputs and outputs by
 these names, and a TensorRT builder turns `ranges` into optimization profiles (`profile_shapes()`).
 
-Batch is 1 everywhere (one request per engine instance). KV tensors are laid out
+Every engine takes a symbolic `batch` of rows (1 .. max_batch): one request, or several decoded
+together, each at its own position with its own number of valid K/V slots (`past_lengths`,
+`context_lengths`: the graphs mask the slots past a row's length, so rows of different lengths share
+one dense past of the longest row's width). KV tensors are laid out
 `[layers, batch, kv_heads, length, head_dim]`, the layout of the reference caches.
 """
 
@@ -21,6 +24,10 @@ DRAFTER_CONTEXT_HIDDEN = "drafter_context_hidden"
 DRAFTER_BLOCK = "drafter_block"
 ENGINE_NAMES = (TARGET_VERIFY, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK)
 DRAFTER_ENGINES = (DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK)
+
+MAX_BATCH = 16  # rows per engine call, by default (the server's --max-batch-size must fit)
+# the batch TensorRT tunes its kernels for: one sequence, the latency path of `generate` and `bench`
+OPT_BATCH = 1
 
 
 @dataclass(frozen=True)
@@ -115,85 +122,101 @@ class EngineSpec:
 # The four engines
 
 
-def target_verify_spec(target, num_taps: int, max_context: int, max_verify: int = 16) -> EngineSpec:
+def batch_range(max_batch: int) -> tuple[int, int, int]:
+    if max_batch < 1:
+        raise LoopspecError(f"max batch must be >= 1, got {max_batch}")
+    return (1, min(OPT_BATCH, max_batch), max_batch)
+
+
+def target_verify_spec(target, num_taps: int, max_context: int, max_verify: int = 16,
+                       max_batch: int = MAX_BATCH) -> EngineSpec:
     """Tokens + absolute positions + the cache's past K/V → logits at `logit_index`, taps, new K/V.
 
     `target` is a TargetConfig. The graph returns only the new tokens' K/V; the runtime writes them into
-    its static cache at the current length (rollback = moving the length). `logit_index` picks the
-    positions whose logits are needed (all for verification, the last one for prefill), so a long
-    prefill does not pay the lm_head for every prompt token. num_taps 0: no taps output (plain `ar`)."""
+    its static cache at each row's length (rollback = moving the length). Row b's past slot j is seen
+    iff j < past_lengths[b]; new token i sees the new tokens 0 .. i (right padding is never seen by a
+    real token). `logit_index` picks the positions whose logits are needed, the same for every row (all
+    for verification, the last one for a prefill), so a long prefill does not pay the lm_head for every
+    prompt token. num_taps 0: no taps output (plain `ar`)."""
     L, kvh, hd = target.num_layers, target.num_kv_heads, target.head_dim
-    kv = (L, 1, kvh)
-    inputs = (TensorSpec("input_ids", "int64", (1, "tokens")),
-              TensorSpec("positions", "int64", (1, "tokens")),
+    kv = (L, "batch", kvh)
+    inputs = (TensorSpec("input_ids", "int64", ("batch", "tokens")),
+              TensorSpec("positions", "int64", ("batch", "tokens")),
               TensorSpec("logit_index", "int64", ("logits",)),
               TensorSpec("past_key", "float32", kv + ("past", hd)),
-              TensorSpec("past_value", "float32", kv + ("past", hd)))
-    outputs = [TensorSpec("logits", "float32", (1, "logits", target.vocab_size))]
+              TensorSpec("past_value", "float32", kv + ("past", hd)),
+              TensorSpec("past_lengths", "int64", ("batch",)))
+    outputs = [TensorSpec("logits", "float32", ("batch", "logits", target.vocab_size))]
     if num_taps:
-        outputs.append(TensorSpec("taps", "float32", (1, "tokens", num_taps * target.hidden_size)))
+        outputs.append(TensorSpec("taps", "float32", ("batch", "tokens", num_taps * target.hidden_size)))
     outputs += [TensorSpec("new_key", "float32", kv + ("tokens", hd)),
                 TensorSpec("new_value", "float32", kv + ("tokens", hd))]
     max_verify = min(max_verify, max_context)
-    ranges = {"tokens": (1, max_verify, max_context), "logits": (1, max_verify, max_context),
-              "past": (0, max_context // 2, max_context - 1)}
+    ranges = {"batch": batch_range(max_batch), "tokens": (1, max_verify, max_context),
+              "logits": (1, max_verify, max_context), "past": (0, max_context // 2, max_context - 1)}
     return EngineSpec(TARGET_VERIFY, inputs, tuple(outputs), ranges)
 
 
 def _context_kv_outputs(drafter) -> tuple[TensorSpec, ...]:
-    kv = (drafter.num_layers, 1, drafter.num_kv_heads, "tokens", drafter.head_dim)
+    kv = (drafter.num_layers, "batch", drafter.num_kv_heads, "tokens", drafter.head_dim)
     return (TensorSpec("context_key", "float32", kv), TensorSpec("context_value", "float32", kv))
 
 
-def drafter_context_spec(drafter, max_context: int, max_verify: int = 16) -> EngineSpec:
-    """Taps [1, T, n·H] + positions → every drafter layer's context K/V (the fused KV injection:
+def drafter_context_spec(drafter, max_context: int, max_verify: int = 16, max_batch: int = MAX_BATCH) -> EngineSpec:
+    """Taps [B, T, n·H] + positions → every drafter layer's context K/V (the fused KV injection:
     fc → hidden_norm → one matmul for all layers' K and V → k_norm → RoPE). `drafter` is a DrafterConfig."""
-    inputs = (TensorSpec("taps", "float32", (1, "tokens", drafter.num_taps * drafter.hidden_size)),
-              TensorSpec("positions", "int64", (1, "tokens")))
+    inputs = (TensorSpec("taps", "float32", ("batch", "tokens", drafter.num_taps * drafter.hidden_size)),
+              TensorSpec("positions", "int64", ("batch", "tokens")))
     return EngineSpec(DRAFTER_CONTEXT, inputs, _context_kv_outputs(drafter),
-                      {"tokens": (1, min(max_verify, max_context), max_context)})
+                      {"batch": batch_range(max_batch), "tokens": (1, min(max_verify, max_context), max_context)})
 
 
-def drafter_context_hidden_spec(drafter, max_context: int, block_size: int | None = None) -> EngineSpec:
+def drafter_context_hidden_spec(drafter, max_context: int, block_size: int | None = None,
+                                max_batch: int = MAX_BATCH) -> EngineSpec:
     """The drafter's own H-dim hidden states (DLoop pseudo-features) + positions → context K/V
     (no fc / hidden_norm: pseudo-features enter where hidden_norm(fc(taps)) would)."""
     block_size = block_size or drafter.block_size
-    inputs = (TensorSpec("hidden", "float32", (1, "tokens", drafter.hidden_size)),
-              TensorSpec("positions", "int64", (1, "tokens")))
+    inputs = (TensorSpec("hidden", "float32", ("batch", "tokens", drafter.hidden_size)),
+              TensorSpec("positions", "int64", ("batch", "tokens")))
     return EngineSpec(DRAFTER_CONTEXT_HIDDEN, inputs, _context_kv_outputs(drafter),
-                      {"tokens": (1, block_size - 1, max_context)})
+                      {"batch": batch_range(max_batch), "tokens": (1, block_size - 1, max_context)})
 
 
 def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
-                       max_block: int | None = None) -> EngineSpec:
+                       max_block: int | None = None, max_batch: int = MAX_BATCH) -> EngineSpec:
     """Block ids [anchor, MASK…] + positions + context K/V → draft target-token ids, their log-probs,
-    the gate score (their sum) and the final-norm hidden states."""
+    the gate score (their sum) and the final-norm hidden states. Row b's context slot j is seen iff
+    j < context_lengths[b]; the block sees all of itself."""
     block_size = block_size or drafter.block_size
     max_block = max(max_block or block_size, block_size)
     N, kvh, hd = drafter.num_layers, drafter.num_kv_heads, drafter.head_dim
-    inputs = (TensorSpec("block_ids", "int64", (1, "block")),
-              TensorSpec("positions", "int64", (1, "block")),
-              TensorSpec("context_key", "float32", (N, 1, kvh, "context", hd)),
-              TensorSpec("context_value", "float32", (N, 1, kvh, "context", hd)))
-    outputs = (TensorSpec("draft_ids", "int64", (1, "drafts")),
-               TensorSpec("draft_logprobs", "float32", (1, "drafts")),
-               TensorSpec("gate_score", "float32", (1,)),
-               TensorSpec("hidden", "float32", (1, "block", drafter.hidden_size)))
-    ranges = {"block": (2, block_size, max_block), "context": (1, max_context // 2, max_context)}
+    inputs = (TensorSpec("block_ids", "int64", ("batch", "block")),
+              TensorSpec("positions", "int64", ("batch", "block")),
+              TensorSpec("context_key", "float32", (N, "batch", kvh, "context", hd)),
+              TensorSpec("context_value", "float32", (N, "batch", kvh, "context", hd)),
+              TensorSpec("context_lengths", "int64", ("batch",)))
+    outputs = (TensorSpec("draft_ids", "int64", ("batch", "drafts")),
+               TensorSpec("draft_logprobs", "float32", ("batch", "drafts")),
+               TensorSpec("gate_score", "float32", ("batch",)),
+               TensorSpec("hidden", "float32", ("batch", "block", drafter.hidden_size)))
+    ranges = {"batch": batch_range(max_batch), "block": (2, block_size, max_block),
+              "context": (1, max_context // 2, max_context)}
     return EngineSpec(DRAFTER_BLOCK, inputs, outputs, ranges)
 
 
 def engine_specs(target, drafter=None, *, max_context: int, max_verify: int | None = None,
-                 block_size: int | None = None, max_block: int | None = None) -> dict[str, EngineSpec]:
+                 block_size: int | None = None, max_block: int | None = None,
+                 max_batch: int = MAX_BATCH) -> dict[str, EngineSpec]:
     """Every engine for a target (TargetConfig) and an optional drafter (DrafterConfig), by name."""
     if max_context < 2:
         raise LoopspecError(f"max context must be at least 2, got {max_context}")
     block_size = block_size or (drafter.block_size if drafter is not None else 1)
     max_verify = max_verify or block_size
     specs = {TARGET_VERIFY: target_verify_spec(target, drafter.num_taps if drafter is not None else 0,
-                                               max_context, max_verify)}
+                                               max_context, max_verify, max_batch)}
     if drafter is not None:
-        specs[DRAFTER_CONTEXT] = drafter_context_spec(drafter, max_context, max_verify)
-        specs[DRAFTER_CONTEXT_HIDDEN] = drafter_context_hidden_spec(drafter, max_context, block_size)
-        specs[DRAFTER_BLOCK] = drafter_block_spec(drafter, max_context, block_size, max_block)
+        specs[DRAFTER_CONTEXT] = drafter_context_spec(drafter, max_context, max_verify, max_batch)
+        specs[DRAFTER_CONTEXT_HIDDEN] = drafter_context_hidden_spec(drafter, max_context, block_size, max_batch)
+        specs[DRAFTER_BLOCK] = drafter_block_spec(drafter, max_context, block_size, max_block, max_batch)
     return specs
+

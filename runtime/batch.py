@@ -17,8 +17,10 @@ commits the same tokens as the same request decoded alone by `loop.generate` (ad
 
 The decoder talks to a *batch engine*: the calls below on rows 0..B-1 of batched caches (live rows
 stay packed at the front: retiring a row moves the last one into its place). `TorchBatchEngine` is
-the PyTorch one; an engine with only the single-sequence calls (`target_verify`, `drafter_block`,
-...) is served through `SingleRowBatchEngine`, one row at a time (`open_batch` picks).
+the PyTorch one; the exported backends (ONNX Runtime, TensorRT) have theirs
+(`runtime/artifact_engine.ArtifactBatchEngine`, opened by the engine's `open_batch`); an engine with
+only the single-sequence calls (`target_verify`, `drafter_block`, ...) is served through
+`SingleRowBatchEngine`, one row at a time (`open_batch` picks).
 """
 
 from __future__ import annotations

@@ -259,16 +259,17 @@ def test_batch_level_adaptive_fallback_changes_speed_not_output(engines):
     assert BatchedDecoder(TorchBatchEngine(engine, 1), Method(adaptive=True)).fallback is None  # ar: nothing to adapt
 
 
-def test_onnxruntime_engine_is_served_one_row_at_a_time(engines, tiny_targets, tmp_path):
-    """The ONNX Runtime engine has only the single-sequence calls: a batch of one row, still exact."""
+def test_onnxruntime_engine_batches_its_rows(engines, tiny_targets, tmp_path):
+    """The ONNX Runtime engine has its own batched calls (tests/test_batch_artifacts.py has the rest)."""
     pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
     from loopspec.engines.export import export_engines
+    from loopspec.runtime.artifact_engine import ArtifactBatchEngine
     from loopspec.runtime.ort_engine import OrtEngine
 
     engine = engines["qwen3"]
     export_engines(engine.target, engine.drafter, tmp_path / "onnx", target_dir=tiny_targets["qwen3"], max_context=160)
     batch = open_batch(OrtEngine(tmp_path / "onnx", max_context=160), max_rows=4)
-    assert isinstance(batch, SingleRowBatchEngine)
+    assert isinstance(batch, ArtifactBatchEngine) and batch.max_rows == 4
     ps = prompts(3, seed=10)
     refs = [alone(engine, p, Method(), 20).tokens for p in ps]
     for method in METHODS.values():

@@ -148,18 +148,28 @@ def test_specs_are_the_one_source_of_truth(tiny_targets):
     verify = specs[TARGET_VERIFY]
     L, kvh, hd = target.cfg.num_layers, target.cfg.num_kv_heads, target.cfg.head_dim
     shapes = verify.profile_shapes()
-    assert shapes["past_key"] == ((L, 1, kvh, 0, hd), (L, 1, kvh, 128, hd), (L, 1, kvh, 255, hd))
-    assert shapes["input_ids"] == ((1, 1), (1, 8), (1, 256))
-    assert verify.dynamic_axes()["taps"] == {1: "tokens"}
+    # batch: 1 row (optimized for), up to 16; past: none at the first prefill
+    assert shapes["past_key"] == ((L, 1, kvh, 0, hd), (L, 1, kvh, 128, hd), (L, 16, kvh, 255, hd))
+    assert shapes["input_ids"] == ((1, 1), (1, 8), (16, 256))
+    assert shapes["past_lengths"] == ((1,), (1,), (16,))
+    assert verify.dynamic_axes()["taps"] == {0: "batch", 1: "tokens"}
     block = specs["drafter_block"]
-    assert block.profile_shapes()["block_ids"] == ((1, 2), (1, 8), (1, 8))
+    assert block.profile_shapes()["block_ids"] == ((1, 2), (1, 8), (16, 8))
+    assert block.input_names[-1] == "context_lengths"
     assert block.output_names == ["draft_ids", "draft_logprobs", "gate_score", "hidden"]
     assert EngineSpec.from_dict(json.loads(json.dumps(block.to_dict()))) == block
     block.check_input("block_ids", (1, 5))
+    block.check_input("block_ids", (16, 5))
     with pytest.raises(LoopspecError, match="outside"):
         block.check_input("block_ids", (1, 9))
-    with pytest.raises(LoopspecError, match="axis 0 must be 1"):
-        block.check_input("block_ids", (2, 5))
+    with pytest.raises(LoopspecError, match="batch=17 is outside"):
+        block.check_input("block_ids", (17, 5))
+    with pytest.raises(LoopspecError, match=f"axis 2 must be {kvh}"):
+        verify.check_input("past_key", (L, 3, kvh + 1, 5, hd))
+    small = engine_specs(target.cfg, drafter.cfg, max_context=256, max_batch=4)
+    assert {spec.ranges["batch"] for spec in small.values()} == {(1, 1, 4)}
+    with pytest.raises(LoopspecError, match="max batch"):
+        engine_specs(target.cfg, drafter.cfg, max_context=256, max_batch=0)
     with pytest.raises(LoopspecError, match="no range"):
         EngineSpec("x", (TensorSpec("a", "float32", (1, "n")),), (), {})
     with pytest.raises(LoopspecError, match="min <= opt <= max"):

@@ -1,0 +1,186 @@
+"""Batched calls over exported engines (ONNX Runtime): several rows per engine call, each at its own
+position and KV length, commit what the same requests commit alone."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
+pytest.importorskip("onnx", reason="needs onnx: pip install 'loopspec[onnx]'")
+
+from loopspec.decoding import SamplingParams  # noqa: E402
+from loopspec.engines.export import export_engines  # noqa: E402
+from loopspec.engines.manifest import read_manifest  # noqa: E402
+from loopspec.errors import LoopspecError  # noqa: E402
+from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from loopspec.runtime.artifact_engine import ArtifactBatchEngine  # noqa: E402
+from loopspec.runtime.batch import BatchedDecoder, Method, TorchBatchEngine, decode_together, open_batch  # noqa: E402
+from loopspec.runtime.loop import generate  # noqa: E402
+from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
+from loopspec.runtime.torch_engine import TorchEngine  # noqa: E402
+from loopspec.weights import load_target_dir  # noqa: E402
+
+from conftest import FAMILIES  # noqa: E402
+
+CONTEXT = 160
+METHODS = {"ar": Method(), "dflash": Method(block_size=5),
+           "dloop": Method(block_size=5, max_stages=3, gate_threshold=-1e9)}
+
+
+def lively(target, scale: float = 8.0):
+    """Every matrix scaled up: a random tiny target's greedy text then depends on its context (it
+    otherwise repeats one token), so a row reading another row's KV or context would show."""
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return target
+
+
+def prompts(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 120, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def alone(engine, prompt, method: Method, max_new_tokens, params=SamplingParams(), seed=0):
+    return generate(engine, prompt, max_new_tokens=max_new_tokens, params=params, block_size=method.block_size,
+                    max_stages=method.max_stages, gate_threshold=method.gate_threshold,
+                    generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_targets, tmp_path_factory):
+    """{family: (torch engine, ONNX Runtime engine)} over the same lively target and random drafter
+    (qwen2's drafter with a reduced draft vocabulary)."""
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        target = lively(load_target_dir(tiny_targets[family]))
+        torch.manual_seed(i)
+        drafter = Drafter(DrafterConfig.for_target(target.cfg, num_layers=2, block_size=5, mask_token_id=127)).eval()
+        if family == "qwen2":
+            drafter.draft_ids = torch.randperm(128, generator=torch.Generator().manual_seed(2))[:64]
+        onnx_dir = tmp_path_factory.mktemp("onnx") / family
+        export_engines(target, drafter, onnx_dir, target_dir=tiny_targets[family], max_context=CONTEXT, max_batch=4)
+        out[family] = (TorchEngine(target, drafter, max_context=CONTEXT), OrtEngine(onnx_dir, CONTEXT))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", list(METHODS))
+def test_batched_greedy_equals_alone(family, name, pairs):
+    """Seven requests of different lengths and budgets through three rows: rows retire and others are
+    admitted mid-run; each commits what plain decoding commits alone (torch, and ONNX Runtime's
+    single-row calls), and the method really drafted."""
+    torch_engine, ort_engine = pairs[family]
+    method = METHODS[name]
+    ps = prompts(7, seed=2)
+    budgets = [40, 9, 33, 1, 40, 17, 26]
+    refs = [alone(torch_engine, p, Method(), n).tokens for p, n in zip(ps, budgets)]
+    assert len({tuple(r) for r in refs}) == 7 and min(len(set(r)) for r in refs if len(r) > 20) >= 3
+    assert [alone(ort_engine, p, method, n).tokens for p, n in zip(ps, budgets)] == refs
+
+    batch = open_batch(ort_engine, 3)
+    assert isinstance(batch, ArtifactBatchEngine) and batch.max_rows == 3
+    decoder = BatchedDecoder(batch, method)
+    waiting, done, admitted_mid_run, widest = list(range(7)), {}, 0, 0
+    while waiting or decoder.rows:
+        while waiting and decoder.free_rows:
+            i = waiting.pop(0)
+            admitted_mid_run += any(len(r.tokens) > 1 for r in decoder.rows)
+            row, _ = decoder.admit(i, ps[i], max_new_tokens=budgets[i])
+            if row.finish:
+                done[i] = row
+        widest = max(widest, len(decoder.rows))
+        for row, _ in decoder.step():
+            if row.finish:
+                done[row.key] = row
+    assert [done[i].tokens for i in range(7)] == refs
+    assert widest == 3 and admitted_mid_run >= 2
+    stages = [s for i in range(7) for s in done[i].stats.stages_per_round]
+    assert max(stages, default=0) == {"ar": 0, "dflash": 1, "dloop": 3}[name]
+
+
+def test_batched_calls_match_the_torch_batch_engine(pairs):
+    """The same calls on the ONNX Runtime and the torch batch engines, rows of different lengths:
+    verify logits and taps, drafts on a shuffled subset of rows, pseudo-context, rollback, move_row."""
+    torch_engine, ort_engine = pairs["qwen2"]
+    tb, ob = TorchBatchEngine(torch_engine, 4), open_batch(ort_engine, 4)
+    ps = prompts(3, seed=3)
+    for r, p in enumerate(ps):
+        lt, lo = tb.prefill(r, p, want_taps=True), ob.prefill(r, p, want_taps=True)
+        assert lo.shape == (128,) and (lo - lt).abs().max() < 1e-4
+    assert ob.cache.lengths[:3].tolist() == ob.context.lengths[:3].tolist() == [len(p) for p in ps]
+    tokens = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+    (lt, tt), (lo, to) = tb.verify(tokens, want_taps=True), ob.verify(tokens, want_taps=True)
+    assert lo.shape == (3, 5, 128) and to.shape == tt.shape
+    for b, t in enumerate(tokens):
+        assert (lo[b, :len(t)] - lt[b, :len(t)]).abs().max() < 1e-4
+        assert (to[b, :len(t)] - tt[b, :len(t)]).abs().max() < 1e-4
+    kept = [len(p) + n for p, n in zip(ps, [2, 1, 4])]
+    for e, taps in ((tb, tt), (ob, to)):
+        e.target_rollback(kept)
+        e.append_context(taps, [2, 1, 4])
+    assert ob.cache.lengths[:3].tolist() == ob.context.lengths[:3].tolist() == kept
+    n = kept[1]
+    assert torch.allclose(ob.cache.k[:, 1, :, :n], tb.cache.k[:, 1, :, :n], atol=1e-4)
+    assert torch.allclose(ob.context.v[:, 2, :, :kept[2]], tb.context.v[:, 2, :, :kept[2]], atol=1e-4)
+
+    rows, anchors = [2, 0], [7, 9]
+    positions = [kept[r] for r in rows]
+    (dt, pt, ht), (do, po, ho) = (e.draft(rows, anchors, positions, 5) for e in (tb, ob))
+    assert torch.equal(do, dt) and set(do.flatten().tolist()) <= set(torch_engine.draft_ids.tolist())
+    assert (po - pt).abs().max() < 1e-4 and (ho - ht).abs().max() < 1e-4
+    for e, hidden in ((tb, ht), (ob, ho)):  # DLoop's second stage on its pseudo-context
+        e.append_pseudo_context(rows, hidden[:, 1:])
+    assert ob.context_lengths(rows) == [p + 4 for p in positions]
+    (dt, pt, _), (do, po, _) = (e.draft(rows, [int(d[-1]) for d in dt], [p + 4 for p in positions], 5) for e in (tb, ob))
+    assert torch.equal(do, dt) and (po - pt).abs().max() < 1e-4
+    for e in (tb, ob):
+        e.context_rollback(rows, positions)
+        e.move_row(2, 1)  # retire row 1: the last row moves into its place
+    assert ob.context_lengths([0, 1]) == [kept[0], kept[2]]
+    (lt, _), (lo, _) = tb.verify([[3], [4, 5]], want_taps=False), ob.verify([[3], [4, 5]], want_taps=False)
+    assert (lo[0, :1] - lt[0, :1]).abs().max() < 1e-4 and (lo[1] - lt[1]).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="roll a row forward"):
+        ob.target_rollback([100, 100])
+    with pytest.raises(LoopspecError, match="exceeds the context"):
+        ob.verify([list(range(CONTEXT))], want_taps=False)
+
+
+@pytest.mark.parametrize("name", ["ar", "dloop"])
+def test_sampled_rows_reproduce_their_seed(name, pairs):
+    """T > 0: a row's tokens depend on its own seed only, as the request alone with that seed."""
+    _, ort_engine = pairs["llama"]
+    method = METHODS[name]
+    ps = prompts(4, seed=5)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(), SamplingParams(temperature=1.3, top_k=20)]
+    seeds = [11, 12, 13, 14]
+    refs = [alone(ort_engine, p, method, 30, params=q, seed=s).tokens for p, q, s in zip(ps, params, seeds)]
+    reqs = [dict(key=i, prompt_ids=p, max_new_tokens=30, params=q, seed=s)
+            for i, (p, q, s) in enumerate(zip(ps, params, seeds))]
+    done = decode_together(BatchedDecoder(open_batch(ort_engine, 4), method), reqs)
+    assert [done[i].tokens for i in range(4)] == refs
+    assert refs[0] != alone(ort_engine, ps[0], method, 30, params=params[0], seed=99).tokens
+
+
+def test_bad_max_rows_and_old_exports(pairs, tmp_path):
+    import shutil
+
+    _, ort_engine = pairs["qwen3"]
+    assert ort_engine.max_batch == 4
+    with pytest.raises(LoopspecError, match=r"max batch size 5 is outside the exported engines' batch range \[1, 4\]"):
+        open_batch(ort_engine, 5)
+    with pytest.raises(LoopspecError, match="max batch size must be >= 1"):
+        open_batch(ort_engine, 0)
+    old = tmp_path / "old"  # an export from before the batch dim: refused with what to do
+    shutil.copytree(ort_engine.artifact_dir, old)
+    manifest = read_manifest(old)
+    spec = manifest.data["engines"]["target_verify"]["spec"]
+    spec["inputs"] = [t for t in spec["inputs"] if t["name"] != "past_lengths"]
+    manifest.save()
+    assert "past_lengths" not in json.dumps(read_manifest(old).spec("target_verify").to_dict()["inputs"])
+    with pytest.raises(LoopspecError, match="exported without the batch dim.*export it again"):
+        OrtEngine(old)
