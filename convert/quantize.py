@@ -328,7 +328,8 @@ def drafter_logit_error(onnx_dir: str | Path, target: Target, drafter: Drafter, 
             ref_hidden = drafter(target.embed_tokens(block), torch.arange(a, a + k), ref_k[:, :, :, :a], ref_v[:, :, :, :a])
             out = sessions[DRAFTER_BLOCK].run(block_ids=block.numpy(), positions=np.arange(a, a + k, dtype=np.int64)[None],
                                               context_key=np.ascontiguousarray(q_k[:, :, :, :a]),
-                                              context_value=np.ascontiguousarray(q_v[:, :, :, :a]))
+                                              context_value=np.ascontiguousarray(q_v[:, :, :, :a]),
+                                              context_lengths=np.asarray([a], dtype=np.int64))
             ref_logits = ref_hidden[0, 1:] @ head.T  # [k-1, V or Vd]
             q_logits = torch.from_numpy(out["hidden"][0, 1:]) @ head.T
             diff = (q_logits - ref_logits).abs()
