@@ -2,7 +2,8 @@
 
 Each engine's ONNX graph is parsed into a strongly typed network (the graph's own types decide every
 tensor's precision: fp32 graphs stay fp32, modelopt FP8/NVFP4 QDQ graphs run in FP8/FP4), built with
-one optimization profile taken from its EngineSpec ranges (the spec the export declared), and
+one optimization profile taken from its EngineSpec ranges (the spec the export declared; `max_batch`
+narrows its rows, since TensorRT sizes activation memory for the profile's largest shapes), and
 serialized to `<engine>.plan`. The configs and tokenizer travel along, and `manifest.json` (stage
 "tensorrt") records the GPU, its compute capability and the TensorRT version the plans were built
 for: a plan runs only on that GPU architecture and TensorRT version.
@@ -51,8 +52,9 @@ def build_plan(trt, builder, logger, onnx_path: Path, spec, workspace_bytes: int
 
 
 def build_plans(onnx_dir: str | Path, out_dir: str | Path, precision: str | None = None,
-                workspace_gb: float | None = None) -> Manifest:
-    """Every engine of `onnx_dir` → a TensorRT plan in `out_dir` (written atomically) + manifest."""
+                workspace_gb: float | None = None, max_batch: int | None = None) -> Manifest:
+    """Every engine of `onnx_dir` → a TensorRT plan in `out_dir` (written atomically) + manifest.
+    `max_batch`: the most rows per call the plans take (default: the ONNX export's range)."""
     trt = require_tensorrt()
     capability, device = cuda_capability()
     source = read_manifest(onnx_dir)  # hashes verified: a changed graph is refused before building
@@ -76,7 +78,7 @@ def build_plans(onnx_dir: str | Path, out_dir: str | Path, precision: str | None
         builder = trt.Builder(logger)
         specs, files = {}, {}
         for name in source.engines:
-            specs[name] = source.spec(name)
+            specs[name] = source.spec(name) if max_batch is None else source.spec(name).narrowed("batch", max_batch)
             files[name] = f"{name}.plan"
             plan = build_plan(trt, builder, logger, source.path(name), specs[name],
                               int(workspace_gb * (1 << 30)) if workspace_gb else None)

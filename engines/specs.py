@@ -103,6 +103,14 @@ class EngineSpec:
                 lo, _, hi = self.ranges[d]
                 raise LoopspecError(f"engine {self.name}: {name} {d}={n} is outside [{lo}, {hi}]")
 
+    def narrowed(self, dim: str, max_value: int) -> "EngineSpec":
+        """The same engine with dim's range cut at max_value (e.g. a TensorRT plan built for fewer
+        rows than the ONNX graph takes: TensorRT sizes its memory for the profile's largest shapes)."""
+        lo, opt, hi = self.ranges[dim]
+        if not lo <= max_value <= hi:
+            raise LoopspecError(f"engine {self.name}: {dim} max {max_value} is outside the exported range [{lo}, {hi}]")
+        return EngineSpec(self.name, self.inputs, self.outputs, {**self.ranges, dim: (lo, min(opt, max_value), max_value)})
+
     def to_dict(self) -> dict:
         return {"name": self.name, "inputs": [t.to_dict() for t in self.inputs],
                 "outputs": [t.to_dict() for t in self.outputs],

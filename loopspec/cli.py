@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(v)
     v.set_defaults(max_context=2048)  # the KV caches hold --max-batch-size rows of this length
     v.add_argument("--method", default="dflash", help="ar | dflash | dloop")
-    _add_backend_args(v)  # batched rows on torch; other backends serve one request at a time
+    _add_backend_args(v)  # every backend batches its rows (onnxruntime and tensorrt up to their exported batch)
     v.add_argument("--block-size", type=_positive_int("--block-size"), default=None)
     v.add_argument("--gate-threshold", type=float, default=None)
     v.add_argument("--max-stages", type=_positive_int("--max-stages"), default=None)
@@ -468,12 +468,16 @@ def _add_convert_trt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=None,
                    help="fp32 | fp8 | nvfp4: require graphs of this precision (default: the graphs' own)")
     p.add_argument("--workspace-gb", type=float, default=None, help="TensorRT builder workspace limit")
+    p.add_argument("--max-batch", type=_positive_int("--max-batch"), default=None,
+                   help="rows per engine call the plans take (default: the ONNX export's, 16); "
+                        "TensorRT sizes its memory for the largest")
 
 
 def cmd_convert_trt(args) -> int:
     from loopspec.convert.trt import build_plans
 
-    manifest = build_plans(args.onnx, args.out, precision=args.precision, workspace_gb=args.workspace_gb)
+    manifest = build_plans(args.onnx, args.out, precision=args.precision, workspace_gb=args.workspace_gb,
+                           max_batch=args.max_batch)
     settings = manifest.data["settings"]
     print(f"built {', '.join(manifest.engines)} ({manifest.precision}) TensorRT plans for {settings['device']} "
           f"(compute capability {settings['compute_capability']}) in {args.out}")

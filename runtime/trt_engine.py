@@ -1,7 +1,9 @@
 """TensorRT backend: the four engines' plans behind the interface of TorchEngine.
 
-Caches and calls live in runtime/artifact_engine.py (shared with ONNX Runtime); here they sit on
-the GPU as static CUDA buffers, and the valid prefix passed to each plan is copied device to device.
+Caches and calls live in runtime/artifact_engine.py (shared with ONNX Runtime), the batched ones
+(`open_batch`) too; here they sit on the GPU as static CUDA buffers, and the valid prefix passed to
+each plan is copied device to device. Every call binds its input shapes from the tensors it passes
+(rows, tokens, past width), inside the plan's one optimization profile.
 
 Inputs and outputs are bound by the names their EngineSpec declares. Results follow the torch
 engine's contract: logits, drafts and log-probs come back on the CPU, taps and hidden states stay on

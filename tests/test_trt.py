@@ -58,11 +58,20 @@ def test_profiles_come_from_the_specs(tiny_pair):
             assert len(lo) == len(opt) == len(hi)
             assert all(a <= b <= c for a, b, c in zip(lo, opt, hi)), name
     verify = {name: (lo, opt, hi) for name, lo, opt, hi in profile_shapes(specs[TARGET_VERIFY])}
-    lo, _, hi = verify["past_key"]
+    lo, opt, hi = verify["past_key"]
     assert lo == (t.num_layers, 1, t.num_kv_heads, 0, t.head_dim)  # the first prefill has no past
-    assert hi[3] == 127 and verify["input_ids"][2] == (1, 128)
+    assert opt == (t.num_layers, 1, t.num_kv_heads, 64, t.head_dim)  # tuned for one sequence
+    assert hi == (t.num_layers, 16, t.num_kv_heads, 127, t.head_dim)  # up to 16 rows
+    assert verify["input_ids"] == ((1, 1), (1, 6), (16, 128)) and verify["past_lengths"] == ((1,), (1,), (16,))
     block = {name: (lo, opt, hi) for name, lo, opt, hi in profile_shapes(specs[DRAFTER_BLOCK])}
-    assert block["block_ids"][1] == (1, 6)  # optimized for the drafter's block size
+    assert block["block_ids"] == ((1, 2), (1, 6), (16, 6))  # optimized for the drafter's block size
+    assert block["context_key"][2] == (1, 16, d.num_kv_heads, 128, d.head_dim)
+    # a plan for fewer rows (convert trt --max-batch): every input's batch axis narrowed, nothing else
+    narrow = {name: (lo, opt, hi) for name, lo, opt, hi in profile_shapes(specs[DRAFTER_BLOCK].narrowed("batch", 4))}
+    assert narrow["context_key"][2] == (1, 4, d.num_kv_heads, 128, d.head_dim)
+    assert narrow["block_ids"] == ((1, 2), (1, 6), (4, 6)) and narrow["context_lengths"][2] == (4,)
+    with pytest.raises(LoopspecError, match=r"batch max 17 is outside the exported range \[1, 16\]"):
+        specs[TARGET_VERIFY].narrowed("batch", 17)
 
 
 @pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
@@ -152,3 +161,24 @@ def test_trt_greedy_identity(plans):
     assert generate(engine, prompt, max_new_tokens=40, block_size=6).tokens == ar.tokens
     dloop = generate(engine, prompt, max_new_tokens=40, block_size=6, max_stages=3, gate_threshold=-1e9)
     assert dloop.tokens == ar.tokens
+
+
+@pytest.mark.gpu
+@needs_trt_gpu
+def test_trt_batched_rows_equal_alone(plans):
+    """Several rows per plan call (ArtifactBatchEngine over TensorRT), admitted and retired mid-run."""
+    from loopspec.runtime.artifact_engine import ArtifactBatchEngine
+    from loopspec.runtime.batch import BatchedDecoder, Method, decode_together, open_batch
+    from loopspec.runtime.loop import generate
+    from loopspec.runtime.trt_engine import TrtEngine
+
+    engine = TrtEngine(plans, max_context=128)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], list(range(20, 45)), [3, 4, 5, 6], [60, 61, 62]]
+    budgets = [40, 7, 30, 1, 25]
+    refs = [generate(engine, p, max_new_tokens=n, block_size=1).tokens for p, n in zip(prompts, budgets)]
+    batch = open_batch(engine, 3)
+    assert isinstance(batch, ArtifactBatchEngine)
+    for method in (Method(), Method(block_size=6), Method(block_size=6, max_stages=3, gate_threshold=-1e9)):
+        done = decode_together(BatchedDecoder(batch, method),
+                               [dict(key=i, prompt_ids=p, max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, budgets))])
+        assert [done[i].tokens for i in range(5)] == refs, method
