@@ -174,7 +174,7 @@ class ArtifactEngine:
         """The batched calls over these engines' runners, with buffers for `max_rows` rows."""
         if not 1 <= max_rows <= self.max_batch:
             raise LoopspecError(f"max batch size {max_rows} is outside the exported engines' batch range "
-                                f"[1, {self.max_batch}] ({self.artifact_dir}); export them with a larger max batch")
+                                f"[1, {self.max_batch}] ({self.artifact_dir})")
         return ArtifactBatchEngine(self, max_rows)
 
 

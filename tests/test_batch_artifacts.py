@@ -184,3 +184,36 @@ def test_bad_max_rows_and_old_exports(pairs, tmp_path):
     assert "past_lengths" not in json.dumps(read_manifest(old).spec("target_verify").to_dict()["inputs"])
     with pytest.raises(LoopspecError, match="exported without the batch dim.*export it again"):
         OrtEngine(old)
+
+
+def test_server_on_onnxruntime_batches_its_rows(tiny_pair, tmp_path, monkeypatch):
+    """`serve --backend onnxruntime --max-batch-size N` decodes N rows per engine call; concurrent
+    requests answer what each request alone answers; a batch size the export lacks is refused."""
+    pytest.importorskip("fastapi", reason="needs fastapi: pip install 'loopspec[serve]'")
+    pytest.importorskip("httpx", reason="needs httpx: pip install 'loopspec[serve]'")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from loopspec.runtime.pipeline import load_pipeline
+    from loopspec.runtime.server import ServeConfig, create_app
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    target_dir, drafter_dir = tiny_pair
+    pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=128, backend="onnxruntime")
+    app = create_app(pipe, ServeConfig(method="dloop", model_name="tiny", max_batch_size=3, adaptive=False))
+    assert isinstance(app.state.scheduler.decoder.engine, ArtifactBatchEngine)
+    texts = ["hello", "a longer prompt, with more characters", "xyz", "0123456789"]
+    refs = [pipe.decode(pipe.run(pipe.tokenizer.encode(t), method="dloop", max_new_tokens=20, adaptive=False).tokens)
+            for t in texts]
+    with TestClient(app) as client:
+        assert client.get("/health").json()["max_batch_size"] == 3
+
+        def complete(text):
+            body = {"model": "tiny", "prompt": text, "max_tokens": 20, "temperature": 0}
+            return client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(complete, texts)) == refs
+    with pytest.raises(LoopspecError, match="outside the exported engines' batch range"):
+        create_app(pipe, ServeConfig(max_batch_size=17))
