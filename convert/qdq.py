@@ -28,7 +28,6 @@ import contextlib
 import copy
 import io
 import json
-import shutil
 import warnings
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from loopspec.engines.export import (OPSET, DrafterBlock, DrafterContext, Target
 from loopspec.engines.manifest import Manifest, read_manifest, source_hashes, tool_versions, write_manifest
 from loopspec.engines.ort import NVFP4_NOT_HERE
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY, engine_specs
+from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
@@ -319,9 +319,7 @@ def export_quantized_engines(target: Target, drafter: Drafter, out_dir: str | Pa
     Runtime runs, NVFP4 as modelopt's pattern for TensorRT. Unquantized graphs are the fp32 export.
     The manifest records stage "quantized", the precision and which engines are quantized."""
     check_precision(precision)
-    out_dir, target_dir = Path(out_dir), Path(target_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file())):
-        raise LoopspecError(f"{out_dir} exists and is not an artifact directory; refusing to overwrite it")
+    out_dir, target_dir = check_out_dir(out_dir, "manifest.json", "an artifact directory"), Path(target_dir)
     limits = [target.cfg.max_position_embeddings, drafter.cfg.max_position_embeddings]
     max_context = min([max_context or min(limits)] + limits)
     specs = engine_specs(target.cfg, drafter.cfg, max_context=max_context, block_size=block_size)
@@ -333,12 +331,8 @@ def export_quantized_engines(target: Target, drafter: Drafter, out_dir: str | Pa
                DRAFTER_BLOCK: DrafterBlock(qdrafter, target.embed_tokens.weight, target.lm_head.weight)}
     quantized = [DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK] + ([TARGET_VERIFY] if target_weights else [])
 
-    work = out_dir.with_name(out_dir.name + ".partial")
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
     files = {}
-    try:
+    with staged_dir(out_dir) as work:
         for name, module in modules.items():
             files[name] = f"{name}.onnx"
             args = example_inputs(specs[name], target.cfg.vocab_size)
@@ -358,12 +352,6 @@ def export_quantized_engines(target: Target, drafter: Drafter, out_dir: str | Pa
         write_manifest(work, stage="quantized", precision=precision, specs=specs, engine_files=files, sources=sources,
                        settings=settings, tools=tool_versions(("torch", "onnx", "onnxruntime", "onnxscript",
                                                                "nvidia-modelopt", "loopspec")))
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    work.rename(out_dir)
     return Manifest(out_dir, json.loads((out_dir / "manifest.json").read_text()))
 
 

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from loopspec.engines.manifest import Manifest, read_manifest, sha256_file, tool_versions, write_manifest
+from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.engines.trt import check_precision_supported, cuda_capability, profile_shapes, require_tensorrt
 from loopspec.errors import LoopspecError
 
@@ -65,15 +66,9 @@ def build_plans(onnx_dir: str | Path, out_dir: str | Path, precision: str | None
     check_precision_supported(precision, capability, device)
     if workspace_gb is not None and workspace_gb <= 0:
         raise LoopspecError(f"--workspace-gb must be > 0, got {workspace_gb}")
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "manifest.json").is_file())):
-        raise LoopspecError(f"{out} exists and is not an artifact directory; refusing to overwrite it")
+    out = check_out_dir(out_dir, "manifest.json", "an artifact directory")
 
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_dir(out) as tmp:
         logger = trt.Logger(trt.Logger.WARNING)
         builder = trt.Builder(logger)
         specs, files = {}, {}
@@ -97,10 +92,4 @@ def build_plans(onnx_dir: str | Path, out_dir: str | Path, precision: str | None
                               "manifest_sha256": sha256_file(Path(onnx_dir) / "manifest.json")}},
             settings=settings, tools=tool_versions(("tensorrt", "torch", "loopspec")),
             parent={k: v for k, v in source.data.items() if k != "files"})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     return Manifest(out, manifest.data)
