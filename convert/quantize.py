@@ -16,7 +16,8 @@ export primitives (`get_weight_scaling_factor[_2]`, `get_activation_scaling_fact
 `to_quantized_weight`); convert/quant_checkpoint.py lays them out as z-lab / Hugging Face checkpoints
 (modelopt's `export_hf_checkpoint` needs a transformers PreTrainedModel, which these modules are not)
 and convert/qdq.py as ONNX graphs. `loopspec convert quantize` (quantize_pair) does all of it and, for
-FP8, measures the ONNX Runtime engines against the fp32 drafter.
+FP8, measures the ONNX Runtime engines against the fp32 drafter: artifacts that fail that validation
+never replace the output directory (they are kept aside, and the command exits 2).
 
 modelopt is the optional `quant` extra and is imported lazily. NVFP4 calibration runs on a CPU (it only
 records ranges); NVFP4 numerics need a Blackwell GPU (TensorRT) and are never run here.
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from loopspec.convert.qdq import PRECISIONS, check_precision
+from loopspec.engines.staging import check_out_dir, replace_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.prompts import read_prompts
 from loopspec.model.drafter import Drafter
@@ -347,6 +348,41 @@ def drafter_logit_error(onnx_dir: str | Path, target: Target, drafter: Drafter, 
 # `loopspec convert quantize`
 
 REPORT = "quantize.json"
+REJECTED_SUFFIX = ".rejected"  # where artifacts that failed validation are kept aside: OUT.rejected/
+
+
+class ValidationFailed(LoopspecError):
+    """The artifacts were built but failed validation against the fp32 reference. `--out` is left as
+    it was (a TensorRT-LLM or ONNX Runtime deployment pointed at it keeps its last good artifacts);
+    the rejected artifacts and their report are kept aside in `path` for inspection."""
+
+    def __init__(self, message: str, report: dict, path: Path):
+        super().__init__(message)
+        self.report, self.path = report, path
+
+
+def rejected_dir(out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    return out_dir.with_name(out_dir.name + REJECTED_SUFFIX)
+
+
+def failed_checks(validation: dict) -> list[str]:
+    """Each failed check of a `validate_onnx` report as one phrase: what, measured, allowed (the same
+    rules as the report's `passed`)."""
+    tolerance, out = validation["tolerance"], []
+    for engine, r in validation["engines"].items():
+        if not r["passed"]:
+            output, error = max(((k, v) for k, v in r["errors"].items() if k != "draft_ids"), key=lambda kv: kv[1])
+            out.append(f"{engine} {output} relative error {error:.3g} > allowed {tolerance['relative']:g}")
+    if validation["precision"] == "fp32" and not validation["greedy_identical"]:
+        out.append("greedy decoding differs from PyTorch (allowed: identical)")
+    a = validation.get("acceptance")
+    if a is not None and not a["passed"]:
+        out.append(f"offline tau drop {a['relative_drop']:.1%} > allowed {tolerance['tau_drop']:.0%} "
+                   f"(PyTorch {a['tau_reference']:.3f}, ONNX {a['tau_onnx']:.3f})")
+    if not out and not validation["passed"]:
+        out.append("validation did not pass")
+    return out
 
 
 def load_pair(target: str, drafter: str, mask_token_id: int | None = None):
@@ -382,7 +418,11 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
     out_dir/target    HF checkpoint of the quantized target (with target_too)
     out_dir/onnx      the four engines (quantized drafter graphs), manifest precision = `precision`
     FP8: ONNX Runtime runs the engines; the drafter's logit error, the offline τ and greedy identity are
-    measured against the fp32 reference. NVFP4: structure checks only (numerics need a Blackwell GPU)."""
+    measured against the fp32 reference. NVFP4: structure checks only (numerics need a Blackwell GPU).
+
+    Written staged: `out_dir` is replaced only by artifacts that passed every check. A failed FP8
+    validation leaves `out_dir` as it was, keeps the artifacts and report aside in `out_dir`.rejected
+    (its onnx/manifest.json says `validation.passed: false`) and raises ValidationFailed."""
     import time
 
     from loopspec.convert.qdq import check_onnx, export_quantized_engines
@@ -393,9 +433,9 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
     if calib_size < 1:
         raise LoopspecError(f"--calib-size must be >= 1, got {calib_size}")
     prompts = read_calib_prompts(calib_prompts)  # a missing or malformed file fails before any work
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / REPORT).is_file())):
-        raise LoopspecError(f"{out_dir} exists and is not a quantize output directory; refusing to overwrite it")
+    out_dir = check_out_dir(out_dir, REPORT, "a quantize output directory")
+    rejected = check_out_dir(rejected_dir(out_dir), REPORT, "a quantize output directory")
+    untouched = "is unchanged" if out_dir.exists() else "was not written"
     if num_threads:
         torch.set_num_threads(num_threads)
     t0 = time.perf_counter()
@@ -405,36 +445,42 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
                    "prompts": str(calib_prompts) if calib_prompts else "built-in", "calib_size": len(sequences),
                    "tokens": sum(len(s.tokens) for s in sequences), "new_tokens_per_prompt": DEFAULT_CALIB_NEW_TOKENS}
     qdrafter = quantize_drafter(drafter_model, target_model, sequences, precision)
-    for sub in ("drafter", "target", "onnx"):
-        shutil.rmtree(out_dir / sub, ignore_errors=True)
-    export_drafter_checkpoint(qdrafter, out_dir / "drafter")
-    report = {"precision": precision, "calibration": calibration,
-              "checkpoints": {"drafter": check_checkpoint(out_dir / "drafter")}}
-    target_weights = None
-    if target_too:
-        qtarget = quantize_target(target_model, sequences, precision)
-        export_target_checkpoint(qtarget, target_dir, out_dir / "target")
-        report["checkpoints"]["target"] = check_checkpoint(out_dir / "target")
-        target_weights = quantized_weights(qtarget)
-    export_quantized_engines(target_model, drafter_model, out_dir / "onnx", precision=precision,
-                             drafter_weights=quantized_weights(qdrafter), target_weights=target_weights,
-                             target_dir=target_dir, drafter_dir=drafter_dir, max_context=max_context,
-                             quantization=calibration)
-    report["onnx"] = check_onnx(out_dir / "onnx")
-    if precision == "nvfp4":
-        from loopspec.engines.ort import NVFP4_NOT_HERE
+    with staged_dir(out_dir) as work:  # out_dir changes only when everything below succeeds
+        export_drafter_checkpoint(qdrafter, work / "drafter")
+        report = {"precision": precision, "calibration": calibration,
+                  "checkpoints": {"drafter": check_checkpoint(work / "drafter")}}
+        target_weights = None
+        if target_too:
+            qtarget = quantize_target(target_model, sequences, precision)
+            export_target_checkpoint(qtarget, target_dir, work / "target")
+            report["checkpoints"]["target"] = check_checkpoint(work / "target")
+            target_weights = quantized_weights(qtarget)
+        export_quantized_engines(target_model, drafter_model, work / "onnx", precision=precision,
+                                 drafter_weights=quantized_weights(qdrafter), target_weights=target_weights,
+                                 target_dir=target_dir, drafter_dir=drafter_dir, max_context=max_context,
+                                 quantization=calibration)
+        report["onnx"] = check_onnx(work / "onnx")
+        if precision == "nvfp4":
+            from loopspec.engines.ort import NVFP4_NOT_HERE
 
-        report["numerics"] = NVFP4_NOT_HERE
-    elif validate:
-        from loopspec.convert.validate import PROMPT_TEXTS, validate_onnx
+            report["numerics"] = NVFP4_NOT_HERE
+        elif validate:
+            from loopspec.convert.validate import PROMPT_TEXTS, validate_onnx
 
-        report["validation"] = validate_onnx(out_dir / "onnx", target_model, drafter_model, precision,
-                                             num_threads=num_threads)
-        held_out = calibration_sequences(target_model, tokenizer, list(PROMPT_TEXTS), len(PROMPT_TEXTS))
-        report["drafter_logits"] = drafter_logit_error(out_dir / "onnx", target_model, drafter_model, held_out,
-                                                       num_threads)
-    report["seconds"] = round(time.perf_counter() - t0, 1)
-    (out_dir / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+            report["validation"] = validate_onnx(work / "onnx", target_model, drafter_model, precision,
+                                                 num_threads=num_threads)  # also recorded in onnx/manifest.json
+            held_out = calibration_sequences(target_model, tokenizer, list(PROMPT_TEXTS), len(PROMPT_TEXTS))
+            report["drafter_logits"] = drafter_logit_error(work / "onnx", target_model, drafter_model, held_out,
+                                                           num_threads)
+            report["failed_checks"] = failed_checks(report["validation"])
+        report["seconds"] = round(time.perf_counter() - t0, 1)
+        (work / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        if report.get("failed_checks"):
+            replace_dir(work, rejected)  # kept aside, whole; staged_dir then has nothing left to swap in
+            more = f" (and {len(report['failed_checks']) - 1} more)" if len(report["failed_checks"]) > 1 else ""
+            raise ValidationFailed(f"{precision} validation failed: {report['failed_checks'][0]}{more}; {out_dir} "
+                                   f"{untouched}, the rejected artifacts and their report are in {rejected}",
+                                   report, rejected)
     return report
 
 

@@ -439,7 +439,9 @@ def _add_convert_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", required=True, help="fp8 | nvfp4")
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF checkpoint dir or a .gguf file")
     p.add_argument("--drafter", default="default", help="'default' or a trained z-lab DFlash drafter dir")
-    p.add_argument("--out", required=True, help="output directory: drafter/, target/ (--target-too), onnx/, quantize.json")
+    p.add_argument("--out", required=True,
+                   help="output directory: drafter/, target/ (--target-too), onnx/, quantize.json; replaced only "
+                        "by artifacts that pass validation (failed ones are kept in OUT.rejected/, exit code 2)")
     p.add_argument("--calib-prompts", default=None, help="JSONL of {\"turns\": [...]} (default: built-in prompts)")
     p.add_argument("--calib-size", type=_positive_int("--calib-size"), default=16, help="calibration prompts")
     p.add_argument("--target-too", action="store_true", help="also quantize the target (checkpoint and ONNX graph)")
@@ -448,16 +450,21 @@ def _add_convert_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token for a drafter whose config has none")
     p.add_argument("--threads", type=_positive_int("--threads"), default=None, help="CPU threads")
     p.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
-                   help="fp8: measure the ONNX Runtime engines against the fp32 reference (default on)")
+                   help="fp8: measure the ONNX Runtime engines against the fp32 reference; a failed check "
+                        "leaves --out unchanged and exits 2 (default on)")
 
 
 def cmd_convert_quantize(args) -> int:
-    from loopspec.convert.quantize import format_quantize_report, quantize_pair
+    from loopspec.convert.quantize import ValidationFailed, format_quantize_report, quantize_pair
 
-    report = quantize_pair(target=args.target, drafter=args.drafter, out_dir=args.out, precision=args.precision,
-                           calib_prompts=args.calib_prompts, calib_size=args.calib_size, target_too=args.target_too,
-                           max_context=args.max_context, mask_token_id=args.mask_token_id, validate=args.validate,
-                           num_threads=args.threads)
+    try:
+        report = quantize_pair(target=args.target, drafter=args.drafter, out_dir=args.out, precision=args.precision,
+                               calib_prompts=args.calib_prompts, calib_size=args.calib_size,
+                               target_too=args.target_too, max_context=args.max_context,
+                               mask_token_id=args.mask_token_id, validate=args.validate, num_threads=args.threads)
+    except ValidationFailed as e:
+        print(format_quantize_report(e.report, e.path))  # the full report, then the one-line error
+        raise
     print(format_quantize_report(report, args.out))
     return 0
 

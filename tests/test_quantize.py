@@ -2,6 +2,7 @@
 NVFP4 refused where its numerics cannot run, bad input."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -46,11 +47,14 @@ def pair(tiny_pair):
 
 @pytest.fixture(scope="module")
 def fp8_out(tiny_pair, tmp_path_factory):
-    """`loopspec convert quantize --precision fp8` on the tiny pair (drafter only)."""
+    """`loopspec convert quantize --precision fp8` on the tiny pair (drafter only). --no-validate: the
+    tiny random drafter's FP8 context K misses the fp8 tolerance (relative error 0.083 > 0.05) although
+    its drafts and tau are unchanged, so validation would reject it; the test below validates it itself."""
     target_dir, drafter_dir = tiny_pair
     out = tmp_path_factory.mktemp("fp8") / "q"
     code = main(["convert", "quantize", "--precision", "fp8", "--target", str(target_dir), "--drafter",
-                 str(drafter_dir), "--out", str(out), "--calib-size", "3", "--max-context", MAX_CONTEXT])
+                 str(drafter_dir), "--out", str(out), "--calib-size", "3", "--max-context", MAX_CONTEXT,
+                 "--no-validate"])
     assert code == 0
     return out
 
@@ -138,7 +142,10 @@ def test_fp8_checkpoint_layout(fp8_out, pair):
         Drafter.load(ckpt)  # fp32 modules would misread float8 weights
 
 
-def test_fp8_onnx_has_float8_qdq_and_ort_runs_it_with_bounded_error(fp8_out):
+def test_fp8_onnx_has_float8_qdq_and_ort_runs_it_with_bounded_error(fp8_out, pair):
+    from loopspec.convert.validate import PROMPT_TEXTS, validate_onnx
+
+    target_dir, _, target, drafter, _ = pair
     manifest = json.loads((fp8_out / "onnx" / "manifest.json").read_text())
     assert manifest["stage"] == "quantized" and manifest["precision"] == "fp8"
     assert manifest["settings"]["quantized_engines"] == ["drafter_context", "drafter_context_hidden", "drafter_block"]
@@ -152,10 +159,12 @@ def test_fp8_onnx_has_float8_qdq_and_ort_runs_it_with_bounded_error(fp8_out):
     assert checks["drafter_block"]["quantized_weights"] == 4 and checks["drafter_context"]["quantized_weights"] == 2
 
     report = json.loads((fp8_out / "quantize.json").read_text())
-    logits = report["drafter_logits"]  # ONNX Runtime's FP8 drafter against the fp32 PyTorch drafter
+    assert "validation" not in report and "failed_checks" not in report  # --no-validate
+    held_out = Q.calibration_sequences(target, load_tokenizer(target_dir), list(PROMPT_TEXTS), len(PROMPT_TEXTS))
+    logits = Q.drafter_logit_error(fp8_out / "onnx", target, drafter, held_out)  # ONNX Runtime FP8 vs fp32 PyTorch
     assert logits["positions"] > 0 and 0 < logits["max_abs"] <= 0.1 * logits["logit_scale"]
     assert logits["top1_agreement"] >= 0.9
-    validation = report["validation"]
+    validation = validate_onnx(fp8_out / "onnx", target, drafter, "fp8")
     assert validation["greedy_identical"] and validation["acceptance"]["passed"]
     assert validation["engines"]["drafter_block"]["errors"]["hidden"] < 0.1
 
@@ -271,3 +280,36 @@ def test_cli_bad_input_exits_2_with_one_line(tiny_pair, tmp_path, capsys):
                        "--drafter", "none", "--out", str(tmp_path / "c"))
     assert code == 2 and "needs a drafter" in one_error_line(err)
     assert (occupied / "notes.txt").read_text() == "mine"
+
+
+def test_cli_failed_validation_exits_2_and_keeps_the_previous_output(tiny_pair, fp8_out, tmp_path, capsys,
+                                                                      monkeypatch):
+    target_dir, drafter_dir = tiny_pair
+    out = tmp_path / "q"
+    shutil.copytree(fp8_out, out)  # an earlier output, which a rejected run must not touch
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    real_weights = Q.quantized_weights
+
+    def sign_flipped(model):  # a broken export: the drafter's MLP weights reach the ONNX graphs negated
+        weights = real_weights(model)
+        for name, w in weights.items():
+            if ".mlp." in name:
+                w.weight = (-w.weight.float()).to(w.weight.dtype)  # exact in float8: only the sign bit
+        return weights
+
+    monkeypatch.setattr(Q, "quantized_weights", sign_flipped)
+    code, stdout, err = run(capsys, "convert", "quantize", "--precision", "fp8", "--target", str(target_dir),
+                            "--drafter", str(drafter_dir), "--out", str(out), "--calib-size", "2",
+                            "--max-context", MAX_CONTEXT)
+    rejected = tmp_path / "q.rejected"
+    line = one_error_line(err)
+    assert code == 2 and line.startswith("loopspec: error: fp8 validation failed: drafter_"), err
+    assert "> allowed 0.05" in line and f"{out} is unchanged" in line and f"are in {rejected}" in line
+    assert "FAILED" in stdout and "BAD" in stdout  # the full report came first
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "q.rejected"]  # no temporary left behind
+    report = json.loads((rejected / "quantize.json").read_text())
+    assert any(c.startswith("drafter_block hidden relative error") for c in report["failed_checks"])
+    assert report["validation"]["passed"] is False and report["validation"]["engines"]["drafter_block"]["errors"][
+        "hidden"] > 0.05
+    assert json.loads((rejected / "onnx" / "manifest.json").read_text())["validation"]["passed"] is False
