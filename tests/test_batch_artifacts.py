@@ -217,3 +217,24 @@ def test_server_on_onnxruntime_batches_its_rows(tiny_pair, tmp_path, monkeypatch
             assert list(pool.map(complete, texts)) == refs
     with pytest.raises(LoopspecError, match="outside the exported engines' batch range"):
         create_app(pipe, ServeConfig(max_batch_size=17))
+
+
+def test_fp8_qdq_engines_batch_their_rows(tiny_pair, tmp_path):
+    """The FP8 Q/DQ graphs (dynamo export of the same wrappers) take the batch dim and the row lengths
+    too: batched dloop rows equal the same requests alone on those engines."""
+    pytest.importorskip("modelopt", reason="needs nvidia-modelopt: pip install 'loopspec[quant]'")
+    from loopspec.cli import main
+
+    target_dir, drafter_dir = tiny_pair
+    out = tmp_path / "fp8"
+    assert main(["convert", "quantize", "--precision", "fp8", "--target", str(target_dir), "--drafter", str(drafter_dir),
+                 "--out", str(out), "--calib-size", "2", "--max-context", "128", "--no-validate"]) == 0
+    engine = OrtEngine(out / "onnx", 128)
+    assert engine.manifest.precision == "fp8" and engine.max_batch == 16
+    ps = prompts(4, seed=6)
+    method = Method(block_size=6, max_stages=3, gate_threshold=-1e9)
+    refs = [alone(engine, p, method, 24).tokens for p in ps]
+    done = decode_together(BatchedDecoder(open_batch(engine, 4), method),
+                           [dict(key=i, prompt_ids=p, max_new_tokens=24) for i, p in enumerate(ps)])
+    assert [done[i].tokens for i in range(4)] == refs
+    assert max(s for i in range(4) for s in done[i].stats.stages_per_round) == 3
