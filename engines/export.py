@@ -44,7 +44,7 @@ from torch import nn
 from loopspec.engines.manifest import Manifest, sha256_file, source_hashes, write_manifest
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MAX_BATCH,
                                     TARGET_VERIFY, EngineSpec, engine_specs)
-from loopspec.errors import LoopspecError
+from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 
@@ -403,14 +403,13 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
                    drafter_dir: str | Path | None = None, max_context: int | None = None,
                    block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET) -> Manifest:
     """Export target_verify (+ the three drafter engines when a drafter is given) as fp32 ONNX into
-    `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Written into a temporary sibling directory
-    and moved into place at the end, so an interrupted export never looks complete."""
+    `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Staged
+    (engines/staging.py): an interrupted export never looks complete and never destroys the previous one."""
     import onnx  # noqa: F401  (fail early, with the extra to install)
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     drafter_dir = Path(drafter_dir) if drafter_dir is not None else None
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file())):
-        raise LoopspecError(f"{out_dir} exists and is not an artifact directory; refusing to overwrite it")
+    check_out_dir(out_dir, "manifest.json", "an artifact directory")
     limits = [target.cfg.max_position_embeddings] + ([drafter.cfg.max_position_embeddings] if drafter else [])
     max_context = min([max_context or min(limits)] + limits)
     specs = engine_specs(target.cfg, drafter.cfg if drafter is not None else None, max_context=max_context,
@@ -422,24 +421,18 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
         modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(drafter, from_taps=False)
         modules[DRAFTER_BLOCK] = DrafterBlock(drafter, target.embed_tokens.weight, target.lm_head.weight)
 
-    work = out_dir.with_name(out_dir.name + ".partial")
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    files = {}
-    for name, module in modules.items():
-        files[name] = f"{name}.onnx"
-        export_graph(module, specs[name], example_inputs(specs[name], target.cfg.vocab_size), work / files[name], opset)
-    copy_run_files(target_dir, drafter, work)
-    settings = {"opset": opset, "max_context": max_context, "max_batch": max_batch,
-                "block_size": specs.get(DRAFTER_BLOCK) and specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
-                "exporter": "torch.onnx.export (TorchScript)", "kv_layout": "past in, new out",
-                "export_code_sha256": export_code_sha256()}
-    sources = {"target": source_hashes(target_dir),
-               "drafter": drafter_source(drafter, drafter_dir) if drafter is not None else None}
-    write_manifest(work, stage="onnx", precision="fp32", specs=specs, engine_files=files, sources=sources,
-                   settings=settings)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    work.rename(out_dir)
+    with staged_dir(out_dir) as work:
+        files = {}
+        for name, module in modules.items():
+            files[name] = f"{name}.onnx"
+            export_graph(module, specs[name], example_inputs(specs[name], target.cfg.vocab_size), work / files[name], opset)
+        copy_run_files(target_dir, drafter, work)
+        settings = {"opset": opset, "max_context": max_context, "max_batch": max_batch,
+                    "block_size": specs.get(DRAFTER_BLOCK) and specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
+                    "exporter": "torch.onnx.export (TorchScript)", "kv_layout": "past in, new out",
+                    "export_code_sha256": export_code_sha256()}
+        sources = {"target": source_hashes(target_dir),
+                   "drafter": drafter_source(drafter, drafter_dir) if drafter is not None else None}
+        write_manifest(work, stage="onnx", precision="fp32", specs=specs, engine_files=files, sources=sources,
+                       settings=settings)
     return Manifest(out_dir, json.loads((out_dir / "manifest.json").read_text()))

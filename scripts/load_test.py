@@ -54,7 +54,7 @@ def start_server(args, method: str, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "loopspec.cli", "serve", "--method", method, "--port", str(port),
            "--target", args.target, "--drafter", args.drafter, "--max-batch-size", str(args.max_batch_size),
            "--max-context", str(args.max_context), "--threads", str(args.threads), "--log-level", "warning",
-           "--model-name", "model"]
+           "--model-name", "model", "--backend", args.backend]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.Popen(cmd, env=env)
     deadline = time.monotonic() + 300
@@ -128,6 +128,7 @@ def main() -> int:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--backend", default="torch", help="torch or onnxruntime (both batch their rows)")
     p.add_argument("--target", default="default")
     p.add_argument("--drafter", default="default")
     p.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
