@@ -32,25 +32,30 @@ if [ ! -f "$WORK/drafter-v2-at900/model.safetensors" ]; then
 fi
 $BIN/loopspec train $V2   # resumes at step 900 and finishes the schedule (1443 steps)
 
-# 4. v3 (shipped): loop-aware fine-tuning (DLoop, N = 3) from the step-900 checkpoint
+# 4. v3-loop (not shipped; the first DLoop ablation): loop-aware fine-tuning (N = 3) from the
+#    step-900 checkpoint, the budget v2 spent on its last 543 DFlash steps
 $BIN/loopspec train --data "$WORK/data-v1" --init "$WORK/drafter-v2-at900" --out "$WORK/drafter-v3-loop" \
     --loop-stages 3 --block-size 8 --anchors 80 --batch-sequences 4 --lr 2e-4 --epochs 3 --max-steps 400 \
     --eval-every 100 --save-every 50
 
+# 5. v4-loop (shipped): loop-aware fine-tuning (DLoop, N = 3) of the finished v2, one epoch
+$BIN/loopspec train --data "$WORK/data-v1" --init "$WORK/drafter-v2" --out "$WORK/drafter-v4-loop" \
+    --loop-stages 3 --anchors 128 --batch-sequences 4 --lr 3e-4 --epochs 1 --eval-every 150 --save-every 50
+
 rm -rf loopspec/drafters/smollm2-135m-instruct.new
 mkdir -p loopspec/drafters/smollm2-135m-instruct.new
-cp "$WORK/drafter-v3-loop/config.json" "$WORK/drafter-v3-loop/model.safetensors" "$WORK/drafter-v3-loop/d2t.safetensors" \
+cp "$WORK/drafter-v4-loop/config.json" "$WORK/drafter-v4-loop/model.safetensors" "$WORK/drafter-v4-loop/d2t.safetensors" \
     loopspec/drafters/smollm2-135m-instruct.new/
 cp loopspec/drafters/smollm2-135m-instruct/README.md loopspec/drafters/smollm2-135m-instruct.new/ 2>/dev/null || true
 rm -rf loopspec/drafters/smollm2-135m-instruct
 mv loopspec/drafters/smollm2-135m-instruct.new loopspec/drafters/smollm2-135m-instruct
 
-# 5. tune DLoop/block size on calibration prompts from train/ (never eval/) and store it with the drafter
+# 6. tune DLoop/block size on calibration prompts from train/ (never eval/) and store it with the drafter
 head -200 "$DATA/train/gsm8k-train.jsonl" | tail -6 > "$WORK/calib.jsonl"
 head -400 "$DATA/train/livecodebench.jsonl" | tail -30 | awk 'length($0) < 1500' | head -4 >> "$WORK/calib.jsonl"
-$BIN/loopspec tune --prompts "$WORK/calib.jsonl" --limit 8 --max-new-tokens 96 --block-sizes 8 \
-    --stages 1,2,3,4 --drafter loopspec/drafters/smollm2-135m-instruct
+$BIN/loopspec tune --prompts "$WORK/calib.jsonl" --limit 8 --max-new-tokens 96 --block-sizes 4,8 \
+    --stages 1,2,3 --thresholds=-0.25,-0.5,-1,-4,-8 --drafter loopspec/drafters/smollm2-135m-instruct
 
-# 6. measure it on the five eval sets
+# 7. measure it on the five eval sets
 scripts/bench_eval_sets.sh "$DATA/eval" "$WORK/bench" ar,dflash,dloop,hf,hf-lookup --backend torch,onnxruntime \
     --cost-model
