@@ -157,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target", default="default")
     t.add_argument("--out", required=True, help="drafter directory (z-lab format); re-running resumes")
     t.add_argument("--init", default=None, help="start from this drafter directory")
-    t.add_argument("--num-layers", type=_positive_int("--num-layers"), default=1)
+    t.add_argument("--num-layers", type=_positive_int("--num-layers"), default=None,
+                   help="drafter layers (default 1; with --init, more than the init's deepens it: the new "
+                        "layers start as no-ops, so training starts from the init's drafts)")
     t.add_argument("--block-size", type=_positive_int("--block-size"), default=None,
                    help="block size (default 16, or the --init drafter's; the weights do not depend on it)")
     t.add_argument("--tap-layers", default=None, help="comma-separated target layer ids (default: formula)")
@@ -207,6 +209,11 @@ def cmd_train(args) -> int:
     target = load_target_dir(target_dir)
     if args.init:
         drafter = Drafter.load(args.init)
+        if args.num_layers is not None and args.num_layers != drafter.cfg.num_layers:
+            if args.num_layers < drafter.cfg.num_layers:
+                raise LoopspecError(f"--num-layers {args.num_layers} is fewer than the --init drafter's "
+                                    f"{drafter.cfg.num_layers}; a drafter can only be deepened")
+            drafter = drafter.grow(args.num_layers)
         if args.block_size:
             if args.block_size < 2:
                 raise LoopspecError(f"block size must be at least 2, got {args.block_size}")
@@ -217,8 +224,8 @@ def cmd_train(args) -> int:
             mask = DEFAULT_TARGET_MASK_TOKEN_ID
         mask = resolve_mask_token_id(mask, len(load_tokenizer(target_dir)), target.cfg.vocab_size)
         taps = _int_list(args.tap_layers, "--tap-layers") or default_target_layer_ids(
-            target.cfg.num_layers, args.num_taps or args.num_layers)
-        cfg = DrafterConfig.for_target(target.cfg, num_layers=args.num_layers, block_size=args.block_size or 16,
+            target.cfg.num_layers, args.num_taps or args.num_layers or 1)
+        cfg = DrafterConfig.for_target(target.cfg, num_layers=args.num_layers or 1, block_size=args.block_size or 16,
                                        target_layer_ids=taps, mask_token_id=mask)
         torch.manual_seed(args.seed)
         drafter = Drafter(cfg)

@@ -343,6 +343,34 @@ def test_context_cache_limits(tiny_targets):
         ctx.rollback(7)
 
 
+def test_grow_keeps_the_drafts_then_trains_the_new_layer(tiny_targets, tmp_path):
+    """A deepened drafter drafts exactly as before (new residual branches start at zero), its new layer
+    still learns (gradients reach it), and it saves/loads as an ordinary deeper z-lab checkpoint."""
+    target = load_target_dir(tiny_targets["llama"])
+    shallow = make_drafter(target.cfg, num_layers=1, target_layer_ids=[1, 3])
+    shallow.draft_ids = torch.arange(0, 128, 2)
+    target.set_taps([1, 3])
+    deep = shallow.grow(3)
+    assert deep.cfg.num_layers == 3 and shallow.cfg.num_layers == 1 and torch.equal(deep.draft_ids, shallow.draft_ids)
+    taps = real_taps(target, 17)
+    with torch.inference_mode():
+        embeds = target.embed_tokens(block_ids(anchor=9))
+    assert torch.equal(run_stage(deep, taps, embeds), run_stage(shallow, taps, embeds))
+
+    deep.train()
+    k, v = deep.context_kv(deep.features(taps), torch.arange(17))
+    deep(embeds, torch.arange(17, 17 + BLOCK), k, v).pow(2).mean().backward()
+    assert deep.layers[2].self_attn.o_proj.weight.grad.abs().max() > 0
+    assert deep.layers[2].mlp.down_proj.weight.grad.abs().max() > 0
+
+    deep.save(tmp_path / "deep", dtype=torch.float32)
+    loaded = Drafter.load(tmp_path / "deep")
+    assert json.loads((tmp_path / "deep" / "config.json").read_text())["num_hidden_layers"] == 3
+    assert torch.equal(run_stage(loaded, taps, embeds), run_stage(shallow, taps, embeds))
+    with pytest.raises(LoopspecError, match="cannot grow a 3-layer drafter to 2"):
+        deep.grow(2)
+
+
 # --------------------------------------------------------------------------------------------------
 # 3. DrafterConfig.for_target defaults
 

@@ -102,7 +102,7 @@ def test_tiny_overfit_reaches_long_acceptance(tiny_targets):
     assert after >= 0.8 * cfg.block_size, after  # τ approaches the block size (6)
 
 
-def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path):
+def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path, capsys):
     """`loopspec data` → `loopspec train` (reduced vocab, resumed) → a drafter the loop runs losslessly."""
     from loopspec.cli import main
     from loopspec.runtime.loop import generate
@@ -153,6 +153,18 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path):
         runs[name] = read(tmp_path / name / "model.safetensors")
     assert runs["straight"].keys() == runs["stopped"].keys()
     assert all(torch.equal(runs["straight"][k], runs["stopped"][k]) for k in runs["straight"])
+
+    # --num-layers deepens an --init drafter (this one has 1 layer), keeping its draft vocabulary;
+    # fewer layers than the init's is refused with a one-line error and writes nothing
+    grown = tmp_path / "grown"
+    deepen = ["train", "--data", str(data), "--target", str(target_dir), "--anchors", "8", "--batch-sequences", "2",
+              "--max-steps", "1"]
+    assert main(deepen + ["--init", str(out), "--num-layers", "2", "--out", str(grown)]) == 0
+    deeper = Drafter.load(grown)
+    assert deeper.cfg.num_layers == 2 and deeper.draft_ids.numel() == 40
+    assert main(deepen + ["--init", str(grown), "--num-layers", "1", "--out", str(tmp_path / "shallower")]) == 2
+    assert "can only be deepened" in capsys.readouterr().err
+    assert not (tmp_path / "shallower").exists()
 
 
 def test_prompt_file_with_unicode_line_separator(tmp_path):

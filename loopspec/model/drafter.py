@@ -292,6 +292,25 @@ class Drafter(nn.Module):
             x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
         return self.norm(x)
 
+    def grow(self, num_layers: int) -> "Drafter":
+        """This drafter deepened to `num_layers`: the existing layers kept, new ones appended with their
+        o_proj and down_proj zeroed, so the new residual branches add nothing at first and the grown
+        drafter drafts exactly as this one did until training moves them."""
+        if num_layers < self.cfg.num_layers:
+            raise LoopspecError(f"cannot grow a {self.cfg.num_layers}-layer drafter to {num_layers} layers")
+        from dataclasses import replace
+
+        p = self.fc.weight
+        grown = Drafter(replace(self.cfg, num_layers=num_layers, extra=dict(self.cfg.extra))).to(p.dtype)
+        missing, unexpected = grown.load_state_dict(self.state_dict(), strict=False)
+        assert not unexpected and all(k.startswith("layers.") for k in missing), (missing, unexpected)
+        with torch.no_grad():
+            for layer in grown.layers[self.cfg.num_layers:]:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        grown.draft_ids = self.draft_ids
+        return grown.to(p.device).train(self.training)
+
     # ----------------------------------------------------------------------------------------------
     # z-lab checkpoint I/O
 
