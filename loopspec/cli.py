@@ -51,8 +51,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_backend_args(p: argparse.ArgumentParser, side_by_side: bool = False) -> None:
-    p.add_argument("--backend", default="torch", help="torch | onnxruntime (engines exported once and cached, "
-                                                      "or the ones in --onnx-dir) | tensorrt (the plans in --trt-dir)"
+    p.add_argument("--backend", default="auto",
+                   help="auto (default: onnxruntime on the CPU when the onnx extra is installed, else torch) | "
+                        "torch | onnxruntime (engines exported once and cached, or the ones in --onnx-dir) | "
+                        "tensorrt (the plans in --trt-dir)"
                    + ("; a comma list (torch,onnxruntime) runs every backend side by side" if side_by_side else ""))
     p.add_argument("--onnx-dir", default=None,
                    help="run the engines of this `loopspec convert onnx` directory (--target/--drafter unused)")
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--block-sizes", default=None, help="comma-separated (default: the drafter's)")
     u.add_argument("--no-store", action="store_true", help="print the result, do not write it to the drafter")
     u.add_argument("--json", dest="json_out", default=None)
+    _add_backend_args(u)  # tune where the setting will run: backends differ in what a stage costs
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_model_args(v)
@@ -264,8 +267,9 @@ def cmd_tune(args) -> int:
     texts = [t for f in args.prompts for t in load_prompts(f, args.limit)]
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
                          mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
-                         cuda_graphs=args.cuda_graphs)
-    if pipe.drafter is None:
+                         cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir,
+                         trt_dir=args.trt_dir)
+    if not pipe.engine.has_drafter:
         raise LoopspecError("tune needs a drafter")
     block_sizes = _int_list(args.block_sizes, "--block-sizes") or [pipe.default_block_size]
     if min(block_sizes) < 2:
@@ -326,9 +330,10 @@ def cmd_data(args) -> int:
 
 def cmd_generate(args) -> int:
     from loopspec.decoding import SamplingParams
-    from loopspec.runtime.pipeline import load_pipeline
+    from loopspec.runtime.pipeline import check_method, load_pipeline
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    check_method(args.method, args.drafter != "none" or args.onnx_dir is not None or args.trt_dir is not None)
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
                          mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
                          cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir,
@@ -346,7 +351,7 @@ def cmd_generate(args) -> int:
         loop = pipe.dloop_settings(args.gate_threshold, args.max_stages)
         drafter += (f", gate {loop['gate_threshold']}, max stages {loop['max_stages']},"
                     f" stages/verification {result.stats.stages_histogram}")
-    print(f"[{args.method}, k={block_size}{drafter}] {result.stats.summary()}", file=sys.stderr)
+    print(f"[{args.method}, k={block_size}, {pipe.backend}{drafter}] {result.stats.summary()}", file=sys.stderr)
     return 0
 
 
@@ -372,12 +377,13 @@ class TextStream:
 
 
 def cmd_serve(args) -> int:
-    from loopspec.runtime.pipeline import load_pipeline
+    from loopspec.runtime.pipeline import check_method, load_pipeline
     from loopspec.runtime.server import ServeConfig, serve
     from loopspec.weights import DEFAULT_TARGET_NAME
 
     if not args.request_timeout > 0:
         raise LoopspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    check_method(args.method, args.drafter != "none" or args.onnx_dir is not None or args.trt_dir is not None)
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context, mask_token_id=args.mask_token_id,
                          num_threads=args.threads, device=args.device, cuda_graphs=args.cuda_graphs,
                          backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir)

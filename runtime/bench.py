@@ -154,7 +154,7 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     from tqdm import tqdm
 
     from loopspec.runtime.peers import PEER_METHODS, HFPeer
-    from loopspec.runtime.pipeline import METHODS, load_pipeline
+    from loopspec.runtime.pipeline import METHODS, load_pipeline, resolve_backend
 
     unknown = [m for m in methods if m not in METHODS + PEER_METHODS]
     if unknown or not methods:
@@ -170,7 +170,7 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
         raise LoopspecError(f"directory for --json does not exist: {Path(json_out).parent}")
     out_path = _prepare_out_dir(out_dir)
     needs_drafter = any(m not in ("ar",) + PEER_METHODS for m in methods)
-    backends = [b.strip() for b in backend.split(",") if b.strip()]
+    backends = [resolve_backend(b.strip(), device, cuda_graphs, onnx_dir, trt_dir) for b in backend.split(",") if b.strip()]
     if not backends or len(set(backends)) != len(backends):
         raise LoopspecError(f"--backend needs distinct backends, got {backend!r}")
     pipe = load_pipeline(target, drafter if needs_drafter else "none",

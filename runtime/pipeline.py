@@ -103,14 +103,11 @@ class Pipeline:
                                      clean_up_tokenization_spaces=False)
 
     def block_size_for(self, method: str, block_size: int | None) -> int:
-        if method not in METHODS:
-            raise LoopspecError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        check_method(method, self.engine.has_drafter)
         if block_size is not None and block_size < 1:
             raise LoopspecError(f"block size must be >= 1, got {block_size}")
         if method == "ar":
             return 1
-        if not self.engine.has_drafter:
-            raise LoopspecError(f"method {method!r} needs a drafter (got --drafter none)")
         if block_size is None and method == "dloop":
             block_size = self.tuned_dloop().get("block_size")
         return block_size or self.default_block_size
@@ -144,6 +141,32 @@ class Pipeline:
                         generator=generator, on_tokens=on_tokens, fallback=fallback, **loop)
 
 
+def check_method(method: str, has_drafter: bool) -> None:
+    """Refuse an unknown method, or a drafting one without a drafter (before anything slow is loaded)."""
+    if method not in METHODS:
+        raise LoopspecError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+    if method != "ar" and not has_drafter:
+        raise LoopspecError(f"method {method!r} needs a drafter (got --drafter none)")
+
+
+def resolve_backend(backend: str, device: str = "cpu", cuda_graphs: bool | None = None,
+                    onnx_dir: str | Path | None = None, trt_dir: str | Path | None = None) -> str:
+    """'auto' → design §7's default: the backend of the artifacts named (--trt-dir, --onnx-dir); PyTorch
+    on a GPU or with CUDA graphs; ONNX Runtime on the CPU when its extra is installed, else PyTorch."""
+    if backend != "auto":
+        return backend
+    if trt_dir is not None:
+        return "tensorrt"
+    if onnx_dir is not None:
+        return "onnxruntime"
+    if device != "cpu" or cuda_graphs:
+        return "torch"
+    import importlib.util
+
+    exportable = all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx", "onnxscript"))
+    return "onnxruntime" if exportable else "torch"
+
+
 def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,
                   mask_token_id: int | None = None, num_threads: int | None = None, device: str = "cpu",
                   cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | Path | None = None,
@@ -154,9 +177,11 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
     (default: on for CUDA, off for the CPU). backend 'onnxruntime': the exported engines in `onnx_dir`
     (target and drafter are then not read), or — without onnx_dir — the pair exported once into
     ~/.cache/loopspec/onnx/<key of target + drafter> and reused while its manifest matches.
-    backend 'tensorrt': the plans in `trt_dir` (built by `loopspec convert trt`) on the GPU."""
+    backend 'tensorrt': the plans in `trt_dir` (built by `loopspec convert trt`) on the GPU.
+    backend 'auto' (the command line's default): see `resolve_backend`."""
+    backend = resolve_backend(backend, device, cuda_graphs, onnx_dir, trt_dir)
     if backend not in BACKENDS:
-        raise LoopspecError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+        raise LoopspecError(f"unknown backend {backend!r} (choose from auto, {', '.join(BACKENDS)})")
     if backend != "onnxruntime" and onnx_dir is not None:
         raise LoopspecError("--onnx-dir needs --backend onnxruntime")
     if backend == "onnxruntime" and (device != "cpu" or cuda_graphs):

@@ -17,15 +17,38 @@ def run(capsys, *argv):
 
 
 def test_generate_ar_and_dflash_print_same_text(capsys, tiny_pair):
+    """Every method on both CPU backends prints the same text; the default backend is ONNX Runtime
+    where the onnx extra is installed (design §7), and the stats line names it."""
+    from loopspec.runtime.pipeline import resolve_backend
+
     target, drafter = tiny_pair
+    default = resolve_backend("auto")
     texts = {}
     for method in ("ar", "dflash"):
-        code, out, err = run(capsys, "generate", "--prompt", "hello world", "--target", str(target),
-                             "--drafter", str(drafter), "--method", method, "--max-new-tokens", "20")
-        assert code == 0
-        assert "tokens in" in err and "tau" in err
-        texts[method] = out
-    assert texts["ar"] == texts["dflash"] and len(texts["ar"].strip()) > 0
+        for backend in ("default", "torch"):
+            extra = [] if backend == "default" else ["--backend", backend]
+            code, out, err = run(capsys, "generate", "--prompt", "hello world", "--target", str(target),
+                                 "--drafter", str(drafter), "--method", method, "--max-new-tokens", "20", *extra)
+            assert code == 0
+            assert "tokens in" in err and "tau" in err
+            stats = [line for line in err.splitlines() if line.startswith(f"[{method}, k=")]
+            assert len(stats) == 1 and f", {default if backend == 'default' else backend}" in stats[0]
+            texts[method, backend] = out
+    assert len(set(texts.values())) == 1 and len(texts["ar", "torch"].strip()) > 0
+
+
+def test_auto_backend_follows_design_default():
+    import importlib.util
+
+    from loopspec.runtime.pipeline import resolve_backend
+
+    installed = all(importlib.util.find_spec(m) for m in ("onnxruntime", "onnx", "onnxscript"))
+    assert resolve_backend("auto") == ("onnxruntime" if installed else "torch")
+    assert resolve_backend("auto", device="cuda") == "torch"
+    assert resolve_backend("auto", cuda_graphs=True) == "torch"
+    assert resolve_backend("auto", onnx_dir="x") == "onnxruntime"
+    assert resolve_backend("auto", trt_dir="x") == "tensorrt"
+    assert resolve_backend("torch", onnx_dir="x") == "torch"  # explicit choices are kept (and checked later)
 
 
 def test_bench_json(capsys, tiny_pair, tmp_path):
