@@ -300,7 +300,7 @@ def test_cli_bad_input_exits_2_with_one_line(exported, tmp_path, capsys):
         (ort + [str(nvfp4)], "NVFP4"),
         (["generate", "--prompt", "x", "--backend", "onnxruntime", "--onnx-dir", str(tmp_path / "nope")], "does not exist"),
         (["generate", "--prompt", "x", "--backend", "tensorflow"], "unknown backend"),
-        (["generate", "--prompt", "x", "--onnx-dir", str(onnx_dir)], "needs --backend onnxruntime"),
+        (["generate", "--prompt", "x", "--backend", "torch", "--onnx-dir", str(onnx_dir)], "needs --backend onnxruntime"),
         (["convert", "onnx", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "o")], "does not exist"),
     ]
     for argv, message in cases:
