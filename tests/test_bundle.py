@@ -273,14 +273,18 @@ def test_serve_script_builds_then_launches(tiny_pair, tmp_path):
     flags; vLLM is not installed here, so the launch itself fails with the shell's 'not found'."""
     from pathlib import Path
 
+    import os
+    import sys
+
     root = Path(__file__).resolve().parents[1]
-    if not (root / ".venv" / "bin" / "loopspec").exists():
-        pytest.skip("needs the loopspec command in .venv")
+    # the script runs .venv/bin/loopspec, else `loopspec` on PATH: the command installed beside this interpreter
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     if shutil.which("vllm"):
         pytest.skip("vLLM is installed here: launching it is not this test's business")
     target_dir, drafter_dir = tiny_pair
     out = tmp_path / "served"
     run = subprocess.run([str(root / "scripts" / "serve_vllm.sh"), str(out), "--target", str(target_dir),
-                          "--drafter", str(drafter_dir), "--", "--port", "8123"], capture_output=True, text=True)
+                          "--drafter", str(drafter_dir), "--", "--port", "8123"], capture_output=True, text=True,
+                         env=env)
     assert (out / "vllm" / "launch.sh").is_file() and not (out / "trtllm").exists()
     assert run.returncode == 127 and "vllm" in run.stderr and "not found" in run.stderr
