@@ -293,6 +293,12 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def _names_a_drafter(args) -> bool:
+    """Whether the arguments can give a drafter (known before anything is loaded; artifact dirs are
+    checked when opened)."""
+    return args.drafter != "none" or args.onnx_dir is not None or args.trt_dir is not None
+
+
 def _int_list(text: str | None, name: str) -> list[int] | None:
     if text is None:
         return None
@@ -333,7 +339,7 @@ def cmd_generate(args) -> int:
     from loopspec.runtime.pipeline import check_method, load_pipeline
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    check_method(args.method, args.drafter != "none" or args.onnx_dir is not None or args.trt_dir is not None)
+    check_method(args.method, _names_a_drafter(args))
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
                          mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
                          cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir,
@@ -383,7 +389,7 @@ def cmd_serve(args) -> int:
 
     if not args.request_timeout > 0:
         raise LoopspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
-    check_method(args.method, args.drafter != "none" or args.onnx_dir is not None or args.trt_dir is not None)
+    check_method(args.method, _names_a_drafter(args))
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context, mask_token_id=args.mask_token_id,
                          num_threads=args.threads, device=args.device, cuda_graphs=args.cuda_graphs,
                          backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir)
