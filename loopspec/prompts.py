@@ -8,13 +8,13 @@ from pathlib import Path
 from loopspec.errors import LoopspecError
 
 
-def read_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False,
-                 what: str = "prompt file") -> list[str]:
-    """The first turn of each line (every turn with `all_turns`), up to `limit` prompts."""
+def read_conversations(path: str | Path, limit: int | None = None,
+                       what: str = "prompt file") -> list[tuple[int, list[str]]]:
+    """(1-based line number in the file, turns) of each non-blank line, up to `limit` lines."""
     path = Path(path)
     if not path.is_file():
         raise LoopspecError(f"{what} does not exist: {path}")
-    prompts: list[str] = []
+    conversations: list[tuple[int, list[str]]] = []
     # split on "\n" only: str.splitlines() would also split at U+2028 inside JSON strings
     for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
@@ -25,9 +25,19 @@ def read_prompts(path: str | Path, limit: int | None = None, all_turns: bool = F
             raise LoopspecError(f"{path}:{number}: expected a JSON object with a 'turns' list") from None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise LoopspecError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
-        prompts.extend(turns if all_turns else turns[:1])
-        if limit is not None and len(prompts) >= limit:
-            return prompts[:limit]
-    if not prompts:
+        conversations.append((number, turns))
+        if limit is not None and len(conversations) >= limit:
+            break
+    if not conversations:
         raise LoopspecError(f"no prompts in {path}")
-    return prompts
+    return conversations
+
+
+def read_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False,
+                 what: str = "prompt file") -> list[str]:
+    """The first turn of each line (every turn with `all_turns`), up to `limit` prompts."""
+    prompts: list[str] = []
+    # with all_turns a line holds several prompts: read every line, then cut at `limit` prompts
+    for _, turns in read_conversations(path, None if all_turns else limit, what):
+        prompts.extend(turns if all_turns else turns[:1])
+    return prompts[:limit] if limit is not None else prompts

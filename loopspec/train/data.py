@@ -2,14 +2,17 @@
 
 Layout of a data directory:
   manifest.json      target hash, prompt files, settings, counts (rewritten after every batch)
-  samples.jsonl      one line per finished prompt: {"id", "tokens", "prompt_len", "finish"}
+  samples.jsonl      one line per finished prompt: {"id", "file", "line", "tokens", "prompt_len", "finish"}
+                     (file: the prompt file's name, line: the prompt's 1-based line in it, id: "file:line")
   taps/<id>.safetensors   optional (--cache-taps): "taps" [len(tokens) - 1, n*H] fp16, the tapped
                      hidden states of every position except the last (which predicts nothing)
-Re-running with the same directory skips the prompts already in samples.jsonl (resumable).
+Re-running with the same directory skips the prompts already in samples.jsonl (resumable); samples
+kept in the repository (loopspec/train/kept.py) are copied instead of regenerated.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -20,7 +23,7 @@ import torch
 
 from loopspec.decoding import SamplingParams, probabilities, sample
 from loopspec.errors import LoopspecError
-from loopspec.prompts import read_prompts
+from loopspec.prompts import read_conversations
 from loopspec.model.target import Target, pack_linears_for_cpu_
 
 
@@ -30,12 +33,34 @@ class Sample:
     tokens: list[int]
     prompt_len: int
     finish: str
+    file: str = ""  # the prompt file's name
+    line: int = 0  # the prompt's 1-based line in that file
 
     @property
     def loss_mask(self) -> list[bool]:
         """True where the token is part of the response (supervised)."""
         return [i >= self.prompt_len for i in range(len(self.tokens))]
 
+
+
+def sample_id(file_name: str, line: int) -> str:
+    return f"{file_name}:{line}"
+
+
+def sample_json(s: Sample) -> str:
+    """One line of samples.jsonl (also of a kept samples.jsonl.xz)."""
+    return json.dumps({"id": s.id, "file": s.file, "line": s.line, "tokens": s.tokens, "prompt_len": s.prompt_len,
+                       "finish": s.finish})
+
+
+def parse_sample(line: str) -> Sample:
+    """Inverse of sample_json; raises ValueError/KeyError/TypeError on a corrupt line."""
+    d = json.loads(line)
+    s = Sample(d["id"], d["tokens"], d["prompt_len"], d.get("finish", ""), d.get("file", ""), d.get("line", 0))
+    if not (isinstance(s.tokens, list) and all(isinstance(t, int) for t in s.tokens)
+            and isinstance(s.prompt_len, int) and 0 < s.prompt_len <= len(s.tokens)):
+        raise ValueError("bad tokens or prompt_len")
+    return s
 
 
 def safe_name(sample_id: str) -> str:
@@ -51,9 +76,8 @@ def read_samples(directory: str | Path) -> list[Sample]:
         if not line.strip():
             continue
         try:
-            d = json.loads(line)
-            samples.append(Sample(d["id"], d["tokens"], d["prompt_len"], d.get("finish", "")))
-        except (json.JSONDecodeError, KeyError, TypeError):
+            samples.append(parse_sample(line))
+        except (ValueError, KeyError, TypeError):
             raise LoopspecError(f"{path}:{number}: corrupt sample line") from None
     return samples
 
@@ -110,78 +134,139 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
     return result
 
 
+# A batch prefills at most batch_size × PREFILL_TOKENS_PER_ROW prompt tokens: the prefill holds fp32 logits
+# [rows, width, vocab] (16 × 512 × 49152 × 4 B = 1.6 GB for the default target), so a batch of long
+# prompts holds fewer rows instead of 4× the memory.
+PREFILL_TOKENS_PER_ROW = 512
+
+
+def generation_settings(tokenizer, *, max_new_tokens: int, max_prompt_tokens: int, params: SamplingParams,
+                        seed: int) -> dict:
+    """Everything a sample depends on besides the target and its prompt: data resumes only with equal settings."""
+    template = getattr(tokenizer, "chat_template", None)
+    return {"max_new_tokens": max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
+            "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest() if template else None}
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """The prompt's token ids: one user turn in the chat template (plain text without one)."""
+    if getattr(tokenizer, "chat_template", None):
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+        return tokenizer.encode(chat, add_special_tokens=False)
+    return tokenizer.encode(text)
+
+
+def plan_batches(todo: list[Sample], batch_size: int) -> list[list[Sample]]:
+    """Batches of similar prompt lengths (less padding) within each prompt file, interleaved so that
+    every file advances at the same pace: a run stopped early holds some of each file."""
+    batches: list[tuple[float, list[Sample]]] = []
+    for file in dict.fromkeys(s.file for s in todo):
+        mine: list[list[Sample]] = []
+        for s in sorted((s for s in todo if s.file == file), key=lambda s: s.prompt_len):
+            if mine and len(mine[-1]) < batch_size and \
+                    (len(mine[-1]) + 1) * s.prompt_len <= batch_size * PREFILL_TOKENS_PER_ROW:
+                mine[-1].append(s)
+            else:
+                mine.append([s])
+        batches += [((k + 0.5) / len(mine), batch) for k, batch in enumerate(mine)]
+    return [batch for _, batch in sorted(batches, key=lambda x: x[0])]
+
+
+@torch.no_grad()
+def teacher_forced_taps(target: Target, tokens: list[int]) -> torch.Tensor:
+    """Taps [len(tokens) - 1, n*H] of one target forward over the whole sequence (as the trainer computes them)."""
+    cache = target.new_cache(len(tokens))
+    out = target(torch.tensor(tokens)[None], cache, want_taps=True, last_logits_only=True)
+    return out.taps[0, : len(tokens) - 1]
+
+
 def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tokenizer, out_dir: str | Path,
                stop_ids: set[int], max_new_tokens: int = 256, batch_size: int = 16, limit: int | None = None,
-               max_prompt_tokens: int = 512, params: SamplingParams = SamplingParams(), seed: int = 0,
+               max_prompt_tokens: int = 2048, params: SamplingParams = SamplingParams(), seed: int = 0,
                cache_taps: bool = False, tap_layer_ids: list[int] | None = None, target_hash: str = "",
-               progress: bool = True) -> dict:
+               kept_dir: str | Path | None = None, progress: bool = True) -> dict:
+    """Regenerate the responses of every prompt not yet in out_dir; prompts whose sample is in kept_dir
+    are copied from it (their taps, with cache_taps, recomputed by one teacher-forced forward)."""
     from tqdm import tqdm
 
+    from loopspec.train.kept import read_kept
     from loopspec.weights import write_safetensors
 
     out_dir = Path(out_dir)
+    names = [Path(f).name for f in prompt_files]
+    if len(set(names)) < len(names):
+        raise LoopspecError(f"two prompt files have the same name ({', '.join(names)}): sample ids would collide")
+    generation = generation_settings(tokenizer, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+                                     params=params, seed=seed)
+    settings = {**generation, "tap_layer_ids": tap_layer_ids if cache_taps else None}
+    kept = read_kept(kept_dir, target_hash, generation) if kept_dir is not None else {}
     out_dir.mkdir(parents=True, exist_ok=True)
-    prompts: list[tuple[str, str]] = []
-    for f in prompt_files:
-        texts = read_prompts(f, limit)
-        prompts += [(f"{Path(f).stem}:{i}", t) for i, t in enumerate(texts)]
     manifest_path = out_dir / "manifest.json"
-    settings = {"max_new_tokens": max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
-                "top_k": params.top_k, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
-                "chat_template": bool(getattr(tokenizer, "chat_template", None)),
-                "tap_layer_ids": tap_layer_ids if cache_taps else None}
     if manifest_path.is_file():
         old = json.loads(manifest_path.read_text())
         if old.get("target_sha256") != target_hash or old.get("settings") != settings:
             raise LoopspecError(f"{out_dir} holds data made with another target or settings; use a new --out")
     done = {s.id for s in read_samples(out_dir)} if (out_dir / "samples.jsonl").is_file() else set()
-    todo = []
+    reuse: list[Sample] = []
+    todo: list[Sample] = []
     skipped = 0
-    for sample_id, text in prompts:
-        if sample_id in done:
-            continue
-        if getattr(tokenizer, "chat_template", None):
-            chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                 tokenize=False)
-            ids = tokenizer.encode(chat, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(text)
-        if len(ids) > max_prompt_tokens or not ids:
-            skipped += 1
-            continue
-        todo.append((sample_id, ids))
-    todo.sort(key=lambda x: len(x[1]))  # similar lengths per batch: less padding
+    for path, name in zip(prompt_files, names):
+        for line, turns in read_conversations(path, limit):
+            sid = sample_id(name, line)
+            if sid in done:
+                continue
+            ids = encode_prompt(tokenizer, turns[0])
+            if len(ids) > max_prompt_tokens or not ids:
+                skipped += 1
+                continue
+            k = kept.get(sid)
+            if k is None:
+                todo.append(Sample(sid, ids, len(ids), "", name, line))
+            elif k.tokens[: k.prompt_len] != ids:
+                raise LoopspecError(f"kept sample {sid} has another prompt than {path}:{line} "
+                                    "(prompt file or tokenizer changed)")
+            else:
+                reuse.append(k)
     if cache_taps:
         (out_dir / "taps").mkdir(exist_ok=True)
         target.set_taps(tap_layer_ids)
     pack_linears_for_cpu_(target)
     generator = torch.Generator().manual_seed(seed)
     t0 = time.time()
-    made = 0
     new_tokens = 0
-    bar = tqdm(total=len(todo), desc="regenerating responses", disable=not progress)
+    written: list[Sample] = []
+
+    def write_manifest() -> None:
+        manifest = {"kind": "loopspec-training-data", "target": str(target_dir), "target_sha256": target_hash,
+                    "prompt_files": [str(p) for p in prompt_files], "settings": settings,
+                    "samples": len(done) + len(written), "skipped_long_prompts": skipped,
+                    "copied_from_kept_this_run": sum(1 for s in written if s.id in kept),
+                    "generated_tokens_this_run": new_tokens, "seconds_this_run": round(time.time() - t0, 1)}
+        manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+    def write(f, s: Sample, taps: torch.Tensor | None) -> None:
+        if cache_taps:
+            write_safetensors({"taps": taps.to(torch.float16)}, out_dir / "taps" / f"{safe_name(s.id)}.safetensors")
+        f.write(sample_json(s) + "\n")
+        written.append(s)
+
     with open(out_dir / "samples.jsonl", "a") as f:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start:start + batch_size]
-            rows = generate_batch(target, [ids for _, ids in batch], max_new_tokens, stop_ids, params, generator,
+        for s in tqdm(reuse, desc="copying kept samples", disable=not progress or not reuse):
+            write(f, s, teacher_forced_taps(target, s.tokens) if cache_taps else None)
+        f.flush()
+        write_manifest()
+        bar = tqdm(total=len(todo), desc="regenerating responses", disable=not progress)
+        for batch in plan_batches(todo, batch_size):
+            rows = generate_batch(target, [s.tokens for s in batch], max_new_tokens, stop_ids, params, generator,
                                   cache_taps)
-            for (sample_id, ids), (response, finish, taps) in zip(batch, rows):
-                tokens = ids + response
-                if cache_taps:
-                    write_safetensors({"taps": taps.to(torch.float16)}, out_dir / "taps" / f"{safe_name(sample_id)}.safetensors")
-                f.write(json.dumps({"id": sample_id, "tokens": tokens, "prompt_len": len(ids), "finish": finish}) + "\n")
-                made += 1
+            for s, (response, finish, taps) in zip(batch, rows):
+                write(f, Sample(s.id, s.tokens + response, s.prompt_len, finish, s.file, s.line), taps)
                 new_tokens += len(response)
             f.flush()
+            write_manifest()
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
-            manifest = {"kind": "loopspec-training-data", "target": str(target_dir), "target_sha256": target_hash,
-                        "prompt_files": [str(p) for p in prompt_files], "settings": settings,
-                        "samples": len(done) + made, "skipped_long_prompts": skipped,
-                        "generated_tokens_this_run": new_tokens, "seconds_this_run": round(time.time() - t0, 1)}
-            manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
-    bar.close()
-    if not manifest_path.is_file():
-        manifest_path.write_text(json.dumps({"kind": "loopspec-training-data", "target_sha256": target_hash,
-                                             "settings": settings, "samples": len(done)}, indent=2) + "\n")
+        bar.close()
     return json.loads(manifest_path.read_text())
