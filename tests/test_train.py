@@ -123,7 +123,7 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path, capsy
     assert manifest["samples"] == 12 and manifest["settings"]["tap_layer_ids"] == [1, 4]
     first = json.loads(lines[0])
     from loopspec.weights import read_safetensors
-    taps = read_safetensors(data / "taps" / "p_0.safetensors")["taps"]
+    taps = read_safetensors(data / "taps" / "p.jsonl_1.safetensors")["taps"]
     assert taps.shape == (len(first["tokens"]) - 1, 2 * 64)
 
     out = tmp_path / "drafter"

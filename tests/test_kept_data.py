@@ -1,0 +1,175 @@
+"""Kept data: pack a data directory's token ids, resume `loopspec data` from them, train from the result."""
+
+import hashlib
+import json
+import lzma
+
+import pytest
+import torch
+
+import loopspec.train.data as data_module
+from conftest import save_tiny_target, save_tiny_tokenizer
+from loopspec.cli import main
+from loopspec.errors import LoopspecError
+from loopspec.train.data import read_samples
+from loopspec.weights import read_safetensors
+
+TEXTS = [f"prompt {i} " + "says hello " * (i % 4) for i in range(10)]
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    """10 prompts; line 4 is blank, so prompt k (k >= 3) is on line k + 2."""
+    lines = [json.dumps({"turns": [t, "a second turn"]}) for t in TEXTS]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines[:3] + [""] + lines[3:]) + "\n")
+    return path
+
+
+@pytest.fixture
+def generated(monkeypatch):
+    """The prompts (token ids) every generate_batch call of this test received."""
+    calls: list[list[int]] = []
+    real = data_module.generate_batch
+
+    def counting(target, prompts, *args):
+        calls.extend(prompts)
+        return real(target, prompts, *args)
+
+    monkeypatch.setattr(data_module, "generate_batch", counting)
+    return calls
+
+
+def data_args(target_dir, prompts, out, *extra):
+    return ["data", "--prompts", str(prompts), "--target", str(target_dir), "--out", str(out),
+            "--max-new-tokens", "12", "--batch-size", "3", "--tap-layers", "1,4", *extra]
+
+
+def test_samples_name_their_prompt_line(tiny_pair, prompts, tmp_path):
+    from loopspec.train.data import encode_prompt
+    from loopspec.weights import load_tokenizer
+
+    target_dir, _ = tiny_pair
+    assert main(data_args(target_dir, prompts, tmp_path / "data", "--limit", "5")) == 0
+    tokenizer = load_tokenizer(target_dir)
+    lines = prompts.read_text().split("\n")
+    samples = read_samples(tmp_path / "data")
+    assert sorted(s.line for s in samples) == [1, 2, 3, 5, 6]
+    for s in samples:
+        assert s.id == f"p.jsonl:{s.line}" and s.file == "p.jsonl"
+        text = json.loads(lines[s.line - 1])["turns"][0]
+        assert s.tokens[: s.prompt_len] == encode_prompt(tokenizer, text)
+
+
+def test_resume_from_kept_generates_only_the_missing_prompts(tiny_pair, prompts, tmp_path, generated, capsys):
+    target_dir, _ = tiny_pair
+    kept = tmp_path / "kept"
+    assert main(data_args(target_dir, prompts, tmp_path / "first", "--limit", "6")) == 0
+    assert main(["data", "--pack", str(kept), "--out", str(tmp_path / "first")]) == 0
+    manifest = json.loads((kept / "manifest.json").read_text())
+    assert manifest["samples"] == 6 and manifest["samples_per_file"] == {"p.jsonl": 6}
+    assert manifest["settings"]["max_new_tokens"] == 12 and manifest["settings"]["max_prompt_tokens"] == 2048
+    assert "tap_layer_ids" not in manifest["settings"] and manifest["settings"]["chat_template_sha256"]
+    first = {s.id: s for s in read_samples(tmp_path / "first")}
+
+    generated.clear()
+    assert main(data_args(target_dir, prompts, tmp_path / "resumed", "--kept", str(kept))) == 0
+    resumed = {s.id: s for s in read_samples(tmp_path / "resumed")}
+    assert len(resumed) == 10
+    kept_prompts = [s.tokens[: s.prompt_len] for s in first.values()]
+    assert len(generated) == 4 and not any(p in kept_prompts for p in generated)
+    for sid, s in first.items():
+        assert resumed[sid] == s  # copied as kept
+    assert json.loads((tmp_path / "resumed" / "manifest.json").read_text())["copied_from_kept_this_run"] == 6
+
+    # packing again adds the 4 new samples to what the kept directory holds
+    assert main(["data", "--pack", str(kept), "--out", str(tmp_path / "resumed")]) == 0
+    assert "10 samples kept" in capsys.readouterr().out
+    generated.clear()
+    assert main(data_args(target_dir, prompts, tmp_path / "again", "--kept", str(kept))) == 0
+    assert generated == [] and len(read_samples(tmp_path / "again")) == 10
+
+
+def test_kept_taps_are_recomputed_as_generation_caches_them(tiny_pair, prompts, tmp_path, generated):
+    target_dir, _ = tiny_pair
+    fresh, kept, resumed = tmp_path / "fresh", tmp_path / "kept", tmp_path / "resumed"
+    assert main(data_args(target_dir, prompts, fresh, "--cache-taps")) == 0
+    assert main(["data", "--pack", str(kept), "--out", str(fresh)]) == 0
+    assert not list(kept.glob("*.safetensors")) and not (kept / "taps").exists()  # token ids only
+    generated.clear()
+    assert main(data_args(target_dir, prompts, resumed, "--cache-taps", "--kept", str(kept))) == 0
+    assert generated == []
+    for s in read_samples(fresh):
+        name = f"{data_module.safe_name(s.id)}.safetensors"
+        a, b = read_safetensors(fresh / "taps" / name)["taps"], read_safetensors(resumed / "taps" / name)["taps"]
+        assert a.shape == b.shape == (len(s.tokens) - 1, 2 * 64) and a.dtype == b.dtype == torch.float16
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-3, atol=2e-3)  # fp16 storage
+
+
+def test_mismatched_or_corrupt_kept_data_is_refused(tiny_pair, prompts, tmp_path, capsys):
+    from loopspec.train.kept import pack_kept, read_kept
+
+    target_dir, _ = tiny_pair
+    kept = tmp_path / "kept"
+    assert main(data_args(target_dir, prompts, tmp_path / "data", "--limit", "3")) == 0
+    pack_kept(tmp_path / "data", kept)
+
+    def refused(args, words):
+        capsys.readouterr()  # drop earlier commands' progress bars
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and "\n" not in err, err
+
+    refused(data_args(target_dir, prompts, tmp_path / "a", "--kept", str(kept), "--max-new-tokens", "5"),
+            "other settings: max_new_tokens 12 there, 5 here")
+    other = save_tiny_target("llama", tmp_path / "other", seed=7)  # another random llama, same tokenizer
+    save_tiny_tokenizer(other)
+    refused(data_args(other, prompts, tmp_path / "b", "--kept", str(kept)), "was kept for another target")
+    refused(data_args(target_dir, prompts, tmp_path / "c", "--kept", str(tmp_path / "nowhere")),
+            "not a kept data directory")
+    # packing data of another target into it is refused as well, leaving it as it was
+    assert main(data_args(other, prompts, tmp_path / "other-data", "--limit", "2")) == 0
+    before = (kept / "samples.jsonl.xz").read_bytes()
+    refused(["data", "--pack", str(kept), "--out", str(tmp_path / "other-data")], "was kept for another target")
+    assert (kept / "samples.jsonl.xz").read_bytes() == before
+
+    # a kept sample whose prompt no longer matches its line
+    changed = tmp_path / "changed" / "p.jsonl"
+    changed.parent.mkdir()
+    changed.write_text(prompts.read_text().replace("prompt 1 ", "prompt one "))
+    refused(data_args(target_dir, changed, tmp_path / "d", "--kept", str(kept)), "has another prompt than")
+
+    damaged = bytearray(before)
+    damaged[len(damaged) // 2] ^= 0xFF
+    (kept / "samples.jsonl.xz").write_bytes(bytes(damaged))
+    refused(data_args(target_dir, prompts, tmp_path / "e", "--kept", str(kept)), "is corrupt")
+
+    # bytes that match the manifest's hash but are not xz (a hand-edited manifest)
+    (kept / "samples.jsonl.xz").write_bytes(b"not xz")
+    manifest = json.loads((kept / "manifest.json").read_text())
+    manifest["samples_sha256"] = hashlib.sha256(b"not xz").hexdigest()
+    (kept / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(LoopspecError, match="not xz-compressed"):
+        read_kept(kept, manifest["target_sha256"], manifest["settings"])
+    (kept / "samples.jsonl.xz").write_bytes(lzma.compress(b'{"id": "x"}\n'))
+    manifest["samples_sha256"] = hashlib.sha256((kept / "samples.jsonl.xz").read_bytes()).hexdigest()
+    (kept / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(LoopspecError, match="corrupt"):
+        read_kept(kept, manifest["target_sha256"], manifest["settings"])
+
+    refused(["data", "--out", str(tmp_path / "data")], "needs --prompts")
+
+
+def test_training_runs_from_data_resumed_from_kept(tiny_pair, prompts, tmp_path):
+    target_dir, _ = tiny_pair
+    kept, resumed = tmp_path / "kept", tmp_path / "resumed"
+    assert main(data_args(target_dir, prompts, tmp_path / "first")) == 0
+    assert main(["data", "--pack", str(kept), "--out", str(tmp_path / "first")]) == 0
+    assert main(data_args(target_dir, prompts, resumed, "--kept", str(kept))) == 0
+    out = tmp_path / "drafter"
+    assert main(["train", "--data", str(resumed), "--target", str(target_dir), "--out", str(out),
+                 "--block-size", "4", "--tap-layers", "1,4", "--mask-token-id", "127", "--anchors", "8",
+                 "--batch-sequences", "2", "--max-steps", "2", "--eval-every", "2", "--save-every", "2"]) == 0
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and "heldout_tau" in log[-1]
+    assert (out / "model.safetensors").is_file()
