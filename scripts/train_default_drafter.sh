@@ -72,3 +72,16 @@ $BIN/loopspec tune --prompts "$WORK/calib.jsonl" --limit 8 --max-new-tokens 96 -
 # 7. measure it on the five eval sets
 scripts/bench_eval_sets.sh "$DATA/eval" "$WORK/bench" ar,dflash,dloop,hf,hf-lookup --backend torch,onnxruntime \
     --cost-model
+
+# 8. v6 data (issue 16): regenerate / resume the kept data. Every prompt of train/ (a prompt limit of
+#    2048 tokens keeps all of livecodebench; 30 arena-hard-v2 prompts are longer), greedy responses of
+#    up to 256 tokens, no taps (the trainer computes them; `--cache-taps` would recompute the kept
+#    samples' taps by one teacher-forced forward). Samples kept in the repository are copied, only the
+#    missing prompts are generated; then the result is kept again. One thread: on a 2-core machine the
+#    other core stays free for other work. (First run, with nothing kept yet, as
+#    `loopspec data <these flags without --kept> --out /work/runs-data/v6`.)
+KEPT=data/smollm2-135m-instruct
+$BIN/loopspec data --target default --prompts $DATA/train/gsm8k-train.jsonl $DATA/train/livecodebench.jsonl \
+    $DATA/train/arena-hard-v2.jsonl --max-new-tokens 256 --max-prompt-tokens 2048 --batch-size 16 --threads 1 \
+    --out "$WORK/data-v6" --kept $KEPT
+$BIN/loopspec data --pack $KEPT --out "$WORK/data-v6"
