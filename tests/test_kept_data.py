@@ -173,3 +173,17 @@ def test_training_runs_from_data_resumed_from_kept(tiny_pair, prompts, tmp_path)
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2] and "heldout_tau" in log[-1]
     assert (out / "model.safetensors").is_file()
+
+
+def test_half_written_last_line_is_not_a_sample(tiny_pair, prompts, tmp_path):
+    """A run killed mid-write (or one still writing) leaves an unterminated line: readers skip it, a resume drops it."""
+    target_dir, _ = tiny_pair
+    out = tmp_path / "data"
+    assert main(data_args(target_dir, prompts, out, "--limit", "3")) == 0
+    with open(out / "samples.jsonl", "a") as f:
+        f.write('{"id": "p.jsonl:5", "file": "p.jsonl", "tok')
+    assert len(read_samples(out)) == 3
+    assert main(["data", "--pack", str(tmp_path / "kept"), "--out", str(out)]) == 0  # packs the 3
+    assert main(data_args(target_dir, prompts, out)) == 0
+    samples = read_samples(out)
+    assert len(samples) == 10 and len({s.id for s in samples}) == 10

@@ -72,7 +72,9 @@ def read_samples(directory: str | Path) -> list[Sample]:
     if not path.is_file():
         raise LoopspecError(f"no samples.jsonl in {directory} (create it with `loopspec data`)")
     samples = []
-    for number, line in enumerate(path.read_text().split("\n"), 1):
+    # a sample is a line with its newline: an unterminated last line is one still being written (or cut
+    # by a kill), so a data directory can be read (packed, trained on) while `loopspec data` grows it
+    for number, line in enumerate(path.read_text().split("\n")[:-1], 1):
         if not line.strip():
             continue
         try:
@@ -80,6 +82,13 @@ def read_samples(directory: str | Path) -> list[Sample]:
         except (ValueError, KeyError, TypeError):
             raise LoopspecError(f"{path}:{number}: corrupt sample line") from None
     return samples
+
+
+def cut_unterminated_line(path: Path) -> None:
+    """Drop the end of the file after its last newline (a sample line a killed run left half-written)."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
 @torch.inference_mode()
@@ -208,7 +217,10 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
         old = json.loads(manifest_path.read_text())
         if old.get("target_sha256") != target_hash or old.get("settings") != settings:
             raise LoopspecError(f"{out_dir} holds data made with another target or settings; use a new --out")
-    done = {s.id for s in read_samples(out_dir)} if (out_dir / "samples.jsonl").is_file() else set()
+    samples_path = out_dir / "samples.jsonl"
+    if samples_path.is_file():
+        cut_unterminated_line(samples_path)  # else the next sample would be appended to it
+    done = {s.id for s in read_samples(out_dir)} if samples_path.is_file() else set()
     reuse: list[Sample] = []
     todo: list[Sample] = []
     skipped = 0
@@ -252,7 +264,7 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
         f.write(sample_json(s) + "\n")
         written.append(s)
 
-    with open(out_dir / "samples.jsonl", "a") as f:
+    with open(samples_path, "a") as f:
         for s in tqdm(reuse, desc="copying kept samples", disable=not progress or not reuse):
             write(f, s, teacher_forced_taps(target, s.tokens) if cache_taps else None)
         f.flush()
