@@ -69,7 +69,10 @@ def pack_kept(data_dir: str | Path, kept_dir: str | Path) -> dict:
     data_manifest_path = data_dir / "manifest.json"
     if not data_manifest_path.is_file():
         raise LoopspecError(f"no manifest.json in {data_dir} (create it with `loopspec data`)")
-    data_manifest = json.loads(data_manifest_path.read_text())
+    try:
+        data_manifest = json.loads(data_manifest_path.read_text())
+    except json.JSONDecodeError:  # `loopspec data` rewrites it after every batch
+        raise LoopspecError(f"{data_manifest_path} is not JSON (caught mid-write? run again)") from None
     target_hash = data_manifest.get("target_sha256")
     settings = {k: v for k, v in (data_manifest.get("settings") or {}).items() if k != "tap_layer_ids"}
     if "chat_template_sha256" not in settings:
