@@ -2,11 +2,11 @@
 drafter in the z-lab format they all load.
 
 A bundle directory holds
-  drafter/    z-lab config.json + model.safetensors (no d2t: see DRAFT_VOCAB_NOTE)
+  drafter/    z-lab config.json + model.safetensors, full draft vocabulary (what every engine reads)
   target/     Hugging Face checkpoint (config.json, *.safetensors, tokenizer files), optionally
               modelopt-quantized (FP8 / NVFP4)
   trtllm/     extra_llm_api_options.yaml + launch.sh      (only the engines asked for)
-  vllm/       launch.sh
+  vllm/       launch.sh (+ drafter/: the drafter with its reduced draft vocabulary, when it has one)
   sglang/     launch.sh
   README.md   what each engine uses, how to launch, the support matrix
   manifest.json  sha256 of every file, source hashes, tool versions
@@ -14,21 +14,31 @@ A bundle directory holds
 Launch scripts cd into the bundle root and use relative paths (`./target`, `./drafter`), so a bundle
 can be copied to the serving machine as it is. DLoop runs only in loopspec's own runtime.
 
-Engine facts this module relies on (from each engine's documentation; re-check on upgrades):
+Engine facts this module relies on (from each engine's source and documentation; re-check on upgrades):
 - TensorRT-LLM >= 1.3, LLM API reference `DFlashDecodingConfig`: `speculative_config` with
   `decoding_type: DFlash`, `speculative_model`, `max_draft_len` (drafted tokens per step, at most
   block_size - 1), `mask_token_id`, `target_layer_ids`; `CudaGraphConfig` (`enable_padding`,
-  `max_batch_size`); `tensor_parallel_size` is an LLM API argument. trtllm-serve
-  (tensorrt_llm/commands/serve.py) reads that YAML with `--config`, alias `--extra_llm_api_options`
-  (the older spelling, accepted by every 1.x), `--tp_size`, `--backend pytorch`.
-- vLLM (speculative decoding docs; z-lab/dflash README): `vllm serve TARGET --speculative-config
-  '{"method": "dflash", "model": DRAFTER, "num_speculative_tokens": k - 1}'`,
-  `--tensor-parallel-size N`; the mask token and tap layers come from the drafter's config.json
-  (`dflash_config`). A modelopt checkpoint's quantization is read from the target's config.
+  `max_batch_size`); `tensor_parallel_size`, `max_batch_size`, `max_seq_len`, `max_num_tokens` are
+  LLM API arguments. trtllm-serve (tensorrt_llm/commands/serve.py) reads that YAML with `--config`,
+  alias `--extra_llm_api_options` (the older spelling, accepted by every 1.x), and applies it AFTER its
+  own flags (`update_llm_args_with_extra_dict`): the YAML wins, so tensor parallelism is set there
+  only, never also as `--tp_size`. `--served-model-name` names the model in /v1/models (TensorRT-LLM
+  pull request 11711; without it the name is the model directory's). The DFlash worker sizes its
+  drafter context arena from max_batch_size + 1 slots x max_seq_len (speculative/dflash.py), so both
+  are always written: the defaults (2048 requests, the model's whole context) fill small GPUs.
+- vLLM (speculative decoding docs; z-lab/dflash README; vllm/model_executor/models/qwen3_dflash.py):
+  `vllm serve TARGET --speculative-config '{"method": "dflash", "model": DRAFTER,
+  "num_speculative_tokens": k - 1}'`, `--tensor-parallel-size N`, `--max-model-len`,
+  `--max-num-seqs`, `--served-model-name`; the mask token and tap layers come from the drafter's
+  config.json (`dflash_config`). A reduced draft vocabulary is read as `draft_vocab_size` (config.json),
+  a `d2t` tensor (target id = draft id + d2t) and the drafter's own `lm_head.weight` of
+  draft_vocab_size rows, from any *.safetensors file in the drafter directory. A modelopt
+  checkpoint's quantization is read from the target's config.
 - SGLang (docs.sglang.io speculative decoding; z-lab model cards): `python -m sglang.launch_server
   --model-path TARGET --speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER
   --speculative-num-draft-tokens k` (the block size, anchor included; newer releases also spell it
-  `--speculative-dflash-block-size` and require both to agree when both are set), `--tp-size N`;
+  `--speculative-dflash-block-size` and require both to agree when both are set), `--tp-size N`,
+  `--context-length`, `--max-running-requests`, `--served-model-name`;
   `--speculative-draft-model-quantization unquant` keeps the drafter unquantized when the target is.
 """
 
@@ -59,10 +69,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 ENGINE_NAMES = {"trtllm": "TensorRT-LLM >= 1.3", "vllm": "vLLM", "sglang": "SGLang"}
 
-DRAFT_VOCAB_NOTE = ("The engines' DFlash drafting multiplies the drafter's hidden states by the target's "
-                    "lm_head over the full vocabulary; none documents a reduced draft vocabulary (d2t) "
-                    "for DFlash, so the bundle writes none. The drafter weights do not depend on the "
-                    "vocabulary: d2t only restricts which rows are drafted (loopspec's own runtime uses it).")
+DEFAULT_MAX_CONTEXT = 4096  # tokens per request (prompt + output), capped at the target's own maximum
+VLLM_DRAFTER = "vllm/drafter"  # the reduced-vocabulary drafter, for the one engine that reads it
+# Why an engine drafts over the full vocabulary although the drafter was trained on a reduced one
+# (checked against the engines' sources; see docs/serving.md).
+FULL_VOCAB_REASONS = {
+    "trtllm": ("TensorRT-LLM's DFlash drafter always takes the target's lm_head (full vocabulary) when it "
+               "loads, and the backbone it builds has no d2t, so the worker's d2t lookup finds none; it also "
+               "reads draft_vocab_size from the drafter's config.json to size its tensor-parallel gather and "
+               "rejection-sampling buffers, so drafter/ carries neither d2t nor draft_vocab_size."),
+    "sglang": ("SGLang's DFLASH drafter has no lm_head of its own: it drafts with the target's lm_head over "
+               "the full vocabulary and ignores a d2t tensor."),
+}
 
 # Which engine supports what, declared once (README and docs/serving.md print it).
 SUPPORT_COLUMNS = ("DFlash", "DLoop", "d2t reduced vocab", "FP8", "NVFP4", "tensor parallel")
@@ -71,8 +89,8 @@ SUPPORT = {
                          "no (one device)"),
     "TensorRT-LLM >= 1.3": ("yes (`DFlashDecodingConfig`)", "no", "no (full vocab)",
                             "yes (modelopt checkpoint)", "Blackwell only", "yes (`tensor_parallel_size`)"),
-    "vLLM": ("yes (`method: dflash`)", "no", "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
-             "yes (`--tensor-parallel-size`)"),
+    "vLLM": ("yes (`method: dflash`)", "no", "yes (`draft_vocab_size` + `d2t`)", "yes (modelopt checkpoint)",
+             "Blackwell only", "yes (`--tensor-parallel-size`)"),
     "SGLang": ("yes (`DFLASH`)", "no", "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
                "yes (`--tp-size`)"),
 }
@@ -94,7 +112,14 @@ class LaunchSettings:
     mask_token_id: int
     target_layer_ids: list[int]
     precision: str | None
-    max_batch_size: int
+    max_batch_size: int  # requests decoding at once
+    max_context: int  # tokens per request, prompt + output
+    vllm_drafter: str = "./drafter"  # ./vllm/drafter when the drafter has a reduced draft vocabulary
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens one forward may carry: a whole prompt of max_context, or every request's block."""
+        return max(self.max_context, self.max_batch_size * self.block_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,7 +155,8 @@ def trtllm_options(s: LaunchSettings) -> dict:
     """The LLM API options trtllm-serve reads from YAML."""
     spec = {"decoding_type": "DFlash", "speculative_model": "./drafter", "max_draft_len": s.block_size - 1,
             "mask_token_id": s.mask_token_id, "target_layer_ids": list(s.target_layer_ids)}
-    return {"tensor_parallel_size": s.tp,
+    return {"tensor_parallel_size": s.tp, "max_batch_size": s.max_batch_size, "max_seq_len": s.max_context,
+            "max_num_tokens": s.max_num_tokens,
             "cuda_graph_config": {"enable_padding": True, "max_batch_size": s.max_batch_size},
             "speculative_config": spec}
 
@@ -140,24 +166,27 @@ def trtllm_files(s: LaunchSettings) -> dict[str, str]:
 
     options = "# TensorRT-LLM LLM API options (trtllm-serve --extra_llm_api_options / --config)\n"
     options += yaml.safe_dump(trtllm_options(s), sort_keys=False)
-    argv = ["trtllm-serve", "./target", "--backend", "pytorch", "--tp_size", str(s.tp),
+    # no --tp_size: the YAML's tensor_parallel_size is the one trtllm-serve applies (it overrides flags)
+    argv = ["trtllm-serve", "./target", "--backend", "pytorch", "--served-model-name", s.name,
             "--extra_llm_api_options", "./trtllm/extra_llm_api_options.yaml"]
     return {"trtllm/extra_llm_api_options.yaml": options, "trtllm/launch.sh": _launch_script("trtllm", argv)}
 
 
 def vllm_speculative_config(s: LaunchSettings) -> dict:
-    return {"method": "dflash", "model": "./drafter", "num_speculative_tokens": s.block_size - 1}
+    return {"method": "dflash", "model": s.vllm_drafter, "num_speculative_tokens": s.block_size - 1}
 
 
 def vllm_files(s: LaunchSettings) -> dict[str, str]:
     argv = ["vllm", "serve", "./target", "--served-model-name", s.name, "--tensor-parallel-size", str(s.tp),
+            "--max-model-len", str(s.max_context), "--max-num-seqs", str(s.max_batch_size),
             "--speculative-config", json.dumps(vllm_speculative_config(s))]
     return {"vllm/launch.sh": _launch_script("vllm", argv)}
 
 
 def sglang_files(s: LaunchSettings) -> dict[str, str]:
     argv = ["python", "-m", "sglang.launch_server", "--model-path", "./target", "--served-model-name", s.name,
-            "--tp-size", str(s.tp), "--speculative-algorithm", "DFLASH",
+            "--tp-size", str(s.tp), "--context-length", str(s.max_context),
+            "--max-running-requests", str(s.max_batch_size), "--speculative-algorithm", "DFLASH",
             "--speculative-draft-model-path", "./drafter", "--speculative-num-draft-tokens", str(s.block_size)]
     if s.precision is not None:  # SGLang quantizes the drafter like the target unless told otherwise
         argv += ["--speculative-draft-model-quantization", "unquant"]
@@ -191,6 +220,16 @@ def check_tp(tp: int, heads: int, kv_heads: int, what: str) -> None:
                             f"{kv_heads} K/V heads evenly")
 
 
+def resolve_max_context(max_context: int | None, target_cfg: TargetConfig) -> int:
+    """The engines' per-request token limit: the given one, else DEFAULT_MAX_CONTEXT within the target's."""
+    limit = target_cfg.max_position_embeddings
+    if max_context is None:
+        return min(DEFAULT_MAX_CONTEXT, limit)
+    if max_context < 1 or max_context > limit:
+        raise LoopspecError(f"max context must be between 1 and the target's {limit} positions, got {max_context}")
+    return max_context
+
+
 def _resolve_drafter(drafter: str, target: str) -> Path:
     if drafter == "default":
         if str(target) != "default" or not DEFAULT_DRAFTER_DIR.is_dir():
@@ -217,7 +256,7 @@ def export_target(src: Path, dst: Path, dtype: torch.dtype) -> None:
     index = src / "model.safetensors.index.json"
     if index.is_file():
         shutil.copyfile(index, dst / index.name)
-    cfg = read_json(src / "config.json", "target config")
+    cfg = with_rope_theta(read_json(src / "config.json", "target config"))
     name = str(dtype).removeprefix("torch.")
     cfg["torch_dtype"] = name
     if "dtype" in cfg:
@@ -230,6 +269,49 @@ def export_target(src: Path, dst: Path, dtype: torch.dtype) -> None:
         shutil.copyfile(src / f, dst / f)
 
 
+def with_rope_theta(cfg: dict) -> dict:
+    """A transformers-5 config (θ only inside `rope_parameters`) with `rope_theta` beside it: engines
+    built on transformers 4 read θ from `rope_theta` and would otherwise fall back to 10000."""
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if cfg.get("rope_theta") is None and theta is not None:
+        cfg = {**cfg, "rope_theta": theta}
+    return cfg
+
+
+def add_rope_theta(config_path: Path) -> None:
+    config_path.write_text(json.dumps(with_rope_theta(read_json(config_path, "target config")), indent=2) + "\n")
+
+
+def target_lm_head(target_dir: Path, tied: bool) -> torch.Tensor:
+    """The target's output projection [V, H] (its embedding when tied), read from the one shard holding it."""
+    from safetensors import safe_open
+
+    names = ("model.embed_tokens.weight", "embed_tokens.weight") if tied else ("lm_head.weight",)
+    for shard in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in names:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    raise LoopspecError(f"the target {target_dir} has no {names[0]} tensor")
+
+
+def write_vllm_drafter(model: Drafter, draft_ids: torch.Tensor, lm_head: torch.Tensor, dst: Path,
+                       dtype: torch.dtype) -> None:
+    """The drafter as vLLM's DFlash model reads a reduced draft vocabulary: `draft_vocab_size` in
+    config.json, `d2t` (target id = draft id + d2t) and its own lm_head of the draft rows."""
+    model.save(dst, dtype=dtype)
+    cfg = read_json(dst / "config.json", "drafter config")
+    cfg["draft_vocab_size"] = int(draft_ids.numel())
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_safetensors({"d2t": (draft_ids - torch.arange(draft_ids.numel())).to(torch.int64)}, dst / "d2t.safetensors")
+    write_safetensors({"lm_head.weight": lm_head[draft_ids].to(dtype).contiguous()}, dst / "lm_head.safetensors")
+
+
+def draft_vocab_per_engine(engines: list[str], draft_vocab_size: int | None) -> dict:
+    """{engine: draft vocabulary it drafts over}: the reduced size where the bundle carries it, else "full"."""
+    return {e: draft_vocab_size if draft_vocab_size and e == "vllm" else "full" for e in engines}
+
+
 def quantize_target(src: Path, dst: Path, precision: str, calib_prompts: str | None = None,
                     calib_size: int | None = None) -> None:
     """A modelopt-quantized HF checkpoint of the target (convert/quantize.py does the calibration)."""
@@ -237,35 +319,54 @@ def quantize_target(src: Path, dst: Path, precision: str, calib_prompts: str | N
 
     options = {"calib_prompts": calib_prompts} | ({"calib_size": calib_size} if calib_size else {})
     quantize_target_checkpoint(src, dst, precision, **options)
+    add_rope_theta(dst / "config.json")
+
+
+def _draft_vocab_lines(engines: list[str], vocab: int | None) -> list[str]:
+    if not vocab:
+        return ["- Draft vocabulary: full (the drafter was trained on the whole vocabulary)."]
+    lines = [f"- Draft vocabulary: the drafter was trained with a reduced draft vocabulary of {vocab} tokens "
+             "(`d2t`). Drafting over the full vocabulary instead keeps the output exact (verification "
+             "decides) but can lower τ a little."]
+    if "vllm" in engines:
+        lines.append(f"  - vLLM: reduced, from `{VLLM_DRAFTER}/` (`draft_vocab_size: {vocab}` in config.json, "
+                     "`d2t.safetensors`, and `lm_head.safetensors` with the target's lm_head rows of the draft "
+                     "tokens, since vLLM's DFlash model computes draft logits with its own head of that size).")
+    for engine in engines:
+        if engine in FULL_VOCAB_REASONS:
+            lines.append(f"  - {ENGINE_NAMES[engine]}: full, from `drafter/`. {FULL_VOCAB_REASONS[engine]}")
+    return lines
 
 
 def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None, sources: dict) -> str:
-    trained = (f" This drafter was trained with a reduced draft vocabulary of {vocab} tokens; drafting over "
-               "the full vocabulary keeps the output exact (verification decides) but can lower τ a little."
-               if vocab else "")
     precision = s.precision or dtype
     lines = [f"# Serving bundle: {s.name}", "",
              f"Target `{s.name}` ({precision}, from `{sources['target']}`) with the DFlash drafter "
              f"`{sources['drafter']}` "
              f"(block size {s.block_size}, taps {s.target_layer_ids}, mask token {s.mask_token_id}), "
-             f"tensor parallel size {s.tp}.", "",
+             f"tensor parallel size {s.tp}, up to {s.max_batch_size} requests at once of up to "
+             f"{s.max_context} tokens each (prompt + output). Every engine serves it as `{s.name}`.", "",
              "## Launch", ""]
     for e in engines:
         lines.append(f"- {ENGINE_NAMES[e]}: `sh {e}/launch.sh [extra engine flags]`")
     if "trtllm" in engines:
-        lines += ["", "`trtllm/extra_llm_api_options.yaml` holds the `speculative_config` (DFlash), "
-                  "`cuda_graph_config` and `tensor_parallel_size`; trtllm-serve reads it with "
-                  "`--extra_llm_api_options` (alias `--config`)."]
+        lines += ["", "`trtllm/extra_llm_api_options.yaml` holds `tensor_parallel_size`, `max_batch_size`, "
+                  "`max_seq_len`, `max_num_tokens`, the `speculative_config` (DFlash) and `cuda_graph_config`; "
+                  "trtllm-serve reads it with `--extra_llm_api_options` (alias `--config`) and lets it override "
+                  "its own flags, so change those values in the YAML, not with `--tp_size` and the like. "
+                  "`--served-model-name` needs a trtllm-serve that has it (TensorRT-LLM pull request 11711); on "
+                  "an older one remove that line and the model is named after its directory (`target`)."]
     lines += ["", "Every launch script changes into the bundle root first: the paths `./target` and "
               "`./drafter` (also in the YAML) are relative to it.", "",
               "## What each engine uses", "",
               "- `drafter/`: z-lab DFlash format (`config.json` with `dflash_config.mask_token_id` and "
               "`target_layer_ids`, `model.safetensors`), read by all three engines.",
-              f"- Draft vocabulary: full. {DRAFT_VOCAB_NOTE}{trained}",
+              *_draft_vocab_lines(engines, vocab),
               "- DLoop (several draft stages per verification) runs only in loopspec's own runtime; the "
               "engines run plain DFlash (one stage per verification).",
               "- `target/`: Hugging Face checkpoint" + (f", modelopt {s.precision.upper()}-quantized." if s.precision
-                                                         else f" in {dtype}.")]
+                                                         else f" in {dtype}.")
+              + " Its config.json carries `rope_theta` beside `rope_parameters` for transformers-4 readers."]
     if s.precision == "nvfp4":
         lines.append("- NVFP4 kernels need a Blackwell GPU (compute capability >= 10.0); other GPUs refuse it.")
     lines += ["", "## Support matrix", "", support_matrix_markdown(), "",
@@ -273,7 +374,8 @@ def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None
     return "\n".join(lines)
 
 
-def _manifest(out: Path, engines: list[str], s: LaunchSettings, dtype: str, sources: dict) -> dict:
+def _manifest(out: Path, engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None,
+              sources: dict) -> dict:
     import importlib.metadata as md
 
     import loopspec
@@ -285,16 +387,19 @@ def _manifest(out: Path, engines: list[str], s: LaunchSettings, dtype: str, sour
         except md.PackageNotFoundError:
             pass
     files = {str(p.relative_to(out)): file_sha256(p) for p in sorted(out.rglob("*")) if p.is_file()}
-    return {"kind": "serving-bundle", "engines": engines, "tensor_parallel_size": s.tp,
+    draft_vocab = draft_vocab_per_engine(engines, vocab)
+    reasons = {e: FULL_VOCAB_REASONS[e] for e in engines if vocab and e in FULL_VOCAB_REASONS}
+    return {"kind": "serving-bundle", "engines": engines, "served_model_name": s.name,
+            "tensor_parallel_size": s.tp, "max_batch_size": s.max_batch_size, "max_context": s.max_context,
             "precision": s.precision or dtype, "block_size": s.block_size, "mask_token_id": s.mask_token_id,
-            "target_layer_ids": s.target_layer_ids, "draft_vocab": "full", "sources": sources, "tools": tools,
-            "files": files}
+            "target_layer_ids": s.target_layer_ids, "trained_draft_vocab_size": vocab, "draft_vocab": draft_vocab,
+            "full_draft_vocab_reasons": reasons, "sources": sources, "tools": tools, "files": files}
 
 
 def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | list[str], *,
                  precision: str | None = None, tp: int = 1, dtype: str = "bfloat16",
-                 mask_token_id: int | None = None, max_batch_size: int = 8, calib_prompts: str | None = None,
-                 calib_size: int | None = None) -> dict:
+                 mask_token_id: int | None = None, max_batch_size: int = 8, max_context: int | None = None,
+                 calib_prompts: str | None = None, calib_size: int | None = None) -> dict:
     """Write a serving bundle for `engines` into `out_dir`; returns its manifest."""
     engines = parse_engines(engines)
     if precision is not None and precision not in PRECISIONS:
@@ -307,6 +412,7 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
 
     target_dir = resolve_target_dir(target)
     target_cfg = TargetConfig.from_hf(read_json(target_dir / "config.json", "target config"))
+    max_context = resolve_max_context(max_context, target_cfg)
     drafter_dir = _resolve_drafter(drafter, target)
     model = Drafter.load(drafter_dir)
     cfg = model.cfg
@@ -318,19 +424,26 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
     check_tp(tp, target_cfg.num_heads, target_cfg.num_kv_heads, "target")
     check_tp(tp, cfg.num_heads, cfg.num_kv_heads, "drafter")
 
+    draft_ids = model.draft_ids  # the reduced draft vocabulary (d2t), None when the drafter has none
+    vocab = None if draft_ids is None else int(draft_ids.numel())
+    with_vllm_drafter = vocab is not None and "vllm" in engines
     name = DEFAULT_TARGET_NAME if str(target) == "default" else target_dir.name
     s = LaunchSettings(name=name, tp=tp, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                        target_layer_ids=list(cfg.target_layer_ids), precision=precision,
-                       max_batch_size=max_batch_size)
+                       max_batch_size=max_batch_size, max_context=max_context,
+                       vllm_drafter=f"./{VLLM_DRAFTER}" if with_vllm_drafter else "./drafter")
     sources = {"target": str(target), "target_fingerprint": target_fingerprint(target_dir),
                "drafter": str(drafter_dir),
                "drafter_files": {p.name: file_sha256(p) for p in sorted(drafter_dir.glob("*")) if p.is_file()}}
 
     with staged_dir(out) as tmp:
-        # the engines draft over the full vocabulary, so the reduced-vocab size is not carried along
-        trained_vocab = cfg.extra.get("draft_vocab_size")
+        # drafter/ drafts over the full vocabulary: no d2t file, no draft-vocabulary size in its config
         cfg.extra = {k: v for k, v in cfg.extra.items() if k != "draft_vocab_size"}
+        model.draft_ids = None
         model.save(tmp / "drafter", dtype=DTYPES[dtype])
+        if with_vllm_drafter:
+            lm_head = target_lm_head(target_dir, target_cfg.tie_word_embeddings)
+            write_vllm_drafter(model, draft_ids, lm_head, tmp / VLLM_DRAFTER, DTYPES[dtype])
         if precision is None:
             export_target(target_dir, tmp / "target", DTYPES[dtype])
         else:
@@ -342,7 +455,7 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
                 path.write_text(text)
                 if path.suffix == ".sh":
                     path.chmod(0o755)
-        (tmp / "README.md").write_text(_readme(engines, s, dtype, trained_vocab, sources))
-        manifest = _manifest(tmp, engines, s, dtype, sources)
+        (tmp / "README.md").write_text(_readme(engines, s, dtype, vocab, sources))
+        manifest = _manifest(tmp, engines, s, dtype, vocab, sources)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

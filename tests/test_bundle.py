@@ -24,7 +24,8 @@ TRTLLM_DFLASH_FIELDS = {"max_draft_len", "max_total_draft_tokens", "speculative_
                         "advanced_sampling_mode", "enable_penalty", "mask_token_id", "target_layer_ids",
                         "decoding_type", "attention_backend"}
 TRTLLM_CUDA_GRAPH_FIELDS = {"batch_sizes", "max_batch_size", "enable_padding"}
-TRTLLM_TOP_LEVEL = {"tensor_parallel_size", "cuda_graph_config", "speculative_config"}
+TRTLLM_TOP_LEVEL = {"tensor_parallel_size", "max_batch_size", "max_seq_len", "max_num_tokens", "cuda_graph_config",
+                    "speculative_config"}
 VLLM_SPECULATIVE_FIELDS = {"method", "model", "num_speculative_tokens", "quantization", "max_model_len",
                            "draft_tensor_parallel_size", "revision", "attention_backend"}
 
@@ -55,9 +56,13 @@ def test_structure_and_manifest(bundle, tiny_pair):
                 "trtllm/extra_llm_api_options.yaml", "trtllm/launch.sh", "vllm/launch.sh", "sglang/launch.sh",
                 "README.md", "manifest.json"):
         assert (out / rel).is_file(), rel
-    assert not (out / "drafter" / "d2t.safetensors").exists()
+    assert not (out / "drafter" / "d2t.safetensors").exists() and not (out / "vllm" / "drafter").exists()
     assert manifest["engines"] == ["trtllm", "vllm", "sglang"]
-    assert manifest["tensor_parallel_size"] == 2 and manifest["draft_vocab"] == "full"
+    assert manifest["tensor_parallel_size"] == 2
+    assert manifest["draft_vocab"] == {"trtllm": "full", "vllm": "full", "sglang": "full"}
+    assert manifest["trained_draft_vocab_size"] is None and manifest["full_draft_vocab_reasons"] == {}
+    assert manifest["served_model_name"] == "target"  # the target's folder name
+    assert (manifest["max_batch_size"], manifest["max_context"]) == (8, 512)  # 4096 capped at the target's 512
     listed = set(manifest["files"])
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"manifest.json"}
     assert listed == on_disk
@@ -85,6 +90,9 @@ def test_trtllm_yaml_matches_the_documented_schema(bundle):
     assert set(options["cuda_graph_config"]) <= TRTLLM_CUDA_GRAPH_FIELDS
     assert options["cuda_graph_config"]["enable_padding"] is True
     assert options["tensor_parallel_size"] == 2
+    # sized by default for 8 requests of the target's whole 512 positions, not TensorRT-LLM's 2048 requests
+    assert options["max_batch_size"] == options["cuda_graph_config"]["max_batch_size"] == 8
+    assert options["max_seq_len"] == 512 and options["max_num_tokens"] == 512
 
 
 def test_launch_commands_carry_the_documented_flags(bundle):
@@ -93,12 +101,15 @@ def test_launch_commands_carry_the_documented_flags(bundle):
 
     trt = launch_argv(out / "trtllm" / "launch.sh")
     assert trt[:2] == ["trtllm-serve", "./target"]
-    assert flag(trt, "--backend") == "pytorch" and flag(trt, "--tp_size") == "2"
+    assert flag(trt, "--backend") == "pytorch" and flag(trt, "--served-model-name") == "target"
     assert (out / flag(trt, "--extra_llm_api_options")).is_file()
+    # tensor parallelism only in the YAML, which trtllm-serve applies over its own flags
+    assert not {"--tp_size", "--tensor_parallel_size"} & set(trt)
 
     vllm = launch_argv(out / "vllm" / "launch.sh")
     assert vllm[:3] == ["vllm", "serve", "./target"]
-    assert flag(vllm, "--tensor-parallel-size") == "2"
+    assert flag(vllm, "--tensor-parallel-size") == "2" and flag(vllm, "--served-model-name") == "target"
+    assert flag(vllm, "--max-model-len") == "512" and flag(vllm, "--max-num-seqs") == "8"
     spec = json.loads(flag(vllm, "--speculative-config"))
     assert set(spec) <= VLLM_SPECULATIVE_FIELDS
     assert spec == {"method": "dflash", "model": "./drafter", "num_speculative_tokens": block - 1}
@@ -106,6 +117,8 @@ def test_launch_commands_carry_the_documented_flags(bundle):
     sgl = launch_argv(out / "sglang" / "launch.sh")
     assert sgl[:3] == ["python", "-m", "sglang.launch_server"]
     assert flag(sgl, "--model-path") == "./target" and flag(sgl, "--tp-size") == "2"
+    assert flag(sgl, "--served-model-name") == "target"
+    assert flag(sgl, "--context-length") == "512" and flag(sgl, "--max-running-requests") == "8"
     assert flag(sgl, "--speculative-algorithm") == "DFLASH"
     assert flag(sgl, "--speculative-draft-model-path") == "./drafter"
     assert flag(sgl, "--speculative-num-draft-tokens") == str(block)  # SGLang counts the anchor
@@ -142,22 +155,115 @@ def test_default_dtype_is_bfloat16(bundle, tiny_pair):
     assert all(torch.equal(weights[k], source[k].to(torch.bfloat16)) for k in source)
 
 
-def test_reduced_vocab_drafter_exports_full_vocab(tiny_pair, tmp_path):
+def reduced_vocab_drafter(drafter_dir, directory, draft_ids):
+    """A copy of `drafter_dir` trained (as loopspec records it) on the draft vocabulary `draft_ids`."""
+    shutil.copytree(drafter_dir, directory)
+    write_safetensors({"d2t": draft_ids - torch.arange(draft_ids.numel())}, directory / "d2t.safetensors")
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["loopspec"] = {"draft_vocab_size": draft_ids.numel()}
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return directory
+
+
+def test_reduced_vocab_drafter_is_kept_for_vllm_and_stripped_for_the_others(tiny_pair, tmp_path):
     target_dir, drafter_dir = tiny_pair
-    src = tmp_path / "drafter_d2t"
-    shutil.copytree(drafter_dir, src)
     draft_ids = torch.tensor([2, 5, 9, 40, 100])
-    write_safetensors({"d2t": draft_ids - torch.arange(5)}, src / "d2t.safetensors")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["loopspec"] = {"draft_vocab_size": 5}
-    (src / "config.json").write_text(json.dumps(cfg))
+    src = reduced_vocab_drafter(drafter_dir, tmp_path / "drafter_d2t", draft_ids)
     out = tmp_path / "b"
-    build_bundle(str(target_dir), str(src), out, "sglang")
-    assert not (out / "drafter" / "d2t.safetensors").exists()
+    manifest = build_bundle(str(target_dir), str(src), out, "all")
+
+    # drafter/ (TensorRT-LLM, SGLang): the full vocabulary, no trace of the reduced one
+    assert sorted(p.name for p in (out / "drafter").iterdir()) == ["config.json", "model.safetensors"]
+    full_cfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert "draft_vocab_size" not in full_cfg and "draft_vocab_size" not in full_cfg.get("loopspec", {})
     assert Drafter.load(out / "drafter").draft_ids is None
-    assert "draft_vocab_size" not in json.loads((out / "drafter" / "config.json").read_text()).get("loopspec", {})
+
+    # vllm/drafter/: what vLLM's DFlash model reads for a reduced vocabulary
+    vllm_dir = out / "vllm" / "drafter"
+    vllm_cfg = json.loads((vllm_dir / "config.json").read_text())
+    assert vllm_cfg["draft_vocab_size"] == 5 and vllm_cfg["vocab_size"] == 128  # the target's vocabulary
+    d2t = read_safetensors(vllm_dir / "d2t.safetensors")["d2t"]
+    assert d2t.dtype == torch.int64 and torch.equal(torch.arange(5) + d2t, draft_ids)  # target id = draft id + d2t
+    head = read_safetensors(vllm_dir / "lm_head.safetensors")["lm_head.weight"]
+    tied_embedding = read_safetensors(target_dir / "model.safetensors")["model.embed_tokens.weight"]  # tiny llama ties
+    assert head.dtype == torch.bfloat16 and torch.equal(head, tied_embedding[draft_ids].to(torch.bfloat16))
+    assert (vllm_dir / "model.safetensors").read_bytes() == (out / "drafter" / "model.safetensors").read_bytes()
+    assert torch.equal(Drafter.load(vllm_dir).draft_ids, draft_ids)  # loopspec reads it back too
+
+    # each launch points at the drafter it can use
+    assert json.loads(flag(launch_argv(out / "vllm" / "launch.sh"), "--speculative-config"))["model"] == "./vllm/drafter"
+    assert flag(launch_argv(out / "sglang" / "launch.sh"), "--speculative-draft-model-path") == "./drafter"
+    import yaml
+
+    options = yaml.safe_load((out / "trtllm" / "extra_llm_api_options.yaml").read_text())
+    assert options["speculative_config"]["speculative_model"] == "./drafter"
+
+    assert manifest["trained_draft_vocab_size"] == 5
+    assert manifest["draft_vocab"] == {"trtllm": "full", "vllm": 5, "sglang": "full"}
+    reasons = manifest["full_draft_vocab_reasons"]
+    assert set(reasons) == {"trtllm", "sglang"}
+    assert "lm_head" in reasons["trtllm"] and "draft_vocab_size" in reasons["trtllm"] and "lm_head" in reasons["sglang"]
     readme = (out / "README.md").read_text()
-    assert "reduced draft vocabulary of 5 tokens" in readme and "DLoop" in readme
+    assert "reduced draft vocabulary of 5 tokens" in readme and "`vllm/drafter/`" in readme
+    assert reasons["trtllm"] in readme and reasons["sglang"] in readme and "DLoop" in readme
+
+
+def test_reduced_vocab_without_vllm_is_stripped_with_its_reason(tiny_pair, tmp_path):
+    target_dir, drafter_dir = tiny_pair
+    src = reduced_vocab_drafter(drafter_dir, tmp_path / "drafter_d2t", torch.tensor([2, 5, 9]))
+    out = tmp_path / "b"
+    manifest = build_bundle(str(target_dir), str(src), out, "sglang")
+    assert not (out / "vllm").exists() and not (out / "drafter" / "d2t.safetensors").exists()
+    assert manifest["draft_vocab"] == {"sglang": "full"}
+    assert list(manifest["full_draft_vocab_reasons"]) == ["sglang"]
+    assert manifest["full_draft_vocab_reasons"]["sglang"] in (out / "README.md").read_text()
+
+
+def test_untied_target_lm_head_rows(tiny_targets):
+    from loopspec.convert.bundle import target_lm_head
+
+    qwen3 = tiny_targets["qwen3"]  # untied: its own lm_head.weight
+    assert torch.equal(target_lm_head(qwen3, tied=False), read_safetensors(qwen3 / "model.safetensors")["lm_head.weight"])
+
+
+def test_target_config_carries_rope_theta_beside_rope_parameters(tmp_path):
+    from loopspec.model.drafter import DrafterConfig
+    from loopspec.weights import load_target_dir
+
+    target_dir = save_tiny_target("llama", tmp_path / "target", rope_scaling={"rope_type": "default",
+                                                                              "rope_theta": 123456.0})
+    save_tiny_tokenizer(target_dir)
+    source = json.loads((target_dir / "config.json").read_text())
+    assert source.get("rope_theta") is None and source["rope_parameters"]["rope_theta"] == 123456.0
+    cfg = DrafterConfig.for_target(load_target_dir(target_dir).cfg, num_layers=1, block_size=4, mask_token_id=127)
+    Drafter(cfg).save(tmp_path / "drafter")
+    out = tmp_path / "b"
+    build_bundle(str(target_dir), str(tmp_path / "drafter"), out, "vllm")
+    exported = json.loads((out / "target" / "config.json").read_text())
+    # a transformers-4 reader takes θ from rope_theta (and would assume 10000 without it)
+    assert exported["rope_theta"] == 123456.0
+    assert exported["rope_parameters"] == source["rope_parameters"]
+
+
+def test_max_batch_size_and_max_context_size_every_engine(tiny_pair, tmp_path):
+    import yaml
+
+    target_dir, drafter_dir = tiny_pair  # block size 6
+    for batch, context, tokens in ((4, 256, 256), (64, 128, 64 * 6)):  # tokens: a whole prompt, or every block
+        out = tmp_path / f"b{batch}"
+        manifest = build_bundle(str(target_dir), str(drafter_dir), out, "all", max_batch_size=batch,
+                                max_context=context)
+        assert (manifest["max_batch_size"], manifest["max_context"]) == (batch, context)
+        options = yaml.safe_load((out / "trtllm" / "extra_llm_api_options.yaml").read_text())
+        assert (options["max_batch_size"], options["max_seq_len"], options["max_num_tokens"]) == (batch, context, tokens)
+        assert options["cuda_graph_config"]["max_batch_size"] == batch
+        vllm = launch_argv(out / "vllm" / "launch.sh")
+        assert (flag(vllm, "--max-num-seqs"), flag(vllm, "--max-model-len")) == (str(batch), str(context))
+        sgl = launch_argv(out / "sglang" / "launch.sh")
+        assert (flag(sgl, "--max-running-requests"), flag(sgl, "--context-length")) == (str(batch), str(context))
+    for context in (0, 513):
+        with pytest.raises(LoopspecError, match="max context must be between 1 and the target's 512 positions"):
+            build_bundle(str(target_dir), str(drafter_dir), tmp_path / "x", "vllm", max_context=context)
 
 
 def test_tp_sets_every_launch(tiny_pair, tmp_path):
@@ -168,7 +274,7 @@ def test_tp_sets_every_launch(tiny_pair, tmp_path):
     build_bundle(str(target_dir), str(drafter_dir), out, "trtllm,vllm,sglang", tp=4)  # 4 heads, 2 K/V heads
     options = yaml.safe_load((out / "trtllm" / "extra_llm_api_options.yaml").read_text())
     assert options["tensor_parallel_size"] == 4
-    assert flag(launch_argv(out / "trtllm" / "launch.sh"), "--tp_size") == "4"
+    assert "--tp_size" not in launch_argv(out / "trtllm" / "launch.sh")  # one place: the YAML
     assert flag(launch_argv(out / "vllm" / "launch.sh"), "--tensor-parallel-size") == "4"
     assert flag(launch_argv(out / "sglang" / "launch.sh"), "--tp-size") == "4"
 
@@ -215,6 +321,7 @@ def test_fp8_bundle_has_a_modelopt_target(tiny_pair, tmp_path):
     assert manifest["precision"] == "fp8"
     config = json.loads((out / "target" / "config.json").read_text())
     assert "quantization_config" in config and (out / "target" / "hf_quant_config.json").is_file()
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0  # kept through modelopt
     weights = read_safetensors(out / "target" / "model.safetensors")
     assert any(t.dtype == torch.float8_e4m3fn for t in weights.values())
     assert flag(launch_argv(out / "sglang" / "launch.sh"), "--speculative-draft-model-quantization") == "unquant"
@@ -259,9 +366,16 @@ def test_cli_convert_bundle(tiny_pair, tmp_path, capsys):
     target_dir, drafter_dir = tiny_pair
     out = tmp_path / "cli"
     assert main(["convert", "bundle", "--engine", "vllm,sglang", "--target", str(target_dir),
-                 "--drafter", str(drafter_dir), "--tp", "2", "--out", str(out)]) == 0
+                 "--drafter", str(drafter_dir), "--tp", "2", "--max-batch-size", "3", "--max-context", "200",
+                 "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"sh {out / 'vllm' / 'launch.sh'}" in printed and "tensor parallel 2" in printed
+    vllm = launch_argv(out / "vllm" / "launch.sh")
+    assert (flag(vllm, "--max-num-seqs"), flag(vllm, "--max-model-len")) == ("3", "200")
+    assert main(["convert", "bundle", "--engine", "vllm", "--target", str(target_dir), "--drafter", str(drafter_dir),
+                 "--max-context", "100000", "--out", str(tmp_path / "long")]) == 2
+    assert capsys.readouterr().err.strip() == ("loopspec: error: max context must be between 1 and the target's "
+                                               "512 positions, got 100000")
     assert main(["convert", "bundle", "--engine", "tgi", "--target", str(target_dir), "--drafter",
                  str(drafter_dir), "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip()
