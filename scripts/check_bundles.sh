@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Run vLLM's and SGLang's own configuration code on loopspec serving bundles, as a user of each engine
+# would: vLLM `make_arg_parser` -> `AsyncEngineArgs.from_cli_args(...).create_engine_config()`, SGLang
+# `prepare_server_args` + `ModelConfig`, each on the bundle's own launch line.
+#
+#     scripts/check_bundles.sh [WORK_DIR]     (default: ${TMPDIR:-/tmp}/loopspec-check-bundles)
+#
+# The engines go into a scratch virtualenv in WORK_DIR, outside the repository: torch 2.13 CPU first
+# (so nothing below can pull a CUDA torch), then vLLM 0.33 and SGLang 0.5.23 without their
+# dependencies, plus only the packages their configuration code imports. No GPU is needed. Bundles of
+# the default pair are built with this checkout's `loopspec convert bundle`: bf16, tensor parallel 3
+# (SmolLM2's 9 heads / 3 K/V heads split 1 or 3 ways, not 2), and FP8 when nvidia-modelopt is
+# installed beside loopspec. Prints one PASS/FAIL line per check; exits 1 if any check fails.
+# Takes a few minutes (downloads about 500 MB once). Not part of the test suite.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+work="${1:-${TMPDIR:-/tmp}/loopspec-check-bundles}"
+case "$work" in "$root"|"$root"/*) echo "check_bundles: WORK_DIR must be outside the repository" >&2; exit 2;; esac
+if [ -x "$root/.venv/bin/loopspec" ]; then loopspec="$root/.venv/bin/loopspec"; else loopspec="$(command -v loopspec)"; fi
+loopspec_python="$(dirname "$loopspec")/python"
+
+TORCH="torch==2.13.0+cpu"             # the CPU build: a local label no CUDA wheel carries
+TORCHVISION="torchvision==0.28.0+cpu"  # SGLang's config package imports torchvision (InternVL helpers)
+TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
+# what the engines' configuration code imports (found by running it), not their serving stacks
+VLLM_CONFIG_DEPS=(transformers==5.19.0 psutil cbor2 pyzmq urllib3 aiohttp requests openai openai-harmony msgspec
+                  cloudpickle pillow pybase64 cachetools uvloop py-cpuinfo fastapi prometheus_client
+                  partial_json_parser xgrammar llguidance einops)
+SGLANG_CONFIG_DEPS=(orjson ipython dill sentencepiece compressed-tensors gguf)
+
+echo "== scratch environment: $work/venv (pip output in $work/install.log)"
+rm -rf "$work/venv" "$work/bundles" "$work/install.log"
+mkdir -p "$work"
+python3 -m venv "$work/venv"
+install() {  # pip install, its output kept in the log; the log's end is shown when it fails
+    "$work/venv/bin/pip" install --disable-pip-version-check "$@" >> "$work/install.log" 2>&1
+}
+# every later install must keep this torch: pip fails rather than replace it
+echo "$TORCH" > "$work/constraints.txt"
+install "$TORCH" || install --index-url "$TORCH_CPU_INDEX" --extra-index-url https://pypi.org/simple "$TORCH" \
+    || { tail -20 "$work/install.log"; exit 1; }
+install -c "$work/constraints.txt" "${VLLM_CONFIG_DEPS[@]}" "${SGLANG_CONFIG_DEPS[@]}" || { tail -20 "$work/install.log"; exit 1; }
+VLLM_TARGET_DEVICE=cpu install --no-deps "vllm==0.33.*" "sglang==0.5.23" || { tail -20 "$work/install.log"; exit 1; }
+# only the CPU build of torchvision loads beside a CPU torch; where it cannot be had, the SGLang
+# ModelConfig check says so instead of passing
+install --no-deps --retries 0 --timeout 20 --index-url "$TORCH_CPU_INDEX" "$TORCHVISION" \
+    || install --no-deps "$TORCHVISION" || echo "   ($TORCHVISION cannot be installed here)"
+"$work/venv/bin/python" -c "import torch, vllm, sglang, transformers; print('   torch', torch.__version__, '| vllm',
+vllm.__version__, '| sglang', sglang.__version__, '| transformers', transformers.__version__)" 2>/dev/null
+
+echo "== bundles of the default pair ($loopspec)"
+bundles=("$work/bundles/bf16" "$work/bundles/bf16-tp3")
+"$loopspec" convert bundle --engine all --out "$work/bundles/bf16" > /dev/null
+"$loopspec" convert bundle --engine all --tp 3 --out "$work/bundles/bf16-tp3" > /dev/null
+if "$loopspec_python" -c "import modelopt" 2>/dev/null; then
+    "$loopspec" convert bundle --engine all --precision fp8 --calib-size 8 --out "$work/bundles/fp8" > /dev/null
+    bundles+=("$work/bundles/fp8")
+else
+    echo "   (no FP8 bundle: nvidia-modelopt is not installed beside loopspec)"
+fi
+
+echo "== the engines' own parsers"
+# CPU platform for vLLM, its log quiet; every model is a local bundle directory, so nothing is fetched from a hub
+VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=WARNING HF_HUB_OFFLINE=1 "$work/venv/bin/python" "$root/scripts/check_bundles_parsers.py" "${bundles[@]}"

@@ -1,0 +1,124 @@
+"""Run vLLM's and SGLang's own configuration code on serving bundles (called by check_bundles.sh,
+inside its scratch environment, which has the engines but not loopspec).
+
+    python scripts/check_bundles_parsers.py BUNDLE_DIR [BUNDLE_DIR ...]
+
+For each bundle and engine: parse the bundle's launch.sh exactly as the engine's own command line
+would, build the engine's configuration from it, and compare what the engine resolved with what the
+bundle's manifest.json says. One line per check, PASS or FAIL with the reason; exit 1 on a failure.
+"""
+
+import json
+import os
+import shlex
+import sys
+import traceback
+from pathlib import Path
+
+
+def launch_argv(script: Path) -> list[str]:
+    """The argv of a launch script's `exec` line (continuation lines joined, "$@" dropped)."""
+    text = script.read_text().replace("\\\n", " ")
+    line = next(l for l in text.splitlines() if l.startswith("exec "))
+    return [a for a in shlex.split(line)[1:] if a != "$@"]
+
+
+def expect(what: str, got, want) -> None:
+    if got != want:
+        raise AssertionError(f"{what} is {got!r}, the bundle says {want!r}")
+
+
+def check_vllm(bundle: Path, manifest: dict) -> str:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = launch_argv(bundle / "vllm" / "launch.sh")
+    assert argv[:2] == ["vllm", "serve"], argv[:2]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
+    args.model = args.model_tag  # what `vllm serve MODEL` does with its positional argument
+    config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    spec = config.speculative_config
+    expect("speculative method", spec.method, "dflash")
+    expect("num_speculative_tokens", spec.num_speculative_tokens, manifest["block_size"] - 1)
+    expect("tensor_parallel_size", config.parallel_config.tensor_parallel_size, manifest["tensor_parallel_size"])
+    expect("max_model_len", config.model_config.max_model_len, manifest["max_context"])
+    expect("max_num_seqs", config.scheduler_config.max_num_seqs, manifest["max_batch_size"])
+    expect("served model name", config.model_config.served_model_name, manifest["served_model_name"])
+    draft_vocab = getattr(spec.draft_model_config.hf_config, "draft_vocab_size", None) or "full"
+    expect("draft vocabulary", draft_vocab, manifest["draft_vocab"]["vllm"])
+    quantization = config.model_config.quantization
+    return (f"dflash k={spec.num_speculative_tokens}, tp={config.parallel_config.tensor_parallel_size}, "
+            f"max_model_len={config.model_config.max_model_len}, draft vocab {draft_vocab}, "
+            f"quantization {quantization}")
+
+
+def sglang_server_args(bundle: Path):
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = launch_argv(bundle / "sglang" / "launch.sh")
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"], argv[:3]
+    return prepare_server_args(argv[3:])
+
+
+def check_sglang_server_args(bundle: Path, manifest: dict) -> str:
+    server_args = sglang_server_args(bundle)
+    expect("speculative algorithm", server_args.speculative_algorithm, "DFLASH")
+    expect("speculative_num_draft_tokens", server_args.speculative_num_draft_tokens, manifest["block_size"])
+    expect("tp_size", server_args.tp_size, manifest["tensor_parallel_size"])
+    expect("context_length", server_args.context_length, manifest["max_context"])
+    expect("max_running_requests", server_args.max_running_requests, manifest["max_batch_size"])
+    expect("served model name", server_args.served_model_name, manifest["served_model_name"])
+    return (f"DFLASH {server_args.speculative_num_draft_tokens} tokens, tp={server_args.tp_size}, "
+            f"context {server_args.context_length}, drafter quantization "
+            f"{server_args.speculative_draft_model_quantization}")
+
+
+def check_sglang_model_config(bundle: Path, manifest: dict) -> str:
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        raise RuntimeError("SGLang's config package imports torchvision (sglang/srt/configs/__init__.py -> "
+                           "nano_nemotron_vl -> multimodal/internvl_utils.py) and no CPU torchvision "
+                           "0.28 is installed") from None
+    from sglang.srt.configs.model_config import ModelConfig
+
+    server_args = sglang_server_args(bundle)
+    target = ModelConfig.from_server_args(server_args)
+    draft = ModelConfig.from_server_args(server_args, model_path=server_args.speculative_draft_model_path,
+                                         is_draft_model=True)
+    expect("target context length", target.context_len, manifest["max_context"])
+    expect("drafter vocabulary", draft.vocab_size, target.vocab_size)
+    return f"target context {target.context_len}, quantization {target.quantization}; drafter vocab {draft.vocab_size}"
+
+
+# (engine, what runs, check)
+CHECKS = [("vllm", "make_arg_parser -> AsyncEngineArgs.create_engine_config", check_vllm),
+          ("sglang", "prepare_server_args", check_sglang_server_args),
+          ("sglang", "ModelConfig (target and drafter)", check_sglang_model_config)]
+
+
+def main(bundles: list[str]) -> int:
+    failures = 0
+    for bundle in map(Path, bundles):
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        label = f"{bundle.name} ({manifest['precision']}, tp={manifest['tensor_parallel_size']})"
+        for engine, what, check in CHECKS:
+            if engine not in manifest["engines"]:
+                continue
+            cwd = Path.cwd()
+            os.chdir(bundle)  # the launch lines use paths relative to the bundle root
+            try:
+                print(f"PASS {engine} {label}: {what}: {check(bundle.resolve(), manifest)}", flush=True)
+            except BaseException as e:  # an engine's own parser may also exit (SystemExit)
+                failures += 1
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                print(f"FAIL {engine} {label}: {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                      f"({Path(where.filename).name}:{where.lineno})", flush=True)
+            finally:
+                os.chdir(cwd)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
