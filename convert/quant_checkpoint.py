@@ -98,9 +98,7 @@ def export_drafter_checkpoint(qdrafter: Drafter, out_dir: str | Path) -> Path:
     cfg["quantization_config"] = quantization_config
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out_dir / "hf_quant_config.json").write_text(json.dumps(quant, indent=2) + "\n")
-    if qdrafter.draft_ids is not None:  # EAGLE-3 / vLLM convention: target id = draft id + d2t
-        d2t = qdrafter.draft_ids - torch.arange(qdrafter.draft_ids.numel())
-        write_safetensors({"d2t": d2t.to(torch.int64)}, out_dir / "d2t.safetensors")
+    qdrafter.save_d2t(out_dir)
     return out_dir
 
 

@@ -36,6 +36,7 @@ from torch import nn
 from loopspec.convert.qdq import PRECISIONS, check_precision
 from loopspec.engines.staging import check_out_dir, replace_dir, staged_dir
 from loopspec.errors import LoopspecError
+from loopspec.pair import load_pair
 from loopspec.prompts import read_prompts
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
@@ -385,29 +386,6 @@ def failed_checks(validation: dict) -> list[str]:
     return out
 
 
-def load_pair(target: str, drafter: str, mask_token_id: int | None = None):
-    """(target dir, Target, tokenizer, drafter dir, Drafter) as plain fp32 modules (no inference
-    packing: modelopt quantizes nn.Linear modules). The drafter must be a trained one in a directory."""
-    from loopspec.defaults import DEFAULT_DRAFTER_DIR
-    from loopspec.model.drafter import check_fits, resolve_mask_token_id
-    from loopspec.weights import load_target_dir, load_tokenizer, resolve_target_dir
-
-    target_dir = resolve_target_dir(target)
-    if drafter in (None, "none"):
-        raise LoopspecError("quantize needs a drafter (got --drafter none)")
-    if drafter == "default":
-        if str(target) != "default" or not DEFAULT_DRAFTER_DIR.is_dir():
-            raise LoopspecError("quantize needs a trained drafter: pass --drafter DIR (the shipped one fits only "
-                                "--target default)")
-        drafter = DEFAULT_DRAFTER_DIR
-    model, tokenizer = load_target_dir(target_dir), load_tokenizer(target_dir)
-    draft = Drafter.load(drafter)
-    if draft.cfg.mask_token_id is None:
-        draft.cfg.mask_token_id = resolve_mask_token_id(mask_token_id, len(tokenizer), model.cfg.vocab_size)
-    check_fits(draft.cfg, model.cfg)
-    return target_dir, model, tokenizer, Path(drafter), draft
-
-
 def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: str,
                   calib_prompts: str | Path | None = None, calib_size: int = DEFAULT_CALIB_SIZE,
                   target_too: bool = False, max_context: int | None = None, mask_token_id: int | None = None,
@@ -439,7 +417,11 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
     if num_threads:
         torch.set_num_threads(num_threads)
     t0 = time.perf_counter()
-    target_dir, target_model, tokenizer, drafter_dir, drafter_model = load_pair(target, drafter, mask_token_id)
+    if drafter in (None, "none"):
+        raise LoopspecError("quantize needs a drafter (got --drafter none)")
+    pair = load_pair(target, drafter, mask_token=mask_token_id, trained=True)  # plain fp32 modules: modelopt
+    target_dir, target_model, tokenizer = pair.target_dir, pair.target, pair.tokenizer  # quantizes nn.Linear
+    drafter_dir, drafter_model = pair.drafter_dir, pair.drafter
     sequences = calibration_sequences(target_model, tokenizer, prompts, calib_size)
     calibration = {"tool": "nvidia-modelopt", "config": MODELOPT_CONFIG_NAMES[precision], "algorithm": "max",
                    "prompts": str(calib_prompts) if calib_prompts else "built-in", "calib_size": len(sequences),

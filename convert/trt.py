@@ -16,7 +16,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from loopspec.engines.manifest import Manifest, read_manifest, sha256_file, tool_versions, write_manifest
+from loopspec.engines.manifest import Manifest, read_manifest, tool_versions, write_manifest
+from loopspec.weights import file_sha256
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.engines.trt import check_precision_supported, cuda_capability, profile_shapes, require_tensorrt
 from loopspec.errors import LoopspecError
@@ -89,7 +90,7 @@ def build_plans(onnx_dir: str | Path, out_dir: str | Path, precision: str | None
         manifest = write_manifest(
             tmp, stage="tensorrt", precision=precision, specs=specs, engine_files=files,
             sources={"onnx": {"path": str(Path(onnx_dir).resolve()),
-                              "manifest_sha256": sha256_file(Path(onnx_dir) / "manifest.json")}},
+                              "manifest_sha256": file_sha256(Path(onnx_dir) / "manifest.json")}},
             settings=settings, tools=tool_versions(("tensorrt", "torch", "loopspec")),
             parent={k: v for k, v in source.data.items() if k != "files"})
     return Manifest(out, manifest.data)

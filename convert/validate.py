@@ -23,7 +23,7 @@ from loopspec.engines.manifest import read_manifest
 from loopspec.engines.ort import EngineSession, check_precision
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter
+from loopspec.model.drafter import Drafter, draft_head_weight, greedy_drafts
 from loopspec.model.target import Target
 
 # per precision: relative tolerance of every engine output, largest allowed relative τ drop
@@ -55,8 +55,7 @@ class Reference:
         self.target, self.drafter = target.eval(), drafter.eval() if drafter is not None else None
         if drafter is not None:
             target.set_taps(drafter.cfg.target_layer_ids)
-            ids = drafter.draft_ids
-            self.head = target.lm_head.weight[ids] if ids is not None else target.lm_head.weight
+            self.head = draft_head_weight(target.lm_head.weight, drafter.draft_ids)
 
     @torch.inference_mode()
     def block(self, anchor: int, position: int, k: int, ctx_k, ctx_v):
@@ -64,10 +63,7 @@ class Reference:
         ids = torch.full((1, k), d.cfg.mask_token_id, dtype=torch.long)
         ids[0, 0] = anchor
         hidden = d(self.target.embed_tokens(ids), torch.arange(position, position + k), ctx_k, ctx_v)  # [1, k, H]
-        logits = F.linear(hidden[0, 1:], self.head)  # [k-1, V or Vd]
-        best, index = logits.max(-1)
-        logprobs = best - torch.logsumexp(logits, dim=-1)
-        drafts = d.draft_ids[index] if d.draft_ids is not None else index
+        drafts, logprobs = greedy_drafts(F.linear(hidden[0, 1:], self.head), d.draft_ids)  # [k-1] each
         return drafts, logprobs, hidden[0]
 
     @torch.inference_mode()
@@ -114,7 +110,6 @@ def engine_errors(ref: Reference, sessions: dict[str, EngineSession], prompt: li
         context_lengths=np.asarray([ctx_k.shape[3]], dtype=np.int64))
     out[DRAFTER_BLOCK] = {"draft_ids": relative_error(run["draft_ids"][0], drafts),
                           "draft_logprobs": relative_error(run["draft_logprobs"][0], logprobs),
-                          "gate_score": relative_error(run["gate_score"], logprobs.sum()[None]),
                           "hidden": relative_error(run["hidden"][0], hidden)}
     start = len(prompt)
     pseudo_k, pseudo_v = ref.context(hidden[None, 1:], start, from_taps=False)

@@ -41,11 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopspec.engines.manifest import Manifest, sha256_file, source_hashes, write_manifest
+from loopspec.engines.manifest import Manifest, source_hashes, write_manifest
+from loopspec.weights import file_sha256
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MAX_BATCH,
                                     TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.engines.staging import check_out_dir, staged_dir
-from loopspec.model.drafter import Drafter
+from loopspec.model.drafter import Drafter, draft_head_weight, greedy_drafts
 from loopspec.model.target import Target
 
 
@@ -233,8 +234,7 @@ class DrafterContext(nn.Module):
 
 class DrafterBlock(nn.Module):
     """(block_ids [B, k], positions [B, k], context_key/context_value [N, B, kvh, C, hd],
-    context_lengths [B]) → draft_ids [B, k-1] (target ids), draft_logprobs [B, k-1], gate_score [B],
-    hidden [B, k, H].
+    context_lengths [B]) → draft_ids [B, k-1] (target ids), draft_logprobs [B, k-1], hidden [B, k, H].
 
     The block embeds with the target's embedding and drafts with the target's lm_head rows (only the
     reduced draft vocabulary's rows when the drafter has a d2t map; ids are mapped back in-graph)."""
@@ -246,8 +246,7 @@ class DrafterBlock(nn.Module):
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.register_buffer("embed_weight", embed_weight.detach())
         draft_ids = drafter.draft_ids
-        head = lm_head_weight.detach()[draft_ids] if draft_ids is not None else lm_head_weight.detach()
-        self.register_buffer("head_weight", head)
+        self.register_buffer("head_weight", draft_head_weight(lm_head_weight.detach(), draft_ids))
         self.register_buffer("draft_to_target", draft_ids.clone() if draft_ids is not None else None)
         # q, k and v of each layer as one product, as the target's qkv_proj
         self.qkv_proj = nn.ModuleList(fused_linear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
@@ -276,11 +275,8 @@ class DrafterBlock(nn.Module):
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
         hidden = rms_norm(x, d.norm.weight, d.norm.eps)  # [B, k, H]
-        logits = F.linear(hidden[:, 1:], self.head_weight)  # [B, k-1, V or Vd]
-        best, index = logits.max(dim=-1)  # [B, k-1]
-        logprobs = -torch.log(torch.exp(logits - best[..., None]).sum(-1))  # log softmax at the argmax
-        draft_ids = self.draft_to_target[index] if self.draft_to_target is not None else index
-        return draft_ids, logprobs, logprobs.sum(-1), hidden
+        draft_ids, logprobs = greedy_drafts(F.linear(hidden[:, 1:], self.head_weight), self.draft_to_target)  # [B, k-1]
+        return draft_ids, logprobs, hidden
 
 
 # --------------------------------------------------------------------------------------------------
@@ -362,7 +358,7 @@ def export_code_sha256() -> str:
 
     h = hashlib.sha256()
     for source in (Path(__file__), Path(specs.__file__)):
-        h.update(sha256_file(source).encode())
+        h.update(file_sha256(source).encode())
     return h.hexdigest()
 
 
@@ -384,8 +380,6 @@ def source_key(target_dir: Path, drafter: Drafter | None, drafter_dir: Path | No
 def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> None:
     """What running needs besides the graphs: the target's config + tokenizer files, the drafter's
     config (mask token resolved) and its d2t map."""
-    from loopspec.weights import write_safetensors
-
     (out_dir / TARGET_SUBDIR).mkdir()
     for f in sorted(Path(target_dir).iterdir()):
         if (f.is_file() and not f.name.startswith(".") and f.suffix not in WEIGHT_SUFFIXES
@@ -394,9 +388,7 @@ def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> 
     if drafter is not None:
         (out_dir / DRAFTER_SUBDIR).mkdir()
         (out_dir / DRAFTER_SUBDIR / "config.json").write_text(json.dumps(drafter.cfg.to_zlab(), indent=2) + "\n")
-        if drafter.draft_ids is not None:  # EAGLE-3 / vLLM convention: target id = draft id + d2t
-            d2t = drafter.draft_ids - torch.arange(drafter.draft_ids.numel())
-            write_safetensors({"d2t": d2t}, out_dir / DRAFTER_SUBDIR / "d2t.safetensors")
+        drafter.save_d2t(out_dir / DRAFTER_SUBDIR)
 
 
 def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path, *, target_dir: str | Path,

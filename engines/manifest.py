@@ -9,25 +9,17 @@ a manifest from elsewhere is a clear error instead of a wrong answer.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from loopspec.engines.specs import DRAFTER_ENGINES, TARGET_VERIFY, EngineSpec
 from loopspec.errors import LoopspecError
+from loopspec.weights import file_sha256
 
 MANIFEST = "manifest.json"
 FORMAT = "loopspec-artifacts"
 FORMAT_VERSION = 1
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def tool_versions(names=("torch", "onnx", "onnxruntime", "onnxscript", "loopspec")) -> dict[str, str | None]:
@@ -52,7 +44,7 @@ def source_hashes(directory: str | Path | None, names: list[str] | None = None) 
         f.name for f in directory.iterdir()
         if f.is_file() and (f.suffix in (".safetensors", ".gguf") or f.name == "config.json"))
     return {"path": str(directory.resolve()),
-            "files": {n: sha256_file(directory / n) for n in files if (directory / n).is_file()}}
+            "files": {n: file_sha256(directory / n) for n in files if (directory / n).is_file()}}
 
 
 @dataclass
@@ -97,7 +89,7 @@ def write_manifest(directory: str | Path, *, stage: str, precision: str, specs: 
     engine_files: {engine name: file name relative to directory}; sources: provenance of the inputs
     (e.g. {"target": source_hashes(dir), "drafter": ...}); parent: the manifest of the previous stage."""
     directory = Path(directory)
-    files = {str(f.relative_to(directory)): sha256_file(f) for f in sorted(directory.rglob("*"))
+    files = {str(f.relative_to(directory)): file_sha256(f) for f in sorted(directory.rglob("*"))
              if f.is_file() and f.name != MANIFEST}
     for engine, name in engine_files.items():
         if name not in files:
@@ -156,7 +148,7 @@ def read_manifest(directory: str | Path, verify: bool = True, require_drafter: b
         if not f.is_file():
             raise LoopspecError(f"{directory}: missing artifact file {name} (listed in {MANIFEST})")
         if verify:
-            actual = sha256_file(f)
+            actual = file_sha256(f)
             if actual != digest:
                 raise LoopspecError(f"{directory}: hash mismatch for {name} (sha256 {actual[:12]}…, manifest says "
                                     f"{digest[:12]}…): the file changed after export; re-export it")

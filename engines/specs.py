@@ -192,8 +192,8 @@ def drafter_context_hidden_spec(drafter, max_context: int, block_size: int | Non
 
 def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
                        max_block: int | None = None, max_batch: int = MAX_BATCH) -> EngineSpec:
-    """Block ids [anchor, MASK…] + positions + context K/V → draft target-token ids, their log-probs,
-    the gate score (their sum) and the final-norm hidden states. Row b's context slot j is seen iff
+    """Block ids [anchor, MASK…] + positions + context K/V → draft target-token ids, their log-probs
+    and the final-norm hidden states. Row b's context slot j is seen iff
     j < context_lengths[b]; the block sees all of itself."""
     block_size = block_size or drafter.block_size
     max_block = max(max_block or block_size, block_size)
@@ -205,7 +205,6 @@ def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
               TensorSpec("context_lengths", "int64", ("batch",)))
     outputs = (TensorSpec("draft_ids", "int64", ("batch", "drafts")),
                TensorSpec("draft_logprobs", "float32", ("batch", "drafts")),
-               TensorSpec("gate_score", "float32", ("batch",)),
                TensorSpec("hidden", "float32", ("batch", "block", drafter.hidden_size)))
     ranges = {"batch": batch_range(max_batch), "block": (2, block_size, max_block),
               "context": (1, max_context // 2, max_context)}

@@ -205,23 +205,22 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     import torch
 
-    from loopspec.model.drafter import Drafter, DrafterConfig, check_fits, resolve_mask_token_id
+    from loopspec.model.drafter import Drafter, DrafterConfig, check_fits
     from loopspec.model.target import default_target_layer_ids
-    from loopspec.defaults import DEFAULT_TARGET_MASK_TOKEN_ID
+    from loopspec.pair import load_pair, mask_token_id
     from loopspec.train.data import read_samples
     from loopspec.train.run import train_drafter
     from loopspec.train.trainer import DraftVocab, TrainConfig, top_token_vocab
-    from loopspec.weights import load_target_dir, load_tokenizer, resolve_target_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)
     for name in ("lr", "epochs"):
         if not getattr(args, name) > 0:
             raise LoopspecError(f"--{name} must be > 0")
-    target_dir = resolve_target_dir(args.target)
-    target = load_target_dir(target_dir)
+    pair = load_pair(args.target, args.init or "none", mask_token=args.mask_token_id)
+    target = pair.target
     if args.init:
-        drafter = Drafter.load(args.init)
+        drafter = pair.drafter
         if args.num_layers is not None and args.num_layers != drafter.cfg.num_layers:
             if args.num_layers < drafter.cfg.num_layers:
                 raise LoopspecError(f"--num-layers {args.num_layers} is fewer than the --init drafter's "
@@ -232,10 +231,7 @@ def cmd_train(args) -> int:
                 raise LoopspecError(f"block size must be at least 2, got {args.block_size}")
             drafter.cfg.block_size = args.block_size
     else:
-        mask = args.mask_token_id
-        if mask is None and args.target == "default":
-            mask = DEFAULT_TARGET_MASK_TOKEN_ID
-        mask = resolve_mask_token_id(mask, len(load_tokenizer(target_dir)), target.cfg.vocab_size)
+        mask = mask_token_id(args.mask_token_id, args.target, pair.tokenizer, target.cfg.vocab_size)
         taps = _int_list(args.tap_layers, "--tap-layers") or default_target_layer_ids(
             target.cfg.num_layers, args.num_taps or args.num_layers or 1)
         cfg = DrafterConfig.for_target(target.cfg, num_layers=args.num_layers or 1, block_size=args.block_size or 16,
@@ -281,7 +277,7 @@ def cmd_tune(args) -> int:
                          trt_dir=args.trt_dir)
     if not pipe.engine.has_drafter:
         raise LoopspecError("tune needs a drafter")
-    block_sizes = _int_list(args.block_sizes, "--block-sizes") or [pipe.default_block_size]
+    block_sizes = _int_list(args.block_sizes, "--block-sizes") or [pipe.engine.drafter_cfg.block_size]
     if min(block_sizes) < 2:
         raise LoopspecError("--block-sizes must be >= 2")
     prompts = [pipe.encode(t) for t in texts]
@@ -323,9 +319,11 @@ def cmd_data(args) -> int:
 
     from loopspec.decoding import SamplingParams
     from loopspec.model.target import default_target_layer_ids
+    from loopspec.pair import load_pair
+    from loopspec.runtime import decoder
     from loopspec.train.data import build_data
     from loopspec.train.kept import pack_kept
-    from loopspec.weights import load_target_dir, load_tokenizer, resolve_target_dir, target_fingerprint
+    from loopspec.weights import target_fingerprint
 
     if args.pack:
         manifest = pack_kept(args.out, args.pack)
@@ -337,24 +335,25 @@ def cmd_data(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target_dir = resolve_target_dir(args.target)
-    tokenizer = load_tokenizer(target_dir)
-    target = load_target_dir(target_dir)
+    pair = load_pair(args.target, "none")
+    target = pair.target
     taps = _int_list(args.tap_layers, "--tap-layers") or default_target_layer_ids(target.cfg.num_layers)
     target.set_taps(taps)
-    stop = set(target.cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    manifest = build_data(prompt_files=args.prompts, target_dir=target_dir, target=target, tokenizer=tokenizer,
-                          out_dir=args.out, stop_ids=stop, max_new_tokens=args.max_new_tokens,
-                          batch_size=args.batch_size, limit=args.limit, max_prompt_tokens=args.max_prompt_tokens,
-                          params=params, seed=args.seed, cache_taps=args.cache_taps, tap_layer_ids=taps,
-                          target_hash=target_fingerprint(target_dir), kept_dir=args.kept)
+    manifest = build_data(prompt_files=args.prompts, target_dir=pair.target_dir, target=target,
+                          tokenizer=pair.tokenizer, out_dir=args.out, stop_ids=set(pair.stop_token_ids),
+                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
+                          max_prompt_tokens=args.max_prompt_tokens, params=params, seed=args.seed,
+                          cache_taps=args.cache_taps, tap_layer_ids=taps,
+                          target_hash=target_fingerprint(pair.target_dir), kept_dir=args.kept,
+                          respond=decoder.regenerate_responses)  # the runtime's decoder, one row per prompt
     print(f"{manifest['samples']} samples in {args.out}")
     return 0
 
 
 def cmd_generate(args) -> int:
     from loopspec.decoding import SamplingParams
-    from loopspec.runtime.pipeline import check_method, load_pipeline
+    from loopspec.runtime.pipeline import load_pipeline
+    from loopspec.settings import check_method
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_method(args.method, _names_a_drafter(args))
@@ -362,20 +361,21 @@ def cmd_generate(args) -> int:
                          mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
                          cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir,
                          trt_dir=args.trt_dir)
-    block_size = pipe.block_size_for(args.method, args.block_size)
+    settings = pipe.settings(args.method, block_size=args.block_size, gate_threshold=args.gate_threshold,
+                             max_stages=args.max_stages, adaptive=args.adaptive)
     prompt_ids = pipe.encode(args.prompt, chat=args.chat)
     stream = TextStream(pipe)
-    result = pipe.run(prompt_ids, method=args.method, max_new_tokens=args.max_new_tokens, params=params,
-                      block_size=block_size, seed=args.seed, gate_threshold=args.gate_threshold,
-                      max_stages=args.max_stages, adaptive=args.adaptive, on_tokens=stream)
+    result = pipe.run(prompt_ids, settings, max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
+                      on_tokens=stream)
     stream.flush()
     print()
-    drafter = f", drafter: {pipe.drafter_description}" if args.method != "ar" else ""
-    if args.method == "dloop":
-        loop = pipe.dloop_settings(args.gate_threshold, args.max_stages)
-        drafter += (f", gate {loop['gate_threshold']}, max stages {loop['max_stages']},"
-                    f" stages/verification {result.stats.stages_histogram}")
-    print(f"[{args.method}, k={block_size}, {pipe.backend}{drafter}] {result.stats.summary()}", file=sys.stderr)
+    about = f"{settings.method}, k={settings.block_size}, {pipe.backend}"
+    if settings.drafting:
+        about += f", drafter: {pipe.drafter_description}"
+    if settings.method == "dloop":
+        about += (f", gate {settings.gate_threshold}, max stages {settings.max_stages},"
+                  f" stages/verification {result.stats.stages_histogram}")
+    print(f"[{about}] {result.stats.summary()}", file=sys.stderr)
     return 0
 
 
@@ -401,8 +401,9 @@ class TextStream:
 
 
 def cmd_serve(args) -> int:
-    from loopspec.runtime.pipeline import check_method, load_pipeline
+    from loopspec.runtime.pipeline import load_pipeline
     from loopspec.runtime.server import ServeConfig, serve
+    from loopspec.settings import check_method
     from loopspec.weights import DEFAULT_TARGET_NAME
 
     if not args.request_timeout > 0:
@@ -411,14 +412,14 @@ def cmd_serve(args) -> int:
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context, mask_token_id=args.mask_token_id,
                          num_threads=args.threads, device=args.device, cuda_graphs=args.cuda_graphs,
                          backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir)
+    settings = pipe.settings(args.method, block_size=args.block_size, gate_threshold=args.gate_threshold,
+                             max_stages=args.max_stages, adaptive=args.adaptive)
     source = Path(args.onnx_dir or args.trt_dir or args.target)
     name = args.model_name or (DEFAULT_TARGET_NAME if source == Path("default") else
                                source.stem if source.suffix == ".gguf" else source.resolve().name)
-    config = ServeConfig(method=args.method, model_name=name, max_batch_size=args.max_batch_size,
+    config = ServeConfig(settings=settings, model_name=name, max_batch_size=args.max_batch_size,
                          max_queue=args.max_queue, request_timeout_s=args.request_timeout,
-                         max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
-                         block_size=args.block_size, gate_threshold=args.gate_threshold, max_stages=args.max_stages,
-                         adaptive=args.adaptive)
+                         max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)
     serve(pipe, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0
 
@@ -454,15 +455,17 @@ def _add_convert_onnx_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_convert_onnx(args) -> int:
+    import torch
+
     from loopspec.convert.onnx_export import convert_onnx
     from loopspec.convert.validate import format_report
-    from loopspec.runtime.pipeline import load_pipeline
+    from loopspec.pair import load_pair
 
-    # the pair resolved exactly as generate resolves it (its small torch cache is not used)
-    pipe = load_pipeline(args.target, args.drafter, max_context=64, mask_token_id=args.mask_token_id,
-                         num_threads=args.threads)
-    manifest, report = convert_onnx(pipe.target, pipe.drafter, args.out, target_dir=pipe.target_dir,
-                                    drafter_dir=pipe.drafter_dir, max_context=args.max_context,
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pair = load_pair(args.target, args.drafter, mask_token=args.mask_token_id)  # as generate resolves it
+    manifest, report = convert_onnx(pair.target, pair.drafter, args.out, target_dir=pair.target_dir,
+                                    drafter_dir=pair.drafter_dir, max_context=args.max_context,
                                     validate=args.validate, num_threads=args.threads)
     print(f"exported {', '.join(manifest.engines)} ({manifest.precision}) to {args.out}")
     if report is not None:
@@ -538,7 +541,12 @@ def _add_convert_bundle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=_positive_int("--tp"), default=1, help="tensor-parallel size of every launch")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32: the unquantized weights")
     p.add_argument("--max-batch-size", type=_positive_int("--max-batch-size"), default=8,
-                   help="TensorRT-LLM cuda_graph_config.max_batch_size")
+                   help="requests decoding at once: TensorRT-LLM max_batch_size and cuda_graph_config.max_batch_size, "
+                        "vLLM --max-num-seqs, SGLang --max-running-requests (default 8)")
+    p.add_argument("--max-context", type=_positive_int("--max-context"), default=None,
+                   help="tokens per request, prompt + output: TensorRT-LLM max_seq_len (and max_num_tokens, with "
+                        "--max-batch-size), vLLM --max-model-len, SGLang --context-length (default: 4096, or the "
+                        "target's maximum if smaller)")
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token for a drafter whose config has none")
     p.add_argument("--calib-prompts", default=None, help="--precision: JSONL of {\"turns\": [...]} (default: built-in)")
     p.add_argument("--calib-size", type=_positive_int("--calib-size"), default=None, help="--precision: calibration prompts")
@@ -549,7 +557,7 @@ def cmd_convert_bundle(args) -> int:
 
     manifest = build_bundle(args.target, args.drafter, args.out, args.engine, precision=args.precision, tp=args.tp,
                             dtype=args.dtype, mask_token_id=args.mask_token_id, max_batch_size=args.max_batch_size,
-                            calib_prompts=args.calib_prompts, calib_size=args.calib_size)
+                            max_context=args.max_context, calib_prompts=args.calib_prompts, calib_size=args.calib_size)
     print(f"serving bundle ({manifest['precision']}, tensor parallel {manifest['tensor_parallel_size']}) in {args.out}")
     for engine in manifest["engines"]:
         print(f"  {ENGINE_NAMES[engine]}: sh {Path(args.out) / engine / 'launch.sh'}")

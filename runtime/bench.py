@@ -18,6 +18,8 @@ from pathlib import Path
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
 from loopspec.prompts import read_prompts
+from loopspec.settings import DecodingSettings
+from loopspec.stats import acceptance_length
 
 # The built-in HumanEval wraps each problem exactly as the eval set humaneval.jsonl does, so both
 # name the same 164 prompts.
@@ -154,7 +156,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     from tqdm import tqdm
 
     from loopspec.runtime.peers import PEER_METHODS, HFPeer
-    from loopspec.runtime.pipeline import METHODS, load_pipeline, resolve_backend
+    from loopspec.runtime.pipeline import load_pipeline, resolve_backend
+    from loopspec.settings import METHODS
 
     unknown = [m for m in methods if m not in METHODS + PEER_METHODS]
     if unknown or not methods:
@@ -182,10 +185,9 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     backend = ",".join(pipes)
     if pipe.target is None and (cost_model or any(m in PEER_METHODS for m in methods)):
         raise LoopspecError("the transformers peers and --cost-model need the target's weights: run without --onnx-dir")
-    sizes = {m: pipe.block_size_for(m, block_size) for m in methods if m in METHODS}
-    sizes["ar"] = 1
-    loop = pipe.dloop_settings(gate_threshold, max_stages) if "dloop" in methods else None
-    max_drafts = {m: (loop["max_stages"] if m == "dloop" else 1) * (k - 1) for m, k in sizes.items()}
+    # each method's decoding settings, resolved once; `ar` always runs: it is the reference
+    decoding = {m: pipe.settings(m, block_size=block_size, gate_threshold=gate_threshold, max_stages=max_stages,
+                                 adaptive=adaptive) for m in ["ar"] + methods if m in METHODS}
     engine_device = getattr(pipe.engine, "device", "cpu")
     peer = (HFPeer(pipe.target_dir, pipe.stop_token_ids, num_threads, engine_device)
             if any(m in PEER_METHODS for m in methods) else None)
@@ -209,8 +211,7 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
         if method in PEER_METHODS:
             out = peer.run(ids, method, new_tokens)
             return out.tokens, time.perf_counter() - t0, None
-        out = pipes[on].run(ids, method=method, max_new_tokens=new_tokens, params=params, block_size=sizes[method],
-                       seed=seed + i, gate_threshold=gate_threshold, max_stages=max_stages, adaptive=adaptive)
+        out = pipes[on].run(ids, decoding[method], max_new_tokens=new_tokens, params=params, seed=seed + i)
         return out.tokens, time.perf_counter() - t0, out.stats
 
     total_runs = sum(len(e) for e in encoded_sets.values()) * len(order) * repeats
@@ -231,8 +232,7 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
                     progress.update()
             median = [prompt_runs[median_run(prompt_runs)] for prompt_runs in runs]
             outputs[run] = [tokens for tokens, _, _ in median]
-            per_run[run] = summarize(method, dataset, median, repeats, on, sizes.get(method, 1),
-                                     max_drafts.get(method, 0), peer=method in PEER_METHODS)
+            per_run[run] = summarize(method, dataset, median, repeats, on, decoding.get(method))
             per_run[run].same_across_repeats = all(r[0] == prompt_runs[0][0] for prompt_runs in runs
                                                    for r in prompt_runs)
         base = per_run[reference]
@@ -245,9 +245,9 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
             results.append(r)
     progress.close()
 
-    cm = measure_cost_model(pipe, sizes, results, gate_threshold, max_stages) if cost_model else None
-    report = {"settings": settings(command, pipe, backend, datasets, prompt_files, methods, sizes, loop, limit,
-                                   max_new_tokens, repeats, params, adaptive, chat, all_turns),
+    cm = measure_cost_model(pipe, decoding, results) if cost_model else None
+    report = {"settings": settings(command, pipe, backend, datasets, prompt_files, methods, decoding, limit,
+                                   max_new_tokens, repeats, params, chat, all_turns),
               "results": [asdict(r) for r in results]}
     if cm is not None:
         report["cost_model"] = cm
@@ -273,25 +273,24 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     return results
 
 
-def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backend: str, block_size: int,
-              max_drafts: int, peer: bool) -> BenchResult:
-    """One row from each prompt's median run: (tokens, wall seconds, GenerationStats or None)."""
+def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backend: str,
+              decoding: DecodingSettings | None) -> BenchResult:
+    """One row from each prompt's median run: (tokens, wall seconds, GenerationStats or None);
+    `decoding` None: a peer (transformers), which reports neither its acceptance nor its time split."""
     seconds = sum(s for _, s, _ in runs)
     new_tokens = sum(len(tokens) for tokens, _, _ in runs)
     row = BenchResult(method=method, dataset=dataset, prompts=len(runs), new_tokens=new_tokens, tau=None,
                       tokens_per_s=new_tokens / seconds, speedup_vs_ar=None, identical_to_ar=None, seconds=seconds,
                       verifications=0, draft_s=0.0, verify_s=0.0, repeats=repeats, other_s=seconds,
-                      backend="transformers" if peer else backend)
-    if peer:  # transformers does not report its acceptance nor its time split
+                      backend="transformers" if decoding is None else backend)
+    if decoding is None:
         row.tau = 1.0 if method == "hf" else None
         return row
     stats = [s for _, _, s in runs]
-    # τ over the verifications that checked drafts (plain rounds of the adaptive fallback and the
-    # last single-token rounds commit 1 by construction and would dilute it)
-    accepted = [n for s in stats for n, st in zip(s.accepted_per_round, s.stages_per_round) if st > 0 or method == "ar"]
+    accepted = [n - 1 for s in stats for n in s.counted_rounds()]  # the verifications τ counts
     row.drafting_verifications = len(accepted)
-    row.tau = sum(accepted) / len(accepted) + 1 if accepted else None  # None: nothing was ever drafted
-    row.accepted_histogram, row.acceptance_curve = acceptance_stats(accepted, max_drafts)
+    row.tau = acceptance_length(stats)  # None: nothing was ever drafted
+    row.accepted_histogram, row.acceptance_curve = acceptance_stats(accepted, decoding.max_drafts)
     row.verifications = sum(s.verifications for s in stats)
     row.prefill_s = sum(s.prefill_s for s in stats)
     row.draft_s = sum(s.draft_s for s in stats)
@@ -304,13 +303,14 @@ def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backen
         stages = [n for n in all_stages if n > 0]  # rounds that drafted
         row.stages_per_verification = sum(stages) / max(len(stages), 1)
         row.later_stage_share = sum(s.later_stage_tokens for s in stats) / max(new_tokens, 1)
-        row.verifications_saved = verifications_saved(accepted, block_size)
+        row.verifications_saved = verifications_saved(accepted, decoding.block_size)
     return row
 
 
-def settings(command, pipe, backend, datasets, sources, methods, sizes, loop, limit, max_new_tokens, repeats,
-             params, adaptive, chat, all_turns) -> dict:
-    """What produced the numbers: the command, the pair, the prompts and the machine."""
+def settings(command, pipe, backend, datasets, sources, methods, decoding, limit, max_new_tokens, repeats,
+             params, chat, all_turns) -> dict:
+    """What produced the numbers: the command, the pair, the prompts, each method's decoding settings
+    and the machine."""
     import torch
     import transformers
 
@@ -324,23 +324,25 @@ def settings(command, pipe, backend, datasets, sources, methods, sizes, loop, li
         "datasets": {name: {"source": src, "prompts": len(p)} for (name, p), src in zip(datasets.items(), sources)},
         "limit": limit, "max_new_tokens": max_new_tokens, "repeats": repeats, "all_turns": all_turns, "chat": chat,
         "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p},
-        "block_size": {m: k for m, k in sizes.items() if m in methods},
-        "dloop": loop, "adaptive": adaptive,
+        "decoding": {m: d.to_dict() for m, d in decoding.items() if m in methods},
+        "block_size": {m: d.block_size for m, d in decoding.items() if m in methods},
+        "dloop": ({"gate_threshold": decoding["dloop"].gate_threshold, "max_stages": decoding["dloop"].max_stages}
+                  if "dloop" in decoding else None),
+        "adaptive": any(d.adaptive for d in decoding.values()),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": platform.python_version()},
     }
 
 
-def measure_cost_model(pipe, sizes: dict, results: list[BenchResult], gate_threshold, max_stages) -> dict:
+def measure_cost_model(pipe, decoding: dict[str, DecodingSettings], results: list[BenchResult]) -> dict:
     """Bandwidth bound of plain decoding, t_verify(n), drafter stage time, and each result's bound."""
     from loopspec.runtime.costmodel import draft_time, memory_bandwidth_gbs, speedup_bound, verify_times, weight_bytes
 
     bandwidth = memory_bandwidth_gbs()
     weights = weight_bytes(pipe.target)
-    lengths = sorted({1, 2, 4, 8} | {k for k in sizes.values()}
-                     | ({min(64, (pipe.dloop_settings(gate_threshold, max_stages)["max_stages"]) * (sizes["dloop"] - 1) + 1)}
-                        if "dloop" in sizes else set()))
+    sizes = {m: d.block_size for m, d in decoding.items()}
+    lengths = sorted({1, 2, 4, 8} | set(sizes.values()) | {min(64, d.max_drafts + 1) for d in decoding.values()})
     t_verify = verify_times(pipe.engine, lengths)
     t_draft = draft_time(pipe.engine, max(sizes.values())) if pipe.engine.has_drafter and max(sizes.values()) > 1 else None
     for r in results:

@@ -47,39 +47,35 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def verify_times(engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repeats: int = 5) -> dict[int, float]:
-    """Seconds of one target verification of `n` tokens after `context` committed ones.
+    """Seconds of one target verification of `n` tokens after `context` committed ones (row 0).
 
     The lengths are interleaved within each repeat, so a transient slowdown of the machine spreads
     over all of them instead of skewing one length's median."""
-    vocab = engine.vocab_size
-    engine.reset()
-    engine.target_verify([(10 + i) % vocab for i in range(context)], all_logits=False, want_taps=False)
+    vocab = engine.target_cfg.vocab_size
+    engine.prefill(0, [(10 + i) % vocab for i in range(context)], want_taps=False)
     times: dict[int, list[float]] = {n: [] for n in lengths}
     for repeat in range(repeats + 1):  # the first round warms up
         for n in lengths:
             t0 = time.perf_counter()
-            engine.target_verify([(20 + i) % vocab for i in range(n)], want_taps=engine.has_drafter)
-            engine.target_rollback(context)
+            engine.verify([[(20 + i) % vocab for i in range(n)]], want_taps=engine.has_drafter)
+            engine.target_rollback([context])
             if repeat:
                 times[n].append(time.perf_counter() - t0)
-    engine.reset()
     return {n: statistics.median(t) for n, t in times.items()}
 
 
 def draft_time(engine, block_size: int, context: int = 128, repeats: int = 5) -> float:
-    """Seconds of one drafter stage (block forward + draft head) plus the context append it needs."""
-    vocab = engine.vocab_size
-    engine.reset()
-    _, taps = engine.target_verify([(10 + i) % vocab for i in range(context)], want_taps=True)
-    engine.drafter_context(taps[:-4])
+    """Seconds of one drafter stage (block forward + draft head) plus the context append it needs (row 0)."""
+    vocab = engine.target_cfg.vocab_size
+    tokens = [(10 + i) % vocab for i in range(context)]
+    engine.prefill(0, tokens[:-4], want_taps=True)
+    _, taps = engine.verify([tokens[-4:]], want_taps=True)
 
     def stage():
-        engine.drafter_block(5, context - 4, block_size)
-        engine.drafter_context(taps[-4:])  # a typical accepted run of 4 positions
-        engine.context_rollback(context - 4)
-    t = _median_time(stage, repeats)
-    engine.reset()
-    return t
+        engine.draft([0], [5], [context - 4], block_size)
+        engine.append_context(taps, [4])  # a typical accepted run of 4 positions
+        engine.context_rollback([0], [context - 4])
+    return _median_time(stage, repeats)
 
 
 def speedup_bound(tau: float, t_verify_1: float, t_draft: float, t_verify_k: float) -> float:

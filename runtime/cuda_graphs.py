@@ -15,7 +15,8 @@ the live length):
   length` (a tensor) plus the whole block (bidirectional).
 Calls that fit no bucket (a long prefill, the last slots of the context) run eagerly.
 
-Batch is 1 (an engine serves one request); the bucket key carries it so a batched engine can add rows.
+Graphs cover one-row calls on row 0 (a single request); the bucket key carries the row count so
+batched buckets can be added. Calls over several rows run eagerly.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Callable
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import ContextCache, Drafter
-from loopspec.model.target import KVCache, Target, TargetOutput
+from loopspec.model.drafter import Drafter, greedy_drafts
+from loopspec.model.target import KVCache, KVWrite, Target, TargetOutput
 
 # verify lengths: 1 (plain decoding) up to a DLoop chain of 4 stages of 16 (61 tokens)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -50,50 +51,34 @@ def require_cuda(device: torch.device) -> None:
         raise LoopspecError("CUDA graphs need a CUDA GPU, and torch sees none")
 
 
-class StaticStep:
-    """KV writes at tensor positions into the static cache (the `store` step protocol of the target's
-    attention), attention over its first `keys` slots: the same kernels whatever the cache length."""
-
-    def __init__(self, cache: KVCache, positions: torch.Tensor, keys: int):
-        self.cache, self.positions, self.keys = cache, positions, keys  # positions: [T] slots (< keys)
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: [1, kvh, T, hd] → the layer's window [1, kvh, keys, hd] (masked by the caller)
-        self.cache.k[layer].index_copy_(2, self.positions, k)
-        self.cache.v[layer].index_copy_(2, self.positions, v)
-        return self.cache.k[layer, :, :, :self.keys], self.cache.v[layer, :, :, :self.keys]
-
-
 def target_verify_static(target: Target, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,
                          want_taps: bool, keys: int | None = None) -> TargetOutput:
-    """The target over ids/positions [1, T] with static shapes (cache.length is neither read nor moved),
-    attending to the cache's first `keys` slots (default: all; every position must be below it).
+    """The target over ids/positions [1, T] in row 0 of `cache` with static shapes (its length is
+    neither read nor moved), attending to the first `keys` slots (default: all; every position must
+    be below it). Token t's K/V land at slot positions[0, t].
 
     Row t equals the eager forward's row t whenever positions continue the cache (start .. start+T-1)."""
     keys = keys or cache.max_length
     slots = torch.arange(keys, device=ids.device)
     mask = slots[None, :] <= positions[0][:, None]  # [T, keys]: own history and itself
     cos, sin = target.rotary(positions)  # [1, T, hd]
-    return target._stack(target.embed_tokens(ids), cos[:, None], sin[:, None], StaticStep(cache, positions[0], keys),
-                         mask[None, None], want_taps, last_logits_only=False)
+    write = KVWrite(slice(0, 1), keys, slots=positions[0])
+    return target._stack(target.embed_tokens(ids), cos[:, None], sin[:, None], cache, write, mask[None, None],
+                         want_taps, None)
 
 
 def drafter_block_static(drafter: Drafter, embed: torch.nn.Module, draft_head: torch.nn.Module,
-                         context: ContextCache, ids: torch.Tensor, positions: torch.Tensor,
+                         context: KVCache, ids: torch.Tensor, positions: torch.Tensor,
                          context_length: torch.Tensor, draft_ids: torch.Tensor | None, keys: int | None = None):
-    """One stage over ids [1, k] at positions [k] against the context buffer's first `keys` slots (default
-    all), of which the first `context_length` (0-d tensor) are live → drafts [k-1], log-probs [k-1],
-    hidden [k, H]."""
+    """One stage over ids [1, k] at positions [k] against row 0 of the context buffer, its first `keys`
+    slots (default all), of which the first `context_length` (0-d tensor) are live → drafts [k-1],
+    log-probs [k-1], hidden [k, H]."""
     k, keys = ids.shape[1], keys or context.max_length
     live = torch.arange(keys, device=ids.device) < context_length  # [keys]
     visible = torch.cat([live, torch.ones(k, dtype=torch.bool, device=ids.device)])  # [keys + k]
-    ctx_k, ctx_v = context.k[:, :, :, :keys], context.v[:, :, :, :keys]
+    ctx_k, ctx_v = context.k[:, :1, :, :keys], context.v[:, :1, :, :keys]
     hidden = drafter(embed(ids), positions, ctx_k, ctx_v, visible[None, None, None, :])  # [1, k, H]
-    logits = draft_head(hidden[0, 1:])  # [k-1, V] (or [k-1, Vd])
-    best, drafts = logits.max(-1)
-    logprobs = best - torch.logsumexp(logits, dim=-1)
-    if draft_ids is not None:
-        drafts = draft_ids[drafts]
+    drafts, logprobs = greedy_drafts(draft_head(hidden[0, 1:]), draft_ids)  # [k-1] each
     return drafts, logprobs, hidden[0]
 
 
@@ -122,29 +107,28 @@ def capture(fn: Callable[[], tuple], inputs: dict[str, torch.Tensor]) -> Capture
 
 
 class CudaGraphRunner:
-    """Captured target-verify and drafter-block forwards of one TorchEngine, per bucket.
+    """Captured target-verify and drafter-block forwards of row 0 of a TorchEngine's caches, per bucket.
 
     Results follow the engine's contract: decision tensors (logits, drafts, log-probs) come back on
     the CPU, features (taps, hidden states) stay on the GPU."""
 
-    def __init__(self, target: Target, cache: KVCache, drafter: Drafter | None = None,
-                 context: ContextCache | None = None, draft_head: torch.nn.Module | None = None,
-                 draft_ids: torch.Tensor | None = None, mask_token_id: int | None = None):
-        self.device = target.embed_tokens.weight.device
+    def __init__(self, engine):
+        self.device = engine.device
         require_cuda(self.device)
-        self.target, self.cache = target, cache
-        self.drafter, self.context, self.draft_head, self.mask_token_id = drafter, context, draft_head, mask_token_id
-        self.draft_ids = draft_ids.to(self.device) if draft_ids is not None else None
+        self.target, self.cache = engine.target, engine.cache
+        self.drafter, self.context, self.draft_head = engine.drafter, engine.context, engine.draft_head
+        self.mask_token_id = engine.drafter_cfg.mask_token_id if engine.drafter_cfg is not None else None
+        self.draft_ids = engine.draft_ids
         self.graphs: dict[tuple, Captured] = {}
 
     # ---- target verify ---------------------------------------------------------------------------
     def verify_bucket(self, tokens: int) -> int | None:
-        start = self.cache.length
+        start = int(self.cache.lengths[0])
         return next((b for b in BUCKETS if b >= tokens and start + b <= self.cache.max_length), None)
 
-    def target_verify(self, input_ids: list[int], want_taps: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """→ logits [T, V] (CPU), taps [T, n*H] or None (GPU); advances the cache length by T."""
-        T, start = len(input_ids), self.cache.length
+    def verify(self, input_ids: list[int], want_taps: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """→ logits [T, V] (CPU), taps [T, n*H] or None (GPU); advances row 0's length by T."""
+        T, start = len(input_ids), int(self.cache.lengths[0])
         bucket = self.verify_bucket(T)
         if bucket is None:
             raise LoopspecError(f"no CUDA-graph bucket holds {T} tokens at length {start}")
@@ -164,19 +148,20 @@ class CudaGraphRunner:
             captured.inputs["ids"].copy_(ids)
             captured.inputs["positions"].copy_(positions)
         captured.graph.replay()
-        self.cache.length = start + T
+        self.cache.lengths[0] = start + T
         logits, taps = captured.outputs
         return logits[0, :T].float().cpu(), (taps[0, :T].clone() if taps is not None else None)
 
     # ---- drafter block ---------------------------------------------------------------------------
-    def drafter_block(self, anchor: int, position: int, block_size: int):
+    def draft(self, anchor: int, position: int, block_size: int):
         """→ drafts [k-1] (CPU), log-probs [k-1] (CPU), final-norm hidden states [k, H] (GPU)."""
-        keys = key_bucket(self.context.length, self.context.max_length)
+        length = int(self.context.lengths[0])
+        keys = key_bucket(length, self.context.max_length)
         key = ("block", 1, block_size, keys)
         ids = torch.full((1, block_size), self.mask_token_id, dtype=torch.long)
         ids[0, 0] = anchor
         positions = torch.arange(position, position + block_size)
-        length = torch.tensor(self.context.length, dtype=torch.long)
+        length = torch.tensor(length, dtype=torch.long)
         captured = self.graphs.get(key)
         if captured is None:
             inputs = {"ids": ids.to(self.device), "positions": positions.to(self.device),

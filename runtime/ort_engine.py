@@ -1,8 +1,8 @@
-"""ONNX Runtime backend: the four exported engines behind the interface of TorchEngine.
+"""ONNX Runtime backend of the Engine protocol: the four exported engines on the CPU.
 
 Caches and calls live in runtime/artifact_engine.py; this backend opens one InferenceSession per
-engine. Tensors cross into ONNX Runtime as numpy views of CPU tensors and come back as torch views
-of the arrays it returns (no copies either way), so runtime/loop.py runs unchanged.
+engine. Tensors cross into ONNX Runtime as numpy arrays of CPU tensors (a copy only where a cache
+prefix is not contiguous) and come back as torch views of the arrays it returns.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ class OrtRunner:
 class OrtEngine(ArtifactEngine):
     backend = "onnxruntime"
 
-    def __init__(self, onnx_dir: str | Path, max_context: int | None = None, num_threads: int | None = None):
+    def __init__(self, onnx_dir: str | Path, max_context: int | None = None, num_threads: int | None = None,
+                 max_rows: int = 1):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.num_threads = num_threads
-        super().__init__(onnx_dir, max_context)
+        super().__init__(onnx_dir, max_context, max_rows)
         self.onnx_dir = self.artifact_dir
 
     def _check(self, manifest: Manifest) -> None:

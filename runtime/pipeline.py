@@ -1,4 +1,5 @@
-"""A ready pair: tokenizer + target + optional drafter + an engine, resolved from user arguments."""
+"""A ready pair on a backend: tokenizer + target + optional drafter + an Engine, resolved from user
+arguments. Prompts are encoded (chat templating included) only here."""
 
 from __future__ import annotations
 
@@ -10,35 +11,17 @@ from typing import Callable
 import torch
 
 from loopspec.decoding import SamplingParams
-from loopspec.defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DRAFTER_DIR, DEFAULT_DRAFTER_LAYERS,
-                               DEFAULT_TARGET_MASK_TOKEN_ID)
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig, check_fits, resolve_mask_token_id
+from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
-from loopspec.weights import load_target_dir, load_tokenizer, resolve_target_dir
-from loopspec.runtime.loop import AdaptiveFallback, GenerationResult, generate
+from loopspec.pair import load_pair, stop_token_ids
+from loopspec.settings import DecodingSettings, resolve_settings
+from loopspec.weights import load_tokenizer
+from loopspec.runtime.decoder import GenerationResult, generate
 from loopspec.runtime.torch_engine import TorchEngine
 
-METHODS = ("ar", "dflash", "dloop")
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
-DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4}
-
-
-def fresh_drafter(target: Target, tokenizer_len: int | None, is_default_target: bool, seed: int = 0,
-                  mask_token_id: int | None = None) -> Drafter:
-    """An untrained drafter shaped for `target` (lossless, but it rarely guesses right)."""
-    if mask_token_id is None and is_default_target:
-        mask_token_id = DEFAULT_TARGET_MASK_TOKEN_ID
-    mask = resolve_mask_token_id(mask_token_id, tokenizer_len, target.cfg.vocab_size)
-    cfg = DrafterConfig.for_target(target.cfg, num_layers=DEFAULT_DRAFTER_LAYERS, block_size=DEFAULT_BLOCK_SIZE,
-                                   mask_token_id=mask)
-    torch.manual_seed(seed)
-    drafter = Drafter(cfg)
-    with torch.no_grad():
-        for module in drafter.modules():
-            if isinstance(module, torch.nn.Linear):
-                torch.nn.init.normal_(module.weight, std=0.02)
-    return drafter.eval()
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -59,10 +42,10 @@ class Pipeline:
     tokenizer: object
     target_dir: Path
     drafter_dir: Path | None  # where the drafter was loaded from (None: none or fresh)
-    target: Target | None  # None when the engines run from an exported --onnx-dir (no torch weights)
+    target: Target | None  # None when the engines run from an exported directory (no torch weights)
     drafter: Drafter | None
-    engine: TorchEngine  # or an engine of the same interface (OrtEngine)
-    drafter_description: str  # "shipped", "untrained (fresh random init)" or a path
+    engine: object  # an Engine (engines/protocol.py)
+    drafter_description: str  # "shipped (...)", "untrained (...)", a path, or "none"
     stop_token_ids: frozenset[int]
 
     @property
@@ -85,68 +68,51 @@ class Pipeline:
             engine = TorchEngine(self.target, self.drafter, max_context, num_threads)
         return dataclasses.replace(self, engine=engine)
 
-    @property
-    def default_block_size(self) -> int:
-        return self.engine.drafter_cfg.block_size if self.engine.has_drafter else 1
+    def with_rows(self, max_rows: int) -> "Pipeline":
+        """The same pipeline over an engine with `max_rows` batch rows (the server's batch)."""
+        if max_rows < 1:
+            raise LoopspecError(f"max batch size must be >= 1, got {max_rows}")
+        return dataclasses.replace(self, engine=self.engine.with_rows(max_rows))
+
+    def settings(self, method: str, *, block_size: int | None = None, gate_threshold: float | None = None,
+                 max_stages: int | None = None, adaptive: bool = True) -> DecodingSettings:
+        """The decoding settings of `method` for this pipeline's drafter (see loopspec.settings)."""
+        return resolve_settings(method, self.engine.drafter_cfg, block_size=block_size,
+                                gate_threshold=gate_threshold, max_stages=max_stages, adaptive=adaptive)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        """A user prompt → token ids, wrapped in the chat template when `chat` and the model has one."""
         if not prompt or not prompt.strip():
             raise LoopspecError("empty prompt")
         if chat and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return self.encode_text(prompt)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text (no template) → token ids."""
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Chat messages ({role, content} with roles system/user/assistant) → the prompt of the
+        model's chat template with the assistant's turn opened."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise LoopspecError("this model has no chat template")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 — templates raise on role orders they do not accept
+            raise LoopspecError(f"the messages do not fit the chat template: {e}") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode([t for t in tokens if t not in self.stop_token_ids], skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
 
-    def block_size_for(self, method: str, block_size: int | None) -> int:
-        check_method(method, self.engine.has_drafter)
-        if block_size is not None and block_size < 1:
-            raise LoopspecError(f"block size must be >= 1, got {block_size}")
-        if method == "ar":
-            return 1
-        if block_size is None and method == "dloop":
-            block_size = self.tuned_dloop().get("block_size")
-        return block_size or self.default_block_size
-
-    def tuned_dloop(self) -> dict:
-        """The setting `loopspec tune` stored with the drafter (config.json loopspec.dloop), if any."""
-        return dict(self.engine.drafter_cfg.extra.get("dloop") or {}) if self.engine.has_drafter else {}
-
-    def dloop_settings(self, gate_threshold: float | None = None, max_stages: int | None = None) -> dict:
-        """DLoop's gate threshold and stage limit: given, else stored with the drafter, else defaults."""
-        stored = self.tuned_dloop()
-        out = {**DLOOP_DEFAULTS, **{k: v for k, v in stored.items() if k in DLOOP_DEFAULTS}}
-        if gate_threshold is not None:
-            out["gate_threshold"] = gate_threshold
-        if max_stages is not None:
-            if max_stages < 1:
-                raise LoopspecError(f"max stages must be >= 1, got {max_stages}")
-            out["max_stages"] = max_stages
-        return out
-
-    def run(self, prompt_ids: list[int], *, method: str = "dflash", max_new_tokens: int = 128,
-            params: SamplingParams = SamplingParams(), block_size: int | None = None, seed: int | None = None,
-            gate_threshold: float | None = None, max_stages: int | None = None, adaptive: bool = True,
+    def run(self, prompt_ids: list[int], settings: DecodingSettings, *, max_new_tokens: int = 128,
+            params: SamplingParams = SamplingParams(), seed: int = 0,
             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        """`adaptive`: decode plainly while drafting does not pay on this request (output unchanged)."""
-        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
-        loop = self.dloop_settings(gate_threshold, max_stages) if method == "dloop" else {"max_stages": 1}
-        fallback = AdaptiveFallback() if adaptive and method != "ar" else None
-        return generate(self.engine, prompt_ids, max_new_tokens=max_new_tokens, params=params,
-                        block_size=self.block_size_for(method, block_size), stop_token_ids=self.stop_token_ids,
-                        generator=generator, on_tokens=on_tokens, fallback=fallback, **loop)
-
-
-def check_method(method: str, has_drafter: bool) -> None:
-    """Refuse an unknown method, or a drafting one without a drafter (before anything slow is loaded)."""
-    if method not in METHODS:
-        raise LoopspecError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
-    if method != "ar" and not has_drafter:
-        raise LoopspecError(f"method {method!r} needs a drafter (got --drafter none)")
+        """Decode one prompt with `settings` (from `settings()`)."""
+        return generate(self.engine, prompt_ids, settings, max_new_tokens=max_new_tokens, params=params, seed=seed,
+                        stop_token_ids=self.stop_token_ids, on_tokens=on_tokens)
 
 
 def resolve_backend(backend: str, device: str = "cpu", cuda_graphs: bool | None = None,
@@ -178,7 +144,8 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
     (target and drafter are then not read), or — without onnx_dir — the pair exported once into
     ~/.cache/loopspec/onnx/<key of target + drafter> and reused while its manifest matches.
     backend 'tensorrt': the plans in `trt_dir` (built by `loopspec convert trt`) on the GPU.
-    backend 'auto' (the command line's default): see `resolve_backend`."""
+    backend 'auto' (the command line's default): see `resolve_backend`. The engine has one batch
+    row; `Pipeline.with_rows` gives more."""
     backend = resolve_backend(backend, device, cuda_graphs, onnx_dir, trt_dir)
     if backend not in BACKENDS:
         raise LoopspecError(f"unknown backend {backend!r} (choose from auto, {', '.join(BACKENDS)})")
@@ -190,9 +157,13 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
         raise LoopspecError("--backend tensorrt runs the plans of --trt-dir DIR (built by `loopspec convert trt`), "
                             "and --trt-dir needs --backend tensorrt")
     if onnx_dir is not None:
-        return onnx_dir_pipeline(Path(onnx_dir), max_context, num_threads)
+        from loopspec.runtime.ort_engine import OrtEngine
+
+        return artifact_pipeline(OrtEngine(onnx_dir, max_context, num_threads), Path(onnx_dir))
     if trt_dir is not None:
-        return trt_dir_pipeline(Path(trt_dir), max_context)
+        from loopspec.runtime.trt_engine import TrtEngine
+
+        return artifact_pipeline(TrtEngine(trt_dir, max_context), Path(trt_dir))
     device = resolve_device(device)
     if cuda_graphs is None:
         cuda_graphs = device.type == "cuda"
@@ -200,65 +171,28 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
         from loopspec.runtime.cuda_graphs import require_cuda
 
         require_cuda(device)  # before any model is loaded
-    is_default = str(target) == "default"
-    target_dir = resolve_target_dir(target)
-    tokenizer = load_tokenizer(target_dir)
-    model = load_target_dir(target_dir)
-    drafter_dir = None  # where the drafter was loaded from (tune stores its setting there)
-    if drafter in (None, "none"):
-        draft_model, description = None, "none"
-    elif drafter == "default" and is_default and DEFAULT_DRAFTER_DIR.is_dir():
-        drafter_dir = DEFAULT_DRAFTER_DIR
-        draft_model, description = Drafter.load(drafter_dir), f"shipped ({drafter_dir.name})"
-    elif drafter == "default":
-        draft_model = fresh_drafter(model, len(tokenizer), is_default, mask_token_id=mask_token_id)
-        description = "untrained (fresh random init: lossless but few drafts accepted)"
-    else:
-        drafter_dir = Path(drafter)
-        draft_model, description = Drafter.load(drafter_dir), str(drafter)
-        if draft_model.cfg.mask_token_id is None:
-            draft_model.cfg.mask_token_id = resolve_mask_token_id(mask_token_id, len(tokenizer), model.cfg.vocab_size)
-    if draft_model is not None:
-        check_fits(draft_model.cfg, model.cfg)
-    stop = set(model.cfg.eos_token_ids)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        stop.add(tokenizer.eos_token_id)
+    pair = load_pair(target, drafter, mask_token=mask_token_id)
+    model, draft_model = pair.target, pair.drafter
     if device.type != "cpu":
         model = model.to(device)
         draft_model = draft_model.to(device) if draft_model is not None else None
     if backend == "onnxruntime":
-        engine = cached_ort_engine(model, draft_model, target_dir, drafter_dir, max_context, num_threads)
+        engine = cached_ort_engine(model, draft_model, pair.target_dir, pair.drafter_dir, max_context, num_threads)
     else:
         engine = TorchEngine(model, draft_model, max_context or model.cfg.max_position_embeddings, num_threads,
                              cuda_graphs=cuda_graphs)
-    return Pipeline(tokenizer=tokenizer, target_dir=target_dir, drafter_dir=drafter_dir, target=model,
-                    drafter=draft_model, engine=engine,
-                    drafter_description=description, stop_token_ids=frozenset(stop))
-
-
-def onnx_dir_pipeline(onnx_dir: Path, max_context: int | None, num_threads: int | None) -> Pipeline:
-    """A pipeline over an exported directory alone: its engines, its tokenizer and configs."""
-    from loopspec.runtime.ort_engine import OrtEngine
-
-    return artifact_pipeline(OrtEngine(onnx_dir, max_context, num_threads), onnx_dir)
+    return Pipeline(tokenizer=pair.tokenizer, target_dir=pair.target_dir, drafter_dir=pair.drafter_dir, target=model,
+                    drafter=draft_model, engine=engine, drafter_description=pair.drafter_description,
+                    stop_token_ids=pair.stop_token_ids)
 
 
 def artifact_pipeline(engine, directory: Path) -> Pipeline:
     """The pipeline around an engine that runs from an artifact directory (its tokenizer and configs)."""
     tokenizer = load_tokenizer(directory / "target")
-    stop = set(engine.target_cfg.eos_token_ids)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        stop.add(tokenizer.eos_token_id)
     description = f"exported ({directory})" if engine.has_drafter else "none"
     return Pipeline(tokenizer=tokenizer, target_dir=directory / "target", drafter_dir=None, target=None, drafter=None,
-                    engine=engine, drafter_description=description, stop_token_ids=frozenset(stop))
-
-
-def trt_dir_pipeline(plan_dir: Path, max_context: int | None) -> Pipeline:
-    """A pipeline over TensorRT plans alone: their engines, tokenizer and configs."""
-    from loopspec.runtime.trt_engine import TrtEngine
-
-    return artifact_pipeline(TrtEngine(plan_dir, max_context), plan_dir)
+                    engine=engine, drafter_description=description,
+                    stop_token_ids=stop_token_ids(engine.target_cfg, tokenizer))
 
 
 def cached_ort_engine(model: Target, draft_model: Drafter | None, target_dir: Path, drafter_dir: Path | None,

@@ -22,7 +22,7 @@ from typing import Callable
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
-from loopspec.runtime.batch import BatchedDecoder
+from loopspec.runtime.decoder import Decoder
 from loopspec.runtime.metrics import Metrics
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}  # decoder → OpenAI
@@ -103,7 +103,7 @@ class TextTail:
 
 
 class Scheduler:
-    def __init__(self, decoder: BatchedDecoder, decode_text: Callable[[list[int]], str], *,
+    def __init__(self, decoder: Decoder, decode_text: Callable[[list[int]], str], *,
                  stop_token_ids: frozenset[int] = frozenset(), max_queue: int = 64, metrics: Metrics | None = None):
         if max_queue < 1:
             raise LoopspecError(f"max queue must be >= 1, got {max_queue}")
@@ -205,10 +205,9 @@ class Scheduler:
         with self.metrics.lock:
             self.metrics.steps += 1
             for row, _ in events:
-                stats = row.stats
-                if row.finish != "error" and stats.accepted_per_round and (
-                        stats.stages_per_round[-1] > 0 or not self.decoder.drafting):
-                    self.metrics.tau.observe(stats.accepted_per_round[-1] + 1)
+                committed = row.stats.last_counted_round() if row.finish != "error" else None
+                if committed is not None:
+                    self.metrics.tau.observe(committed)
         for row, new in events:
             self._deliver(row.key, row, new)
 

@@ -3,46 +3,59 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad request,
-404 unknown model or path, 413 body too large, 429 queue full, 500 failure, 503 shutting down,
-504 timeout. Request bodies are parsed and checked here, not by pydantic, so every bad input gets a
-clear message naming the parameter.
+404 unknown model or path, 405 wrong method (with `Allow`), 413 body too large, 429 queue full,
+500 failure (a generic message; the traceback goes to the server's log), 503 shutting down, 504
+timeout. Request bodies are parsed and checked here, not by pydantic, so every bad input gets a clear
+message naming the parameter; the OpenAPI document (/openapi.json) describes the same bodies.
+
+The handlers are plain functions of the HTTP request; what they serve (pipeline, scheduler, config)
+is the app's `ServerState` (`app.state.server`).
 """
 
 # no `from __future__ import annotations` here: FastAPI reads the handlers' annotations (the lazily
 # imported Request class) at definition time
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
-from loopspec.runtime.batch import BatchedDecoder, method_for, open_batch
+from loopspec.settings import DecodingSettings
+from loopspec.runtime.decoder import Decoder
 from loopspec.runtime.metrics import Metrics
 from loopspec.runtime.scheduler import Event, QueueFull, Request, Scheduler
+
+try:  # the serve extra (fastapi brings starlette); FastAPI reads the handlers' parameter type
+    from starlette.requests import Request as HTTPRequest
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+except ImportError:  # create_app refuses with a clear message before any route exists
+    HTTPRequest = JSONResponse = PlainTextResponse = StreamingResponse = None
+
+log = logging.getLogger("loopspec.server")
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    method: str = "dflash"  # ar | dflash | dloop
+    settings: DecodingSettings  # how every request decodes (resolved once, e.g. Pipeline.settings)
     model_name: str | None = None  # the id clients send as `model` (default: the target's folder name)
     max_batch_size: int = 8  # batch rows decoding at once
     max_queue: int = 64  # requests waiting for a row; one more gets 429
     request_timeout_s: float = 600.0  # from arrival, queueing included
     max_body_bytes: int = 1 << 20
+    max_json_depth: int = 64  # nesting of the request body; deeper gets 400
     max_tokens_limit: int = 4096  # the most `max_tokens` one request may ask for
     default_max_tokens: int = 256  # when a request sets none (bounded by the context)
     max_stop_strings: int = 4
-    block_size: int | None = None
-    gate_threshold: float | None = None
-    max_stages: int | None = None
-    adaptive: bool = True  # batch-level fallback to plain rounds while drafting does not pay
 
 
 class APIError(Exception):
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "timeout_error"}
+    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error",
+             504: "timeout_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  counted: bool = False):
@@ -84,6 +97,15 @@ def _integer(body: dict, name: str, low: int | None = None, high: int | None = N
     return value
 
 
+def _text(value: str, name: str) -> str:
+    """A string that can be encoded: JSON escapes can carry lone UTF-16 surrogates ("\\ud800")."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{name} is not valid Unicode (it holds a lone surrogate)", name) from None
+    return value
+
+
 @dataclass
 class Settings:
     params: SamplingParams
@@ -94,17 +116,20 @@ class Settings:
     include_usage: bool
 
 
+UNSUPPORTED = (("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("logprobs", (None, False)),
+               ("top_logprobs", (None, 0)), ("suffix", (None, "")), ("presence_penalty", (None, 0)),
+               ("frequency_penalty", (None, 0)), ("logit_bias", (None, {})), ("tools", (None, [])),
+               ("response_format", (None, {"type": "text"})))
+
+
 def parse_settings(body: dict, config: ServeConfig, chat: bool) -> Settings:
-    for name, allowed in (("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)),
-                          ("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("suffix", (None, "")),
-                          ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
-                          ("logit_bias", (None, {})), ("tools", (None, [])), ("response_format", (None, {"type": "text"}))):
+    for name, allowed in UNSUPPORTED:
         if body.get(name) not in allowed:
             raise APIError(400, f"{name}={body[name]!r} is not supported (supported: {allowed[1]!r})", name)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     top_k = _integer(body, "top_k", low=0) or 0  # an extension (vLLM has it too)
-    seed = _integer(body, "seed")
+    seed = _integer(body, "seed", *SEED_RANGE)
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     max_tokens = None
     for name in names:
@@ -128,11 +153,11 @@ def parse_settings(body: dict, config: ServeConfig, chat: bool) -> Settings:
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
     return Settings(params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
-                    max_tokens=max_tokens, stop=tuple(stop), stream=bool(stream),
+                    max_tokens=max_tokens, stop=tuple(_text(s, "stop") for s in stop), stream=bool(stream),
                     include_usage=bool(options.get("include_usage")))
 
 
-def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
+def completion_prompt(body: dict, pipeline) -> list[int]:
     """`prompt`: a string, or token ids, or a list holding one of those (n = 1, one prompt)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -140,7 +165,8 @@ def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt is empty", "prompt")
-        return tokenizer.encode(prompt)
+        return pipeline.encode_text(_text(prompt, "prompt"))
+    vocab_size = pipeline.engine.target_cfg.vocab_size
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
@@ -148,7 +174,7 @@ def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
     raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
+def chat_prompt(body: dict, pipeline) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
@@ -163,14 +189,260 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string", "messages")
-        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    if not getattr(tokenizer, "chat_template", None):
+        role = "system" if m["role"] == "developer" else m["role"]
+        clean.append({"role": role, "content": _text(content, "messages")})
+    if not getattr(pipeline.tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # noqa: BLE001 — templates raise on role orders they do not accept
-        raise APIError(400, f"messages do not fit the chat template: {e}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+        return pipeline.encode_chat(clean)
+    except LoopspecError as e:
+        raise APIError(400, str(e), "messages") from None
+
+
+def json_depth(value, limit: int) -> int:
+    """Nesting depth of a parsed JSON value, counted up to `limit` + 1 (iteratively: no recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            todo.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+# --------------------------------------------------------------------------------------------------
+# The app state and the handlers
+
+
+@dataclass
+class ServerState:
+    pipeline: object  # runtime.pipeline.Pipeline, its engine with config.max_batch_size rows
+    config: ServeConfig
+    scheduler: Scheduler
+    model_name: str
+    created: int
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.scheduler.metrics
+
+    @property
+    def max_context(self) -> int:
+        return self.pipeline.engine.max_context
+
+
+def _state(http: HTTPRequest) -> ServerState:
+    return http.app.state.server
+
+
+class _EventQueue:
+    """The scheduler thread's Events, handed to the asyncio loop that serves the request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def __call__(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+async def read_body(http: HTTPRequest, state: ServerState) -> dict:
+    """The request's JSON object, within the size and depth limits, naming a model we serve."""
+    config = state.config
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {config.max_body_bytes}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > config.max_body_bytes:
+            raise APIError(413, f"request body exceeds the limit of {config.max_body_bytes} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except RecursionError:
+        raise APIError(400, f"the JSON body nests deeper than {config.max_json_depth} levels",
+                       code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the JSON body must be an object", code="invalid_json")
+    if json_depth(body, config.max_json_depth) > config.max_json_depth:
+        raise APIError(400, f"the JSON body nests deeper than {config.max_json_depth} levels", code="invalid_json")
+    model = body.get("model")
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist (this server serves {state.model_name!r})",
+                       "model", code="model_not_found")
+    return body
+
+
+def token_budget(state: ServerState, prompt_ids: list[int], settings: Settings) -> int:
+    max_context = state.max_context
+    if len(prompt_ids) >= max_context:
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_context} "
+                            f"tokens and the prompt must leave room for one", "messages/prompt",
+                       code="context_length_exceeded")
+    room = max_context - len(prompt_ids)
+    if settings.max_tokens is not None and settings.max_tokens > room:
+        raise APIError(400, f"this model's context is {max_context} tokens; {len(prompt_ids)} in the prompt "
+                            f"+ max_tokens {settings.max_tokens} exceed it", "max_tokens",
+                       code="context_length_exceeded")
+    return settings.max_tokens or min(state.config.default_max_tokens, room)
+
+
+async def _collect(queue: asyncio.Queue) -> tuple[str, Event]:
+    """A request's text and its last event (done or error)."""
+    parts = []
+    while True:
+        event = await queue.get()
+        if event.kind == "text":
+            parts.append(event.text)
+        else:
+            return "".join(parts), event
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    """Returns when the client goes away (the body is read: the next ASGI message is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def respond(http: HTTPRequest, state: ServerState, prompt_ids: list[int], settings: Settings, chat: bool):
+    scheduler = state.scheduler
+    events = _EventQueue(asyncio.get_running_loop())
+    request = Request(prompt_ids=prompt_ids, max_tokens=token_budget(state, prompt_ids, settings), on_event=events,
+                      params=settings.params, seed=settings.seed, stop=settings.stop,
+                      timeout_s=state.config.request_timeout_s)
+    try:
+        scheduler.submit(request)
+    except QueueFull as e:
+        state.metrics.count_request("rejected")
+        raise APIError(429, str(e), code="queue_full", counted=True) from None
+    except LoopspecError as e:
+        raise APIError(503, str(e)) from None
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    kind = "chat.completion" if chat else "text_completion"
+    if settings.stream:
+        return _SSE(_stream(events.queue, rid, kind, chat, settings.include_usage, state.model_name),
+                    on_close=lambda: request.finished or scheduler.cancel(request))
+    result, gone = asyncio.ensure_future(_collect(events.queue)), asyncio.ensure_future(_disconnected(http))
+    await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not result.done():  # the client gave up: stop decoding for it
+        result.cancel()
+        scheduler.cancel(request)
+        return PlainTextResponse("", status_code=499)
+    gone.cancel()
+    text, event = result.result()
+    if event.kind == "error":
+        raise APIError(event.status, event.message, counted=True)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+              else {"index": 0, "text": text, "logprobs": None})
+    choice["finish_reason"] = event.finish_reason
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": state.model_name,
+            "choices": [choice], "usage": event.usage}
+
+
+async def completions(http: HTTPRequest):
+    state = _state(http)
+    body = await read_body(http, state)
+    settings = parse_settings(body, state.config, chat=False)
+    return await respond(http, state, completion_prompt(body, state.pipeline), settings, chat=False)
+
+
+async def chat_completions(http: HTTPRequest):
+    state = _state(http)
+    body = await read_body(http, state)
+    settings = parse_settings(body, state.config, chat=True)
+    return await respond(http, state, chat_prompt(body, state.pipeline), settings, chat=True)
+
+
+async def models(http: HTTPRequest):
+    state = _state(http)
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                        "owned_by": "loopspec", "max_model_len": state.max_context}]}
+
+
+async def health(http: HTTPRequest):
+    state = _state(http)
+    if not state.scheduler.alive:
+        return JSONResponse(APIError(503, "the scheduler is not running").body(), status_code=503)
+    return {"status": "ok", "model": state.model_name, "method": state.config.settings.method,
+            "max_batch_size": state.pipeline.engine.max_rows}
+
+
+async def prometheus(http: HTTPRequest):
+    return PlainTextResponse(_state(http).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def api_error(http, e: APIError):
+    if not e.counted:
+        _state(http).metrics.count_request("invalid" if e.status < 500 else "error")
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def http_error(http, e):
+    """Routing's own errors (404 unknown path, 405 wrong method, ...) in OpenAI's shape, headers kept."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code,
+                        headers=getattr(e, "headers", None))
+
+
+async def server_error(http, e: Exception):
+    """An internal failure: the traceback to the log, a generic message to the client."""
+    log.exception("internal error serving %s %s", http.method, http.url.path, exc_info=e)
+    _state(http).metrics.count_request("error")
+    return JSONResponse(APIError(500, "internal server error (see the server log)").body(), status_code=500)
+
+
+# --------------------------------------------------------------------------------------------------
+# OpenAPI: the request bodies parse_settings / completion_prompt / chat_prompt accept, and the errors
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_SAMPLING = {
+    "model": {"type": "string"},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0},
+    "seed": {"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "stop": {"oneOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+}
+COMPLETION_BODY = {"type": "object", "required": ["prompt"], "properties": {
+    **_SAMPLING,
+    "prompt": {"oneOf": [{"type": "string", "minLength": 1},
+                         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}}}
+CHAT_BODY = {"type": "object", "required": ["messages"], "properties": {
+    **_SAMPLING,
+    "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
+                       "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+                           "type": "object", "required": ["type", "text"],
+                           "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}}]}}}}}}
+_CHOICES = {"type": "object", "required": ["id", "object", "choices"],
+            "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                           "choices": {"type": "array"}, "usage": {"type": ["object", "null"]}}}
+
+
+def _errors(*statuses: int) -> dict:
+    return {s: {"description": APIError.TYPES[s], "content": {"application/json": {"schema": _ERROR}}} for s in statuses}
+
+
+def _post_doc(body: dict) -> dict:
+    return dict(openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
+                responses={200: {"description": "the completion (JSON), or server-sent events with stream: true",
+                                 "content": {"application/json": {"schema": _CHOICES}, "text/event-stream": {}}},
+                           **_errors(400, 404, 413, 429, 500, 503, 504)})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,37 +457,20 @@ def _require_fastapi():
         raise LoopspecError("the server needs fastapi and uvicorn: pip install 'loopspec[serve]'") from None
 
 
-class _EventQueue:
-    """The scheduler thread's Events, handed to the asyncio loop that serves the request."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
-
-    def __call__(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-
-def create_app(pipeline, config: ServeConfig = ServeConfig()):
-    """The FastAPI app serving `pipeline` (a runtime.pipeline.Pipeline); its scheduler thread runs
-    while the app's lifespan does."""
+def create_app(pipeline, config: ServeConfig):
+    """The FastAPI app serving `pipeline` (a runtime.pipeline.Pipeline) with `config`; its scheduler
+    thread runs while the app's lifespan does."""
     _require_fastapi()
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
-    from fastapi.requests import Request as HTTPRequest
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
-    method = method_for(pipeline, config.method, config.block_size, config.gate_threshold, config.max_stages,
-                        adaptive=config.adaptive)
-    batch = open_batch(pipeline.engine, config.max_batch_size)
-    scheduler = Scheduler(BatchedDecoder(batch, method), pipeline.decode, stop_token_ids=pipeline.stop_token_ids,
-                          max_queue=config.max_queue, metrics=Metrics())
-    metrics = scheduler.metrics
-    model_name = config.model_name or pipeline.target_dir.name
-    max_context = pipeline.engine.max_context
-    vocab_size = pipeline.engine.vocab_size
-    created = int(time.time())
+    pipeline = pipeline.with_rows(config.max_batch_size)
+    scheduler = Scheduler(Decoder(pipeline.engine, config.settings), pipeline.decode,
+                          stop_token_ids=pipeline.stop_token_ids, max_queue=config.max_queue, metrics=Metrics())
+    state = ServerState(pipeline=pipeline, config=config, scheduler=scheduler,
+                        model_name=config.model_name or pipeline.target_dir.name, created=int(time.time()))
 
     @asynccontextmanager
     async def lifespan(app):
@@ -224,104 +479,23 @@ def create_app(pipeline, config: ServeConfig = ServeConfig()):
         scheduler.close()
 
     app = FastAPI(title="loopspec", lifespan=lifespan)
-    app.state.scheduler, app.state.config, app.state.method = scheduler, config, method
+    app.state.server = state
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
+    app.add_api_route("/v1/completions", completions, methods=["POST"], **_post_doc(COMPLETION_BODY))
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], **_post_doc(CHAT_BODY))
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"], responses=_errors(503))
+    app.add_api_route("/metrics", prometheus, methods=["GET"], response_class=PlainTextResponse,
+                      responses={200: {"description": "Prometheus text exposition",
+                                       "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    return app
 
-    @app.exception_handler(APIError)
-    async def api_error(request, e: APIError):
-        if not e.counted:
-            metrics.count_request("invalid" if e.status < 500 else "error")
-        return JSONResponse(e.body(), status_code=e.status)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request, e: HTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None).body(),
-                            status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def server_error(request, e: Exception):
-        metrics.count_request("error")
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
-
-    async def read_json(request: HTTPRequest) -> dict:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {config.max_body_bytes}",
-                           code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > config.max_body_bytes:
-                raise APIError(413, f"request body exceeds the limit of {config.max_body_bytes} bytes",
-                               code="request_too_large")
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the JSON body must be an object", code="invalid_json")
-        model = body.get("model")
-        if model is not None and model != model_name:
-            raise APIError(404, f"the model {model!r} does not exist (this server serves {model_name!r})",
-                           "model", code="model_not_found")
-        return body
-
-    def budget(prompt_ids: list[int], settings: Settings) -> int:
-        if len(prompt_ids) >= max_context:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_context} "
-                                f"tokens and the prompt must leave room for one", "messages/prompt",
-                           code="context_length_exceeded")
-        room = max_context - len(prompt_ids)
-        if settings.max_tokens is not None and settings.max_tokens > room:
-            raise APIError(400, f"this model's context is {max_context} tokens; {len(prompt_ids)} in the prompt "
-                                f"+ max_tokens {settings.max_tokens} exceed it", "max_tokens",
-                           code="context_length_exceeded")
-        return settings.max_tokens or min(config.default_max_tokens, room)
-
-    async def respond(http: HTTPRequest, prompt_ids: list[int], settings: Settings, chat: bool):
-        events = _EventQueue(asyncio.get_running_loop())
-        request = Request(prompt_ids=prompt_ids, max_tokens=budget(prompt_ids, settings), on_event=events,
-                          params=settings.params, seed=settings.seed, stop=settings.stop,
-                          timeout_s=config.request_timeout_s)
-        try:
-            scheduler.submit(request)
-        except QueueFull as e:
-            metrics.count_request("rejected")
-            raise APIError(429, str(e), code="queue_full", counted=True) from None
-        except LoopspecError as e:
-            raise APIError(503, str(e)) from None
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        kind = "chat.completion" if chat else "text_completion"
-        if settings.stream:
-            return _SSE(_stream(events.queue, rid, kind, chat, settings.include_usage, model_name),
-                        on_close=lambda: request.finished or scheduler.cancel(request))
-        parts, checked = [], time.monotonic()
-        while True:
-            try:
-                event = await asyncio.wait_for(events.queue.get(), 0.25)
-            except asyncio.TimeoutError:
-                event = None
-            if time.monotonic() - checked >= 0.25:  # a client that gave up: stop decoding for it
-                checked = time.monotonic()
-                if await http.is_disconnected():
-                    scheduler.cancel(request)
-                    return PlainTextResponse("", status_code=499)
-            if event is None:
-                continue
-            if event.kind == "text":
-                parts.append(event.text)
-            elif event.kind == "error":
-                raise APIError(event.status, event.message, counted=True)
-            else:
-                text = "".join(parts)
-                choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                          else {"index": 0, "text": text, "logprobs": None})
-                choice["finish_reason"] = event.finish_reason
-                return {"id": rid, "object": kind, "created": int(time.time()), "model": model_name,
-                        "choices": [choice], "usage": event.usage}
-
+if StreamingResponse is not None:
     class _SSE(StreamingResponse):
-        """Server-sent events; when the response ends for any reason (the client left included) an
+        """Server-sent events; when the response ends for any reason (the client left included), an
         unfinished request is cancelled."""
 
         def __init__(self, content, on_close):
@@ -333,35 +507,6 @@ def create_app(pipeline, config: ServeConfig = ServeConfig()):
                 await super().__call__(scope, receive, send)
             finally:
                 self.on_close()
-
-    @app.post("/v1/completions")
-    async def completions(http: HTTPRequest):
-        body = await read_json(http)
-        settings = parse_settings(body, config, chat=False)
-        return await respond(http, completion_prompt(body, pipeline.tokenizer, vocab_size), settings, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: HTTPRequest):
-        body = await read_json(http)
-        settings = parse_settings(body, config, chat=True)
-        return await respond(http, chat_prompt(body, pipeline.tokenizer), settings, chat=True)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "loopspec", "max_model_len": max_context}]}
-
-    @app.get("/health")
-    async def health():
-        if not scheduler.alive:
-            return JSONResponse(APIError(503, "the scheduler is not running").body(), status_code=503)
-        return {"status": "ok", "model": model_name, "method": config.method, "max_batch_size": batch.max_rows}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    return app
 
 
 async def _stream(queue: asyncio.Queue, rid: str, kind: str, chat: bool, include_usage: bool, model: str):
@@ -398,7 +543,7 @@ async def _stream(queue: asyncio.Queue, rid: str, kind: str, chat: bool, include
     yield "data: [DONE]\n\n"
 
 
-def serve(pipeline, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig = ServeConfig(),
+def serve(pipeline, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None,
           log_level: str = "info") -> None:
     """Serve until interrupted."""
     _require_fastapi()

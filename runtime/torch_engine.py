@@ -1,16 +1,18 @@
-"""PyTorch backend: the engines of the speculative loop run eagerly on the reference modules.
+"""PyTorch backend of the Engine protocol (engines/protocol.py): the reference modules run eagerly.
 
-An engine owns the target's KV cache and the drafter's context cache (static buffers with lengths)
-and exposes the four calls the loop makes; other backends (ONNX Runtime, TensorRT) expose the same.
-The models may sit on a CUDA device: decision tensors (logits, drafts, log-probs) come back on the CPU,
-features (taps, hidden states) stay on the device. `cuda_graphs` replays captured forwards there.
+The engine owns the target's KV cache and the drafter's context cache, one `KVCache` each with
+`max_rows` rows. The models may sit on a CUDA device: decision tensors (logits, drafts, log-probs)
+come back on the CPU, features (taps, hidden states) stay on the device. With `cuda_graphs`, one-row
+verifications and stages replay captured forwards (runtime/cuda_graphs.py); every other call runs
+eagerly.
 """
 
 from __future__ import annotations
 
 import torch
 
-from loopspec.model.drafter import Drafter
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import Drafter, draft_head_weight, greedy_drafts
 from loopspec.model.target import Target, inference_linear, pack_linears_for_cpu_
 
 
@@ -18,110 +20,123 @@ class TorchEngine:
     backend = "torch"
 
     def __init__(self, target: Target, drafter: Drafter | None, max_context: int, num_threads: int | None = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, max_rows: int = 1):
+        if num_threads:
+            torch.set_num_threads(num_threads)
         # inference copies of the weights prepacked for oneDNN (the modules are shared, not copied)
         self.target = pack_linears_for_cpu_(target.eval())
         self.drafter = pack_linears_for_cpu_(drafter.eval()) if drafter is not None else None
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        self.target_cfg = target.cfg
+        self.drafter_cfg = drafter.cfg if drafter is not None else None
         if drafter is not None:
             target.set_taps(drafter.cfg.target_layer_ids)
         limits = [max_context, target.cfg.max_position_embeddings]
         if drafter is not None:
             limits.append(drafter.cfg.max_position_embeddings)
         self.max_context = min(limits)
-        self.cache = target.new_cache(self.max_context)
-        self.context = drafter.new_context(self.max_context) if drafter is not None else None
-        self.block_size = drafter.cfg.block_size if drafter is not None else 1
-        # a reduced draft vocabulary drafts over its rows of the target's lm_head only (cheaper stage)
-        self.draft_ids = drafter.draft_ids if drafter is not None else None
-        self.draft_head = (inference_linear(target.lm_head.weight[self.draft_ids]) if self.draft_ids is not None
-                           else self.target.lm_head)
-        self.mask_token_id = drafter.cfg.mask_token_id if drafter is not None else None
-        self.drafter_cfg = drafter.cfg if drafter is not None else None
-        self.vocab_size = target.cfg.vocab_size
         self.device = target.embed_tokens.weight.device
+        # a reduced draft vocabulary drafts over its rows of the target's lm_head only (cheaper stage)
+        self.draft_ids = drafter.draft_ids.to(self.device) if drafter is not None and drafter.draft_ids is not None else None
+        self.draft_head = (inference_linear(draft_head_weight(target.lm_head.weight, self.draft_ids))
+                           if self.draft_ids is not None else self.target.lm_head)
+        self.cuda_graphs = cuda_graphs
+        self._new_caches(max_rows)
+
+    def _new_caches(self, max_rows: int) -> None:
+        if max_rows < 1:
+            raise LoopspecError(f"max batch size must be >= 1, got {max_rows}")
+        self.max_rows = max_rows
+        self.cache = self.target.new_cache(self.max_context, max_rows)
+        self.context = self.drafter.new_context(self.max_context, max_rows) if self.drafter is not None else None
         self.graphs = None
-        if cuda_graphs:
+        if self.cuda_graphs:
             from loopspec.runtime.cuda_graphs import CudaGraphRunner
 
-            self.graphs = CudaGraphRunner(self.target, self.cache, self.drafter, self.context, self.draft_head,
-                                          self.draft_ids, self.mask_token_id)
+            self.graphs = CudaGraphRunner(self)
+
+    def with_rows(self, max_rows: int) -> "TorchEngine":
+        twin = object.__new__(TorchEngine)
+        twin.__dict__.update(self.__dict__)  # the same modules and draft head
+        twin._new_caches(max_rows)
+        return twin
 
     @property
     def has_drafter(self) -> bool:
         return self.drafter is not None
 
-    # ---- lifecycle -------------------------------------------------------------------------------
-    def reset(self) -> None:
-        self.cache.length = 0
+    # ---- target ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, row: int, prompt_ids: list[int], want_taps: bool) -> torch.Tensor:
+        self.cache.lengths[row] = 0
+        out = self.target(torch.tensor([prompt_ids], device=self.device), self.cache, want_taps=want_taps,
+                          last_logits_only=True, first_row=row)
+        if want_taps:
+            self.context.lengths[row] = 0
+            self._append_context([row], self.drafter.features(out.taps), [len(prompt_ids)])
+        return out.logits[0, -1].float().cpu()
+
+    @torch.inference_mode()
+    def verify(self, tokens: list[list[int]], want_taps: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        want_taps = want_taps and self.has_drafter
+        if self.graphs is not None and len(tokens) == 1 and self.graphs.verify_bucket(len(tokens[0])) is not None:
+            logits, taps = self.graphs.verify(tokens[0], want_taps)
+            return logits[None], (taps[None] if taps is not None else None)
+        width = max(len(t) for t in tokens)
+        ids = torch.zeros(len(tokens), width, dtype=torch.long)  # right padding (never stored)
+        for b, t in enumerate(tokens):
+            ids[b, :len(t)] = torch.tensor(t)
+        counts = torch.tensor([len(t) for t in tokens])
+        out = self.target(ids.to(self.device), self.cache, want_taps=want_taps, counts=counts)
+        return out.logits.float().cpu(), out.taps
+
+    def target_rollback(self, lengths: list[int]) -> None:
+        self.cache.rollback(lengths)
+
+    # ---- drafter context -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def append_context(self, taps: torch.Tensor, counts: list[int]) -> None:
+        self._append_context(list(range(taps.shape[0])), self.drafter.features(taps), counts)
+
+    @torch.inference_mode()
+    def append_pseudo_context(self, rows: list[int], hidden: torch.Tensor) -> None:
+        self._append_context(rows, hidden, [hidden.shape[1]] * len(rows))
+
+    def _append_context(self, rows: list[int], features: torch.Tensor, counts: list[int]) -> None:
+        # features [R, T, H] at each row's next positions (padding may run past the end: clamped, never stored)
+        positions = self.context.lengths[rows][:, None] + torch.arange(features.shape[1])[None, :]  # [R, T]
+        k, v = self.drafter.context_kv(features, positions.clamp_max(self.max_context - 1).to(self.device))
+        self.context.append(k, v, rows, counts)
+
+    def context_lengths(self, rows: list[int]) -> list[int]:
+        return self.context.lengths[rows].tolist() if self.context is not None else [0] * len(rows)
+
+    def context_rollback(self, rows: list[int], lengths: list[int]) -> None:
+        self.context.rollback(lengths, rows)
+
+    # ---- drafter ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, rows: list[int], anchors: list[int], positions: list[int],
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.graphs is not None and rows == [0]:
+            drafts, logprobs, hidden = self.graphs.draft(anchors[0], positions[0], block_size)
+            return drafts[None], logprobs[None], hidden[None]
+        R, k = len(rows), block_size
+        lengths = self.context.lengths[rows]  # [R]
+        width = int(lengths.max())
+        ctx_k, ctx_v = self.context.prefix(rows, width)
+        mask = None
+        if bool((lengths != width).any()):  # shorter contexts hide their stale slots; the block sees all
+            seen = torch.arange(width + k)[None, :]
+            mask = ((seen < lengths[:, None]) | (seen >= width))[:, None, None, :].to(self.device)  # [R, 1, 1, width + k]
+        ids = torch.full((R, k), self.drafter_cfg.mask_token_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor(anchors)
+        pos = (torch.tensor(positions)[:, None, None] + torch.arange(k)).to(self.device)  # [R, 1, k]
+        hidden = self.drafter(self.target.embed_tokens(ids.to(self.device)), pos, ctx_k, ctx_v, mask)  # [R, k, H]
+        drafts, logprobs = greedy_drafts(self.draft_head(hidden[:, 1:]), self.draft_ids)  # [R, k-1] each
+        return drafts.cpu(), logprobs.float().cpu(), hidden
+
+    # ---- rows ------------------------------------------------------------------------------------
+    def move_row(self, src: int, dst: int) -> None:
+        self.cache.move_row(src, dst)
         if self.context is not None:
-            self.context.length = 0
-
-    @property
-    def target_length(self) -> int:
-        return self.cache.length
-
-    @property
-    def context_length(self) -> int:
-        return self.context.length if self.context is not None else 0
-
-    # ---- target_verify ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def target_verify(self, input_ids: list[int], all_logits: bool = True,
-                      want_taps: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run tokens after the KV cache → logits [T, V] (or [1, V]) and taps [T, n*H] (None when
-        not wanted or without a drafter)."""
-        want_taps = want_taps and self.drafter is not None
-        if self.graphs is not None and self.graphs.verify_bucket(len(input_ids)) is not None:
-            logits, taps = self.graphs.target_verify(input_ids, want_taps)
-            return (logits if all_logits else logits[-1:]), taps
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        out = self.target(ids, self.cache, want_taps=want_taps, last_logits_only=not all_logits)
-        return out.logits[0].float().cpu(), (out.taps[0] if out.taps is not None else None)
-
-    def target_rollback(self, length: int) -> None:
-        self.cache.rollback(length)
-
-    # ---- drafter_context -------------------------------------------------------------------------
-    @torch.inference_mode()
-    def drafter_context(self, taps: torch.Tensor) -> None:
-        """Append the context features of taps [T, n*H] at the next positions."""
-        start = self.context.length
-        positions = torch.arange(start, start + taps.shape[0], device=self.device)
-        k, v = self.drafter.context_kv(self.drafter.features(taps[None]), positions)
-        self.context.append(k, v)
-
-    @torch.inference_mode()
-    def drafter_context_hidden(self, hidden: torch.Tensor) -> None:
-        """Append H-dim pseudo-features [T, H] (the drafter's own hidden states) at the next positions."""
-        start = self.context.length
-        positions = torch.arange(start, start + hidden.shape[0], device=self.device)
-        k, v = self.drafter.context_kv(hidden[None], positions)
-        self.context.append(k, v)
-
-    def context_rollback(self, length: int) -> None:
-        self.context.rollback(length)
-
-    # ---- drafter_block ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def drafter_block(self, anchor: int, position: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One stage on [anchor, MASK × (k-1)] at positions position .. position+k-1.
-
-        → drafts [k-1] (argmax), their log-probs [k-1], final-norm hidden states [k, H]."""
-        if self.graphs is not None:
-            return self.graphs.drafter_block(anchor, position, block_size)
-        k = block_size
-        ids = torch.full((1, k), self.mask_token_id, dtype=torch.long, device=self.device)
-        ids[0, 0] = anchor
-        positions = torch.arange(position, position + k, device=self.device)
-        n = self.context.length
-        hidden = self.drafter(self.target.embed_tokens(ids), positions,
-                              self.context.k[:, :, :, :n], self.context.v[:, :, :, :n])  # [1, k, H]
-        logits = self.draft_head(hidden[0, 1:])  # [k-1, V] (or [k-1, Vd])
-        best, drafts = logits.max(-1)
-        logprobs = best - torch.logsumexp(logits, dim=-1)
-        drafts, logprobs = drafts.cpu(), logprobs.float().cpu()
-        if self.draft_ids is not None:
-            drafts = self.draft_ids[drafts]
-        return drafts, logprobs, hidden[0]
+            self.context.move_row(src, dst)

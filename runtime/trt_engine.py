@@ -1,8 +1,8 @@
-"""TensorRT backend: the four engines' plans behind the interface of TorchEngine.
+"""TensorRT backend of the Engine protocol: the four engines' plans on an NVIDIA GPU.
 
-Caches and calls live in runtime/artifact_engine.py (shared with ONNX Runtime), the batched ones
-(`open_batch`) too; here they sit on the GPU as static CUDA buffers, and the valid prefix passed to
-each plan is copied device to device. Every call binds its input shapes from the tensors it passes
+Caches and calls live in runtime/artifact_engine.py (shared with ONNX Runtime); here the caches sit
+on the GPU as static CUDA buffers, and the valid prefix passed to each plan is copied device to
+device. Every call binds its input shapes from the tensors it passes
 (rows, tokens, past width), inside the plan's one optimization profile.
 
 Inputs and outputs are bound by the names their EngineSpec declares. Results follow the torch
@@ -65,12 +65,12 @@ class Plan:
 class TrtEngine(ArtifactEngine):
     backend = "tensorrt"
 
-    def __init__(self, plan_dir: str | Path, max_context: int | None = None):
+    def __init__(self, plan_dir: str | Path, max_context: int | None = None, max_rows: int = 1):
         self.trt = require_tensorrt()
         self.capability, self.device_name = cuda_capability()
         self.device = torch.device("cuda")
         self.runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
-        super().__init__(plan_dir, max_context)
+        super().__init__(plan_dir, max_context, max_rows)
         self.plan_dir = self.artifact_dir
 
     def _check(self, manifest: Manifest) -> None:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from loopspec.errors import LoopspecError
+from loopspec.stats import acceptance_length
 
 
 def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, max_new_tokens: int,
@@ -21,28 +22,27 @@ def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, ma
     """Tokens/s of every setting on the same prompts (after one warm-up), with losslessness checked."""
     from tqdm import tqdm
 
-    reference = [pipe.run(p, method="ar", max_new_tokens=max_new_tokens).tokens for p in prompts]
+    ar = pipe.settings("ar")
+    reference = [pipe.run(p, ar, max_new_tokens=max_new_tokens).tokens for p in prompts]
     t0 = time.perf_counter()
     for p in prompts:
-        pipe.run(p, method="ar", max_new_tokens=max_new_tokens)
+        pipe.run(p, ar, max_new_tokens=max_new_tokens)
     ar_seconds = time.perf_counter() - t0
-    settings = []
+    grid = []
     for k, s, g in itertools.product(block_sizes, stages, thresholds):
         if s == 1 and g != thresholds[0]:
             continue  # one stage: the gate never decides anything
-        settings.append((k, s, g))
+        grid.append(pipe.settings("dloop", block_size=k, max_stages=s, gate_threshold=g, adaptive=False))
     rows = []
-    for k, s, g in tqdm(settings, desc="tuning dloop", disable=not progress, file=sys.stderr):
-        pipe.run(prompts[0], method="dloop", max_new_tokens=8, block_size=k, max_stages=s, gate_threshold=g)
+    for settings in tqdm(grid, desc="tuning dloop", disable=not progress, file=sys.stderr):
+        pipe.run(prompts[0], settings, max_new_tokens=8)
         t0 = time.perf_counter()
-        outs = [pipe.run(p, method="dloop", max_new_tokens=max_new_tokens, block_size=k, max_stages=s,
-                         gate_threshold=g, adaptive=False) for p in prompts]
+        outs = [pipe.run(p, settings, max_new_tokens=max_new_tokens) for p in prompts]
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.tokens) for o in outs)
-        committed = sum(n + 1 for o in outs for n in o.stats.accepted_per_round)
-        verifications = sum(o.stats.verifications for o in outs)
-        rows.append({"block_size": k, "max_stages": s, "gate_threshold": g, "tokens_per_s": tokens / seconds,
-                     "speedup_vs_ar": ar_seconds / seconds, "tau": committed / max(verifications, 1),
+        rows.append({"block_size": settings.block_size, "max_stages": settings.max_stages,
+                     "gate_threshold": settings.gate_threshold, "tokens_per_s": tokens / seconds,
+                     "speedup_vs_ar": ar_seconds / seconds, "tau": acceptance_length(o.stats for o in outs) or 1.0,
                      "lossless": [o.tokens for o in outs] == reference})
     return rows
 

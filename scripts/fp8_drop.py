@@ -43,15 +43,15 @@ def main() -> int:
     rows, identical = {}, True
     for name, text in zip(SETS, prompts):
         ids = pipes["fp32"].encode(text)
-        ar = pipes["fp32"].run(ids, method="ar", max_new_tokens=args.max_new_tokens).tokens
+        ar = pipes["fp32"].run(ids, pipes["fp32"].settings("ar"), max_new_tokens=args.max_new_tokens).tokens
         for precision, pipe in pipes.items():
             for method in ("dflash", "dloop"):
-                result = pipe.run(ids, method=method, max_new_tokens=args.max_new_tokens, adaptive=False)
+                result = pipe.run(ids, pipe.settings(method, adaptive=False), max_new_tokens=args.max_new_tokens)
                 same = result.tokens == ar
                 identical &= same
                 row = rows.setdefault((method, precision), {"committed": 0, "verifications": 0, "seconds": 0.0,
                                                             "tokens": 0, "per_prompt_tau": {}})
-                drafted = [n + 1 for n, s in zip(result.stats.accepted_per_round, result.stats.stages_per_round) if s]
+                drafted = result.stats.counted_rounds()  # the verifications τ counts
                 row["committed"] += sum(drafted)
                 row["verifications"] += len(drafted)
                 row["seconds"] += result.stats.total_s

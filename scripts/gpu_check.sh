@@ -97,10 +97,8 @@ else:
 prompt_ids = eager.encode(PROMPTS[0])
 def one_verify(pipe):
     engine = pipe.engine
-    engine.reset()
-    logits, taps = engine.target_verify(prompt_ids, all_logits=False)
-    engine.drafter_context(taps)
-    return engine.target_verify(list(range(100, 108)))[0]
+    engine.prefill(0, prompt_ids, want_taps=True)
+    return engine.verify([list(range(100, 108))], want_taps=True)[0][0]
 reference = one_verify(eager)
 for name, pipe in backends.items():
     diff = (one_verify(pipe) - reference).abs().max().item()
@@ -111,17 +109,18 @@ for name, pipe in backends.items():
 # greedy identity and speed
 methods = ["ar", "dflash", "dloop"]
 encoded = [eager.encode(p) for p in PROMPTS]
-plain = [eager.run(ids, method="ar", max_new_tokens=NEW_TOKENS, adaptive=False).tokens for ids in encoded]
+plain = [eager.run(ids, eager.settings("ar"), max_new_tokens=NEW_TOKENS).tokens for ids in encoded]
 print(f"\n{'backend':<22}{'method':<8}{'tok/s':>9}{'tau':>7}  identical to plain decoding")
 for name, pipe in backends.items():
     for method in methods:
-        pipe.run(encoded[0], method=method, max_new_tokens=16, adaptive=False)  # warm-up: capture, autotune
+        settings = pipe.settings(method, adaptive=False)
+        pipe.run(encoded[0], settings, max_new_tokens=16)  # warm-up: capture, autotune
         tokens, seconds, taus = 0, 0.0, []
         same = True
         for ids, expected in zip(encoded, plain):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            result = pipe.run(ids, method=method, max_new_tokens=NEW_TOKENS, adaptive=False)
+            result = pipe.run(ids, settings, max_new_tokens=NEW_TOKENS)
             torch.cuda.synchronize()
             seconds += time.perf_counter() - t0
             tokens += len(result.tokens)

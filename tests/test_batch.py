@@ -6,15 +6,15 @@ import torch
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
-from loopspec.runtime.batch import (BatchedDecoder, Method, SingleRowBatchEngine, TorchBatchEngine,
-                                    decode_together, open_batch)
-from loopspec.runtime.loop import generate
+from loopspec.runtime.decoder import AdaptiveFallback, Decoder, decode_all, generate
 from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.settings import DecodingSettings as Method
 from loopspec.weights import load_target_dir
 
 from conftest import FAMILIES
 
-METHODS = {"ar": Method(), "dflash": Method(block_size=5), "dloop": Method(block_size=5, max_stages=3, gate_threshold=-1e9)}
+METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
+           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9)}
 
 
 def random_drafter(target, block_size=5, seed=0):
@@ -30,8 +30,7 @@ def prompts(n, seed=0):
 
 
 def alone(engine, prompt, method: Method, max_new_tokens, params=SamplingParams(), seed=0, stop=frozenset()):
-    return generate(engine, prompt, max_new_tokens=max_new_tokens, params=params, block_size=method.block_size,
-                    max_stages=method.max_stages, gate_threshold=method.gate_threshold, stop_token_ids=stop,
+    return generate(engine, prompt, method, max_new_tokens=max_new_tokens, params=params, stop_token_ids=stop,
                     generator=torch.Generator().manual_seed(seed))
 
 
@@ -58,13 +57,11 @@ def engines(tiny_targets):
 def test_ragged_forward_equals_rows_alone(engines):
     engine = engines["qwen3"]
     target = engine.target
-    cache = target.new_batch_cache(64, rows=3)
+    cache = target.new_cache(64, rows=3)
     rows = prompts(3, seed=1)
     singles = []
-    for r, p in enumerate(rows):  # prefill each row alone through a one-row view
-        view = cache.row(r)
-        target(torch.tensor([p]), view)
-        cache.lengths[r] = view.length
+    for r, p in enumerate(rows):  # prefill each row alone
+        target(torch.tensor([p]), cache, first_row=r)
         ref = target.new_cache(64)
         target(torch.tensor([p]), ref)
         singles.append(ref)
@@ -72,7 +69,7 @@ def test_ragged_forward_equals_rows_alone(engines):
     ids = torch.zeros(3, 5, dtype=torch.long)
     for b, t in enumerate(new):
         ids[b, :len(t)] = torch.tensor(t)
-    out = target.forward_ragged(ids, torch.tensor([3, 1, 5]), cache)
+    out = target(ids, cache, counts=torch.tensor([3, 1, 5]))
     assert cache.lengths.tolist() == [len(p) + len(t) for p, t in zip(rows, new)]
     for b, t in enumerate(new):
         ref = target(torch.tensor([t]), singles[b])
@@ -81,7 +78,7 @@ def test_ragged_forward_equals_rows_alone(engines):
         n = cache.lengths[b]
         assert torch.allclose(cache.k[:, b, :, :n], singles[b].k[:, 0, :, :n], atol=1e-5)
     with pytest.raises(LoopspecError, match="exceeds the context"):
-        target.forward_ragged(torch.zeros(1, 64, dtype=torch.long), torch.tensor([64]), cache)
+        target(torch.zeros(1, 64, dtype=torch.long), cache, counts=torch.tensor([64]))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -91,8 +88,8 @@ def test_batched_greedy_equals_alone(family, name, engines):
     ps = prompts(5, seed=2)
     refs = [alone(engine, p, Method(), 40).tokens for p in ps]  # plain autoregressive decoding
     assert len({tuple(r) for r in refs}) == 5 and min(len(set(r)) for r in refs) >= 3
-    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=5), method)
-    done = decode_together(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)])
+    decoder = Decoder(engine.with_rows(5), method)
+    done = decode_all(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)])
     assert [done[i].tokens for i in range(5)] == refs
     if name == "dloop":
         assert max(max(done[i].stats.stages_per_round) for i in range(5)) == 3
@@ -105,7 +102,7 @@ def test_admit_and_retire_between_steps(engines):
     ps = prompts(9, seed=3)
     budgets = [5, 40, 12, 1, 33, 20, 7, 40, 26]
     refs = [alone(engine, p, Method(), n).tokens for p, n in zip(ps, budgets)]
-    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=3), method)
+    decoder = Decoder(engine.with_rows(3), method)
     admitted_mid_run = 0
     waiting = list(range(9))
     done = {}
@@ -135,7 +132,7 @@ def test_ragged_acceptance_with_oracle_drafts(engines):
     refs = [alone(engine, p, Method(), 50).tokens for p in ps]
     wrong_at = [1, 3, 6, 100]  # index in the chain of the first wrong draft (100: never wrong)
 
-    class OracleBatch(TorchBatchEngine):
+    class OracleEngine(TorchEngine):
         def draft(self, rows, anchors, positions, block_size):
             drafts, logprobs, hidden = super().draft(rows, anchors, positions, block_size)
             drafts = drafts.clone()
@@ -150,8 +147,8 @@ def test_ragged_acceptance_with_oracle_drafts(engines):
                 drafts[i] = torch.tensor(guess)
             return drafts, logprobs, hidden
 
-    decoder = BatchedDecoder(OracleBatch(engine, max_rows=4), Method(block_size=5, max_stages=3, gate_threshold=-1e9))
-    done = decode_together(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=50) for i, p in enumerate(ps)])
+    decoder = Decoder(OracleEngine(engine.target, engine.drafter, 160, max_rows=4), METHODS["dloop"])
+    done = decode_all(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=50) for i, p in enumerate(ps)])
     assert [done[i].tokens for i in range(4)] == refs
     accepted = [done[i].stats.accepted_per_round for i in range(4)]
     assert max(accepted[0]) == 1 and max(accepted[1]) == 3 and max(accepted[2]) == 6
@@ -168,10 +165,10 @@ def test_sampled_rows_reproduce_their_seed(name, engines):
               SamplingParams(), SamplingParams(temperature=1.3, top_k=20)]
     seeds = [11, 12, 13, 14]
     refs = [alone(engine, p, method, 30, params=q, seed=s).tokens for p, q, s in zip(ps, params, seeds)]
-    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=4), method)
+    decoder = Decoder(engine.with_rows(4), method)
     reqs = [dict(key=i, prompt_ids=p, max_new_tokens=30, params=q, seed=s)
             for i, (p, q, s) in enumerate(zip(ps, params, seeds))]
-    done = decode_together(decoder, reqs)
+    done = decode_all(decoder, reqs)
     assert [done[i].tokens for i in range(4)] == refs
     assert refs[0] != alone(engine, ps[0], method, 30, params=params[0], seed=99).tokens
 
@@ -182,42 +179,19 @@ def test_stop_tokens_and_context_end(engines):
     ref = alone(engine, ps[0], Method(), 200)
     assert ref.stats.finish_reason == "context"
     stop = ref.tokens[9]
-    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=3), METHODS["dloop"])
+    decoder = Decoder(engine.with_rows(3), METHODS["dloop"])
     reqs = [dict(key=0, prompt_ids=ps[0], max_new_tokens=200),
             dict(key=1, prompt_ids=ps[0], max_new_tokens=200, stop_token_ids=frozenset({stop})),
             dict(key=2, prompt_ids=ps[1], max_new_tokens=3)]
-    done = decode_together(decoder, reqs)
+    done = decode_all(decoder, reqs)
     assert done[0].tokens == ref.tokens and done[0].finish == "context"
     assert done[1].tokens == ref.tokens[:ref.tokens.index(stop) + 1] and done[1].finish == "stop"
     assert done[2].tokens == alone(engine, ps[1], Method(), 3).tokens and done[2].finish == "length"
 
 
-def test_single_row_fallback_for_engines_without_batched_calls(engines):
-    """An engine with only the single-sequence calls is served one row at a time, still exact."""
-    engine = engines["qwen2"]
-
-    class SingleOnly:  # the single-sequence protocol of loop.generate, nothing else
-        backend = "single-sequence"
-
-        def __init__(self, inner):
-            self._inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
-    batch = open_batch(SingleOnly(engine), max_rows=8)
-    assert isinstance(batch, SingleRowBatchEngine) and batch.max_rows == 1
-    assert isinstance(open_batch(engine, max_rows=8), TorchBatchEngine)
-    ps = prompts(3, seed=7)
-    refs = [alone(engine, p, Method(), 25).tokens for p in ps]
-    done = decode_together(BatchedDecoder(batch, METHODS["dloop"]),
-                           [dict(key=i, prompt_ids=p, max_new_tokens=25) for i, p in enumerate(ps)])
-    assert [done[i].tokens for i in range(3)] == refs
-
-
 def test_cancel_and_bad_input(engines):
     engine = engines["llama"]
-    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=2), METHODS["dflash"])
+    decoder = Decoder(engine.with_rows(2), METHODS["dflash"])
     ps = prompts(2, seed=8)
     decoder.admit("a", ps[0], max_new_tokens=30)
     decoder.admit("b", ps[1], max_new_tokens=30)
@@ -233,46 +207,45 @@ def test_cancel_and_bad_input(engines):
     with pytest.raises(LoopspecError, match="empty prompt"):
         decoder.admit("c", [], max_new_tokens=3)
     with pytest.raises(LoopspecError, match="drafter"):
-        BatchedDecoder(TorchBatchEngine(TorchEngine(engine.target, None, 64), 2), METHODS["dflash"])
+        Decoder(TorchEngine(engine.target, None, 64, max_rows=2), METHODS["dflash"])
     with pytest.raises(LoopspecError, match="max batch size"):
-        open_batch(engine, 0)
+        engine.with_rows(0)
     decoder.admit("d", ps[0], max_new_tokens=2)
     decoder.admit("e", ps[1], max_new_tokens=2)
     with pytest.raises(LoopspecError, match="no free row"):
         decoder.admit("f", ps[1], max_new_tokens=2)
 
 
-def test_batch_level_adaptive_fallback_changes_speed_not_output(engines):
-    from loopspec.runtime.loop import AdaptiveFallback
-
+def test_per_row_adaptive_fallback_changes_speed_not_output(engines):
     engine = engines["qwen3"]
     ps = prompts(4, seed=9)
     refs = [alone(engine, p, Method(), 40).tokens for p in ps]
-    decoder = BatchedDecoder(TorchBatchEngine(engine, max_rows=4),
-                             Method(block_size=5, max_stages=2, gate_threshold=-1e9, adaptive=True))
-    decoder.fallback = AdaptiveFallback(min_rounds=1, backoff=2)  # decide fast: a random drafter never pays
-    done = decode_together(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)])
+    settings = Method("dloop", block_size=5, max_stages=2, gate_threshold=-1e9, adaptive=True)
+    decoder = Decoder(engine.with_rows(4), settings)
+    # each row decides fast on its own: a random drafter never pays
+    done = decode_all(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=40,
+                                     fallback=AdaptiveFallback(min_rounds=1, backoff=2)) for i, p in enumerate(ps)])
     assert [done[i].tokens for i in range(4)] == refs
-    assert decoder.fallback.switches >= 1
-    stages = done[0].stats.stages_per_round
-    assert 0 in stages[1:] and max(stages) == 2  # plain rounds (0 stages) between drafted ones
-    assert BatchedDecoder(TorchBatchEngine(engine, 1), Method(adaptive=True)).fallback is None  # ar: nothing to adapt
+    assert max(done[i].stats.fallback_switches for i in range(4)) >= 1
+    stages = [done[i].stats.stages_per_round for i in range(4)]
+    assert any(0 in s[1:] for s in stages) and max(max(s) for s in stages) == 2  # plain rounds between drafted ones
+    row, _ = Decoder(engine.with_rows(1), Method(adaptive=True)).admit(0, ps[0], max_new_tokens=3)
+    assert row.fallback is None  # ar: nothing to adapt
 
 
 def test_onnxruntime_engine_batches_its_rows(engines, tiny_targets, tmp_path):
     """The ONNX Runtime engine has its own batched calls (tests/test_batch_artifacts.py has the rest)."""
     pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
     from loopspec.engines.export import export_engines
-    from loopspec.runtime.artifact_engine import ArtifactBatchEngine
     from loopspec.runtime.ort_engine import OrtEngine
 
     engine = engines["qwen3"]
     export_engines(engine.target, engine.drafter, tmp_path / "onnx", target_dir=tiny_targets["qwen3"], max_context=160)
-    batch = open_batch(OrtEngine(tmp_path / "onnx", max_context=160), max_rows=4)
-    assert isinstance(batch, ArtifactBatchEngine) and batch.max_rows == 4
+    batch = OrtEngine(tmp_path / "onnx", max_context=160).with_rows(4)
+    assert isinstance(batch, OrtEngine) and batch.max_rows == 4
     ps = prompts(3, seed=10)
     refs = [alone(engine, p, Method(), 20).tokens for p in ps]
     for method in METHODS.values():
-        done = decode_together(BatchedDecoder(batch, method),
+        done = decode_all(Decoder(batch, method),
                                [dict(key=i, prompt_ids=p, max_new_tokens=20) for i, p in enumerate(ps)])
         assert [done[i].tokens for i in range(3)] == refs

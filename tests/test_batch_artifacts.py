@@ -14,18 +14,17 @@ from loopspec.engines.export import export_engines  # noqa: E402
 from loopspec.engines.manifest import read_manifest  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
-from loopspec.runtime.artifact_engine import ArtifactBatchEngine  # noqa: E402
-from loopspec.runtime.batch import BatchedDecoder, Method, TorchBatchEngine, decode_together, open_batch  # noqa: E402
-from loopspec.runtime.loop import generate  # noqa: E402
+from loopspec.runtime.decoder import Decoder, decode_all, generate  # noqa: E402
 from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
 from loopspec.runtime.torch_engine import TorchEngine  # noqa: E402
+from loopspec.settings import DecodingSettings as Method  # noqa: E402
 from loopspec.weights import load_target_dir  # noqa: E402
 
 from conftest import FAMILIES  # noqa: E402
 
 CONTEXT = 160
-METHODS = {"ar": Method(), "dflash": Method(block_size=5),
-           "dloop": Method(block_size=5, max_stages=3, gate_threshold=-1e9)}
+METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
+           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9)}
 
 
 def lively(target, scale: float = 8.0):
@@ -45,8 +44,7 @@ def prompts(n, seed):
 
 
 def alone(engine, prompt, method: Method, max_new_tokens, params=SamplingParams(), seed=0):
-    return generate(engine, prompt, max_new_tokens=max_new_tokens, params=params, block_size=method.block_size,
-                    max_stages=method.max_stages, gate_threshold=method.gate_threshold,
+    return generate(engine, prompt, method, max_new_tokens=max_new_tokens, params=params,
                     generator=torch.Generator().manual_seed(seed))
 
 
@@ -81,9 +79,9 @@ def test_batched_greedy_equals_alone(family, name, pairs):
     assert len({tuple(r) for r in refs}) == 7 and min(len(set(r)) for r in refs if len(r) > 20) >= 3
     assert [alone(ort_engine, p, method, n).tokens for p, n in zip(ps, budgets)] == refs
 
-    batch = open_batch(ort_engine, 3)
-    assert isinstance(batch, ArtifactBatchEngine) and batch.max_rows == 3
-    decoder = BatchedDecoder(batch, method)
+    batch = ort_engine.with_rows(3)
+    assert isinstance(batch, OrtEngine) and batch.max_rows == 3
+    decoder = Decoder(batch, method)
     waiting, done, admitted_mid_run, widest = list(range(7)), {}, 0, 0
     while waiting or decoder.rows:
         while waiting and decoder.free_rows:
@@ -106,7 +104,7 @@ def test_batched_calls_match_the_torch_batch_engine(pairs):
     """The same calls on the ONNX Runtime and the torch batch engines, rows of different lengths:
     verify logits and taps, drafts on a shuffled subset of rows, pseudo-context, rollback, move_row."""
     torch_engine, ort_engine = pairs["qwen2"]
-    tb, ob = TorchBatchEngine(torch_engine, 4), open_batch(ort_engine, 4)
+    tb, ob = torch_engine.with_rows(4), ort_engine.with_rows(4)
     ps = prompts(3, seed=3)
     for r, p in enumerate(ps):
         lt, lo = tb.prefill(r, p, want_taps=True), ob.prefill(r, p, want_taps=True)
@@ -161,7 +159,7 @@ def test_sampled_rows_reproduce_their_seed(name, pairs):
     refs = [alone(ort_engine, p, method, 30, params=q, seed=s).tokens for p, q, s in zip(ps, params, seeds)]
     reqs = [dict(key=i, prompt_ids=p, max_new_tokens=30, params=q, seed=s)
             for i, (p, q, s) in enumerate(zip(ps, params, seeds))]
-    done = decode_together(BatchedDecoder(open_batch(ort_engine, 4), method), reqs)
+    done = decode_all(Decoder(ort_engine.with_rows(4), method), reqs)
     assert [done[i].tokens for i in range(4)] == refs
     assert refs[0] != alone(ort_engine, ps[0], method, 30, params=params[0], seed=99).tokens
 
@@ -172,9 +170,9 @@ def test_bad_max_rows_and_old_exports(pairs, tmp_path):
     _, ort_engine = pairs["qwen3"]
     assert ort_engine.max_batch == 4
     with pytest.raises(LoopspecError, match=r"max batch size 5 is outside the exported engines' batch range \[1, 4\]"):
-        open_batch(ort_engine, 5)
+        ort_engine.with_rows(5)
     with pytest.raises(LoopspecError, match="max batch size must be >= 1"):
-        open_batch(ort_engine, 0)
+        ort_engine.with_rows(0)
     old = tmp_path / "old"  # an export from before the batch dim: refused with what to do
     shutil.copytree(ort_engine.artifact_dir, old)
     manifest = read_manifest(old)
@@ -201,11 +199,11 @@ def test_server_on_onnxruntime_batches_its_rows(tiny_pair, tmp_path, monkeypatch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     target_dir, drafter_dir = tiny_pair
     pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=128, backend="onnxruntime")
-    app = create_app(pipe, ServeConfig(method="dloop", model_name="tiny", max_batch_size=3, adaptive=False))
-    assert isinstance(app.state.scheduler.decoder.engine, ArtifactBatchEngine)
+    dloop = pipe.settings("dloop", adaptive=False)
+    app = create_app(pipe, ServeConfig(settings=dloop, model_name="tiny", max_batch_size=3))
+    assert isinstance(app.state.server.scheduler.decoder.engine, OrtEngine)
     texts = ["hello", "a longer prompt, with more characters", "xyz", "0123456789"]
-    refs = [pipe.decode(pipe.run(pipe.tokenizer.encode(t), method="dloop", max_new_tokens=20, adaptive=False).tokens)
-            for t in texts]
+    refs = [pipe.decode(pipe.run(pipe.tokenizer.encode(t), dloop, max_new_tokens=20).tokens) for t in texts]
     with TestClient(app) as client:
         assert client.get("/health").json()["max_batch_size"] == 3
 
@@ -216,7 +214,7 @@ def test_server_on_onnxruntime_batches_its_rows(tiny_pair, tmp_path, monkeypatch
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(complete, texts)) == refs
     with pytest.raises(LoopspecError, match="outside the exported engines' batch range"):
-        create_app(pipe, ServeConfig(max_batch_size=17))
+        create_app(pipe, ServeConfig(settings=dloop, max_batch_size=17))
 
 
 def test_fp8_qdq_engines_batch_their_rows(tiny_pair, tmp_path):
@@ -232,9 +230,9 @@ def test_fp8_qdq_engines_batch_their_rows(tiny_pair, tmp_path):
     engine = OrtEngine(out / "onnx", 128)
     assert engine.manifest.precision == "fp8" and engine.max_batch == 16
     ps = prompts(4, seed=6)
-    method = Method(block_size=6, max_stages=3, gate_threshold=-1e9)
+    method = Method("dloop", block_size=6, max_stages=3, gate_threshold=-1e9)
     refs = [alone(engine, p, method, 24).tokens for p in ps]
-    done = decode_together(BatchedDecoder(open_batch(engine, 4), method),
+    done = decode_all(Decoder(engine.with_rows(4), method),
                            [dict(key=i, prompt_ids=p, max_new_tokens=24) for i, p in enumerate(ps)])
     assert [done[i].tokens for i in range(4)] == refs
     assert max(s for i in range(4) for s in done[i].stats.stages_per_round) == 3

@@ -167,7 +167,7 @@ def test_tune_stores_fastest_lossless_setting(capsys, tiny_pair, tmp_path):
     from loopspec.runtime.pipeline import load_pipeline
 
     pipe = load_pipeline(str(target), str(mine))
-    assert pipe.dloop_settings()["max_stages"] == stored["max_stages"]
-    assert pipe.block_size_for("dloop", None) == stored["block_size"]
+    assert pipe.settings("dloop").max_stages == stored["max_stages"]
+    assert pipe.settings("dloop").block_size == stored["block_size"]
     assert main(["tune", "--prompts", str(prompts), "--target", str(target), "--drafter", str(mine),
                  "--stages", "0"]) == 2

@@ -13,8 +13,9 @@ from loopspec.cli import main
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
 from loopspec.runtime.cuda_graphs import drafter_block_static, key_bucket, target_verify_static
-from loopspec.runtime.loop import generate
+from loopspec.runtime.decoder import generate
 from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.settings import DecodingSettings
 from loopspec.weights import load_target_dir
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -48,7 +49,7 @@ def test_padded_static_verify_equals_eager(family, tiny_targets):
     torch.testing.assert_close(static.logits[:, :5], eager.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(static.taps[:, :5], eager.taps, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(static_cache.k[:, :, :, :14], eager_cache.k[:, :, :, :14], rtol=1e-5, atol=1e-6)
-    assert static_cache.length == 9  # the static forward never moves the length; the runner does
+    assert static_cache.lengths[0] == 9  # the static forward never moves the length; the runner does
 
 
 @torch.inference_mode()
@@ -115,17 +116,16 @@ def test_replay_equals_eager(family, tiny_targets):
     eager, graphs = gpu_engines(tiny_targets, family)
     prompt = list(range(3, 20))
     for engine in (eager, graphs):
-        engine.reset()
-        engine.drafter_context(engine.target_verify(prompt, all_logits=False)[1])
+        engine.prefill(0, prompt, want_taps=True)
     for step, tokens in enumerate(([5], [6, 7, 8], [9] * 6, [10, 11])):
-        (el, et), (gl, gt) = eager.target_verify(tokens), graphs.target_verify(tokens)
+        (el, et), (gl, gt) = eager.verify([tokens], want_taps=True), graphs.verify([tokens], want_taps=True)
         assert el.device.type == gl.device.type == "cpu" and gt.device.type == "cuda"
         torch.testing.assert_close(gl, el, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(gt, et, rtol=1e-4, atol=1e-4)
         for engine, taps in ((eager, et), (graphs, gt)):
-            engine.drafter_context(taps)
-        position = eager.target_length
-        (ed, ep, eh), (gd, gp, gh) = (e.drafter_block(tokens[-1], position, 6) for e in (eager, graphs))
+            engine.append_context(taps, [len(tokens)])
+        position = int(eager.cache.lengths[0])
+        (ed, ep, eh), (gd, gp, gh) = (e.draft([0], [tokens[-1]], [position], 6) for e in (eager, graphs))
         assert torch.equal(gd, ed), step
         torch.testing.assert_close(gp, ep, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(gh, eh, rtol=1e-4, atol=1e-4)
@@ -138,9 +138,9 @@ def test_replay_equals_eager(family, tiny_targets):
 def test_greedy_identity_with_graphs(family, tiny_targets):
     eager, graphs = gpu_engines(tiny_targets, family)
     prompt = torch.randint(0, 120, (12,), generator=torch.Generator().manual_seed(3)).tolist()
-    ar = generate(eager, prompt, max_new_tokens=48, block_size=1)
+    ar = generate(eager, prompt, max_new_tokens=48)
     for engine in (eager, graphs):
-        assert generate(engine, prompt, max_new_tokens=48, block_size=1).tokens == ar.tokens
-        assert generate(engine, prompt, max_new_tokens=48, block_size=6).tokens == ar.tokens
-        dloop = generate(engine, prompt, max_new_tokens=48, block_size=6, max_stages=3, gate_threshold=-1e9)
+        assert generate(engine, prompt, max_new_tokens=48).tokens == ar.tokens
+        assert generate(engine, prompt, DecodingSettings("dflash", 6), max_new_tokens=48).tokens == ar.tokens
+        dloop = generate(engine, prompt, DecodingSettings("dloop", 6, 3, -1e9), max_new_tokens=48)
         assert dloop.tokens == ar.tokens

@@ -40,10 +40,10 @@ def test_default_target_matches_transformers(pipe):
     assert (out.logits - ref.logits).abs().max() <= 1e-4
     assert (out.taps - torch.cat([ref.hidden_states[l + 1] for l in layers], -1)).abs().max() <= 1e-4
     # the engine's oneDNN-packed weights sum in another order: logits of magnitude ~30 agree to ~1e-4
-    packed_logits, packed_taps = pipe.engine.target_verify(ids[0].tolist())
-    pipe.engine.reset()
-    assert (packed_logits - ref.logits[0]).abs().max() <= 5e-4
-    assert torch.equal(packed_logits.argmax(-1), ref.logits[0].argmax(-1))
+    pipe.engine.target_rollback([0])  # row 0 from its start
+    packed_logits, packed_taps = pipe.engine.verify([ids[0].tolist()], want_taps=True)
+    assert (packed_logits[0] - ref.logits[0]).abs().max() <= 5e-4
+    assert torch.equal(packed_logits[0].argmax(-1), ref.logits[0].argmax(-1))
 
 
 def test_default_config_and_tokenizer(pipe):
@@ -57,11 +57,11 @@ def test_default_config_and_tokenizer(pipe):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_dflash_equals_ar_on_default(pipe, prompt):
     ids = pipe.encode(prompt)
-    ar = pipe.run(ids, method="ar", max_new_tokens=48)
-    spec = pipe.run(ids, method="dflash", max_new_tokens=48)
+    ar = pipe.run(ids, pipe.settings("ar"), max_new_tokens=48)
+    spec = pipe.run(ids, pipe.settings("dflash"), max_new_tokens=48)
     assert spec.tokens == ar.tokens
     assert len(ar.tokens) > 0
-    loop = pipe.run(ids, method="dloop", max_new_tokens=48, gate_threshold=-3.0, max_stages=3)
+    loop = pipe.run(ids, pipe.settings("dloop", gate_threshold=-3.0, max_stages=3), max_new_tokens=48)
     assert loop.tokens == ar.tokens
 
 

@@ -309,18 +309,18 @@ def test_incremental_context_equals_one_go(family, reference_setups):
         junk = torch.randn(1, 5, taps.shape[2], generator=torch.Generator().manual_seed(1))
         k, v = drafter.context_kv(drafter.features(junk), torch.arange(10, 15))
         three.append(k, v)
-        three.rollback(10)
+        three.rollback([10])
         k, v = drafter.context_kv(drafter.features(taps[:, 10:]), torch.arange(10, 17))
         three.append(k, v)
 
-        assert one.length == two.length == three.length == 17
+        assert one.lengths[0] == two.lengths[0] == three.lengths[0] == 17
         assert one.k.shape == (LAYERS, 1, zlab["num_key_value_heads"], 64, zlab["head_dim"])
         outs = []
         for ctx in (one, two, three):
             # fp32 matmuls over 7/10/17 rows round differently in the last bits, nothing more
             assert (ctx.k[:, :, :, :17] - one.k[:, :, :, :17]).abs().max() <= 1e-5
             assert (ctx.v[:, :, :, :17] - one.v[:, :, :, :17]).abs().max() <= 1e-5
-            n = ctx.length
+            n = int(ctx.lengths[0])
             outs.append(drafter(embeds, torch.arange(17, 17 + BLOCK), ctx.k[:, :, :, :n], ctx.v[:, :, :, :n]))
     want = reference_stage(sd, zlab, taps[0], embeds[0], 17, reference_inv_freq(family, zlab))
     for out in outs:
@@ -338,9 +338,9 @@ def test_context_cache_limits(tiny_targets):
         ctx.append(k, v)
         with pytest.raises(LoopspecError, match="exceeds"):
             ctx.append(k, v)
-    assert ctx.length == 6  # the refused append changed nothing
+    assert ctx.lengths[0] == 6  # the refused append changed nothing
     with pytest.raises(ValueError):
-        ctx.rollback(7)
+        ctx.rollback([7])
 
 
 def test_grow_keeps_the_drafts_then_trains_the_new_layer(tiny_targets, tmp_path):

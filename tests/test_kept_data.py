@@ -7,11 +7,11 @@ import lzma
 import pytest
 import torch
 
-import loopspec.train.data as data_module
+import loopspec.runtime.decoder as decoder_module
 from conftest import save_tiny_target, save_tiny_tokenizer
 from loopspec.cli import main
 from loopspec.errors import LoopspecError
-from loopspec.train.data import read_samples
+from loopspec.train.data import read_samples, safe_name
 from loopspec.weights import read_safetensors
 
 TEXTS = [f"prompt {i} " + "says hello " * (i % 4) for i in range(10)]
@@ -28,15 +28,15 @@ def prompts(tmp_path):
 
 @pytest.fixture
 def generated(monkeypatch):
-    """The prompts (token ids) every generate_batch call of this test received."""
+    """The prompts (token ids) every batch decoded by `loopspec data` in this test held."""
     calls: list[list[int]] = []
-    real = data_module.generate_batch
+    real = decoder_module.regenerate_responses
 
     def counting(target, prompts, *args):
         calls.extend(prompts)
         return real(target, prompts, *args)
 
-    monkeypatch.setattr(data_module, "generate_batch", counting)
+    monkeypatch.setattr(decoder_module, "regenerate_responses", counting)
     return calls
 
 
@@ -100,7 +100,7 @@ def test_kept_taps_are_recomputed_as_generation_caches_them(tiny_pair, prompts, 
     assert main(data_args(target_dir, prompts, resumed, "--cache-taps", "--kept", str(kept))) == 0
     assert generated == []
     for s in read_samples(fresh):
-        name = f"{data_module.safe_name(s.id)}.safetensors"
+        name = f"{safe_name(s.id)}.safetensors"
         a, b = read_safetensors(fresh / "taps" / name)["taps"], read_safetensors(resumed / "taps" / name)["taps"]
         assert a.shape == b.shape == (len(s.tokens) - 1, 2 * 64) and a.dtype == b.dtype == torch.float16
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-3, atol=2e-3)  # fp16 storage

@@ -4,11 +4,20 @@ import torch
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
-from loopspec.runtime.loop import generate
+from loopspec.runtime.decoder import AdaptiveFallback, draft_round, generate
 from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.settings import DecodingSettings
 from loopspec.weights import load_target_dir
 
 from conftest import FAMILIES
+
+
+def dflash(k):
+    return DecodingSettings("dflash", block_size=k)
+
+
+def dloop(k, stages, gate):
+    return DecodingSettings("dloop", block_size=k, max_stages=stages, gate_threshold=gate)
 
 
 def random_drafter(target, block_size=8, num_layers=2, seed=0, mask=127):
@@ -23,9 +32,9 @@ def test_greedy_dflash_equals_ar(family, tiny_targets):
     drafter = random_drafter(target)
     engine = TorchEngine(target, drafter, max_context=256)
     prompt = torch.randint(0, 120, (12,), generator=torch.Generator().manual_seed(3)).tolist()
-    ar = generate(engine, prompt, max_new_tokens=60, block_size=1)
+    ar = generate(engine, prompt, max_new_tokens=60)
     for k in (2, 5, 8, 12):
-        spec = generate(engine, prompt, max_new_tokens=60, block_size=k)
+        spec = generate(engine, prompt, dflash(k), max_new_tokens=60)
         assert spec.tokens == ar.tokens
         assert spec.stats.verifications <= ar.stats.verifications
 
@@ -36,19 +45,20 @@ def test_greedy_identity_with_accepted_drafts(tiny_targets):
     target = load_target_dir(tiny_targets["llama"])
     drafter = random_drafter(target)
     engine = TorchEngine(target, drafter, max_context=256)
-    ar = generate(engine, [5, 6, 7] * 4, max_new_tokens=40, block_size=1)
+    ar = generate(engine, [5, 6, 7] * 4, max_new_tokens=40)
 
     class OracleEngine(TorchEngine):
-        def drafter_block(self, anchor, position, block_size):
+        def draft(self, rows, anchors, positions, block_size):
+            (position,) = positions
             start = position - 12 + 1  # index in ar.tokens of the first token after the anchor
             guess = ar.tokens[start:start + block_size - 1]
             guess = guess + [0] * (block_size - 1 - len(guess))
             if len(guess) > 3:
                 guess[3] = (guess[3] + 1) % 128  # one wrong token so that both paths are exercised
-            return torch.tensor(guess), torch.zeros(block_size - 1), None
+            return torch.tensor([guess]), torch.zeros(1, block_size - 1), None
 
     oracle = OracleEngine(target, drafter, max_context=256)
-    spec = generate(oracle, [5, 6, 7] * 4, max_new_tokens=40, block_size=8)
+    spec = generate(oracle, [5, 6, 7] * 4, dflash(8), max_new_tokens=40)
     assert spec.tokens == ar.tokens
     assert max(spec.stats.accepted_per_round) == 3
     assert spec.stats.acceptance_length > 3
@@ -59,16 +69,16 @@ def test_stop_tokens_max_new_tokens_and_context(tiny_targets):
     drafter = random_drafter(target)
     engine = TorchEngine(target, drafter, max_context=40)
     prompt = list(range(10, 30))
-    ar = generate(engine, prompt, max_new_tokens=100, block_size=1)
+    ar = generate(engine, prompt, max_new_tokens=100)
     assert ar.stats.finish_reason == "context" and len(prompt) + len(ar.tokens) == 41  # last token not run
-    spec = generate(engine, prompt, max_new_tokens=100, block_size=8)
+    spec = generate(engine, prompt, dflash(8), max_new_tokens=100)
     assert spec.tokens == ar.tokens and spec.stats.finish_reason == "context"
     stop = ar.tokens[7]
     first = ar.tokens.index(stop)
-    for k in (1, 8):
-        res = generate(engine, prompt, max_new_tokens=100, block_size=k, stop_token_ids={stop})
+    for settings in (DecodingSettings(), dflash(8)):
+        res = generate(engine, prompt, settings, max_new_tokens=100, stop_token_ids={stop})
         assert res.tokens == ar.tokens[:first + 1] and res.stats.finish_reason == "stop"
-        res = generate(engine, prompt, max_new_tokens=5, block_size=k)
+        res = generate(engine, prompt, settings, max_new_tokens=5)
         assert res.tokens == ar.tokens[:5] and res.stats.finish_reason == "length"
 
 
@@ -76,7 +86,7 @@ def test_streaming_callback_sees_every_token(tiny_targets):
     target = load_target_dir(tiny_targets["qwen2"])
     engine = TorchEngine(target, random_drafter(target), max_context=128)
     chunks = []
-    res = generate(engine, [1, 2, 3], max_new_tokens=30, block_size=6, on_tokens=chunks.append)
+    res = generate(engine, [1, 2, 3], dflash(6), max_new_tokens=30, on_tokens=chunks.append)
     assert sum(chunks, []) == res.tokens
 
 
@@ -88,9 +98,9 @@ def test_bad_arguments(tiny_targets):
     with pytest.raises(LoopspecError, match="does not fit"):
         generate(engine, list(range(16)), max_new_tokens=4)
     with pytest.raises(LoopspecError, match="block size"):
-        generate(engine, [1], max_new_tokens=4, block_size=0)
+        generate(engine, [1], dflash(0), max_new_tokens=4)
     with pytest.raises(LoopspecError, match="drafter"):
-        generate(engine, [1], max_new_tokens=4, block_size=4)
+        generate(engine, [1], dflash(4), max_new_tokens=4)
     with pytest.raises(LoopspecError, match="temperature"):
         SamplingParams(temperature=-1)
 
@@ -100,11 +110,11 @@ def test_greedy_dloop_equals_ar(family, tiny_targets):
     target = load_target_dir(tiny_targets[family])
     engine = TorchEngine(target, random_drafter(target, block_size=5), max_context=200)
     prompt = torch.randint(0, 120, (9,), generator=torch.Generator().manual_seed(7)).tolist()
-    ar = generate(engine, prompt, max_new_tokens=70, block_size=1)
+    ar = generate(engine, prompt, max_new_tokens=70)
     for stages, gate in ((2, -1e9), (4, -1e9), (3, -5.0)):
-        res = generate(engine, prompt, max_new_tokens=70, block_size=5, max_stages=stages, gate_threshold=gate)
+        res = generate(engine, prompt, dloop(5, stages, gate), max_new_tokens=70)
         assert res.tokens == ar.tokens
-        assert engine.context_length <= 200
+        assert engine.context_lengths([0])[0] <= 200
         if gate == -1e9:
             assert max(res.stats.stages_per_round) == stages  # an always-open gate runs every stage
 
@@ -116,60 +126,51 @@ class RecordingEngine(TorchEngine):
         super().__init__(*a, **kw)
         self.scores, self.calls = scores, []
 
-    def drafter_block(self, anchor, position, block_size):
-        drafts, logprobs, hidden = super().drafter_block(anchor, position, block_size)
+    def draft(self, rows, anchors, positions, block_size):
+        drafts, logprobs, hidden = super().draft(rows, anchors, positions, block_size)
         i = len(self.calls) % len(self.scores)
-        self.calls.append((anchor, position, self.context_length))
-        logprobs = torch.full_like(logprobs, self.scores[i] / logprobs.numel())
+        self.calls.append((anchors[0], positions[0], self.context_lengths(rows)[0]))
+        logprobs = torch.full_like(logprobs, self.scores[i] / logprobs.shape[1])
         return drafts, logprobs, hidden
 
 
 def test_gate_adds_next_stage_only_and_never_cuts_a_block(tiny_targets):
-    from loopspec.runtime.loop import draft_chain
-
     target = load_target_dir(tiny_targets["qwen2"])
     drafter = random_drafter(target, block_size=5)
     # stage 1 scores -0.1 (>= gate): stage 2 runs; stage 2 scores -9 (< gate): no stage 3, but all of
     # stage 2's drafts are still proposed for verification.
     engine = RecordingEngine(target, drafter, max_context=100, scores=[-0.1, -9.0, -0.1])
-    engine.reset()
-    _, taps = engine.target_verify(list(range(3, 13)))
-    engine.drafter_context(taps)
-    before = engine.context_length
-    drafts, stages = draft_chain(engine, anchor=7, position=10, block_size=5, max_drafts=100, max_stages=4,
-                                 gate_threshold=-0.5)
+    engine.prefill(0, list(range(3, 13)), want_taps=True)
+    before = engine.context_lengths([0])[0]
+    (drafts,), (stages,) = draft_round(engine, dloop(5, 4, -0.5), anchors=[7], positions=[10], budgets=[100])
     assert stages == 2 and drafts.numel() == 8  # two whole blocks of 4 drafts
     (a1, p1, c1), (a2, p2, c2) = engine.calls
     assert (p1, c1) == (10, before) and p2 == 14 and c2 == before + 4  # 4 pseudo-features, then gone
     assert a2 == int(drafts[3])  # stage 2's anchor is stage 1's last draft
-    assert engine.context_length == before
+    assert engine.context_lengths([0])[0] == before
     # a low-scoring FIRST stage is still verified whole: its own score never drops it
     engine.scores, engine.calls = [-9.0], []
-    drafts, stages = draft_chain(engine, 7, 10, 5, 100, 4, -0.5)
+    (drafts,), (stages,) = draft_round(engine, dloop(5, 4, -0.5), [7], [10], [100])
     assert stages == 1 and drafts.numel() == 4
 
 
 def test_adaptive_fallback_changes_speed_not_output(tiny_targets):
-    from loopspec.runtime.loop import AdaptiveFallback
-
     target = load_target_dir(tiny_targets["llama"])
     engine = TorchEngine(target, random_drafter(target, block_size=6), max_context=256)
     prompt = [9, 8, 7, 6, 5]
-    ar = generate(engine, prompt, max_new_tokens=80, block_size=1)
+    ar = generate(engine, prompt, max_new_tokens=80)
     # a random drafter never pays: the fallback must switch to plain rounds, output unchanged
     fb = AdaptiveFallback(min_rounds=2, backoff=4)
-    res = generate(engine, prompt, max_new_tokens=80, block_size=6, fallback=fb)
+    res = generate(engine, prompt, dflash(6), max_new_tokens=80, fallback=fb)
     assert res.tokens == ar.tokens
     assert res.stats.fallback_switches >= 1 and res.stats.fallback_rounds >= 4
     for stages in (1, 3):
-        res = generate(engine, prompt, max_new_tokens=80, block_size=6, max_stages=stages, gate_threshold=-1e9,
+        res = generate(engine, prompt, dloop(6, stages, -1e9), max_new_tokens=80,
                        fallback=AdaptiveFallback(min_rounds=1, backoff=2))
         assert res.tokens == ar.tokens
 
 
 def test_adaptive_fallback_keeps_drafting_when_it_pays():
-    from loopspec.runtime.loop import AdaptiveFallback
-
     fb = AdaptiveFallback(min_rounds=2)
     fb.record(drafted=False, committed=1, seconds=0.020)  # calibration: plain round 20 ms
     assert fb.want_draft()

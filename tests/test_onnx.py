@@ -17,9 +17,10 @@ from loopspec.engines.manifest import read_manifest  # noqa: E402
 from loopspec.engines.specs import ENGINE_NAMES, TARGET_VERIFY, EngineSpec, TensorSpec, engine_specs  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
-from loopspec.runtime.loop import generate  # noqa: E402
+from loopspec.runtime.decoder import generate  # noqa: E402
 from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
 from loopspec.runtime.torch_engine import TorchEngine  # noqa: E402
+from loopspec.settings import DecodingSettings  # noqa: E402
 from loopspec.weights import load_target_dir  # noqa: E402
 
 from conftest import FAMILIES  # noqa: E402
@@ -84,10 +85,10 @@ def test_greedy_identical_across_backends(family, exported):
     prompt = torch.randint(0, 120, (11,), generator=torch.Generator().manual_seed(4)).tolist()
     outputs = {}
     for backend, engine in engines.items():
-        assert engine.has_drafter and engine.block_size == 5 and engine.mask_token_id == 127
-        ar = generate(engine, prompt, max_new_tokens=50, block_size=1)
-        dflash = generate(engine, prompt, max_new_tokens=50, block_size=5)
-        dloop = generate(engine, prompt, max_new_tokens=50, block_size=5, max_stages=3, gate_threshold=-1e9)
+        assert engine.has_drafter and engine.drafter_cfg.block_size == 5 and engine.drafter_cfg.mask_token_id == 127
+        ar = generate(engine, prompt, max_new_tokens=50)
+        dflash = generate(engine, prompt, DecodingSettings("dflash", 5), max_new_tokens=50)
+        dloop = generate(engine, prompt, DecodingSettings("dloop", 5, 3, -1e9), max_new_tokens=50)
         assert dflash.tokens == ar.tokens and dloop.tokens == ar.tokens
         assert max(dloop.stats.stages_per_round) == 3  # the pseudo-context engine really ran
         outputs[backend] = (ar.tokens, dflash.stats.accepted_per_round, dloop.stats.accepted_per_round)
@@ -97,30 +98,28 @@ def test_greedy_identical_across_backends(family, exported):
 def test_engine_calls_match_torch_engine(exported):
     target, drafter, onnx_dir = exported["qwen2"]
     te, oe = TorchEngine(target, drafter, max_context=64), OrtEngine(onnx_dir, 64)
-    for engine in (te, oe):
-        engine.reset()
     prompt = list(range(3, 17))
-    (lt, tt), (lo, to) = (e.target_verify(prompt, all_logits=False) for e in (te, oe))
-    assert lo.shape == lt.shape == (1, 128) and torch.allclose(lo, lt, atol=1e-5)
-    assert torch.allclose(to, tt, atol=1e-5)
-    for e, taps in ((te, tt), (oe, to)):
-        e.drafter_context(taps)
-    (dt, pt, ht), (do, po, ho) = (e.drafter_block(7, 14, 5) for e in (te, oe))
-    assert torch.equal(do, dt) and set(do.tolist()) <= set(drafter.draft_ids.tolist())  # target ids
+    lt, lo = (e.prefill(0, prompt, want_taps=True) for e in (te, oe))
+    assert lo.shape == lt.shape == (128,) and torch.allclose(lo, lt, atol=1e-5)
+    # the prompt's context features, as K/V of every drafter layer
+    assert torch.allclose(oe.context.k[:, 0, :, :14], te.context.k[:, 0, :, :14], atol=1e-5)
+    assert torch.allclose(oe.context.v[:, 0, :, :14], te.context.v[:, 0, :, :14], atol=1e-5)
+    (dt, pt, ht), (do, po, ho) = (e.draft([0], [7], [14], 5) for e in (te, oe))
+    assert torch.equal(do, dt) and set(do.flatten().tolist()) <= set(drafter.draft_ids.tolist())  # target ids
     assert torch.allclose(po, pt, atol=1e-5) and torch.allclose(ho, ht, atol=1e-5)
     for e in (te, oe):  # DLoop pseudo-context, then rollback
-        e.drafter_context_hidden(ht[1:] if e is te else ho[1:])
-        assert e.context_length == 18
-        e.context_rollback(14)
-    (lt, _), (lo, _) = (e.target_verify([5, 6, 7]) for e in (te, oe))
-    assert lo.shape == (3, 128) and torch.allclose(lo, lt, atol=1e-5)
+        e.append_pseudo_context([0], ht[:, 1:] if e is te else ho[:, 1:])
+        assert e.context_lengths([0]) == [18]
+        e.context_rollback([0], [14])
+    (lt, _), (lo, _) = (e.verify([[5, 6, 7]], want_taps=False) for e in (te, oe))
+    assert lo.shape == (1, 3, 128) and torch.allclose(lo, lt, atol=1e-5)
     for e in (te, oe):
-        e.target_rollback(15)
-        assert e.target_length == 15
+        e.target_rollback([15])
+        assert e.cache.lengths[0] == 15
     with pytest.raises(ValueError):
-        oe.target_rollback(16)
+        oe.target_rollback([16])
     with pytest.raises(LoopspecError, match="exceeds the context"):
-        oe.target_verify(list(range(60)))
+        oe.verify([list(range(60))], want_taps=False)
 
 
 def test_target_only_export_runs_ar(tiny_targets, tmp_path):
@@ -128,12 +127,12 @@ def test_target_only_export_runs_ar(tiny_targets, tmp_path):
     manifest = export_engines(target, None, tmp_path / "ar", target_dir=tiny_targets["llama"])
     assert manifest.engines == [TARGET_VERIFY] and "taps" not in manifest.spec(TARGET_VERIFY).output_names
     engine = OrtEngine(tmp_path / "ar", 100)
-    assert not engine.has_drafter and engine.block_size == 1
+    assert not engine.has_drafter and engine.drafter_cfg is None
     prompt = [4, 9, 16, 25]
     ref = generate(TorchEngine(target, None, max_context=100), prompt, max_new_tokens=30)
     assert generate(engine, prompt, max_new_tokens=30).tokens == ref.tokens
     with pytest.raises(LoopspecError, match="drafter"):
-        generate(engine, prompt, max_new_tokens=5, block_size=4)
+        generate(engine, prompt, DecodingSettings("dflash", 4), max_new_tokens=5)
     assert validate_onnx(tmp_path / "ar", target, None)["passed"]
 
 
@@ -156,7 +155,7 @@ def test_specs_are_the_one_source_of_truth(tiny_targets):
     block = specs["drafter_block"]
     assert block.profile_shapes()["block_ids"] == ((1, 2), (1, 8), (16, 8))
     assert block.input_names[-1] == "context_lengths"
-    assert block.output_names == ["draft_ids", "draft_logprobs", "gate_score", "hidden"]
+    assert block.output_names == ["draft_ids", "draft_logprobs", "hidden"]
     assert EngineSpec.from_dict(json.loads(json.dumps(block.to_dict()))) == block
     block.check_input("block_ids", (1, 5))
     block.check_input("block_ids", (16, 5))
@@ -193,7 +192,8 @@ def test_pipeline_exports_once_and_reuses_the_cache(tiny_pair, tmp_path, monkeyp
     torch_pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=128)
     ids = pipe.encode("hello there")
     for method in ("ar", "dflash", "dloop"):
-        assert pipe.run(ids, method=method, max_new_tokens=24).tokens == torch_pipe.run(ids, method=method, max_new_tokens=24).tokens
+        settings = pipe.settings(method)
+        assert pipe.run(ids, settings, max_new_tokens=24).tokens == torch_pipe.run(ids, settings, max_new_tokens=24).tokens
     again = load_pipeline(str(target_dir), str(drafter_dir), max_context=128, backend="onnxruntime")
     assert again.engine.onnx_dir == cached and "exporting" not in capsys.readouterr().err
     (cached / "drafter_block.onnx.data").write_bytes(b"garbage")  # a damaged cache is exported again
@@ -240,9 +240,9 @@ def test_corrupt_or_edited_files_are_refused(exported, tmp_path):
     # a corrupt graph whose manifest was rewritten to match: ONNX Runtime itself refuses it
     (bad / "drafter_block.onnx").write_bytes(b"\x08\x07garbage that is not a protobuf")
     manifest = read_manifest(bad, verify=False)
-    from loopspec.engines.manifest import sha256_file
+    from loopspec.weights import file_sha256
 
-    manifest.data["files"]["drafter_block.onnx"] = sha256_file(bad / "drafter_block.onnx")
+    manifest.data["files"]["drafter_block.onnx"] = file_sha256(bad / "drafter_block.onnx")
     manifest.save()
     with pytest.raises(LoopspecError, match="cannot load ONNX engine .*drafter_block.onnx"):
         OrtEngine(bad)
@@ -330,9 +330,9 @@ def test_default_pair_onnxruntime_equals_torch(tmp_path_factory):
                              drafter_dir=torch_pipe.drafter_dir)
     assert report["passed"] and report["greedy_identical"]
     ort_pipe = load_pipeline(backend="onnxruntime", onnx_dir=onnx_dir, max_context=512)
-    assert ort_pipe.tuned_dloop() == torch_pipe.tuned_dloop()  # the tuned setting travels with the export
+    assert ort_pipe.settings("dloop") == torch_pipe.settings("dloop")  # the tuned setting travels with the export
     ids = torch_pipe.encode("Write a Python function that checks whether a number is prime.")
     assert ort_pipe.encode("Write a Python function that checks whether a number is prime.") == ids
-    ar = torch_pipe.run(ids, method="ar", max_new_tokens=24).tokens
+    ar = torch_pipe.run(ids, torch_pipe.settings("ar"), max_new_tokens=24).tokens
     for method in ("ar", "dflash", "dloop"):
-        assert ort_pipe.run(ids, method=method, max_new_tokens=24, adaptive=False).tokens == ar, method
+        assert ort_pipe.run(ids, ort_pipe.settings(method, adaptive=False), max_new_tokens=24).tokens == ar, method

@@ -174,9 +174,9 @@ def test_fp8_engines_generate_exactly_what_ar_generates(fp8_out):
 
     pipe = load_pipeline(backend="onnxruntime", onnx_dir=fp8_out / "onnx")
     ids = pipe.encode("The quick brown fox")
-    ar = pipe.run(ids, method="ar", max_new_tokens=24).tokens
+    ar = pipe.run(ids, pipe.settings("ar"), max_new_tokens=24).tokens
     for method in ("dflash", "dloop"):
-        result = pipe.run(ids, method=method, max_new_tokens=24, adaptive=False)
+        result = pipe.run(ids, pipe.settings(method, adaptive=False), max_new_tokens=24)
         assert result.tokens == ar, method
         assert result.stats.verifications > 0 and result.stats.acceptance_length >= 1
 

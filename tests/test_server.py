@@ -76,8 +76,9 @@ def pipe(tiny_pair, tmp_path_factory):
 def make_app(pipe, **kw):
     from loopspec.runtime.server import ServeConfig, create_app
 
-    config = dict(method="dloop", model_name="tiny", max_batch_size=4, max_body_bytes=16384, adaptive=False)
-    return create_app(pipe, ServeConfig(**{**config, **kw}))
+    kw = {**dict(method="dloop", model_name="tiny", max_batch_size=4, max_body_bytes=16384, adaptive=False), **kw}
+    decoding = {name: kw.pop(name) for name in ("method", "adaptive", "gate_threshold", "max_stages") if name in kw}
+    return create_app(pipe, ServeConfig(settings=pipe.settings(decoding.pop("method"), **decoding), **kw))
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def server(pipe):
 
 def alone(pipe, ids, n, method="ar", params=SamplingParams(), seed=0):
     """The same request decoded alone, in this process (no server, no batch)."""
-    return pipe.run(ids, method=method, max_new_tokens=n, params=params, seed=seed, adaptive=False)
+    return pipe.run(ids, pipe.settings(method, adaptive=False), max_new_tokens=n, params=params, seed=seed)
 
 
 PROMPTS = ["The quick brown fox", "Hello, world!", "def f(x): return", "1 2 3 4 5", "Once upon a time",
@@ -278,10 +279,11 @@ def test_request_timeout(pipe):
 
 def test_scheduler_isolates_a_failing_request(pipe):
     """A consumer that raises and an admission that fails end their own requests only."""
-    from loopspec.runtime.batch import BatchedDecoder, Method, open_batch
+    from loopspec.runtime.decoder import Decoder
     from loopspec.runtime.scheduler import Request, Scheduler
+    from loopspec.settings import DecodingSettings
 
-    scheduler = Scheduler(BatchedDecoder(open_batch(pipe.engine, 4), Method(block_size=6)), pipe.decode,
+    scheduler = Scheduler(Decoder(pipe.engine.with_rows(4), DecodingSettings("dflash", 6)), pipe.decode,
                           stop_token_ids=pipe.stop_token_ids).start()
     try:
         events = {name: [] for name in ("good", "broken", "too_long")}

@@ -8,7 +8,7 @@ import torch
 
 from loopspec.model.drafter import Drafter, DrafterConfig
 from loopspec.train.data import Sample
-from loopspec.train.trainer import (DrafterTrainer, TrainConfig, block_mask_dense, block_mask_mod, default_gamma,
+from loopspec.train.trainer import (DrafterTrainer, TrainConfig, block_mask_dense, default_gamma,
                                     position_weights, sample_anchors)
 from loopspec.weights import load_target_dir
 
@@ -28,17 +28,6 @@ def test_block_mask_sees_strict_context_and_own_block(causal):
                 kb, ki = divmod(kv - C, B)
                 expect = kb == blk and (not causal or ki <= qi)
             assert bool(dense[q, kv]) == expect, (q, kv)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_flex_mask_mod_agrees_with_dense_mask_elementwise(causal):
-    anchors = torch.tensor([2, 5, 6, 11, 20])
-    B, C = 8, 24
-    dense = block_mask_dense(anchors, B, C, causal)
-    mod = block_mask_mod(anchors, B, C, causal)
-    q = torch.arange(dense.shape[0])[:, None].expand_as(dense)
-    kv = torch.arange(dense.shape[1])[None, :].expand_as(dense)
-    assert torch.equal(mod(0, 0, q, kv), dense)
 
 
 def test_anchor_sampling_respects_loss_mask():
@@ -105,8 +94,9 @@ def test_tiny_overfit_reaches_long_acceptance(tiny_targets):
 def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path, capsys):
     """`loopspec data` → `loopspec train` (reduced vocab, resumed) → a drafter the loop runs losslessly."""
     from loopspec.cli import main
-    from loopspec.runtime.loop import generate
+    from loopspec.runtime.decoder import generate
     from loopspec.runtime.torch_engine import TorchEngine
+    from loopspec.settings import DecodingSettings
 
     target_dir, _ = tiny_pair
     prompts = tmp_path / "p.jsonl"
@@ -139,8 +129,8 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path, capsy
     assert drafter.draft_ids is not None and drafter.draft_ids.numel() == 40
     target = load_target_dir(target_dir)
     engine = TorchEngine(target, drafter, max_context=128)
-    ar = generate(engine, [5, 6, 7, 8], max_new_tokens=30, block_size=1)
-    spec = generate(engine, [5, 6, 7, 8], max_new_tokens=30, block_size=4)
+    ar = generate(engine, [5, 6, 7, 8], max_new_tokens=30)
+    spec = generate(engine, [5, 6, 7, 8], DecodingSettings("dflash", 4), max_new_tokens=30)
     assert spec.tokens == ar.tokens
 
     # --stop-after-steps stops on the unchanged schedule: stop at 3 + resume == 5 steps in one go
@@ -191,8 +181,9 @@ def test_block_mask_with_private_pseudo_context():
 
 def test_loop_aware_stages_match_inference_exactly(tiny_targets):
     """Training's stage 2 and 3 see exactly what DLoop's inference stages see."""
-    from loopspec.runtime.loop import draft_chain
+    from loopspec.runtime.decoder import draft_round
     from loopspec.runtime.torch_engine import TorchEngine
+    from loopspec.settings import DecodingSettings
 
     target = load_target_dir(tiny_targets["qwen3"])
     cfg = DrafterConfig.for_target(target.cfg, num_layers=2, block_size=5, mask_token_id=127, target_layer_ids=[1, 4])
@@ -207,18 +198,16 @@ def test_loop_aware_stages_match_inference_exactly(tiny_targets):
         trained = {stage: h for stage, _, h in trainer.loop_stages(tokens, anchors, ctx_k, ctx_v, 3)}
 
     class Recorder(TorchEngine):
-        def drafter_block(self, anchor, position, block_size):
-            out = super().drafter_block(anchor, position, block_size)
-            self.hiddens.append(out[2])
+        def draft(self, rows, anchors, positions, block_size):
+            out = super().draft(rows, anchors, positions, block_size)
+            self.hiddens.append(out[2][0])
             return out
 
     engine = Recorder(target, drafter, max_context=128)
     for i, a in enumerate(anchors.tolist()):
-        engine.reset()
         engine.hiddens = []
-        _, t = engine.target_verify(tokens[:a].tolist())
-        engine.drafter_context(t)
-        draft_chain(engine, int(tokens[a]), a, 5, max_drafts=100, max_stages=3, gate_threshold=-1e9)
+        engine.prefill(0, tokens[:a].tolist(), want_taps=True)
+        draft_round(engine, DecodingSettings("dloop", 5, 3, -1e9), [int(tokens[a])], [a], [100])
         assert len(engine.hiddens) == 3
         for stage in (1, 2, 3):
             assert (engine.hiddens[stage - 1] - trained[stage][i]).abs().max() <= 1e-4, stage

@@ -136,14 +136,13 @@ def test_plans_match_torch(plans, tiny_pair):
     torch_engine = TorchEngine(load_target_dir(target_dir).cuda(), Drafter.load(drafter_dir).cuda(), max_context=128)
     prompt = list(range(3, 20))
     for engine in (torch_engine, trt_engine):
-        engine.reset()
-        engine.drafter_context(engine.target_verify(prompt, all_logits=False)[1])
-    (tl, tt), (rl, rt) = torch_engine.target_verify([5, 6, 7]), trt_engine.target_verify([5, 6, 7])
+        engine.prefill(0, prompt, want_taps=True)
+    (tl, tt), (rl, rt) = (e.verify([[5, 6, 7]], want_taps=True) for e in (torch_engine, trt_engine))
     torch.testing.assert_close(rl, tl, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(rt, tt, rtol=1e-3, atol=1e-3)
     for engine, taps in ((torch_engine, tt), (trt_engine, rt)):
-        engine.drafter_context(taps)
-    (td, tp, th), (rd, rp, rh) = (e.drafter_block(7, 20, 6) for e in (torch_engine, trt_engine))
+        engine.append_context(taps, [3])
+    (td, tp, th), (rd, rp, rh) = (e.draft([0], [7], [20], 6) for e in (torch_engine, trt_engine))
     assert torch.equal(rd, td)
     torch.testing.assert_close(rp, tp, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(rh, th, rtol=1e-3, atol=1e-3)
@@ -152,33 +151,33 @@ def test_plans_match_torch(plans, tiny_pair):
 @pytest.mark.gpu
 @needs_trt_gpu
 def test_trt_greedy_identity(plans):
-    from loopspec.runtime.loop import generate
+    from loopspec.runtime.decoder import generate
     from loopspec.runtime.trt_engine import TrtEngine
+    from loopspec.settings import DecodingSettings
 
     engine = TrtEngine(plans, max_context=128)
     prompt = [5, 6, 7, 8, 9, 10]
-    ar = generate(engine, prompt, max_new_tokens=40, block_size=1)
-    assert generate(engine, prompt, max_new_tokens=40, block_size=6).tokens == ar.tokens
-    dloop = generate(engine, prompt, max_new_tokens=40, block_size=6, max_stages=3, gate_threshold=-1e9)
+    ar = generate(engine, prompt, max_new_tokens=40)
+    assert generate(engine, prompt, DecodingSettings("dflash", 6), max_new_tokens=40).tokens == ar.tokens
+    dloop = generate(engine, prompt, DecodingSettings("dloop", 6, 3, -1e9), max_new_tokens=40)
     assert dloop.tokens == ar.tokens
 
 
 @pytest.mark.gpu
 @needs_trt_gpu
 def test_trt_batched_rows_equal_alone(plans):
-    """Several rows per plan call (ArtifactBatchEngine over TensorRT), admitted and retired mid-run."""
-    from loopspec.runtime.artifact_engine import ArtifactBatchEngine
-    from loopspec.runtime.batch import BatchedDecoder, Method, decode_together, open_batch
-    from loopspec.runtime.loop import generate
+    """Several rows per plan call, admitted and retired mid-run."""
+    from loopspec.runtime.decoder import Decoder, decode_all, generate
     from loopspec.runtime.trt_engine import TrtEngine
+    from loopspec.settings import DecodingSettings as Method
 
     engine = TrtEngine(plans, max_context=128)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], list(range(20, 45)), [3, 4, 5, 6], [60, 61, 62]]
     budgets = [40, 7, 30, 1, 25]
-    refs = [generate(engine, p, max_new_tokens=n, block_size=1).tokens for p, n in zip(prompts, budgets)]
-    batch = open_batch(engine, 3)
-    assert isinstance(batch, ArtifactBatchEngine)
-    for method in (Method(), Method(block_size=6), Method(block_size=6, max_stages=3, gate_threshold=-1e9)):
-        done = decode_together(BatchedDecoder(batch, method),
+    refs = [generate(engine, p, max_new_tokens=n).tokens for p, n in zip(prompts, budgets)]
+    batch = engine.with_rows(3)
+    assert batch.max_rows == 3
+    for method in (Method(), Method("dflash", 6), Method("dloop", 6, 3, -1e9)):
+        done = decode_all(Decoder(batch, method),
                                [dict(key=i, prompt_ids=p, max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, budgets))])
         assert [done[i].tokens for i in range(5)] == refs, method

@@ -23,6 +23,7 @@ from loopspec.model.target import (MLP, KVCache, RMSNorm, RotaryTable, TargetCon
                                    default_target_layer_ids)
 
 ARCHITECTURE = "DFlashDraftModel"
+D2T_FILE = "d2t.safetensors"
 
 
 @dataclass
@@ -180,17 +181,19 @@ def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, voc
                         "pass --mask-token-id")
 
 
-class ContextCache(KVCache):
-    """Every drafter layer's context K/V as one static buffer with a length (rollback moves it)."""
+def draft_head_weight(lm_head_weight: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """The rows of the target's lm_head a drafter drafts over: all of them, or its reduced draft
+    vocabulary's (target ids `draft_ids`, the d2t map) → [V or Vd, H]."""
+    return lm_head_weight if draft_ids is None else lm_head_weight[draft_ids]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v: [N, B, kvh, T, hd]
-        T = k.shape[3]
-        if self.length + T > self.max_length:
-            raise LoopspecError(f"drafter context of {self.length + T} exceeds {self.max_length}")
-        self.k[:, :, :, self.length:self.length + T] = k
-        self.v[:, :, :, self.length:self.length + T] = v
-        self.length += T
+
+def greedy_drafts(logits: torch.Tensor, draft_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft-head step: logits [..., V or Vd] over the draft head's rows → (each position's argmax
+    draft as a target id, its log-probability), both [...]. Written in plain ops so that the exported
+    drafter graph runs exactly this too."""
+    best, index = logits.max(dim=-1)
+    logprobs = -torch.log(torch.exp(logits - best[..., None]).sum(-1))  # log softmax at the argmax
+    return (draft_ids[index] if draft_ids is not None else index), logprobs
 
 
 class DrafterAttention(nn.Module):
@@ -252,9 +255,10 @@ class Drafter(nn.Module):
                 if isinstance(module, nn.Linear):
                     module.weight.normal_(0.0, 0.02)
 
-    def new_context(self, max_length: int, batch: int = 1) -> ContextCache:
+    def new_context(self, max_length: int, rows: int = 1) -> KVCache:
+        """Every layer's context K/V for `rows` sequences (one length each)."""
         p = self.fc.weight
-        return ContextCache(self.cfg.num_layers, batch, self.cfg.num_kv_heads,
+        return KVCache(self.cfg.num_layers, rows, self.cfg.num_kv_heads,
                             min(max_length, self.cfg.max_position_embeddings), self.cfg.head_dim,
                             dtype=p.dtype, device=p.device)
 
@@ -335,6 +339,18 @@ class Drafter(nn.Module):
         state = {k: v.detach().to(dtype).cpu() for k, v in self.zlab_state_dict().items()}
         write_safetensors(state, directory / "model.safetensors")
         (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        self.save_d2t(directory)
+
+    def save_d2t(self, directory: str | Path) -> None:
+        """The reduced draft vocabulary as `d2t.safetensors` (what `load` reads; none without one)."""
+        from loopspec.weights import write_safetensors
+
+        path = Path(directory) / D2T_FILE
+        if self.draft_ids is None:
+            path.unlink(missing_ok=True)  # a stale map of an earlier save must not be read back
+            return
+        # EAGLE-3 / vLLM convention: target id = draft id + d2t[draft id]
+        write_safetensors({"d2t": (self.draft_ids - torch.arange(self.draft_ids.numel())).to(torch.int64)}, path)
 
     @classmethod
     def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter":
@@ -366,7 +382,7 @@ class Drafter(nn.Module):
             model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
         except RuntimeError as e:
             raise LoopspecError(f"drafter weights do not match its config.json: {e}") from None
-        d2t_path = directory / "d2t.safetensors"
+        d2t_path = directory / D2T_FILE
         if d2t_path.is_file():
             d2t = read_safetensors(d2t_path).get("d2t")
             if d2t is None or d2t.dim() != 1:

@@ -1,9 +1,9 @@
 """Target model: Llama / Qwen2 / Qwen3 decoder with a static KV cache and hidden-state taps.
 
-One forward runs `input_ids` at the positions that follow the cache's current length, appends their
-K/V to the cache and returns the logits plus the taps (outputs of the decoder layers listed in
-`target_layer_ids`, HF `hidden_states[l + 1]`) as a named output. Rolling back is moving
-`cache.length`.
+One forward runs rows of `input_ids`, each at the positions that follow its own length in the
+cache, appends their K/V and returns the logits plus the taps (outputs of the decoder layers listed
+in `target_layer_ids`, HF `hidden_states[l + 1]`) as a named output. Rolling back is lowering a
+row's length (`KVCache.rollback`).
 """
 
 from __future__ import annotations
@@ -223,36 +223,28 @@ def pack_linears_for_cpu_(module: nn.Module) -> nn.Module:
 # KV cache
 
 
+class KVWrite(NamedTuple):
+    """Where one forward's new K/V go in a KVCache, and which key slots its queries see.
+
+    Exactly one form: `start` (every token of every row at slots start.., all rows at one length);
+    `slots` alone (one row, token t at slots[t]: the CUDA-graph replays, whose slots are a static
+    tensor); or `slots` with `row_index`/`token_index` (ragged rows: only real tokens are stored)."""
+
+    rows: slice  # the forward's rows in the cache
+    keys: int  # key slots 0..keys-1 are read (the caller's mask hides what a query must not see)
+    start: int | None = None
+    slots: torch.Tensor | None = None  # [P]
+    row_index: torch.Tensor | None = None  # [P] forward row of each stored (row, token) pair
+    token_index: torch.Tensor | None = None  # [P]
+
+
 class KVCache:
-    """Static K/V buffers for every layer plus an explicit length; rollback = set `length`."""
+    """Static K/V buffers [layers, rows, kv_heads, max_length, head_dim] for up to `rows` sequences,
+    each with its own length (`lengths` [rows], on the host). Rolling back is lowering a length.
 
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_length: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        shape = (num_layers, batch, num_kv_heads, max_length, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_length = max_length
-        self.length = 0
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length} from {self.length}")
-        self.length = length
-
-    @classmethod
-    def over(cls, k: torch.Tensor, v: torch.Tensor, length: int) -> "KVCache":
-        """A cache over existing buffers [N, B, kvh, S, hd] (e.g. one row of a BatchKVCache): writes go through."""
-        cache = cls.__new__(cls)
-        cache.k, cache.v, cache.max_length, cache.length = k, v, k.shape[3], length
-        return cache
-
-
-class BatchKVCache:
-    """Static K/V buffers for up to `rows` sequences, each with its own length (`lengths` [rows]).
-
-    A ragged forward runs rows 0..B-1, so the caller keeps its live rows packed at the front
-    (`move_row` fills a hole). `row(r)` is a one-row KVCache over the same buffers: the single-sequence
-    path (e.g. a prefill) runs on it unchanged."""
+    The one cache type: the target's KV cache and the drafter's context are both one of these, on
+    every backend. Callers keep their live rows packed at the front (`move_row` fills a hole), so
+    a call over rows 0..B-1 reads a view, not a copy."""
 
     def __init__(self, num_layers: int, rows: int, num_kv_heads: int, max_length: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
@@ -266,21 +258,46 @@ class BatchKVCache:
     def rows(self) -> int:
         return self.k.shape[1]
 
-    def row(self, r: int) -> KVCache:
-        return KVCache.over(self.k[:, r:r + 1], self.v[:, r:r + 1], int(self.lengths[r]))
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, rows: list[int] | None = None,
+               counts: torch.Tensor | list[int] | None = None) -> None:
         """Every layer at once: the first counts[i] entries of k/v [N, R, kvh, T, hd] row i go to cache
-        row rows[i] at its length, which advances by counts[i]."""
-        starts = self.lengths[rows]  # lengths, rows and counts live on the host
+        row rows[i] (default i) at its length, which advances by counts[i] (default T)."""
+        R, T = k.shape[1], k.shape[3]
+        rows = torch.arange(R) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+        counts = torch.full((R,), T) if counts is None else torch.as_tensor(counts, dtype=torch.long)
+        starts = self.lengths[rows]
         if int((starts + counts).max()) > self.max_length:
             raise LoopspecError(f"sequence of {int((starts + counts).max())} exceeds the context of {self.max_length}")
-        i, t = (torch.arange(k.shape[3])[None, :] < counts[:, None]).nonzero(as_tuple=True)  # valid (row, token) pairs
+        first = int(rows[0])
+        if (bool((counts == T).all()) and bool((starts == starts[0]).all())
+                and rows.tolist() == list(range(first, first + R))):  # one block of slots: a slice
+            s = int(starts[0])
+            self.k[:, first:first + R, :, s:s + T] = k
+            self.v[:, first:first + R, :, s:s + T] = v
+            self.lengths[rows] = starts + counts
+            return
+        i, t = (torch.arange(T)[None, :] < counts[:, None]).nonzero(as_tuple=True)  # valid (row, token) pairs
         dev = self.k.device
         slots, dest, i, t = (starts[i] + t).to(dev), rows[i].to(dev), i.to(dev), t.to(dev)
-        self.k[:, dest, :, slots] = k[:, i, :, t]  # [P, N, kvh, hd] on both sides
-        self.v[:, dest, :, slots] = v[:, i, :, t]
+        self.k[:, dest, :, slots] = k[:, i, :, t].to(self.k.dtype)  # [P, N, kvh, hd] on both sides
+        self.v[:, dest, :, slots] = v[:, i, :, t].to(self.v.dtype)
         self.lengths[rows] = starts + counts
+
+    def rollback(self, lengths: list[int] | torch.Tensor, rows: list[int] | None = None) -> None:
+        """Rows `rows` (default 0..len(lengths)-1) keep their first lengths[i] slots."""
+        lengths = torch.as_tensor(lengths, dtype=torch.long)
+        rows = torch.arange(lengths.numel()) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+        if bool((lengths < 0).any()) or bool((lengths > self.lengths[rows]).any()):
+            raise ValueError(f"cannot roll a row forward (or below 0): rows {rows.tolist()} of lengths "
+                             f"{self.lengths[rows].tolist()} to {lengths.tolist()}")
+        self.lengths[rows] = lengths
+
+    def prefix(self, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `width` slots of `rows` → K, V [layers, R, kvh, width, hd] (a view for rows 0..R-1)."""
+        if rows == list(range(len(rows))):
+            return self.k[:, :len(rows), :, :width], self.v[:, :len(rows), :, :width]
+        index = torch.tensor(rows, device=self.k.device)
+        return self.k[:, index, :, :width], self.v[:, index, :, :width]
 
     def move_row(self, src: int, dst: int) -> None:
         n = int(self.lengths[src])
@@ -288,33 +305,36 @@ class BatchKVCache:
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         self.lengths[dst] = n
 
+    def plan(self, first_row: int, counts: torch.Tensor, width: int) -> KVWrite:
+        """The write of one forward over rows first_row.. (counts [R] real tokens each, right-padded
+        to `width`): real tokens go at each row's length; padding is never stored."""
+        R = counts.shape[0]
+        rows = slice(first_row, first_row + R)
+        starts = self.lengths[rows]
+        keys = int((starts + counts).max())
+        if keys > self.max_length:
+            raise LoopspecError(f"sequence of {keys} tokens exceeds the context of {self.max_length}")
+        if bool((counts == width).all()) and bool((starts == starts[0]).all()):
+            return KVWrite(rows, keys, start=int(starts[0]))
+        row_index, token_index = (torch.arange(width)[None, :] < counts[:, None]).nonzero(as_tuple=True)
+        dev = self.k.device
+        return KVWrite(rows, keys, slots=(starts[row_index] + token_index).to(dev), row_index=row_index.to(dev),
+                       token_index=token_index.to(dev))
 
-class RaggedStep:
-    """One ragged forward over rows 0..B-1 of a BatchKVCache: row b's first counts[b] new tokens are
-    stored at its own length; padding tokens are never stored."""
-
-    def __init__(self, cache: BatchKVCache, counts: torch.Tensor, width: int):
-        self.cache, self.batch = cache, counts.shape[0]
-        starts = cache.lengths[:self.batch]
-        row_idx, t_idx = (torch.arange(width)[None, :] < counts[:, None]).nonzero(as_tuple=True)
-        dev = cache.k.device
-        self.row_idx, self.t_idx, self.slots = row_idx.to(dev), t_idx.to(dev), (starts[row_idx] + t_idx).to(dev)
-        self.keys = int((starts + counts).max())  # key slots any real query can see
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: [B, kvh, T, hd] → every row's keys/values [B, kvh, keys, hd] (masked per row by the caller)
-        cache_k, cache_v = self.cache.k[layer, :self.batch], self.cache.v[layer, :self.batch]
-        cache_k[self.row_idx, :, self.slots] = k[self.row_idx, :, self.t_idx]  # [P, kvh, hd]
-        cache_v[self.row_idx, :, self.slots] = v[self.row_idx, :, self.t_idx]
-        return cache_k[:, :, :self.keys], cache_v[:, :, :self.keys]
-
-
-def causal_mask(q_len: int, past: int, device) -> torch.Tensor | None:
-    """Bool mask [q_len, past+q_len]: query i sees keys 0 .. past+i. None when q_len == 1."""
-    if q_len == 1:
-        return None
-    kv_len = past + q_len
-    return torch.arange(kv_len, device=device)[None, :] <= (past + torch.arange(q_len, device=device))[:, None]
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, write: KVWrite) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one layer's new k, v [R, kvh, T, hd] as `write` says → the keys/values its queries
+        attend to, [R, kvh, write.keys, hd] (masked per query by the caller)."""
+        cache_k, cache_v = self.k[layer, write.rows], self.v[layer, write.rows]  # views [R, kvh, S, hd]
+        if write.start is not None:
+            cache_k[:, :, write.start:write.start + k.shape[2]] = k
+            cache_v[:, :, write.start:write.start + k.shape[2]] = v
+        elif write.row_index is None:
+            cache_k.index_copy_(2, write.slots, k)
+            cache_v.index_copy_(2, write.slots, v)
+        else:
+            cache_k[write.row_index, :, write.slots] = k[write.row_index, :, write.token_index]  # [P, kvh, hd]
+            cache_v[write.row_index, :, write.slots] = v[write.row_index, :, write.token_index]
+        return cache_k[:, :, :write.keys], cache_v[:, :, :write.keys]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -334,7 +354,7 @@ class TargetAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask):
+    def forward(self, x, cos, sin, cache: KVCache, write: KVWrite, layer: int, mask):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, hd]
@@ -343,14 +363,7 @@ class TargetAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if not isinstance(cache, KVCache):  # a step that stores K/V itself: RaggedStep (rows of a
-            keys, values = cache.store(layer, k, v)  # BatchKVCache), the CUDA-graph runner's StaticStep
-        else:
-            start = cache.length
-            cache.k[layer, :, :, start:start + T] = k
-            cache.v[layer, :, :, start:start + T] = v
-            keys = cache.k[layer, :, :, :start + T]  # [B, kvh, S, hd]
-            values = cache.v[layer, :, :, :start + T]
+        keys, values = cache.store(layer, k, v, write)  # [B, kvh, S, hd]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -363,8 +376,8 @@ class TargetLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, cache, layer, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+    def forward(self, x, cos, sin, cache, write, layer, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, write, layer, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -395,83 +408,52 @@ class Target(nn.Module):
                 )
         self.target_layer_ids = list(target_layer_ids)
 
-    def new_cache(self, max_length: int, batch: int = 1) -> KVCache:
-        if max_length > self.cfg.max_position_embeddings:
-            max_length = self.cfg.max_position_embeddings
+    def new_cache(self, max_length: int, rows: int = 1) -> KVCache:
         p = self.embed_tokens.weight
-        return KVCache(self.cfg.num_layers, batch, self.cfg.num_kv_heads, max_length, self.cfg.head_dim,
+        return KVCache(self.cfg.num_layers, rows, self.cfg.num_kv_heads,
+                       min(max_length, self.cfg.max_position_embeddings), self.cfg.head_dim,
                        dtype=p.dtype, device=p.device)
-
-    def new_batch_cache(self, max_length: int, rows: int) -> BatchKVCache:
-        p = self.embed_tokens.weight
-        return BatchKVCache(self.cfg.num_layers, rows, self.cfg.num_kv_heads,
-                            min(max_length, self.cfg.max_position_embeddings), self.cfg.head_dim,
-                            dtype=p.dtype, device=p.device)
 
     @torch.no_grad()  # not inference_mode: taps feed drafter training, whose autograd must save them
     def forward(self, input_ids: torch.Tensor, cache: KVCache, want_taps: bool = True,
-                last_logits_only: bool = False, positions: torch.Tensor | None = None,
-                key_mask: torch.Tensor | None = None) -> TargetOutput:
-        """Run `input_ids` [B, T] in the cache slots after `cache.length`; advances it by T.
-
-        positions: [B, T] per-row absolute positions (default: the slot index, same for every row).
-        key_mask: [B, cache.length + T] bool, False for slots a row must ignore (e.g. left padding)."""
+                last_logits_only: bool = False, first_row: int = 0,
+                counts: torch.Tensor | None = None) -> TargetOutput:
+        """Rows first_row.. of `cache`, each after its own length: row b runs its first counts[b]
+        tokens of `input_ids` [B, T] (right-padded; counts a host tensor [B], default all T) and
+        advances by counts[b]. Row b's outputs equal those of running its tokens alone (fp32
+        summation order aside); padding outputs are junk. last_logits_only: each row's last real
+        position only ([B, 1, V])."""
         B, T = input_ids.shape
-        start = cache.length
-        if start + T > cache.max_length:
-            raise LoopspecError(f"sequence of {start + T} tokens exceeds the context of {cache.max_length}")
-        if positions is None:
-            cos, sin = self.rotary(torch.arange(start, start + T, device=input_ids.device))
-            cos, sin = cos[None, None], sin[None, None]  # [1, 1, T, hd]
-        else:
-            cos, sin = self.rotary(positions)
-            cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
-        mask = causal_mask(T, start, input_ids.device)
-        if key_mask is not None:
-            causal = mask if mask is not None else torch.ones(T, start + T, dtype=torch.bool, device=input_ids.device)
-            mask = causal[None, None] & key_mask[:, None, None, :]  # [B, 1, T, S]
-            # every query keeps its own slot: a padding query then attends to itself instead of to
-            # nothing (which would give NaN K/V that poison the real rows through 0 * NaN)
-            own = torch.arange(start + T, device=input_ids.device)[None, :] == (start + torch.arange(T, device=input_ids.device))[:, None]
-            mask = mask | own[None, None]
-        out = self._stack(self.embed_tokens(input_ids), cos, sin, cache, mask, want_taps, last_logits_only)
-        cache.length = start + T
-        return out
-
-    @torch.no_grad()
-    def forward_ragged(self, input_ids: torch.Tensor, counts: torch.Tensor, cache: BatchKVCache,
-                       want_taps: bool = True) -> TargetOutput:
-        """Rows 0..B-1 of `cache` at once, each at its own length: row b runs its first counts[b]
-        tokens of `input_ids` [B, T] (right-padded; counts is a host tensor [B]) and advances by
-        counts[b]. Row b's outputs equal those of running its tokens alone (fp32 summation order
-        aside); padding outputs are junk."""
-        B, T = input_ids.shape
-        starts = cache.lengths[:B]
-        if int((starts + counts).max()) > cache.max_length:
-            raise LoopspecError(f"sequence of {int((starts + counts).max())} tokens exceeds the context of {cache.max_length}")
-        step = RaggedStep(cache, counts, T)
+        counts = torch.full((B,), T) if counts is None else counts
+        write = cache.plan(first_row, counts, T)
         dev = input_ids.device
-        positions = (starts[:, None] + torch.arange(T)[None, :]).to(dev)  # [B, T]
-        cos, sin = self.rotary(positions.clamp_max(cache.max_length - 1))  # padding may run past the end
-        # query t of row b sees that row's slots 0 .. start_b + t: its history and its own new tokens
-        mask = torch.arange(step.keys, device=dev)[None, None, :] <= positions[:, :, None]  # [B, T, keys]
-        out = self._stack(self.embed_tokens(input_ids), cos[:, None], sin[:, None], step, mask[:, None],
-                          want_taps, last_logits_only=False)
-        cache.lengths[:B] = starts + counts
+        starts = cache.lengths[write.rows]
+        positions = starts[:, None] + torch.arange(T)[None, :]  # [B, T]
+        cos, sin = self.rotary(positions.clamp_max(cache.max_length - 1).to(dev))  # padding may run past the end
+        mask = None  # one query per row at one length sees every slot up to itself: no mask needed
+        if T > 1 or write.start is None:
+            # query t of row b sees that row's slots 0 .. start_b + t: its history and its own new tokens
+            mask = (torch.arange(write.keys)[None, None, :] <= positions[:, :, None])[:, None].to(dev)  # [B, 1, T, keys]
+        last = (counts - 1).to(dev) if last_logits_only else None
+        out = self._stack(self.embed_tokens(input_ids), cos[:, None], sin[:, None], cache, write, mask, want_taps,
+                          last)
+        cache.lengths[write.rows] = starts + counts
         return out
 
-    def _stack(self, x, cos, sin, cache, mask, want_taps: bool, last_logits_only: bool) -> TargetOutput:
-        """The decoder layers, final norm and lm_head over embeddings x [B, T, H]."""
+    def _stack(self, x, cos, sin, cache: KVCache, write: KVWrite, mask, want_taps: bool,
+               last_index: torch.Tensor | None) -> TargetOutput:
+        """The decoder layers, final norm and lm_head over embeddings x [B, T, H]; logits at every
+        position, or only at each row's `last_index` [B]."""
         tapped = set(self.target_layer_ids) if want_taps else set()
         taps: dict[int, torch.Tensor] = {}
         last = self.cfg.num_layers - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask)
+            x = layer(x, cos, sin, cache, write, i, mask)
             if i in tapped:
                 taps[i] = x
         x = self.norm(x)
         if last in tapped:
             taps[last] = x  # HF's hidden_states[L] is the final-normed output; keep that meaning
-        logits = self.lm_head(x[:, -1:] if last_logits_only else x)
+        logits = self.lm_head(x if last_index is None else x[torch.arange(x.shape[0]), last_index][:, None])
         tap_tensor = torch.cat([taps[i] for i in self.target_layer_ids], dim=-1) if taps else None
         return TargetOutput(logits=logits, taps=tap_tensor)

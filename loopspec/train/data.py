@@ -18,13 +18,19 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from loopspec.decoding import SamplingParams, probabilities, sample
+from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
 from loopspec.prompts import read_conversations
 from loopspec.model.target import Target, pack_linears_for_cpu_
+
+
+# (target, prompts, max_new_tokens, stop ids, sampling, generator) → per prompt (response tokens, finish reason)
+Respond = Callable[[Target, list[list[int]], int, set[int], SamplingParams, torch.Generator],
+                   list[tuple[list[int], str]]]
 
 
 @dataclass
@@ -91,61 +97,8 @@ def cut_unterminated_line(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
-@torch.inference_mode()
-def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                   params: SamplingParams, generator: torch.Generator | None, want_taps: bool):
-    """Left-padded batched decoding. → per row (response tokens, finish reason, taps [P+R-1, n*H] or None)."""
-    B = len(prompts)
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(B, width, dtype=torch.long)
-    valid = torch.zeros(B, width + max_new_tokens, dtype=torch.bool)
-    positions = torch.zeros(B, width, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        pad = width - len(p)
-        ids[b, pad:] = torch.tensor(p)
-        valid[b, pad:] = True
-        positions[b, pad:] = torch.arange(len(p))
-    cache = target.new_cache(width + max_new_tokens, batch=B)
-    out = target(ids, cache, want_taps=want_taps, positions=positions, key_mask=valid[:, :width])
-    taps = [[out.taps[b, width - len(p):]] if want_taps else None for b, p in enumerate(prompts)]
-    lengths = torch.tensor([len(p) for p in prompts])
-    responses: list[list[int]] = [[] for _ in range(B)]
-    finish = [""] * B
-    logits = out.logits[:, -1]
-    for step in range(max_new_tokens):
-        if params.greedy:
-            nxt = logits.argmax(-1)
-        else:
-            nxt = sample(probabilities(logits, params), generator)
-        for b in range(B):
-            if not finish[b]:
-                token = int(nxt[b])
-                responses[b].append(token)
-                if token in stop_ids:
-                    finish[b] = "stop"
-                elif len(responses[b]) == max_new_tokens:
-                    finish[b] = "length"
-        if all(finish) or step == max_new_tokens - 1:
-            break
-        out = target(nxt[:, None], cache, want_taps=want_taps, positions=(lengths + step)[:, None],
-                     key_mask=valid[:, :width + step + 1])
-        if want_taps:
-            for b in range(B):
-                taps[b].append(out.taps[b])  # finished rows gather junk here; cut off below
-        logits = out.logits[:, 0]
-    result = []
-    for b, p in enumerate(prompts):
-        t = None
-        if want_taps:
-            # positions 0 .. P+R-2 (the last response token predicts nothing)
-            t = torch.cat(taps[b], dim=0)[: len(p) + len(responses[b]) - 1]
-        result.append((responses[b], finish[b] or "length", t))
-    return result
-
-
-# A batch prefills at most batch_size × PREFILL_TOKENS_PER_ROW prompt tokens: the prefill holds fp32 logits
-# [rows, width, vocab] (16 × 512 × 49152 × 4 B = 1.6 GB for the default target), so a batch of long
-# prompts holds fewer rows instead of 4× the memory.
+# A batch holds at most batch_size × PREFILL_TOKENS_PER_ROW prompt tokens, so a batch of long prompts
+# holds fewer rows (its KV cache is rows × the longest prompt + new tokens) instead of 4× the memory.
 PREFILL_TOKENS_PER_ROW = 512
 
 
@@ -195,9 +148,11 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
                stop_ids: set[int], max_new_tokens: int = 256, batch_size: int = 16, limit: int | None = None,
                max_prompt_tokens: int = 2048, params: SamplingParams = SamplingParams(), seed: int = 0,
                cache_taps: bool = False, tap_layer_ids: list[int] | None = None, target_hash: str = "",
-               kept_dir: str | Path | None = None, progress: bool = True) -> dict:
+               kept_dir: str | Path | None = None, progress: bool = True, respond: Respond) -> dict:
     """Regenerate the responses of every prompt not yet in out_dir; prompts whose sample is in kept_dir
-    are copied from it (their taps, with cache_taps, recomputed by one teacher-forced forward)."""
+    are copied from it. `respond` decodes a batch of prompts (the runtime's decoder, handed in by
+    the caller: training code does not import the runtime). With cache_taps, every sample's taps come
+    from one teacher-forced forward over prompt + response."""
     from tqdm import tqdm
 
     from loopspec.train.kept import read_kept
@@ -271,10 +226,11 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
         write_manifest()
         bar = tqdm(total=len(todo), desc="regenerating responses", disable=not progress)
         for batch in plan_batches(todo, batch_size):
-            rows = generate_batch(target, [s.tokens for s in batch], max_new_tokens, stop_ids, params, generator,
-                                  cache_taps)
-            for s, (response, finish, taps) in zip(batch, rows):
-                write(f, Sample(s.id, s.tokens + response, s.prompt_len, finish, s.file, s.line), taps)
+            rows = respond(target, [s.tokens for s in batch], max_new_tokens, stop_ids, params, generator)
+            for s, (response, finish) in zip(batch, rows):
+                tokens = s.tokens + response
+                write(f, Sample(s.id, tokens, s.prompt_len, finish, s.file, s.line),
+                      teacher_forced_taps(target, tokens) if cache_taps else None)
                 new_tokens += len(response)
             f.flush()
             write_manifest()

@@ -60,6 +60,8 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         total_steps = min(total_steps, max_steps)
 
     torch.manual_seed(cfg.seed)
+    if draft_vocab is not None:
+        drafter.draft_ids = draft_vocab.ids  # every save writes its d2t map
     trainer = DrafterTrainer(target, drafter, cfg, draft_vocab)
     taps = TapSource(data_dir, trainer, need_logits=cfg.kl_weight > 0)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -96,10 +98,6 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         drafter.save(ck, dtype=torch.float32)
         torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                     "elapsed": elapsed, "rng": rng.getstate(), "config": asdict(cfg)}, state_path)
-        if draft_vocab is not None:
-            from loopspec.weights import write_safetensors
-
-            write_safetensors({"d2t": draft_vocab.ids - torch.arange(draft_vocab.ids.numel())}, ck / "d2t.safetensors")
 
     drafter.train()
     bar = tqdm(total=total_steps, initial=step, desc="training drafter", disable=not progress)
@@ -151,8 +149,4 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
     drafter.cfg.extra = {**drafter.cfg.extra, "training": {"steps": step, "wall_s": round(elapsed, 1),
                                                            "samples": len(train_set), "config": asdict(cfg)}}
     drafter.save(out_dir, dtype=torch.bfloat16)
-    if draft_vocab is not None:
-        from loopspec.weights import write_safetensors
-
-        write_safetensors({"d2t": draft_vocab.ids - torch.arange(draft_vocab.ids.numel())}, out_dir / "d2t.safetensors")
     return last

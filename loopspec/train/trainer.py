@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from loopspec.model.drafter import Drafter
-from loopspec.model.target import KVCache, Target
+from loopspec.model.target import Target
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -57,22 +57,6 @@ def block_mask_dense(anchors: torch.Tensor, block_size: int, context_len: int, c
     return torch.cat([ctx, own], dim=1)
 
 
-def block_mask_mod(anchors: torch.Tensor, block_size: int, context_len: int, causal_in_block: bool = False):
-    """The same rule as a flex-attention mask_mod(b, h, q_idx, kv_idx) (used on GPU)."""
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        q_block = q_idx // block_size
-        in_ctx = kv_idx < context_len
-        ctx_ok = kv_idx < anchors[q_block]
-        k_rel = kv_idx - context_len
-        same = (k_rel // block_size) == q_block
-        if causal_in_block:
-            same = same & ((k_rel % block_size) <= (q_idx % block_size))
-        return torch.where(in_ctx, ctx_ok, same & (k_rel >= 0))
-
-    return mask_mod
-
-
 def block_mask_with_private(anchors: torch.Tensor, block_size: int, context_len: int, private_len: int) -> torch.Tensor:
     """DLoop stages: keys are [shared target context (C) ; per-block private pseudo-context
     (private_len entries per block, block-major) ; blocks]. A block sees the shared context strictly
@@ -105,7 +89,6 @@ class TrainConfig:
     save_every: int = 200
     seed: int = 0
     max_len: int = 1024
-    extra: dict = field(default_factory=dict)
 
 
 class DraftVocab:
@@ -146,8 +129,7 @@ class DrafterTrainer:
     @torch.no_grad()
     def target_pass(self, tokens: torch.Tensor, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Teacher-forced target forward → taps [L, n*H] (and logits [L, V] when asked)."""
-        cache = KVCache(self.target.cfg.num_layers, 1, self.target.cfg.num_kv_heads, tokens.numel(),
-                        self.target.cfg.head_dim, dtype=self.target.embed_tokens.weight.dtype)
+        cache = self.target.new_cache(tokens.numel())
         out = self.target(tokens[None], cache, want_taps=True)
         return out.taps[0], (out.logits[0] if want_logits else None)
 

@@ -1,0 +1,71 @@
+"""The Engine protocol: what the decoder calls, on every backend.
+
+An engine owns two KV caches of `max_rows` rows with one length per row (`loopspec.model.target.
+KVCache`): the target's, and the drafter's context. Every call takes rows. The decoder keeps its live
+rows packed at the front, so the per-round calls (verify, rollback, context append) are over rows
+0..B-1; drafting calls name their rows, since DLoop's later stages run only for the rows whose gate
+opened. A single request is one row.
+
+Tensors that decide (logits, drafts, log-probs) come back on the CPU; features (taps, hidden states)
+stay on the engine's device. Backends: runtime/torch_engine.py (PyTorch, CUDA graphs an option of
+it), runtime/ort_engine.py (ONNX Runtime) and runtime/trt_engine.py (TensorRT), the last two over
+runtime/artifact_engine.py.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from loopspec.model.drafter import DrafterConfig
+from loopspec.model.target import TargetConfig
+
+
+class Engine(Protocol):
+    backend: str  # "torch" | "onnxruntime" | "tensorrt"
+    device: torch.device
+    target_cfg: TargetConfig
+    drafter_cfg: DrafterConfig | None  # None: no drafter (plain decoding only)
+    max_rows: int
+    max_context: int  # the most positions a row may hold
+
+    @property
+    def has_drafter(self) -> bool: ...
+
+    def with_rows(self, max_rows: int) -> "Engine":
+        """The same models (weights, sessions, plans) with fresh caches of `max_rows` rows."""
+
+    # ---- target ----------------------------------------------------------------------------------
+    def prefill(self, row: int, prompt_ids: list[int], want_taps: bool) -> torch.Tensor:
+        """Start `row` with a prompt (its caches restart at 0; with `want_taps` its drafter context
+        holds every prompt position's features) → the last position's logits [V]."""
+
+    def verify(self, tokens: list[list[int]], want_taps: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows 0..B-1 run their tokens after their own KV → logits [B, T, V] and taps [B, T, n*H]
+        (T = the longest row; padding positions are junk; taps None when not wanted)."""
+
+    def target_rollback(self, lengths: list[int]) -> None:
+        """Rows 0..B-1 keep their first lengths[b] KV slots."""
+
+    # ---- drafter context -------------------------------------------------------------------------
+    def append_context(self, taps: torch.Tensor, counts: list[int]) -> None:
+        """Rows 0..B-1 append the context features of their first counts[b] taps [B, T, n*H]."""
+
+    def append_pseudo_context(self, rows: list[int], hidden: torch.Tensor) -> None:
+        """DLoop: `rows` append H-dim pseudo-features hidden [R, T, H] (the drafter's own states)."""
+
+    def context_lengths(self, rows: list[int]) -> list[int]: ...
+
+    def context_rollback(self, rows: list[int], lengths: list[int]) -> None: ...
+
+    # ---- drafter ---------------------------------------------------------------------------------
+    def draft(self, rows: list[int], anchors: list[int], positions: list[int],
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One stage for each of `rows`: [anchor, MASK × (k-1)] at positions .. positions+k-1 on the
+        row's own context → drafts [R, k-1] (target ids), their log-probs [R, k-1], final-norm
+        hidden states [R, k, H]."""
+
+    # ---- rows ------------------------------------------------------------------------------------
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `dst` takes over row `src`'s caches (retiring a row keeps the live ones packed)."""

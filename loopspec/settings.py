@@ -1,0 +1,106 @@
+"""The decoding settings of a run, resolved once into one value.
+
+Every entry point (CLI, bench, tune, server, Python API) resolves the method and its knobs here, from
+what the user gave and what the drafter carries (its block size, and the DLoop setting `loopspec
+tune` stored in its config), then passes the value down; every result carries it back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import DrafterConfig
+
+METHODS = ("ar", "dflash", "dloop")
+DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4}
+
+
+@dataclass(frozen=True)
+class DecodingSettings:
+    """How every row drafts: `ar` is block size 1 (nothing drafted); `dflash` one stage of
+    `block_size`; `dloop` adds stages while the gate score of the last is >= `gate_threshold`, up
+    to `max_stages`. `adaptive`: a row decodes plainly while drafting does not pay on it (speed
+    only, never the output). `tree_budget`: draft-tree nodes per verification (0 = the chain)."""
+
+    method: str = "ar"
+    block_size: int = 1
+    max_stages: int = 1
+    gate_threshold: float = DLOOP_DEFAULTS["gate_threshold"]
+    adaptive: bool = False
+    tree_budget: int = 0
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise LoopspecError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
+        if self.block_size < 1:
+            raise LoopspecError(f"block size must be >= 1, got {self.block_size}")
+        if self.method == "ar" and self.block_size != 1:
+            raise LoopspecError("ar drafts nothing: its block size is 1")
+        if self.method != "ar" and self.block_size < 2:
+            raise LoopspecError(f"{self.method} needs a block size >= 2, got {self.block_size}")
+        if self.max_stages < 1:
+            raise LoopspecError(f"max stages must be >= 1, got {self.max_stages}")
+        if self.method != "dloop" and self.max_stages != 1:
+            raise LoopspecError(f"{self.method} runs one stage; max stages {self.max_stages} needs dloop")
+        if math.isnan(self.gate_threshold):
+            raise LoopspecError("the gate threshold must be a number, got nan")
+        if self.tree_budget < 0:
+            raise LoopspecError(f"tree budget must be >= 0, got {self.tree_budget}")
+
+    @property
+    def drafting(self) -> bool:
+        return self.block_size > 1
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts one verification checks."""
+        return self.max_stages * (self.block_size - 1)
+
+    def describe(self) -> str:
+        """What the stats line and reports name: 'dloop, k=4, gate -0.5, max stages 3'."""
+        text = f"{self.method}, k={self.block_size}"
+        if self.method == "dloop":
+            text += f", gate {self.gate_threshold:g}, max stages {self.max_stages}"
+        return text
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "block_size": self.block_size, "max_stages": self.max_stages,
+                "gate_threshold": self.gate_threshold, "adaptive": self.adaptive, "tree_budget": self.tree_budget}
+
+
+def check_method(method: str, has_drafter: bool) -> None:
+    """Refuse an unknown method, or a drafting one without a drafter (before anything slow is loaded)."""
+    if method not in METHODS:
+        raise LoopspecError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+    if method != "ar" and not has_drafter:
+        raise LoopspecError(f"method {method!r} needs a drafter (got --drafter none)")
+
+
+def tuned_dloop(drafter: DrafterConfig | None) -> dict:
+    """The setting `loopspec tune` stored with the drafter (config.json loopspec.dloop), if any."""
+    return dict(drafter.extra.get("dloop") or {}) if drafter is not None else {}
+
+
+def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: int | None = None,
+                     gate_threshold: float | None = None, max_stages: int | None = None,
+                     adaptive: bool = True) -> DecodingSettings:
+    """The settings of `method` for a drafter: what was given, else the drafter's tuned DLoop setting
+    (dloop only), else its block size and the DLoop defaults."""
+    check_method(method, drafter is not None)
+    if block_size is not None and block_size < 1:
+        raise LoopspecError(f"block size must be >= 1, got {block_size}")
+    if max_stages is not None and max_stages < 1:
+        raise LoopspecError(f"max stages must be >= 1, got {max_stages}")
+    if method == "ar":
+        return DecodingSettings()
+    stored = tuned_dloop(drafter) if method == "dloop" else {}
+    k = block_size or stored.get("block_size") or drafter.block_size
+    if method == "dflash":
+        return DecodingSettings("dflash", block_size=k, adaptive=adaptive)
+    loop = {**DLOOP_DEFAULTS, **{key: v for key, v in stored.items() if key in DLOOP_DEFAULTS}}
+    return DecodingSettings("dloop", block_size=k,
+                            max_stages=max_stages if max_stages is not None else int(loop["max_stages"]),
+                            gate_threshold=gate_threshold if gate_threshold is not None else float(loop["gate_threshold"]),
+                            adaptive=adaptive)
