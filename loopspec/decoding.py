@@ -6,6 +6,7 @@ j-th verified input (the anchor is input 0), so n drafts come with n + 1 target 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,8 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise LoopspecError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # NaN and inf too: inf would sample uniformly
+            raise LoopspecError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise LoopspecError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -34,7 +35,11 @@ class SamplingParams:
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The post-temperature / top-k / top-p distribution over the last dim (fp32)."""
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # shifted by the max first, and the temperature kept above fp32's smallest normal number: a tiny
+    # temperature then sends every other logit to -inf (the greedy limit) instead of to NaN
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -42,7 +47,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each candidate
-        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)  # keep the smallest prefix reaching top_p
+        drop = before >= params.top_p  # keep the smallest prefix reaching top_p
+        drop[..., 0] = False  # and always the most likely token (a top_p below fp32's resolution)
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

@@ -14,6 +14,7 @@ part of a stop string or of an incomplete UTF-8 character, and it ends before a 
 from __future__ import annotations
 
 import collections
+import logging
 import secrets
 import threading
 import time
@@ -25,6 +26,7 @@ from loopspec.errors import LoopspecError
 from loopspec.runtime.decoder import Decoder
 from loopspec.runtime.metrics import Metrics
 
+log = logging.getLogger("loopspec.server")
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}  # decoder → OpenAI
 
 
@@ -186,8 +188,9 @@ class Scheduler:
         except LoopspecError as e:
             self._fail(request, 400, str(e))
             return
-        except Exception as e:  # noqa: BLE001 — isolate: this request fails, the server goes on
-            self._fail(request, 500, f"prefill failed: {type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001 — isolate: this request fails, the server goes on
+            log.exception("prefill failed")
+            self._fail(request, 500, "prefill failed (see the server log)")
             return
         with self.metrics.lock:
             self.metrics.prompt_tokens += len(request.prompt_ids)
@@ -197,10 +200,11 @@ class Scheduler:
     def _step(self) -> None:
         try:
             events = self.decoder.step()
-        except Exception as e:  # noqa: BLE001 — a batched forward failed: its requests end, the loop goes on
+        except Exception:  # noqa: BLE001 — a batched forward failed: its requests end, the loop goes on
+            log.exception("a decoding step failed")
             for request in list(self._active):
                 self.decoder.cancel(request)
-                self._fail(request, 500, f"decoding failed: {type(e).__name__}: {e}")
+                self._fail(request, 500, "decoding failed (see the server log)")
             return
         with self.metrics.lock:
             self.metrics.steps += 1
@@ -216,7 +220,8 @@ class Scheduler:
         if tail is None:
             return
         if row.finish == "error":
-            self._fail(request, 500, f"decoding failed: {row.error}")
+            log.error("decoding failed for one request: %s", row.error)
+            self._fail(request, 500, "decoding failed (see the server log)")
             return
         now = time.monotonic()
         if new:

@@ -103,6 +103,7 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
         "empty prompt": (base + ["--prompt", "  "], "empty prompt"),
         "prompt over context": (base + ["--prompt", "a" * 40, "--max-context", "16"], "does not fit the context"),
         "negative temperature": (base + ["--prompt", "x", "--temperature", "-1"], "temperature"),
+        "infinite temperature": (base + ["--prompt", "x", "--temperature", "inf"], "finite"),
         "block size 0": (base + ["--prompt", "x", "--block-size", "0"], "block-size"),
         "unknown method": (base + ["--prompt", "x", "--method", "magic"], "unknown method"),
         "bad top-p": (base + ["--prompt", "x", "--top-p", "0"], "top_p"),
@@ -110,7 +111,7 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
 
 
 CASES = ["unknown path", "corrupt safetensors", "mismatched drafter", "empty prompt", "prompt over context",
-         "negative temperature", "block size 0", "unknown method", "bad top-p"]
+         "negative temperature", "infinite temperature", "block size 0", "unknown method", "bad top-p"]
 
 
 @pytest.mark.parametrize("case", CASES)

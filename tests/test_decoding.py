@@ -121,6 +121,7 @@ def test_top_k_then_top_p():
 
 @pytest.mark.parametrize("kw", [
     dict(temperature=-0.1), dict(temperature=-1), dict(temperature=float("nan")), dict(temperature=float("-inf")),
+    dict(temperature=float("inf")),
     dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.0001), dict(top_p=2.0), dict(top_p=float("nan")),
     dict(top_k=-1), dict(top_k=-10),
 ])
@@ -320,3 +321,15 @@ def test_speculative_accept_zero_uniform_never_accepts_zero_probability(monkeypa
     p = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
     acc, bonus = speculative_accept(torch.tensor([3]), None, p, torch.Generator().manual_seed(0))
     assert acc == 0 and bonus in (0, 1)
+
+
+def test_tiny_temperature_tends_to_greedy_without_nan():
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5], [0.0, 0.0, -1.0, -5.0]])
+    probs = probabilities(logits, SamplingParams(temperature=1e-300))
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]))
+
+
+def test_tiny_top_p_keeps_the_most_likely_token():
+    probs = probabilities(torch.tensor([1.0, 3.0, 2.0]), SamplingParams(temperature=1.0, top_p=5e-324))
+    torch.testing.assert_close(probs, torch.tensor([0.0, 1.0, 0.0]))

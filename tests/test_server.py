@@ -349,3 +349,39 @@ def test_serve_cli_rejects_bad_settings_with_one_line(tiny_pair, capsys):
     with pytest.raises(SystemExit) as e:  # argparse's own check, one line too
         main(base + ["--max-batch-size", "0"])
     assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_inputs_that_once_broke_the_server_get_a_4xx(server):
+    """Lone surrogates, JSON nested thousands deep and seeds beyond 64 bits: 400s naming the cause;
+    a wrong method: 405 with Allow; the OpenAPI document describes the bodies and the errors."""
+    url, chat = server.url + "/v1/completions", server.url + "/v1/chat/completions"
+    as_json = {"content-type": "application/json"}
+
+    def bad(response, param=None, code=None):
+        assert response.status_code == 400, response.text
+        err = response.json()["error"]
+        assert (param is None or err["param"] == param) and (code is None or err["code"] == code), err
+        return err["message"]
+
+    surrogate = b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 3}'
+    assert "surrogate" in bad(httpx.post(url, content=surrogate, headers=as_json), param="prompt")
+    message = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 3}'
+    assert "surrogate" in bad(httpx.post(chat, content=message, headers=as_json), param="messages")
+    stop = b'{"model": "tiny", "prompt": "hi", "stop": "\\ud800", "max_tokens": 3}'
+    bad(httpx.post(url, content=stop, headers=as_json), param="stop")
+    deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert "nests deeper" in bad(httpx.post(url, content=deep, headers=as_json), code="invalid_json")
+    shallow_but_deep = {"prompt": "hi", "stream_options": {"x": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}
+    bad(httpx.post(url, json=shallow_but_deep), code="invalid_json")
+    for seed in (2 ** 70, -(2 ** 70)):
+        bad(httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "seed": seed}), param="seed")
+    wrong = httpx.get(url)
+    assert wrong.status_code == 405 and "POST" in wrong.headers["allow"]
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+    spec = httpx.get(server.url + "/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        post = spec["paths"][path]["post"]
+        assert post["requestBody"]["content"]["application/json"]["schema"]["required"]
+        assert {"400", "404", "413", "429", "500"} <= set(post["responses"])
+    assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200  # still serving
