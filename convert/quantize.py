@@ -37,7 +37,7 @@ from loopspec.convert.qdq import PRECISIONS, check_precision
 from loopspec.engines.staging import check_out_dir, replace_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.pair import load_pair
-from loopspec.prompts import read_prompts
+from loopspec.prompts import prompt_ids, read_prompts
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 
@@ -100,15 +100,6 @@ def read_calib_prompts(path: str | Path | None) -> list[str]:
     return read_prompts(path, what="calibration prompt file")
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """The prompt as the runtime encodes it for chat: the target's chat template when it has one."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(prompt)
-
-
 @torch.no_grad()
 def calibration_sequences(target: Target, tokenizer, prompts: list[str], calib_size: int,
                           new_tokens: int = DEFAULT_CALIB_NEW_TOKENS) -> list[CalibSequence]:
@@ -118,7 +109,7 @@ def calibration_sequences(target: Target, tokenizer, prompts: list[str], calib_s
     stop = set(target.cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     out = []
     for prompt in prompts[:calib_size]:
-        ids = encode_prompt(tokenizer, prompt)
+        ids = prompt_ids(tokenizer, prompt)
         limit = min(target.cfg.max_position_embeddings, len(ids) + new_tokens)
         if len(ids) >= limit:
             raise LoopspecError(f"calibration prompt of {len(ids)} tokens does not fit the target's context")

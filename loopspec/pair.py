@@ -76,8 +76,8 @@ def load_pair(target: str | Path = "default", drafter: str | Path | None = "defa
         raise LoopspecError("this needs a trained drafter: pass --drafter DIR (the shipped one fits only "
                             "--target default)")
     target_dir = resolve_target_dir(target)
+    model = load_target_dir(target_dir)  # first: a bad directory is named by its config, not its tokenizer
     tokenizer = load_tokenizer(target_dir)
-    model = load_target_dir(target_dir)
     if drafter_dir is not None:
         draft = Drafter.load(drafter_dir)
         if draft.cfg.mask_token_id is None:

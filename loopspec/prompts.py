@@ -1,4 +1,5 @@
-"""Prompt files: `{"turns": [...]}` JSONL, one conversation per line (bench, tune, data, calibration)."""
+"""Prompts: `{"turns": [...]}` JSONL files, one conversation per line (bench, tune, data, calibration),
+and turning a prompt into token ids the way every entry point does (the chat template included)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,23 @@ def read_prompts(path: str | Path, limit: int | None = None, all_turns: bool = F
     for _, turns in read_conversations(path, None if all_turns else limit, what):
         prompts.extend(turns if all_turns else turns[:1])
     return prompts[:limit] if limit is not None else prompts
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat messages ({role, content}) → the prompt of the tokenizer's chat template with the
+    assistant's turn opened."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise LoopspecError("this model has no chat template")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 — templates raise on role orders they do not accept
+        raise LoopspecError(f"the messages do not fit the chat template: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prompt_ids(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """One user prompt → token ids: a user turn of the chat template when `chat` and the tokenizer
+    has one, else the plain text."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return chat_ids(tokenizer, [{"role": "user", "content": text}])
+    return tokenizer.encode(text)

@@ -163,7 +163,7 @@ def load_target_dir(directory: str | Path, dtype: torch.dtype = torch.float32) -
     try:
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     except RuntimeError as e:
-        raise LoopspecError(f"target checkpoint does not match its config.json: {e}") from None
+        raise LoopspecError(f"target checkpoint does not match its config.json: {one_line(e)}") from None
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
@@ -239,7 +239,22 @@ def resolve_target_dir(target: str | Path) -> Path:
 def load_tokenizer(directory: str | Path):
     from transformers import AutoTokenizer
 
+    if not any(any(Path(directory).glob(pattern)) for pattern in ("tokenizer*", "vocab*", "*.model")):
+        raise LoopspecError(f"no tokenizer in {directory} (tokenizer.json or tokenizer_config.json)")
     try:
         return AutoTokenizer.from_pretrained(str(directory))
     except Exception as e:
-        raise LoopspecError(f"cannot load the tokenizer from {directory}: {e}") from None
+        raise LoopspecError(f"cannot load the tokenizer from {directory}: {one_line(e)}") from None
+
+
+def one_line(error: Exception) -> str:
+    """A library's multi-line message as one line: its first substantive line and how many follow
+    (torch's load_state_dict lists every mismatched tensor; a CLI error is one line)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    detail = next((line for line in lines[1:] if "mismatch" in line or "Missing" in line or "Unexpected" in line),
+                  None)
+    text = lines[0].rstrip(":") + (f": {detail}" if detail else "")
+    rest = len(lines) - (2 if detail else 1)
+    return text + (f" (and {rest} more lines)" if rest > 0 else "")

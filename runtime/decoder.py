@@ -1,7 +1,7 @@
 """The decoder: prefill → draft → gate → verify → accept → commit/rollback, for every row at once.
 
 A `Decoder` keeps one `Row` per live sequence (its committed tokens, sampling parameters and own
-generator, stop tokens, token budget, adaptive fallback and stats) over an Engine's rows
+generator, stop tokens, token budget and stats) over an Engine's rows
 (engines/protocol.py) and `step()` runs ONE round for all of them:
 
 1. draft (`draft_round`): every drafting row runs its stages — DLoop: each row's own gate decides
@@ -31,11 +31,11 @@ from loopspec.stats import GenerationStats
 
 
 class AdaptiveFallback:
-    """Per row: decode autoregressively while drafting does not pay, and probe again later.
+    """Decode autoregressively while drafting does not pay, and probe again later.
 
     Drafting pays when the rolling τ per second of a drafting round beats one token per second of a
-    plain round: τ / t_round(draft) > 1 / t_round(ar). Both round costs and τ are measured on this
-    row (exponential moving averages; a round's cost is its whole step's). When drafting loses,
+    plain round: τ / t_round(draft) > 1 / t_round(ar). Both round costs and τ are measured on the
+    rounds it decides (exponential moving averages). When drafting loses,
     `backoff` plain rounds follow (8, doubling on each consecutive loss up to 64), then drafting is
     probed again. Only the number of drafted tokens changes, never greedy output; seeded sampling
     stays exact in distribution but is no longer replayable token for token."""
@@ -96,7 +96,6 @@ class Row:
     params: SamplingParams
     generator: torch.Generator
     stop_token_ids: frozenset[int]
-    fallback: AdaptiveFallback | None = None
     tokens: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = 0.0
@@ -166,12 +165,21 @@ def accept(row: Row, drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, i
 class Decoder:
     """Continuous batching over an engine's rows: `admit` prefills a request into a free row, `step`
     runs one round for every live row and retires the rows that finished; `cancel` retires one.
-    Live rows stay packed at the front of the caches (retiring a row moves the last one into its place)."""
+    Live rows stay packed at the front of the caches (retiring a row moves the last one into its place).
 
-    def __init__(self, engine, settings: DecodingSettings = DecodingSettings()):
+    The adaptive fallback (settings.adaptive, or `fallback` given) decides for the rows a step verifies
+    together: their verification is right-padded to the widest row, so one row decoding plainly beside
+    drafting rows saves nothing, and a step's cost is the batch's. For one request it is that
+    request's own fallback."""
+
+    def __init__(self, engine, settings: DecodingSettings = DecodingSettings(),
+                 fallback: AdaptiveFallback | None = None):
         if settings.drafting and not engine.has_drafter:
             raise LoopspecError("a drafter is needed for block size > 1")
         self.engine, self.settings = engine, settings
+        if fallback is None and settings.adaptive:
+            fallback = AdaptiveFallback()
+        self.fallback = fallback if settings.drafting else None
         self.rows: list[Row] = []
 
     @property
@@ -180,11 +188,9 @@ class Decoder:
 
     def admit(self, key: Hashable, prompt_ids: list[int], *, max_new_tokens: int,
               params: SamplingParams = SamplingParams(), seed: int = 0, generator: torch.Generator | None = None,
-              stop_token_ids: frozenset[int] | set[int] = frozenset(),
-              fallback: AdaptiveFallback | None = None) -> tuple[Row, list[int]]:
+              stop_token_ids: frozenset[int] | set[int] = frozenset()) -> tuple[Row, list[int]]:
         """Prefill a new sequence into a free row → (its Row, its first token). A row that is already
-        finished (first token a stop token, or max_new_tokens 1) is not kept. `fallback`: this row's
-        adaptive fallback (default: a fresh one when the settings are adaptive)."""
+        finished (first token a stop token, or max_new_tokens 1) is not kept."""
         if not prompt_ids:
             raise LoopspecError("empty prompt")
         if max_new_tokens < 1:
@@ -193,11 +199,9 @@ class Decoder:
             raise LoopspecError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.engine.max_context}")
         if not self.free_rows:
             raise LoopspecError("no free row in the batch")
-        if fallback is None and self.settings.adaptive and self.settings.drafting:
-            fallback = AdaptiveFallback()
         row = Row(key=key, prompt_len=len(prompt_ids), max_new_tokens=max_new_tokens, params=params,
                   generator=generator or torch.Generator().manual_seed(seed), stop_token_ids=frozenset(stop_token_ids),
-                  fallback=fallback if self.settings.drafting else None, started=time.perf_counter())
+                  started=time.perf_counter())
         row.stats.prompt_tokens, row.stats.drafting = len(prompt_ids), self.settings.drafting
         logits = self.engine.prefill(len(self.rows), prompt_ids, want_taps=self.settings.drafting)
         anchor = next_token(logits, params, row.generator)
@@ -216,7 +220,8 @@ class Decoder:
             return []
         t0 = time.perf_counter()
         possible = [self._draft_budget(r) for r in rows]
-        budgets = [n if r.fallback is None or r.fallback.want_draft() else 0 for r, n in zip(rows, possible)]
+        plain = self.fallback is not None and not self.fallback.want_draft()
+        budgets = [0 if plain else n for n in possible]
         drafts, stages = draft_round(self.engine, self.settings, [r.tokens[-1] for r in rows],
                                      [r.position for r in rows], budgets)
         t1 = time.perf_counter()
@@ -230,6 +235,9 @@ class Decoder:
                 row.finish, row.error = "error", f"{type(e).__name__}: {e}"
                 results.append((0, None))
         t2 = time.perf_counter()
+        if self.fallback is not None and any(possible):  # committed tokens per row per step, and its cost
+            self.fallback.record(drafted=not plain, committed=sum(a + 1 for a, _ in results) / len(rows),
+                                 seconds=t2 - t0)
         # Commit: each row keeps its anchor and accepted drafts; only their taps enter its context.
         self.engine.target_rollback([r.position + accepted + 1 for r, (accepted, _) in zip(rows, results)])
         if self.settings.drafting:
@@ -246,9 +254,9 @@ class Decoder:
             stats.accepted_per_round.append(accepted)
             stats.stages_per_round.append(stages[b])
             stats.later_stage_tokens += max(0, accepted - (self.settings.block_size - 1))
-            if row.fallback is not None and possible[b] > 0:
-                row.fallback.record(drafted=budgets[b] > 0, committed=accepted + 1, seconds=t2 - t0)
-                stats.fallback_rounds, stats.fallback_switches = row.fallback.fallback_rounds, row.fallback.switches
+            if self.fallback is not None:
+                stats.fallback_rounds += plain and possible[b] > 0 and self.fallback.draft_rounds > 0
+                stats.fallback_switches = self.fallback.switches
             events.append((row, self._commit(row, drafts[b][:accepted].tolist() + [bonus])))
         for b in reversed(range(len(rows))):
             if rows[b].finish:
@@ -333,9 +341,9 @@ def generate(engine, prompt_ids: list[int], settings: DecodingSettings = Decodin
              fallback: AdaptiveFallback | None = None,
              on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Decode one request up to `max_new_tokens` after `prompt_ids`: the decoder with one row."""
-    decoder = Decoder(engine, settings)
+    decoder = Decoder(engine, settings, fallback)
     row, first = decoder.admit(None, prompt_ids, max_new_tokens=max_new_tokens, params=params, seed=seed,
-                               generator=generator, stop_token_ids=stop_token_ids, fallback=fallback)
+                               generator=generator, stop_token_ids=stop_token_ids)
     if on_tokens:
         on_tokens(first)
     while decoder.rows:

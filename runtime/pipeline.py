@@ -15,13 +15,13 @@ from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 from loopspec.pair import load_pair, stop_token_ids
+from loopspec.prompts import chat_ids, prompt_ids
 from loopspec.settings import DecodingSettings, resolve_settings
 from loopspec.weights import load_tokenizer
 from loopspec.runtime.decoder import GenerationResult, generate
 from loopspec.runtime.torch_engine import TorchEngine
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
-CHAT_ROLES = ("system", "user", "assistant")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,9 +84,7 @@ class Pipeline:
         """A user prompt → token ids, wrapped in the chat template when `chat` and the model has one."""
         if not prompt or not prompt.strip():
             raise LoopspecError("empty prompt")
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            return self.encode_chat([{"role": "user", "content": prompt}])
-        return self.encode_text(prompt)
+        return prompt_ids(self.tokenizer, prompt, chat)
 
     def encode_text(self, text: str) -> list[int]:
         """Plain text (no template) → token ids."""
@@ -95,13 +93,7 @@ class Pipeline:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Chat messages ({role, content} with roles system/user/assistant) → the prompt of the
         model's chat template with the assistant's turn opened."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise LoopspecError("this model has no chat template")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # noqa: BLE001 — templates raise on role orders they do not accept
-            raise LoopspecError(f"the messages do not fit the chat template: {e}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_ids(self.tokenizer, messages)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode([t for t in tokens if t not in self.stop_token_ids], skip_special_tokens=False,

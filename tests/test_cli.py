@@ -93,8 +93,19 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
     cfg = DrafterConfig.for_target(other.cfg, num_layers=1, block_size=4, mask_token_id=127)
     cfg.num_target_layers = 9
     Drafter(cfg).save(tmp_path / "wrong_drafter")
+    wider = tmp_path / "wider"  # config.json says hidden size 96, the weights are 64 wide
+    wider.mkdir()
+    for f in target.iterdir():
+        (wider / f.name).write_bytes(f.read_bytes())
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
+    empty = tmp_path / "empty"
+    empty.mkdir()
     base = ["generate", "--target", str(target), "--drafter", str(drafter), "--max-new-tokens", "4"]
     return {
+        "weights wider than config": (["generate", "--prompt", "x", "--target", str(wider), "--drafter", "none",
+                                       "--method", "ar"], "does not match its config.json"),
+        "empty target dir": (["generate", "--prompt", "x", "--target", str(empty)], "config.json"),
         "unknown path": (["generate", "--prompt", "x", "--target", str(tmp_path / "nope")], "does not exist"),
         "corrupt safetensors": (["generate", "--prompt", "x", "--target", str(corrupt), "--drafter", "none",
                                  "--method", "ar"], "corrupt"),
@@ -110,7 +121,7 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
     }
 
 
-CASES = ["unknown path", "corrupt safetensors", "mismatched drafter", "empty prompt", "prompt over context",
+CASES = ["weights wider than config", "empty target dir", "unknown path", "corrupt safetensors", "mismatched drafter", "empty prompt", "prompt over context",
          "negative temperature", "infinite temperature", "block size 0", "unknown method", "bad top-p"]
 
 

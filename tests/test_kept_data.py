@@ -46,7 +46,7 @@ def data_args(target_dir, prompts, out, *extra):
 
 
 def test_samples_name_their_prompt_line(tiny_pair, prompts, tmp_path):
-    from loopspec.train.data import encode_prompt
+    from loopspec.prompts import prompt_ids
     from loopspec.weights import load_tokenizer
 
     target_dir, _ = tiny_pair
@@ -58,7 +58,7 @@ def test_samples_name_their_prompt_line(tiny_pair, prompts, tmp_path):
     for s in samples:
         assert s.id == f"p.jsonl:{s.line}" and s.file == "p.jsonl"
         text = json.loads(lines[s.line - 1])["turns"][0]
-        assert s.tokens[: s.prompt_len] == encode_prompt(tokenizer, text)
+        assert s.tokens[: s.prompt_len] == prompt_ids(tokenizer, text)
 
 
 def test_resume_from_kept_generates_only_the_missing_prompts(tiny_pair, prompts, tmp_path, generated, capsys):

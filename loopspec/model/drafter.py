@@ -354,7 +354,7 @@ class Drafter(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter":
-        from loopspec.weights import read_json, read_safetensors, refuse_quantized
+        from loopspec.weights import one_line, read_json, read_safetensors, refuse_quantized
 
         directory = Path(directory)
         if not directory.is_dir():
@@ -381,7 +381,7 @@ class Drafter(nn.Module):
         try:
             model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
         except RuntimeError as e:
-            raise LoopspecError(f"drafter weights do not match its config.json: {e}") from None
+            raise LoopspecError(f"drafter weights do not match its config.json: {one_line(e)}") from None
         d2t_path = directory / D2T_FILE
         if d2t_path.is_file():
             d2t = read_safetensors(d2t_path).get("d2t")

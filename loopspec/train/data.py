@@ -24,7 +24,7 @@ import torch
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
-from loopspec.prompts import read_conversations
+from loopspec.prompts import prompt_ids, read_conversations
 from loopspec.model.target import Target, pack_linears_for_cpu_
 
 
@@ -111,15 +111,6 @@ def generation_settings(tokenizer, *, max_new_tokens: int, max_prompt_tokens: in
             "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest() if template else None}
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """The prompt's token ids: one user turn in the chat template (plain text without one)."""
-    if getattr(tokenizer, "chat_template", None):
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
-        return tokenizer.encode(chat, add_special_tokens=False)
-    return tokenizer.encode(text)
-
-
 def plan_batches(todo: list[Sample], batch_size: int) -> list[list[Sample]]:
     """Batches of similar prompt lengths (less padding) within each prompt file, interleaved so that
     every file advances at the same pace: a run stopped early holds some of each file."""
@@ -184,7 +175,7 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
             sid = sample_id(name, line)
             if sid in done:
                 continue
-            ids = encode_prompt(tokenizer, turns[0])
+            ids = prompt_ids(tokenizer, turns[0])
             if len(ids) > max_prompt_tokens or not ids:
                 skipped += 1
                 continue
