@@ -15,7 +15,7 @@ from pathlib import Path
 
 from loopspec.engines.specs import DRAFTER_ENGINES, TARGET_VERIFY, EngineSpec
 from loopspec.errors import LoopspecError
-from loopspec.weights import file_sha256
+from loopspec.weights import file_sha256, read_json
 
 MANIFEST = "manifest.json"
 FORMAT = "loopspec-artifacts"
@@ -116,12 +116,7 @@ def read_manifest(directory: str | Path, verify: bool = True, require_drafter: b
     if not directory.is_dir():
         raise LoopspecError(f"artifact directory does not exist: {directory}")
     path = directory / MANIFEST
-    if not path.is_file():
-        raise LoopspecError(f"missing {MANIFEST} in {directory} (not an exported artifact directory)")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LoopspecError(f"corrupt {path}: {e}") from None
+    data = read_json(path, f"{MANIFEST} (not an exported artifact directory)")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise LoopspecError(f"{path} is not a loopspec artifact manifest")
     if data.get("format_version") != FORMAT_VERSION:

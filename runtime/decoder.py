@@ -119,10 +119,13 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
     temporarily — with the stage's own final-norm hidden states as pseudo-features (feature(p) =
     z(p+1)). The gate only decides whether to ADD a stage: a drafted block is never dropped or cut
     for its own score."""
+    empty = torch.empty(0, dtype=torch.long)
+    live = [b for b, n in enumerate(budgets) if n > 0]
+    if not live:  # plain rounds (ar, the fallback, no room left): nothing to ask the engine
+        return [empty] * len(budgets), [0] * len(budgets)
     k, max_context = settings.block_size, engine.max_context
     chains: list[list[torch.Tensor]] = [[] for _ in budgets]
     stages = [0] * len(budgets)
-    live = [b for b, n in enumerate(budgets) if n > 0]
     anchors, positions = list(anchors), list(positions)
     start_lengths = dict(zip(live, engine.context_lengths(live)))
     while live:
@@ -151,7 +154,6 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
     multi = [b for b in start_lengths if stages[b] > 1]
     if multi:  # the pseudo-context never outlives the round
         engine.context_rollback(multi, [start_lengths[b] for b in multi])
-    empty = torch.empty(0, dtype=torch.long)
     return [torch.cat(c)[:n] if c else empty for c, n in zip(chains, budgets)], stages
 
 

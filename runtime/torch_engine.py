@@ -9,6 +9,8 @@ eagerly.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from loopspec.errors import LoopspecError
@@ -55,8 +57,7 @@ class TorchEngine:
             self.graphs = CudaGraphRunner(self)
 
     def with_rows(self, max_rows: int) -> "TorchEngine":
-        twin = object.__new__(TorchEngine)
-        twin.__dict__.update(self.__dict__)  # the same modules and draft head
+        twin = copy.copy(self)  # the same modules and draft head
         twin._new_caches(max_rows)
         return twin
 

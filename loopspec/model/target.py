@@ -238,6 +238,14 @@ class KVWrite(NamedTuple):
     token_index: torch.Tensor | None = None  # [P]
 
 
+def one_block(starts: torch.Tensor, counts: torch.Tensor, width: int) -> int | None:
+    """The common start slot when every row writes all `width` tokens from one length (a dense slice
+    then stores them), else None."""
+    if bool((counts == width).all()) and bool((starts == starts[0]).all()):
+        return int(starts[0])
+    return None
+
+
 class KVCache:
     """Static K/V buffers [layers, rows, kv_heads, max_length, head_dim] for up to `rows` sequences,
     each with its own length (`lengths` [rows], on the host). Rolling back is lowering a length.
@@ -268,10 +276,8 @@ class KVCache:
         starts = self.lengths[rows]
         if int((starts + counts).max()) > self.max_length:
             raise LoopspecError(f"sequence of {int((starts + counts).max())} exceeds the context of {self.max_length}")
-        first = int(rows[0])
-        if (bool((counts == T).all()) and bool((starts == starts[0]).all())
-                and rows.tolist() == list(range(first, first + R))):  # one block of slots: a slice
-            s = int(starts[0])
+        first, s = int(rows[0]), one_block(starts, counts, T)
+        if s is not None and rows.tolist() == list(range(first, first + R)):  # one block of slots: a slice
             self.k[:, first:first + R, :, s:s + T] = k
             self.v[:, first:first + R, :, s:s + T] = v
             self.lengths[rows] = starts + counts
@@ -314,8 +320,9 @@ class KVCache:
         keys = int((starts + counts).max())
         if keys > self.max_length:
             raise LoopspecError(f"sequence of {keys} tokens exceeds the context of {self.max_length}")
-        if bool((counts == width).all()) and bool((starts == starts[0]).all()):
-            return KVWrite(rows, keys, start=int(starts[0]))
+        start = one_block(starts, counts, width)
+        if start is not None:
+            return KVWrite(rows, keys, start=start)
         row_index, token_index = (torch.arange(width)[None, :] < counts[:, None]).nonzero(as_tuple=True)
         dev = self.k.device
         return KVWrite(rows, keys, slots=(starts[row_index] + token_index).to(dev), row_index=row_index.to(dev),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from loopspec.errors import LoopspecError
 from loopspec.train.data import Sample, parse_sample, read_samples, sample_json
+from loopspec.weights import read_json
 
 KIND = "loopspec-kept-data"
 SAMPLES = "samples.jsonl.xz"
@@ -30,12 +31,7 @@ def read_kept(directory: str | Path, target_hash: str, settings: dict) -> dict[s
     """{sample id: sample} of a kept directory made for this target with these generation settings."""
     directory = Path(directory)
     manifest_path, samples_path = directory / "manifest.json", directory / SAMPLES
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except FileNotFoundError:
-        raise LoopspecError(f"no manifest.json in {directory} (not a kept data directory)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise LoopspecError(f"{manifest_path} is corrupt (not JSON)") from None
+    manifest = read_json(manifest_path, "manifest.json (not a kept data directory)")
     if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
         raise LoopspecError(f"{manifest_path} is not a kept data manifest (kind {KIND!r})")
     if manifest.get("target_sha256") != target_hash:
