@@ -23,7 +23,7 @@ from loopspec.engines.manifest import read_manifest
 from loopspec.engines.ort import EngineSession, check_precision
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, draft_head_weight, greedy_drafts
+from loopspec.model.drafter import Drafter, draft_head_weight, draft_candidates
 from loopspec.model.target import Target
 
 # per precision: relative tolerance of every engine output, largest allowed relative τ drop
@@ -63,7 +63,7 @@ class Reference:
         ids = torch.full((1, k), d.cfg.mask_token_id, dtype=torch.long)
         ids[0, 0] = anchor
         hidden = d(self.target.embed_tokens(ids), torch.arange(position, position + k), ctx_k, ctx_v)  # [1, k, H]
-        drafts, logprobs = greedy_drafts(F.linear(hidden[0, 1:], self.head), d.draft_ids)  # [k-1] each
+        drafts, logprobs = draft_candidates(F.linear(hidden[0, 1:], self.head), d.draft_ids)  # [k-1, C] each
         return drafts, logprobs, hidden[0]
 
     @torch.inference_mode()
@@ -76,18 +76,22 @@ class Reference:
 
 def engine_errors(ref: Reference, sessions: dict[str, EngineSession], prompt: list[int], block_size: int) -> dict:
     """{engine: {output: relative error}} on the first prompt (prefill of all but 4 tokens, then a
-    4-token verification over the reference cache, then the drafter engines on the reference taps)."""
+    4-token draft-tree verification over the reference cache, then the drafter engines on the
+    reference taps)."""
     target, out = ref.target, {}
     P = max(1, len(prompt) - 4)
     cache = target.new_cache(len(prompt) + 1)
+    T = len(prompt) - P
+    tree = torch.ones(1, T, T, dtype=torch.bool).tril()  # the verification checks a draft tree:
+    tree[:, 2:, 1] = False  # token 2 is token 1's sibling (both children of token 0), token 3 token 2's child
     with torch.inference_mode():
         first = target(torch.tensor([prompt[:P]]), cache, want_taps=ref.drafter is not None)
-        second = target(torch.tensor([prompt[P:]]), cache, want_taps=ref.drafter is not None)
-    T = len(prompt) - P
+        second = target(torch.tensor([prompt[P:]]), cache, want_taps=ref.drafter is not None, tree_mask=tree)
     run = sessions[TARGET_VERIFY].run(
-        input_ids=np.asarray([prompt[P:]], dtype=np.int64), positions=np.arange(P, P + T, dtype=np.int64)[None],
+        input_ids=np.asarray([prompt[P:]], dtype=np.int64), positions=(P + tree.sum(-1) - 1).numpy(),
         logit_index=np.arange(T, dtype=np.int64), past_key=cache.k[:, :, :, :P].numpy(),
-        past_value=cache.v[:, :, :, :P].numpy(), past_lengths=np.asarray([P], dtype=np.int64))
+        past_value=cache.v[:, :, :, :P].numpy(), past_lengths=np.asarray([P], dtype=np.int64),
+        tree_mask=tree.numpy())
     errors = {"logits": relative_error(run["logits"], second.logits),
               "new_key": relative_error(run["new_key"], cache.k[:, :, :, P:P + T]),
               "new_value": relative_error(run["new_value"], cache.v[:, :, :, P:P + T])}
@@ -144,7 +148,8 @@ def onnx_greedy(session: EngineSession, prompt: list[int], new_tokens: int) -> t
         run = session.run(input_ids=np.asarray([ids], dtype=np.int64),
                           positions=np.arange(start, start + len(ids), dtype=np.int64)[None],
                           logit_index=np.asarray([len(ids) - 1], dtype=np.int64), past_key=past_k, past_value=past_v,
-                          past_lengths=np.asarray([start], dtype=np.int64))
+                          past_lengths=np.asarray([start], dtype=np.int64),
+                          tree_mask=np.tril(np.ones((1, len(ids), len(ids)), dtype=bool)))
         past_k = np.concatenate([past_k, run["new_key"]], axis=3)
         past_v = np.concatenate([past_v, run["new_value"]], axis=3)
         tokens.append(int(run["logits"][0, -1].argmax()))
@@ -177,7 +182,7 @@ def acceptance(ref: Reference, sessions: dict[str, EngineSession], sequence: lis
     onnx_k, onnx_v = run["context_key"], run["context_value"]
 
     def draft_ref(a):
-        return ref.block(sequence[a], a, block_size, ctx_k[:, :, :, :a], ctx_v[:, :, :, :a])[0]
+        return ref.block(sequence[a], a, block_size, ctx_k[:, :, :, :a], ctx_v[:, :, :, :a])[0][:, 0]  # the chain
 
     def draft_onnx(a):
         ids = np.full((1, block_size), ref.drafter.cfg.mask_token_id, dtype=np.int64)
@@ -186,7 +191,7 @@ def acceptance(ref: Reference, sessions: dict[str, EngineSession], sequence: lis
                                           context_key=np.ascontiguousarray(onnx_k[:, :, :, :a]),
                                           context_value=np.ascontiguousarray(onnx_v[:, :, :, :a]),
                                           context_lengths=np.asarray([a], dtype=np.int64))
-        return out["draft_ids"][0]
+        return out["draft_ids"][0][:, 0]  # the chain
 
     return (offline_tau(draft_ref, sequence, prompt_len, block_size),
             offline_tau(draft_onnx, sequence, prompt_len, block_size))

@@ -46,7 +46,7 @@ from loopspec.weights import file_sha256
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MAX_BATCH,
                                     TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.engines.staging import check_out_dir, staged_dir
-from loopspec.model.drafter import Drafter, draft_head_weight, greedy_drafts
+from loopspec.model.drafter import Drafter, draft_head_weight, draft_candidates
 from loopspec.model.target import Target
 
 
@@ -82,7 +82,7 @@ def attend(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch
     HF's repeat_kv) over [past ; new] keys without concatenating the K/V: one softmax over the joined
     scores, then the two value products summed. The past is only read (MatMul with its transpose
     fuses into one kernel), never copied. past_k/past_v [B, kvh, P, hd], k/v [B, kvh, T, hd],
-    past_mask [B, 1, 1, P] additive mask of each row's invalid past slots, bias [g·T, T] additive mask
+    past_mask [B, 1, 1, P] additive mask of each row's invalid past slots, bias [B, 1, g·T, T] additive mask
     among the new tokens (None: they all see each other) → [B, kvh, g·T, hd]."""
     scores_new = torch.matmul(q, k.transpose(-1, -2))  # [B, kvh, g·T, T]
     if bias is not None:
@@ -141,7 +141,7 @@ def swiglu(x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
 
 class TargetVerify(nn.Module):
     """(input_ids [B, T], positions [B, T], logit_index [n], past_key/past_value [L, B, kvh, P, hd],
-    past_lengths [B]) → logits [B, n, V], taps [B, T, taps·H] (when tap layers are given),
+    past_lengths [B], tree_mask [B, T, T]) → logits [B, n, V], taps [B, T, taps·H] (when tap layers are given),
     new_key/new_value [L, B, kvh, T, hd].
 
     Written for a small graph: head counts are Python ints and every reshape has one symbolic dim
@@ -162,18 +162,17 @@ class TargetVerify(nn.Module):
         else:
             self.qk_norm_weight = None
 
-    def forward(self, input_ids, positions, logit_index, past_key, past_value, past_lengths):
+    def forward(self, input_ids, positions, logit_index, past_key, past_value, past_lengths, tree_mask):
         cfg, t = self.cfg, self.target
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = h // kvh
         batch, past = input_ids.shape[0], past_key.shape[3]
         cos = t.rotary.cos[positions][:, :, None] * self.head_scale  # [B, T, h + kvh, hd]
         sin = t.rotary.sin[positions][:, :, None] * self.head_scale
-        # new token i sees its row's valid past keys and the new keys 0 .. i; rows of the bias follow
-        # q's (g, T) order
+        # new token i sees its row's valid past keys and the new keys its tree_mask row marks (the
+        # causal chain, or its ancestors in a draft tree); rows of the bias follow q's (g, T) order
         past_mask = length_mask(past_lengths, past)  # [B, 1, 1, P]
-        new = torch.arange(input_ids.shape[1], device=input_ids.device)
-        bias = torch.where(new[None, :] <= new[:, None], 0.0, float("-inf")).repeat(group, 1)  # [g·T, T]
+        bias = torch.where(tree_mask, 0.0, float("-inf"))[:, None].repeat(1, 1, group, 1)  # [B, 1, g·T, T]
         x = F.embedding(input_ids, t.embed_tokens.weight)  # [B, T, H]
         taps, new_keys, new_values = {}, [], []
         last = cfg.num_layers - 1
@@ -234,7 +233,8 @@ class DrafterContext(nn.Module):
 
 class DrafterBlock(nn.Module):
     """(block_ids [B, k], positions [B, k], context_key/context_value [N, B, kvh, C, hd],
-    context_lengths [B]) → draft_ids [B, k-1] (target ids), draft_logprobs [B, k-1], hidden [B, k, H].
+    context_lengths [B]) → draft_ids [B, k-1, C] (each position's C best drafts as target ids, rank 0
+    the argmax), draft_logprobs [B, k-1, C], hidden [B, k, H].
 
     The block embeds with the target's embedding and drafts with the target's lm_head rows (only the
     reduced draft vocabulary's rows when the drafter has a d2t map; ids are mapped back in-graph)."""
@@ -275,7 +275,7 @@ class DrafterBlock(nn.Module):
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
         hidden = rms_norm(x, d.norm.weight, d.norm.eps)  # [B, k, H]
-        draft_ids, logprobs = greedy_drafts(F.linear(hidden[:, 1:], self.head_weight), self.draft_to_target)  # [B, k-1]
+        draft_ids, logprobs = draft_candidates(F.linear(hidden[:, 1:], self.head_weight), self.draft_to_target)  # [B, k-1, C]
         return draft_ids, logprobs, hidden
 
 
@@ -305,6 +305,10 @@ def example_inputs(spec: EngineSpec, vocab_size: int) -> tuple[torch.Tensor, ...
             out.append(torch.arange(start, start + shape[1]).expand(shape).contiguous())
         elif t.name == "logit_index":
             out.append(torch.arange(EXAMPLE_SIZES["tokens"] - shape[0], EXAMPLE_SIZES["tokens"]))
+        elif t.name == "tree_mask":  # a small tree: token 2 beside token 1, both children of token 0
+            mask = torch.ones(shape[1], shape[2], dtype=torch.bool).tril()
+            mask[2:, 1] = False
+            out.append(mask.expand(shape).contiguous())
         elif t.name in LENGTH_INPUTS:
             width = EXAMPLE_SIZES[LENGTH_INPUTS[t.name]]
             out.append(width - torch.arange(shape[0]) % width)

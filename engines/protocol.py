@@ -41,12 +41,20 @@ class Engine(Protocol):
         """Start `row` with a prompt (its caches restart at 0; with `want_taps` its drafter context
         holds every prompt position's features) → the last position's logits [V]."""
 
-    def verify(self, tokens: list[list[int]], want_taps: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify(self, tokens: list[list[int]], want_taps: bool,
+               tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows 0..B-1 run their tokens after their own KV → logits [B, T, V] and taps [B, T, n*H]
-        (T = the longest row; padding positions are junk; taps None when not wanted)."""
+        (T = the longest row; padding positions are junk; taps None when not wanted). The tokens are
+        a chain, or with `tree_masks` (bool [B, T, T], loopspec.tree.tree_masks) a draft tree each:
+        token t sees its row's history and the tokens tree_masks[b, t] marks, at the row's length +
+        its depth. Either way token t's K/V go to slot length + t."""
 
     def target_rollback(self, lengths: list[int]) -> None:
         """Rows 0..B-1 keep their first lengths[b] KV slots."""
+
+    def target_commit(self, starts: list[int], kept: list[list[int]]) -> None:
+        """After a verification from lengths `starts`: rows 0..B-1 keep the verified tokens at
+        offsets kept[b] (ascending from 0, the accepted path), moved into place; the rest is dropped."""
 
     # ---- drafter context -------------------------------------------------------------------------
     def append_context(self, taps: torch.Tensor, counts: list[int]) -> None:
@@ -63,8 +71,8 @@ class Engine(Protocol):
     def draft(self, rows: list[int], anchors: list[int], positions: list[int],
               block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One stage for each of `rows`: [anchor, MASK × (k-1)] at positions .. positions+k-1 on the
-        row's own context → drafts [R, k-1] (target ids), their log-probs [R, k-1], final-norm
-        hidden states [R, k, H]."""
+        row's own context → each position's C best drafts [R, k-1, C] (target ids, rank 0 the
+        argmax), their log-probs [R, k-1, C], final-norm hidden states [R, k, H]."""
 
     # ---- rows ------------------------------------------------------------------------------------
     def move_row(self, src: int, dst: int) -> None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loopspec.errors import LoopspecError
+from loopspec.model.drafter import DRAFT_CANDIDATES
 
-DTYPES = ("float32", "float16", "bfloat16", "int64", "int32")
+DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 
 TARGET_VERIFY = "target_verify"
 DRAFTER_CONTEXT = "drafter_context"
@@ -142,8 +143,10 @@ def target_verify_spec(target, num_taps: int, max_context: int, max_verify: int 
 
     `target` is a TargetConfig. The graph returns only the new tokens' K/V; the runtime writes them into
     its static cache at each row's length (rollback = moving the length). Row b's past slot j is seen
-    iff j < past_lengths[b]; new token i sees the new tokens 0 .. i (right padding is never seen by a
-    real token). `logit_index` picks the positions whose logits are needed, the same for every row (all
+    iff j < past_lengths[b]; new token i sees the new tokens j with tree_mask[b, i, j] — the causal
+    chain (j <= i) for prefill and chains, a draft tree's ancestor mask (loopspec.tree.tree_masks)
+    otherwise, its nodes at positions past length + depth (right padding is never seen by a real
+    token). `logit_index` picks the positions whose logits are needed, the same for every row (all
     for verification, the last one for a prefill), so a long prefill does not pay the lm_head for every
     prompt token. num_taps 0: no taps output (plain `ar`)."""
     L, kvh, hd = target.num_layers, target.num_kv_heads, target.head_dim
@@ -153,7 +156,8 @@ def target_verify_spec(target, num_taps: int, max_context: int, max_verify: int 
               TensorSpec("logit_index", "int64", ("logits",)),
               TensorSpec("past_key", "float32", kv + ("past", hd)),
               TensorSpec("past_value", "float32", kv + ("past", hd)),
-              TensorSpec("past_lengths", "int64", ("batch",)))
+              TensorSpec("past_lengths", "int64", ("batch",)),
+              TensorSpec("tree_mask", "bool", ("batch", "tokens", "tokens")))
     outputs = [TensorSpec("logits", "float32", ("batch", "logits", target.vocab_size))]
     if num_taps:
         outputs.append(TensorSpec("taps", "float32", ("batch", "tokens", num_taps * target.hidden_size)))
@@ -192,8 +196,9 @@ def drafter_context_hidden_spec(drafter, max_context: int, block_size: int | Non
 
 def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
                        max_block: int | None = None, max_batch: int = MAX_BATCH) -> EngineSpec:
-    """Block ids [anchor, MASK…] + positions + context K/V → draft target-token ids, their log-probs
-    and the final-norm hidden states. Row b's context slot j is seen iff
+    """Block ids [anchor, MASK…] + positions + context K/V → each position's best draft target-token
+    ids (rank-ordered; rank 0 is the chain, the others are the branches of a draft tree), their
+    log-probs and the final-norm hidden states. Row b's context slot j is seen iff
     j < context_lengths[b]; the block sees all of itself."""
     block_size = block_size or drafter.block_size
     max_block = max(max_block or block_size, block_size)
@@ -203,8 +208,9 @@ def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
               TensorSpec("context_key", "float32", (N, "batch", kvh, "context", hd)),
               TensorSpec("context_value", "float32", (N, "batch", kvh, "context", hd)),
               TensorSpec("context_lengths", "int64", ("batch",)))
-    outputs = (TensorSpec("draft_ids", "int64", ("batch", "drafts")),
-               TensorSpec("draft_logprobs", "float32", ("batch", "drafts")),
+    candidates = min(DRAFT_CANDIDATES, drafter.vocab_size)  # a reduced draft vocabulary keeps more rows than this
+    outputs = (TensorSpec("draft_ids", "int64", ("batch", "drafts", candidates)),
+               TensorSpec("draft_logprobs", "float32", ("batch", "drafts", candidates)),
                TensorSpec("hidden", "float32", ("batch", "block", drafter.hidden_size)))
     ranges = {"batch": batch_range(max_batch), "block": (2, block_size, max_block),
               "context": (1, max_context // 2, max_context)}

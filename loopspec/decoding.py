@@ -1,7 +1,7 @@
 """Pure sampling and acceptance functions, shared by every backend and method.
 
-Conventions: `target_logits` has one row per verified position, row j predicting the token after the
-j-th verified input (the anchor is input 0), so n drafts come with n + 1 target rows.
+Conventions: `target_logits` has one row per verified node, row j predicting the token after node j
+(the anchor is node 0), so n drafted nodes come with n + 1 target rows.
 """
 
 from __future__ import annotations
@@ -68,46 +68,24 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return int(sample(probabilities(logits, params), generator))
 
 
-def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Longest prefix of `drafts` [n] equal to the target's argmax; bonus = argmax at the first
-    mismatch (or after the last draft). `target_logits`: [n + 1, V]. → (num_accepted, bonus)."""
-    choice = target_logits.argmax(-1)  # [n + 1]
-    n = drafts.shape[0]
-    mismatch = (drafts != choice[:n]).nonzero()
-    accepted = int(mismatch[0]) if mismatch.numel() else n
-    return accepted, int(choice[accepted])
+def tree_accept(tree, target_logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Walk a draft tree (loopspec.tree.DraftTree) from its root → (the accepted path as node indices,
+    starting with the anchor's 0; the bonus token).
 
-
-def speculative_accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                       generator: torch.Generator | None) -> tuple[int, int]:
-    """Speculative sampling along a chain of drafts.
-
-    drafts [n]; draft_probs [n, V] the distributions they were sampled from (None = argmax drafts,
-    i.e. one-hot q); target_probs [n + 1, V]. Accept draft x with probability min(1, p(x)/q(x)); at the
-    first rejection sample from normalize(max(0, p - q)); if all are accepted sample the bonus from
-    p[n]. The committed tokens are then distributed exactly as samples from p. → (num_accepted, bonus)
-    """
-    n = drafts.shape[0]
-    idx = torch.arange(n)
-    p_x = target_probs[idx, drafts]  # [n]
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
-    else:
-        q_x = draft_probs[idx, drafts]
-    u = torch.rand(n, generator=generator, dtype=torch.float32)
-    ok = u * q_x < p_x  # u < p/q without dividing by a zero q (u = 0 never accepts p = 0)
-    rejected = (~ok).nonzero()
-    accepted = int(rejected[0]) if rejected.numel() else n
-    if accepted == n:
-        return n, int(sample(target_probs[n], generator))
-    p = target_probs[accepted]
-    if draft_probs is None:
-        q = torch.zeros_like(p)
-        q[drafts[accepted]] = 1.0
-    else:
-        q = draft_probs[accepted]
-    residual = (p - q).clamp_min(0.0)
-    total = residual.sum()
-    if total <= 0:  # p == q exactly: the rejection had probability 0; fall back to p
-        residual, total = p, p.sum()
-    return accepted, int(sample(residual / total, generator))
+    target_logits [T, V]: row i predicts the token after node i. At each node the target's next token
+    is drawn exactly as plain decoding draws it (`next_token`: the argmax under greedy, else a sample
+    of p after temperature / top-k / top-p); the walk follows the child carrying that token, and the
+    first token no child carries is the bonus. Every committed token is thus drawn from p given its
+    prefix, so the output is distributed as plain decoding's, and identical to it under greedy,
+    wherever the nodes came from. A chain is the tree with one child per node; with argmax drafts
+    this is speculative sampling with a one-hot q (accept d with probability p(d), else draw from
+    p without d)."""
+    node, path = 0, [0]
+    while True:
+        token = next_token(target_logits[node], params, generator)
+        child = tree.child(node, token)
+        if child is None:
+            return path, token
+        path.append(child)
+        node = child

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import DrafterConfig
 
-METHODS = ("ar", "dflash", "dloop")
+METHODS = ("ar", "dflash", "dloop", "suffix")
+DRAFTER_METHODS = ("dflash", "dloop")
+SUFFIX_BLOCK_SIZE = 8  # `suffix` verifies up to 7 proposed tokens by default (as a block-8 chain)
 DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4}
 
 
@@ -21,8 +23,11 @@ DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4}
 class DecodingSettings:
     """How every row drafts: `ar` is block size 1 (nothing drafted); `dflash` one stage of
     `block_size`; `dloop` adds stages while the gate score of the last is >= `gate_threshold`, up
-    to `max_stages`. `adaptive`: a row decodes plainly while drafting does not pay on it (speed
-    only, never the output). `tree_budget`: draft-tree nodes per verification (0 = the chain)."""
+    to `max_stages`; `suffix` drafts no model, only the continuation the committed text's own
+    suffix index proposes (up to block_size - 1 tokens). `adaptive`: a row decodes plainly while
+    drafting does not pay on it (speed only, never the output). `tree_budget`: the drafter's
+    draft-tree nodes per verification (0 = its argmax chain). `suffix`: dflash/dloop also verify the
+    suffix index's continuation as a branch of the same tree (up to max_drafts more nodes)."""
 
     method: str = "ar"
     block_size: int = 1
@@ -30,6 +35,7 @@ class DecodingSettings:
     gate_threshold: float = DLOOP_DEFAULTS["gate_threshold"]
     adaptive: bool = False
     tree_budget: int = 0
+    suffix: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -48,10 +54,23 @@ class DecodingSettings:
             raise LoopspecError("the gate threshold must be a number, got nan")
         if self.tree_budget < 0:
             raise LoopspecError(f"tree budget must be >= 0, got {self.tree_budget}")
+        if self.method not in DRAFTER_METHODS and self.tree_budget:
+            raise LoopspecError(f"{self.method} has no drafter tree; --tree-budget needs dflash or dloop")
+        if self.method == "ar" and self.suffix:
+            raise LoopspecError("ar drafts nothing: use method suffix for suffix drafting alone")
 
     @property
     def drafting(self) -> bool:
+        """Something is drafted (by the drafter or the suffix index)."""
         return self.block_size > 1
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.method in DRAFTER_METHODS
+
+    @property
+    def uses_suffix(self) -> bool:
+        return self.method == "suffix" or self.suffix
 
     @property
     def max_drafts(self) -> int:
@@ -63,44 +82,57 @@ class DecodingSettings:
         text = f"{self.method}, k={self.block_size}"
         if self.method == "dloop":
             text += f", gate {self.gate_threshold:g}, max stages {self.max_stages}"
+        if self.tree_budget:
+            text += f", tree {self.tree_budget}"
+        if self.suffix:
+            text += ", + suffix"
         return text
 
     def to_dict(self) -> dict:
         return {"method": self.method, "block_size": self.block_size, "max_stages": self.max_stages,
-                "gate_threshold": self.gate_threshold, "adaptive": self.adaptive, "tree_budget": self.tree_budget}
+                "gate_threshold": self.gate_threshold, "adaptive": self.adaptive, "tree_budget": self.tree_budget,
+                "suffix": self.suffix}
 
 
 def check_method(method: str, has_drafter: bool) -> None:
     """Refuse an unknown method, or a drafting one without a drafter (before anything slow is loaded)."""
     if method not in METHODS:
         raise LoopspecError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
-    if method != "ar" and not has_drafter:
+    if method in DRAFTER_METHODS and not has_drafter:
         raise LoopspecError(f"method {method!r} needs a drafter (got --drafter none)")
 
 
 def tuned_dloop(drafter: DrafterConfig | None) -> dict:
-    """The setting `loopspec tune` stored with the drafter (config.json loopspec.dloop), if any."""
+    """The setting `loopspec tune` stored with the drafter (config.json loopspec.dloop: block size,
+    gate, stages, tree budget, suffix), if any."""
     return dict(drafter.extra.get("dloop") or {}) if drafter is not None else {}
 
 
 def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: int | None = None,
                      gate_threshold: float | None = None, max_stages: int | None = None,
-                     adaptive: bool = True) -> DecodingSettings:
-    """The settings of `method` for a drafter: what was given, else the drafter's tuned DLoop setting
-    (dloop only), else its block size and the DLoop defaults."""
+                     adaptive: bool = True, tree_budget: int | None = None,
+                     suffix: bool | None = None) -> DecodingSettings:
+    """The settings of `method` for a drafter: what was given, else the drafter's tuned setting
+    (its block size, tree budget and suffix for dflash and dloop; gate and stages for dloop), else
+    its block size, the chain without suffix and the DLoop defaults."""
     check_method(method, drafter is not None)
     if block_size is not None and block_size < 1:
         raise LoopspecError(f"block size must be >= 1, got {block_size}")
     if max_stages is not None and max_stages < 1:
         raise LoopspecError(f"max stages must be >= 1, got {max_stages}")
     if method == "ar":
-        return DecodingSettings()
-    stored = tuned_dloop(drafter) if method == "dloop" else {}
-    k = block_size or stored.get("block_size") or drafter.block_size
+        return DecodingSettings(suffix=bool(suffix))  # refuses suffix=True with its reason
+    if method == "suffix":
+        return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
+                                tree_budget=tree_budget or 0)  # (a tree budget is refused with its reason)
+    stored = tuned_dloop(drafter)
+    tree = {"tree_budget": tree_budget if tree_budget is not None else int(stored.get("tree_budget", 0)),
+            "suffix": suffix if suffix is not None else bool(stored.get("suffix", False))}
     if method == "dflash":
-        return DecodingSettings("dflash", block_size=k, adaptive=adaptive)
+        return DecodingSettings("dflash", block_size=block_size or drafter.block_size, adaptive=adaptive, **tree)
+    k = block_size or stored.get("block_size") or drafter.block_size
     loop = {**DLOOP_DEFAULTS, **{key: v for key, v in stored.items() if key in DLOOP_DEFAULTS}}
     return DecodingSettings("dloop", block_size=k,
                             max_stages=max_stages if max_stages is not None else int(loop["max_stages"]),
                             gate_threshold=gate_threshold if gate_threshold is not None else float(loop["gate_threshold"]),
-                            adaptive=adaptive)
+                            adaptive=adaptive, **tree)

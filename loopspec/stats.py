@@ -20,7 +20,9 @@ class GenerationStats:
     drafting: bool = False  # the method drafts (τ counts only the rounds that drafted)
     accepted_per_round: list[int] = field(default_factory=list)  # drafts accepted per verification
     stages_per_round: list[int] = field(default_factory=list)  # draft stages per verification (0: plain)
+    nodes_per_round: list[int] = field(default_factory=list)  # draft nodes verified per verification
     later_stage_tokens: int = 0  # committed drafts that came from stages > 1
+    suffix_tokens: int = 0  # committed drafts that only the suffix index proposed
     fallback_rounds: int = 0  # plain rounds the adaptive fallback chose while drafting did not pay
     fallback_switches: int = 0
     prefill_s: float = 0.0

@@ -32,8 +32,8 @@ class ArtifactEngine:
         self.artifact_dir = Path(artifact_dir)
         self.manifest = read_manifest(self.artifact_dir)
         self._check(self.manifest)
-        if "past_lengths" not in self.manifest.spec(TARGET_VERIFY).input_names:
-            raise LoopspecError(f"{self.artifact_dir} was exported without the batch dim and row lengths "
+        if "tree_mask" not in self.manifest.spec(TARGET_VERIFY).input_names:
+            raise LoopspecError(f"{self.artifact_dir} was exported without the draft-tree mask "
                                 "(an older loopspec): export it again")
         self.target_cfg = TargetConfig.from_hf(read_json(self.artifact_dir / "target" / "config.json", "target config"))
         self.drafter_cfg = (DrafterConfig.from_zlab(read_json(self.artifact_dir / "drafter" / "config.json",
@@ -87,9 +87,10 @@ class ArtifactEngine:
         # [R, width]: each row from its own length; right padding may run past the end (clamped, never stored)
         return (starts[:, None] + torch.arange(width)[None, :]).clamp_max(self.max_context - 1)
 
-    def _target(self, rows: list[int], tokens: list[list[int]], all_logits: bool) -> dict[str, torch.Tensor]:
-        """`rows` run their tokens (right-padded) after their own KV; the first len(tokens[b]) new K/V
-        of row b are stored at its length."""
+    def _target(self, rows: list[int], tokens: list[list[int]], all_logits: bool,
+                tree_masks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """`rows` run their tokens (right-padded) after their own KV — a chain, or the draft trees of
+        `tree_masks` [R, T, T] — and the first len(tokens[b]) new K/V of row b are stored at its length."""
         width = max(len(t) for t in tokens)
         ids = torch.zeros(len(tokens), width, dtype=torch.long)  # [R, T]
         for b, t in enumerate(tokens):
@@ -99,10 +100,13 @@ class ArtifactEngine:
         if int((starts + counts).max()) > self.max_context:
             raise LoopspecError(f"sequence of {int((starts + counts).max())} tokens exceeds the context of {self.max_context}")
         past_key, past_value = self.cache.prefix(rows, int(starts.max()))
+        if tree_masks is None:
+            tree_masks = torch.ones(width, width, dtype=torch.bool).tril().expand(len(tokens), -1, -1)
+        depths = tree_masks.sum(-1) - 1  # [R, T]: a node sits at its row's length + its depth
         out = self.runners[TARGET_VERIFY].run(
-            input_ids=ids, positions=self._positions(starts, width),
+            input_ids=ids, positions=(starts[:, None] + depths).clamp_max(self.max_context - 1),
             logit_index=torch.arange(width) if all_logits else torch.tensor([width - 1]),
-            past_key=past_key, past_value=past_value, past_lengths=starts)
+            past_key=past_key, past_value=past_value, past_lengths=starts, tree_mask=tree_masks.contiguous())
         self.cache.append(out["new_key"], out["new_value"], rows, counts)
         return out
 
@@ -114,13 +118,17 @@ class ArtifactEngine:
             self._append_context(DRAFTER_CONTEXT, "taps", [row], out["taps"], [len(prompt_ids)])
         return out["logits"][0, -1].float().cpu()
 
-    def verify(self, tokens: list[list[int]], want_taps: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self._target(list(range(len(tokens))), tokens, all_logits=True)
+    def verify(self, tokens: list[list[int]], want_taps: bool,
+               tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self._target(list(range(len(tokens))), tokens, all_logits=True, tree_masks=tree_masks)
         taps = out["taps"] if want_taps and self.has_drafter else None
         return out["logits"].float().cpu(), taps
 
     def target_rollback(self, lengths: list[int]) -> None:
         self.cache.rollback(lengths)
+
+    def target_commit(self, starts: list[int], kept: list[list[int]]) -> None:
+        self.cache.commit(starts, kept)
 
     # ---- drafter context -------------------------------------------------------------------------
     def _append_context(self, engine: str, name: str, rows: list[int], features: torch.Tensor,

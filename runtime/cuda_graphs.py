@@ -6,11 +6,12 @@ int that changes between calls (the cache length, the context length). The captu
 therefore take positions and lengths as tensors and see a fixed-size window of the static buffer,
 the first `keys` slots (a power of two >= what the call needs, so attention costs at most twice
 the live length):
-- target verify: T real tokens are padded to the bucket length with positions that continue after
-  them. Every query attends to the window with the mask `key slot <= own position`, so a real
-  query never sees a padding key (padding sits after it) nor a stale slot past the cache length;
-  the padding's K/V land in slots past the new length, which the next forward overwrites before any
-  query can see them. Outputs are sliced to the real tokens.
+- target verify: T real tokens (a chain or a draft tree) are padded to the bucket length with a
+  chain that continues after them. Slots, positions and the attention mask over the window are
+  input buffers, built on the host by the eager forward's own rule (`attention_mask`): a real query
+  never sees a padding key nor a stale slot past the cache length; the padding's K/V land in slots
+  past the new length, which the next forward overwrites before any query can see them. Outputs
+  are sliced to the real tokens.
 - drafter block: the block attends to the context window with the mask `context slot < context
   length` (a tensor) plus the whole block (bidirectional).
 Calls that fit no bucket (a long prefill, the last slots of the context) run eagerly.
@@ -27,8 +28,8 @@ from typing import Callable
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, greedy_drafts
-from loopspec.model.target import KVCache, KVWrite, Target, TargetOutput
+from loopspec.model.drafter import Drafter, draft_candidates
+from loopspec.model.target import KVCache, KVWrite, Target, TargetOutput, attention_mask
 
 # verify lengths: 1 (plain decoding) up to a DLoop chain of 4 stages of 16 (61 tokens)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -52,17 +53,16 @@ def require_cuda(device: torch.device) -> None:
 
 
 def target_verify_static(target: Target, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,
-                         want_taps: bool, keys: int | None = None) -> TargetOutput:
+                         slots: torch.Tensor, mask: torch.Tensor, want_taps: bool) -> TargetOutput:
     """The target over ids/positions [1, T] in row 0 of `cache` with static shapes (its length is
-    neither read nor moved), attending to the first `keys` slots (default: all; every position must
-    be below it). Token t's K/V land at slot positions[0, t].
+    neither read nor moved): token t's K/V land at slot slots[t], and it sees the slots `mask` [T, keys]
+    marks among the first `keys` (attention_mask: the committed history, and its chain or tree
+    ancestors among the new tokens).
 
-    Row t equals the eager forward's row t whenever positions continue the cache (start .. start+T-1)."""
-    keys = keys or cache.max_length
-    slots = torch.arange(keys, device=ids.device)
-    mask = slots[None, :] <= positions[0][:, None]  # [T, keys]: own history and itself
+    Row t equals the eager forward's row t whenever slots continue the cache (start .. start+T-1) and
+    positions/mask are the eager forward's."""
     cos, sin = target.rotary(positions)  # [1, T, hd]
-    write = KVWrite(slice(0, 1), keys, slots=positions[0])
+    write = KVWrite(slice(0, 1), mask.shape[-1], slots=slots)
     return target._stack(target.embed_tokens(ids), cos[:, None], sin[:, None], cache, write, mask[None, None],
                          want_taps, None)
 
@@ -71,14 +71,14 @@ def drafter_block_static(drafter: Drafter, embed: torch.nn.Module, draft_head: t
                          context: KVCache, ids: torch.Tensor, positions: torch.Tensor,
                          context_length: torch.Tensor, draft_ids: torch.Tensor | None, keys: int | None = None):
     """One stage over ids [1, k] at positions [k] against row 0 of the context buffer, its first `keys`
-    slots (default all), of which the first `context_length` (0-d tensor) are live → drafts [k-1],
-    log-probs [k-1], hidden [k, H]."""
+    slots (default all), of which the first `context_length` (0-d tensor) are live → drafts [k-1, C],
+    log-probs [k-1, C], hidden [k, H]."""
     k, keys = ids.shape[1], keys or context.max_length
     live = torch.arange(keys, device=ids.device) < context_length  # [keys]
     visible = torch.cat([live, torch.ones(k, dtype=torch.bool, device=ids.device)])  # [keys + k]
     ctx_k, ctx_v = context.k[:, :1, :, :keys], context.v[:, :1, :, :keys]
     hidden = drafter(embed(ids), positions, ctx_k, ctx_v, visible[None, None, None, :])  # [1, k, H]
-    drafts, logprobs = greedy_drafts(draft_head(hidden[0, 1:]), draft_ids)  # [k-1] each
+    drafts, logprobs = draft_candidates(draft_head(hidden[0, 1:]), draft_ids)  # [k-1, C] each
     return drafts, logprobs, hidden[0]
 
 
@@ -126,8 +126,10 @@ class CudaGraphRunner:
         start = int(self.cache.lengths[0])
         return next((b for b in BUCKETS if b >= tokens and start + b <= self.cache.max_length), None)
 
-    def verify(self, input_ids: list[int], want_taps: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """→ logits [T, V] (CPU), taps [T, n*H] or None (GPU); advances row 0's length by T."""
+    def verify(self, input_ids: list[int], want_taps: bool,
+               tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """→ logits [T, V] (CPU), taps [T, n*H] or None (GPU); advances row 0's length by T. The
+        tokens are a chain, or a draft tree with `tree_mask` [T, T] (its ancestor mask)."""
         T, start = len(input_ids), int(self.cache.lengths[0])
         bucket = self.verify_bucket(T)
         if bucket is None:
@@ -136,17 +138,25 @@ class CudaGraphRunner:
         key = ("verify", 1, bucket, keys, want_taps)
         ids = torch.zeros(1, bucket, dtype=torch.long)  # padding: token 0, after the real tokens
         ids[0, :T] = torch.tensor(input_ids, dtype=torch.long)
-        positions = torch.arange(start, start + bucket)[None]
+        # padding tokens continue the chain after the real ones: no real token sees them, and their
+        # K/V land past the new length, where the next forward writes before anyone reads
+        tree = torch.ones(bucket, bucket, dtype=torch.bool).tril()
+        if tree_mask is not None:
+            tree[:T, :T] = tree_mask
+        positions = start + tree.sum(-1)[None] - 1  # [1, bucket]
+        slots = torch.arange(start, start + bucket)
+        mask = attention_mask(torch.tensor([start]), bucket, keys, tree[None])[0]  # [bucket, keys]
         captured = self.graphs.get(key)
+        values = {"ids": ids, "positions": positions, "slots": slots, "mask": mask}
         if captured is None:
-            inputs = {"ids": ids.to(self.device), "positions": positions.to(self.device)}
+            inputs = {name: t.to(self.device) for name, t in values.items()}
             captured = self.graphs[key] = capture(
-                lambda: target_verify_static(self.target, self.cache, inputs["ids"], inputs["positions"], want_taps,
-                                             keys),
+                lambda: target_verify_static(self.target, self.cache, inputs["ids"], inputs["positions"],
+                                             inputs["slots"], inputs["mask"], want_taps),
                 inputs)
         else:
-            captured.inputs["ids"].copy_(ids)
-            captured.inputs["positions"].copy_(positions)
+            for name, t in values.items():
+                captured.inputs[name].copy_(t)
         captured.graph.replay()
         self.cache.lengths[0] = start + T
         logits, taps = captured.outputs

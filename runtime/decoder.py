@@ -24,10 +24,12 @@ from typing import Callable, Hashable
 
 import torch
 
-from loopspec.decoding import SamplingParams, greedy_accept, next_token, probabilities, speculative_accept
+from loopspec.decoding import SamplingParams, next_token, tree_accept
 from loopspec.errors import LoopspecError
+from loopspec.model.drafter import DRAFT_CANDIDATES
 from loopspec.settings import DecodingSettings
 from loopspec.stats import GenerationStats
+from loopspec.tree import DraftTree, SuffixIndex, draft_tree, tree_masks
 
 
 class AdaptiveFallback:
@@ -98,6 +100,7 @@ class Row:
     stop_token_ids: frozenset[int]
     tokens: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    suffix_index: SuffixIndex | None = None  # the committed text (prompt + tokens), when suffix drafting
     started: float = 0.0
     finish: str = ""  # "" while live; then stop | length | context | error | cancelled
     error: str = ""
@@ -108,24 +111,37 @@ class Row:
         return self.prompt_len + len(self.tokens) - 1
 
 
+@dataclass
+class Drafted:
+    """One row's drafter output for one verification: the candidates at every drafted depth."""
+
+    candidates: torch.Tensor  # [D, C] target ids, rank-ordered (rank 0: the argmax chain)
+    logprobs: torch.Tensor  # [D, C]
+    stage_sizes: list[int]  # depths each stage drafted, in order (they sum to D)
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_sizes)
+
+
 def draft_round(engine, settings: DecodingSettings, anchors: list[int], positions: list[int],
-                budgets: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-    """Draft stages for one verification of rows 0..B-1 (design §4) → (drafts per row [≤ budget],
-    stages per row). A row with budget 0 drafts nothing.
+                budgets: list[int]) -> list[Drafted]:
+    """Draft stages for one verification of rows 0..B-1 (design §4) → what each row drafted (at most
+    `budget` depths). A row with budget 0 drafts nothing.
 
     Stage 1 drafts [anchor, MASK…] on the target context. While the gate score of a row's newest
-    stage (the sum of its drafts' log-probs) is >= the gate threshold and it ran fewer than
-    max_stages, the row's next stage drafts from that stage's last draft, its context extended —
-    temporarily — with the stage's own final-norm hidden states as pseudo-features (feature(p) =
-    z(p+1)). The gate only decides whether to ADD a stage: a drafted block is never dropped or cut
-    for its own score."""
-    empty = torch.empty(0, dtype=torch.long)
+    stage (the sum of its argmax drafts' log-probs) is >= the gate threshold and it ran fewer than
+    max_stages, the row's next stage drafts from that stage's last argmax draft, its context
+    extended — temporarily — with the stage's own final-norm hidden states as pseudo-features
+    (feature(p) = z(p+1)). The gate only decides whether to ADD a stage: a drafted block is never
+    dropped or cut for its own score."""
+    C = DRAFT_CANDIDATES
+    nothing = Drafted(torch.empty(0, C, dtype=torch.long), torch.empty(0, C), [])
     live = [b for b, n in enumerate(budgets) if n > 0]
     if not live:  # plain rounds (ar, the fallback, no room left): nothing to ask the engine
-        return [empty] * len(budgets), [0] * len(budgets)
+        return [nothing] * len(budgets)
     k, max_context = settings.block_size, engine.max_context
-    chains: list[list[torch.Tensor]] = [[] for _ in budgets]
-    stages = [0] * len(budgets)
+    stages: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in budgets]
     anchors, positions = list(anchors), list(positions)
     start_lengths = dict(zip(live, engine.context_lengths(live)))
     while live:
@@ -135,33 +151,46 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
             by_size.setdefault(min(k, max_context - positions[b]), []).append(b)
         for size, group in by_size.items():
             drafts, logprobs, hidden = engine.draft(group, [anchors[b] for b in group], [positions[b] for b in group],
-                                                    size)
+                                                    size)  # [R, size-1, C] ids and log-probs
             for i, b in enumerate(group):
-                chains[b].append(drafts[i])
-                stages[b] += 1
-                drafted = sum(d.numel() for d in chains[b])
+                stages[b].append((drafts[i], logprobs[i]))
+                drafted = sum(d.shape[0] for d, _ in stages[b])
                 next_position = positions[b] + size - 1
-                if (stages[b] >= settings.max_stages or drafted >= budgets[b]
+                if (len(stages[b]) >= settings.max_stages or drafted >= budgets[b]
                         or max_context - next_position < k
-                        or float(logprobs[i].sum()) < settings.gate_threshold):
+                        or float(logprobs[i, :, 0].sum()) < settings.gate_threshold):
                     continue
                 going.append(b)
                 pseudo.append(hidden[i, 1:])  # positions .. +k-2 get feature(p) = z(p+1)
-                anchors[b], positions[b] = int(drafts[i, -1]), next_position
+                anchors[b], positions[b] = int(drafts[i, -1, 0]), next_position
         if going:
             engine.append_pseudo_context(going, torch.stack(pseudo))
         live = going
-    multi = [b for b in start_lengths if stages[b] > 1]
+    multi = [b for b in start_lengths if len(stages[b]) > 1]
     if multi:  # the pseudo-context never outlives the round
         engine.context_rollback(multi, [start_lengths[b] for b in multi])
-    return [torch.cat(c)[:n] if c else empty for c, n in zip(chains, budgets)], stages
+    out = []
+    for row_stages, n in zip(stages, budgets):
+        if not row_stages:
+            out.append(nothing)
+            continue
+        sizes, left = [], n
+        for d, _ in row_stages:  # at most `budget` depths in all
+            sizes.append(min(d.shape[0], left))
+            left -= sizes[-1]
+        out.append(Drafted(torch.cat([d for d, _ in row_stages])[:n], torch.cat([lp for _, lp in row_stages])[:n],
+                           [m for m in sizes if m]))
+    return out
 
 
-def accept(row: Row, drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
-    """The lossless acceptance rule of design §3 for one row → (accepted drafts, bonus token)."""
-    if row.params.greedy:
-        return greedy_accept(drafts, logits)
-    return speculative_accept(drafts, None, probabilities(logits, row.params), row.generator)
+def path_taps(taps: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+    """The taps [B, T, n·H] of each row's accepted path (node indices), left-aligned → [B, P, n·H]."""
+    if all(p == list(range(len(p))) for p in paths):  # chains: the paths are prefixes already
+        return taps
+    index = torch.zeros(len(paths), max(len(p) for p in paths), dtype=torch.long)
+    for b, p in enumerate(paths):
+        index[b, :len(p)] = torch.tensor(p)
+    return taps.gather(1, index.to(taps.device)[..., None].expand(-1, -1, taps.shape[-1]))
 
 
 class Decoder:
@@ -176,8 +205,8 @@ class Decoder:
 
     def __init__(self, engine, settings: DecodingSettings = DecodingSettings(),
                  fallback: AdaptiveFallback | None = None):
-        if settings.drafting and not engine.has_drafter:
-            raise LoopspecError("a drafter is needed for block size > 1")
+        if settings.uses_drafter and not engine.has_drafter:
+            raise LoopspecError(f"{settings.method} needs a drafter")
         self.engine, self.settings = engine, settings
         if fallback is None and settings.adaptive:
             fallback = AdaptiveFallback()
@@ -203,9 +232,10 @@ class Decoder:
             raise LoopspecError("no free row in the batch")
         row = Row(key=key, prompt_len=len(prompt_ids), max_new_tokens=max_new_tokens, params=params,
                   generator=generator or torch.Generator().manual_seed(seed), stop_token_ids=frozenset(stop_token_ids),
-                  started=time.perf_counter())
+                  started=time.perf_counter(),
+                  suffix_index=SuffixIndex(prompt_ids) if self.settings.uses_suffix else None)
         row.stats.prompt_tokens, row.stats.drafting = len(prompt_ids), self.settings.drafting
-        logits = self.engine.prefill(len(self.rows), prompt_ids, want_taps=self.settings.drafting)
+        logits = self.engine.prefill(len(self.rows), prompt_ids, want_taps=self.settings.uses_drafter)
         anchor = next_token(logits, params, row.generator)
         row.stats.prefill_s = time.perf_counter() - row.started
         self._commit(row, [anchor])
@@ -217,49 +247,55 @@ class Decoder:
         """One draft → verify → accept round over every live row → [(row, its new tokens)]; rows that
         finished (see Row.finish) are retired. A row whose acceptance fails ends with finish 'error';
         the others go on."""
-        rows = self.rows
+        rows, settings = self.rows, self.settings
         if not rows:
             return []
         t0 = time.perf_counter()
-        possible = [self._draft_budget(r) for r in rows]
+        possible = [self._draft_depth(r) for r in rows]
         plain = self.fallback is not None and not self.fallback.want_draft()
-        budgets = [0 if plain else n for n in possible]
-        drafts, stages = draft_round(self.engine, self.settings, [r.tokens[-1] for r in rows],
-                                     [r.position for r in rows], budgets)
+        depths = [0 if plain else n for n in possible]
+        drafted = draft_round(self.engine, settings, [r.tokens[-1] for r in rows], [r.position for r in rows],
+                              depths if settings.uses_drafter else [0] * len(rows))
+        trees = [self._tree(row, drafted[b], depths[b]) for b, row in enumerate(rows)]
         t1 = time.perf_counter()
-        logits, taps = self.engine.verify([[r.tokens[-1]] + d.tolist() for r, d in zip(rows, drafts)],
-                                          want_taps=self.settings.drafting)
-        results = []
+        masks = None if all(t.is_chain for t in trees) else tree_masks(trees, max(len(t) for t in trees))
+        logits, taps = self.engine.verify([t.tokens for t in trees], want_taps=settings.uses_drafter,
+                                          tree_masks=masks)
+        results: list[tuple[list[int], int | None]] = []
         for b, row in enumerate(rows):
             try:
-                results.append(accept(row, drafts[b], logits[b, :drafts[b].numel() + 1]))
+                results.append(tree_accept(trees[b], logits[b, :len(trees[b])], row.params, row.generator))
             except Exception as e:  # noqa: BLE001 — one row's failure must not end the others
                 row.finish, row.error = "error", f"{type(e).__name__}: {e}"
-                results.append((0, None))
+                results.append(([0], None))
         t2 = time.perf_counter()
+        paths = [path for path, _ in results]
         if self.fallback is not None and any(possible):  # committed tokens per row per step, and its cost
-            self.fallback.record(drafted=not plain, committed=sum(a + 1 for a, _ in results) / len(rows),
-                                 seconds=t2 - t0)
-        # Commit: each row keeps its anchor and accepted drafts; only their taps enter its context.
-        self.engine.target_rollback([r.position + accepted + 1 for r, (accepted, _) in zip(rows, results)])
-        if self.settings.drafting:
-            self.engine.append_context(taps, [accepted + 1 for accepted, _ in results])
+            self.fallback.record(drafted=not plain, committed=sum(len(p) for p in paths) / len(rows), seconds=t2 - t0)
+        # Commit: each row keeps its anchor and accepted path, moved into place; only their taps
+        # enter its drafter context.
+        self.engine.target_commit([r.position for r in rows], paths)
+        if settings.uses_drafter:
+            self.engine.append_context(path_taps(taps, paths), [len(p) for p in paths])
         events = []
         for b, row in enumerate(rows):
-            accepted, bonus = results[b]
+            (path, bonus), tree = results[b], trees[b]
             if row.finish:  # failed in acceptance
                 events.append((row, []))
                 continue
-            stats = row.stats
+            stats, accepted = row.stats, len(path) - 1
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
             stats.accepted_per_round.append(accepted)
-            stats.stages_per_round.append(stages[b])
-            stats.later_stage_tokens += max(0, accepted - (self.settings.block_size - 1))
+            stats.stages_per_round.append(drafted[b].stages if settings.uses_drafter else int(depths[b] > 0))
+            stats.nodes_per_round.append(tree.drafts)
+            stats.suffix_tokens += sum(tree.from_suffix[n] and not tree.from_drafter[n] for n in path[1:])
+            if settings.uses_drafter:
+                stats.later_stage_tokens += max(0, accepted - (settings.block_size - 1))
             if self.fallback is not None:
                 stats.fallback_rounds += plain and possible[b] > 0 and self.fallback.draft_rounds > 0
                 stats.fallback_switches = self.fallback.switches
-            events.append((row, self._commit(row, drafts[b][:accepted].tolist() + [bonus])))
+            events.append((row, self._commit(row, [tree.tokens[n] for n in path[1:]] + [bonus])))
         for b in reversed(range(len(rows))):
             if rows[b].finish:
                 self._retire(b)
@@ -282,6 +318,8 @@ class Decoder:
                 new, row.finish = new[:i + 1], "stop"
                 break
         row.tokens += new
+        if row.suffix_index is not None:
+            row.suffix_index.extend(new)
         row.stats.new_tokens = len(row.tokens)
         if not row.finish:
             if len(row.tokens) >= row.max_new_tokens:
@@ -293,12 +331,22 @@ class Decoder:
             row.stats.total_s = time.perf_counter() - row.started
         return new
 
-    def _draft_budget(self, row: Row) -> int:
+    def _draft_depth(self, row: Row) -> int:
+        """How deep this round may draft: the method's most drafts, no more than the tokens still
+        wanted after the bonus, nor than the context holds after the anchor."""
         if not self.settings.drafting:
             return 0
         remaining = row.max_new_tokens - len(row.tokens)
-        room = self.engine.max_context - row.position - 1  # drafts that fit after the anchor
-        return max(0, min(self.settings.max_drafts, remaining - 1, room))
+        return max(0, min(self.settings.max_drafts, remaining - 1, self._room(row)))
+
+    def _room(self, row: Row) -> int:
+        return self.engine.max_context - row.position - 1  # nodes that fit after the anchor
+
+    def _tree(self, row: Row, drafted: Drafted, depth: int) -> DraftTree:
+        """The row's draft tree for this round: the drafter's nodes, and the suffix branch."""
+        suffix = row.suffix_index.continuation(depth) if row.suffix_index is not None and depth else []
+        return draft_tree(row.tokens[-1], drafted.candidates, drafted.logprobs, drafted.stage_sizes,
+                          tree_budget=self.settings.tree_budget, suffix=suffix, max_nodes=self._room(row))
 
     def _retire(self, b: int) -> None:
         last = len(self.rows) - 1

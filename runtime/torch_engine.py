@@ -14,7 +14,7 @@ import copy
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, draft_head_weight, greedy_drafts
+from loopspec.model.drafter import Drafter, draft_head_weight, draft_candidates
 from loopspec.model.target import Target, inference_linear, pack_linears_for_cpu_
 
 
@@ -77,21 +77,25 @@ class TorchEngine:
         return out.logits[0, -1].float().cpu()
 
     @torch.inference_mode()
-    def verify(self, tokens: list[list[int]], want_taps: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify(self, tokens: list[list[int]], want_taps: bool,
+               tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         want_taps = want_taps and self.has_drafter
         if self.graphs is not None and len(tokens) == 1 and self.graphs.verify_bucket(len(tokens[0])) is not None:
-            logits, taps = self.graphs.verify(tokens[0], want_taps)
+            logits, taps = self.graphs.verify(tokens[0], want_taps, tree_masks[0] if tree_masks is not None else None)
             return logits[None], (taps[None] if taps is not None else None)
         width = max(len(t) for t in tokens)
         ids = torch.zeros(len(tokens), width, dtype=torch.long)  # right padding (never stored)
         for b, t in enumerate(tokens):
             ids[b, :len(t)] = torch.tensor(t)
         counts = torch.tensor([len(t) for t in tokens])
-        out = self.target(ids.to(self.device), self.cache, want_taps=want_taps, counts=counts)
+        out = self.target(ids.to(self.device), self.cache, want_taps=want_taps, counts=counts, tree_mask=tree_masks)
         return out.logits.float().cpu(), out.taps
 
     def target_rollback(self, lengths: list[int]) -> None:
         self.cache.rollback(lengths)
+
+    def target_commit(self, starts: list[int], kept: list[list[int]]) -> None:
+        self.cache.commit(starts, kept)
 
     # ---- drafter context -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -133,7 +137,7 @@ class TorchEngine:
         ids[:, 0] = torch.tensor(anchors)
         pos = (torch.tensor(positions)[:, None, None] + torch.arange(k)).to(self.device)  # [R, 1, k]
         hidden = self.drafter(self.target.embed_tokens(ids.to(self.device)), pos, ctx_k, ctx_v, mask)  # [R, k, H]
-        drafts, logprobs = greedy_drafts(self.draft_head(hidden[:, 1:]), self.draft_ids)  # [R, k-1] each
+        drafts, logprobs = draft_candidates(self.draft_head(hidden[:, 1:]), self.draft_ids)  # [R, k-1, C] each
         return drafts.cpu(), logprobs.float().cpu(), hidden
 
     # ---- rows ------------------------------------------------------------------------------------

@@ -14,7 +14,10 @@ from loopspec.weights import load_target_dir
 from conftest import FAMILIES
 
 METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
-           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9)}
+           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
+           "tree": Method("dflash", block_size=5, tree_budget=8, suffix=True),
+           "dloop-tree": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, tree_budget=10, suffix=True),
+           "suffix": Method("suffix", block_size=6)}
 
 
 def random_drafter(target, block_size=5, seed=0):
@@ -91,8 +94,10 @@ def test_batched_greedy_equals_alone(family, name, engines):
     decoder = Decoder(engine.with_rows(5), method)
     done = decode_all(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)])
     assert [done[i].tokens for i in range(5)] == refs
-    if name == "dloop":
+    if name.startswith("dloop"):
         assert max(max(done[i].stats.stages_per_round) for i in range(5)) == 3
+    if method.tree_budget:  # the trees really branched
+        assert max(max(done[i].stats.nodes_per_round) for i in range(5)) > method.max_drafts
 
 
 def test_admit_and_retire_between_steps(engines):
@@ -144,7 +149,7 @@ def test_ragged_acceptance_with_oracle_drafts(engines):
                 for j in range(len(guess)):
                     if chain_index + j == wrong_at[row.key]:
                         guess[j] = (guess[j] + 1) % 128
-                drafts[i] = torch.tensor(guess)
+                drafts[i, :, 0] = torch.tensor(guess)  # the chain; the other ranks stay the drafter's
             return drafts, logprobs, hidden
 
     decoder = Decoder(OracleEngine(engine.target, engine.drafter, 160, max_rows=4), METHODS["dloop"])
@@ -156,7 +161,7 @@ def test_ragged_acceptance_with_oracle_drafts(engines):
     assert done[3].stats.acceptance_length > done[0].stats.acceptance_length
 
 
-@pytest.mark.parametrize("name", ["ar", "dflash", "dloop"])
+@pytest.mark.parametrize("name", ["ar", "dflash", "dloop", "dloop-tree", "suffix"])
 def test_sampled_rows_reproduce_their_seed(name, engines):
     """T > 0: a row's tokens depend on its own seed only: the same as the request alone with that seed."""
     engine, method = engines["llama"], METHODS[name]

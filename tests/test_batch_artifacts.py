@@ -16,6 +16,7 @@ from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import Decoder, decode_all, generate  # noqa: E402
 from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
+from loopspec.tree import DraftTree, tree_masks  # noqa: E402
 from loopspec.runtime.torch_engine import TorchEngine  # noqa: E402
 from loopspec.settings import DecodingSettings as Method  # noqa: E402
 from loopspec.weights import load_target_dir  # noqa: E402
@@ -24,7 +25,9 @@ from conftest import FAMILIES  # noqa: E402
 
 CONTEXT = 160
 METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
-           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9)}
+           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
+           "dloop-tree": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, tree_budget=10, suffix=True),
+           "suffix": Method("suffix", block_size=6)}
 
 
 def lively(target, scale: float = 8.0):
@@ -97,7 +100,7 @@ def test_batched_greedy_equals_alone(family, name, pairs):
     assert [done[i].tokens for i in range(7)] == refs
     assert widest == 3 and admitted_mid_run >= 2
     stages = [s for i in range(7) for s in done[i].stats.stages_per_round]
-    assert max(stages, default=0) == {"ar": 0, "dflash": 1, "dloop": 3}[name]
+    assert max(stages, default=0) == {"ar": 0, "dflash": 1, "dloop": 3, "dloop-tree": 3, "suffix": 1}[name]
 
 
 def test_batched_calls_match_the_torch_batch_engine(pairs):
@@ -133,7 +136,7 @@ def test_batched_calls_match_the_torch_batch_engine(pairs):
     for e, hidden in ((tb, ht), (ob, ho)):  # DLoop's second stage on its pseudo-context
         e.append_pseudo_context(rows, hidden[:, 1:])
     assert ob.context_lengths(rows) == [p + 4 for p in positions]
-    (dt, pt, _), (do, po, _) = (e.draft(rows, [int(d[-1]) for d in dt], [p + 4 for p in positions], 5) for e in (tb, ob))
+    (dt, pt, _), (do, po, _) = (e.draft(rows, [int(d[-1, 0]) for d in dt], [p + 4 for p in positions], 5) for e in (tb, ob))
     assert torch.equal(do, dt) and (po - pt).abs().max() < 1e-4
     for e in (tb, ob):
         e.context_rollback(rows, positions)
@@ -141,13 +144,31 @@ def test_batched_calls_match_the_torch_batch_engine(pairs):
     assert ob.context_lengths([0, 1]) == [kept[0], kept[2]]
     (lt, _), (lo, _) = tb.verify([[3], [4, 5]], want_taps=False), ob.verify([[3], [4, 5]], want_taps=False)
     assert (lo[0, :1] - lt[0, :1]).abs().max() < 1e-4 and (lo[1] - lt[1]).abs().max() < 1e-4
+    # draft trees: two rows of different trees in one verification, then each commits a path that
+    # is not a prefix (its K/V move into place)
+    trees = [DraftTree.root(3), DraftTree.root(4)]
+    trees[0].add(0, 11)
+    b = trees[0].add(0, 12)
+    trees[0].add(b, 13)
+    trees[1].add(0, 21)
+    masks = tree_masks(trees, 4)
+    starts = ob.cache.lengths[:2].tolist()
+    (lt, tt), (lo, to) = (e.verify([t.tokens for t in trees], want_taps=True, tree_masks=masks) for e in (tb, ob))
+    assert (lo[0] - lt[0]).abs().max() < 1e-4 and (lo[1, :2] - lt[1, :2]).abs().max() < 1e-4
+    assert (to[0] - tt[0]).abs().max() < 1e-4
+    paths = [[0, b, 3], [0, 1]]
+    for e in (tb, ob):
+        e.target_commit(starts, paths)
+    assert ob.cache.lengths[:2].tolist() == [starts[0] + 3, starts[1] + 2]
+    n = starts[0] + 3
+    assert torch.allclose(ob.cache.k[:, 0, :, :n], tb.cache.k[:, 0, :, :n], atol=1e-4)
     with pytest.raises(ValueError, match="roll a row forward"):
         ob.target_rollback([100, 100])
     with pytest.raises(LoopspecError, match="exceeds the context"):
         ob.verify([list(range(CONTEXT))], want_taps=False)
 
 
-@pytest.mark.parametrize("name", ["ar", "dloop"])
+@pytest.mark.parametrize("name", ["ar", "dloop", "dloop-tree"])
 def test_sampled_rows_reproduce_their_seed(name, pairs):
     """T > 0: a row's tokens depend on its own seed only, as the request alone with that seed."""
     _, ort_engine = pairs["llama"]
@@ -173,14 +194,14 @@ def test_bad_max_rows_and_old_exports(pairs, tmp_path):
         ort_engine.with_rows(5)
     with pytest.raises(LoopspecError, match="max batch size must be >= 1"):
         ort_engine.with_rows(0)
-    old = tmp_path / "old"  # an export from before the batch dim: refused with what to do
+    old = tmp_path / "old"  # an export from before draft trees: refused with what to do
     shutil.copytree(ort_engine.artifact_dir, old)
     manifest = read_manifest(old)
     spec = manifest.data["engines"]["target_verify"]["spec"]
-    spec["inputs"] = [t for t in spec["inputs"] if t["name"] != "past_lengths"]
+    spec["inputs"] = [t for t in spec["inputs"] if t["name"] != "tree_mask"]
     manifest.save()
-    assert "past_lengths" not in json.dumps(read_manifest(old).spec("target_verify").to_dict()["inputs"])
-    with pytest.raises(LoopspecError, match="exported without the batch dim.*export it again"):
+    assert "tree_mask" not in json.dumps(read_manifest(old).spec("target_verify").to_dict()["inputs"])
+    with pytest.raises(LoopspecError, match="exported without the draft-tree mask.*export it again"):
         OrtEngine(old)
 
 

@@ -12,6 +12,7 @@ from conftest import FAMILIES
 from loopspec.cli import main
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.target import attention_mask
 from loopspec.runtime.cuda_graphs import drafter_block_static, key_bucket, target_verify_static
 from loopspec.runtime.decoder import generate
 from loopspec.runtime.torch_engine import TorchEngine
@@ -28,8 +29,9 @@ def random_drafter(target, block_size=6, seed=0):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @torch.inference_mode()
-def test_padded_static_verify_equals_eager(family, tiny_targets):
+def test_padded_static_verify_equals_eager(family, tree, tiny_targets):
     target = load_target_dir(tiny_targets[family])
     target.set_taps([1, 4])
     prompt = torch.randint(0, 120, (1, 9), generator=torch.Generator().manual_seed(1))
@@ -39,13 +41,22 @@ def test_padded_static_verify_equals_eager(family, tiny_targets):
         target(prompt, cache)
     static_cache.k[:, :, :, 9:] = 7.0  # stale slots past the length must stay invisible
     static_cache.v[:, :, :, 9:] = -3.0
-    eager = target(verify, eager_cache)
-    bucket = 8  # 5 real tokens + 3 padding tokens with positions that continue after them
+    tree_mask = None
+    if tree:  # tokens 1 and 2 are siblings under token 0; 3 is 2's child, 4 is 1's
+        tree_mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0],
+                                  [1, 1, 0, 0, 1]], dtype=torch.bool)[None]
+    eager = target(verify, eager_cache, tree_mask=tree_mask)
+    bucket = 8  # 5 real tokens + 3 padding tokens continuing the chain after them (as the runner pads)
     ids = torch.cat([verify, torch.zeros(1, bucket - 5, dtype=torch.long)], dim=1)
-    positions = torch.arange(9, 9 + bucket)[None]
+    padded = torch.ones(bucket, bucket, dtype=torch.bool).tril()
+    if tree:
+        padded[:5, :5] = tree_mask[0]
+    positions = 9 + padded.sum(-1)[None] - 1
     keys = key_bucket(9 + bucket, static_cache.max_length)
     assert keys == 64  # a window of the 256-slot cache
-    static = target_verify_static(target, static_cache, ids, positions, want_taps=True, keys=keys)
+    mask = attention_mask(torch.tensor([9]), bucket, keys, padded[None])[0]
+    static = target_verify_static(target, static_cache, ids, positions, torch.arange(9, 9 + bucket), mask,
+                                  want_taps=True)
     torch.testing.assert_close(static.logits[:, :5], eager.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(static.taps[:, :5], eager.taps, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(static_cache.k[:, :, :, :14], eager_cache.k[:, :, :, :14], rtol=1e-5, atol=1e-6)
@@ -69,8 +80,9 @@ def test_static_drafter_block_equals_eager(tiny_targets):
     for keys in (None, key_bucket(11, context.max_length)):  # the whole buffer, a 64-slot window
         drafts, logprobs, static_hidden = drafter_block_static(drafter, target.embed_tokens, target.lm_head, context,
                                                                ids, positions, torch.tensor(11), None, keys)
-        assert torch.equal(drafts, logits.argmax(-1))
-        torch.testing.assert_close(logprobs, logits.log_softmax(-1).max(-1).values, rtol=1e-5, atol=1e-5)
+        assert torch.equal(drafts, logits.topk(drafts.shape[1], -1).indices)  # [k-1, C]: rank 0 the argmax
+        torch.testing.assert_close(logprobs, logits.log_softmax(-1).topk(drafts.shape[1], -1).values, rtol=1e-5,
+                                   atol=1e-5)
         torch.testing.assert_close(static_hidden, hidden[0], rtol=1e-5, atol=1e-5)
 
 

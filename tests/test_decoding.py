@@ -9,11 +9,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from loopspec.decoding import (SamplingParams, greedy_accept, next_token, probabilities, sample,
-                               speculative_accept)
+from loopspec.decoding import SamplingParams, next_token, probabilities, sample, tree_accept
+from loopspec.tree import DraftTree
 from loopspec.errors import LoopspecError
 
 P_MIN = 1e-3  # a correct sampler must pass the goodness-of-fit test at this level
+Q0 = torch.tensor([0.4, 0.2, 0.3, 0.1])  # a draft law with q > p on tokens 0 and 2, q < p on 1 and 3
 T1 = SamplingParams(temperature=1.0)
 
 
@@ -154,18 +155,21 @@ def test_sample_shapes():
 
 
 # --------------------------------------------------------------------------------------------------
-# greedy_accept
+# tree_accept: the acceptance walk over a draft tree (a chain is the tree with one child per node)
+
+GREEDY = SamplingParams()
 
 
-def test_greedy_accept_all_accepted():
+def test_greedy_chain_all_accepted():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 16, generator=g)
     choice = logits.argmax(-1)
-    assert greedy_accept(choice[:4], logits) == (4, int(choice[4]))
+    tree = DraftTree.chain(3, choice[:4].tolist())
+    assert tree_accept(tree, logits, GREEDY, None) == ([0, 1, 2, 3, 4], int(choice[4]))
 
 
 @pytest.mark.parametrize("i", [0, 1, 3])
-def test_greedy_accept_first_mismatch(i):
+def test_greedy_chain_first_mismatch(i):
     g = torch.Generator().manual_seed(i)
     logits = torch.randn(5, 16, generator=g)
     choice = logits.argmax(-1)
@@ -173,105 +177,88 @@ def test_greedy_accept_first_mismatch(i):
     drafts[i] = (drafts[i] + 1) % 16
     if i + 1 < 4:
         drafts[i + 1] = (drafts[i + 1] + 3) % 16  # later mismatches do not matter
-    assert greedy_accept(drafts, logits) == (i, int(choice[i]))
+    assert tree_accept(DraftTree.chain(3, drafts.tolist()), logits, GREEDY, None) == (list(range(i + 1)), int(choice[i]))
 
 
-def test_greedy_accept_zero_drafts():
+def test_greedy_no_drafts_is_the_argmax():
     logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]])
-    assert greedy_accept(torch.empty(0, dtype=torch.long), logits) == (0, 2)
+    assert tree_accept(DraftTree.root(1), logits, GREEDY, None) == ([0], 2)
 
 
-# --------------------------------------------------------------------------------------------------
-# speculative_accept
-
-
-def test_speculative_accept_zero_drafts_samples_from_p():
-    g = torch.Generator().manual_seed(0)
-    p = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
-    counts = torch.zeros(4)
-    for _ in range(4000):
-        acc, bonus = speculative_accept(torch.empty(0, dtype=torch.long), None, p, g)
-        assert acc == 0
-        counts[bonus] += 1
-    assert gof_pvalue(counts, p[0]) > P_MIN
+def test_greedy_tree_follows_the_child_equal_to_the_argmax():
+    """Root children 5 (node 1) and 7 (node 2), node 2's child 4 (node 3): the target's argmax 7
+    takes the second branch, then 4, then the bonus."""
+    tree = DraftTree.root(0)
+    tree.add(0, 5)
+    two = tree.add(0, 7)
+    tree.add(1, 4)  # node 3: under the wrong branch
+    four = tree.add(two, 4)  # node 4
+    logits = torch.full((5, 8), -1.0)
+    logits[0, 7] = logits[two, 4] = logits[four, 6] = 1.0
+    logits[1, 4] = 1.0
+    assert tree_accept(tree, logits, GREEDY, None) == ([0, two, four], 6)
 
 
 P0 = torch.tensor([0.1, 0.45, 0.15, 0.3])
 P1 = torch.tensor([0.25, 0.05, 0.4, 0.3])
-Q0 = torch.tensor([0.4, 0.2, 0.3, 0.1])  # q > p on tokens 0 and 2, q < p on tokens 1 and 3
-Q1 = torch.tensor([0.1, 0.5, 0.2, 0.2])
+P2 = torch.tensor([0.3, 0.3, 0.2, 0.2])
+T1 = SamplingParams(temperature=1.0)
+
+
+def test_sampling_no_drafts_samples_from_p():
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        path, bonus = tree_accept(DraftTree.root(0), P0.log()[None], T1, g)
+        assert path == [0]
+        counts[bonus] += 1
+    assert gof_pvalue(counts, P0) > P_MIN
 
 
 @pytest.mark.parametrize("draft", [0, 1, 2, 3])
-def test_speculative_accept_one_hot_q_is_exact(draft):
-    """Argmax drafts (q one-hot on `draft`): the first committed token is distributed as p[0],
+def test_sampling_chain_is_exact(draft):
+    """Argmax drafts (a one-hot q on `draft`): the first committed token is distributed as p[0],
     the draft is accepted with probability p[0](draft), and the bonus after it follows p[1]."""
     g = torch.Generator().manual_seed(100 + draft)
-    target = torch.stack([P0, P1])
-    drafts = torch.tensor([draft])
+    logits = torch.stack([P0, P1]).log()
     trials = 20000
-    first = torch.zeros(4)
-    bonus_after_accept = torch.zeros(4)
+    first, bonus_after_accept = torch.zeros(4), torch.zeros(4)
     for _ in range(trials):
-        acc, bonus = speculative_accept(drafts, None, target, g)
-        if acc == 1:
+        path, bonus = tree_accept(DraftTree.chain(0, [draft]), logits, T1, g)
+        if len(path) == 2:
             first[draft] += 1
             bonus_after_accept[bonus] += 1
         else:
-            assert acc == 0 and bonus != draft  # the residual p - onehot(draft) excludes the draft
+            assert path == [0] and bonus != draft  # a drawn token equal to the draft is accepted
             first[bonus] += 1
     assert gof_pvalue(first, P0) > P_MIN
-    n_acc = int(bonus_after_accept.sum())
-    rate = n_acc / trials
-    sd = math.sqrt(P0[draft] * (1 - P0[draft]) / trials)
-    assert abs(rate - float(P0[draft])) < 5 * sd
+    rate = float(bonus_after_accept.sum()) / trials
+    assert abs(rate - float(P0[draft])) < 5 * math.sqrt(P0[draft] * (1 - P0[draft]) / trials)
     assert gof_pvalue(bonus_after_accept, P1) > P_MIN
 
 
-def test_speculative_accept_real_q_is_exact():
-    """Drafts sampled from a real q: first committed token ~ p[0]; acceptance rate = sum min(p, q);
-    the residual sample after a rejection only lands where p > q."""
-    g = torch.Generator().manual_seed(7)
-    target = torch.stack([P0, P1])
-    q = Q0[None]
-    trials = 20000
-    first = torch.zeros(4)
-    accepted = 0
-    for _ in range(trials):
-        d = sample(Q0, g)
-        acc, bonus = speculative_accept(d.reshape(1), q, target, g)
-        if acc == 1:
-            first[int(d)] += 1
-            accepted += 1
-        else:
-            assert P0[bonus] > Q0[bonus]
-            first[bonus] += 1
-    assert gof_pvalue(first, P0) > P_MIN
-    alpha = float(torch.minimum(P0, Q0).sum())  # 0.1 + 0.2 + 0.15 + 0.1 = 0.55
-    assert abs(accepted / trials - alpha) < 5 * math.sqrt(alpha * (1 - alpha) / trials)
-
-
-def test_speculative_accept_two_draft_chain_is_exact():
-    """A chain of two drafts sampled from q0, q1 (rows independent of the prefix, as for a target
-    whose next-token law does not depend on history): first committed token ~ p0 and, given that
-    the first draft was accepted, the second committed token ~ p1; after two accepts the bonus ~ p2."""
+def test_sampling_tree_is_exact():
+    """Root children 1 and 3, node 1's child 2: the first committed token ~ p at the root, the
+    second ~ p at the node the walk took, and a branch is taken with its token's probability."""
     g = torch.Generator().manual_seed(11)
-    P2 = torch.tensor([0.3, 0.3, 0.2, 0.2])
-    target = torch.stack([P0, P1, P2])
-    q = torch.stack([Q0, Q1])
-    first, second, third = torch.zeros(4), torch.zeros(4), torch.zeros(4)
-    for _ in range(20000):
-        d = sample(q, g)
-        acc, bonus = speculative_accept(d, q, target, g)
-        committed = d[:acc].tolist() + [bonus]
+    tree = DraftTree.root(0)
+    one, three = tree.add(0, 1), tree.add(0, 3)
+    tree.add(one, 2)
+    logits = torch.stack([P0, P1, P2, P0]).log()  # rows: root, `one`, `three`, one's child
+    first, after_one, after_three = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    trials = 20000
+    for _ in range(trials):
+        path, bonus = tree_accept(tree, logits, T1, g)
+        committed = [tree.tokens[n] for n in path[1:]] + [bonus]
         first[committed[0]] += 1
-        if acc >= 1:
-            second[committed[1]] += 1
-        if acc == 2:
-            third[committed[2]] += 1
+        if path[1:2] == [one]:
+            after_one[committed[1]] += 1
+        if path[1:2] == [three]:
+            after_three[committed[1]] += 1
     assert gof_pvalue(first, P0) > P_MIN
-    assert gof_pvalue(second, P1) > P_MIN
-    assert gof_pvalue(third, P2) > P_MIN
+    assert gof_pvalue(after_one, P1) > P_MIN and gof_pvalue(after_three, P2) > P_MIN
+    taken = float(after_one.sum() + after_three.sum()) / trials
+    assert abs(taken - float(P0[1] + P0[3])) < 5 * math.sqrt(0.75 * 0.25 / trials)
 
 
 def test_goodness_of_fit_has_power():
@@ -288,39 +275,13 @@ def test_goodness_of_fit_has_power():
     assert gof_pvalue(first, P0) < 1e-12
 
 
-def test_speculative_accept_p_equals_q_always_accepts():
-    g = torch.Generator().manual_seed(5)
-    p = torch.softmax(torch.randn(4, 6, generator=g), -1)
-    for _ in range(2000):
-        d = sample(p[:3], g)
-        acc, bonus = speculative_accept(d, p[:3], p, g)
-        assert acc == 3 and 0 <= bonus < 6
-    # a deterministic target on the argmax draft (p one-hot = q one-hot) accepts too
-    onehot = torch.zeros(2, 6)
-    onehot[0, 4] = 1.0
-    onehot[1, 2] = 1.0
-    for _ in range(200):
-        assert speculative_accept(torch.tensor([4]), None, onehot, g) == (1, 2)
-        assert speculative_accept(torch.tensor([4]), onehot[:1], onehot, g) == (1, 2)
-
-
-def test_speculative_accept_rejects_zero_probability_draft():
+def test_sampling_never_commits_a_zero_probability_draft():
     """A draft outside the warped support (p = 0, e.g. cut by top-k) is never committed."""
     g = torch.Generator().manual_seed(9)
-    p = probabilities(torch.tensor([[2.0, 1.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]]),
-                      SamplingParams(temperature=1.0, top_k=2))
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
     for _ in range(3000):
-        acc, bonus = speculative_accept(torch.tensor([3]), None, p, g)
-        assert acc == 0 and bonus in (0, 1)
-
-
-def test_speculative_accept_zero_uniform_never_accepts_zero_probability(monkeypatch):
-    """A uniform draw of exactly 0 (probability 2^-24 for fp32 torch.rand) must not accept p = 0."""
-    real_rand = torch.rand
-    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.zeros_like(real_rand(*a, **kw)))
-    p = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
-    acc, bonus = speculative_accept(torch.tensor([3]), None, p, torch.Generator().manual_seed(0))
-    assert acc == 0 and bonus in (0, 1)
+        path, bonus = tree_accept(DraftTree.chain(0, [3]), logits, SamplingParams(temperature=1.0, top_k=2), g)
+        assert path == [0] and bonus in (0, 1)
 
 
 def test_tiny_temperature_tends_to_greedy_without_nan():

@@ -158,7 +158,7 @@ class SelfDraftingEngine(TorchEngine):
             token = int(logits[0, -1].argmax())
             drafts.append(token)
         self.target_rollback([position])
-        return torch.tensor([drafts]), torch.zeros(1, block_size - 1), None
+        return torch.tensor([drafts])[..., None], torch.zeros(1, block_size - 1, 1), None  # one candidate each
 
 
 def test_speculative_two_draft_chain_matches_target_distribution(engine):
@@ -190,7 +190,7 @@ class SelfDraftingLoopEngine(TorchEngine):
         self.target_rollback([base])
         self.chain = prefix + drafts
         hidden = torch.zeros(1, block_size, self.target.cfg.hidden_size)  # pseudo-features this drafter ignores
-        return torch.tensor([drafts]), torch.zeros(1, block_size - 1), hidden
+        return torch.tensor([drafts])[..., None], torch.zeros(1, block_size - 1, 1), hidden
 
 
 def test_dloop_matches_target_distribution(engine):
@@ -234,13 +234,16 @@ def test_negative_control_wrong_temperature_is_rejected(engine):
 def test_negative_control_wrong_residual_is_rejected(engine, monkeypatch):
     """Power against a plausible verification bug: after a rejection, resample from p instead of
     normalize(max(0, p - q)) (so the rejected draft can come back)."""
-    def wrong_accept(drafts, draft_probs, target_probs, generator):
-        for i, x in enumerate(drafts.tolist()):
-            if float(torch.rand((), generator=generator)) >= float(target_probs[i, x]):
-                return i, int(sample(target_probs[i], generator))
-        return len(drafts), int(sample(target_probs[len(drafts)], generator))
+    def wrong_accept(tree, logits, params, generator):  # a chain walk: accept with p(d), else draw from p
+        p, node, path = probabilities(logits, params), 0, [0]
+        while True:
+            child = next((c for c in range(len(tree)) if tree.parents[c] == node), None)
+            if child is None or float(torch.rand((), generator=generator)) >= float(p[node, tree.tokens[child]]):
+                return path, int(sample(p[node], generator))
+            path.append(child)
+            node = child
 
-    monkeypatch.setattr(decoder_module, "speculative_accept", wrong_accept)
+    monkeypatch.setattr(decoder_module, "tree_accept", wrong_accept)
     exact = exact_distribution(engine.target, PROMPT, 3, T1)
     counts, _ = sample_counts(engine, 3, T1, block_size=4, seeds=seeds(9, RUNS // 2))
     assert gof_pvalue(counts, exact) < P_FAIL

@@ -55,7 +55,7 @@ def test_greedy_identity_with_accepted_drafts(tiny_targets):
             guess = guess + [0] * (block_size - 1 - len(guess))
             if len(guess) > 3:
                 guess[3] = (guess[3] + 1) % 128  # one wrong token so that both paths are exercised
-            return torch.tensor([guess]), torch.zeros(1, block_size - 1), None
+            return torch.tensor([guess])[..., None], torch.zeros(1, block_size - 1, 1), None  # one candidate each
 
     oracle = OracleEngine(target, drafter, max_context=256)
     spec = generate(oracle, [5, 6, 7] * 4, dflash(8), max_new_tokens=40)
@@ -142,16 +142,17 @@ def test_gate_adds_next_stage_only_and_never_cuts_a_block(tiny_targets):
     engine = RecordingEngine(target, drafter, max_context=100, scores=[-0.1, -9.0, -0.1])
     engine.prefill(0, list(range(3, 13)), want_taps=True)
     before = engine.context_lengths([0])[0]
-    (drafts,), (stages,) = draft_round(engine, dloop(5, 4, -0.5), anchors=[7], positions=[10], budgets=[100])
-    assert stages == 2 and drafts.numel() == 8  # two whole blocks of 4 drafts
+    (drafted,) = draft_round(engine, dloop(5, 4, -0.5), anchors=[7], positions=[10], budgets=[100])
+    drafts = drafted.candidates[:, 0]  # the chain
+    assert drafted.stages == 2 and drafts.numel() == 8 and drafted.stage_sizes == [4, 4]  # two whole blocks
     (a1, p1, c1), (a2, p2, c2) = engine.calls
     assert (p1, c1) == (10, before) and p2 == 14 and c2 == before + 4  # 4 pseudo-features, then gone
     assert a2 == int(drafts[3])  # stage 2's anchor is stage 1's last draft
     assert engine.context_lengths([0])[0] == before
     # a low-scoring FIRST stage is still verified whole: its own score never drops it
     engine.scores, engine.calls = [-9.0], []
-    (drafts,), (stages,) = draft_round(engine, dloop(5, 4, -0.5), [7], [10], [100])
-    assert stages == 1 and drafts.numel() == 4
+    (drafted,) = draft_round(engine, dloop(5, 4, -0.5), [7], [10], [100])
+    assert drafted.stages == 1 and drafted.candidates.shape[0] == 4
 
 
 def test_adaptive_fallback_changes_speed_not_output(tiny_targets):

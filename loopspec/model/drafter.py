@@ -187,12 +187,18 @@ def draft_head_weight(lm_head_weight: torch.Tensor, draft_ids: torch.Tensor | No
     return lm_head_weight if draft_ids is None else lm_head_weight[draft_ids]
 
 
-def greedy_drafts(logits: torch.Tensor, draft_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft-head step: logits [..., V or Vd] over the draft head's rows → (each position's argmax
-    draft as a target id, its log-probability), both [...]. Written in plain ops so that the exported
-    drafter graph runs exactly this too."""
-    best, index = logits.max(dim=-1)
-    logprobs = -torch.log(torch.exp(logits - best[..., None]).sum(-1))  # log softmax at the argmax
+DRAFT_CANDIDATES = 8  # ranked candidates the draft head returns per block position (draft trees branch over them)
+
+
+def draft_candidates(logits: torch.Tensor, draft_ids: torch.Tensor | None,
+                     top_k: int = DRAFT_CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft-head step: logits [..., V or Vd] over the draft head's rows → each position's `top_k`
+    best drafts, rank-ordered, as target ids, and their log-probabilities, both [..., top_k]; rank 0
+    is the argmax (the chain). Written in plain ops so that the exported drafter graph runs exactly
+    this too."""
+    best, index = logits.topk(min(top_k, logits.shape[-1]), dim=-1)  # [..., K] descending
+    top = best[..., :1]
+    logprobs = best - top - torch.log(torch.exp(logits - top).sum(-1, keepdim=True))  # log softmax at each
     return (draft_ids[index] if draft_ids is not None else index), logprobs
 
 

@@ -246,6 +246,20 @@ def one_block(starts: torch.Tensor, counts: torch.Tensor, width: int) -> int | N
     return None
 
 
+def attention_mask(starts: torch.Tensor, width: int, keys: int, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Which of the first `keys` slots each of `width` new tokens sees, its row's new tokens stored
+    from starts[b] [B] on → bool [B, width, keys]: every slot before starts[b] (the committed
+    history) and, among the new tokens, those tree_mask[b, t] marks (default: tokens 0 .. t, the
+    causal chain). Stale slots past a row's tokens are never seen."""
+    rel = torch.arange(keys)[None, :] - starts[:, None]  # [B, keys]: the slot's index among the new tokens
+    if tree_mask is None:
+        new = rel[:, None, :] <= torch.arange(width)[None, :, None]  # [B, T, keys]
+    else:
+        index = rel.clamp(0, width - 1)[:, None, :].expand(-1, width, -1)  # [B, T, keys]
+        new = torch.gather(tree_mask, 2, index) & (rel < width)[:, None, :]
+    return (rel < 0)[:, None, :] | new
+
+
 class KVCache:
     """Static K/V buffers [layers, rows, kv_heads, max_length, head_dim] for up to `rows` sequences,
     each with its own length (`lengths` [rows], on the host). Rolling back is lowering a length.
@@ -297,6 +311,18 @@ class KVCache:
             raise ValueError(f"cannot roll a row forward (or below 0): rows {rows.tolist()} of lengths "
                              f"{self.lengths[rows].tolist()} to {lengths.tolist()}")
         self.lengths[rows] = lengths
+
+    def commit(self, starts: list[int], kept: list[list[int]]) -> None:
+        """Rows 0..B-1 keep, of the tokens last stored from starts[b] on, those at offsets kept[b]
+        (ascending, from 0: a draft tree's accepted path), moved to slots starts[b], starts[b] + 1, …;
+        the rest is rolled back. A prefix (the chain) moves nothing."""
+        for b, (start, offsets) in enumerate(zip(starts, kept)):
+            if offsets != list(range(len(offsets))):
+                src = torch.tensor(offsets, device=self.k.device) + start
+                dst = torch.arange(len(offsets), device=self.k.device) + start
+                self.k[:, b, :, dst] = self.k[:, b, :, src]  # the gather reads before the scatter writes
+                self.v[:, b, :, dst] = self.v[:, b, :, src]
+        self.rollback([s + len(o) for s, o in zip(starts, kept)])
 
     def prefix(self, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `width` slots of `rows` → K, V [layers, R, kvh, width, hd] (a view for rows 0..R-1)."""
@@ -424,23 +450,28 @@ class Target(nn.Module):
     @torch.no_grad()  # not inference_mode: taps feed drafter training, whose autograd must save them
     def forward(self, input_ids: torch.Tensor, cache: KVCache, want_taps: bool = True,
                 last_logits_only: bool = False, first_row: int = 0,
-                counts: torch.Tensor | None = None) -> TargetOutput:
+                counts: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> TargetOutput:
         """Rows first_row.. of `cache`, each after its own length: row b runs its first counts[b]
         tokens of `input_ids` [B, T] (right-padded; counts a host tensor [B], default all T) and
         advances by counts[b]. Row b's outputs equal those of running its tokens alone (fp32
         summation order aside); padding outputs are junk. last_logits_only: each row's last real
-        position only ([B, 1, V])."""
+        position only ([B, 1, V]).
+
+        tree_mask (host bool [B, T, T], default the causal chain): which of the new tokens each new
+        token sees — a draft tree's ancestor mask (loopspec.tree.tree_masks). Token t then sits at
+        position length + depth(t), its depth being the number of ancestors it sees; its K/V are
+        stored at slot length + t all the same (the commit moves the accepted path into place)."""
         B, T = input_ids.shape
         counts = torch.full((B,), T) if counts is None else counts
         write = cache.plan(first_row, counts, T)
         dev = input_ids.device
         starts = cache.lengths[write.rows]
-        positions = starts[:, None] + torch.arange(T)[None, :]  # [B, T]
+        offsets = torch.arange(T)[None, :] if tree_mask is None else tree_mask.sum(-1) - 1  # [B or 1, T]
+        positions = starts[:, None] + offsets  # [B, T]
         cos, sin = self.rotary(positions.clamp_max(cache.max_length - 1).to(dev))  # padding may run past the end
         mask = None  # one query per row at one length sees every slot up to itself: no mask needed
-        if T > 1 or write.start is None:
-            # query t of row b sees that row's slots 0 .. start_b + t: its history and its own new tokens
-            mask = (torch.arange(write.keys)[None, None, :] <= positions[:, :, None])[:, None].to(dev)  # [B, 1, T, keys]
+        if T > 1 or write.start is None or tree_mask is not None:
+            mask = attention_mask(starts, T, write.keys, tree_mask)[:, None].to(dev)  # [B, 1, T, keys]
         last = (counts - 1).to(dev) if last_logits_only else None
         out = self._stack(self.embed_tokens(input_ids), cos[:, None], sin[:, None], cache, write, mask, want_taps,
                           last)
