@@ -11,16 +11,24 @@ from pathlib import Path
 from loopspec.errors import LoopspecError
 
 
-def _positive_int(name):
+def _int_at_least(name, least):
     def parse(text):
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {least}, got {value}")
         return value
     return parse
+
+
+def _positive_int(name):
+    return _int_at_least(name, 1)
+
+
+def _non_negative_int(name):
+    return _int_at_least(name, 0)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -35,19 +43,35 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="replay captured CUDA graphs of the verify and draft forwards (default: on with --device cuda)")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+def _add_decoding_args(p: argparse.ArgumentParser) -> None:
+    """How a method drafts (resolved once by loopspec.settings.resolve_settings; see _decoding_knobs)."""
     p.add_argument("--block-size", type=_positive_int("--block-size"), default=None,
-                   help="draft block size k (default: the drafter's)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+                   help="draft block size k (default: the drafter's; suffix: 8)")
     p.add_argument("--gate-threshold", type=float, default=None,
                    help="dloop: add a stage while the last one's summed draft log-prob is >= this (default -0.5)")
     p.add_argument("--max-stages", type=_positive_int("--max-stages"), default=None,
                    help="dloop: draft stages per verification (default 4)")
+    p.add_argument("--tree-budget", type=_non_negative_int("--tree-budget"), default=None,
+                   help="dflash/dloop: draft-tree nodes per verification, best first over the drafter's "
+                        "candidates (0 = the argmax chain; default: the tuned setting, else 0)")
+    p.add_argument("--suffix", action=argparse.BooleanOptionalAction, default=None,
+                   help="dflash/dloop: also verify the continuation of the text's longest repeated suffix "
+                        "as a tree branch (default: the tuned setting, else off)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="decode plainly while drafting does not pay on a request (output unchanged)")
+                   help="decode plainly while drafting does not pay (output unchanged)")
+
+
+def _decoding_knobs(args) -> dict:
+    return {"block_size": args.block_size, "gate_threshold": args.gate_threshold, "max_stages": args.max_stages,
+            "tree_budget": args.tree_budget, "suffix": args.suffix, "adaptive": args.adaptive}
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    _add_decoding_args(p)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
 
 
 def _add_backend_args(p: argparse.ArgumentParser, side_by_side: bool = False) -> None:
@@ -75,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     _add_model_args(g)
     _add_backend_args(g)
-    g.add_argument("--method", default="dflash", help="ar | dflash | dloop")
+    g.add_argument("--method", default="dflash", help="ar | dflash | dloop | suffix")
     _add_sampling_args(g)
     g.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
@@ -86,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSONL files of {\"turns\": [...]} (dataset = file stem) or the built-in set 'humaneval'")
     _add_model_args(b)
     _add_backend_args(b, side_by_side=True)
-    b.add_argument("--methods", default="ar,dflash", help="comma-separated: ar,dflash,dloop,hf,hf-lookup")
+    b.add_argument("--methods", default="ar,dflash",
+                   help="comma-separated: ar, dflash, dloop, suffix, hf, hf-lookup; dflash/dloop may take "
+                        "+chain, +treeN and +suffix (dloop+tree16+suffix) over the flags' setting")
     _add_sampling_args(b)
     b.add_argument("--limit", type=_positive_int("--limit"), default=None)
     b.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
@@ -99,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cost-model", action="store_true",
                    help="also measure bandwidth, t_verify(n), draft time and each method's speedup bound")
 
-    u = sub.add_parser("tune", help="sweep DLoop gate threshold x max stages (x block size); store the fastest")
+    u = sub.add_parser("tune", help="sweep DLoop gate x stages (x block size), then tree budget x suffix; "
+                                    "store the fastest lossless setting")
     u.add_argument("--prompts", required=True, nargs="+", help="calibration JSONL files")
     _add_model_args(u)
     u.add_argument("--limit", type=_positive_int("--limit"), default=8)
@@ -109,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated gate thresholds (write --thresholds=-1,-2)")
     u.add_argument("--stages", default="1,2,3,4")
     u.add_argument("--block-sizes", default=None, help="comma-separated (default: the drafter's)")
+    u.add_argument("--tree-budgets", default="0,8,16,32",
+                   help="draft-tree budgets tried on the fastest chain setting (0 = the chain)")
+    u.add_argument("--suffix", choices=("sweep", "on", "off"), default="sweep",
+                   help="the suffix branch: tried off and on (sweep), or fixed")
     u.add_argument("--no-store", action="store_true", help="print the result, do not write it to the drafter")
     u.add_argument("--json", dest="json_out", default=None)
     _add_backend_args(u)  # tune where the setting will run: backends differ in what a stage costs
@@ -116,13 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_model_args(v)
     v.set_defaults(max_context=2048)  # the KV caches hold --max-batch-size rows of this length
-    v.add_argument("--method", default="dflash", help="ar | dflash | dloop")
+    v.add_argument("--method", default="dflash", help="ar | dflash | dloop | suffix")
     _add_backend_args(v)  # every backend batches its rows (onnxruntime and tensorrt up to their exported batch)
-    v.add_argument("--block-size", type=_positive_int("--block-size"), default=None)
-    v.add_argument("--gate-threshold", type=float, default=None)
-    v.add_argument("--max-stages", type=_positive_int("--max-stages"), default=None)
-    v.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="decode plainly while drafting does not pay on the batch (output unchanged)")
+    _add_decoding_args(v)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--model-name", default=None, help="the model id clients send (default: the target's folder name)")
@@ -280,12 +307,18 @@ def cmd_tune(args) -> int:
     block_sizes = _int_list(args.block_sizes, "--block-sizes") or [pipe.engine.drafter_cfg.block_size]
     if min(block_sizes) < 2:
         raise LoopspecError("--block-sizes must be >= 2")
+    tree_budgets = _int_list(args.tree_budgets, "--tree-budgets")
+    if not tree_budgets or min(tree_budgets) < 0:
+        raise LoopspecError("--tree-budgets needs at least one value; budgets >= 0")
+    suffix_options = {"sweep": (False, True), "on": (True,), "off": (False,)}[args.suffix]
     prompts = [pipe.encode(t) for t in texts]
     rows = sweep(pipe, prompts, thresholds=thresholds, stages=stages, block_sizes=block_sizes,
-                 max_new_tokens=args.max_new_tokens)
-    print(f"{'k':>3} {'stages':>6} {'gate':>6} {'tau':>6} {'tok/s':>7} {'speedup':>8} lossless")
+                 max_new_tokens=args.max_new_tokens, tree_budgets=tree_budgets, suffix_options=suffix_options)
+    print(f"{'k':>3} {'stages':>6} {'gate':>6} {'tree':>5} {'suffix':>6} {'nodes':>6} {'tau':>6} {'tok/s':>7}"
+          f" {'speedup':>8} lossless")
     for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
-        print(f"{r['block_size']:>3} {r['max_stages']:>6} {r['gate_threshold']:>6} {r['tau']:>6.2f}"
+        print(f"{r['block_size']:>3} {r['max_stages']:>6} {r['gate_threshold']:>6} {r['tree_budget']:>5}"
+              f" {'on' if r['suffix'] else 'off':>6} {r['nodes_per_verification']:>6.1f} {r['tau']:>6.2f}"
               f" {r['tokens_per_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}x {r['lossless']}")
     best = choose(rows)
     if args.json_out:
@@ -295,7 +328,8 @@ def cmd_tune(args) -> int:
             raise LoopspecError("the drafter was not loaded from a directory; nothing to store into")
         store_setting(pipe.drafter_dir, best)
         print(f"stored in {pipe.drafter_dir / 'config.json'}: block {best['block_size']}, "
-              f"max stages {best['max_stages']}, gate {best['gate_threshold']}")
+              f"max stages {best['max_stages']}, gate {best['gate_threshold']}, tree budget {best['tree_budget']}, "
+              f"suffix {'on' if best['suffix'] else 'off'}")
     return 0
 
 
@@ -361,20 +395,22 @@ def cmd_generate(args) -> int:
                          mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
                          cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir,
                          trt_dir=args.trt_dir)
-    settings = pipe.settings(args.method, block_size=args.block_size, gate_threshold=args.gate_threshold,
-                             max_stages=args.max_stages, adaptive=args.adaptive)
+    settings = pipe.settings(args.method, **_decoding_knobs(args))
     prompt_ids = pipe.encode(args.prompt, chat=args.chat)
     stream = TextStream(pipe)
     result = pipe.run(prompt_ids, settings, max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
                       on_tokens=stream)
     stream.flush()
     print()
-    about = f"{settings.method}, k={settings.block_size}, {pipe.backend}"
-    if settings.drafting:
+    about = f"{settings.describe()}, {pipe.backend}"
+    if settings.uses_drafter:
         about += f", drafter: {pipe.drafter_description}"
     if settings.method == "dloop":
-        about += (f", gate {settings.gate_threshold}, max stages {settings.max_stages},"
-                  f" stages/verification {result.stats.stages_histogram}")
+        about += f", stages/verification {result.stats.stages_histogram}"
+    if settings.tree_budget or settings.uses_suffix:
+        nodes = result.stats.nodes_per_round
+        about += (f", nodes/verification {sum(nodes) / max(len(nodes), 1):.1f}"
+                  f", suffix-only tokens {result.stats.suffix_tokens}")
     print(f"[{about}] {result.stats.summary()}", file=sys.stderr)
     return 0
 
@@ -412,8 +448,7 @@ def cmd_serve(args) -> int:
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context, mask_token_id=args.mask_token_id,
                          num_threads=args.threads, device=args.device, cuda_graphs=args.cuda_graphs,
                          backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir)
-    settings = pipe.settings(args.method, block_size=args.block_size, gate_threshold=args.gate_threshold,
-                             max_stages=args.max_stages, adaptive=args.adaptive)
+    settings = pipe.settings(args.method, **_decoding_knobs(args))
     source = Path(args.onnx_dir or args.trt_dir or args.target)
     name = args.model_name or (DEFAULT_TARGET_NAME if source == Path("default") else
                                source.stem if source.suffix == ".gguf" else source.resolve().name)
@@ -435,7 +470,7 @@ def cmd_bench(args) -> int:
               repeats=args.repeats, json_out=args.json_out, chat=args.chat, max_context=args.max_context,
               mask_token_id=args.mask_token_id, num_threads=args.threads,
               gate_threshold=args.gate_threshold, max_stages=args.max_stages, cost_model=args.cost_model,
-              adaptive=args.adaptive, device=args.device, cuda_graphs=args.cuda_graphs, out_dir=args.out_dir,
+              adaptive=args.adaptive, tree_budget=args.tree_budget, suffix=args.suffix, device=args.device, cuda_graphs=args.cuda_graphs, out_dir=args.out_dir,
               backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir,
               command="loopspec " + shlex.join(args.argv))
     return 0

@@ -121,7 +121,7 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
     if max_stages is not None and max_stages < 1:
         raise LoopspecError(f"max stages must be >= 1, got {max_stages}")
     if method == "ar":
-        return DecodingSettings(suffix=bool(suffix))  # refuses suffix=True with its reason
+        return DecodingSettings()  # drafts nothing: the drafting knobs do not apply
     if method == "suffix":
         return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
                                 tree_budget=tree_budget or 0)  # (a tree budget is refused with its reason)
@@ -136,3 +136,33 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
                             max_stages=max_stages if max_stages is not None else int(loop["max_stages"]),
                             gate_threshold=gate_threshold if gate_threshold is not None else float(loop["gate_threshold"]),
                             adaptive=adaptive, **tree)
+
+
+def method_variant(name: str) -> tuple[str, dict]:
+    """A method as `bench` and `tune` name it → (method, overrides of its resolved settings):
+    'dflash' (the drafter's resolved setting), 'dflash+chain' (no tree, no suffix branch),
+    'dloop+tree16' (16 tree nodes), 'dflash+suffix', 'dloop+tree16+suffix', 'suffix'."""
+    method, *parts = name.split("+")
+    if method not in METHODS:
+        raise LoopspecError(f"unknown method {method!r} in {name!r} (choose from {', '.join(METHODS)})")
+    if parts and method not in DRAFTER_METHODS:
+        raise LoopspecError(f"{name!r}: only {' and '.join(DRAFTER_METHODS)} take +chain, +treeN or +suffix")
+    overrides: dict = {}
+    for part in parts:
+        if part == "chain":
+            overrides.update(tree_budget=overrides.get("tree_budget", 0), suffix=overrides.get("suffix", False))
+        elif part == "suffix":
+            overrides["suffix"] = True
+        elif part.startswith("tree") and part[4:].isdigit() and int(part[4:]) > 0:
+            overrides["tree_budget"] = int(part[4:])
+        else:
+            raise LoopspecError(f"{name!r}: unknown part {part!r} (+chain, +treeN with N >= 1, +suffix)")
+    return method, overrides
+
+
+def variant_name(settings: DecodingSettings) -> str:
+    """The bench/tune name of a setting's tree and suffix choice ('dloop+tree16+suffix', 'dflash+chain')."""
+    if settings.method not in DRAFTER_METHODS:
+        return settings.method
+    parts = ([f"tree{settings.tree_budget}"] if settings.tree_budget else []) + (["suffix"] if settings.suffix else [])
+    return "+".join([settings.method] + (parts or ["chain"]))

@@ -56,6 +56,8 @@ class BenchResult:
     acceptance_curve: list[float] = field(default_factory=list)  # [i-1]: P(the draft at position i is accepted)
     stages_histogram: list[int] = field(default_factory=list)  # [s]: verifications after s draft stages (0: plain)
     verifications_saved: int | None = None  # DLoop: one-stage DFlash verifications its chains replaced
+    nodes_per_verification: float | None = None  # draft nodes (tree or chain) per verification that drafted
+    suffix_share: float | None = None  # share of committed tokens that only the suffix index proposed
 
 
 def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[str]:
@@ -150,18 +152,19 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
               repeats: int = 1, json_out: str | None = None, out_dir: str | None = None, chat: bool = True,
               max_context: int | None = None, mask_token_id: int | None = None, num_threads: int | None = None,
               gate_threshold: float | None = None, max_stages: int | None = None,
-              cost_model: bool = False, adaptive: bool = True, command: str | None = None, device: str = "cpu",
+              cost_model: bool = False, adaptive: bool = True, tree_budget: int | None = None,
+              suffix: bool | None = None, command: str | None = None, device: str = "cpu",
               cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | None = None,
               trt_dir: str | None = None) -> list[BenchResult]:
     from tqdm import tqdm
 
     from loopspec.runtime.peers import PEER_METHODS, HFPeer
     from loopspec.runtime.pipeline import load_pipeline, resolve_backend
-    from loopspec.settings import METHODS
+    from loopspec.settings import DRAFTER_METHODS, METHODS, method_variant
 
-    unknown = [m for m in methods if m not in METHODS + PEER_METHODS]
-    if unknown or not methods:
-        raise LoopspecError(f"unknown method(s) {unknown or methods} (choose from {', '.join(METHODS + PEER_METHODS)})")
+    if not methods:
+        raise LoopspecError(f"no method given (choose from {', '.join(METHODS + PEER_METHODS)})")
+    variants = {m: method_variant(m) for m in methods if m not in PEER_METHODS}  # refuses unknown names
     if len(set(methods)) != len(methods):
         raise LoopspecError(f"a method is named twice in {','.join(methods)}")
     if repeats < 1:
@@ -172,7 +175,7 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     if json_out is not None and not Path(json_out).resolve().parent.is_dir():
         raise LoopspecError(f"directory for --json does not exist: {Path(json_out).parent}")
     out_path = _prepare_out_dir(out_dir)
-    needs_drafter = any(m not in ("ar",) + PEER_METHODS for m in methods)
+    needs_drafter = any(method in DRAFTER_METHODS for method, _ in variants.values())
     backends = [resolve_backend(b.strip(), device, cuda_graphs, onnx_dir, trt_dir) for b in backend.split(",") if b.strip()]
     if not backends or len(set(backends)) != len(backends):
         raise LoopspecError(f"--backend needs distinct backends, got {backend!r}")
@@ -186,8 +189,10 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     if pipe.target is None and (cost_model or any(m in PEER_METHODS for m in methods)):
         raise LoopspecError("the transformers peers and --cost-model need the target's weights: run without --onnx-dir")
     # each method's decoding settings, resolved once; `ar` always runs: it is the reference
-    decoding = {m: pipe.settings(m, block_size=block_size, gate_threshold=gate_threshold, max_stages=max_stages,
-                                 adaptive=adaptive) for m in ["ar"] + methods if m in METHODS}
+    knobs = {"block_size": block_size, "gate_threshold": gate_threshold, "max_stages": max_stages,
+             "adaptive": adaptive, "tree_budget": tree_budget, "suffix": suffix}
+    decoding = {"ar": pipe.settings("ar")} | {m: pipe.settings(method, **(knobs | overrides))
+                                             for m, (method, overrides) in variants.items()}
     engine_device = getattr(pipe.engine, "device", "cpu")
     peer = (HFPeer(pipe.target_dir, pipe.stop_token_ids, num_threads, engine_device)
             if any(m in PEER_METHODS for m in methods) else None)
@@ -299,7 +304,10 @@ def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backen
     row.fallback_rounds = sum(s.fallback_rounds for s in stats)
     all_stages = [n for s in stats for n in s.stages_per_round]
     row.stages_histogram = [all_stages.count(n) for n in range(max(all_stages, default=0) + 1)]
-    if method == "dloop":
+    nodes = [n for s in stats for n, st in zip(s.nodes_per_round, s.stages_per_round) if st > 0]
+    row.nodes_per_verification = sum(nodes) / len(nodes) if nodes else None
+    row.suffix_share = sum(s.suffix_tokens for s in stats) / max(new_tokens, 1) if decoding.uses_suffix else None
+    if decoding.method == "dloop":
         stages = [n for n in all_stages if n > 0]  # rounds that drafted
         row.stages_per_verification = sum(stages) / max(len(stages), 1)
         row.later_stage_share = sum(s.later_stage_tokens for s in stats) / max(new_tokens, 1)
@@ -336,27 +344,35 @@ def settings(command, pipe, backend, datasets, sources, methods, decoding, limit
 
 
 def measure_cost_model(pipe, decoding: dict[str, DecodingSettings], results: list[BenchResult]) -> dict:
-    """Bandwidth bound of plain decoding, t_verify(n), drafter stage time, and each result's bound."""
+    """Bandwidth bound of plain decoding, t_verify(n), drafter stage time, and each result's bound:
+    τ · t(1) / (stages · t_draft + t_verify(N + 1)) with N the draft nodes it verified per round
+    (a tree costs what a chain of as many tokens costs: the mask changes no arithmetic)."""
     from loopspec.runtime.costmodel import draft_time, memory_bandwidth_gbs, speedup_bound, verify_times, weight_bytes
 
     bandwidth = memory_bandwidth_gbs()
     weights = weight_bytes(pipe.target)
-    sizes = {m: d.block_size for m, d in decoding.items()}
-    lengths = sorted({1, 2, 4, 8} | set(sizes.values()) | {min(64, d.max_drafts + 1) for d in decoding.values()})
+    sizes = [d.block_size for d in decoding.values() if d.uses_drafter]
+    trees = [round(r.nodes_per_verification) + 1 for r in results if r.nodes_per_verification is not None]
+    lengths = sorted({1, 2, 4, 8, 16, 24, 32} | set(sizes) | {min(64, d.max_drafts + 1) for d in decoding.values()}
+                     | {min(64, n) for n in trees})
     t_verify = verify_times(pipe.engine, lengths)
-    t_draft = draft_time(pipe.engine, max(sizes.values())) if pipe.engine.has_drafter and max(sizes.values()) > 1 else None
+    t_draft = draft_time(pipe.engine, max(sizes)) if pipe.engine.has_drafter and sizes else None
     for r in results:
-        if r.method == "ar":
+        d = decoding.get(r.method)
+        if d is None:  # a peer
+            continue
+        if not d.drafting:
             r.speedup_bound = r.speedup_bound_as_run = 1.0
-        elif r.method in ("dflash", "dloop") and t_draft is not None and r.tau is not None:
-            stages = r.stages_per_verification or 1.0
-            n = min(max(t_verify), int(round(stages * (sizes[r.method] - 1))) + 1)
-            nearest = min(t_verify, key=lambda m: abs(m - n))
-            r.speedup_bound = speedup_bound(r.tau, t_verify[1], stages * t_draft, t_verify[nearest])
+        elif r.tau is not None and (t_draft is not None or not d.uses_drafter):
+            # one round: its drafter stages, then one verification of its nodes + the anchor, t_verify(N+1)
+            stages = (r.stages_per_verification or 1.0) if d.uses_drafter else 0.0
+            nodes = r.nodes_per_verification if r.nodes_per_verification is not None else d.max_drafts
+            nearest = min(t_verify, key=lambda m: abs(m - (round(nodes) + 1)))
+            r.speedup_bound = speedup_bound(r.tau, t_verify[1], stages * (t_draft or 0.0), t_verify[nearest])
             # the adaptive fallback and the last rounds of a request verify the anchor alone: 1 token at t(1)
             plain, drafting = r.verifications - r.drafting_verifications, r.drafting_verifications
             committed = plain + drafting * r.tau
-            r.speedup_bound_as_run = committed * t_verify[1] / (plain * t_verify[1]
-                                                                 + drafting * (stages * t_draft + t_verify[nearest]))
+            r.speedup_bound_as_run = committed * t_verify[1] / (
+                plain * t_verify[1] + drafting * (stages * (t_draft or 0.0) + t_verify[nearest]))
     return {"bandwidth_gbs": bandwidth, "target_weight_mb": weights / 1e6,
             "ar_bound_tokens_per_s": bandwidth * 1e9 / weights, "verify_s": t_verify, "draft_stage_s": t_draft}

@@ -74,11 +74,11 @@ class Pipeline:
             raise LoopspecError(f"max batch size must be >= 1, got {max_rows}")
         return dataclasses.replace(self, engine=self.engine.with_rows(max_rows))
 
-    def settings(self, method: str, *, block_size: int | None = None, gate_threshold: float | None = None,
-                 max_stages: int | None = None, adaptive: bool = True) -> DecodingSettings:
-        """The decoding settings of `method` for this pipeline's drafter (see loopspec.settings)."""
-        return resolve_settings(method, self.engine.drafter_cfg, block_size=block_size,
-                                gate_threshold=gate_threshold, max_stages=max_stages, adaptive=adaptive)
+    def settings(self, method: str, **knobs) -> DecodingSettings:
+        """The decoding settings of `method` for this pipeline's drafter; `knobs` are those of
+        loopspec.settings.resolve_settings (block_size, gate_threshold, max_stages, adaptive,
+        tree_budget, suffix)."""
+        return resolve_settings(method, self.engine.drafter_cfg, **knobs)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """A user prompt → token ids, wrapped in the chat template when `chat` and the model has one."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from loopspec.errors import LoopspecError
 
-DRAFTING = ("dflash", "dloop")  # methods whose rows carry acceptance data
+DRAFTING = ("dflash", "dloop", "suffix")  # methods whose rows carry acceptance data (and their +variants)
 SPLIT = (("prefill_s", "prefill"), ("draft_s", "draft"), ("verify_s", "verify"), ("other_s", "other"))
 CURVE_COLUMNS = 10  # per-position acceptance table: first positions only (the JSON has all of them)
 MAX_TICKS = 16
@@ -22,6 +22,24 @@ def write_report(report: dict, out_dir: Path) -> list[Path]:
     md = out_dir / "bench.md"
     md.write_text(markdown(report, [p.name for p in plots]))
     return [md] + plots
+
+
+def _base(method: str) -> str:
+    """'dloop+tree16+suffix' → 'dloop'."""
+    return method.split("+")[0]
+
+
+def _drafts(r: dict) -> bool:
+    return _base(r["method"]) in DRAFTING
+
+
+def _tree_point(method: str) -> tuple[str, int, bool] | None:
+    """'dflash+tree16+suffix' → ('dflash', 16, True); the chain is budget 0; None for other methods."""
+    base, *parts = method.split("+")
+    if base not in ("dflash", "dloop"):
+        return None
+    budget = next((int(p[4:]) for p in parts if p.startswith("tree")), 0)
+    return base, budget, "suffix" in parts
 
 
 # ---------------------------------------------------------------- markdown
@@ -107,18 +125,20 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
         count = rows[0]["prompts"]
         lines += [f"## {d} ({count} prompt{'' if count == 1 else 's'})", "",
                   "| method | backend | τ | tok/s | speedup vs `ar` | bound: drafting / as run | identical to `ar` "
-                  "| stages / verification "
+                  "| nodes / verification | tokens only the suffix proposed | stages / verification "
                   "| tokens from stages > 1 | verifications saved | prefill / draft / verify / other, ms per token |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(
                 f"| {r['method']} | {r['backend']} | {_num(r['tau'], '.2f')} | {r['tokens_per_s']:.1f} "
                 f"| {_num(r['speedup_vs_ar'], '.2f', '×')} | {_bound(r)} "
                 f"| {_same(r['identical_to_ar'])}{'' if r.get('same_across_repeats', True) else ' (repeats differ!)'} "
+                f"| {_num(r.get('nodes_per_verification'), '.1f')} "
+                f"| {_num(r.get('suffix_share') and 100 * r['suffix_share'], '.1f', ' %')} "
                 f"| {_num(r['stages_per_verification'], '.2f')} "
                 f"| {_num(r['later_stage_share'] and 100 * r['later_stage_share'], '.1f', ' %')} "
                 f"| {_num(r['verifications_saved'], 'd')} | {_split_ms_per_token(r)} |")
-        curves = [r for r in rows if r["method"] in DRAFTING and r.get("acceptance_curve")]
+        curves = [r for r in rows if _drafts(r) and r.get("acceptance_curve")]
         if curves:
             width = min(CURVE_COLUMNS, max(len(r["acceptance_curve"]) for r in curves))
             lines += ["", "P(the draft at position i is accepted), over the verifications that checked drafts:", "",
@@ -208,7 +228,7 @@ def _series_name(r: dict, results: list[dict]) -> str:
 
 
 def plot_acceptance(results: list[dict], block_sizes: dict, path: Path) -> Path | None:
-    methods = [m for m in DRAFTING if any(r["method"] == m and r.get("acceptance_curve") for r in results)]
+    methods = list(dict.fromkeys(r["method"] for r in results if _drafts(r) and r.get("acceptance_curve")))
     if not methods:
         return None
     fig, axes = _figure(len(methods))
@@ -232,7 +252,7 @@ def plot_acceptance(results: list[dict], block_sizes: dict, path: Path) -> Path 
 
 
 def plot_tau_histogram(results: list[dict], path: Path) -> Path | None:
-    methods = [m for m in DRAFTING if any(r["method"] == m and r.get("drafting_verifications") for r in results)]
+    methods = list(dict.fromkeys(r["method"] for r in results if _drafts(r) and r.get("drafting_verifications")))
     if not methods:
         return None
     fig, axes = _figure(len(methods))
@@ -271,7 +291,7 @@ def plot_time_split(results: list[dict], path: Path) -> Path:
 
 
 def plot_dloop_stages(results: list[dict], path: Path) -> Path | None:
-    rows = [r for r in results if r["method"] == "dloop" and r.get("stages_histogram")]
+    rows = [r for r in results if _base(r["method"]) == "dloop" and r.get("stages_histogram")]
     if not rows:
         return None
     size = max(len(r["stages_histogram"]) for r in rows)
@@ -282,6 +302,38 @@ def plot_dloop_stages(results: list[dict], path: Path) -> Path | None:
     ax.set_ylabel("share of verifications")
     ax.set_title("DLoop: stages per verification")
     ax.legend(fontsize="small")
+    fig.savefig(path)
+    return path
+
+
+def plot_tree_budget(results: list[dict], path: Path) -> Path | None:
+    """τ and speedup against the draft-tree budget (0 = the chain), one line per dataset, method and
+    suffix choice — drawn when some method ran at two budgets or more."""
+    lines: dict[tuple, list[tuple[int, float, float]]] = {}
+    for r in results:
+        point = _tree_point(r["method"])
+        if point is None or r.get("tau") is None or r.get("speedup_vs_ar") is None:
+            continue
+        base, budget, suffix = point
+        key = (_series_name(r, results), base, suffix)
+        lines.setdefault(key, []).append((budget, r["tau"], r["speedup_vs_ar"]))
+    lines = {k: sorted(v) for k, v in lines.items() if len({b for b, _, _ in v}) > 1}
+    if not lines:
+        return None
+    fig, (ax_tau, ax_speed) = _figure(2, sharey=False)
+    for (series, base, suffix), points in lines.items():
+        label = f"{series}: {base}{' + suffix' if suffix else ''}"
+        style = "--" if suffix else "-"
+        budgets = [b for b, _, _ in points]
+        ax_tau.plot(budgets, [t for _, t, _ in points], style, marker="o", markersize=3, label=label)
+        ax_speed.plot(budgets, [s for _, _, s in points], style, marker="o", markersize=3, label=label)
+    ax_speed.axhline(1.0, color="gray", linewidth=0.8, linestyle=":")
+    for ax, name in ((ax_tau, "τ (tokens per verification)"), (ax_speed, "speedup over ar")):
+        ax.set_xlabel("draft-tree nodes per verification (0 = chain)")
+        ax.set_ylabel(name)
+    ax_tau.set_title("τ against the tree budget")
+    ax_speed.set_title("speed against the tree budget")
+    ax_speed.legend(fontsize="x-small")
     fig.savefig(path)
     return path
 
@@ -309,7 +361,8 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
                plot_acceptance(results, report.get("settings", {}).get("block_size", {}), out_dir / "acceptance.png"),
                plot_tau_histogram(results, out_dir / "tau_histogram.png"),
                plot_time_split(results, out_dir / "time_split.png"),
-               plot_dloop_stages(results, out_dir / "dloop_stages.png")]
+               plot_dloop_stages(results, out_dir / "dloop_stages.png"),
+               plot_tree_budget(results, out_dir / "tree_budget.png")]
     if report.get("cost_model"):
         written.append(plot_cost_model(report["cost_model"], out_dir / "cost_model.png"))
     return [p for p in written if p is not None]

@@ -1,8 +1,10 @@
 """`loopspec tune`: sweep DLoop's gate threshold × max stages (× block size) on calibration prompts,
-keep the fastest setting whose greedy output equals plain decoding, and store it with the drafter.
+then the draft-tree budget × the suffix branch on the best of them; keep the fastest setting whose
+greedy output equals plain decoding, and store it with the drafter.
 
 The DLoop paper uses one global threshold that must be re-swept per deployment; this does the sweep
-on the machine that will serve.
+on the machine that will serve — and the tree budget above all depends on it: verifying N + 1
+tokens costs about one step on a GPU but grows with N on a CPU.
 """
 
 from __future__ import annotations
@@ -16,10 +18,30 @@ from pathlib import Path
 from loopspec.errors import LoopspecError
 from loopspec.stats import acceptance_length
 
+STORED = ("gate_threshold", "max_stages", "block_size", "tree_budget", "suffix")
+
+
+def measure(pipe, prompts: list[list[int]], settings, reference: list[list[int]], ar_seconds: float,
+            max_new_tokens: int) -> dict:
+    """One setting on the prompts (after a short warm-up): speed, τ, nodes per verification, lossless."""
+    pipe.run(prompts[0], settings, max_new_tokens=8)
+    t0 = time.perf_counter()
+    outs = [pipe.run(p, settings, max_new_tokens=max_new_tokens) for p in prompts]
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.tokens) for o in outs)
+    nodes = [n for o in outs for n in o.stats.nodes_per_round]
+    return {"block_size": settings.block_size, "max_stages": settings.max_stages,
+            "gate_threshold": settings.gate_threshold, "tree_budget": settings.tree_budget, "suffix": settings.suffix,
+            "tokens_per_s": tokens / seconds, "speedup_vs_ar": ar_seconds / seconds,
+            "tau": acceptance_length(o.stats for o in outs) or 1.0,
+            "nodes_per_verification": sum(nodes) / max(len(nodes), 1),
+            "lossless": [o.tokens for o in outs] == reference}
+
 
 def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, max_new_tokens: int,
-          progress: bool = True) -> list[dict]:
-    """Tokens/s of every setting on the same prompts (after one warm-up), with losslessness checked."""
+          tree_budgets=(0,), suffix_options=(False,), progress: bool = True) -> list[dict]:
+    """Tokens/s of every setting on the same prompts, with losslessness checked: the DLoop grid with
+    the chain, then every tree budget × suffix choice on the fastest chain setting found."""
     from tqdm import tqdm
 
     ar = pipe.settings("ar")
@@ -32,40 +54,55 @@ def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, ma
     for k, s, g in itertools.product(block_sizes, stages, thresholds):
         if s == 1 and g != thresholds[0]:
             continue  # one stage: the gate never decides anything
-        grid.append(pipe.settings("dloop", block_size=k, max_stages=s, gate_threshold=g, adaptive=False))
+        grid.append(pipe.settings("dloop", block_size=k, max_stages=s, gate_threshold=g, adaptive=False,
+                                  tree_budget=0, suffix=False))
+    trees = [(n, x) for n, x in itertools.product(tree_budgets, suffix_options) if (n, x) != (0, False)]
+    bar = tqdm(total=len(grid) + len(trees), desc="tuning", disable=not progress, file=sys.stderr)
     rows = []
-    for settings in tqdm(grid, desc="tuning dloop", disable=not progress, file=sys.stderr):
-        pipe.run(prompts[0], settings, max_new_tokens=8)
-        t0 = time.perf_counter()
-        outs = [pipe.run(p, settings, max_new_tokens=max_new_tokens) for p in prompts]
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(o.tokens) for o in outs)
-        rows.append({"block_size": settings.block_size, "max_stages": settings.max_stages,
-                     "gate_threshold": settings.gate_threshold, "tokens_per_s": tokens / seconds,
-                     "speedup_vs_ar": ar_seconds / seconds, "tau": acceptance_length(o.stats for o in outs) or 1.0,
-                     "lossless": [o.tokens for o in outs] == reference})
+    for settings in grid:
+        rows.append(measure(pipe, prompts, settings, reference, ar_seconds, max_new_tokens))
+        bar.update()
+    if trees:
+        best = choose(rows)
+        for budget, suffix in trees:
+            settings = pipe.settings("dloop", block_size=best["block_size"], max_stages=best["max_stages"],
+                                     gate_threshold=best["gate_threshold"], adaptive=False, tree_budget=budget,
+                                     suffix=suffix)
+            rows.append(measure(pipe, prompts, settings, reference, ar_seconds, max_new_tokens))
+            bar.update()
+    bar.close()
     return rows
 
 
 def choose(rows: list[dict]) -> dict:
-    """The fastest lossless setting, where extra stages count only when they raise τ.
+    """The fastest lossless setting, where extra stages, tree nodes and the suffix branch count only
+    when they raise τ.
 
-    More stages can only pay through a longer accepted chain: a multi-stage setting whose τ is not
-    above the one-stage τ of its block size runs the same verifications plus extra drafting, so any
-    edge it shows on the clock is timing noise, not a gain to store."""
+    Each can only pay through a longer accepted chain: a multi-stage setting whose τ is not above
+    the one-stage τ of its block size, or a tree / suffix setting whose τ is not above the chain's
+    of the same stages, runs the same verifications plus extra work, so any edge it shows on the
+    clock is timing noise, not a gain to store."""
     good = [r for r in rows if r["lossless"]]
     if not good:
         raise LoopspecError("no setting reproduced plain decoding; nothing stored")
-    one_stage_tau = {r["block_size"]: r["tau"] for r in good if r["max_stages"] == 1}
-    eligible = [r for r in good if r["max_stages"] == 1 or r["tau"] > one_stage_tau.get(r["block_size"], 0.0)]
+
+    def plain(r):
+        return not r.get("tree_budget") and not r.get("suffix")
+
+    one_stage_tau = {r["block_size"]: r["tau"] for r in good if r["max_stages"] == 1 and plain(r)}
+    chain_tau = {(r["block_size"], r["max_stages"], r["gate_threshold"]): r["tau"] for r in good if plain(r)}
+    eligible = [r for r in good
+                if (r["max_stages"] == 1 or r["tau"] > one_stage_tau.get(r["block_size"], 0.0))
+                and (plain(r) or r["tau"] > chain_tau.get((r["block_size"], r["max_stages"], r["gate_threshold"]), 0.0))]
     return max(eligible, key=lambda r: r["tokens_per_s"])
 
 
 def store_setting(drafter_dir: str | Path, setting: dict) -> None:
-    """Write the chosen setting into the drafter's config.json under loopspec.dloop."""
+    """Write the chosen setting into the drafter's config.json under loopspec.dloop (block size,
+    stages, gate, tree budget, suffix: what dflash and dloop resolve to by default)."""
     path = Path(drafter_dir) / "config.json"
     if not path.is_file():
         raise LoopspecError(f"cannot store the tuned setting: {path} does not exist")
     cfg = json.loads(path.read_text())
-    cfg.setdefault("loopspec", {})["dloop"] = {k: setting[k] for k in ("gate_threshold", "max_stages", "block_size")}
+    cfg.setdefault("loopspec", {})["dloop"] = {k: setting[k] for k in STORED if k in setting}
     path.write_text(json.dumps(cfg, indent=2) + "\n")

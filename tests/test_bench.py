@@ -10,7 +10,9 @@ from loopspec.errors import LoopspecError
 from loopspec.runtime.bench import (HUMANEVAL_TEMPLATE, acceptance_stats, load_humaneval, load_prompt_sets,
                                     median_run, run_bench, verifications_saved)
 
-PLOTS = ("speedup.png", "acceptance.png", "tau_histogram.png", "time_split.png", "dloop_stages.png", "cost_model.png")
+PLOTS = ("speedup.png", "acceptance.png", "tau_histogram.png", "time_split.png", "dloop_stages.png", "tree_budget.png",
+         "cost_model.png")
+METHODS = ("ar", "dflash", "dloop", "dflash+tree8", "dflash+tree8+suffix", "suffix", "hf", "hf-lookup")
 
 
 @pytest.fixture
@@ -30,7 +32,7 @@ def report_dir(tiny_pair, tmp_path_factory):
     (root / "beta.jsonl").write_text('{"turns": ["hello there"]}\n')
     out = root / "report"
     code = main(["bench", "--prompts", str(root / "alpha.jsonl"), str(root / "beta.jsonl"), "--target", str(target),
-                 "--drafter", str(drafter), "--methods", "ar,dflash,dloop,hf,hf-lookup", "--max-new-tokens", "14",
+                 "--drafter", str(drafter), "--methods", ",".join(METHODS), "--max-new-tokens", "14",
                  "--repeats", "2", "--gate-threshold=-1000", "--max-stages", "3", "--no-adaptive", "--cost-model",
                  "--out", str(out)])
     assert code == 0
@@ -45,7 +47,7 @@ def test_out_writes_json_markdown_and_plots(report_dir):
     assert report["settings"]["repeats"] == 2
     results = report["results"]
     assert [(r["dataset"], r["method"]) for r in results] == [
-        (d, m) for d in ("alpha", "beta") for m in ("ar", "dflash", "dloop", "hf", "hf-lookup")]
+        (d, m) for d in ("alpha", "beta") for m in METHODS]
     for name in PLOTS:
         image = imread(report_dir / name)
         assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0  # drawn, not blank
@@ -84,6 +86,14 @@ def test_rows_are_lossless_and_consistent(report_dir):
         assert len(r["stages_histogram"]) > 2 and sum(r["stages_histogram"][2:]) > 0
         assert r["stages_per_verification"] > 1 and r["verifications_saved"] >= 0
         assert r["speedup_bound"] > 0 and r["speedup_bound_as_run"] > 0
+    for r in results:
+        if "tree8" in r["method"]:  # trees verify more nodes than the chain's 5
+            assert 5 < r["nodes_per_verification"] <= 8 + 5 * ("suffix" in r["method"])
+            assert r["speedup_bound"] > 0
+        if "suffix" in r["method"]:
+            assert 0 <= r["suffix_share"] <= 1
+        if r["method"] == "dflash":
+            assert 3 <= r["nodes_per_verification"] <= 5  # the chain of k - 1 = 5 (the last rounds are shorter)
     for r in results:  # as run mixes drafting rounds (at the drafting bound) with plain rounds (at 1×)
         if r["method"] in ("dflash", "dloop"):
             low, high = sorted((r["speedup_bound"], 1.0))
@@ -149,7 +159,10 @@ def test_bench_bad_out_and_methods(capsys, tiny_pair, prompt_sets, tmp_path):
     a_file.write_text("x")
     cases = ((["--out", str(a_file)], "--out is not a directory"),
              (["--methods", "ar,dflash,ar"], "named twice"),
-             (["--methods", "ar,hf", "--temperature", "1"], "greedy only"))
+             (["--methods", "ar,hf", "--temperature", "1"], "greedy only"),
+             (["--methods", "ar,dflash+treeX"], "unknown part"),
+             (["--methods", "ar,suffix+tree8"], "only dflash and dloop"),
+             (["--methods", "ar,magic"], "unknown method"))
     for extra, needle in cases:
         code = main(["bench", "--prompts", str(a), "--target", str(target), "--drafter", str(drafter), *extra])
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]

@@ -35,6 +35,12 @@ def test_generate_ar_and_dflash_print_same_text(capsys, tiny_pair):
             assert len(stats) == 1 and f", {default if backend == 'default' else backend}" in stats[0]
             texts[method, backend] = out
     assert len(set(texts.values())) == 1 and len(texts["ar", "torch"].strip()) > 0
+    for extra in (["--method", "dloop", "--tree-budget", "8", "--suffix"], ["--method", "suffix", "--drafter", "none"]):
+        code, out, err = run(capsys, "generate", "--prompt", "hello world", "--target", str(target),
+                             "--drafter", str(drafter), "--max-new-tokens", "20", *extra)
+        stats = [line for line in err.splitlines() if line.startswith("[")]
+        assert code == 0 and out == texts["ar", "torch"] and "nodes/verification" in stats[0]
+        assert ("tree 8, + suffix" in stats[0]) == ("dloop" in extra)
 
 
 def test_auto_backend_follows_design_default():
@@ -118,11 +124,14 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
         "block size 0": (base + ["--prompt", "x", "--block-size", "0"], "block-size"),
         "unknown method": (base + ["--prompt", "x", "--method", "magic"], "unknown method"),
         "bad top-p": (base + ["--prompt", "x", "--top-p", "0"], "top_p"),
+        "negative tree budget": (base + ["--prompt", "x", "--tree-budget", "-1"], "--tree-budget"),
+        "tree on suffix": (base + ["--prompt", "x", "--method", "suffix", "--tree-budget", "4"], "tree"),
     }
 
 
 CASES = ["weights wider than config", "empty target dir", "unknown path", "corrupt safetensors", "mismatched drafter", "empty prompt", "prompt over context",
-         "negative temperature", "infinite temperature", "block size 0", "unknown method", "bad top-p"]
+         "negative temperature", "infinite temperature", "block size 0", "unknown method", "bad top-p",
+         "negative tree budget", "tree on suffix"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -169,13 +178,16 @@ def test_tune_stores_fastest_lossless_setting(capsys, tiny_pair, tmp_path):
     out_json = tmp_path / "tune.json"
     code = main(["tune", "--prompts", str(prompts), "--target", str(target), "--drafter", str(mine),
                  "--max-new-tokens", "16", "--thresholds=-0.5,-2", "--stages", "1,3", "--block-sizes", "3,6",
-                 "--json", str(out_json)])
+                 "--tree-budgets", "0,8", "--json", str(out_json)])
     assert code == 0
     report = json.loads(out_json.read_text())
-    assert len(report["rows"]) == 2 * (1 + 2)  # k x (one-stage + two thresholds for 3 stages)
+    # k x (one-stage + two thresholds for 3 stages), then on the best: chain + suffix, tree 8 ± suffix
+    assert len(report["rows"]) == 2 * (1 + 2) + 3
+    assert {(r["tree_budget"], r["suffix"]) for r in report["rows"][-3:]} == {(0, True), (8, False), (8, True)}
     assert all(r["lossless"] for r in report["rows"])
     stored = json.loads((mine / "config.json").read_text())["loopspec"]["dloop"]
-    assert stored == {k: report["best"][k] for k in ("gate_threshold", "max_stages", "block_size")}
+    assert stored == {k: report["best"][k]
+                      for k in ("gate_threshold", "max_stages", "block_size", "tree_budget", "suffix")}
     from loopspec.runtime.pipeline import load_pipeline
 
     pipe = load_pipeline(str(target), str(mine))
