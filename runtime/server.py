@@ -370,7 +370,7 @@ async def health(http: HTTPRequest):
     if not state.scheduler.alive:
         return JSONResponse(APIError(503, "the scheduler is not running").body(), status_code=503)
     return {"status": "ok", "model": state.model_name, "method": state.config.settings.method,
-            "max_batch_size": state.pipeline.engine.max_rows}
+            "decoding": state.config.settings.to_dict(), "max_batch_size": state.pipeline.engine.max_rows}
 
 
 async def prometheus(http: HTTPRequest):

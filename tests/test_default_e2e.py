@@ -63,6 +63,26 @@ def test_greedy_dflash_equals_ar_on_default(pipe, prompt):
     assert len(ar.tokens) > 0
     loop = pipe.run(ids, pipe.settings("dloop", gate_threshold=-3.0, max_stages=3), max_new_tokens=48)
     assert loop.tokens == ar.tokens
+    for settings in (pipe.settings("dflash", tree_budget=16, suffix=True),
+                     pipe.settings("dloop", gate_threshold=-3.0, max_stages=3, tree_budget=24, suffix=True),
+                     pipe.settings("suffix")):
+        tree = pipe.run(ids, settings, max_new_tokens=48)
+        assert tree.tokens == ar.tokens, settings.describe()
+        if settings.tree_budget:
+            assert max(tree.stats.nodes_per_round) > settings.max_drafts  # it branched
+
+
+def test_trees_batched_on_the_default_pair(pipe):
+    """Three requests decoded together with trees and suffix branches commit what `ar` commits alone."""
+    from loopspec.runtime.decoder import Decoder, decode_all
+
+    settings = pipe.settings("dloop", tree_budget=16, suffix=True, adaptive=False)
+    prompts = [pipe.encode(p) for p in PROMPTS]
+    refs = [pipe.run(ids, pipe.settings("ar"), max_new_tokens=40).tokens for ids in prompts]
+    done = decode_all(Decoder(pipe.engine.with_rows(3), settings),
+                      [dict(key=i, prompt_ids=ids, max_new_tokens=40, stop_token_ids=pipe.stop_token_ids)
+                       for i, ids in enumerate(prompts)])
+    assert [done[i].tokens for i in range(3)] == refs
 
 
 def test_cli_generate_default():
