@@ -194,7 +194,7 @@ class TargetVerify(nn.Module):
         x = rms_norm(x, t.norm.weight, t.norm.eps)
         if last in self.tap_layer_ids:
             taps[last] = x  # HF's hidden_states[L] is the final-normed output (as the reference)
-        logits = F.linear(x[:, logit_index], t.lm_head.weight)  # [B, n, V]
+        logits = linear(x[:, logit_index], t.lm_head)  # [B, n, V]
         outputs = [logits]
         if self.tap_layer_ids:
             outputs.append(torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1))  # [B, T, taps·H]
@@ -393,10 +393,17 @@ def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> 
 
 def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path, *, target_dir: str | Path,
                    drafter_dir: str | Path | None = None, max_context: int | None = None,
-                   block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET) -> Manifest:
+                   block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET,
+                   verify_target: Target | None = None, precision: str = "fp32",
+                   extra_settings: dict | None = None) -> Manifest:
     """Export target_verify (+ the three drafter engines when a drafter is given) as fp32 ONNX into
     `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Staged
-    (engines/staging.py): an interrupted export never looks complete and never destroys the previous one."""
+    (engines/staging.py): an interrupted export never looks complete and never destroys the previous one.
+
+    `verify_target`: the module target_verify computes instead of `target` (a copy with linears that
+    export themselves, e.g. the GGUF's blocks: convert/gguf_export.py), named by `precision` and
+    described by `extra_settings` in the manifest; the drafter engines keep `target`'s fp32 embedding
+    and lm_head."""
     import onnx  # noqa: F401  (fail early, with the extra to install)
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
@@ -407,7 +414,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     specs = engine_specs(target.cfg, drafter.cfg if drafter is not None else None, max_context=max_context,
                          block_size=block_size, max_batch=max_batch)
     taps = drafter.cfg.target_layer_ids if drafter is not None else []
-    modules = {TARGET_VERIFY: TargetVerify(target, taps)}
+    modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps)}
     if drafter is not None:
         modules[DRAFTER_CONTEXT] = DrafterContext(drafter, from_taps=True)
         modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(drafter, from_taps=False)
@@ -422,9 +429,9 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
         settings = {"opset": opset, "max_context": max_context, "max_batch": max_batch,
                     "block_size": specs.get(DRAFTER_BLOCK) and specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
                     "exporter": "torch.onnx.export (TorchScript)", "kv_layout": "past in, new out",
-                    "export_code_sha256": export_code_sha256()}
+                    "export_code_sha256": export_code_sha256(), **(extra_settings or {})}
         sources = {"target": source_hashes(target_dir),
                    "drafter": drafter_source(drafter, drafter_dir) if drafter is not None else None}
-        write_manifest(work, stage="onnx", precision="fp32", specs=specs, engine_files=files, sources=sources,
+        write_manifest(work, stage="onnx", precision=precision, specs=specs, engine_files=files, sources=sources,
                        settings=settings)
     return Manifest(out_dir, json.loads((out_dir / "manifest.json").read_text()))

@@ -452,6 +452,10 @@ def _add_convert_onnx_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int("--threads"), default=None, help="CPU threads")
     p.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
                    help="check every engine against the PyTorch reference (default on)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "gguf-fp32act", "gguf-int8act"),
+                   help="fp32 (default) | gguf-fp32act | gguf-int8act: the target's matrices as its GGUF's own "
+                        "Q4_1/Q8_0 blocks (ONNX Runtime MatMulNBits) with fp32 or int8 activations "
+                        "(--target default or FILE.gguf)")
 
 
 def cmd_convert_onnx(args) -> int:
@@ -460,13 +464,16 @@ def cmd_convert_onnx(args) -> int:
     from loopspec.convert.onnx_export import convert_onnx
     from loopspec.convert.validate import format_report
     from loopspec.pair import load_pair
+    from loopspec.weights import target_gguf_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    gguf_path = target_gguf_path(args.target) if args.precision != "fp32" else None  # before the slow load
     pair = load_pair(args.target, args.drafter, mask_token=args.mask_token_id)  # as generate resolves it
     manifest, report = convert_onnx(pair.target, pair.drafter, args.out, target_dir=pair.target_dir,
                                     drafter_dir=pair.drafter_dir, max_context=args.max_context,
-                                    validate=args.validate, num_threads=args.threads)
+                                    validate=args.validate, num_threads=args.threads, precision=args.precision,
+                                    gguf_path=gguf_path)
     print(f"exported {', '.join(manifest.engines)} ({manifest.precision}) to {args.out}")
     if report is not None:
         print(format_report(report))
