@@ -52,6 +52,15 @@ def check_precision(precision: str) -> None:
         raise LoopspecError(f"unknown GGUF block precision {precision!r} (choose from {', '.join(PRECISIONS)})")
 
 
+def _typed_like(g_out, x, n: int):
+    """Give the custom node's output x's type with the last dim n (ONNX Runtime knows the op's shape
+    rule; the exporter does not, and says so on every node otherwise)."""
+    sizes = x.type().varyingSizes()
+    if sizes is not None:
+        g_out.setType(x.type().with_sizes(sizes[:-1] + [n]))
+    return g_out
+
+
 def _block_reshape(g, x, k_blocks: int):
     """x [B, T, K] → [B, T, K/32, 32] (0 copies the input's B, -1 infers T)."""
     shape = g.op("Constant", value_t=torch.tensor([0, -1, k_blocks, BLOCK], dtype=torch.int64))
@@ -71,8 +80,8 @@ class _Q41Product(torch.autograd.Function):
     @staticmethod
     def symbolic(g, x, codes, scales, zero_points, minimum, accuracy_level: int):
         n, kb, _ = codes.type().sizes()
-        y = g.op("com.microsoft::MatMulNBits", x, codes, scales, zero_points, K_i=kb * BLOCK, N_i=n, bits_i=4,
-                 block_size_i=BLOCK, accuracy_level_i=accuracy_level)
+        y = _typed_like(g.op("com.microsoft::MatMulNBits", x, codes, scales, zero_points, K_i=kb * BLOCK, N_i=n,
+                             bits_i=4, block_size_i=BLOCK, accuracy_level_i=accuracy_level), x, n)
         sums = g.op("ReduceSum", _block_reshape(g, x, kb), g.op("Constant", value_t=torch.tensor([-1])),
                     keepdims_i=0)  # [B, T, K/32]
         return g.op("Add", y, g.op("MatMul", sums, minimum))
@@ -90,8 +99,8 @@ class _Q80Product(torch.autograd.Function):
     @staticmethod
     def symbolic(g, x, codes, scales, accuracy_level: int):
         n, kb, _ = codes.type().sizes()
-        return g.op("com.microsoft::MatMulNBits", x, codes, scales, K_i=kb * BLOCK, N_i=n, bits_i=8,
-                    block_size_i=BLOCK, accuracy_level_i=accuracy_level)
+        return _typed_like(g.op("com.microsoft::MatMulNBits", x, codes, scales, K_i=kb * BLOCK, N_i=n, bits_i=8,
+                                block_size_i=BLOCK, accuracy_level_i=accuracy_level), x, n)
 
 
 class Q41Linear(nn.Module):

@@ -35,9 +35,12 @@ def convert_onnx(target: Target, drafter: Drafter | None, out_dir: str | Path, *
     verify_target, settings = None, None
     if precision != "fp32":
         verify_target, settings = gguf_verify_target(target, precision, gguf_path)
+    # int8 activations round the last-bit differences of a split value product differently: a
+    # verification would not compute what plain decoding computes (engines/export.py `attend`)
     manifest = export_engines(target, drafter, out_dir, target_dir=target_dir, drafter_dir=drafter_dir,
                               max_context=max_context, block_size=block_size, opset=opset,
-                              verify_target=verify_target, precision=precision, extra_settings=settings)
+                              verify_target=verify_target, precision=precision, extra_settings=settings,
+                              joined_values=precision == "gguf-int8act")
     report = validate_onnx(out_dir, target, drafter, precision, num_threads=num_threads) if validate else None
     return manifest, report
 

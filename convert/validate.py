@@ -26,18 +26,21 @@ from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, draft_head_weight, greedy_drafts
 from loopspec.model.target import Target
 
-# per precision: relative tolerance of every engine output, largest allowed relative τ drop;
-# "target": the target_verify's own tolerance where it differs (None: its deviation is reported, not
-# gated: the engine is a different model, checked against its own plain decoding instead);
-# "greedy": whether greedy decoding must equal the reference's
+# per precision: relative tolerance of every engine output, largest allowed relative τ drop (None:
+# reported, not gated); "target": the target_verify's own tolerance where it differs; "greedy":
+# whether greedy decoding must equal the reference's; "verify_equals_plain": whether one verification
+# of the engine's own greedy tokens must give back exactly those tokens
 TOLERANCES = {
-    "fp32": {"relative": 1e-4, "tau_drop": 0.02, "greedy": True},
-    "fp16": {"relative": 1e-2, "tau_drop": 0.05, "greedy": False},
-    "fp8": {"relative": 5e-2, "tau_drop": 0.10, "greedy": False},
-    "nvfp4": {"relative": 1e-1, "tau_drop": 0.15, "greedy": False},
+    "fp32": {"relative": 1e-4, "tau_drop": 0.02, "greedy": True, "verify_equals_plain": True},
+    "fp16": {"relative": 1e-2, "tau_drop": 0.05, "greedy": False, "verify_equals_plain": True},
+    "fp8": {"relative": 5e-2, "tau_drop": 0.10, "greedy": False, "verify_equals_plain": True},
+    "nvfp4": {"relative": 1e-1, "tau_drop": 0.15, "greedy": False, "verify_equals_plain": True},
     # the GGUF's blocks (convert/gguf_export.py); the reference is their fp32 expansion
-    "gguf-fp32act": {"relative": 1e-4, "target": 1e-3, "tau_drop": 0.02, "greedy": True},
-    "gguf-int8act": {"relative": 1e-4, "target": None, "tau_drop": 0.10, "greedy": False},
+    "gguf-fp32act": {"relative": 1e-4, "target": 1e-3, "tau_drop": 0.02, "greedy": True, "verify_equals_plain": True},
+    # a different model: its deviation from fp32 is bounded only loosely (a wrong block layout or a
+    # missing minimum term gives errors of order 1), τ along the fp32 trajectory is reported; what
+    # makes its speculative decoding lossless is checked: a verification equals its plain decoding
+    "gguf-int8act": {"relative": 1e-4, "target": 0.25, "tau_drop": None, "greedy": False, "verify_equals_plain": True},
 }
 PROMPT_TEXTS = ("The quick brown fox jumps over the lazy dog because",
                 "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -255,26 +258,28 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
         tolerance = limits.get("target", limits["relative"]) if engine == TARGET_VERIFY else limits["relative"]
         report["engines"][engine] = {"errors": outputs, "passed": tolerance is None or worst <= tolerance}
 
-    identical, self_consistent, taus_ref, taus_onnx = True, True, [], []
+    identical, agreeing, taus_ref, taus_onnx = True, [], [], []
     for prompt in prompts:
         ref_tokens, ref_taps = reference_greedy(target, prompt, new_tokens)
         onnx_tokens, onnx_taps = onnx_greedy(sessions[TARGET_VERIFY], prompt, new_tokens)
         identical &= ref_tokens == onnx_tokens
-        self_consistent &= verified_greedy(sessions[TARGET_VERIFY], prompt, onnx_tokens) == onnx_tokens
+        verified = verified_greedy(sessions[TARGET_VERIFY], prompt, onnx_tokens)
+        agreeing += [a == b for a, b in zip(verified, onnx_tokens)]
         if drafter is not None:
             a, b = acceptance(ref, sessions, prompt + ref_tokens, ref_taps, onnx_taps, len(prompt), block_size)
             taus_ref += a
             taus_onnx += b
     report["greedy_identical"] = identical
-    report["verify_equals_plain"] = self_consistent
+    report["verify_equals_plain"] = all(agreeing)
+    report["verify_plain_agreement"] = round(float(np.mean(agreeing)), 4)  # share of positions
     passed = (all(e["passed"] for e in report["engines"].values()) and (identical or not limits["greedy"])
-              and self_consistent)
+              and (all(agreeing) or not limits["verify_equals_plain"]))
     if drafter is not None:
         tau_ref, tau_onnx = np.mean(taus_ref), np.mean(taus_onnx)
         drop = (tau_ref - tau_onnx) / tau_ref
         report["acceptance"] = {"tau_reference": round(float(tau_ref), 4), "tau_onnx": round(float(tau_onnx), 4),
                                 "relative_drop": round(float(drop), 4), "anchors": len(taus_ref),
-                                "passed": bool(drop <= limits["tau_drop"])}
+                                "passed": bool(limits["tau_drop"] is None or drop <= limits["tau_drop"])}
         passed &= report["acceptance"]["passed"]
     report["passed"] = bool(passed)
     report["seconds"] = round(time.perf_counter() - t0, 2)
@@ -291,9 +296,11 @@ def format_report(report: dict) -> str:
         lines.append(f"  {engine:<24}{'ok ' if r['passed'] else 'BAD'} {errs}")
     lines.append(f"  greedy decoding of {report['prompts']} prompts × {report['new_tokens']} tokens: "
                  f"{'identical' if report['greedy_identical'] else 'DIFFERENT'} to PyTorch; one verification "
-                 f"of them {'equals' if report['verify_equals_plain'] else 'DIFFERS from'} the engine's plain decoding")
+                 f"of them {'equals' if report['verify_equals_plain'] else 'differs from'} the engine's plain decoding "
+                 f"({report['verify_plain_agreement']:.0%} of positions agree)")
     if "acceptance" in report:
         a = report["acceptance"]
         lines.append(f"  offline tau over {a['anchors']} anchors: PyTorch {a['tau_reference']:.3f}, "
-                     f"ONNX {a['tau_onnx']:.3f} (drop {a['relative_drop']:+.1%}, limit {report['tolerance']['tau_drop']:.0%})")
+                     f"ONNX {a['tau_onnx']:.3f} (drop {a['relative_drop']:+.1%}, "
+                     f"limit {'none' if report['tolerance']['tau_drop'] is None else format(report['tolerance']['tau_drop'], '.0%')})")
     return "\n".join(lines)

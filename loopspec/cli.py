@@ -575,7 +575,8 @@ def cmd_convert_bundle(args) -> int:
 
 # stage → (help, arguments, command): `loopspec convert <stage>`
 CONVERT_STAGES = {
-    "onnx": ("export the target (+ drafter) engines as fp32 ONNX, with manifest.json, and validate them",
+    "onnx": ("export the target (+ drafter) engines as ONNX (fp32, or the target over its GGUF blocks), with "
+             "manifest.json, and validate them",
              _add_convert_onnx_args, cmd_convert_onnx),
     "quantize": ("modelopt FP8 / NVFP4 calibration of the drafter (and target): HF checkpoints + ONNX engines",
                  _add_convert_quantize_args, cmd_convert_quantize),

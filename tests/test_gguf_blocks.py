@@ -193,6 +193,8 @@ def test_the_graphs_hold_the_blocks_and_the_manifest_names_them(exported):
         assert manifest["precision"] == precision and report["passed"], report
         assert manifest["settings"]["arithmetic"]["matmulnbits_accuracy_level"] == (1 if "fp32" in precision else 4)
         assert manifest["settings"]["weights"]["file"]["files"]  # the GGUF's sha256
+        assert manifest["settings"]["attention_values"] == (
+            "one product over [past; new]" if precision == "gguf-int8act" else "past and new summed")
         graph = onnx.load(str(onnx_dir / "target_verify.onnx"), load_external_data=False).graph
         nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
         bits = sorted(next(a.i for a in n.attribute if a.name == "bits") for n in nbits)
@@ -210,8 +212,10 @@ def test_fp32_activations_match_the_fp32_reference(exported):
     errors = report["engines"][TARGET_VERIFY]["errors"]
     assert errors["logits"] < 1e-4 and report["greedy_identical"] and report["verify_equals_plain"]
     _, report = exported["gguf-int8act"]
-    # a different model: its logits deviate measurably from fp32, its verification equals its plain decoding
-    assert report["engines"][TARGET_VERIFY]["errors"]["logits"] > 1e-5 and report["verify_equals_plain"]
+    # a different model: its logits deviate measurably from fp32 (reported), within the loose bound;
+    # one verification computes what its plain decoding computes (one value product, see `attend`)
+    assert 1e-5 < report["engines"][TARGET_VERIFY]["errors"]["logits"] < 0.25
+    assert report["verify_equals_plain"] and report["verify_plain_agreement"] == 1.0
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
