@@ -257,3 +257,26 @@ def test_bad_input_is_one_clear_error(tiny_gguf, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "need a GGUF target" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.e2e
+def test_default_target_over_its_gguf_blocks(tmp_path):
+    """The embedded SmolLM2 GGUF through the command line, both arithmetics: validated, and greedy
+    `dloop` equal to `ar` on each engine (fp32 activations: also equal to the fp32 reference)."""
+    from loopspec.runtime.pipeline import load_pipeline
+
+    prompt = None
+    outputs = {}
+    for precision in PRECISIONS:
+        out = tmp_path / precision
+        assert main(["convert", "onnx", "--target", "default", "--drafter", "default", "--precision", precision,
+                     "--out", str(out), "--threads", "1"]) == 0
+        assert json.loads((out / "manifest.json").read_text())["validation"]["passed"]
+        pipe = load_pipeline(backend="onnxruntime", onnx_dir=out, num_threads=1)
+        prompt = prompt or pipe.encode("Write a Python function that reverses a string.")
+        ar = pipe.run(prompt, pipe.settings("ar"), max_new_tokens=48)
+        dloop = pipe.run(prompt, pipe.settings("dloop"), max_new_tokens=48)
+        assert dloop.tokens == ar.tokens
+        outputs[precision] = ar.tokens
+    reference = load_pipeline("default", "none", backend="torch", num_threads=1)
+    assert outputs["gguf-fp32act"] == reference.run(prompt, reference.settings("ar"), max_new_tokens=48).tokens
