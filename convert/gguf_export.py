@@ -23,7 +23,8 @@ Two arithmetics, one precision name each (the artifact manifest records them):
   gguf-int8act  accuracy_level 4: activations quantized to int8 per block of 32 inside MatMulNBits
                 (llama.cpp's arithmetic for these types; AVX512-VNNI where the CPU has it); the
                 minimum term stays fp32. A different, fixed model: lossless decoding is relative to
-                its own plain decoding.
+                its own plain decoding, which its target_verify reproduces bit for bit because its
+                attention takes one value product over [past ; new] (engines/export.py `attend`).
 
 The modules compute, eagerly, the fp32 expansion's product (the reference); their ONNX graph is
 emitted by `symbolic` (TorchScript exporter), so engines/export.py traces them like any linear

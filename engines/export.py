@@ -407,7 +407,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
                    block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET,
                    verify_target: Target | None = None, precision: str = "fp32",
                    extra_settings: dict | None = None, joined_values: bool = False) -> Manifest:
-    """Export target_verify (+ the three drafter engines when a drafter is given) as fp32 ONNX into
+    """Export target_verify (+ the three drafter engines when a drafter is given) as ONNX into
     `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Staged
     (engines/staging.py): an interrupted export never looks complete and never destroys the previous one.
 
