@@ -26,12 +26,21 @@ from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, draft_head_weight, draft_candidates
 from loopspec.model.target import Target
 
-# per precision: relative tolerance of every engine output, largest allowed relative τ drop
+# per precision: relative tolerance of every engine output, largest allowed relative τ drop (None:
+# reported, not gated); "target": the target_verify's own tolerance where it differs; "greedy":
+# whether greedy decoding must equal the reference's; "verify_equals_plain": whether one verification
+# of the engine's own greedy tokens must give back exactly those tokens
 TOLERANCES = {
-    "fp32": {"relative": 1e-4, "tau_drop": 0.02},
-    "fp16": {"relative": 1e-2, "tau_drop": 0.05},
-    "fp8": {"relative": 5e-2, "tau_drop": 0.10},
-    "nvfp4": {"relative": 1e-1, "tau_drop": 0.15},
+    "fp32": {"relative": 1e-4, "tau_drop": 0.02, "greedy": True, "verify_equals_plain": True},
+    "fp16": {"relative": 1e-2, "tau_drop": 0.05, "greedy": False, "verify_equals_plain": True},
+    "fp8": {"relative": 5e-2, "tau_drop": 0.10, "greedy": False, "verify_equals_plain": True},
+    "nvfp4": {"relative": 1e-1, "tau_drop": 0.15, "greedy": False, "verify_equals_plain": True},
+    # the GGUF's blocks (convert/gguf_export.py); the reference is their fp32 expansion
+    "gguf-fp32act": {"relative": 1e-4, "target": 1e-3, "tau_drop": 0.02, "greedy": True, "verify_equals_plain": True},
+    # a different model: its deviation from fp32 is bounded only loosely (a wrong block layout or a
+    # missing minimum term gives errors of order 1), τ along the fp32 trajectory is reported; what
+    # makes its speculative decoding lossless is checked: a verification equals its plain decoding
+    "gguf-int8act": {"relative": 1e-4, "target": 0.25, "tau_drop": None, "greedy": False, "verify_equals_plain": True},
 }
 PROMPT_TEXTS = ("The quick brown fox jumps over the lazy dog because",
                 "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -158,6 +167,20 @@ def onnx_greedy(session: EngineSession, prompt: list[int], new_tokens: int) -> t
     return tokens, (np.concatenate(taps, axis=1) if taps[0] is not None else None)
 
 
+def verified_greedy(session: EngineSession, prompt: list[int], tokens: list[int]) -> list[int]:
+    """The exported target's argmax after the prompt and after each of `tokens`, from ONE forward over
+    prompt + tokens: what a verification of those tokens as drafts would accept. Equal to `tokens`
+    when verifying agrees with the engine's own plain decoding (which is what lossless means)."""
+    L = session.spec.inputs[3].dims
+    ids = prompt + tokens[:-1]
+    empty = np.zeros((L[0], 1, L[2], 0, L[4]), dtype=np.float32)
+    run = session.run(input_ids=np.asarray([ids], dtype=np.int64), positions=np.arange(len(ids), dtype=np.int64)[None],
+                      logit_index=np.arange(len(prompt) - 1, len(ids), dtype=np.int64), past_key=empty,
+                      past_value=empty, past_lengths=np.zeros(1, dtype=np.int64),
+                      tree_mask=np.tril(np.ones((1, len(ids), len(ids)), dtype=bool)))
+    return run["logits"][0].argmax(-1).tolist()
+
+
 def offline_tau(draft, sequence: list[int], prompt_len: int, block_size: int) -> list[int]:
     """Tokens committed per anchor (accepted drafts + 1) when drafting one block at every position
     of `sequence` after the prompt: draft(anchor_position) → drafts for the next k-1 positions."""
@@ -238,25 +261,31 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
     for engine, outputs in errors.items():
         # draft ids may differ where two logits tie within the tolerance; the τ check covers them
         worst = max(v for k, v in outputs.items() if k != "draft_ids")
-        report["engines"][engine] = {"errors": outputs, "passed": worst <= limits["relative"]}
+        tolerance = limits.get("target", limits["relative"]) if engine == TARGET_VERIFY else limits["relative"]
+        report["engines"][engine] = {"errors": outputs, "passed": tolerance is None or worst <= tolerance}
 
-    identical, taus_ref, taus_onnx = True, [], []
+    identical, agreeing, taus_ref, taus_onnx = True, [], [], []
     for prompt in prompts:
         ref_tokens, ref_taps = reference_greedy(target, prompt, new_tokens)
         onnx_tokens, onnx_taps = onnx_greedy(sessions[TARGET_VERIFY], prompt, new_tokens)
         identical &= ref_tokens == onnx_tokens
+        verified = verified_greedy(sessions[TARGET_VERIFY], prompt, onnx_tokens)
+        agreeing += [a == b for a, b in zip(verified, onnx_tokens)]
         if drafter is not None:
             a, b = acceptance(ref, sessions, prompt + ref_tokens, ref_taps, onnx_taps, len(prompt), block_size)
             taus_ref += a
             taus_onnx += b
     report["greedy_identical"] = identical
-    passed = all(e["passed"] for e in report["engines"].values()) and (identical or precision != "fp32")
+    report["verify_equals_plain"] = all(agreeing)
+    report["verify_plain_agreement"] = round(float(np.mean(agreeing)), 4)  # share of positions
+    passed = (all(e["passed"] for e in report["engines"].values()) and (identical or not limits["greedy"])
+              and (all(agreeing) or not limits["verify_equals_plain"]))
     if drafter is not None:
         tau_ref, tau_onnx = np.mean(taus_ref), np.mean(taus_onnx)
         drop = (tau_ref - tau_onnx) / tau_ref
         report["acceptance"] = {"tau_reference": round(float(tau_ref), 4), "tau_onnx": round(float(tau_onnx), 4),
                                 "relative_drop": round(float(drop), 4), "anchors": len(taus_ref),
-                                "passed": bool(drop <= limits["tau_drop"])}
+                                "passed": bool(limits["tau_drop"] is None or drop <= limits["tau_drop"])}
         passed &= report["acceptance"]["passed"]
     report["passed"] = bool(passed)
     report["seconds"] = round(time.perf_counter() - t0, 2)
@@ -272,9 +301,12 @@ def format_report(report: dict) -> str:
         errs = ", ".join(f"{k} {v:.1e}" for k, v in r["errors"].items())
         lines.append(f"  {engine:<24}{'ok ' if r['passed'] else 'BAD'} {errs}")
     lines.append(f"  greedy decoding of {report['prompts']} prompts × {report['new_tokens']} tokens: "
-                 f"{'identical' if report['greedy_identical'] else 'DIFFERENT'} to PyTorch")
+                 f"{'identical' if report['greedy_identical'] else 'DIFFERENT'} to PyTorch; one verification "
+                 f"of them {'equals' if report['verify_equals_plain'] else 'differs from'} the engine's plain decoding "
+                 f"({report['verify_plain_agreement']:.0%} of positions agree)")
     if "acceptance" in report:
         a = report["acceptance"]
         lines.append(f"  offline tau over {a['anchors']} anchors: PyTorch {a['tau_reference']:.3f}, "
-                     f"ONNX {a['tau_onnx']:.3f} (drop {a['relative_drop']:+.1%}, limit {report['tolerance']['tau_drop']:.0%})")
+                     f"ONNX {a['tau_onnx']:.3f} (drop {a['relative_drop']:+.1%}, "
+                     f"limit {'none' if report['tolerance']['tau_drop'] is None else format(report['tolerance']['tau_drop'], '.0%')})")
     return "\n".join(lines)

@@ -77,18 +77,27 @@ def length_mask(lengths: torch.Tensor, width) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           past: torch.Tensor, past_mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+           past: torch.Tensor, past_mask: torch.Tensor, bias: torch.Tensor | None,
+           joined_values: bool = False) -> torch.Tensor:
     """Grouped-query attention of q [B, kvh, g·T, hd] (pre-scaled; query head j = kv head j // g, as
     HF's repeat_kv) over [past ; new] keys without concatenating the K/V: one softmax over the joined
     scores, then the two value products summed. The past is only read (MatMul with its transpose
     fuses into one kernel), never copied. past_k/past_v [B, kvh, P, hd], k/v [B, kvh, T, hd],
     past_mask [B, 1, 1, P] additive mask of each row's invalid past slots, bias [B, 1, g·T, T] additive mask
-    among the new tokens (None: they all see each other) → [B, kvh, g·T, hd]."""
+    among the new tokens (None: they all see each other) → [B, kvh, g·T, hd].
+
+    joined_values: ONE value product over [past_v ; v] (a copy of the past values per call) instead
+    of two summed: a token's output then no longer depends on whether its context came from the
+    cache or from the same call (the masked slots add exact zeros), so a verification computes, bit
+    for bit, what plain decoding computes. fp32 engines differ only in the last bits there; engines
+    that quantize activations (int8) turn those bits into different roundings and need it."""
     scores_new = torch.matmul(q, k.transpose(-1, -2))  # [B, kvh, g·T, T]
     if bias is not None:
         scores_new = scores_new + bias
     scores_past = torch.matmul(q, past_k.transpose(-1, -2)) + past_mask  # [B, kvh, g·T, P]
     scores = torch.cat([scores_past, scores_new], dim=-1)  # [B, kvh, g·T, P + T]
+    if joined_values:
+        return torch.matmul(torch.softmax(scores, dim=-1), torch.cat([past_v, v], dim=2))
     p_past, p_new = torch.split(torch.softmax(scores, dim=-1), [past, k.shape[2]], dim=-1)
     return torch.matmul(p_past, past_v) + torch.matmul(p_new, v)
 
@@ -147,11 +156,12 @@ class TargetVerify(nn.Module):
     Written for a small graph: head counts are Python ints and every reshape has one symbolic dim
     (-1) besides the batch, read once from the input, so little shape arithmetic is traced per layer."""
 
-    def __init__(self, target: Target, tap_layer_ids: list[int]):
+    def __init__(self, target: Target, tap_layer_ids: list[int], joined_values: bool = False):
         super().__init__()
         self.target = target
         self.cfg = cfg = target.cfg
         self.tap_layer_ids = list(tap_layer_ids)
+        self.joined_values = joined_values  # see `attend`
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.register_buffer("rotate", rotate_half_matrix(hd))
         self.register_buffer("head_scale", head_scales(h, kvh, hd))
@@ -184,7 +194,8 @@ class TargetVerify(nn.Module):
             q, k, v = qkv_heads(linear(y, attn.qkv_proj), batch, h, kvh, hd, norm_w, eps, cos, sin, self.rotate)
             new_keys.append(k)  # [B, kvh, T, hd]
             new_values.append(v)
-            out = attend(q, past_key[i], past_value[i], k, v, past, past_mask, bias)  # [B, kvh, g·T, hd]
+            out = attend(q, past_key[i], past_value[i], k, v, past, past_mask, bias,
+                         self.joined_values)  # [B, kvh, g·T, hd]
             x = x + linear(merge_heads(out, batch, h, hd), attn.o_proj)
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
@@ -193,7 +204,7 @@ class TargetVerify(nn.Module):
         x = rms_norm(x, t.norm.weight, t.norm.eps)
         if last in self.tap_layer_ids:
             taps[last] = x  # HF's hidden_states[L] is the final-normed output (as the reference)
-        logits = F.linear(x[:, logit_index], t.lm_head.weight)  # [B, n, V]
+        logits = linear(x[:, logit_index], t.lm_head)  # [B, n, V]
         outputs = [logits]
         if self.tap_layer_ids:
             outputs.append(torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1))  # [B, T, taps·H]
@@ -397,10 +408,17 @@ def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> 
 
 def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path, *, target_dir: str | Path,
                    drafter_dir: str | Path | None = None, max_context: int | None = None,
-                   block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET) -> Manifest:
-    """Export target_verify (+ the three drafter engines when a drafter is given) as fp32 ONNX into
+                   block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET,
+                   verify_target: Target | None = None, precision: str = "fp32",
+                   extra_settings: dict | None = None, joined_values: bool = False) -> Manifest:
+    """Export target_verify (+ the three drafter engines when a drafter is given) as ONNX into
     `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Staged
-    (engines/staging.py): an interrupted export never looks complete and never destroys the previous one."""
+    (engines/staging.py): an interrupted export never looks complete and never destroys the previous one.
+
+    `verify_target`: the module target_verify computes instead of `target` (a copy with linears that
+    export themselves, e.g. the GGUF's blocks: convert/gguf_export.py), named by `precision` and
+    described by `extra_settings` in the manifest; the drafter engines keep `target`'s fp32 embedding
+    and lm_head. `joined_values`: target_verify's attention as one value product (see `attend`)."""
     import onnx  # noqa: F401  (fail early, with the extra to install)
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
@@ -411,7 +429,8 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     specs = engine_specs(target.cfg, drafter.cfg if drafter is not None else None, max_context=max_context,
                          block_size=block_size, max_batch=max_batch)
     taps = drafter.cfg.target_layer_ids if drafter is not None else []
-    modules = {TARGET_VERIFY: TargetVerify(target, taps)}
+    modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps,
+                                           joined_values)}
     if drafter is not None:
         modules[DRAFTER_CONTEXT] = DrafterContext(drafter, from_taps=True)
         modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(drafter, from_taps=False)
@@ -426,9 +445,10 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
         settings = {"opset": opset, "max_context": max_context, "max_batch": max_batch,
                     "block_size": specs.get(DRAFTER_BLOCK) and specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
                     "exporter": "torch.onnx.export (TorchScript)", "kv_layout": "past in, new out",
-                    "export_code_sha256": export_code_sha256()}
+                    "attention_values": "one product over [past; new]" if joined_values else "past and new summed",
+                    "export_code_sha256": export_code_sha256(), **(extra_settings or {})}
         sources = {"target": source_hashes(target_dir),
                    "drafter": drafter_source(drafter, drafter_dir) if drafter is not None else None}
-        write_manifest(work, stage="onnx", precision="fp32", specs=specs, engine_files=files, sources=sources,
+        write_manifest(work, stage="onnx", precision=precision, specs=specs, engine_files=files, sources=sources,
                        settings=settings)
     return Manifest(out_dir, json.loads((out_dir / "manifest.json").read_text()))

@@ -15,8 +15,9 @@ from loopspec.errors import LoopspecError
 
 # Precisions whose graphs ONNX Runtime runs on this machine's CPU: fp32, and fp8 as standard
 # QuantizeLinear/DequantizeLinear with float8e4m3fn (opset 19), which ORT's CPU kernels execute.
+# gguf-fp32act / gguf-int8act: the target's GGUF blocks as com.microsoft MatMulNBits (CPU kernels).
 # NVFP4 graphs hold TensorRT's TRT_FP4DynamicQuantize and float4 weights: TensorRT on Blackwell only.
-ORT_PRECISIONS = ("fp32", "fp8")
+ORT_PRECISIONS = ("fp32", "fp8", "gguf-fp32act", "gguf-int8act")
 NVFP4_NOT_HERE = "NVFP4 numerics need a Blackwell GPU (TensorRT); not run here"
 
 

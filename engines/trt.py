@@ -41,6 +41,9 @@ def cuda_capability() -> tuple[tuple[int, int], str]:
 
 def check_precision_supported(precision: str, capability: tuple[int, int], device: str = "this GPU") -> None:
     """Refuse a precision whose kernels this GPU lacks (e.g. NVFP4 without Blackwell)."""
+    if precision.startswith("gguf-"):
+        raise LoopspecError(f"{precision} engines compute with ONNX Runtime's com.microsoft MatMulNBits, which "
+                            f"TensorRT does not run: use them with --backend onnxruntime")
     if precision not in MIN_CAPABILITY:
         raise LoopspecError(f"unknown engine precision {precision!r} (known: {', '.join(MIN_CAPABILITY)})")
     need = MIN_CAPABILITY[precision]

@@ -487,6 +487,10 @@ def _add_convert_onnx_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int("--threads"), default=None, help="CPU threads")
     p.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
                    help="check every engine against the PyTorch reference (default on)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "gguf-fp32act", "gguf-int8act"),
+                   help="fp32 (default) | gguf-fp32act | gguf-int8act: the target's matrices as its GGUF's own "
+                        "Q4_1/Q8_0 blocks (ONNX Runtime MatMulNBits) with fp32 or int8 activations "
+                        "(--target default or FILE.gguf)")
 
 
 def cmd_convert_onnx(args) -> int:
@@ -495,13 +499,16 @@ def cmd_convert_onnx(args) -> int:
     from loopspec.convert.onnx_export import convert_onnx
     from loopspec.convert.validate import format_report
     from loopspec.pair import load_pair
+    from loopspec.weights import target_gguf_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    gguf_path = target_gguf_path(args.target) if args.precision != "fp32" else None  # before the slow load
     pair = load_pair(args.target, args.drafter, mask_token=args.mask_token_id)  # as generate resolves it
     manifest, report = convert_onnx(pair.target, pair.drafter, args.out, target_dir=pair.target_dir,
                                     drafter_dir=pair.drafter_dir, max_context=args.max_context,
-                                    validate=args.validate, num_threads=args.threads)
+                                    validate=args.validate, num_threads=args.threads, precision=args.precision,
+                                    gguf_path=gguf_path)
     print(f"exported {', '.join(manifest.engines)} ({manifest.precision}) to {args.out}")
     if report is not None:
         print(format_report(report))
@@ -603,7 +610,8 @@ def cmd_convert_bundle(args) -> int:
 
 # stage → (help, arguments, command): `loopspec convert <stage>`
 CONVERT_STAGES = {
-    "onnx": ("export the target (+ drafter) engines as fp32 ONNX, with manifest.json, and validate them",
+    "onnx": ("export the target (+ drafter) engines as ONNX (fp32, or the target over its GGUF blocks), with "
+             "manifest.json, and validate them",
              _add_convert_onnx_args, cmd_convert_onnx),
     "quantize": ("modelopt FP8 / NVFP4 calibration of the drafter (and target): HF checkpoints + ONNX engines",
                  _add_convert_quantize_args, cmd_convert_quantize),

@@ -236,6 +236,17 @@ def resolve_target_dir(target: str | Path) -> Path:
     return path
 
 
+def target_gguf_path(target: str | Path) -> Path:
+    """The GGUF file a target name reads its weights from: 'default' → the embedded one, a .gguf
+    file → itself; a checkpoint directory has none."""
+    if str(target) == "default":
+        return default_gguf_path()
+    path = Path(target)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise LoopspecError(f"the GGUF block precisions need a GGUF target ('default' or a .gguf file), not {target}")
+
+
 def load_tokenizer(directory: str | Path):
     from transformers import AutoTokenizer
 

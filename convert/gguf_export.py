@@ -1,0 +1,187 @@
+"""The target's matrices as the GGUF's own blocks, for ONNX Runtime's `com.microsoft::MatMulNBits`.
+
+Q4_1 (w = d·q + m per block of 32 along K) becomes
+    y = MatMulNBits(x; codes q, scales d, uint8 zero points 0; bits 4, block 32)   # x · (d·q)ᵀ
+      + blocksum(x) · M                                                             # the minimums
+where blocksum(x) [rows, K/32] sums x over each block and M [K/32, N] holds every output column's
+block minimums: Σ_k x_k·(d·q_k + m) = d·Σ x_k·q_k + m·Σ x_k inside a block, so the sum is exact.
+The minimum is not folded into a float zero point (m = -d·z needs z = -m/d, rarely a code, and float
+zero points send ONNX Runtime down a path ≈ 12x slower than fp32 MatMul). Codes are stored as the
+op reads them: [N, K/32, 16] bytes, two consecutive K elements per byte, the first in the low nibble
+(ggml's byte j holds elements j and j + 16 instead). Without a zero-point input MatMulNBits
+subtracts 8, so the zero points 0 are given explicitly (measured: the same speed).
+
+Q8_0 (w = d·q, q int8) becomes MatMulNBits bits 8 with codes q + 128 and the default zero point 128
+(exact: (q + 128) - 128 = q). Only at `accuracy_level` 4: at level 1 ONNX Runtime's 8-bit kernel
+took 1.1 ms for one 1-row 576×1536 product against 52 µs for fp32 MatMul, so with fp32 activations
+the Q8_0 lm_head runs as its fp32 expansion, which is exact (an fp16 scale times an int8 code needs 19
+of fp32's 24 significand bits). The embedding's Gather reads one fp32 row of the same expansion.
+
+Two arithmetics, one precision name each (the artifact manifest records them):
+  gguf-fp32act  accuracy_level 1: fp32 activations, the product of the fp32 expansion up to fp32
+                rounding (validated against the PyTorch fp32 reference)
+  gguf-int8act  accuracy_level 4: activations quantized to int8 per block of 32 inside MatMulNBits
+                (llama.cpp's arithmetic for these types; AVX512-VNNI where the CPU has it); the
+                minimum term stays fp32. A different, fixed model: lossless decoding is relative to
+                its own plain decoding, which its target_verify reproduces bit for bit because its
+                attention takes one value product over [past ; new] (engines/export.py `attend`).
+
+The modules compute, eagerly, the fp32 expansion's product (the reference); their ONNX graph is
+emitted by `symbolic` (TorchScript exporter), so engines/export.py traces them like any linear
+(`exports_itself`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from torch import nn
+
+from loopspec.errors import LoopspecError
+from loopspec.gguf_blocks import BLOCK, BlockMatrix
+from loopspec.model.target import Target
+
+ACCURACY_LEVEL = {"gguf-fp32act": 1, "gguf-int8act": 4}  # precision → MatMulNBits accuracy_level
+PRECISIONS = tuple(ACCURACY_LEVEL)
+ACTIVATIONS = {"gguf-fp32act": "fp32", "gguf-int8act": "int8 (per block of 32, inside MatMulNBits)"}
+
+
+def check_precision(precision: str) -> None:
+    if precision not in ACCURACY_LEVEL:
+        raise LoopspecError(f"unknown GGUF block precision {precision!r} (choose from {', '.join(PRECISIONS)})")
+
+
+def _typed_like(g_out, x, n: int):
+    """Give the custom node's output x's type with the last dim n (ONNX Runtime knows the op's shape
+    rule; the exporter does not, and says so on every node otherwise)."""
+    sizes = x.type().varyingSizes()
+    if sizes is not None:
+        g_out.setType(x.type().with_sizes(sizes[:-1] + [n]))
+    return g_out
+
+
+def _block_reshape(g, x, k_blocks: int):
+    """x [B, T, K] → [B, T, K/32, 32] (0 copies the input's B, -1 infers T)."""
+    shape = g.op("Constant", value_t=torch.tensor([0, -1, k_blocks, BLOCK], dtype=torch.int64))
+    return g.op("Reshape", x, shape)
+
+
+class _Q41Product(torch.autograd.Function):
+    """x [B, T, K] · (d·q + m)ᵀ → [B, T, N]."""
+
+    @staticmethod
+    def forward(ctx, x, codes, scales, zero_points, minimum, accuracy_level: int):
+        n, kb, _ = codes.shape
+        q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(n, kb, BLOCK).float()  # [N, K/32, 32]
+        w = scales.reshape(n, kb, 1) * q + minimum.t()[..., None]  # [N, K/32, 32]
+        return torch.matmul(x, w.reshape(n, kb * BLOCK).t())
+
+    @staticmethod
+    def symbolic(g, x, codes, scales, zero_points, minimum, accuracy_level: int):
+        n, kb, _ = codes.type().sizes()
+        y = _typed_like(g.op("com.microsoft::MatMulNBits", x, codes, scales, zero_points, K_i=kb * BLOCK, N_i=n,
+                             bits_i=4, block_size_i=BLOCK, accuracy_level_i=accuracy_level), x, n)
+        sums = g.op("ReduceSum", _block_reshape(g, x, kb), g.op("Constant", value_t=torch.tensor([-1])),
+                    keepdims_i=0)  # [B, T, K/32]
+        return g.op("Add", y, g.op("MatMul", sums, minimum))
+
+
+class _Q80Product(torch.autograd.Function):
+    """x [B, T, K] · (d·q)ᵀ → [B, T, N], codes stored as q + 128."""
+
+    @staticmethod
+    def forward(ctx, x, codes, scales, accuracy_level: int):
+        n, kb, _ = codes.shape
+        w = scales.reshape(n, kb, 1) * (codes.float() - 128.0)  # [N, K/32, 32]
+        return torch.matmul(x, w.reshape(n, kb * BLOCK).t())
+
+    @staticmethod
+    def symbolic(g, x, codes, scales, accuracy_level: int):
+        n, kb, _ = codes.type().sizes()
+        return _typed_like(g.op("com.microsoft::MatMulNBits", x, codes, scales, K_i=kb * BLOCK, N_i=n, bits_i=8,
+                                block_size_i=BLOCK, accuracy_level_i=accuracy_level), x, n)
+
+
+class Q41Linear(nn.Module):
+    """A bias-free linear whose weight [N, K] is Q4_1 blocks, in MatMulNBits' layout."""
+
+    exports_itself = True  # engines/export.py's `linear` calls the module
+
+    def __init__(self, matrix: BlockMatrix, accuracy_level: int):
+        super().__init__()
+        n, k = matrix.shape
+        q = matrix.codes()  # [N, K] in 0..15
+        packed = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, k // BLOCK, BLOCK // 2)
+        self.register_buffer("codes", torch.from_numpy(np.ascontiguousarray(packed)))  # uint8 [N, K/32, 16]
+        self.register_buffer("scales", torch.from_numpy(matrix.scales().reshape(-1)))  # [N·K/32]
+        zero_bytes = n * ((k // BLOCK + 1) // 2)  # two 4-bit zero points per byte, rows padded to a byte
+        self.register_buffer("zero_points", torch.zeros(zero_bytes, dtype=torch.uint8))
+        self.register_buffer("minimum", torch.from_numpy(np.ascontiguousarray(matrix.minimums().T)))  # [K/32, N]
+        self.accuracy_level = accuracy_level
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise LoopspecError(f"Q41Linear takes [B, T, K] activations, got {tuple(x.shape)}")
+        return _Q41Product.apply(x, self.codes, self.scales, self.zero_points, self.minimum, self.accuracy_level)
+
+
+class Q80Linear(nn.Module):
+    """A bias-free linear whose weight [N, K] is Q8_0 blocks: MatMulNBits bits 8 (int8 activations)."""
+
+    exports_itself = True
+
+    def __init__(self, matrix: BlockMatrix, accuracy_level: int):
+        super().__init__()
+        n, k = matrix.shape
+        shifted = (matrix.codes().astype(np.int16) + 128).astype(np.uint8).reshape(n, k // BLOCK, BLOCK)
+        self.register_buffer("codes", torch.from_numpy(shifted))  # uint8 [N, K/32, 32]
+        self.register_buffer("scales", torch.from_numpy(matrix.scales().reshape(-1)))  # [N·K/32]
+        self.accuracy_level = accuracy_level
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Q80Product.apply(x, self.codes, self.scales, self.accuracy_level)
+
+
+def block_linear(matrix: BlockMatrix, precision: str) -> nn.Module | None:
+    """The module computing one matrix's product in `precision`; None: the fp32 Linear stays (F32/F16
+    tensors, and Q8_0 with fp32 activations, whose fp32 expansion is exact and fast)."""
+    level = ACCURACY_LEVEL[precision]
+    if matrix.kind == "Q4_1":
+        return Q41Linear(matrix, level)
+    if matrix.kind == "Q8_0" and level == ACCURACY_LEVEL["gguf-int8act"]:
+        return Q80Linear(matrix, level)
+    return None
+
+
+def check_expansion(name: str, matrix: BlockMatrix, weight: torch.Tensor) -> None:
+    """The blocks must be the reference's weights (the same GGUF): their expansion equals it exactly."""
+    expanded = matrix.dequantize()
+    if tuple(expanded.shape) != tuple(weight.shape) or not np.array_equal(expanded, weight.detach().numpy()):
+        raise LoopspecError(f"the GGUF's {name} ({matrix.kind}) does not expand to the target's weight: the GGUF "
+                            f"and the target checkpoint differ")
+
+
+def block_target(target: Target, blocks: dict[str, BlockMatrix], precision: str) -> tuple[Target, dict]:
+    """A copy of `target` whose linears compute with the GGUF's blocks (`blocks`: from
+    loopspec.gguf_blocks.target_blocks) → (copy, {how each GGUF type runs: count of products})."""
+    check_precision(precision)
+    out = copy.deepcopy(target)
+    counts: dict[str, int] = {}
+    for name, matrix in blocks.items():
+        if name == "embed_tokens.weight":
+            check_expansion(name, matrix, target.embed_tokens.weight)
+            continue  # the Gather reads the fp32 expansion (one row per token)
+        parent_name, _, leaf = name.removesuffix(".weight").rpartition(".")
+        parent = out.get_submodule(parent_name) if parent_name else out
+        linear = getattr(parent, leaf)
+        if getattr(linear, "bias", None) is not None:
+            raise LoopspecError(f"{name}: the GGUF block export supports bias-free linears")
+        check_expansion(name, matrix, linear.weight)
+        module = block_linear(matrix, precision)
+        how = f"{matrix.kind} as {'fp32 MatMul' if module is None else type(module).__name__}"
+        counts[how] = counts.get(how, 0) + 1
+        if module is not None:
+            setattr(parent, leaf, module)
+    return out, counts

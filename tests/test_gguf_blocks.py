@@ -1,0 +1,286 @@
+"""The target's GGUF blocks exported for ONNX Runtime (convert/gguf_export.py): Q4_1 as MatMulNBits
+plus the minimum's correction term, Q8_0 as an 8-bit block product. A tiny llama target is
+quantized in-test with the `gguf` package (Q4_1 matrices, Q8_0 tied embedding) and its checkpoint
+rewritten to the blocks' fp32 expansion, the reference."""
+
+import json
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
+pytest.importorskip("onnx", reason="needs onnx: pip install 'loopspec[onnx]'")
+gguf = pytest.importorskip("gguf")
+
+from loopspec.cli import main  # noqa: E402
+from loopspec.convert.gguf_export import Q41Linear, Q80Linear, block_target  # noqa: E402
+from loopspec.convert.onnx_export import convert_onnx  # noqa: E402
+from loopspec.engines.export import linear  # noqa: E402
+from loopspec.engines.ort import EngineSession  # noqa: E402
+from loopspec.engines.specs import TARGET_VERIFY  # noqa: E402
+from loopspec.errors import LoopspecError  # noqa: E402
+from loopspec.gguf_blocks import read_tensors, target_blocks  # noqa: E402
+from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from loopspec.runtime.decoder import generate  # noqa: E402
+from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
+from loopspec.settings import DecodingSettings  # noqa: E402
+from loopspec.weights import load_target_dir, read_safetensors_dir, write_safetensors  # noqa: E402
+
+from conftest import save_tiny_target, save_tiny_tokenizer  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+PRECISIONS = ("gguf-fp32act", "gguf-int8act")
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order (what its converter writes): the inverse of the reader's."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(target_dir, path, bad_type=None):
+    """The HF checkpoint in `target_dir` → a llama GGUF (Q4_1 matrices, Q8_0 token_embd, F32 norms);
+    the checkpoint is then rewritten to the GGUF's expansion (gguf's own dequantize), so the fp32
+    reference is exactly what the blocks hold."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    state = {k: v.float().numpy() for k, v in read_safetensors_dir(target_dir).items()}
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    expanded = {}
+    for hf_name, w in state.items():
+        name = hf_name.removeprefix("model.").removesuffix(".weight")
+        if name == "lm_head":
+            continue  # tied
+        layer, _, rest = name.partition("layers.")[2].partition(".") if name.startswith("layers.") else ("", "", name)
+        gguf_name = (f"blk.{layer}." if layer else "") + names[rest] + ".weight"
+        stored = llama_cpp_permute(w, heads if "q_proj" in rest else kv_heads) if rest in (
+            "self_attn.q_proj", "self_attn.k_proj") else w
+        kind = Q.F32 if w.ndim == 1 else Q.Q8_0 if rest == "embed_tokens" else Q.Q4_1
+        if bad_type is not None and rest == "mlp.down_proj":
+            kind = bad_type
+        data = gguf.quants.quantize(stored, kind)
+        writer.add_tensor(gguf_name, data, raw_dtype=kind)  # data: the byte rows
+        back = gguf.quants.dequantize(data, kind).reshape(stored.shape)
+        if rest in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's order undone (HF's rotate-half)
+            h = heads if "q_proj" in rest else kv_heads
+            back = back.reshape(h, back.shape[0] // h // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
+        expanded[hf_name] = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if "lm_head.weight" in state:
+        expanded["lm_head.weight"] = expanded["model.embed_tokens.weight"]
+    for f in target_dir.glob("*.safetensors"):
+        f.unlink()
+    write_safetensors(expanded, target_dir / "model.safetensors")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """(target dir holding the expansion, its GGUF, a random drafter dir) for a tiny llama."""
+    root = tmp_path_factory.mktemp("gguf")
+    target_dir = save_tiny_target("llama", root / "target", seed=3)
+    save_tiny_tokenizer(target_dir)
+    path = write_tiny_gguf(target_dir, root / "tiny.Q4_1.gguf")
+    target = load_target_dir(target_dir)
+    torch.manual_seed(0)
+    Drafter(DrafterConfig.for_target(target.cfg, num_layers=1, block_size=5, mask_token_id=127)).save(
+        root / "drafter", dtype=torch.float32)
+    return target_dir, path, root / "drafter"
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_gguf, tmp_path_factory):
+    """{precision: (artifact dir, validation report)} of the tiny pair."""
+    target_dir, path, drafter_dir = tiny_gguf
+    target, drafter = load_target_dir(target_dir), Drafter.load(drafter_dir)
+    out = {}
+    for precision in PRECISIONS:
+        onnx_dir = tmp_path_factory.mktemp("onnx") / precision
+        _, report = convert_onnx(target, drafter, onnx_dir, target_dir=target_dir, drafter_dir=drafter_dir,
+                                 precision=precision, gguf_path=path, num_threads=1)
+        out[precision] = (onnx_dir, report)
+    return out
+
+
+def tiny_blocks(tiny_gguf):
+    target_dir, path, _ = tiny_gguf
+    cfg = load_target_dir(target_dir).cfg
+    return target_blocks(path, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings)
+
+
+class OneProduct(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return linear(x, self.module)
+
+
+def run_one_product(module, x: np.ndarray, path) -> np.ndarray:
+    """One exported product (the TorchScript exporter, as engines/export.py) run by ONNX Runtime."""
+    import onnxruntime as ort
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(OneProduct(module).eval(), (torch.from_numpy(x),), str(path), dynamo=False,
+                          opset_version=17, input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "batch", 1: "tokens"}})
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+def test_blocks_expand_to_the_checkpoint_and_minimums_are_not_codes(tiny_gguf):
+    blocks = tiny_blocks(tiny_gguf)
+    target = load_target_dir(tiny_gguf[0])
+    state = target.state_dict()
+    assert {b.kind for b in blocks.values()} == {"Q4_1", "Q8_0"}
+    for name, matrix in blocks.items():
+        assert np.array_equal(matrix.dequantize(), state[name].numpy()), name  # q/k rows back in HF order
+    m = blocks["layers.0.mlp.down_proj.weight"]
+    ratio = m.minimums() / m.scales()
+    # what the correction term is for: a minimum that no zero-point code of the scale can express
+    assert np.abs(ratio - np.round(ratio)).max() > 0.1
+
+
+@pytest.mark.parametrize("name", ["layers.0.mlp.gate_up_proj.weight", "layers.0.mlp.down_proj.weight",
+                                  "layers.1.self_attn.qkv_proj.weight"])
+def test_one_q4_1_product_equals_the_fp32_expansion(tiny_gguf, name, tmp_path):
+    matrix = tiny_blocks(tiny_gguf)[name]
+    w = matrix.dequantize()  # [N, K]
+    x = np.random.default_rng(0).standard_normal((2, 3, w.shape[1])).astype(np.float32)
+    ref = x @ w.T
+    scale = np.abs(ref).max()
+    exact = run_one_product(Q41Linear(matrix, accuracy_level=1), x, tmp_path / "q4.onnx")
+    assert np.abs(exact - ref).max() / scale < 1e-5
+    # without the minimum's term the product would be far off: the correction carries real weight
+    assert np.abs((x @ (w - np.repeat(matrix.minimums(), 32, axis=1)).T) - ref).max() / scale > 0.1
+    int8 = run_one_product(Q41Linear(matrix, accuracy_level=4), x, tmp_path / "q4i.onnx")
+    assert 1e-6 < np.abs(int8 - ref).max() / scale < 5e-2  # int8 activations: close, not equal
+    eager = Q41Linear(matrix, accuracy_level=1)(torch.from_numpy(x)).numpy()
+    assert np.abs(eager - ref).max() / scale < 1e-6
+
+
+def test_one_q8_0_product_is_the_8_bit_block_product(tiny_gguf, tmp_path):
+    matrix = tiny_blocks(tiny_gguf)["lm_head.weight"]
+    assert matrix.kind == "Q8_0"
+    w = matrix.dequantize()
+    x = np.random.default_rng(1).standard_normal((1, 4, w.shape[1])).astype(np.float32)
+    ref = x @ w.T
+    got = run_one_product(Q80Linear(matrix, accuracy_level=4), x, tmp_path / "q8.onnx")
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 5e-2
+    assert np.array_equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_the_graphs_hold_the_blocks_and_the_manifest_names_them(exported):
+    import onnx
+
+    counts = {}
+    for precision, (onnx_dir, report) in exported.items():
+        manifest = json.loads((onnx_dir / "manifest.json").read_text())
+        assert manifest["precision"] == precision and report["passed"], report
+        assert manifest["settings"]["arithmetic"]["matmulnbits_accuracy_level"] == (1 if "fp32" in precision else 4)
+        assert manifest["settings"]["weights"]["file"]["files"]  # the GGUF's sha256
+        assert manifest["settings"]["attention_values"] == (
+            "one product over [past; new]" if precision == "gguf-int8act" else "past and new summed")
+        graph = onnx.load(str(onnx_dir / "target_verify.onnx"), load_external_data=False).graph
+        nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+        bits = sorted(next(a.i for a in n.attribute if a.name == "bits") for n in nbits)
+        counts[precision] = bits
+        for engine in ("drafter_context", "drafter_block"):  # the drafter stays fp32
+            g = onnx.load(str(onnx_dir / f"{engine}.onnx"), load_external_data=False).graph
+            assert not any(n.op_type == "MatMulNBits" for n in g.node)
+    n_layers = json.loads((exported["gguf-fp32act"][0] / "target" / "config.json").read_text())["num_hidden_layers"]
+    assert counts["gguf-fp32act"] == [4] * (4 * n_layers)  # Q8_0 lm_head as its exact fp32 expansion
+    assert counts["gguf-int8act"] == [4] * (4 * n_layers) + [8]  # and as the 8-bit block product
+
+
+def test_fp32_activations_match_the_fp32_reference(exported):
+    _, report = exported["gguf-fp32act"]
+    errors = report["engines"][TARGET_VERIFY]["errors"]
+    assert errors["logits"] < 1e-4 and report["greedy_identical"] and report["verify_equals_plain"]
+    _, report = exported["gguf-int8act"]
+    # a different model: its logits deviate measurably from fp32 (reported), within the loose bound;
+    # one verification computes what its plain decoding computes (one value product, see `attend`)
+    assert 1e-5 < report["engines"][TARGET_VERIFY]["errors"]["logits"] < 0.25
+    assert report["verify_equals_plain"] and report["verify_plain_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_ar_dflash_dloop_identical_on_the_block_engines(exported, precision):
+    onnx_dir, _ = exported[precision]
+    engine = OrtEngine(onnx_dir, 160, num_threads=1)
+    prompt = torch.randint(3, 120, (9,), generator=torch.Generator().manual_seed(7)).tolist()
+    ar = generate(engine, prompt, max_new_tokens=40)
+    dflash = generate(engine, prompt, DecodingSettings("dflash", 5), max_new_tokens=40)
+    dloop = generate(engine, prompt, DecodingSettings("dloop", 5, 3, -1e9), max_new_tokens=40)
+    assert len(ar.tokens) == 40 and dflash.tokens == ar.tokens and dloop.tokens == ar.tokens
+    assert max(dloop.stats.stages_per_round) == 3
+
+
+def test_block_target_leaves_the_reference_alone(tiny_gguf):
+    target = load_target_dir(tiny_gguf[0])
+    copy, counts = block_target(target, tiny_blocks(tiny_gguf), "gguf-int8act")
+    assert isinstance(copy.layers[0].mlp.down_proj, Q41Linear) and isinstance(copy.lm_head, Q80Linear)
+    assert isinstance(target.layers[0].mlp.down_proj, nn.Linear) and isinstance(target.lm_head, nn.Linear)
+    assert counts == {"Q4_1 as Q41Linear": 4 * target.cfg.num_layers, "Q8_0 as Q80Linear": 1}
+
+
+def test_bad_input_is_one_clear_error(tiny_gguf, tmp_path, capsys):
+    target_dir, path, _ = tiny_gguf
+    other = tmp_path / "other"
+    shutil.copytree(target_dir, other)
+    bad = write_tiny_gguf(other, tmp_path / "q5.gguf", bad_type=Q.Q5_0)
+    with pytest.raises(LoopspecError, match="Q5_0.*supports Q4_1, Q8_0, F32, F16"):
+        read_tensors(bad)
+    target = load_target_dir(target_dir)
+    fresh = save_tiny_target("llama", tmp_path / "fresh", seed=9)  # not the GGUF's weights
+    with pytest.raises(LoopspecError, match="does not expand to the target's weight"):
+        block_target(load_target_dir(fresh), tiny_blocks(tiny_gguf), "gguf-fp32act")
+    with pytest.raises(LoopspecError, match="unknown GGUF block precision"):
+        block_target(target, tiny_blocks(tiny_gguf), "q4")
+    from loopspec.engines.trt import check_precision_supported
+
+    with pytest.raises(LoopspecError, match="MatMulNBits, which TensorRT does not run"):
+        check_precision_supported("gguf-int8act", (10, 0))
+    capsys.readouterr()  # the tiny checkpoints' own progress output
+    assert main(["convert", "onnx", "--target", str(target_dir), "--drafter", "none", "--precision", "gguf-int8act",
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "need a GGUF target" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.e2e
+def test_default_target_over_its_gguf_blocks(tmp_path):
+    """The embedded SmolLM2 GGUF through the command line, both arithmetics: validated, and greedy
+    `dloop` equal to `ar` on each engine (fp32 activations: also equal to the fp32 reference)."""
+    from loopspec.runtime.pipeline import load_pipeline
+
+    prompt = None
+    outputs = {}
+    for precision in PRECISIONS:
+        out = tmp_path / precision
+        assert main(["convert", "onnx", "--target", "default", "--drafter", "default", "--precision", precision,
+                     "--out", str(out), "--threads", "1"]) == 0
+        assert json.loads((out / "manifest.json").read_text())["validation"]["passed"]
+        pipe = load_pipeline(backend="onnxruntime", onnx_dir=out, num_threads=1)
+        prompt = prompt or pipe.encode("Write a Python function that reverses a string.")
+        ar = pipe.run(prompt, pipe.settings("ar"), max_new_tokens=48)
+        dloop = pipe.run(prompt, pipe.settings("dloop"), max_new_tokens=48)
+        assert dloop.tokens == ar.tokens and sum(dloop.stats.accepted_per_round) > 0  # drafts were accepted
+        outputs[precision] = ar.tokens
+    reference = load_pipeline("default", "none", backend="torch", num_threads=1)
+    assert outputs["gguf-fp32act"] == reference.run(prompt, reference.settings("ar"), max_new_tokens=48).tokens
