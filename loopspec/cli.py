@@ -326,8 +326,8 @@ def cmd_tune(args) -> int:
     if not args.no_store:
         if pipe.drafter_dir is None:
             raise LoopspecError("the drafter was not loaded from a directory; nothing to store into")
-        store_setting(pipe.drafter_dir, best)
-        print(f"stored in {pipe.drafter_dir / 'config.json'}: block {best['block_size']}, "
+        store_setting(pipe.drafter_dir, best, pipe.backend)
+        print(f"stored in {pipe.drafter_dir / 'config.json'} for {pipe.backend}: block {best['block_size']}, "
               f"max stages {best['max_stages']}, gate {best['gate_threshold']}, tree budget {best['tree_budget']}, "
               f"suffix {'on' if best['suffix'] else 'off'}")
     return 0

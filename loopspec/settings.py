@@ -102,19 +102,22 @@ def check_method(method: str, has_drafter: bool) -> None:
         raise LoopspecError(f"method {method!r} needs a drafter (got --drafter none)")
 
 
-def tuned_dloop(drafter: DrafterConfig | None) -> dict:
-    """The setting `loopspec tune` stored with the drafter (config.json loopspec.dloop: block size,
-    gate, stages, tree budget, suffix), if any."""
-    return dict(drafter.extra.get("dloop") or {}) if drafter is not None else {}
+def tuned_setting(drafter: DrafterConfig | None, backend: str | None = None) -> dict:
+    """The setting `loopspec tune` stored with the drafter (block size, gate, stages, tree budget,
+    suffix): config.json loopspec.tuned[backend], measured on that backend, else loopspec.dloop,
+    the drafter's setting for any backend; {} when none."""
+    if drafter is None:
+        return {}
+    return dict((drafter.extra.get("tuned") or {}).get(backend) or drafter.extra.get("dloop") or {})
 
 
 def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: int | None = None,
                      gate_threshold: float | None = None, max_stages: int | None = None,
                      adaptive: bool = True, tree_budget: int | None = None,
-                     suffix: bool | None = None) -> DecodingSettings:
-    """The settings of `method` for a drafter: what was given, else the drafter's tuned setting
-    (its block size, tree budget and suffix for dflash and dloop; gate and stages for dloop), else
-    its block size, the chain without suffix and the DLoop defaults."""
+                     suffix: bool | None = None, backend: str | None = None) -> DecodingSettings:
+    """The settings of `method` for a drafter on `backend`: what was given, else the drafter's tuned
+    setting for that backend (its tree budget and suffix for dflash and dloop; block size, gate and
+    stages for dloop), else its block size, the chain without suffix and the DLoop defaults."""
     check_method(method, drafter is not None)
     if block_size is not None and block_size < 1:
         raise LoopspecError(f"block size must be >= 1, got {block_size}")
@@ -125,7 +128,7 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
     if method == "suffix":
         return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
                                 tree_budget=tree_budget or 0)  # (a tree budget is refused with its reason)
-    stored = tuned_dloop(drafter)
+    stored = tuned_setting(drafter, backend)
     tree = {"tree_budget": tree_budget if tree_budget is not None else int(stored.get("tree_budget", 0)),
             "suffix": suffix if suffix is not None else bool(stored.get("suffix", False))}
     if method == "dflash":
@@ -139,23 +142,24 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
 
 
 def method_variant(name: str) -> tuple[str, dict]:
-    """A method as `bench` and `tune` name it → (method, overrides of its resolved settings):
-    'dflash' (the drafter's resolved setting), 'dflash+chain' (no tree, no suffix branch),
-    'dloop+tree16' (16 tree nodes), 'dflash+suffix', 'dloop+tree16+suffix', 'suffix'."""
+    """A method as `bench` and `tune` name it → (method, overrides of its resolved settings).
+
+    A bare name is the resolved setting (flags, else what `tune` stored); parts name the tree and
+    the suffix branch completely, whatever was stored: 'dflash+chain' (no tree, no suffix branch),
+    'dloop+tree16' (16 tree nodes, no suffix branch), 'dflash+suffix' (the chain and the suffix
+    branch), 'dloop+tree16+suffix'. 'suffix' is the drafter-free method."""
     method, *parts = name.split("+")
     if method not in METHODS:
         raise LoopspecError(f"unknown method {method!r} in {name!r} (choose from {', '.join(METHODS)})")
     if parts and method not in DRAFTER_METHODS:
         raise LoopspecError(f"{name!r}: only {' and '.join(DRAFTER_METHODS)} take +chain, +treeN or +suffix")
-    overrides: dict = {}
+    overrides: dict = {"tree_budget": 0, "suffix": False} if parts else {}
     for part in parts:
-        if part == "chain":
-            overrides.update(tree_budget=overrides.get("tree_budget", 0), suffix=overrides.get("suffix", False))
-        elif part == "suffix":
+        if part == "suffix":
             overrides["suffix"] = True
         elif part.startswith("tree") and part[4:].isdigit() and int(part[4:]) > 0:
             overrides["tree_budget"] = int(part[4:])
-        else:
+        elif part != "chain":
             raise LoopspecError(f"{name!r}: unknown part {part!r} (+chain, +treeN with N >= 1, +suffix)")
     return method, overrides
 

@@ -114,7 +114,8 @@ def verifications_saved(accepted: list[int], block_size: int) -> int:
 
 
 def _table(results: list[BenchResult]) -> str:
-    head = (f"{'dataset':<14}{'method':<11}{'backend':<14}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/s':>8}"
+    width = max([11] + [len(r.method) + 2 for r in results])  # variants (dloop+tree16+suffix) are long
+    head = (f"{'dataset':<14}{'method':<{width}}{'backend':<14}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/s':>8}"
             f"{'speedup':>9}{'bound':>8}{'same as ar':>12}")
     lines = [head, "-" * len(head)]
     for r in results:
@@ -122,7 +123,7 @@ def _table(results: list[BenchResult]) -> str:
         bound = "-" if r.speedup_bound is None else f"{r.speedup_bound:.2f}x"
         same = "-" if r.identical_to_ar is None else ("yes" if r.identical_to_ar else "NO")
         tau = "-" if r.tau is None else f"{r.tau:.2f}"
-        lines.append(f"{r.dataset:<14}{r.method:<11}{r.backend:<14}{r.prompts:>8}{r.new_tokens:>8}{tau:>7}"
+        lines.append(f"{r.dataset:<14}{r.method:<{width}}{r.backend:<14}{r.prompts:>8}{r.new_tokens:>8}{tau:>7}"
                      f"{r.tokens_per_s:>8.1f}{speed:>9}{bound:>8}{same:>12}")
     return "\n".join(lines)
 

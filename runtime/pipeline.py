@@ -75,10 +75,10 @@ class Pipeline:
         return dataclasses.replace(self, engine=self.engine.with_rows(max_rows))
 
     def settings(self, method: str, **knobs) -> DecodingSettings:
-        """The decoding settings of `method` for this pipeline's drafter; `knobs` are those of
-        loopspec.settings.resolve_settings (block_size, gate_threshold, max_stages, adaptive,
-        tree_budget, suffix)."""
-        return resolve_settings(method, self.engine.drafter_cfg, **knobs)
+        """The decoding settings of `method` for this pipeline's drafter on its backend; `knobs` are
+        those of loopspec.settings.resolve_settings (block_size, gate_threshold, max_stages,
+        adaptive, tree_budget, suffix)."""
+        return resolve_settings(method, self.engine.drafter_cfg, backend=self.backend, **knobs)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """A user prompt → token ids, wrapped in the chat template when `chat` and the model has one."""

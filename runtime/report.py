@@ -36,8 +36,9 @@ def _drafts(r: dict) -> bool:
 def _tree_point(method: str) -> tuple[str, int, bool] | None:
     """'dflash+tree16+suffix' → ('dflash', 16, True); the chain is budget 0; None for other methods."""
     base, *parts = method.split("+")
-    if base not in ("dflash", "dloop"):
-        return None
+    if base not in ("dflash", "dloop") or not parts or any(
+            p not in ("chain", "suffix") and not (p.startswith("tree") and p[4:].isdigit()) for p in parts):
+        return None  # a bare name (the tuned setting) or an unknown label: no budget to place it at
     budget = next((int(p[4:]) for p in parts if p.startswith("tree")), 0)
     return base, budget, "suffix" in parts
 

@@ -48,6 +48,7 @@ import torch
 from loopspec.engines.trt import check_precision_supported
 from loopspec.errors import LoopspecError
 from loopspec.runtime.pipeline import load_pipeline
+from loopspec.settings import method_variant
 
 target, drafter, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 NEW_TOKENS = 96
@@ -107,13 +108,15 @@ for name, pipe in backends.items():
         failures.append(f"{name}: logits differ from eager by {diff:.2e}")
 
 # greedy identity and speed
-methods = ["ar", "dflash", "dloop"]
+# chains and trees: on a GPU verifying 16-32 nodes costs about one step, so trees should pay there
+methods = ["ar", "dflash+chain", "dflash+tree16", "dflash+tree32+suffix", "dloop", "suffix"]
 encoded = [eager.encode(p) for p in PROMPTS]
 plain = [eager.run(ids, eager.settings("ar"), max_new_tokens=NEW_TOKENS).tokens for ids in encoded]
-print(f"\n{'backend':<22}{'method':<8}{'tok/s':>9}{'tau':>7}  identical to plain decoding")
+print(f"\n{'backend':<22}{'method':<22}{'tok/s':>9}{'tau':>7}  identical to plain decoding")
 for name, pipe in backends.items():
     for method in methods:
-        settings = pipe.settings(method, adaptive=False)
+        base, overrides = method_variant(method)
+        settings = pipe.settings(base, adaptive=False, **overrides)
         pipe.run(encoded[0], settings, max_new_tokens=16)  # warm-up: capture, autotune
         tokens, seconds, taus = 0, 0.0, []
         same = True
@@ -126,7 +129,7 @@ for name, pipe in backends.items():
             tokens += len(result.tokens)
             taus.append(result.stats.acceptance_length)
             same &= result.tokens == expected
-        print(f"{name:<22}{method:<8}{tokens / seconds:>9.1f}{sum(taus) / len(taus):>7.2f}  {same}")
+        print(f"{name:<22}{method:<22}{tokens / seconds:>9.1f}{sum(taus) / len(taus):>7.2f}  {same}")
         if not same:
             failures.append(f"{name}/{method}: output differs from plain decoding")
 

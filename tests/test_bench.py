@@ -12,7 +12,7 @@ from loopspec.runtime.bench import (HUMANEVAL_TEMPLATE, acceptance_stats, load_h
 
 PLOTS = ("speedup.png", "acceptance.png", "tau_histogram.png", "time_split.png", "dloop_stages.png", "tree_budget.png",
          "cost_model.png")
-METHODS = ("ar", "dflash", "dloop", "dflash+tree8", "dflash+tree8+suffix", "suffix", "hf", "hf-lookup")
+METHODS = ("ar", "dflash", "dloop", "dflash+chain", "dflash+tree8", "dflash+tree8+suffix", "suffix", "hf", "hf-lookup")
 
 
 @pytest.fixture

@@ -185,9 +185,11 @@ def test_tune_stores_fastest_lossless_setting(capsys, tiny_pair, tmp_path):
     assert len(report["rows"]) == 2 * (1 + 2) + 3
     assert {(r["tree_budget"], r["suffix"]) for r in report["rows"][-3:]} == {(0, True), (8, False), (8, True)}
     assert all(r["lossless"] for r in report["rows"])
-    stored = json.loads((mine / "config.json").read_text())["loopspec"]["dloop"]
+    extra = json.loads((mine / "config.json").read_text())["loopspec"]
+    stored = extra["dloop"]  # the first tuned setting is the drafter's default for every backend
     assert stored == {k: report["best"][k]
                       for k in ("gate_threshold", "max_stages", "block_size", "tree_budget", "suffix")}
+    assert list(extra["tuned"].values()) == [stored] and list(extra["tuned"]) in (["onnxruntime"], ["torch"])
     from loopspec.runtime.pipeline import load_pipeline
 
     pipe = load_pipeline(str(target), str(mine))

@@ -17,6 +17,7 @@ from loopspec.runtime.cuda_graphs import drafter_block_static, key_bucket, targe
 from loopspec.runtime.decoder import generate
 from loopspec.runtime.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings
+from loopspec.tree import DraftTree, tree_masks
 from loopspec.weights import load_target_dir
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -142,6 +143,14 @@ def test_replay_equals_eager(family, tiny_targets):
         torch.testing.assert_close(gp, ep, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(gh, eh, rtol=1e-4, atol=1e-4)
     assert {key[0] for key in graphs.graphs.graphs} == {"verify", "block"}
+    # a draft tree replays in the bucket of its node count with its mask
+    tree = DraftTree.root(3)
+    a = tree.add(0, 4)
+    tree.add(0, 5)
+    tree.add(a, 6)
+    mask = tree_masks([tree], len(tree))
+    (el, _), (gl, _) = (e.verify([tree.tokens], want_taps=True, tree_masks=mask) for e in (eager, graphs))
+    torch.testing.assert_close(gl, el, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -156,3 +165,5 @@ def test_greedy_identity_with_graphs(family, tiny_targets):
         assert generate(engine, prompt, DecodingSettings("dflash", 6), max_new_tokens=48).tokens == ar.tokens
         dloop = generate(engine, prompt, DecodingSettings("dloop", 6, 3, -1e9), max_new_tokens=48)
         assert dloop.tokens == ar.tokens
+        trees = DecodingSettings("dloop", 6, 3, -1e9, tree_budget=20, suffix=True)  # tree masks as graph inputs
+        assert generate(engine, prompt, trees, max_new_tokens=48).tokens == ar.tokens

@@ -15,7 +15,7 @@ from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
 from loopspec.runtime.decoder import Decoder, decode_all, generate
 from loopspec.runtime.torch_engine import TorchEngine
-from loopspec.settings import DecodingSettings, resolve_settings
+from loopspec.settings import DecodingSettings, method_variant, resolve_settings, variant_name
 from loopspec.tree import DraftTree, SuffixIndex, best_first, draft_tree, tree_masks
 from loopspec.weights import load_target_dir
 
@@ -132,9 +132,21 @@ def test_settings_for_trees_and_suffix():
     assert "tree 16" in s.describe() and "suffix" in s.describe()
     plain = resolve_settings("suffix", None)  # no drafter needed
     assert plain.method == "suffix" and plain.block_size == 8 and not plain.uses_drafter and plain.uses_suffix
-    drafter.extra = {"dloop": {"tree_budget": 12, "suffix": True}}  # what tune stored
+    drafter.extra = {"dloop": {"tree_budget": 12, "suffix": True},  # what tune stored: for any backend,
+                     "tuned": {"torch": {"tree_budget": 0, "suffix": True}}}  # and per backend
     assert (resolve_settings("dflash", drafter).tree_budget, resolve_settings("dflash", drafter).suffix) == (12, True)
+    assert resolve_settings("dflash", drafter, backend="onnxruntime").tree_budget == 12
+    assert resolve_settings("dflash", drafter, backend="torch").tree_budget == 0
     assert resolve_settings("dflash", drafter, tree_budget=0, suffix=False).tree_budget == 0
+    # bench/tune names: a bare name is the resolved setting; parts name tree and suffix completely
+    assert method_variant("dflash") == ("dflash", {})
+    assert method_variant("dflash+tree8") == ("dflash", {"tree_budget": 8, "suffix": False})
+    assert method_variant("dloop+tree16+suffix") == ("dloop", {"tree_budget": 16, "suffix": True})
+    assert method_variant("dflash+chain") == ("dflash", {"tree_budget": 0, "suffix": False})
+    assert variant_name(resolve_settings("dflash", drafter, **method_variant("dflash+tree8")[1])) == "dflash+tree8"
+    for bad in ("dflash+tree0", "suffix+chain", "magic", "dflash+fast"):
+        with pytest.raises(LoopspecError):
+            method_variant(bad)
     for bad, match in ((dict(method="suffix", block_size=8, tree_budget=4), "tree"),
                        (dict(method="ar", suffix=True), "suffix"),
                        (dict(method="dflash", block_size=8, tree_budget=-1), "tree budget")):
