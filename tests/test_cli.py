@@ -38,7 +38,7 @@ def test_generate_ar_and_dflash_print_same_text(capsys, tiny_pair):
     for extra in (["--method", "dloop", "--tree-budget", "8", "--suffix"], ["--method", "suffix", "--drafter", "none"]):
         code, out, err = run(capsys, "generate", "--prompt", "hello world", "--target", str(target),
                              "--drafter", str(drafter), "--max-new-tokens", "20", *extra)
-        stats = [line for line in err.splitlines() if line.startswith("[")]
+        stats = [line for line in err.splitlines() if line.startswith(("[dloop", "[suffix"))]  # not "[loopspec] ..."
         assert code == 0 and out == texts["ar", "torch"] and "nodes/verification" in stats[0]
         assert ("tree 8, + suffix" in stats[0]) == ("dloop" in extra)
 
