@@ -29,6 +29,10 @@ class Engine(Protocol):
     drafter_cfg: DrafterConfig | None  # None: no drafter (plain decoding only)
     max_rows: int
     max_context: int  # the most positions a row may hold
+    # True where only chains verify exactly: an engine that rounds activations to int8 (gguf-int8act)
+    # computes a tree's nodes with another summation order than plain decoding's (masked slots sit
+    # between a node's ancestors), and int8 rounding turns those last bits into other tokens
+    chains_only: bool
 
     @property
     def has_drafter(self) -> bool: ...

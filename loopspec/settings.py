@@ -114,7 +114,8 @@ def tuned_setting(drafter: DrafterConfig | None, backend: str | None = None) -> 
 def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: int | None = None,
                      gate_threshold: float | None = None, max_stages: int | None = None,
                      adaptive: bool = True, tree_budget: int | None = None,
-                     suffix: bool | None = None, backend: str | None = None) -> DecodingSettings:
+                     suffix: bool | None = None, backend: str | None = None,
+                     chains_only: bool = False) -> DecodingSettings:
     """The settings of `method` for a drafter on `backend`: what was given, else the drafter's tuned
     setting for that backend (its tree budget and suffix for dflash and dloop; block size, gate and
     stages for dloop), else its block size, the chain without suffix and the DLoop defaults."""
@@ -129,6 +130,8 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
         return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
                                 tree_budget=tree_budget or 0)  # (a tree budget is refused with its reason)
     stored = tuned_setting(drafter, backend)
+    if chains_only:  # an engine that verifies only chains exactly (see engines/protocol.py): no stored tree
+        stored = {k: v for k, v in stored.items() if k not in ("tree_budget", "suffix")}
     tree = {"tree_budget": tree_budget if tree_budget is not None else int(stored.get("tree_budget", 0)),
             "suffix": suffix if suffix is not None else bool(stored.get("suffix", False))}
     if method == "dflash":

@@ -78,7 +78,8 @@ class Pipeline:
         """The decoding settings of `method` for this pipeline's drafter on its backend; `knobs` are
         those of loopspec.settings.resolve_settings (block_size, gate_threshold, max_stages,
         adaptive, tree_budget, suffix)."""
-        return resolve_settings(method, self.engine.drafter_cfg, backend=self.backend, **knobs)
+        return resolve_settings(method, self.engine.drafter_cfg, backend=self.backend,
+                                chains_only=self.engine.chains_only, **knobs)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """A user prompt → token ids, wrapped in the chat template when `chat` and the model has one."""

@@ -228,6 +228,16 @@ def test_ar_dflash_dloop_identical_on_the_block_engines(exported, precision):
     dloop = generate(engine, prompt, DecodingSettings("dloop", 5, 3, -1e9), max_new_tokens=40)
     assert len(ar.tokens) == 40 and dflash.tokens == ar.tokens and dloop.tokens == ar.tokens
     assert max(dloop.stats.stages_per_round) == 3
+    assert generate(engine, prompt, DecodingSettings("suffix", 6), max_new_tokens=40).tokens == ar.tokens
+    # draft trees: exact where activations stay fp32; the int8 engine verifies chains only (a tree's
+    # masked layout sums in another order, and int8 rounding makes other tokens of it)
+    tree = DecodingSettings("dflash", 5, tree_budget=8, suffix=True)
+    assert engine.chains_only == (precision == "gguf-int8act")
+    if engine.chains_only:
+        with pytest.raises(LoopspecError, match="chains exactly"):
+            generate(engine, prompt, tree, max_new_tokens=40)
+    else:
+        assert generate(engine, prompt, tree, max_new_tokens=40).tokens == ar.tokens
 
 
 def test_block_target_leaves_the_reference_alone(tiny_gguf):
@@ -279,8 +289,9 @@ def test_default_target_over_its_gguf_blocks(tmp_path):
         pipe = load_pipeline(backend="onnxruntime", onnx_dir=out, num_threads=1)
         prompt = prompt or pipe.encode("Write a Python function that reverses a string.")
         ar = pipe.run(prompt, pipe.settings("ar"), max_new_tokens=48)
-        dloop = pipe.run(prompt, pipe.settings("dloop"), max_new_tokens=48)
+        dloop = pipe.run(prompt, pipe.settings("dloop"), max_new_tokens=48)  # the tuned setting (int8: no tree)
         assert dloop.tokens == ar.tokens and sum(dloop.stats.accepted_per_round) > 0  # drafts were accepted
+        assert (dloop.settings.tree_budget == 0 and not dloop.settings.suffix) == (precision == "gguf-int8act")
         outputs[precision] = ar.tokens
     reference = load_pipeline("default", "none", backend="torch", num_threads=1)
     assert outputs["gguf-fp32act"] == reference.run(prompt, reference.settings("ar"), max_new_tokens=48).tokens
