@@ -14,7 +14,7 @@ from torch import nn
 
 pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
 pytest.importorskip("onnx", reason="needs onnx: pip install 'loopspec[onnx]'")
-gguf = pytest.importorskip("gguf")
+gguf = pytest.importorskip("gguf", reason="needs gguf: pip install gguf (a core dependency)")
 
 from loopspec.cli import main  # noqa: E402
 from loopspec.convert.gguf_export import Q41Linear, Q80Linear, block_target  # noqa: E402
