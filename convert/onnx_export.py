@@ -9,7 +9,7 @@ graph. The directory is self-contained: `target/` holds the target's config and 
 outputs target token ids.
 
 Precision `fp32` (default) exports the fp32 weights. `gguf-fp32act` / `gguf-int8act` export the
-target_verify graph over the GGUF's own 4-bit / 8-bit blocks (convert/gguf_export.py) with fp32 or
+target_verify graph over the GGUF's own 4-bit / 8-bit blocks (engines/gguf_export.py) with fp32 or
 int8 activations; the drafter engines stay fp32.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from loopspec.convert.validate import validate_onnx
 from loopspec.engines.export import OPSET, export_engines
-from loopspec.engines.manifest import Manifest, source_hashes
-from loopspec.errors import LoopspecError
+from loopspec.engines.gguf_export import precision_options
+from loopspec.engines.manifest import Manifest
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 
@@ -32,34 +32,8 @@ def convert_onnx(target: Target, drafter: Drafter | None, out_dir: str | Path, *
     """Export every engine into `out_dir` (manifest.json with provenance) and, unless `validate` is
     False, check it against the PyTorch reference (the report is stored in the manifest too).
     A `gguf-*` precision reads the target's blocks from `gguf_path`, the GGUF `target` was expanded from."""
-    verify_target, settings = None, None
-    if precision != "fp32":
-        verify_target, settings = gguf_verify_target(target, precision, gguf_path)
-    # int8 activations round the last-bit differences of a split value product differently: a
-    # verification would not compute what plain decoding computes (engines/export.py `attend`)
     manifest = export_engines(target, drafter, out_dir, target_dir=target_dir, drafter_dir=drafter_dir,
                               max_context=max_context, block_size=block_size, opset=opset,
-                              verify_target=verify_target, precision=precision, extra_settings=settings,
-                              joined_values=precision == "gguf-int8act")
+                              **precision_options(target, precision, gguf_path))
     report = validate_onnx(out_dir, target, drafter, precision, num_threads=num_threads) if validate else None
     return manifest, report
-
-
-def gguf_verify_target(target: Target, precision: str, gguf_path: str | Path | None) -> tuple[Target, dict]:
-    """The target over the GGUF's blocks and the manifest's account of its weights and arithmetic."""
-    from loopspec.convert.gguf_export import ACCURACY_LEVEL, ACTIVATIONS, block_target, check_precision
-    from loopspec.gguf_blocks import target_blocks
-
-    check_precision(precision)
-    if gguf_path is None:
-        raise LoopspecError(f"precision {precision} needs the target's GGUF file (a target given as 'default' or FILE.gguf)")
-    cfg = target.cfg
-    blocks = target_blocks(gguf_path, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings)
-    verify_target, counts = block_target(target, blocks, precision)
-    path = Path(gguf_path)
-    settings = {"weights": {"format": "gguf blocks", "file": source_hashes(path.parent, [path.name]),
-                            "products": counts, "embedding": "fp32 expansion (Gather)"},
-                "arithmetic": {"activations": ACTIVATIONS[precision],
-                               "matmulnbits_accuracy_level": ACCURACY_LEVEL[precision],
-                               "q4_1_minimum": "blocksum(x) @ M in fp32"}}
-    return verify_target, settings

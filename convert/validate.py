@@ -35,7 +35,7 @@ TOLERANCES = {
     "fp16": {"relative": 1e-2, "tau_drop": 0.05, "greedy": False, "verify_equals_plain": True},
     "fp8": {"relative": 5e-2, "tau_drop": 0.10, "greedy": False, "verify_equals_plain": True},
     "nvfp4": {"relative": 1e-1, "tau_drop": 0.15, "greedy": False, "verify_equals_plain": True},
-    # the GGUF's blocks (convert/gguf_export.py); the reference is their fp32 expansion
+    # the GGUF's blocks (engines/gguf_export.py); the reference is their fp32 expansion
     "gguf-fp32act": {"relative": 1e-4, "target": 1e-3, "tau_drop": 0.02, "greedy": True, "verify_equals_plain": True},
     # a different model: its deviation from fp32 is bounded only loosely (a wrong block layout or a
     # missing minimum term gives errors of order 1), τ along the fp32 trajectory is reported; what

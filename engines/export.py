@@ -416,7 +416,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     (engines/staging.py): an interrupted export never looks complete and never destroys the previous one.
 
     `verify_target`: the module target_verify computes instead of `target` (a copy with linears that
-    export themselves, e.g. the GGUF's blocks: convert/gguf_export.py), named by `precision` and
+    export themselves, e.g. the GGUF's blocks: engines/gguf_export.py), named by `precision` and
     described by `extra_settings` in the manifest; the drafter engines keep `target`'s fp32 embedding
     and lm_head. `joined_values`: target_verify's attention as one value product (see `attend`)."""
     import onnx  # noqa: F401  (fail early, with the extra to install)

@@ -24,6 +24,7 @@ from loopspec.model.target import TargetConfig
 
 class Engine(Protocol):
     backend: str  # "torch" | "onnxruntime" | "tensorrt"
+    precision: str  # what the target computes with: "fp32", "gguf-int8act", ... (engines/manifest.py)
     device: torch.device
     target_cfg: TargetConfig
     drafter_cfg: DrafterConfig | None  # None: no drafter (plain decoding only)

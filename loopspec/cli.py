@@ -84,6 +84,11 @@ def _add_backend_args(p: argparse.ArgumentParser, side_by_side: bool = False) ->
                    help="run the engines of this `loopspec convert onnx` directory (--target/--drafter unused)")
     p.add_argument("--trt-dir", default=None,
                    help="run the TensorRT plans of this `loopspec convert trt` directory (--target/--drafter unused)")
+    p.add_argument("--precision", default="auto",
+                   help="what the target computes with: auto (default: on onnxruntime a GGUF target runs its own "
+                        "Q4_1/Q8_0 blocks with int8 activations, the fastest CPU engine; else fp32) | fp32 (the "
+                        "reference) | gguf-int8act | gguf-fp32act (onnxruntime, GGUF target)"
+                   + ("; a comma list (fp32,gguf-int8act) runs every engine side by side" if side_by_side else ""))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,8 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     _add_backend_args(b, side_by_side=True)
     b.add_argument("--methods", default="ar,dflash",
-                   help="comma-separated: ar, dflash, dloop, suffix, hf, hf-lookup; dflash/dloop may take "
-                        "+chain, +treeN and +suffix (dloop+tree16+suffix) over the flags' setting")
+                   help="comma-separated: ar, dflash, dloop, suffix, hf, hf-lookup (transformers), llamacpp, "
+                        "llamacpp-dflash (llama-server on the target's GGUF, plain / with the drafter); dflash/dloop "
+                        "may take +chain, +treeN and +suffix (dloop+tree16+suffix) over the flags' setting")
+    b.add_argument("--llama-server", default=None,
+                   help="the llama-server binary the llamacpp peers run (default: llama-server on PATH; "
+                        "scripts/build_llama_server.sh builds one)")
     _add_sampling_args(b)
     b.add_argument("--limit", type=_positive_int("--limit"), default=None)
     b.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
@@ -301,7 +310,7 @@ def cmd_tune(args) -> int:
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
                          mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
                          cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir,
-                         trt_dir=args.trt_dir)
+                         trt_dir=args.trt_dir, precision=args.precision)
     if not pipe.engine.has_drafter:
         raise LoopspecError("tune needs a drafter")
     block_sizes = _int_list(args.block_sizes, "--block-sizes") or [pipe.engine.drafter_cfg.block_size]
@@ -326,8 +335,8 @@ def cmd_tune(args) -> int:
     if not args.no_store:
         if pipe.drafter_dir is None:
             raise LoopspecError("the drafter was not loaded from a directory; nothing to store into")
-        store_setting(pipe.drafter_dir, best, pipe.backend)
-        print(f"stored in {pipe.drafter_dir / 'config.json'} for {pipe.backend}: block {best['block_size']}, "
+        store_setting(pipe.drafter_dir, best, pipe.tuning_key)
+        print(f"stored in {pipe.drafter_dir / 'config.json'} for {pipe.tuning_key}: block {best['block_size']}, "
               f"max stages {best['max_stages']}, gate {best['gate_threshold']}, tree budget {best['tree_budget']}, "
               f"suffix {'on' if best['suffix'] else 'off'}")
     return 0
@@ -394,7 +403,7 @@ def cmd_generate(args) -> int:
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
                          mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
                          cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir,
-                         trt_dir=args.trt_dir)
+                         trt_dir=args.trt_dir, precision=args.precision)
     settings = pipe.settings(args.method, **_decoding_knobs(args))
     prompt_ids = pipe.encode(args.prompt, chat=args.chat)
     stream = TextStream(pipe)
@@ -402,7 +411,7 @@ def cmd_generate(args) -> int:
                       on_tokens=stream)
     stream.flush()
     print()
-    about = f"{settings.describe()}, {pipe.backend}"
+    about = f"{settings.describe()}, {pipe.describe_engine()}"
     if settings.uses_drafter:
         about += f", drafter: {pipe.drafter_description}"
     if settings.method == "dloop":
@@ -447,7 +456,7 @@ def cmd_serve(args) -> int:
     check_method(args.method, _names_a_drafter(args))
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context, mask_token_id=args.mask_token_id,
                          num_threads=args.threads, device=args.device, cuda_graphs=args.cuda_graphs,
-                         backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir)
+                         backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir, precision=args.precision)
     settings = pipe.settings(args.method, **_decoding_knobs(args))
     source = Path(args.onnx_dir or args.trt_dir or args.target)
     name = args.model_name or (DEFAULT_TARGET_NAME if source == Path("default") else
@@ -471,8 +480,8 @@ def cmd_bench(args) -> int:
               mask_token_id=args.mask_token_id, num_threads=args.threads,
               gate_threshold=args.gate_threshold, max_stages=args.max_stages, cost_model=args.cost_model,
               adaptive=args.adaptive, tree_budget=args.tree_budget, suffix=args.suffix, device=args.device, cuda_graphs=args.cuda_graphs, out_dir=args.out_dir,
-              backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir,
-              command="loopspec " + shlex.join(args.argv))
+              backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir, precision=args.precision,
+              llama_server=args.llama_server, command="loopspec " + shlex.join(args.argv))
     return 0
 
 

@@ -7,7 +7,7 @@ Blocks run along K (a matrix's input dim) inside each output row, so reordering 
 (llama.cpp's q/k row permutation undone, q/k/v and gate/up fused as `weights.hf_to_target_state`
 fuses them) keeps every block whole.
 
-numpy + the `gguf` reader only; the ONNX side is convert/gguf_export.py.
+numpy + the `gguf` reader only; the ONNX side is engines/gguf_export.py.
 """
 
 from __future__ import annotations

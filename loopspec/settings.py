@@ -102,22 +102,28 @@ def check_method(method: str, has_drafter: bool) -> None:
         raise LoopspecError(f"method {method!r} needs a drafter (got --drafter none)")
 
 
-def tuned_setting(drafter: DrafterConfig | None, backend: str | None = None) -> dict:
+def engine_key(backend: str, precision: str = "fp32") -> str:
+    """Which engine a tuned setting was measured on: the backend, and the precision beyond fp32 (a
+    4-bit engine's verification costs more plain steps than fp32's, so its best setting differs)."""
+    return backend if precision == "fp32" else f"{backend} {precision}"
+
+
+def tuned_setting(drafter: DrafterConfig | None, engine: str | None = None) -> dict:
     """The setting `loopspec tune` stored with the drafter (block size, gate, stages, tree budget,
-    suffix): config.json loopspec.tuned[backend], measured on that backend, else loopspec.dloop,
-    the drafter's setting for any backend; {} when none."""
+    suffix): config.json loopspec.tuned[engine] (`engine_key`), measured on that engine, else
+    loopspec.dloop, the drafter's setting for any engine; {} when none."""
     if drafter is None:
         return {}
-    return dict((drafter.extra.get("tuned") or {}).get(backend) or drafter.extra.get("dloop") or {})
+    return dict((drafter.extra.get("tuned") or {}).get(engine) or drafter.extra.get("dloop") or {})
 
 
 def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: int | None = None,
                      gate_threshold: float | None = None, max_stages: int | None = None,
                      adaptive: bool = True, tree_budget: int | None = None,
-                     suffix: bool | None = None, backend: str | None = None,
+                     suffix: bool | None = None, engine: str | None = None,
                      chains_only: bool = False) -> DecodingSettings:
-    """The settings of `method` for a drafter on `backend`: what was given, else the drafter's tuned
-    setting for that backend (its tree budget and suffix for dflash and dloop; block size, gate and
+    """The settings of `method` for a drafter on `engine` (`engine_key`): what was given, else the
+    drafter's tuned setting for that engine (its tree budget and suffix for dflash and dloop; block size, gate and
     stages for dloop), else its block size, the chain without suffix and the DLoop defaults."""
     check_method(method, drafter is not None)
     if block_size is not None and block_size < 1:
@@ -129,7 +135,7 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
     if method == "suffix":
         return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
                                 tree_budget=tree_budget or 0)  # (a tree budget is refused with its reason)
-    stored = tuned_setting(drafter, backend)
+    stored = tuned_setting(drafter, engine)
     if chains_only:  # an engine that verifies only chains exactly (see engines/protocol.py): no stored tree
         stored = {k: v for k, v in stored.items() if k not in ("tree_budget", "suffix")}
     tree = {"tree_budget": tree_budget if tree_budget is not None else int(stored.get("tree_budget", 0)),

@@ -39,6 +39,7 @@ class ArtifactEngine:
         self.drafter_cfg = (DrafterConfig.from_zlab(read_json(self.artifact_dir / "drafter" / "config.json",
                                                               "drafter config"))
                             if self.manifest.has_drafter else None)
+        self.precision = self.manifest.precision
         arithmetic = self.manifest.data.get("settings", {}).get("arithmetic", {})
         self.chains_only = str(arithmetic.get("activations", "")).startswith("int8")  # see engines/protocol.py
         spec_limit = self.manifest.spec(TARGET_VERIFY).ranges["tokens"][2]  # the exported max context

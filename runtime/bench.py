@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loopspec.decoding import SamplingParams
+from loopspec.engines.manifest import describe_precision
 from loopspec.errors import LoopspecError
 from loopspec.prompts import read_prompts
 from loopspec.settings import DecodingSettings
@@ -46,7 +47,7 @@ class BenchResult:
     speedup_bound: float | None = None  # τ·t(1) / (stages·t_draft + t_verify(len)) from the cost model
     speedup_bound_as_run: float | None = None  # the same bound over the mix of drafting and plain rounds run
     fallback_rounds: int = 0  # plain rounds chosen by the adaptive fallback
-    backend: str = "torch"  # "transformers" for the peers
+    backend: str = "torch"  # the engine: backend and precision ("onnxruntime gguf-int8act"); a peer's library
     repeats: int = 1
     same_across_repeats: bool = True  # every repeat produced the same tokens
     prefill_s: float = 0.0
@@ -58,6 +59,10 @@ class BenchResult:
     verifications_saved: int | None = None  # DLoop: one-stage DFlash verifications its chains replaced
     nodes_per_verification: float | None = None  # draft nodes (tree or chain) per verification that drafted
     suffix_share: float | None = None  # share of committed tokens that only the suffix index proposed
+    # share of prompts whose greedy output equals the fp32 reference engine's `ar` (None: no fp32
+    # engine in the run); identical_to_ar compares with the same engine's own plain decoding
+    agreement_with_fp32: float | None = None
+    fp32_matching_prefix: float | None = None  # mean tokens before the output first leaves fp32's `ar`
 
 
 def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[str]:
@@ -115,17 +120,51 @@ def verifications_saved(accepted: list[int], block_size: int) -> int:
 
 def _table(results: list[BenchResult]) -> str:
     width = max([11] + [len(r.method) + 2 for r in results])  # variants (dloop+tree16+suffix) are long
-    head = (f"{'dataset':<14}{'method':<{width}}{'backend':<14}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/s':>8}"
-            f"{'speedup':>9}{'bound':>8}{'same as ar':>12}")
+    engine = max([9] + [len(r.backend) + 2 for r in results])  # "onnxruntime gguf-int8act"
+    head = (f"{'dataset':<14}{'method':<{width}}{'engine':<{engine}}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/s':>8}"
+            f"{'speedup':>9}{'bound':>8}{'same as ar':>12}{'= fp32':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         speed = "-" if r.speedup_vs_ar is None else f"{r.speedup_vs_ar:.2f}x"
         bound = "-" if r.speedup_bound is None else f"{r.speedup_bound:.2f}x"
         same = "-" if r.identical_to_ar is None else ("yes" if r.identical_to_ar else "NO")
+        agree = "-" if r.agreement_with_fp32 is None else f"{r.agreement_with_fp32:.0%}"
         tau = "-" if r.tau is None else f"{r.tau:.2f}"
-        lines.append(f"{r.dataset:<14}{r.method:<{width}}{r.backend:<14}{r.prompts:>8}{r.new_tokens:>8}{tau:>7}"
-                     f"{r.tokens_per_s:>8.1f}{speed:>9}{bound:>8}{same:>12}")
+        lines.append(f"{r.dataset:<14}{r.method:<{width}}{r.backend:<{engine}}{r.prompts:>8}{r.new_tokens:>8}{tau:>7}"
+                     f"{r.tokens_per_s:>8.1f}{speed:>9}{bound:>8}{same:>12}{agree:>8}")
     return "\n".join(lines)
+
+
+def plain_decoding(run: tuple[str, str], reference: tuple[str, str], fp32_reference: tuple[str, str] | None,
+                   pipes: dict) -> tuple[str, str] | None:
+    """The run whose greedy output `run` must equal token for token: a method, its engine's own `ar`
+    (lossless is relative to the engine's weights and arithmetic); `ar`, the reference's `ar` where
+    both engines compute in the same precision (torch and ONNX Runtime fp32); transformers, the fp32
+    `ar` (the same fp32 model), its prompt lookup transformers' own plain run; llama.cpp's DFlash its
+    plain llama.cpp (llama.cpp's own arithmetic equals nothing of ours: `agreement_with_fp32` says how close)."""
+    from loopspec.runtime.peers import PEER_BACKENDS, PLAIN_PEER
+
+    method, on = run
+    if method in PLAIN_PEER:
+        return PLAIN_PEER[method], PEER_BACKENDS[method]
+    if method == "hf":
+        return fp32_reference
+    if method == "llamacpp":
+        return None
+    if method != "ar":
+        return "ar", on
+    same_precision = pipes[on].engine.precision == pipes[reference[1]].engine.precision
+    return reference if same_precision else None
+
+
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two outputs share before they first differ."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def median_run(runs: list) -> int:
@@ -156,10 +195,12 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
               cost_model: bool = False, adaptive: bool = True, tree_budget: int | None = None,
               suffix: bool | None = None, command: str | None = None, device: str = "cpu",
               cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | None = None,
-              trt_dir: str | None = None) -> list[BenchResult]:
+              trt_dir: str | None = None, precision: str = "auto", llama_server: str | None = None) -> list[BenchResult]:
+    """`backend` and `precision` may be comma lists: every (backend, precision) engine runs the same
+    pair side by side; `ar` on the first is the reference of every speedup."""
     from tqdm import tqdm
 
-    from loopspec.runtime.peers import PEER_METHODS, HFPeer
+    from loopspec.runtime.peers import HF_METHODS, LLAMACPP_METHODS, PEER_BACKENDS, PEER_METHODS, PLAIN_PEER, HFPeer
     from loopspec.runtime.pipeline import load_pipeline, resolve_backend
     from loopspec.settings import DRAFTER_METHODS, METHODS, method_variant
 
@@ -171,37 +212,42 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     if repeats < 1:
         raise LoopspecError(f"repeats must be >= 1, got {repeats}")
     if any(m in PEER_METHODS for m in methods) and not params.greedy:
-        raise LoopspecError("the transformers peers are measured greedy only (use --temperature 0)")
+        raise LoopspecError("the transformers and llama.cpp peers are measured greedy only (use --temperature 0)")
     datasets = load_prompt_sets(prompt_files, limit, all_turns)  # validate everything before the long run
     if json_out is not None and not Path(json_out).resolve().parent.is_dir():
         raise LoopspecError(f"directory for --json does not exist: {Path(json_out).parent}")
     out_path = _prepare_out_dir(out_dir)
-    needs_drafter = any(method in DRAFTER_METHODS for method, _ in variants.values())
+    needs_drafter = any(method in DRAFTER_METHODS for method, _ in variants.values()) or "llamacpp-dflash" in methods
     backends = [resolve_backend(b.strip(), device, cuda_graphs, onnx_dir, trt_dir) for b in backend.split(",") if b.strip()]
+    precisions = [p.strip() for p in precision.split(",") if p.strip()]
     if not backends or len(set(backends)) != len(backends):
         raise LoopspecError(f"--backend needs distinct backends, got {backend!r}")
+    if not precisions or len(set(precisions)) != len(precisions):
+        raise LoopspecError(f"--precision needs distinct precisions, got {precision!r}")
     pipe = load_pipeline(target, drafter if needs_drafter else "none",
                          max_context=max_context, mask_token_id=mask_token_id, num_threads=num_threads,
                          device=device, cuda_graphs=cuda_graphs, backend=backends[0], onnx_dir=onnx_dir,
-                         trt_dir=trt_dir)
-    # every backend runs the same pair in this process; `ar` on the first one is the reference
-    pipes = {pipe.backend: pipe} | {b: pipe.on_backend(b, max_context, num_threads) for b in backends[1:]}
+                         trt_dir=trt_dir, precision=precisions[0])
+    # every engine (backend x precision) runs the same pair in this process; `ar` on the first is the reference
+    pipes = {pipe.engine_name: pipe}
+    for b in backends:
+        for prec in precisions:
+            if (b, prec) != (backends[0], precisions[0]):
+                other = pipe.on_backend(b, max_context, num_threads, prec)
+                if other.engine_name in pipes:
+                    raise LoopspecError(f"--backend/--precision name the engine {other.engine_name} twice")
+                pipes[other.engine_name] = other
     backend = ",".join(pipes)
     if pipe.target is None and (cost_model or any(m in PEER_METHODS for m in methods)):
-        raise LoopspecError("the transformers peers and --cost-model need the target's weights: run without --onnx-dir")
-    # each method's decoding settings, resolved once; `ar` always runs: it is the reference
+        raise LoopspecError("the transformers and llama.cpp peers and --cost-model need the target's weights: "
+                            "run without --onnx-dir")
+    # each engine's decoding settings per method, resolved once (tuned settings are per engine);
+    # `ar` always runs: each engine's own plain decoding is what its methods must reproduce
     knobs = {"block_size": block_size, "gate_threshold": gate_threshold, "max_stages": max_stages,
              "adaptive": adaptive, "tree_budget": tree_budget, "suffix": suffix}
-    decoding = {"ar": pipe.settings("ar")} | {m: pipe.settings(method, **(knobs | overrides))
-                                             for m, (method, overrides) in variants.items()}
-    engine_device = getattr(pipe.engine, "device", "cpu")
-    peer = (HFPeer(pipe.target_dir, pipe.stop_token_ids, num_threads, engine_device)
-            if any(m in PEER_METHODS for m in methods) else None)
-    # (method, backend) runs; ar on the first backend always runs: it is the reference
-    own = ["ar"] + [m for m in methods if m != "ar" and m not in PEER_METHODS]
-    order = [(m, b) for b in pipes for m in own] + [(m, "transformers") for m in methods if m in PEER_METHODS]
-    reference = order[0]
-
+    decoding = {name: {"ar": p.settings("ar")} | {m: p.settings(method, **(knobs | overrides))
+                                                  for m, (method, overrides) in variants.items()}
+                for name, p in pipes.items()}
     encoded_sets = {name: [pipe.encode(p, chat=chat) for p in prompts] for name, prompts in datasets.items()}
     for name, encoded in encoded_sets.items():
         too_long = [len(ids) for ids in encoded if len(ids) >= pipe.engine.max_context]
@@ -210,51 +256,62 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     if needs_drafter:
         print(f"[loopspec] drafter: {pipe.drafter_description}", file=sys.stderr)
 
+    engine_device = getattr(pipe.engine, "device", "cpu")
+    peers: dict[str, object] = {}
+    skipped: dict[str, str] = {}  # peer method → why it did not run
+    if any(m in HF_METHODS for m in methods):
+        peers["transformers"] = HFPeer(pipe.target_dir, pipe.stop_token_ids, num_threads, engine_device)
+    wanted = [m for m in methods if m in LLAMACPP_METHODS]
+    if wanted:
+        longest = max(len(ids) for encoded in encoded_sets.values() for ids in encoded)
+        dflash_block = (pipe.settings("dflash", block_size=block_size).block_size
+                        if "llamacpp-dflash" in wanted else None)
+        llama, reason = llamacpp_peer(pipe, target, llama_server, dflash_block, num_threads,
+                                      context=longest + max_new_tokens + 16)
+        if llama is None:
+            skipped = {m: reason for m in wanted}
+            print(f"[loopspec] skipping {', '.join(wanted)}: {reason}", file=sys.stderr)
+        else:
+            peers["llama.cpp"] = llama
+    peer_methods = [m for m in methods if m in PEER_METHODS and m not in skipped]
+    # (method, engine) runs; ar on every engine always runs, the first engine's is the reference
+    own = ["ar"] + [m for m in methods if m != "ar" and m not in PEER_METHODS]
+    order = [(m, e) for e in pipes for m in own] + [(m, PEER_BACKENDS[m]) for m in peer_methods]
+    reference = order[0]
+    fp32_reference = next((("ar", e) for e, p in pipes.items() if p.engine.precision == "fp32"), None)
+
     def run_once(run: tuple[str, str], ids: list[int], i: int, new_tokens: int):
-        """(tokens, wall seconds, stats or None)."""
+        """(tokens, wall seconds, stats: GenerationStats, a peer's PeerRun, or None)."""
         method, on = run
         t0 = time.perf_counter()
         if method in PEER_METHODS:
-            out = peer.run(ids, method, new_tokens)
-            return out.tokens, time.perf_counter() - t0, None
-        out = pipes[on].run(ids, decoding[method], max_new_tokens=new_tokens, params=params, seed=seed + i)
+            out = peers[on].run(ids, method, new_tokens)
+            return out.tokens, time.perf_counter() - t0, out if method in LLAMACPP_METHODS else None
+        out = pipes[on].run(ids, decoding[on][method], max_new_tokens=new_tokens, params=params, seed=seed + i)
         return out.tokens, time.perf_counter() - t0, out.stats
 
     total_runs = sum(len(e) for e in encoded_sets.values()) * len(order) * repeats
     progress = tqdm(total=total_runs, unit="run", file=sys.stderr, leave=False)
     results: list[BenchResult] = []
-    for dataset, encoded in encoded_sets.items():
-        for run in order:  # warm-up: first calls allocate and pack
-            run_once(run, encoded[0], 0, 8)
-        outputs: dict[tuple, list[list[int]]] = {}
-        per_run: dict[tuple, BenchResult] = {}
-        for run in order:
-            method, on = run
-            progress.set_description(f"{dataset}/{method}" + (f"/{on}" if len(pipes) > 1 else ""))
-            runs: list[list[tuple]] = [[] for _ in encoded]  # per prompt: one (tokens, seconds, stats) per repeat
-            for _ in range(repeats):
-                for i, ids in enumerate(encoded):
-                    runs[i].append(run_once(run, ids, i, max_new_tokens))
-                    progress.update()
-            median = [prompt_runs[median_run(prompt_runs)] for prompt_runs in runs]
-            outputs[run] = [tokens for tokens, _, _ in median]
-            per_run[run] = summarize(method, dataset, median, repeats, on, decoding.get(method))
-            per_run[run].same_across_repeats = all(r[0] == prompt_runs[0][0] for prompt_runs in runs
-                                                   for r in prompt_runs)
-        base = per_run[reference]
-        for run in order:
-            if run[0] not in methods:
-                continue
-            r = per_run[run]
-            r.speedup_vs_ar = r.tokens_per_s / base.tokens_per_s
-            r.identical_to_ar = outputs[run] == outputs[reference] if params.greedy else None
-            results.append(r)
+    try:
+        measure_sets(encoded_sets, order, run_once, repeats, max_new_tokens, progress, pipes, decoding, methods,
+                     reference, fp32_reference, params, results)
+    finally:
+        for peer in peers.values():
+            getattr(peer, "close", lambda: None)()
     progress.close()
 
-    cm = measure_cost_model(pipe, decoding, results) if cost_model else None
-    report = {"settings": settings(command, pipe, backend, datasets, prompt_files, methods, decoding, limit,
-                                   max_new_tokens, repeats, params, chat, all_turns),
+    cm = measure_cost_model(pipe, decoding[pipe.engine_name], results) if cost_model else None
+    report = {"settings": settings(command, pipe, backend, datasets, prompt_files, methods, decoding[pipe.engine_name],
+                                   limit, max_new_tokens, repeats, params, chat, all_turns),
               "results": [asdict(r) for r in results]}
+    report["settings"]["engines"] = {name: {"precision": p.engine.precision, "computes_with": describe_precision(p.engine.precision),
+                                            "decoding": {m: d.to_dict() for m, d in decoding[name].items() if m in methods}}
+                                     for name, p in pipes.items()}
+    if "llama.cpp" in peers:
+        report["settings"]["llamacpp"] = peers["llama.cpp"].settings
+    if skipped:
+        report["settings"]["skipped"] = skipped
     if cm is not None:
         report["cost_model"] = cm
     print(_table(results))
@@ -287,10 +344,17 @@ def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backen
     new_tokens = sum(len(tokens) for tokens, _, _ in runs)
     row = BenchResult(method=method, dataset=dataset, prompts=len(runs), new_tokens=new_tokens, tau=None,
                       tokens_per_s=new_tokens / seconds, speedup_vs_ar=None, identical_to_ar=None, seconds=seconds,
-                      verifications=0, draft_s=0.0, verify_s=0.0, repeats=repeats, other_s=seconds,
-                      backend="transformers" if decoding is None else backend)
+                      verifications=0, draft_s=0.0, verify_s=0.0, repeats=repeats, other_s=seconds, backend=backend)
     if decoding is None:
-        row.tau = 1.0 if method == "hf" else None
+        row.tau = 1.0 if method in ("hf", "llamacpp") else None
+        counted = [s for _, _, s in runs if s is not None]  # llama.cpp's own counters
+        if method == "llamacpp-dflash" and counted:
+            # every token after the first (sampled at prefill) came from a verification that accepted
+            # `accepted` drafts in all: verifications = tokens - 1 - accepted
+            after_prefill = sum(max(len(tokens) - 1, 0) for tokens, _, _ in runs)
+            accepted = sum(s.accepted for s in counted)
+            row.verifications = after_prefill - accepted
+            row.tau = after_prefill / row.verifications if row.verifications > 0 else None
         return row
     stats = [s for _, _, s in runs]
     accepted = [n - 1 for s in stats for n in s.counted_rounds()]  # the verifications τ counts
@@ -377,3 +441,92 @@ def measure_cost_model(pipe, decoding: dict[str, DecodingSettings], results: lis
                 plain * t_verify[1] + drafting * (stages * (t_draft or 0.0) + t_verify[nearest]))
     return {"bandwidth_gbs": bandwidth, "target_weight_mb": weights / 1e6,
             "ar_bound_tokens_per_s": bandwidth * 1e9 / weights, "verify_s": t_verify, "draft_stage_s": t_draft}
+
+
+def measure_sets(encoded_sets, order, run_once, repeats, max_new_tokens, progress, pipes, decoding, methods,
+                 reference, fp32_reference, params, results: list[BenchResult]) -> None:
+    """Every run of `order` on every dataset (after one short warm-up each), appended to `results`:
+    speedup against `reference`, identity with the same engine's `ar` (a peer: its own plain
+    decoding), agreement with the fp32 engine's `ar`."""
+    from loopspec.runtime.peers import PEER_METHODS
+
+    for dataset, encoded in encoded_sets.items():
+        for run in order:  # warm-up: first calls allocate and pack
+            run_once(run, encoded[0], 0, 8)
+        outputs: dict[tuple, list[list[int]]] = {}
+        per_run: dict[tuple, BenchResult] = {}
+        for run in order:
+            method, on = run
+            progress.set_description(f"{dataset}/{method}" + (f"/{on}" if len(pipes) > 1 else ""))
+            runs: list[list[tuple]] = [[] for _ in encoded]  # per prompt: one (tokens, seconds, stats) per repeat
+            for _ in range(repeats):
+                for i, ids in enumerate(encoded):
+                    runs[i].append(run_once(run, ids, i, max_new_tokens))
+                    progress.update()
+            median = [prompt_runs[median_run(prompt_runs)] for prompt_runs in runs]
+            outputs[run] = [tokens for tokens, _, _ in median]
+            per_run[run] = summarize(method, dataset, median, repeats, on,
+                                     None if method in PEER_METHODS else decoding[on][method])
+            per_run[run].same_across_repeats = all(r[0] == prompt_runs[0][0] for prompt_runs in runs
+                                                   for r in prompt_runs)
+        base = per_run[reference]
+        for run in order:
+            method, on = run
+            if method not in methods:
+                continue
+            r = per_run[run]
+            r.speedup_vs_ar = r.tokens_per_s / base.tokens_per_s
+            plain = plain_decoding(run, reference, fp32_reference, pipes)
+            if params.greedy and plain in outputs:
+                r.identical_to_ar = outputs[run] == outputs[plain]
+            if params.greedy and fp32_reference is not None:
+                pairs = list(zip(outputs[run], outputs[fp32_reference]))
+                r.agreement_with_fp32 = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+                r.fp32_matching_prefix = sum(matching_prefix(a, b) for a, b in pairs) / max(len(pairs), 1)
+            results.append(r)
+
+
+def llamacpp_peer(pipe, target: str, llama_server: str | None, dflash_block: int | None, num_threads: int | None,
+                  context: int):
+    """(LlamaServerPeer, None), or (None, why the llama.cpp rows are skipped): it needs a llama-server
+    binary (`llama_server`, else one on PATH) and the target as a GGUF; with `dflash_block`, the
+    pair's drafter is written once as a llama.cpp DFlash GGUF into the cache and drafts
+    dflash_block - 1 tokens a round, as loopspec's `dflash` does."""
+    from loopspec.engines.llamacpp import find_llama_server
+    from loopspec.runtime.peers import LlamaServerPeer
+    from loopspec.weights import target_gguf_path
+
+    binary = find_llama_server(llama_server)
+    if binary is None:
+        return None, "no llama-server on PATH (build one with scripts/build_llama_server.sh, pass --llama-server)"
+    try:
+        gguf = target_gguf_path(target)
+    except LoopspecError:
+        return None, f"llama.cpp runs the target as a GGUF, and {target} is not one"
+    drafter_gguf = None
+    if dflash_block is not None:
+        if pipe.drafter is None:
+            return None, "llamacpp-dflash needs the drafter's weights (run without --onnx-dir)"
+        drafter_gguf = cached_drafter_gguf(pipe.drafter, pipe.drafter_dir, gguf)
+    peer = LlamaServerPeer(binary, gguf, drafter_gguf, dflash_block - 1 if dflash_block else None, num_threads, context)
+    return peer, None
+
+
+def cached_drafter_gguf(drafter, drafter_dir, target_gguf: Path) -> Path:
+    """The drafter as a llama.cpp DFlash GGUF in ~/.cache/loopspec/llamacpp/<key>/drafter.gguf,
+    written on first use (key: the drafter's config and weights, the target GGUF, the writer's code)."""
+    import hashlib
+
+    from loopspec.engines import llamacpp
+    from loopspec.weights import cache_root, file_sha256
+
+    h = hashlib.sha256(json.dumps(drafter.cfg.to_zlab(), sort_keys=True).encode())
+    h.update(file_sha256(Path(llamacpp.__file__)).encode())
+    h.update(str(Path(target_gguf).resolve()).encode())
+    for p in sorted(Path(drafter_dir).glob("*.safetensors")) if drafter_dir is not None else []:
+        h.update(file_sha256(p).encode())
+    out = cache_root() / "llamacpp" / h.hexdigest()[:16] / "drafter.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        llamacpp.write_dflash_gguf(drafter, target_gguf, out)
+    return out

@@ -1,14 +1,30 @@
-"""Peers measured in the same process on the same prompts: Hugging Face transformers `generate()`
-(greedy) and its assisted generation with prompt lookup (`prompt_lookup_num_tokens`)."""
+"""Peers measured in the same run on the same prompts: Hugging Face transformers `generate()` (greedy)
+and its assisted generation with prompt lookup (`prompt_lookup_num_tokens`), in this process; and
+llama.cpp's `llama-server` over the target's own GGUF, plain and with our drafter as a llama.cpp
+DFlash GGUF (`--spec-type draft-dflash`), as child processes on this machine."""
 
 from __future__ import annotations
 
+import json
+import socket
+import subprocess
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-PEER_METHODS = ("hf", "hf-lookup")
+from loopspec.errors import LoopspecError
+
+HF_METHODS = ("hf", "hf-lookup")
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-dflash")
+PEER_METHODS = HF_METHODS + LLAMACPP_METHODS
+PLAIN_PEER = {"hf-lookup": "hf", "llamacpp-dflash": "llamacpp"}  # the plain decoding each peer must equal
+PEER_BACKENDS = {"hf": "transformers", "hf-lookup": "transformers", "llamacpp": "llama.cpp",
+                 "llamacpp-dflash": "llama.cpp"}
 
 
 @dataclass
@@ -16,6 +32,8 @@ class PeerRun:
     tokens: list[int]
     seconds: float
     stats: object = field(default=None)
+    drafted: int = 0  # llama.cpp's own counters: tokens drafted and accepted over the request
+    accepted: int = 0
 
 
 class HFPeer:
@@ -39,3 +57,87 @@ class HFPeer:
                                   do_sample=False, eos_token_id=self.stop, pad_token_id=self.stop[0], **extra)
         tokens = out[0, len(prompt_ids):].tolist()  # on the CPU: waits for the device
         return PeerRun(tokens=tokens, seconds=time.perf_counter() - t0)
+
+
+class LlamaServerPeer:
+    """llama.cpp's `llama-server` on the target's GGUF: plain (`llamacpp`) and, given a drafter GGUF,
+    DFlash (`llamacpp-dflash`), one server each, started once and stopped by `close`. A request sends
+    the prompt as token ids (the same chat-templated ids loopspec decodes) with greedy sampling and
+    no prompt cache, so its wall time includes prefill like loopspec's; τ comes from the server's own
+    counters (draft_n_accepted)."""
+
+    def __init__(self, binary: str | Path, target_gguf: Path, drafter_gguf: Path | None, draft_max: int | None,
+                 num_threads: int | None, context: int, start_timeout_s: float = 120.0):
+        from loopspec.engines.llamacpp import llama_server_command
+
+        self.servers: dict[str, tuple[subprocess.Popen, str]] = {}
+        self.settings: dict[str, list[str]] = {}
+        self.logs: dict[str, object] = {}  # the servers log every request: to files, never to an unread pipe
+        try:
+            for method in LLAMACPP_METHODS:
+                if method == "llamacpp-dflash" and drafter_gguf is None:
+                    continue
+                port = free_port()
+                command = llama_server_command(binary, target_gguf, threads=num_threads, context=context, port=port,
+                                               **({"drafter_gguf": drafter_gguf, "draft_max": draft_max}
+                                                  if method == "llamacpp-dflash" else {}))
+                self.logs[method] = tempfile.TemporaryFile(mode="w+")
+                process = subprocess.Popen(command, stdout=self.logs[method], stderr=subprocess.STDOUT, text=True)
+                self.servers[method] = (process, f"http://127.0.0.1:{port}")
+                self.settings[method] = [str(c) for c in command]
+            for method in self.servers:
+                self._wait_ready(method, start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, method: str, timeout_s: float) -> None:
+        process, url = self.servers[method]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                self.logs[method].seek(0)
+                tail = " | ".join(self.logs[method].read().strip().splitlines()[-3:])
+                raise LoopspecError(f"llama-server for {method} exited with code {process.returncode}: {tail}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # still loading the model
+            time.sleep(0.2)
+        raise LoopspecError(f"llama-server for {method} was not ready after {timeout_s:.0f} s")
+
+    def run(self, prompt_ids: list[int], method: str, max_new_tokens: int) -> PeerRun:
+        if method not in self.servers:
+            raise LoopspecError(f"no llama-server runs {method}")
+        _, url = self.servers[method]
+        body = json.dumps({"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
+                           "cache_prompt": False, "return_tokens": True, "stream": False}).encode()
+        request = urllib.request.Request(url + "/completion", data=body, headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            reply = json.loads(response.read())
+        seconds = time.perf_counter() - t0
+        timings = reply.get("timings", {})
+        return PeerRun(tokens=list(reply.get("tokens", [])), seconds=seconds,
+                       drafted=int(timings.get("draft_n", 0)), accepted=int(timings.get("draft_n_accepted", 0)))
+
+    def close(self) -> None:
+        for process, _ in self.servers.values():
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        for log in self.logs.values():
+            log.close()
+        self.servers, self.logs = {}, {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -16,12 +16,15 @@ from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 from loopspec.pair import load_pair, stop_token_ids
 from loopspec.prompts import chat_ids, prompt_ids
-from loopspec.settings import DecodingSettings, resolve_settings
+from loopspec.settings import DecodingSettings, engine_key, resolve_settings
 from loopspec.weights import load_tokenizer
 from loopspec.runtime.decoder import GenerationResult, generate
 from loopspec.runtime.torch_engine import TorchEngine
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
+# what the target computes with (engines/manifest.py PRECISION_DESCRIPTIONS); "auto" picks the fastest
+# this backend has for this target (`resolve_precision`)
+PRECISIONS = ("auto", "fp32", "gguf-fp32act", "gguf-int8act")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,23 +50,41 @@ class Pipeline:
     engine: object  # an Engine (engines/protocol.py)
     drafter_description: str  # "shipped (...)", "untrained (...)", a path, or "none"
     stop_token_ids: frozenset[int]
+    target_source: str | None = None  # the target as the user named it ('default', a dir, a .gguf)
 
     @property
     def backend(self) -> str:
         return self.engine.backend
 
-    def on_backend(self, backend: str, max_context: int | None = None, num_threads: int | None = None) -> "Pipeline":
-        """The same pair (tokenizer, weights, drafter) on another backend's engine: torch, or
-        onnxruntime over the pair's cached export. Used to compare backends in one process."""
-        if backend == self.backend:
-            return self
+    @property
+    def engine_name(self) -> str:
+        """Backend and precision, e.g. "onnxruntime gguf-int8act": what bench rows and the stats line name."""
+        return f"{self.engine.backend} {self.engine.precision}"
+
+    @property
+    def tuning_key(self) -> str:
+        """Where `loopspec tune` stores this engine's setting (loopspec.settings.engine_key)."""
+        return engine_key(self.engine.backend, self.engine.precision)
+
+    def describe_engine(self) -> str:
+        from loopspec.engines.manifest import describe_precision
+
+        return f"{self.engine_name} ({describe_precision(self.engine.precision)})"
+
+    def on_backend(self, backend: str, max_context: int | None = None, num_threads: int | None = None,
+                   precision: str = "auto") -> "Pipeline":
+        """The same pair (tokenizer, weights, drafter) on another engine: torch, or onnxruntime over
+        the pair's cached export in `precision`. Used to compare engines in one process."""
         if self.target is None or backend not in ("torch", "onnxruntime"):
-            raise LoopspecError(f"cannot run this pipeline on backend {backend!r} as well: comparing backends needs "
+            raise LoopspecError(f"cannot run this pipeline on backend {backend!r} as well: comparing engines needs "
                                 "the target's weights and one of torch, onnxruntime")
+        precision = resolve_precision(precision, backend, self.target_source)
+        if (backend, precision) == (self.backend, self.engine.precision):
+            return self
         max_context = max_context or self.engine.max_context
         if backend == "onnxruntime":
             engine = cached_ort_engine(self.target, self.drafter, self.target_dir, self.drafter_dir, max_context,
-                                       num_threads)
+                                       num_threads, precision, self.target_source)
         else:
             engine = TorchEngine(self.target, self.drafter, max_context, num_threads)
         return dataclasses.replace(self, engine=engine)
@@ -78,7 +99,7 @@ class Pipeline:
         """The decoding settings of `method` for this pipeline's drafter on its backend; `knobs` are
         those of loopspec.settings.resolve_settings (block_size, gate_threshold, max_stages,
         adaptive, tree_budget, suffix)."""
-        return resolve_settings(method, self.engine.drafter_cfg, backend=self.backend,
+        return resolve_settings(method, self.engine.drafter_cfg, engine=self.tuning_key,
                                 chains_only=self.engine.chains_only, **knobs)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
@@ -126,10 +147,29 @@ def resolve_backend(backend: str, device: str = "cpu", cuda_graphs: bool | None 
     return "onnxruntime" if exportable else "torch"
 
 
+def resolve_precision(precision: str, backend: str, target: str | None) -> str:
+    """'auto' → the fastest engine this backend builds for `target`: on ONNX Runtime, a GGUF target
+    ('default' or a .gguf) runs its own Q4_1/Q8_0 blocks with int8 activations (docs/benchmarks.md:
+    ar 2.x faster than fp32 on this project's CPUs, and faster than fp32's best lossless method);
+    everything else fp32. An explicit gguf-* precision needs ONNX Runtime and a GGUF target."""
+    from loopspec.weights import target_gguf_path
+
+    if precision not in PRECISIONS:
+        raise LoopspecError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
+    gguf_target = target is not None and (str(target) == "default" or str(target).endswith(".gguf"))
+    if precision == "auto":
+        return "gguf-int8act" if backend == "onnxruntime" and gguf_target else "fp32"
+    if precision.startswith("gguf-"):
+        if backend != "onnxruntime":
+            raise LoopspecError(f"precision {precision} runs on ONNX Runtime (--backend onnxruntime), not {backend}")
+        target_gguf_path(target)  # a clear error for a target that is no GGUF
+    return precision
+
+
 def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,
                   mask_token_id: int | None = None, num_threads: int | None = None, device: str = "cpu",
                   cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | Path | None = None,
-                  trt_dir: str | Path | None = None) -> Pipeline:
+                  trt_dir: str | Path | None = None, precision: str = "auto") -> Pipeline:
     """Resolve `target` ('default' | checkpoint dir | .gguf) and `drafter` ('default' | dir | 'none').
 
     device: where the torch engine runs ('cpu' or 'cuda'); cuda_graphs: replay captured forwards
@@ -137,8 +177,9 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
     (target and drafter are then not read), or — without onnx_dir — the pair exported once into
     ~/.cache/loopspec/onnx/<key of target + drafter> and reused while its manifest matches.
     backend 'tensorrt': the plans in `trt_dir` (built by `loopspec convert trt`) on the GPU.
-    backend 'auto' (the command line's default): see `resolve_backend`. The engine has one batch
-    row; `Pipeline.with_rows` gives more."""
+    backend 'auto' (the command line's default): see `resolve_backend`. precision: what the target
+    computes with (fp32, or on ONNX Runtime the GGUF's own blocks; 'auto': `resolve_precision`);
+    artifacts in onnx_dir / trt_dir carry their own, which an explicit precision must name. The engine has one batch row; `Pipeline.with_rows` gives more."""
     backend = resolve_backend(backend, device, cuda_graphs, onnx_dir, trt_dir)
     if backend not in BACKENDS:
         raise LoopspecError(f"unknown backend {backend!r} (choose from auto, {', '.join(BACKENDS)})")
@@ -149,14 +190,22 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
     if (backend == "tensorrt") != (trt_dir is not None):
         raise LoopspecError("--backend tensorrt runs the plans of --trt-dir DIR (built by `loopspec convert trt`), "
                             "and --trt-dir needs --backend tensorrt")
-    if onnx_dir is not None:
-        from loopspec.runtime.ort_engine import OrtEngine
+    if onnx_dir is not None or trt_dir is not None:
+        if precision not in PRECISIONS and precision not in ("fp8", "nvfp4"):
+            raise LoopspecError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
+        if onnx_dir is not None:
+            from loopspec.runtime.ort_engine import OrtEngine
 
-        return artifact_pipeline(OrtEngine(onnx_dir, max_context, num_threads), Path(onnx_dir))
-    if trt_dir is not None:
-        from loopspec.runtime.trt_engine import TrtEngine
+            engine, directory = OrtEngine(onnx_dir, max_context, num_threads), Path(onnx_dir)
+        else:
+            from loopspec.runtime.trt_engine import TrtEngine
 
-        return artifact_pipeline(TrtEngine(trt_dir, max_context), Path(trt_dir))
+            engine, directory = TrtEngine(trt_dir, max_context), Path(trt_dir)
+        if precision not in ("auto", engine.precision):
+            raise LoopspecError(f"{directory} holds {engine.precision} engines, not {precision} "
+                                "(artifacts carry their precision: drop --precision or export again)")
+        return artifact_pipeline(engine, directory)
+    precision = resolve_precision(precision, backend, target)
     device = resolve_device(device)
     if cuda_graphs is None:
         cuda_graphs = device.type == "cuda"
@@ -170,13 +219,14 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
         model = model.to(device)
         draft_model = draft_model.to(device) if draft_model is not None else None
     if backend == "onnxruntime":
-        engine = cached_ort_engine(model, draft_model, pair.target_dir, pair.drafter_dir, max_context, num_threads)
+        engine = cached_ort_engine(model, draft_model, pair.target_dir, pair.drafter_dir, max_context, num_threads,
+                                   precision, target)
     else:
         engine = TorchEngine(model, draft_model, max_context or model.cfg.max_position_embeddings, num_threads,
                              cuda_graphs=cuda_graphs)
     return Pipeline(tokenizer=pair.tokenizer, target_dir=pair.target_dir, drafter_dir=pair.drafter_dir, target=model,
                     drafter=draft_model, engine=engine, drafter_description=pair.drafter_description,
-                    stop_token_ids=pair.stop_token_ids)
+                    stop_token_ids=pair.stop_token_ids, target_source=str(target))
 
 
 def artifact_pipeline(engine, directory: Path) -> Pipeline:
@@ -189,21 +239,30 @@ def artifact_pipeline(engine, directory: Path) -> Pipeline:
 
 
 def cached_ort_engine(model: Target, draft_model: Drafter | None, target_dir: Path, drafter_dir: Path | None,
-                      max_context: int | None, num_threads: int | None):
-    """OrtEngine over the pair's export in the cache, exported on first use (and again when the
-    cached files no longer match their manifest)."""
+                      max_context: int | None, num_threads: int | None, precision: str = "fp32",
+                      target: str | None = None):
+    """OrtEngine over the pair's export in `precision` in the cache, exported on first use (and again
+    when the cached files no longer match their manifest). A gguf-* precision reads the blocks of
+    `target`'s GGUF ('default' or a .gguf file)."""
     import sys
 
+    from loopspec.engines import gguf_export
     from loopspec.engines.export import OPSET, export_engines, source_key
     from loopspec.runtime.ort_engine import OrtEngine
-    from loopspec.weights import cache_root
+    from loopspec.weights import cache_root, file_sha256, target_gguf_path
 
-    onnx_dir = cache_root() / "onnx" / source_key(target_dir, draft_model, drafter_dir, {"opset": OPSET})
+    settings = {"opset": OPSET}
+    gguf_path = None
+    if precision != "fp32":  # the block modules are export code too
+        gguf_path = target_gguf_path(target)
+        settings |= {"precision": precision, "gguf_export": file_sha256(Path(gguf_export.__file__))}
+    onnx_dir = cache_root() / "onnx" / source_key(target_dir, draft_model, drafter_dir, settings)
     if (onnx_dir / "manifest.json").is_file():
         try:
             return OrtEngine(onnx_dir, max_context, num_threads)
         except LoopspecError as e:
             print(f"[loopspec] cached ONNX engines unusable ({e}); exporting again", file=sys.stderr)
-    print(f"[loopspec] exporting ONNX engines to {onnx_dir} (once)", file=sys.stderr)
-    export_engines(model, draft_model, onnx_dir, target_dir=target_dir, drafter_dir=drafter_dir)
+    print(f"[loopspec] exporting {precision} ONNX engines to {onnx_dir} (once)", file=sys.stderr)
+    export_engines(model, draft_model, onnx_dir, target_dir=target_dir, drafter_dir=drafter_dir,
+                   **gguf_export.precision_options(model, precision, gguf_path))
     return OrtEngine(onnx_dir, max_context, num_threads)

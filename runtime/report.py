@@ -45,6 +45,13 @@ def _tree_point(method: str) -> tuple[str, int, bool] | None:
 
 # ---------------------------------------------------------------- markdown
 
+PEER_LIBRARIES = ("transformers", "llama.cpp")  # a peer row's `backend`: it reports no time split
+
+
+def _is_peer(r: dict) -> bool:
+    return r["backend"] in PEER_LIBRARIES
+
+
 def _label(r: dict) -> str:
     return f"{r['method']} ({r['backend']})"
 
@@ -69,7 +76,7 @@ def _bound(r: dict) -> str:
 
 def _split_ms_per_token(r: dict) -> str:
     tokens = max(r["new_tokens"], 1)
-    if r["backend"] == "transformers":
+    if _is_peer(r):
         return f"– / – / – / {r['other_s'] * 1e3 / tokens:.1f} (not split)"
     return " / ".join(f"{r[key] * 1e3 / tokens:.1f}" for key, _ in SPLIT)
 
@@ -125,15 +132,16 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
         rows = [r for r in results if r["dataset"] == d]
         count = rows[0]["prompts"]
         lines += [f"## {d} ({count} prompt{'' if count == 1 else 's'})", "",
-                  "| method | backend | τ | tok/s | speedup vs `ar` | bound: drafting / as run | identical to `ar` "
-                  "| nodes / verification | tokens only the suffix proposed | stages / verification "
+                  "| method | engine | τ | tok/s | speedup vs `ar` | bound: drafting / as run | identical to `ar` "
+                  "| greedy output = fp32 `ar` | nodes / verification | tokens only the suffix proposed | stages / verification "
                   "| tokens from stages > 1 | verifications saved | prefill / draft / verify / other, ms per token |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(
                 f"| {r['method']} | {r['backend']} | {_num(r['tau'], '.2f')} | {r['tokens_per_s']:.1f} "
                 f"| {_num(r['speedup_vs_ar'], '.2f', '×')} | {_bound(r)} "
                 f"| {_same(r['identical_to_ar'])}{'' if r.get('same_across_repeats', True) else ' (repeats differ!)'} "
+                f"| {_num(r.get('agreement_with_fp32') and 100 * r['agreement_with_fp32'], '.0f', ' %')} "
                 f"| {_num(r.get('nodes_per_verification'), '.1f')} "
                 f"| {_num(r.get('suffix_share') and 100 * r['suffix_share'], '.1f', ' %')} "
                 f"| {_num(r['stages_per_verification'], '.2f')} "
@@ -224,7 +232,7 @@ def plot_speedup(results: list[dict], path: Path) -> Path:
 
 def _series_name(r: dict, results: list[dict]) -> str:
     """The dataset, and the backend when several ran (their rows would share a name otherwise)."""
-    several = len({x["backend"] for x in results if x["backend"] != "transformers"}) > 1
+    several = len({x["backend"] for x in results if not _is_peer(x)}) > 1
     return f"{r['dataset']} ({r['backend']})" if several else r["dataset"]
 
 
@@ -278,7 +286,7 @@ def plot_time_split(results: list[dict], path: Path) -> Path:
         rows = [r for r in results if r["dataset"] == d]
         bottom = [0.0] * len(rows)
         for key, name in SPLIT:
-            values = [0.0 if (r["backend"] == "transformers" and key != "other_s") else r[key] * 1e3 / max(r["new_tokens"], 1)
+            values = [0.0 if (_is_peer(r) and key != "other_s") else r[key] * 1e3 / max(r["new_tokens"], 1)
                       for r in rows]
             ax.bar(range(len(rows)), values, 0.7, bottom=bottom, label=name if key != "other_s" else "other (peers: all)")
             bottom = [b + v for b, v in zip(bottom, values)]

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from loopspec.decoding import SamplingParams
+from loopspec.engines.manifest import describe_precision
 from loopspec.errors import LoopspecError
 from loopspec.settings import DecodingSettings
 from loopspec.runtime.decoder import Decoder
@@ -362,7 +363,15 @@ async def chat_completions(http: HTTPRequest):
 async def models(http: HTTPRequest):
     state = _state(http)
     return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                        "owned_by": "loopspec", "max_model_len": state.max_context}]}
+                                        "owned_by": "loopspec", "max_model_len": state.max_context,
+                                        "engine": engine_info(state.pipeline)}]}
+
+
+def engine_info(pipeline) -> dict:
+    """What the served model computes with: backend, precision and its weights and arithmetic in words."""
+    engine = pipeline.engine
+    return {"backend": engine.backend, "precision": engine.precision,
+            "computes_with": describe_precision(engine.precision)}
 
 
 async def health(http: HTTPRequest):
@@ -370,7 +379,8 @@ async def health(http: HTTPRequest):
     if not state.scheduler.alive:
         return JSONResponse(APIError(503, "the scheduler is not running").body(), status_code=503)
     return {"status": "ok", "model": state.model_name, "method": state.config.settings.method,
-            "decoding": state.config.settings.to_dict(), "max_batch_size": state.pipeline.engine.max_rows}
+            "decoding": state.config.settings.to_dict(), "engine": engine_info(state.pipeline),
+            "max_batch_size": state.pipeline.engine.max_rows}
 
 
 async def prometheus(http: HTTPRequest):

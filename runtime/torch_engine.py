@@ -38,6 +38,8 @@ class TorchEngine:
             limits.append(drafter.cfg.max_position_embeddings)
         self.max_context = min(limits)
         self.device = target.embed_tokens.weight.device
+        dtype = target.embed_tokens.weight.dtype
+        self.precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
         # a reduced draft vocabulary drafts over its rows of the target's lm_head only (cheaper stage)
         self.draft_ids = drafter.draft_ids.to(self.device) if drafter is not None and drafter.draft_ids is not None else None
         self.draft_head = (inference_linear(draft_head_weight(target.lm_head.weight, self.draft_ids))

@@ -97,17 +97,17 @@ def choose(rows: list[dict]) -> dict:
     return max(eligible, key=lambda r: r["tokens_per_s"])
 
 
-def store_setting(drafter_dir: str | Path, setting: dict, backend: str) -> None:
+def store_setting(drafter_dir: str | Path, setting: dict, engine: str) -> None:
     """Write the chosen setting (block size, stages, gate, tree budget, suffix: what dflash and
-    dloop resolve to by default) into the drafter's config.json under loopspec.tuned[backend], the
-    backend it was measured on; the first one stored is also loopspec.dloop, the drafter's setting
-    for the backends not tuned yet."""
+    dloop resolve to by default) into the drafter's config.json under loopspec.tuned[engine], the
+    engine it was measured on (loopspec.settings.engine_key); the first one stored is also
+    loopspec.dloop, the drafter's setting for the engines not tuned yet."""
     path = Path(drafter_dir) / "config.json"
     if not path.is_file():
         raise LoopspecError(f"cannot store the tuned setting: {path} does not exist")
     cfg = json.loads(path.read_text())
     chosen = {k: setting[k] for k in STORED if k in setting}
     extra = cfg.setdefault("loopspec", {})
-    extra.setdefault("tuned", {})[backend] = chosen
+    extra.setdefault("tuned", {})[engine] = chosen
     extra.setdefault("dloop", chosen)
     path.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -59,7 +59,7 @@ def test_out_writes_json_markdown_and_plots(report_dir):
     for name in PLOTS:
         assert f"]({name})" in md
     backend = results[0]["backend"]  # the default: onnxruntime where installed, else torch
-    assert backend in ("onnxruntime", "torch") and f"| dflash ({backend}) |" in md.split("## Speedup over `ar`")[1]
+    assert backend in ("onnxruntime fp32", "torch fp32") and f"| dflash ({backend}) |" in md.split("## Speedup over `ar`")[1]
 
 
 def test_rows_are_lossless_and_consistent(report_dir):
@@ -177,14 +177,15 @@ def test_backends_side_by_side_in_one_run(tiny_pair, prompt_sets, tmp_path):
     results = run_bench(prompt_files=[str(prompt_sets[0])], methods=["ar", "dflash", "dloop"], target=str(target),
                         drafter=str(drafter), max_new_tokens=12, backend="torch,onnxruntime", adaptive=False,
                         gate_threshold=-1000, max_stages=2, out_dir=str(tmp_path / "out"))
-    assert [(r.method, r.backend) for r in results] == [(m, b) for b in ("torch", "onnxruntime")
+    assert [(r.method, r.backend) for r in results] == [(m, b) for b in ("torch fp32", "onnxruntime fp32")
                                                          for m in ("ar", "dflash", "dloop")]
     assert all(r.identical_to_ar for r in results)
     assert results[0].speedup_vs_ar == 1.0
     by = {(r.method, r.backend): r for r in results}
-    assert by["dflash", "torch"].tau == by["dflash", "onnxruntime"].tau  # same drafts accepted on both
+    assert by["dflash", "torch fp32"].tau == by["dflash", "onnxruntime fp32"].tau  # same drafts accepted on both
+    assert all(r.agreement_with_fp32 == 1.0 for r in results)
     md = (tmp_path / "out" / "bench.md").read_text()
-    assert "| ar (onnxruntime) |" in md
+    assert "| ar (onnxruntime fp32) |" in md
     with pytest.raises(LoopspecError, match="distinct backends"):
         run_bench(prompt_files=[str(prompt_sets[0])], methods=["ar"], target=str(target), drafter="none",
                   backend="torch,torch")

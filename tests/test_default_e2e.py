@@ -91,3 +91,34 @@ def test_cli_generate_default():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tau" in proc.stderr and "drafter:" in proc.stderr
+    # the default CPU engine is the GGUF's own blocks with int8 activations, and the stats line says so
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime") is not None:
+        assert "onnxruntime gguf-int8act (the GGUF's own Q4_1/Q8_0 blocks, int8 activations)" in proc.stderr
+
+
+def test_bench_compares_the_fp32_and_4_bit_engines(tmp_path):
+    """One bench run over both engines of the default pair: each method equals its own engine's `ar`,
+    the fp32 rows equal the fp32 reference, and the int8 rows report how long they follow it."""
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
+    from loopspec.runtime.bench import run_bench
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["Write a Python function that reverses a string."]}\n')
+    results = run_bench(prompt_files=[str(prompts)], methods=["ar", "dloop"], max_new_tokens=24, num_threads=1,
+                        backend="onnxruntime", precision="fp32,gguf-int8act", json_out=str(tmp_path / "b.json"))
+    assert [(r.method, r.backend) for r in results] == [
+        ("ar", "onnxruntime fp32"), ("dloop", "onnxruntime fp32"),
+        ("ar", "onnxruntime gguf-int8act"), ("dloop", "onnxruntime gguf-int8act")]
+    by = {(r.method, r.backend): r for r in results}
+    assert by["dloop", "onnxruntime fp32"].identical_to_ar and by["dloop", "onnxruntime gguf-int8act"].identical_to_ar
+    assert by["ar", "onnxruntime gguf-int8act"].identical_to_ar is None  # another arithmetic: not fp32's plain run
+    assert all(r.agreement_with_fp32 == 1.0 for r in results if r.backend.endswith("fp32"))
+    int8 = by["ar", "onnxruntime gguf-int8act"]
+    assert 0 <= int8.fp32_matching_prefix <= 24 and int8.agreement_with_fp32 in (0.0, 1.0)
+    import json
+
+    engines = json.loads((tmp_path / "b.json").read_text())["settings"]["engines"]
+    assert engines["onnxruntime gguf-int8act"]["computes_with"] == "the GGUF's own Q4_1/Q8_0 blocks, int8 activations"
+    assert engines["onnxruntime gguf-int8act"]["decoding"]["dloop"]["tree_budget"] == 0  # chains only there

@@ -1,4 +1,4 @@
-"""The target's GGUF blocks exported for ONNX Runtime (convert/gguf_export.py): Q4_1 as MatMulNBits
+"""The target's GGUF blocks exported for ONNX Runtime (engines/gguf_export.py): Q4_1 as MatMulNBits
 plus the minimum's correction term, Q8_0 as an 8-bit block product. A tiny llama target is
 quantized in-test with the `gguf` package (Q4_1 matrices, Q8_0 tied embedding) and its checkpoint
 rewritten to the blocks' fp32 expansion, the reference."""
@@ -17,7 +17,7 @@ pytest.importorskip("onnx", reason="needs onnx: pip install 'loopspec[onnx]'")
 gguf = pytest.importorskip("gguf", reason="needs gguf: pip install gguf (a core dependency)")
 
 from loopspec.cli import main  # noqa: E402
-from loopspec.convert.gguf_export import Q41Linear, Q80Linear, block_target  # noqa: E402
+from loopspec.engines.gguf_export import Q41Linear, Q80Linear, block_target  # noqa: E402
 from loopspec.convert.onnx_export import convert_onnx  # noqa: E402
 from loopspec.engines.export import linear  # noqa: E402
 from loopspec.engines.ort import EngineSession  # noqa: E402
@@ -271,6 +271,40 @@ def test_bad_input_is_one_clear_error(tiny_gguf, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "need a GGUF target" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_the_runtime_picks_and_names_the_precision(tiny_gguf, exported, tmp_path, capsys):
+    """auto: the GGUF's blocks with int8 activations on ONNX Runtime for a GGUF target, fp32 elsewhere;
+    an explicit block precision needs ONNX Runtime and a GGUF; artifacts keep their own precision."""
+    from loopspec.runtime.pipeline import cached_ort_engine, load_pipeline, resolve_precision
+
+    target_dir, path, drafter_dir = tiny_gguf
+    assert resolve_precision("auto", "onnxruntime", str(path)) == "gguf-int8act"
+    assert resolve_precision("auto", "onnxruntime", "default") == "gguf-int8act"
+    assert resolve_precision("auto", "torch", str(path)) == "fp32"
+    assert resolve_precision("auto", "onnxruntime", str(target_dir)) == "fp32"
+    assert resolve_precision("gguf-fp32act", "onnxruntime", str(path)) == "gguf-fp32act"
+    with pytest.raises(LoopspecError, match="runs on ONNX Runtime"):
+        resolve_precision("gguf-int8act", "torch", str(path))
+    with pytest.raises(LoopspecError, match="need a GGUF target"):
+        resolve_precision("gguf-int8act", "onnxruntime", str(target_dir))
+    with pytest.raises(LoopspecError, match="unknown precision 'int4'"):
+        resolve_precision("int4", "onnxruntime", str(path))
+    # the cached export over the GGUF's blocks: exported once, then reused
+    target, drafter = load_target_dir(target_dir), Drafter.load(drafter_dir)
+    engine = cached_ort_engine(target, drafter, target_dir, drafter_dir, 160, 1, "gguf-int8act", str(path))
+    assert (engine.precision, engine.chains_only) == ("gguf-int8act", True)
+    capsys.readouterr()
+    again = cached_ort_engine(target, drafter, target_dir, drafter_dir, 160, 1, "gguf-int8act", str(path))
+    assert again.artifact_dir == engine.artifact_dir and "exporting" not in capsys.readouterr().err
+    prompt = torch.randint(3, 120, (9,), generator=torch.Generator().manual_seed(7)).tolist()
+    reference = OrtEngine(exported["gguf-int8act"][0], 160, num_threads=1)  # convert onnx's export
+    assert generate(engine, prompt, max_new_tokens=24).tokens == generate(reference, prompt, max_new_tokens=24).tokens
+    # an artifact directory carries its precision: a different one named is refused
+    onnx_dir = exported["gguf-int8act"][0]
+    assert load_pipeline(backend="onnxruntime", onnx_dir=onnx_dir, precision="auto").engine.precision == "gguf-int8act"
+    with pytest.raises(LoopspecError, match="holds gguf-int8act engines, not fp32"):
+        load_pipeline(backend="onnxruntime", onnx_dir=onnx_dir, precision="fp32")
 
 
 @pytest.mark.e2e

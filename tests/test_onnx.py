@@ -186,7 +186,7 @@ def test_pipeline_exports_once_and_reuses_the_cache(tiny_pair, tmp_path, monkeyp
     target_dir, drafter_dir = tiny_pair
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=128, backend="onnxruntime")
-    assert "exporting ONNX engines" in capsys.readouterr().err
+    assert "exporting fp32 ONNX engines" in capsys.readouterr().err
     cached = pipe.engine.onnx_dir
     assert cached.parent == tmp_path / "loopspec" / "onnx" and pipe.backend == "onnxruntime"
     torch_pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=128)
@@ -223,7 +223,7 @@ def test_cli_convert_then_generate_and_bench_on_both_backends(tiny_pair, tmp_pat
     assert main(["bench", "--prompts", str(prompts), "--methods", "ar,dflash,dloop", "--max-new-tokens", "16",
                  "--backend", "onnxruntime", "--onnx-dir", str(out), "--json", str(report)]) == 0
     results = json.loads(report.read_text())["results"]
-    assert {r["backend"] for r in results} == {"onnxruntime"} and all(r["identical_to_ar"] for r in results)
+    assert {r["backend"] for r in results} == {"onnxruntime fp32"} and all(r["identical_to_ar"] for r in results)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

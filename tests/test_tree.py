@@ -135,8 +135,8 @@ def test_settings_for_trees_and_suffix():
     drafter.extra = {"dloop": {"tree_budget": 12, "suffix": True},  # what tune stored: for any backend,
                      "tuned": {"torch": {"tree_budget": 0, "suffix": True}}}  # and per backend
     assert (resolve_settings("dflash", drafter).tree_budget, resolve_settings("dflash", drafter).suffix) == (12, True)
-    assert resolve_settings("dflash", drafter, backend="onnxruntime").tree_budget == 12
-    assert resolve_settings("dflash", drafter, backend="torch").tree_budget == 0
+    assert resolve_settings("dflash", drafter, engine="onnxruntime").tree_budget == 12
+    assert resolve_settings("dflash", drafter, engine="torch").tree_budget == 0
     assert resolve_settings("dflash", drafter, tree_budget=0, suffix=False).tree_budget == 0
     # bench/tune names: a bare name is the resolved setting; parts name tree and suffix completely
     assert method_variant("dflash") == ("dflash", {})

@@ -34,6 +34,7 @@ emitted by `symbolic` (TorchScript exporter), so engines/export.py traces them l
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -185,3 +186,30 @@ def block_target(target: Target, blocks: dict[str, BlockMatrix], precision: str)
         if module is not None:
             setattr(parent, leaf, module)
     return out, counts
+
+
+def precision_options(target: Target, precision: str, gguf_path: str | Path | None) -> dict:
+    """export_engines' keyword arguments for `precision`: nothing for fp32; for a `gguf-*` precision
+    the target over the blocks of `gguf_path` (the GGUF `target` was expanded from), the manifest's
+    account of its weights and arithmetic, and — with int8 activations — one value product over
+    [past ; new] in attention, since int8 rounding turns a split product's last-bit differences into
+    other tokens: a verification must compute what plain decoding computes (engines/export.py `attend`)."""
+    from loopspec.engines.manifest import source_hashes
+    from loopspec.gguf_blocks import target_blocks
+
+    if precision == "fp32":
+        return {"precision": precision}
+    check_precision(precision)
+    if gguf_path is None:
+        raise LoopspecError(f"precision {precision} needs the target's GGUF file (a target given as 'default' or FILE.gguf)")
+    cfg = target.cfg
+    blocks = target_blocks(gguf_path, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings)
+    verify_target, counts = block_target(target, blocks, precision)
+    path = Path(gguf_path)
+    settings = {"weights": {"format": "gguf blocks", "file": source_hashes(path.parent, [path.name]),
+                            "products": counts, "embedding": "fp32 expansion (Gather)"},
+                "arithmetic": {"activations": ACTIVATIONS[precision],
+                               "matmulnbits_accuracy_level": ACCURACY_LEVEL[precision],
+                               "q4_1_minimum": "blocksum(x) @ M in fp32"}}
+    return {"precision": precision, "verify_target": verify_target, "extra_settings": settings,
+            "joined_values": precision == "gguf-int8act"}
