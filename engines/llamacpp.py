@@ -58,7 +58,8 @@ def _field_value(reader, key: str):
 
 
 def _target_shape(reader, path: Path) -> dict:
-    """The target's architecture, hidden size, layer count and vocabulary size, from its metadata."""
+    """The target's architecture, hidden size, layer count, vocabulary size and trained context, from
+    its metadata."""
     arch = _field_value(reader, "general.architecture")
     hidden = _field_value(reader, f"{arch}.embedding_length")
     layers = _field_value(reader, f"{arch}.block_count")
@@ -66,7 +67,15 @@ def _target_shape(reader, path: Path) -> dict:
     if arch is None or hidden is None or layers is None or tokens is None:
         raise LoopspecError(f"{path.name} lacks the architecture, embedding length, block count or tokenizer "
                             "metadata of a llama.cpp model")
-    return {"arch": arch, "hidden_size": int(hidden), "num_layers": int(layers), "vocab_size": len(tokens.data)}
+    context = _field_value(reader, f"{arch}.context_length")
+    return {"arch": arch, "hidden_size": int(hidden), "num_layers": int(layers), "vocab_size": len(tokens.data),
+            "context_length": None if context is None else int(context)}
+
+
+def gguf_target_info(target_gguf: str | Path) -> dict:
+    """{arch, hidden_size, num_layers, vocab_size, context_length} of a target GGUF."""
+    path = Path(target_gguf)
+    return _target_shape(_open_gguf(path, "target"), path)
 
 
 def _target_head_rows(reader, path: Path, rows: np.ndarray | None, hidden: int) -> np.ndarray:
