@@ -100,6 +100,8 @@ def _check_fits(cfg, shape: dict, path: Path) -> None:
         problems.append(f"hidden size {cfg.hidden_size} != target's {shape['hidden_size']}")
     if cfg.vocab_size != shape["vocab_size"]:
         problems.append(f"vocab size {cfg.vocab_size} != target's {shape['vocab_size']}")
+    if cfg.num_target_layers != shape["num_layers"]:
+        problems.append(f"drafter was built for {cfg.num_target_layers} target layers, target has {shape['num_layers']}")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < shape["num_layers"]]
     if bad:
         problems.append(f"tap ids {bad} out of range for a target with {shape['num_layers']} layers")
@@ -237,10 +239,11 @@ def read_dflash_gguf(path: str | Path) -> dict:
 
 
 def llama_server_command(binary: str | Path, target_gguf: str | Path, *, drafter_gguf: str | Path | None = None,
-                         draft_max: int | None = None, threads: int | None = None, context: int | None = None,
-                         host: str = "127.0.0.1", port: int = 8080) -> list[str]:
+                         draft_max: int | None = None, threads: int | str | None = None,
+                         context: int | None = None, host: str = "127.0.0.1", port: int | str = 8080) -> list[str]:
     """llama-server's argv serving `target_gguf`, plain or with the DFlash drafter `drafter_gguf`
-    drafting up to `draft_max` tokens per step (llama.cpp caps it at block_size - 1)."""
+    drafting up to `draft_max` tokens per step (llama.cpp caps it at block_size - 1). `threads` and
+    `port` may be shell variables ("$PORT") for a launch script."""
     argv = [str(binary), "-m", str(target_gguf), "--host", host, "--port", str(port)]
     if threads is not None:
         argv += ["-t", str(threads)]

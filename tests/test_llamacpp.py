@@ -176,6 +176,7 @@ def test_f16_keeps_norms_in_f32(target, tmp_path):
 @pytest.mark.parametrize("problem, drafter, match", [
     ("hidden size", lambda: tiny_drafter(hidden_size=32, intermediate_size=48), "hidden size 32 != target's 64"),
     ("tap out of range", lambda: tiny_drafter(target_layer_ids=[1, 6]), r"tap ids \[6\] out of range"),
+    ("target depth", lambda: tiny_drafter(num_target_layers=8), "built for 8 target layers, target has 6"),
     ("no mask token", lambda: tiny_drafter(mask_token_id=None), "no mask token id"),
     ("vocab", lambda: tiny_drafter(draft_vocab=None, vocab_size=256), "vocab size 256 != target's 128"),
 ])
