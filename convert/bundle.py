@@ -1,5 +1,5 @@
-"""Serving bundles for multi-GPU engines: TensorRT-LLM, vLLM and SGLang serve the target with the DFlash
-drafter in the z-lab format they all load.
+"""Serving bundles: TensorRT-LLM, vLLM and SGLang serve the target with the DFlash drafter in the z-lab
+format they all load; llama.cpp serves a GGUF target with the drafter as a llama.cpp `dflash` GGUF.
 
 A bundle directory holds
   drafter/    z-lab config.json + model.safetensors, full draft vocabulary (what every engine reads)
@@ -8,8 +8,12 @@ A bundle directory holds
   trtllm/     extra_llm_api_options.yaml + launch.sh      (only the engines asked for)
   vllm/       launch.sh (+ drafter/: the drafter with its reduced draft vocabulary, when it has one)
   sglang/     launch.sh
+  llamacpp/   target.gguf (a copy of the target GGUF), drafter.gguf, launch.sh
   README.md   what each engine uses, how to launch, the support matrix
   manifest.json  sha256 of every file, source hashes, tool versions
+
+drafter/ and target/ are written only when an engine that reads them is asked for; a llama.cpp-only
+bundle holds llamacpp/ (with the README and manifest) alone.
 
 Launch scripts cd into the bundle root and use relative paths (`./target`, `./drafter`), so a bundle
 can be copied to the serving machine as it is. DLoop runs only in loopspec's own runtime.
@@ -40,6 +44,8 @@ Engine facts this module relies on (from each engine's source and documentation;
   `--speculative-dflash-block-size` and require both to agree when both are set), `--tp-size N`,
   `--context-length`, `--max-running-requests`, `--served-model-name`;
   `--speculative-draft-model-quantization unquant` keeps the drafter unquantized when the target is.
+- llama.cpp (the version vendored by llama-cpp-python 0.3.36): see loopspec/engines/llamacpp.py for
+  the dflash GGUF and the llama-server command; it needs the target as a GGUF file.
 """
 
 from __future__ import annotations
@@ -53,24 +59,30 @@ from pathlib import Path
 import torch
 
 from loopspec.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET_MASK_TOKEN_ID
+from loopspec.engines.llamacpp import gguf_target_info, llama_server_command, write_dflash_gguf
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, check_fits, resolve_mask_token_id
 from loopspec.model.target import TargetConfig
 from loopspec.weights import (DEFAULT_TARGET_NAME, file_sha256, load_tokenizer, read_json, read_safetensors,
-                              resolve_target_dir, target_fingerprint, write_safetensors)
+                              resolve_target_dir, target_fingerprint, target_gguf_path, write_safetensors)
 
-ENGINES = ("trtllm", "vllm", "sglang")
+HF_ENGINES = ("trtllm", "vllm", "sglang")  # serve the HF checkpoint in target/ with the z-lab drafter/
+ENGINES = HF_ENGINES + ("llamacpp",)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 PRECISIONS = ("fp8", "nvfp4")
 # what an engine needs beside the weights to serve the target (chat template, stop tokens, tokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
-ENGINE_NAMES = {"trtllm": "TensorRT-LLM >= 1.3", "vllm": "vLLM", "sglang": "SGLang"}
+ENGINE_NAMES = {"trtllm": "TensorRT-LLM >= 1.3", "vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
 
 DEFAULT_MAX_CONTEXT = 4096  # tokens per request (prompt + output), capped at the target's own maximum
-VLLM_DRAFTER = "vllm/drafter"  # the reduced-vocabulary drafter, for the one engine that reads it
+VLLM_DRAFTER = "vllm/drafter"  # the reduced-vocabulary drafter, for vLLM
+LLAMACPP_TARGET = "llamacpp/target.gguf"
+LLAMACPP_DRAFTER = "llamacpp/drafter.gguf"  # f32, with the reduced draft vocabulary when it has one
+# engines that draft over the drafter's reduced vocabulary (d2t) when it has one
+REDUCED_VOCAB_ENGINES = ("vllm", "llamacpp")
 # Why an engine drafts over the full vocabulary although the drafter was trained on a reduced one
 # (checked against the engines' sources; see docs/serving.md).
 FULL_VOCAB_REASONS = {
@@ -93,6 +105,8 @@ SUPPORT = {
              "Blackwell only", "yes (`--tensor-parallel-size`)"),
     "SGLang": ("yes (`DFLASH`)", "no", "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
                "yes (`--tp-size`)"),
+    "llama.cpp": ("yes (`--spec-type draft-dflash`)", "no", "yes (`d2t` + the draft's own `output` head)",
+                  "no (the target's own GGUF quantization)", "no", "no (one process)"),
 }
 
 
@@ -115,6 +129,7 @@ class LaunchSettings:
     max_batch_size: int  # requests decoding at once
     max_context: int  # tokens per request, prompt + output
     vllm_drafter: str = "./drafter"  # ./vllm/drafter when the drafter has a reduced draft vocabulary
+    llamacpp_threads: int | None = None  # llama-server's -t default in the launch script (None: all cores)
 
     @property
     def max_num_tokens(self) -> int:
@@ -126,29 +141,36 @@ class LaunchSettings:
 # launch files per engine: {relative path: text}
 
 
+def _quote(word: str) -> str:
+    """A shell word: a script variable ("$PORT") expanded in double quotes, anything else quoted as is."""
+    if len(word) > 1 and word[0] == "$" and word[1:].replace("_", "").isalnum():
+        return f'"{word}"'
+    return shlex.quote(word)
+
+
 def _command(argv: list[str]) -> str:
     """A shell command: the program and its positional words on the first line, then one flag (and its
     value) per line, every argument quoted; extra flags given to the script pass through ("$@")."""
     i = 0
     while i < len(argv) and not argv[i].startswith("--"):
         i += 1
-    lines = [" ".join(shlex.quote(a) for a in argv[:i])]
+    lines = [" ".join(_quote(a) for a in argv[:i])]
     while i < len(argv):
         if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            lines.append(f"{argv[i]} {shlex.quote(argv[i + 1])}")
+            lines.append(f"{argv[i]} {_quote(argv[i + 1])}")
             i += 2
         else:
-            lines.append(shlex.quote(argv[i]))
+            lines.append(_quote(argv[i]))
             i += 1
     return "exec " + " \\\n    ".join(lines + ['"$@"']) + "\n"
 
 
-def _launch_script(engine: str, argv: list[str]) -> str:
+def _launch_script(engine: str, argv: list[str], settings: str = "") -> str:
     return ("#!/bin/sh\n"
             f"# Serve this bundle with {ENGINE_NAMES[engine]}: target + DFlash drafter. Extra flags are passed on.\n"
             "set -eu\n"
             'cd "$(dirname "$0")/.."  # paths below are relative to the bundle root\n'
-            + _command(argv))
+            + settings + _command(argv))
 
 
 def trtllm_options(s: LaunchSettings) -> dict:
@@ -193,18 +215,35 @@ def sglang_files(s: LaunchSettings) -> dict[str, str]:
     return {"sglang/launch.sh": _launch_script("sglang", argv)}
 
 
-LAUNCH_FILES = {"trtllm": trtllm_files, "vllm": vllm_files, "sglang": sglang_files}
+def llamacpp_files(s: LaunchSettings) -> dict[str, str]:
+    threads = str(s.llamacpp_threads) if s.llamacpp_threads else "$(nproc 2>/dev/null || echo 4)"
+    settings = ("# LLAMA_SERVER: the llama-server binary (default: llama-server on PATH; "
+                "scripts/build_llama_server.sh builds one)\n"
+                'LLAMA_SERVER="${LLAMA_SERVER:-llama-server}"\n'
+                f'THREADS="${{THREADS:-{threads}}}"\n'
+                'HOST="${HOST:-127.0.0.1}"\n'
+                'PORT="${PORT:-8080}"\n')
+    # llama.cpp drafts at most block_size - 1 tokens after the anchor
+    argv = llama_server_command("$LLAMA_SERVER", f"./{LLAMACPP_TARGET}", drafter_gguf=f"./{LLAMACPP_DRAFTER}",
+                                draft_max=s.block_size - 1, threads="$THREADS", context=s.max_context,
+                                host="$HOST", port="$PORT")
+    argv += ["--alias", s.name]
+    return {"llamacpp/launch.sh": _launch_script("llamacpp", argv, settings)}
+
+
+LAUNCH_FILES = {"trtllm": trtllm_files, "vllm": vllm_files, "sglang": sglang_files, "llamacpp": llamacpp_files}
 
 
 # --------------------------------------------------------------------------------------------------
 # inputs
 
 
-def parse_engines(text: str | list[str]) -> list[str]:
-    """'trtllm', 'vllm,sglang' or 'all' → engine names in a fixed order."""
+def parse_engines(text: str | list[str], gguf_target: bool = True) -> list[str]:
+    """'trtllm', 'vllm,sglang' or 'all' → engine names in a fixed order. 'all' is every engine that can
+    serve the target: llama.cpp only when the target is a GGUF file (`gguf_target`)."""
     names = text if isinstance(text, list) else [t.strip() for t in text.split(",") if t.strip()]
     if names == ["all"]:
-        return list(ENGINES)
+        return list(ENGINES if gguf_target else HF_ENGINES)
     unknown = [n for n in names if n not in ENGINES]
     if unknown or not names:
         raise LoopspecError(f"unknown engine {', '.join(unknown) or repr(text)} (choose from {', '.join(ENGINES)} or all)")
@@ -220,14 +259,27 @@ def check_tp(tp: int, heads: int, kv_heads: int, what: str) -> None:
                             f"{kv_heads} K/V heads evenly")
 
 
-def resolve_max_context(max_context: int | None, target_cfg: TargetConfig) -> int:
-    """The engines' per-request token limit: the given one, else DEFAULT_MAX_CONTEXT within the target's."""
-    limit = target_cfg.max_position_embeddings
+def resolve_max_context(max_context: int | None, limit: int) -> int:
+    """The engines' per-request token limit: the given one, else DEFAULT_MAX_CONTEXT within the target's
+    `limit` positions."""
     if max_context is None:
         return min(DEFAULT_MAX_CONTEXT, limit)
     if max_context < 1 or max_context > limit:
         raise LoopspecError(f"max context must be between 1 and the target's {limit} positions, got {max_context}")
     return max_context
+
+
+LLAMACPP_NEEDS_GGUF = ("llama.cpp serves a GGUF target, and {target} is a checkpoint directory: pass --target "
+                       "default or a .gguf file (llama.cpp's convert_hf_to_gguf.py makes one from a Hugging Face "
+                       "checkpoint), or leave llamacpp out of --engine")
+
+
+def _gguf_target(target: str) -> Path | None:
+    """The target's GGUF file ('default' or a .gguf file); None for a checkpoint directory."""
+    if str(target) == "default":
+        return target_gguf_path(target)
+    path = Path(target)
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def _resolve_drafter(drafter: str, target: str) -> Path:
@@ -309,7 +361,7 @@ def write_vllm_drafter(model: Drafter, draft_ids: torch.Tensor, lm_head: torch.T
 
 def draft_vocab_per_engine(engines: list[str], draft_vocab_size: int | None) -> dict:
     """{engine: draft vocabulary it drafts over}: the reduced size where the bundle carries it, else "full"."""
-    return {e: draft_vocab_size if draft_vocab_size and e == "vllm" else "full" for e in engines}
+    return {e: draft_vocab_size if draft_vocab_size and e in REDUCED_VOCAB_ENGINES else "full" for e in engines}
 
 
 def quantize_target(src: Path, dst: Path, precision: str, calib_prompts: str | None = None,
@@ -332,14 +384,25 @@ def _draft_vocab_lines(engines: list[str], vocab: int | None) -> list[str]:
         lines.append(f"  - vLLM: reduced, from `{VLLM_DRAFTER}/` (`draft_vocab_size: {vocab}` in config.json, "
                      "`d2t.safetensors`, and `lm_head.safetensors` with the target's lm_head rows of the draft "
                      "tokens, since vLLM's DFlash model computes draft logits with its own head of that size).")
+    if "llamacpp" in engines:
+        lines.append(f"  - llama.cpp: reduced, in `{LLAMACPP_DRAFTER}` (the `d2t` tensor of absolute target ids "
+                     "and the draft's own `output` head: the target's lm_head rows of the draft tokens).")
     for engine in engines:
         if engine in FULL_VOCAB_REASONS:
             lines.append(f"  - {ENGINE_NAMES[engine]}: full, from `drafter/`. {FULL_VOCAB_REASONS[engine]}")
     return lines
 
 
+def _llamacpp_readme_lines(s: LaunchSettings) -> list[str]:
+    return ["", f"`llamacpp/launch.sh` runs llama-server (`$LLAMA_SERVER`, else `llama-server` on PATH) on "
+            f"`{LLAMACPP_TARGET}` (a copy of the target GGUF) with the drafter `{LLAMACPP_DRAFTER}` "
+            f"(`--spec-type draft-dflash --spec-draft-n-max {s.block_size - 1}`); `THREADS`, `HOST` and `PORT` "
+            "in the environment set `-t`, `--host` and `--port` (defaults: all cores, 127.0.0.1, 8080)."]
+
+
 def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None, sources: dict) -> str:
     precision = s.precision or dtype
+    hf = any(e in HF_ENGINES for e in engines)
     lines = [f"# Serving bundle: {s.name}", "",
              f"Target `{s.name}` ({precision}, from `{sources['target']}`) with the DFlash drafter "
              f"`{sources['drafter']}` "
@@ -356,17 +419,23 @@ def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None
                   "its own flags, so change those values in the YAML, not with `--tp_size` and the like. "
                   "`--served-model-name` needs a trtllm-serve that has it (TensorRT-LLM pull request 11711); on "
                   "an older one remove that line and the model is named after its directory (`target`)."]
-    lines += ["", "Every launch script changes into the bundle root first: the paths `./target` and "
-              "`./drafter` (also in the YAML) are relative to it.", "",
-              "## What each engine uses", "",
-              "- `drafter/`: z-lab DFlash format (`config.json` with `dflash_config.mask_token_id` and "
-              "`target_layer_ids`, `model.safetensors`), read by all three engines.",
-              *_draft_vocab_lines(engines, vocab),
+    if "llamacpp" in engines:
+        lines += _llamacpp_readme_lines(s)
+    lines += ["", "Every launch script changes into the bundle root first: the paths below are relative to it.",
+              "", "## What each engine uses", ""]
+    if hf:
+        lines.append("- `drafter/`: z-lab DFlash format (`config.json` with `dflash_config.mask_token_id` and "
+                     "`target_layer_ids`, `model.safetensors`), read by TensorRT-LLM, vLLM and SGLang.")
+    if "llamacpp" in engines:
+        lines.append(f"- `{LLAMACPP_DRAFTER}`: the drafter as a llama.cpp `dflash` GGUF (f32, the target's "
+                     f"tokenizer), for `{LLAMACPP_TARGET}`.")
+    lines += [*_draft_vocab_lines(engines, vocab),
               "- DLoop (several draft stages per verification) runs only in loopspec's own runtime; the "
-              "engines run plain DFlash (one stage per verification).",
-              "- `target/`: Hugging Face checkpoint" + (f", modelopt {s.precision.upper()}-quantized." if s.precision
-                                                         else f" in {dtype}.")
-              + " Its config.json carries `rope_theta` beside `rope_parameters` for transformers-4 readers."]
+              "engines run plain DFlash (one stage per verification)."]
+    if hf:
+        lines.append("- `target/`: Hugging Face checkpoint" + (f", modelopt {s.precision.upper()}-quantized."
+                                                                if s.precision else f" in {dtype}.")
+                     + " Its config.json carries `rope_theta` beside `rope_parameters` for transformers-4 readers.")
     if s.precision == "nvfp4":
         lines.append("- NVFP4 kernels need a Blackwell GPU (compute capability >= 10.0); other GPUs refuse it.")
     lines += ["", "## Support matrix", "", support_matrix_markdown(), "",
@@ -381,7 +450,7 @@ def _manifest(out: Path, engines: list[str], s: LaunchSettings, dtype: str, voca
     import loopspec
 
     tools = {"loopspec": loopspec.__version__, "torch": torch.__version__}
-    for package in ("transformers", "safetensors", "nvidia-modelopt"):
+    for package in ("transformers", "safetensors", "nvidia-modelopt", "gguf"):
         try:
             tools[package] = md.version(package)
         except md.PackageNotFoundError:
@@ -393,61 +462,85 @@ def _manifest(out: Path, engines: list[str], s: LaunchSettings, dtype: str, voca
             "tensor_parallel_size": s.tp, "max_batch_size": s.max_batch_size, "max_context": s.max_context,
             "precision": s.precision or dtype, "block_size": s.block_size, "mask_token_id": s.mask_token_id,
             "target_layer_ids": s.target_layer_ids, "trained_draft_vocab_size": vocab, "draft_vocab": draft_vocab,
-            "full_draft_vocab_reasons": reasons, "sources": sources, "tools": tools, "files": files}
+            "full_draft_vocab_reasons": reasons, "sources": sources, "tools": tools, "files": files,
+            **({"llamacpp": {"target": LLAMACPP_TARGET, "drafter": LLAMACPP_DRAFTER, "drafter_dtype": "f32",
+                             "draft_max": s.block_size - 1}} if "llamacpp" in engines else {})}
 
 
 def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | list[str], *,
                  precision: str | None = None, tp: int = 1, dtype: str = "bfloat16",
                  mask_token_id: int | None = None, max_batch_size: int = 8, max_context: int | None = None,
-                 calib_prompts: str | None = None, calib_size: int | None = None) -> dict:
-    """Write a serving bundle for `engines` into `out_dir`; returns its manifest."""
-    engines = parse_engines(engines)
+                 calib_prompts: str | None = None, calib_size: int | None = None,
+                 threads: int | None = None) -> dict:
+    """Write a serving bundle for `engines` into `out_dir`; returns its manifest. `threads` is the
+    llama.cpp launch's default -t (None: all cores)."""
+    target_gguf = _gguf_target(target)
+    engines = parse_engines(engines, gguf_target=target_gguf is not None)
+    hf_engines = [e for e in engines if e in HF_ENGINES]
     if precision is not None and precision not in PRECISIONS:
         raise LoopspecError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
     if dtype not in DTYPES:
         raise LoopspecError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if max_batch_size < 1:
         raise LoopspecError(f"max batch size must be >= 1, got {max_batch_size}")
+    if "llamacpp" in engines and target_gguf is None:
+        raise LoopspecError(LLAMACPP_NEEDS_GGUF.format(target=target))
+    if not hf_engines and (tp != 1 or precision is not None):
+        raise LoopspecError("--tp and --precision apply to TensorRT-LLM, vLLM and SGLang; llama.cpp serves the "
+                            "target GGUF as it is, in one process")
+    if threads is not None and threads < 1:
+        raise LoopspecError(f"threads must be >= 1, got {threads}")
     out = check_out_dir(out_dir, "manifest.json", "a bundle")
 
-    target_dir = resolve_target_dir(target)
-    target_cfg = TargetConfig.from_hf(read_json(target_dir / "config.json", "target config"))
-    max_context = resolve_max_context(max_context, target_cfg)
     drafter_dir = _resolve_drafter(drafter, target)
     model = Drafter.load(drafter_dir)
     cfg = model.cfg
+    if hf_engines:
+        target_dir = resolve_target_dir(target)
+        target_cfg = TargetConfig.from_hf(read_json(target_dir / "config.json", "target config"))
+        positions, vocab_size = target_cfg.max_position_embeddings, target_cfg.vocab_size
+    else:  # llama.cpp alone reads nothing but the GGUF
+        info = gguf_target_info(target_gguf)
+        positions, vocab_size = info["context_length"] or DEFAULT_MAX_CONTEXT, info["vocab_size"]
+    max_context = resolve_max_context(max_context, positions)
     if cfg.mask_token_id is None:
         if mask_token_id is None and str(target) == "default":
             mask_token_id = DEFAULT_TARGET_MASK_TOKEN_ID
-        cfg.mask_token_id = resolve_mask_token_id(mask_token_id, len(load_tokenizer(target_dir)), target_cfg.vocab_size)
-    check_fits(cfg, target_cfg)
-    check_tp(tp, target_cfg.num_heads, target_cfg.num_kv_heads, "target")
-    check_tp(tp, cfg.num_heads, cfg.num_kv_heads, "drafter")
+        # a GGUF's tokenizer names every row of its vocabulary: no unused row to take
+        tokenizer_len = len(load_tokenizer(target_dir)) if hf_engines else vocab_size
+        cfg.mask_token_id = resolve_mask_token_id(mask_token_id, tokenizer_len, vocab_size)
+    if hf_engines:
+        check_fits(cfg, target_cfg)
+        check_tp(tp, target_cfg.num_heads, target_cfg.num_kv_heads, "target")
+        check_tp(tp, cfg.num_heads, cfg.num_kv_heads, "drafter")
 
     draft_ids = model.draft_ids  # the reduced draft vocabulary (d2t), None when the drafter has none
     vocab = None if draft_ids is None else int(draft_ids.numel())
     with_vllm_drafter = vocab is not None and "vllm" in engines
-    name = DEFAULT_TARGET_NAME if str(target) == "default" else target_dir.name
+    if str(target) == "default":
+        name = DEFAULT_TARGET_NAME
+    else:
+        name = target_dir.name if hf_engines else target_gguf.stem
     s = LaunchSettings(name=name, tp=tp, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                        target_layer_ids=list(cfg.target_layer_ids), precision=precision,
                        max_batch_size=max_batch_size, max_context=max_context,
-                       vllm_drafter=f"./{VLLM_DRAFTER}" if with_vllm_drafter else "./drafter")
-    sources = {"target": str(target), "target_fingerprint": target_fingerprint(target_dir),
+                       vllm_drafter=f"./{VLLM_DRAFTER}" if with_vllm_drafter else "./drafter",
+                       llamacpp_threads=threads)
+    fingerprint = target_fingerprint(target_dir) if hf_engines else file_sha256(target_gguf, limit_bytes=16 << 20)
+    sources = {"target": str(target), "target_fingerprint": fingerprint,
                "drafter": str(drafter_dir),
                "drafter_files": {p.name: file_sha256(p) for p in sorted(drafter_dir.glob("*")) if p.is_file()}}
+    if target_gguf is not None:
+        sources["target_gguf"] = str(target_gguf)
 
     with staged_dir(out) as tmp:
-        # drafter/ drafts over the full vocabulary: no d2t file, no draft-vocabulary size in its config
-        cfg.extra = {k: v for k, v in cfg.extra.items() if k != "draft_vocab_size"}
-        model.draft_ids = None
-        model.save(tmp / "drafter", dtype=DTYPES[dtype])
-        if with_vllm_drafter:
-            lm_head = target_lm_head(target_dir, target_cfg.tie_word_embeddings)
-            write_vllm_drafter(model, draft_ids, lm_head, tmp / VLLM_DRAFTER, DTYPES[dtype])
-        if precision is None:
-            export_target(target_dir, tmp / "target", DTYPES[dtype])
-        else:
-            quantize_target(target_dir, tmp / "target", precision, calib_prompts, calib_size)
+        if "llamacpp" in engines:  # first: it keeps the reduced draft vocabulary the z-lab drafter/ drops
+            (tmp / "llamacpp").mkdir()
+            shutil.copyfile(target_gguf, tmp / LLAMACPP_TARGET)
+            write_dflash_gguf(model, target_gguf, tmp / LLAMACPP_DRAFTER)
+        if hf_engines:
+            _write_hf_parts(model, draft_ids, target_dir, target_cfg, tmp, dtype, precision, with_vllm_drafter,
+                            calib_prompts, calib_size)
         for engine in engines:
             for rel, text in LAUNCH_FILES[engine](s).items():
                 path = tmp / rel
@@ -455,7 +548,27 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
                 path.write_text(text)
                 if path.suffix == ".sh":
                     path.chmod(0o755)
-        (tmp / "README.md").write_text(_readme(engines, s, dtype, vocab, sources))
-        manifest = _manifest(tmp, engines, s, dtype, vocab, sources)
+        # a llama.cpp-only bundle serves the target GGUF in its own quantization
+        label = dtype if hf_engines else "gguf"
+        (tmp / "README.md").write_text(_readme(engines, s, label, vocab, sources))
+        manifest = _manifest(tmp, engines, s, label, vocab, sources)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _write_hf_parts(model: Drafter, draft_ids, target_dir: Path, target_cfg: TargetConfig, tmp: Path, dtype: str,
+                    precision: str | None, with_vllm_drafter: bool, calib_prompts: str | None,
+                    calib_size: int | None) -> None:
+    """drafter/ (z-lab, full vocabulary), vllm/drafter/ when asked for, and target/ (HF, maybe quantized)."""
+    cfg = model.cfg
+    # drafter/ drafts over the full vocabulary: no d2t file, no draft-vocabulary size in its config
+    cfg.extra = {k: v for k, v in cfg.extra.items() if k != "draft_vocab_size"}
+    model.draft_ids = None
+    model.save(tmp / "drafter", dtype=DTYPES[dtype])
+    if with_vllm_drafter:
+        lm_head = target_lm_head(target_dir, target_cfg.tie_word_embeddings)
+        write_vllm_drafter(model, draft_ids, lm_head, tmp / VLLM_DRAFTER, DTYPES[dtype])
+    if precision is None:
+        export_target(target_dir, tmp / "target", DTYPES[dtype])
+    else:
+        quantize_target(target_dir, tmp / "target", precision, calib_prompts, calib_size)

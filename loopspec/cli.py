@@ -583,7 +583,9 @@ def cmd_convert_trt(args) -> int:
 
 
 def _add_convert_bundle_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", required=True, help="trtllm | vllm | sglang, a comma-separated list, or all")
+    p.add_argument("--engine", required=True,
+                   help="trtllm | vllm | sglang | llamacpp, a comma-separated list, or all (every engine that can "
+                        "serve the target: llamacpp needs a GGUF target, 'default' or a .gguf file)")
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF checkpoint dir or a .gguf file")
     p.add_argument("--drafter", default="default", help="'default' (the shipped drafter) or a z-lab DFlash drafter dir")
     p.add_argument("--out", required=True, help="bundle directory (an earlier bundle there is replaced)")
@@ -596,8 +598,10 @@ def _add_convert_bundle_args(p: argparse.ArgumentParser) -> None:
                         "vLLM --max-num-seqs, SGLang --max-running-requests (default 8)")
     p.add_argument("--max-context", type=_positive_int("--max-context"), default=None,
                    help="tokens per request, prompt + output: TensorRT-LLM max_seq_len (and max_num_tokens, with "
-                        "--max-batch-size), vLLM --max-model-len, SGLang --context-length (default: 4096, or the "
-                        "target's maximum if smaller)")
+                        "--max-batch-size), vLLM --max-model-len, SGLang --context-length, llama-server -c "
+                        "(default: 4096, or the target's maximum if smaller)")
+    p.add_argument("--threads", type=_positive_int("--threads"), default=None,
+                   help="llamacpp: llama-server's -t in its launch script (default: all cores; THREADS overrides it)")
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token for a drafter whose config has none")
     p.add_argument("--calib-prompts", default=None, help="--precision: JSONL of {\"turns\": [...]} (default: built-in)")
     p.add_argument("--calib-size", type=_positive_int("--calib-size"), default=None, help="--precision: calibration prompts")
@@ -608,7 +612,8 @@ def cmd_convert_bundle(args) -> int:
 
     manifest = build_bundle(args.target, args.drafter, args.out, args.engine, precision=args.precision, tp=args.tp,
                             dtype=args.dtype, mask_token_id=args.mask_token_id, max_batch_size=args.max_batch_size,
-                            max_context=args.max_context, calib_prompts=args.calib_prompts, calib_size=args.calib_size)
+                            max_context=args.max_context, calib_prompts=args.calib_prompts, calib_size=args.calib_size,
+                            threads=args.threads)
     print(f"serving bundle ({manifest['precision']}, tensor parallel {manifest['tensor_parallel_size']}) in {args.out}")
     for engine in manifest["engines"]:
         print(f"  {ENGINE_NAMES[engine]}: sh {Path(args.out) / engine / 'launch.sh'}")
@@ -626,7 +631,8 @@ CONVERT_STAGES = {
                  _add_convert_quantize_args, cmd_convert_quantize),
     "trt": ("build TensorRT plans from ONNX engines (needs TensorRT and an NVIDIA GPU)",
             _add_convert_trt_args, cmd_convert_trt),
-    "bundle": ("a TensorRT-LLM / vLLM / SGLang serving bundle: z-lab drafter, HF target, launch files",
+    "bundle": ("a TensorRT-LLM / vLLM / SGLang / llama.cpp serving bundle: z-lab drafter, HF target (or the "
+               "drafter as a llama.cpp GGUF beside the target GGUF), launch files",
                _add_convert_bundle_args, cmd_convert_bundle),
 }
 

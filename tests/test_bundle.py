@@ -379,7 +379,7 @@ def test_cli_convert_bundle(tiny_pair, tmp_path, capsys):
     assert main(["convert", "bundle", "--engine", "tgi", "--target", str(target_dir), "--drafter",
                  str(drafter_dir), "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "loopspec: error: unknown engine tgi (choose from trtllm, vllm, sglang or all)"
+    assert err == "loopspec: error: unknown engine tgi (choose from trtllm, vllm, sglang, llamacpp or all)"
 
 
 def test_serve_script_builds_then_launches(tiny_pair, tmp_path):
