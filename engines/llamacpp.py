@@ -240,15 +240,19 @@ def read_dflash_gguf(path: str | Path) -> dict:
 
 def llama_server_command(binary: str | Path, target_gguf: str | Path, *, drafter_gguf: str | Path | None = None,
                          draft_max: int | None = None, threads: int | str | None = None,
-                         context: int | None = None, host: str = "127.0.0.1", port: int | str = 8080) -> list[str]:
+                         context: int | None = None, host: str = "127.0.0.1", port: int | str = 8080,
+                         slots: int | None = None) -> list[str]:
     """llama-server's argv serving `target_gguf`, plain or with the DFlash drafter `drafter_gguf`
     drafting up to `draft_max` tokens per step (llama.cpp caps it at block_size - 1). `threads` and
-    `port` may be shell variables ("$PORT") for a launch script."""
+    `port` may be shell variables ("$PORT") for a launch script; `slots`: how many requests it
+    decodes at once (its -np; the context is shared among them)."""
     argv = [str(binary), "-m", str(target_gguf), "--host", host, "--port", str(port)]
     if threads is not None:
         argv += ["-t", str(threads)]
     if context is not None:
         argv += ["-c", str(context)]
+    if slots is not None:
+        argv += ["-np", str(slots)]
     if drafter_gguf is not None:
         argv += ["-md", str(drafter_gguf), "--spec-type", "draft-dflash"]
         if draft_max is not None:

@@ -200,7 +200,7 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     pair side by side; `ar` on the first is the reference of every speedup."""
     from tqdm import tqdm
 
-    from loopspec.runtime.peers import HF_METHODS, LLAMACPP_METHODS, PEER_BACKENDS, PEER_METHODS, PLAIN_PEER, HFPeer
+    from loopspec.runtime.peers import HF_METHODS, LLAMACPP_METHODS, PEER_BACKENDS, PEER_METHODS, HFPeer
     from loopspec.runtime.pipeline import load_pipeline, resolve_backend
     from loopspec.settings import DRAFTER_METHODS, METHODS, method_variant
 
@@ -264,7 +264,9 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     wanted = [m for m in methods if m in LLAMACPP_METHODS]
     if wanted:
         longest = max(len(ids) for encoded in encoded_sets.values() for ids in encoded)
-        dflash_block = (pipe.settings("dflash", block_size=block_size).block_size
+        # llama.cpp drafts the block of the drafter's tuned setting on this machine (loopspec's dloop
+        # block): the block whose verification pays on a CPU
+        dflash_block = (pipe.settings("dloop", block_size=block_size).block_size
                         if "llamacpp-dflash" in wanted else None)
         llama, reason = llamacpp_peer(pipe, target, llama_server, dflash_block, num_threads,
                                       context=longest + max_new_tokens + 16)
@@ -491,7 +493,7 @@ def llamacpp_peer(pipe, target: str, llama_server: str | None, dflash_block: int
     """(LlamaServerPeer, None), or (None, why the llama.cpp rows are skipped): it needs a llama-server
     binary (`llama_server`, else one on PATH) and the target as a GGUF; with `dflash_block`, the
     pair's drafter is written once as a llama.cpp DFlash GGUF into the cache and drafts
-    dflash_block - 1 tokens a round, as loopspec's `dflash` does."""
+    dflash_block - 1 tokens a round."""
     from loopspec.engines.llamacpp import find_llama_server
     from loopspec.runtime.peers import LlamaServerPeer
     from loopspec.weights import target_gguf_path

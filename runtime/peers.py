@@ -78,7 +78,9 @@ class LlamaServerPeer:
                 if method == "llamacpp-dflash" and drafter_gguf is None:
                     continue
                 port = free_port()
-                command = llama_server_command(binary, target_gguf, threads=num_threads, context=context, port=port,
+                # one request at a time, on as many threads as loopspec's engines use
+                command = llama_server_command(binary, target_gguf, threads=num_threads or torch.get_num_threads(),
+                                               context=context, port=port, slots=1,
                                                **({"drafter_gguf": drafter_gguf, "draft_max": draft_max}
                                                   if method == "llamacpp-dflash" else {}))
                 self.logs[method] = tempfile.TemporaryFile(mode="w+")

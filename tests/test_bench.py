@@ -6,6 +6,7 @@ import json
 import pytest
 
 from loopspec.cli import main
+from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
 from loopspec.runtime.bench import (HUMANEVAL_TEMPLATE, acceptance_stats, load_humaneval, load_prompt_sets,
                                     median_run, run_bench, verifications_saved)
@@ -189,3 +190,44 @@ def test_backends_side_by_side_in_one_run(tiny_pair, prompt_sets, tmp_path):
     with pytest.raises(LoopspecError, match="distinct backends"):
         run_bench(prompt_files=[str(prompt_sets[0])], methods=["ar"], target=str(target), drafter="none",
                   backend="torch,torch")
+
+
+def test_llamacpp_rows_are_skipped_with_a_reason_without_a_binary(tiny_pair, prompt_sets, tmp_path, monkeypatch):
+    """No llama-server on PATH: the llama.cpp rows are left out with one line saying why, the rest runs;
+    a --llama-server that does not exist is a clear error before anything runs."""
+    target, drafter = tiny_pair
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no llama-server to find
+    report = tmp_path / "b.json"
+    results = run_bench(prompt_files=[str(prompt_sets[1])], methods=["ar", "dflash", "llamacpp", "llamacpp-dflash"],
+                        target=str(target), drafter=str(drafter), max_new_tokens=8, json_out=str(report))
+    assert [r.method for r in results] == ["ar", "dflash"]
+    skipped = json.loads(report.read_text())["settings"]["skipped"]
+    assert set(skipped) == {"llamacpp", "llamacpp-dflash"} and "no llama-server on PATH" in skipped["llamacpp"]
+    with pytest.raises(LoopspecError, match="does not exist or is not executable"):
+        run_bench(prompt_files=[str(prompt_sets[1])], methods=["ar", "llamacpp"], target=str(target),
+                  drafter="none", llama_server=str(tmp_path / "llama-server"))
+    with pytest.raises(LoopspecError, match="greedy only"):
+        run_bench(prompt_files=[str(prompt_sets[1])], methods=["ar", "llamacpp"], target=str(target),
+                  drafter="none", params=SamplingParams(temperature=0.7))
+
+
+@pytest.mark.e2e
+def test_llamacpp_peers_beside_the_default_engines(tmp_path):
+    """llama-server on the default GGUF, plain and with the shipped drafter, in one bench run with
+    loopspec's engines: its DFlash output equals its plain output and its τ comes from its counters."""
+    from loopspec.engines.llamacpp import find_llama_server
+
+    if find_llama_server() is None:
+        pytest.skip("no llama-server on PATH (scripts/build_llama_server.sh builds one)")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["Write a Python function that returns the n-th Fibonacci number."]}\n')
+    report = tmp_path / "b.json"
+    results = run_bench(prompt_files=[str(prompts)], methods=["ar", "llamacpp", "llamacpp-dflash"], max_new_tokens=32,
+                        num_threads=2, json_out=str(report))
+    by = {r.method: r for r in results}
+    assert by["llamacpp"].backend == by["llamacpp-dflash"].backend == "llama.cpp"
+    assert by["llamacpp"].new_tokens == 32 and by["llamacpp-dflash"].identical_to_ar is True
+    assert by["llamacpp"].tau == 1.0 and by["llamacpp-dflash"].tau > 1.0  # drafts were accepted
+    assert 0.0 <= by["llamacpp"].fp32_matching_prefix <= 32
+    command = json.loads(report.read_text())["settings"]["llamacpp"]["llamacpp-dflash"]
+    assert "--spec-type" in command and "draft-dflash" in command

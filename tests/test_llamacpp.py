@@ -5,10 +5,7 @@ shipped drafter really drafting in llama-server on the default target."""
 import json
 import os
 import shlex
-import socket
 import subprocess
-import time
-import urllib.request
 from dataclasses import replace
 
 import numpy as np
@@ -337,101 +334,40 @@ def test_llamacpp_bundle_bad_inputs(tiny_pair, target, drafter_dir, tmp_path):
 # end to end: the shipped drafter in llama-server on the default target
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(port: int, path: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        return json.load(response)
-
-
-class Server:
-    """A llama-server process, always ended by `close` (a fixture's finally)."""
-
-    def __init__(self, argv: list[str], port: int, log):
-        self.port, self.log = port, log
-        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.close()
-            raise
-
-    def _wait_ready(self):
-        port, log = self.port, self.log
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.process.returncode}: see {log.name}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if json.load(r).get("status") == "ok":
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"llama-server did not become ready in 180 s: see {log.name}")
-
-    def close(self):
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
-def default_servers(tmp_path_factory):
-    """(plain server, DFlash server) of llama-server on the default target GGUF, the second drafting
-    with the shipped drafter written as a dflash GGUF."""
+def default_peer(tmp_path_factory):
+    """llama-server on the default target GGUF, plain and drafting with the shipped drafter written as
+    a dflash GGUF: the runtime's own peer (runtime/peers.py), as `bench` runs it."""
     binary = find_llama_server()
     if binary is None:
         pytest.skip(NO_SERVER)
     from loopspec.defaults import DEFAULT_DRAFTER_DIR
+    from loopspec.runtime.peers import LlamaServerPeer
     from loopspec.weights import target_gguf_path
 
-    root = tmp_path_factory.mktemp("llamacpp-e2e")
     target_gguf = target_gguf_path("default")
     drafter = Drafter.load(DEFAULT_DRAFTER_DIR)
-    drafter_gguf = write_dflash_gguf(drafter, target_gguf, root / "drafter.gguf")
-    threads = min(2, os.cpu_count() or 1)
-    servers = []
+    drafter_gguf = write_dflash_gguf(drafter, target_gguf, tmp_path_factory.mktemp("llamacpp-e2e") / "drafter.gguf")
+    peer = LlamaServerPeer(binary, target_gguf, drafter_gguf, drafter.cfg.block_size - 1,
+                           min(2, os.cpu_count() or 1), context=2048)
     try:
-        for name, extra in (("plain", {}), ("dflash", {"drafter_gguf": drafter_gguf,
-                                                       "draft_max": drafter.cfg.block_size - 1})):
-            port = free_port()
-            argv = llama_server_command(binary, target_gguf, threads=threads, context=2048, port=port, **extra)
-            servers.append(Server(argv, port, open(root / f"{name}.log", "w")))
-        yield servers
+        yield peer
     finally:
-        for server in servers:
-            server.close()
+        peer.close()
+    assert not peer.servers  # stopped
 
 
 @pytest.mark.e2e
-def test_shipped_drafter_drafts_in_llama_server_and_keeps_its_output(default_servers):
+def test_shipped_drafter_drafts_in_llama_server_and_keeps_its_output(default_peer):
     from loopspec.weights import load_tokenizer, resolve_target_dir
 
-    plain, dflash = default_servers
     tokenizer = load_tokenizer(resolve_target_dir("default"))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that returns the "
                                           "n-th Fibonacci number."}], add_generation_prompt=True)
     ids = [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
-    request = {"prompt": ids, "n_predict": 16, "temperature": 0, "top_k": 1, "cache_prompt": False,
-               "return_tokens": True}
-    ref, spec = post(plain.port, "/completion", request), post(dflash.port, "/completion", request)
-    assert len(ref["tokens"]) == 16 and spec["tokens"] == ref["tokens"] and spec["content"] == ref["content"]
-    timings = spec["timings"]
-    assert timings["predicted_n"] == 16 and timings["prompt_n"] == len(ids)
+    ref, spec = default_peer.run(ids, "llamacpp", 16), default_peer.run(ids, "llamacpp-dflash", 16)
+    assert len(ref.tokens) == 16 and spec.tokens == ref.tokens
+    assert ref.drafted == 0
     # the drafter is really used, and its drafts are accepted: the file is read as written
-    assert timings["draft_n"] > 0 and timings["draft_n_accepted"] > 0, timings
-    print(f"llama-server DFlash on the default pair: draft_n {timings['draft_n']}, "
-          f"draft_n_accepted {timings['draft_n_accepted']} over {timings['predicted_n']} tokens")
+    assert spec.drafted > 0 and spec.accepted > 0, spec
+    print(f"llama-server DFlash on the default pair: drafted {spec.drafted}, accepted {spec.accepted} over 16 tokens")
