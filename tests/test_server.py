@@ -101,6 +101,9 @@ def test_models_health_metrics(server):
     assert [m.id for m in models.data] == ["tiny"]
     health = httpx.get(server.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    # the served engine is named: what its target computes with
+    engine = {"backend": "torch", "precision": "fp32", "computes_with": "fp32 weights and activations"}
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["engine"] == engine == health.json()["engine"]
     metrics = httpx.get(server.url + "/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     for name in ("loopspec_requests_total", "loopspec_generation_tokens_total", "loopspec_tokens_per_second",
