@@ -391,10 +391,12 @@ def test_serve_script_builds_then_launches(tiny_pair, tmp_path):
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    # the script runs .venv/bin/loopspec, else `loopspec` on PATH: the command installed beside this interpreter
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    if shutil.which("vllm"):
-        pytest.skip("vLLM is installed here: launching it is not this test's business")
+    # the script runs .venv/bin/loopspec, else `loopspec` on PATH: only the command installed beside this
+    # interpreter and the system's tools are on PATH, so a vLLM installed in this environment stays out
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "loopspec").symlink_to(Path(sys.executable).parent / "loopspec")
+    env = {**os.environ, "PATH": os.pathsep.join([str(bin_dir), "/usr/bin", "/bin"])}
     target_dir, drafter_dir = tiny_pair
     out = tmp_path / "served"
     run = subprocess.run([str(root / "scripts" / "serve_vllm.sh"), str(out), "--target", str(target_dir),
