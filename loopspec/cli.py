@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reduced draft vocabulary (most frequent response tokens) + d2t map")
     t.add_argument("--eval-every", type=_positive_int("--eval-every"), default=100)
     t.add_argument("--save-every", type=_positive_int("--save-every"), default=200)
+    t.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="bfloat16: the drafter's forward and backward under CPU autocast (fp32 weights and "
+                        "optimizer; faster where the CPU has AVX512-BF16 or AMX)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=_positive_int("--threads"), default=None)
     return parser
@@ -285,7 +288,7 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(anchors=args.anchors, gamma=args.gamma, lr=args.lr, epochs=args.epochs,
                       batch_sequences=args.batch_sequences, dpace=args.dpace, kl_weight=args.kl_weight,
                       causal_in_block=args.causal_in_block, loop_stages=args.loop_stages, eval_every=args.eval_every,
-                      save_every=args.save_every, seed=args.seed)
+                      save_every=args.save_every, seed=args.seed, compute_dtype=args.compute_dtype)
     last = train_drafter(data_dir=args.data, target=target, drafter=drafter, out_dir=args.out, cfg=cfg,
                          draft_vocab=draft_vocab, max_steps=args.max_steps,
                          max_seconds=args.max_minutes * 60 if args.max_minutes else None,

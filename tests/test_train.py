@@ -253,3 +253,66 @@ def test_dpace_and_kl_options_change_the_loss(tiny_targets):
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
     assert losses["kl"] > losses["plain"]  # KL to the target is >= 0 and > 0 for a random drafter
     assert losses["dpace"] != losses["plain"]
+
+
+def test_bfloat16_compute_matches_float32_and_trains(tiny_targets):
+    """--compute-dtype bfloat16: the same loss as fp32 up to bf16 rounding, gradients reach fp32 weights,
+    and an unknown dtype is refused before any work."""
+    from loopspec.errors import LoopspecError
+    from loopspec.train.trainer import compute_context
+
+    target = load_target_dir(tiny_targets["llama"])
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=6, mask_token_id=127, target_layer_ids=[1, 4])
+    torch.manual_seed(0)
+    drafter = Drafter(cfg)
+    s = cycle_samples(1, 30)[0]
+    tokens, mask = torch.tensor(s.tokens), torch.tensor(s.loss_mask)
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        tc = TrainConfig(anchors=16, compute_dtype=dtype)
+        trainer = DrafterTrainer(target, drafter, tc)
+        taps, _ = trainer.target_pass(tokens, False)
+        with compute_context(tc):
+            loss, _ = trainer.sequence_loss(tokens, mask, taps, random.Random(0))
+        losses[dtype] = loss
+    assert losses["bfloat16"].dtype == torch.float32  # the loss itself is reduced in fp32
+    assert abs(losses["bfloat16"].item() - losses["float32"].item()) < 0.02 * losses["float32"].item()
+    assert losses["bfloat16"].item() != losses["float32"].item()  # bf16 really ran
+    drafter.zero_grad()
+    losses["bfloat16"].backward()
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in drafter.parameters())
+    assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
+
+    final = {}
+    for dtype in ("float32", "bfloat16"):  # the same run in both: bf16 follows fp32's trajectory
+        torch.manual_seed(0)
+        drafter = Drafter(cfg)
+        tc = TrainConfig(anchors=16, compute_dtype=dtype)
+        trainer = DrafterTrainer(target, drafter, tc)
+        taps, _ = trainer.target_pass(tokens, False)
+        opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+        rng = random.Random(0)
+        history = []
+        for _ in range(60):
+            opt.zero_grad()
+            with compute_context(tc):
+                loss, _ = trainer.sequence_loss(tokens, mask, taps, rng)
+            loss.backward()
+            opt.step()
+            history.append(loss.item())
+        assert sum(history[-5:]) / 5 < sum(history[:5]) / 5 - 0.3, (dtype, history)
+        final[dtype] = sum(history[-5:]) / 5
+    assert abs(final["bfloat16"] - final["float32"]) < 0.1 * final["float32"], final
+    with pytest.raises(LoopspecError, match="compute dtype 'float16'"):
+        compute_context(TrainConfig(compute_dtype="float16"))
+
+
+def test_taps_only_target_pass_skips_the_lm_head(tiny_targets):
+    target = load_target_dir(tiny_targets["llama"])
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=4, mask_token_id=127, target_layer_ids=[1, 4])
+    trainer = DrafterTrainer(target, Drafter(cfg), TrainConfig())
+    tokens = torch.tensor(cycle_samples(1, 20)[0].tokens)
+    taps_only, none = trainer.target_pass(tokens, False)
+    taps, logits = trainer.target_pass(tokens, True)
+    assert none is None and logits.shape == (20, target.cfg.vocab_size)
+    assert torch.equal(taps_only, taps)

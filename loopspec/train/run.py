@@ -14,7 +14,7 @@ from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 from loopspec.train.data import Sample, read_samples, safe_name
-from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, lr_at
+from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, compute_context, lr_at
 
 
 class TapSource:
@@ -62,6 +62,7 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
     torch.manual_seed(cfg.seed)
     if draft_vocab is not None:
         drafter.draft_ids = draft_vocab.ids  # every save writes its d2t map
+    compute_context(cfg)  # an unknown compute dtype fails here, before any work
     trainer = DrafterTrainer(target, drafter, cfg, draft_vocab)
     taps = TapSource(data_dir, trainer, need_logits=cfg.kl_weight > 0)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -116,10 +117,11 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
             tokens = torch.tensor(s.tokens[: cfg.max_len])
             mask = torch.tensor(s.loss_mask[: cfg.max_len])
             t, logits = taps(s, tokens)
-            if cfg.loop_stages > 0:
-                loss, st = trainer.loop_sequence_loss(tokens, mask, t, rng)
-            else:
-                loss, st = trainer.sequence_loss(tokens, mask, t, rng, logits)
+            with compute_context(cfg):
+                if cfg.loop_stages > 0:
+                    loss, st = trainer.loop_sequence_loss(tokens, mask, t, rng)
+                else:
+                    loss, st = trainer.sequence_loss(tokens, mask, t, rng, logits)
             if loss is None:
                 continue
             (loss / cfg.batch_sequences).backward()

@@ -10,12 +10,14 @@ the rows that carry a label (and, with a reduced draft vocabulary, only over its
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from dataclasses import dataclass
 
 import torch
 
+from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 
@@ -89,6 +91,19 @@ class TrainConfig:
     save_every: int = 200
     seed: int = 0
     max_len: int = 1024
+    compute_dtype: str = "float32"  # "bfloat16": the drafter's forward and backward under CPU autocast
+    #                                 (fp32 master weights; ~1.8x faster matmuls where the CPU has AVX512-BF16)
+
+
+COMPUTE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+
+
+def compute_context(cfg: TrainConfig):
+    """The context a training loss is computed in: plain fp32, or CPU autocast to bfloat16."""
+    if cfg.compute_dtype not in COMPUTE_DTYPES:
+        raise LoopspecError(f"compute dtype {cfg.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    dtype = COMPUTE_DTYPES[cfg.compute_dtype]
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 class DraftVocab:
@@ -130,7 +145,8 @@ class DrafterTrainer:
     def target_pass(self, tokens: torch.Tensor, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Teacher-forced target forward → taps [L, n*H] (and logits [L, V] when asked)."""
         cache = self.target.new_cache(tokens.numel())
-        out = self.target(tokens[None], cache, want_taps=True)
+        # without KL only the taps are used: skip the lm_head over every position ([L, V] fp32)
+        out = self.target(tokens[None], cache, want_taps=True, last_logits_only=not want_logits)
         return out.taps[0], (out.logits[0] if want_logits else None)
 
     # ---- loss of one sequence ----------------------------------------------------------------------
