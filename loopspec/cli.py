@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reduced draft vocabulary (most frequent response tokens) + d2t map")
     t.add_argument("--eval-every", type=_positive_int("--eval-every"), default=100)
     t.add_argument("--save-every", type=_positive_int("--save-every"), default=200)
+    t.add_argument("--tap-cache", default=None,
+                   help="directory for the target's taps, computed online once (fp16) and read back in later "
+                        "epochs and later runs on the same data (when the data has no taps of these layers)")
     t.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="bfloat16: the drafter's forward and backward under CPU autocast (fp32 weights and "
                         "optimizer; faster where the CPU has AVX512-BF16 or AMX)")
@@ -292,7 +295,7 @@ def cmd_train(args) -> int:
     last = train_drafter(data_dir=args.data, target=target, drafter=drafter, out_dir=args.out, cfg=cfg,
                          draft_vocab=draft_vocab, max_steps=args.max_steps,
                          max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                         stop_after_steps=args.stop_after_steps)
+                         stop_after_steps=args.stop_after_steps, tap_cache=args.tap_cache)
     print(json.dumps(last))
     return 0
 

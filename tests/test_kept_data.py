@@ -187,3 +187,51 @@ def test_half_written_last_line_is_not_a_sample(tiny_pair, prompts, tmp_path):
     assert main(data_args(target_dir, prompts, out)) == 0
     samples = read_samples(out)
     assert len(samples) == 10 and len({s.id for s in samples}) == 10
+
+
+def test_tap_cache_computes_taps_once_and_refuses_a_mismatch(tiny_pair, prompts, tmp_path, monkeypatch, capsys):
+    """--tap-cache: data without taps → the first run computes each sample's taps once and keeps them
+    (fp16); a second run on the same data reads them all back without a target pass and trains the same
+    steps; another layer set, KL, or a foreign directory is refused with a one-line error."""
+    from loopspec.train.trainer import DrafterTrainer
+
+    target_dir, _ = tiny_pair
+    data = tmp_path / "data"
+    assert main(data_args(target_dir, prompts, data)) == 0  # no --cache-taps: token ids only
+    cache = tmp_path / "taps"
+    train = ["train", "--data", str(data), "--target", str(target_dir), "--block-size", "4",
+             "--mask-token-id", "127", "--anchors", "8", "--batch-sequences", "2", "--epochs", "2",
+             "--max-steps", "6", "--eval-every", "3", "--save-every", "3", "--tap-cache", str(cache)]
+    passes = []
+    real = DrafterTrainer.target_pass
+    monkeypatch.setattr(DrafterTrainer, "target_pass", lambda self, tokens, want: passes.append(1) or real(self, tokens, want))
+    assert main(train + ["--tap-layers", "1,4", "--out", str(tmp_path / "first")]) == 0
+    samples = [s for s in read_samples(data) if len(s.tokens) - s.prompt_len >= 2]  # those training uses
+    files = sorted(p.name for p in cache.glob("*.safetensors"))
+    assert files == sorted(f"{safe_name(s.id)}.safetensors" for s in samples)  # 6 steps × 2 + held out: all
+    assert len(passes) == len(samples)  # each sample's taps computed once, also when seen twice
+    for s in samples:
+        taps = read_safetensors(cache / f"{safe_name(s.id)}.safetensors")["taps"]
+        assert taps.dtype == torch.float16 and taps.shape == (len(s.tokens) - 1, 2 * 64)
+    assert json.loads((cache / "manifest.json").read_text())["tap_layer_ids"] == [1, 4]
+
+    passes.clear()
+    assert main(train + ["--tap-layers", "1,4", "--out", str(tmp_path / "second")]) == 0
+    assert passes == []  # everything read back
+    first, second = (read_safetensors(tmp_path / name / "model.safetensors") for name in ("first", "second"))
+    assert all(torch.equal(first[k], second[k]) for k in first)  # the same taps, so the same training
+
+    capsys.readouterr()
+    assert main(train + ["--tap-layers", "1,3", "--out", str(tmp_path / "other")]) == 2
+    assert "holds taps of another target or layers ([1, 4] there, [1, 3] here)" in capsys.readouterr().err
+    assert main(train + ["--tap-layers", "1,4", "--kl-weight", "1", "--out", str(tmp_path / "kl")]) == 2
+    assert "--tap-cache keeps taps only" in capsys.readouterr().err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert main(train[:-1] + [str(foreign), "--tap-layers", "1,4", "--out", str(tmp_path / "f")]) == 2
+    assert "is not empty and not a tap cache" in capsys.readouterr().err
+    assert (foreign / "notes.txt").read_text() == "mine" and len(list(foreign.iterdir())) == 1
+    (cache / "manifest.json").write_text("{not json")
+    assert main(train + ["--tap-layers", "1,4", "--out", str(tmp_path / "g")]) == 2
+    assert "is corrupt" in capsys.readouterr().err

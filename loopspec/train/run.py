@@ -17,29 +17,72 @@ from loopspec.train.data import Sample, read_samples, safe_name
 from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, compute_context, lr_at
 
 
-class TapSource:
-    """Taps from the data directory's cache when it matches the drafter's layers, else computed online."""
+TAP_CACHE_KIND = "loopspec-tap-cache"
 
-    def __init__(self, data_dir: Path, trainer: DrafterTrainer, need_logits: bool):
+
+class TapSource:
+    """Taps from the data directory's cache when it matches the drafter's layers; else from a tap cache
+    directory (`--tap-cache`: computed online once, fp16, read back in later epochs and later runs on
+    the same data); else computed online every time."""
+
+    def __init__(self, data_dir: Path, trainer: DrafterTrainer, need_logits: bool, tap_cache: Path | None = None):
         manifest = json.loads((data_dir / "manifest.json").read_text()) if (data_dir / "manifest.json").is_file() else {}
         cached = (manifest.get("settings") or {}).get("tap_layer_ids")
         self.cached = cached == trainer.drafter.cfg.target_layer_ids and not need_logits
         self.dir, self.trainer, self.need_logits = data_dir / "taps", trainer, need_logits
+        self.tap_cache = None
+        if tap_cache is not None and not self.cached:
+            if need_logits:
+                raise LoopspecError("--tap-cache keeps taps only; forward KL (--kl-weight) needs the target's "
+                                    "logits at every step, so it computes both online: drop one of the two")
+            self.tap_cache = Path(tap_cache)
+            self._claim(self.tap_cache, manifest.get("target_sha256"), trainer.drafter.cfg.target_layer_ids)
+
+    @staticmethod
+    def _claim(directory: Path, target_hash: str | None, layers: list[int]) -> None:
+        """A tap cache holds one target's taps of one set of layers: refuse to mix another's in."""
+        mine = {"kind": TAP_CACHE_KIND, "target_sha256": target_hash, "tap_layer_ids": list(layers),
+                "dtype": "float16"}
+        path = directory / "manifest.json"
+        if path.is_file():
+            try:
+                theirs = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise LoopspecError(f"{path} is corrupt (not a tap cache manifest)") from None
+            if theirs != mine:
+                raise LoopspecError(f"{directory} holds taps of another target or layers "
+                                    f"({theirs.get('tap_layer_ids')} there, {list(layers)} here); use a new --tap-cache")
+            return
+        if directory.is_dir() and any(directory.iterdir()):
+            raise LoopspecError(f"{directory} is not empty and not a tap cache; use a new --tap-cache")
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(mine, indent=2) + "\n")
 
     def __call__(self, sample: Sample, tokens: torch.Tensor):
-        if self.cached:
-            from loopspec.weights import read_safetensors
+        from loopspec.weights import read_safetensors, write_safetensors
 
+        if self.cached:
             path = self.dir / f"{safe_name(sample.id)}.safetensors"
             if path.is_file():
                 return read_safetensors(path)["taps"].float(), None
-        return self.trainer.target_pass(tokens, self.need_logits)
+        if self.tap_cache is None:
+            return self.trainer.target_pass(tokens, self.need_logits)
+        path = self.tap_cache / f"{safe_name(sample.id)}.safetensors"
+        if path.is_file():
+            taps = read_safetensors(path)["taps"]
+            if taps.shape[0] >= tokens.numel() - 1:  # (a run with a longer max_len recomputes)
+                return taps.float(), None
+        taps = self.trainer.target_pass(tokens, False)[0][: tokens.numel() - 1].to(torch.float16)
+        partial = path.with_suffix(".partial")  # a kill mid-write leaves no half file under the real name
+        write_safetensors({"taps": taps}, partial)
+        partial.replace(path)
+        return taps.float(), None  # the first epoch sees the fp16 taps the later ones read back
 
 
 def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out_dir: str | Path, cfg: TrainConfig,
                   draft_vocab: DraftVocab | None = None, resume: bool = True, progress: bool = True,
                   max_steps: int | None = None, max_seconds: float | None = None,
-                  stop_after_steps: int | None = None) -> dict:
+                  stop_after_steps: int | None = None, tap_cache: str | Path | None = None) -> dict:
     """max_steps shortens the schedule; stop_after_steps and max_seconds stop (and save) early on the
     unchanged schedule, so a re-run resumes the same trajectory from the checkpoint."""
     from tqdm import tqdm
@@ -64,7 +107,8 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         drafter.draft_ids = draft_vocab.ids  # every save writes its d2t map
     compute_context(cfg)  # an unknown compute dtype fails here, before any work
     trainer = DrafterTrainer(target, drafter, cfg, draft_vocab)
-    taps = TapSource(data_dir, trainer, need_logits=cfg.kl_weight > 0)
+    taps = TapSource(data_dir, trainer, need_logits=cfg.kl_weight > 0,
+                     tap_cache=Path(tap_cache) if tap_cache is not None else None)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     state_path = out_dir / "checkpoint" / "train_state.pt"
