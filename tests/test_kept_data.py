@@ -171,7 +171,7 @@ def test_training_runs_from_data_resumed_from_kept(tiny_pair, prompts, tmp_path)
                  "--block-size", "4", "--tap-layers", "1,4", "--mask-token-id", "127", "--anchors", "8",
                  "--batch-sequences", "2", "--max-steps", "2", "--eval-every", "2", "--save-every", "2"]) == 0
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [1, 2] and "heldout_tau" in log[-1]
+    assert [r["step"] for r in log] == [0, 1, 2] and "heldout_tau" in log[-1]
     assert (out / "model.safetensors").is_file()
 
 

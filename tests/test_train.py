@@ -123,7 +123,7 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path, capsy
     assert main(common + ["--max-steps", "2"]) == 0
     assert main(common + ["--max-steps", "4"]) == 0  # resumes from step 2
     log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [1, 2, 3, 4] and "heldout_tau" in log[-1]
+    assert [r["step"] for r in log] == [0, 1, 2, 3, 4] and "heldout_tau" in log[0] and "heldout_tau" in log[-1]
 
     drafter = Drafter.load(out)
     assert drafter.draft_ids is not None and drafter.draft_ids.numel() == 40

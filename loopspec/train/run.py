@@ -144,6 +144,9 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                     "elapsed": elapsed, "rng": rng.getstate(), "config": asdict(cfg)}, state_path)
 
+    if step == 0:  # where the run starts (an --init drafter's held-out τ, before any step)
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"step": 0, "heldout_tau": evaluate(), "elapsed_s": 0.0}) + "\n")
     drafter.train()
     bar = tqdm(total=total_steps, initial=step, desc="training drafter", disable=not progress)
     t_start = time.time() - elapsed
