@@ -161,18 +161,31 @@ def test_mismatched_or_corrupt_kept_data_is_refused(tiny_pair, prompts, tmp_path
 
 
 def test_training_runs_from_data_resumed_from_kept(tiny_pair, prompts, tmp_path):
+    """v6's recipe at test size from kept data (token ids only): a base drafter, deepened by a layer and
+    trained in bf16 with a tap cache, then a loop-aware run from it on the same cache."""
+    from loopspec.model.drafter import Drafter
+
     target_dir, _ = tiny_pair
     kept, resumed = tmp_path / "kept", tmp_path / "resumed"
     assert main(data_args(target_dir, prompts, tmp_path / "first")) == 0
     assert main(["data", "--pack", str(kept), "--out", str(tmp_path / "first")]) == 0
     assert main(data_args(target_dir, prompts, resumed, "--kept", str(kept))) == 0
-    out = tmp_path / "drafter"
-    assert main(["train", "--data", str(resumed), "--target", str(target_dir), "--out", str(out),
-                 "--block-size", "4", "--tap-layers", "1,4", "--mask-token-id", "127", "--anchors", "8",
-                 "--batch-sequences", "2", "--max-steps", "2", "--eval-every", "2", "--save-every", "2"]) == 0
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [0, 1, 2] and "heldout_tau" in log[-1]
-    assert (out / "model.safetensors").is_file()
+    common = ["train", "--data", str(resumed), "--target", str(target_dir), "--anchors", "8",
+              "--batch-sequences", "2", "--max-steps", "2", "--eval-every", "2", "--save-every", "2"]
+    base, deeper, looped = tmp_path / "base", tmp_path / "deeper", tmp_path / "looped"
+    assert main(common + ["--out", str(base), "--block-size", "4", "--tap-layers", "1,4",
+                          "--mask-token-id", "127"]) == 0
+    cache = ["--tap-cache", str(tmp_path / "taps")]
+    assert main(common + ["--init", str(base), "--num-layers", "2", "--compute-dtype", "bfloat16", "--out",
+                          str(deeper), *cache]) == 0
+    assert main(common + ["--init", str(deeper), "--loop-stages", "3", "--out", str(looped), *cache]) == 0
+    for out in (base, deeper, looped):
+        log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in log] == [0, 1, 2] and "heldout_tau" in log[-1]
+        assert (out / "model.safetensors").is_file()
+    assert Drafter.load(looped).cfg.num_layers == 2
+    assert json.loads((deeper / "train_log.jsonl").read_text().splitlines()[0])["heldout_tau"] == \
+        json.loads((base / "train_log.jsonl").read_text().splitlines()[-1])["heldout_tau"]  # grown = base
 
 
 def test_half_written_last_line_is_not_a_sample(tiny_pair, prompts, tmp_path):
