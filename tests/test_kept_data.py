@@ -234,6 +234,16 @@ def test_tap_cache_computes_taps_once_and_refuses_a_mismatch(tiny_pair, prompts,
     first, second = (read_safetensors(tmp_path / name / "model.safetensors") for name in ("first", "second"))
     assert all(torch.equal(first[k], second[k]) for k in first)  # the same taps, so the same training
 
+    # other data under the same sample ids (other responses): their taps are recomputed, not reused
+    other = tmp_path / "other-data"
+    assert main(data_args(target_dir, prompts, other, "--max-new-tokens", "7")) == 0
+    passes.clear()
+    assert main(["train", "--data", str(other)] + train[3:] + ["--tap-layers", "1,4", "--out", str(tmp_path / "o")]) == 0
+    changed = [s for s in read_samples(other) if len(s.tokens) - s.prompt_len >= 2]
+    assert len(passes) == len(changed) > 0
+    s = changed[0]
+    assert read_safetensors(cache / f"{safe_name(s.id)}.safetensors")["tokens"].tolist() == s.tokens
+
     capsys.readouterr()
     assert main(train + ["--tap-layers", "1,3", "--out", str(tmp_path / "other")]) == 2
     assert "holds taps of another target or layers ([1, 4] there, [1, 3] here)" in capsys.readouterr().err

@@ -69,12 +69,14 @@ class TapSource:
             return self.trainer.target_pass(tokens, self.need_logits)
         path = self.tap_cache / f"{safe_name(sample.id)}.safetensors"
         if path.is_file():
-            taps = read_safetensors(path)["taps"]
-            if taps.shape[0] >= tokens.numel() - 1:  # (a run with a longer max_len recomputes)
-                return taps.float(), None
+            kept = read_safetensors(path)
+            # taps are those of exactly these tokens (a sample id of other data, or a longer max_len,
+            # recomputes): the file keeps the tokens it was computed from
+            if "tokens" in kept and torch.equal(kept["tokens"].long(), tokens):
+                return kept["taps"].float(), None
         taps = self.trainer.target_pass(tokens, False)[0][: tokens.numel() - 1].to(torch.float16)
         partial = path.with_suffix(".partial")  # a kill mid-write leaves no half file under the real name
-        write_safetensors({"taps": taps}, partial)
+        write_safetensors({"taps": taps, "tokens": tokens.to(torch.int32)}, partial)
         partial.replace(path)
         return taps.float(), None  # the first epoch sees the fp16 taps the later ones read back
 
