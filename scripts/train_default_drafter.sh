@@ -85,3 +85,10 @@ $BIN/loopspec data --target default --prompts $DATA/train/gsm8k-train.jsonl $DAT
     $DATA/train/arena-hard-v2.jsonl --max-new-tokens 256 --max-prompt-tokens 2048 --batch-size 16 --threads 1 \
     --out "$WORK/data-v6" --kept $KEPT
 $BIN/loopspec data --pack $KEPT --out "$WORK/data-v6"
+
+# 9. v6a: v5 deepened to 3 layers (the new layer starts as a no-op) and trained with DFlash in bf16 on
+#    the first kept v6 samples (4491: the kept data as of the commit that added them, "data: 4491 kept
+#    v6 samples"), 500 steps. The taps are computed once into a tap cache that later runs reuse.
+$BIN/loopspec train --data "$WORK/data-v6" --init loopspec/drafters/smollm2-135m-instruct --num-layers 3 \
+    --out "$WORK/drafter-v6a" --block-size 8 --anchors 512 --batch-sequences 4 --lr 3e-4 --epochs 1 \
+    --max-steps 500 --eval-every 100 --save-every 25 --compute-dtype bfloat16 --tap-cache "$WORK/taps-v6"
