@@ -121,9 +121,12 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path, capsy
               "--tap-layers", "1,4", "--mask-token-id", "127", "--anchors", "8", "--batch-sequences", "2",
               "--draft-vocab-size", "40", "--eval-every", "2", "--save-every", "2"]
     assert main(common + ["--max-steps", "2"]) == 0
+    with open(out / "train_log.jsonl", "a") as f:  # a step logged after the last save (then killed): redone
+        f.write(json.dumps({"step": 3, "loss": -1.0}) + "\n")
     assert main(common + ["--max-steps", "4"]) == 0  # resumes from step 2
     log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [0, 1, 2, 3, 4] and "heldout_tau" in log[0] and "heldout_tau" in log[-1]
+    assert all(r.get("loss") != -1.0 for r in log)
 
     drafter = Drafter.load(out)
     assert drafter.draft_ids is not None and drafter.draft_ids.numel() == 40

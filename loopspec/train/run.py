@@ -126,6 +126,10 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         step, elapsed = state["step"], state.get("elapsed", 0.0)
         rng.setstate(state["rng"])
     out_dir.mkdir(parents=True, exist_ok=True)
+    if log_path.is_file():  # rows of steps after the checkpoint (a run stopped between saves) are redone
+        rows = [line for line in log_path.read_text().splitlines() if line.strip()]
+        log_path.write_text("".join(line + "\n" for line in rows if json.loads(line).get("step", 0) <= step)
+                            if step else "")
 
     def evaluate() -> float:
         drafter.eval()
