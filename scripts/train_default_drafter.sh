@@ -73,22 +73,22 @@ $BIN/loopspec tune --prompts "$WORK/calib.jsonl" --limit 8 --max-new-tokens 96 -
 scripts/bench_eval_sets.sh "$DATA/eval" "$WORK/bench" ar,dflash,dloop,hf,hf-lookup --backend torch,onnxruntime \
     --cost-model
 
-# 8. v6 data (issue 16): regenerate / resume the kept data. Every prompt of train/ (a prompt limit of
-#    2048 tokens keeps all of livecodebench; 30 arena-hard-v2 prompts are longer), greedy responses of
-#    up to 256 tokens, no taps (the trainer computes them; `--cache-taps` would recompute the kept
-#    samples' taps by one teacher-forced forward). Samples kept in the repository are copied, only the
-#    missing prompts are generated; then the result is kept again. One thread: on a 2-core machine the
-#    other core stays free for other work. (First run, with nothing kept yet, as
-#    `loopspec data <these flags without --kept> --out /work/runs-data/v6`.)
+# 8. v6 data: regenerate / resume the kept data. Every prompt of train/ (a prompt limit of 2048 tokens
+#    keeps all of livecodebench; 30 arena-hard-v2 prompts are longer), greedy responses of up to 256
+#    tokens, no taps (the trainer computes them; `--cache-taps` would recompute the kept samples' taps
+#    by one teacher-forced forward). Samples kept in the repository are copied, only the missing prompts
+#    are generated; then the result is kept again. One thread at batch 48 (about 105 tok/s on a Zen 4
+#    core, more than batch 16 on two threads), so on a 2-core machine the other core can train.
 KEPT=data/smollm2-135m-instruct
 $BIN/loopspec data --target default --prompts $DATA/train/gsm8k-train.jsonl $DATA/train/livecodebench.jsonl \
-    $DATA/train/arena-hard-v2.jsonl --max-new-tokens 256 --max-prompt-tokens 2048 --batch-size 16 --threads 1 \
+    $DATA/train/arena-hard-v2.jsonl --max-new-tokens 256 --max-prompt-tokens 2048 --batch-size 48 --threads 1 \
     --out "$WORK/data-v6" --kept $KEPT
 $BIN/loopspec data --pack $KEPT --out "$WORK/data-v6"
 
-# 9. v6a: v5 deepened to 3 layers (the new layer starts as a no-op) and trained with DFlash in bf16 on
-#    the first kept v6 samples (4491: the kept data as of the commit that added them, "data: 4491 kept
-#    v6 samples"), 500 steps. The taps are computed once into a tap cache that later runs reuse.
+# 9. v6a (not shipped; the first v6 step): v5 deepened to 3 layers (the new layer starts as a no-op) and
+#    trained with DFlash in bf16, 500 steps. It ran on the first 4491 kept v6 samples (the kept data of
+#    the commit "data: 4491 kept v6 samples"); on a later, larger kept set the same command draws its
+#    2000 sequences from more prompts. The taps are computed once into a tap cache later runs reuse.
 $BIN/loopspec train --data "$WORK/data-v6" --init loopspec/drafters/smollm2-135m-instruct --num-layers 3 \
     --out "$WORK/drafter-v6a" --block-size 8 --anchors 512 --batch-sequences 4 --lr 3e-4 --epochs 1 \
     --max-steps 500 --eval-every 100 --save-every 25 --compute-dtype bfloat16 --tap-cache "$WORK/taps-v6"
