@@ -77,8 +77,8 @@ scripts/bench_eval_sets.sh "$DATA/eval" "$WORK/bench" ar,dflash,dloop,hf,hf-look
 #    keeps all of livecodebench; 30 arena-hard-v2 prompts are longer), greedy responses of up to 256
 #    tokens, no taps (the trainer computes them; `--cache-taps` would recompute the kept samples' taps
 #    by one teacher-forced forward). Samples kept in the repository are copied, only the missing prompts
-#    are generated; then the result is kept again. One thread at batch 48 (about 105 tok/s on a Zen 4
-#    core, more than batch 16 on two threads), so on a 2-core machine the other core can train.
+#    are generated; then the result is kept again. One thread at batch 48 (a Zen 4 core's decoding
+#    step: 94 tok/s at batch 16, 161 at batch 64), so on a 2-core machine the other core can train.
 KEPT=data/smollm2-135m-instruct
 $BIN/loopspec data --target default --prompts $DATA/train/gsm8k-train.jsonl $DATA/train/livecodebench.jsonl \
     $DATA/train/arena-hard-v2.jsonl --max-new-tokens 256 --max-prompt-tokens 2048 --batch-size 48 --threads 1 \
