@@ -216,6 +216,23 @@ def test_loop_aware_stages_match_inference_exactly(tiny_targets):
             assert (engine.hiddens[stage - 1] - trained[stage][i]).abs().max() <= 1e-4, stage
 
 
+def adam_steps(drafter, steps, loss_of, context=None):
+    """`steps` AdamW steps (lr 1e-2) on loss_of(rng), the loss computed inside `context`; → the losses."""
+    import contextlib
+
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    rng = random.Random(0)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        with context if context is not None else contextlib.nullcontext():
+            loss = loss_of(rng)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def test_loop_aware_loss_trains(tiny_targets):
     target = load_target_dir(tiny_targets["llama"])
     cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=4, mask_token_id=127, target_layer_ids=[2])
@@ -225,15 +242,7 @@ def test_loop_aware_loss_trains(tiny_targets):
     tokens = torch.tensor(cycle_samples(1, 40)[0].tokens)
     mask = torch.tensor(cycle_samples(1, 40)[0].loss_mask)
     taps, _ = trainer.target_pass(tokens, False)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    rng = random.Random(0)
-    losses = []
-    for _ in range(80):
-        opt.zero_grad()
-        loss, stats = trainer.loop_sequence_loss(tokens, mask, taps, rng)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = adam_steps(drafter, 80, lambda rng: trainer.loop_sequence_loss(tokens, mask, taps, rng)[0])
     assert torch.isfinite(torch.tensor(losses)).all()
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.4  # (this tiny target's logits start near uniform)
 
@@ -293,16 +302,8 @@ def test_bfloat16_compute_matches_float32_and_trains(tiny_targets):
         tc = TrainConfig(anchors=16, compute_dtype=dtype)
         trainer = DrafterTrainer(target, drafter, tc)
         taps, _ = trainer.target_pass(tokens, False)
-        opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-        rng = random.Random(0)
-        history = []
-        for _ in range(60):
-            opt.zero_grad()
-            with compute_context(tc):
-                loss, _ = trainer.sequence_loss(tokens, mask, taps, rng)
-            loss.backward()
-            opt.step()
-            history.append(loss.item())
+        history = adam_steps(drafter, 60, lambda rng: trainer.sequence_loss(tokens, mask, taps, rng)[0],
+                             compute_context(tc))
         assert sum(history[-5:]) / 5 < sum(history[:5]) / 5 - 0.3, (dtype, history)
         final[dtype] = sum(history[-5:]) / 5
     assert abs(final["bfloat16"] - final["float32"]) < 0.1 * final["float32"], final

@@ -15,6 +15,7 @@ from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 from loopspec.train.data import Sample, read_samples, safe_name
 from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, compute_context, lr_at
+from loopspec.weights import read_safetensors, write_safetensors
 
 
 TAP_CACHE_KIND = "loopspec-tap-cache"
@@ -59,8 +60,6 @@ class TapSource:
         path.write_text(json.dumps(mine, indent=2) + "\n")
 
     def __call__(self, sample: Sample, tokens: torch.Tensor):
-        from loopspec.weights import read_safetensors, write_safetensors
-
         if self.cached:
             path = self.dir / f"{safe_name(sample.id)}.safetensors"
             if path.is_file():
