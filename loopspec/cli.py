@@ -233,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reduced draft vocabulary (most frequent response tokens) + d2t map")
     t.add_argument("--eval-every", type=_positive_int("--eval-every"), default=100)
     t.add_argument("--save-every", type=_positive_int("--save-every"), default=200)
+    t.add_argument("--eval-samples", type=_positive_int("--eval-samples"), default=16,
+                   help="held-out samples for the held-out tau (at most a tenth of the data; 64 anchors each)")
     t.add_argument("--tap-cache", default=None,
                    help="directory for the target's taps, computed online once (fp16) and read back in later "
                         "epochs and later runs on the same data (when the data has no taps of these layers)")
@@ -291,7 +293,7 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(anchors=args.anchors, gamma=args.gamma, lr=args.lr, epochs=args.epochs,
                       batch_sequences=args.batch_sequences, dpace=args.dpace, kl_weight=args.kl_weight,
                       causal_in_block=args.causal_in_block, loop_stages=args.loop_stages, eval_every=args.eval_every,
-                      save_every=args.save_every, seed=args.seed, compute_dtype=args.compute_dtype)
+                      eval_samples=args.eval_samples, save_every=args.save_every, seed=args.seed, compute_dtype=args.compute_dtype)
     last = train_drafter(data_dir=args.data, target=target, drafter=drafter, out_dir=args.out, cfg=cfg,
                          draft_vocab=draft_vocab, max_steps=args.max_steps,
                          max_seconds=args.max_minutes * 60 if args.max_minutes else None,

@@ -56,6 +56,21 @@ def cycle_samples(n, length, cycle=11, prompt_len=4, seed=0):
             for i in range(n)]
 
 
+def test_heldout_split_is_seeded_disjoint_and_capped():
+    """--eval-samples N holds out min(N, a tenth of the data) samples, the same ones for the same seed,
+    never also trained on."""
+    from loopspec.train.run import heldout_split
+
+    samples = list(range(500))
+    held, train = heldout_split(samples, 64, random.Random(0))
+    assert len(held) == 50 and sorted(held + train) == samples  # capped at a tenth; a partition
+    held16, _ = heldout_split(samples, 16, random.Random(0))
+    assert held16 == held[:16]  # a smaller held-out set is a prefix of the larger: the same seed's order
+    assert heldout_split(samples, 64, random.Random(0))[0] == held
+    assert heldout_split(samples, 64, random.Random(1))[0] != held
+    assert len(heldout_split(samples[:5], 16, random.Random(0))[0]) == 1  # at least one
+
+
 def test_tiny_overfit_reaches_long_acceptance(tiny_targets):
     """On a deterministic toy continuation (counting), the drafter learns to draft whole blocks."""
     target = load_target_dir(tiny_targets["llama"])

@@ -80,6 +80,15 @@ class TapSource:
         return taps.float(), None  # the first epoch sees the fp16 taps the later ones read back
 
 
+def heldout_split(samples: list, eval_samples: int, rng: random.Random) -> tuple[list, list]:
+    """(held out, train): a seeded shuffle, then min(eval_samples, a tenth of the data, at least 1)
+    samples held out. The split depends on the data, so compare held-out τ across runs on the same data."""
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    n_eval = min(eval_samples, max(1, len(samples) // 10))
+    return [samples[i] for i in order[:n_eval]], [samples[i] for i in order[n_eval:]]
+
+
 def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out_dir: str | Path, cfg: TrainConfig,
                   draft_vocab: DraftVocab | None = None, resume: bool = True, progress: bool = True,
                   max_steps: int | None = None, max_seconds: float | None = None,
@@ -93,11 +102,7 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
     if len(samples) < 2:
         raise LoopspecError(f"{data_dir} has too few usable samples ({len(samples)})")
     rng = random.Random(cfg.seed)
-    order = list(range(len(samples)))
-    rng.shuffle(order)
-    n_eval = min(cfg.eval_samples, max(1, len(samples) // 10))
-    eval_set = [samples[i] for i in order[:n_eval]]
-    train_set = [samples[i] for i in order[n_eval:]]
+    eval_set, train_set = heldout_split(samples, cfg.eval_samples, rng)
     steps_per_epoch = max(1, len(train_set) // cfg.batch_sequences)
     total_steps = max(1, int(cfg.epochs * steps_per_epoch))
     if max_steps is not None:
