@@ -71,6 +71,33 @@ def test_heldout_split_is_seeded_disjoint_and_capped():
     assert len(heldout_split(samples[:5], 16, random.Random(0))[0]) == 1  # at least one
 
 
+def test_heldout_top_k_tau_is_the_ceiling_of_top_k_trees(tiny_targets):
+    """τ of top-k trees: k = 1 is the argmax τ, it grows with k, and with the whole vocabulary every
+    supervised position counts, so it is 1 + the run of supervised positions after each anchor."""
+    target = load_target_dir(tiny_targets["llama"])
+    B = 5
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=B, mask_token_id=127, target_layer_ids=[1, 4])
+    torch.manual_seed(0)
+    trainer = DrafterTrainer(target, Drafter(cfg), TrainConfig())
+    tokens = torch.randint(0, 120, (40,))
+    mask = torch.ones(40, dtype=torch.bool)
+    mask[:6] = False  # the prompt
+    mask[20:23] = False  # a gap: runs stop there
+    taps, _ = trainer.target_pass(tokens, False)
+    V = target.cfg.vocab_size
+    sums, n = trainer.expected_tau(tokens, mask, taps, max_anchors=64, top_ks=(1, 2, 4, V))
+    anchors = sample_anchors(mask, 64, random.Random(0))
+    assert n == anchors.numel() > 0
+    assert sums[1] == sums["tau"] and sums["tau"] <= sums[2] <= sums[4] <= sums[V]
+    runs = 0
+    for a in anchors.tolist():
+        k = 1
+        while k < B and a + k < 40 and mask[a + k]:
+            k += 1
+        runs += k  # 1 + the supervised positions a+1 .. a+B-1 before the first unsupervised one
+    assert sums[V] == runs
+
+
 def test_tiny_overfit_reaches_long_acceptance(tiny_targets):
     """On a deterministic toy continuation (counting), the drafter learns to draft whole blocks."""
     target = load_target_dir(tiny_targets["llama"])
@@ -89,7 +116,7 @@ def test_tiny_overfit_reaches_long_acceptance(tiny_targets):
         total, count = 0.0, 0
         for tokens, mask, taps in data:
             a, c = trainer.expected_tau(tokens, mask, taps)
-            total, count = total + a, count + c
+            total, count = total + a["tau"], count + c
         return total / count
 
     before = tau()

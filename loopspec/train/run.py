@@ -80,6 +80,9 @@ class TapSource:
         return taps.float(), None  # the first epoch sees the fp16 taps the later ones read back
 
 
+HELDOUT_TOP_KS = (2, 4)  # the held-out τ of draft trees holding each position's top 2 / top 4
+
+
 def heldout_split(samples: list, eval_samples: int, rng: random.Random) -> tuple[list, list]:
     """(held out, train): a seeded shuffle, then min(eval_samples, a tenth of the data, at least 1)
     samples held out. The split depends on the data, so compare held-out τ across runs on the same data."""
@@ -135,17 +138,19 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         log_path.write_text("".join(line + "\n" for line in rows if json.loads(line).get("step", 0) <= step)
                             if step else "")
 
-    def evaluate() -> float:
+    def evaluate() -> dict:
+        """{"heldout_tau": ..., "heldout_tau_top2": ..., "heldout_tau_top4": ...} (see expected_tau)"""
         drafter.eval()
-        s_sum, count = 0.0, 0
+        sums, count = {}, 0
         for s in eval_set:
             tokens = torch.tensor(s.tokens[: cfg.max_len])
             mask = torch.tensor(s.loss_mask[: cfg.max_len])
             t, _ = taps(s, tokens)
-            a, c = trainer.expected_tau(tokens, mask, t)
-            s_sum, count = s_sum + a, count + c
+            one, c = trainer.expected_tau(tokens, mask, t, top_ks=HELDOUT_TOP_KS)
+            sums = {k: sums.get(k, 0.0) + v for k, v in one.items()}
+            count += c
         drafter.train()
-        return s_sum / max(count, 1)
+        return {("heldout_tau" if k == "tau" else f"heldout_tau_top{k}"): v / max(count, 1) for k, v in sums.items()}
 
     def save(final: bool = False) -> None:
         ck = out_dir / "checkpoint"
@@ -156,7 +161,7 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
 
     if step == 0:  # where the run starts (an --init drafter's held-out τ, before any step)
         with open(log_path, "a") as f:
-            f.write(json.dumps({"step": 0, "heldout_tau": evaluate(), "elapsed_s": 0.0}) + "\n")
+            f.write(json.dumps({"step": 0, **evaluate(), "elapsed_s": 0.0}) + "\n")
     drafter.train()
     bar = tqdm(total=total_steps, initial=step, desc="training drafter", disable=not progress)
     t_start = time.time() - elapsed
@@ -193,7 +198,7 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         last = {"step": step, "loss": loss_total / max(used, 1), "acc": correct / max(labels, 1), "lr": lr,
                 "grad_norm": grad_norm, "elapsed_s": round(elapsed, 1)}
         if step % cfg.eval_every == 0 or step == total_steps:
-            last["heldout_tau"] = evaluate()
+            last.update(evaluate())
         with open(log_path, "a") as f:
             f.write(json.dumps(last) + "\n")
         bar.update(1)

@@ -303,14 +303,17 @@ class DrafterTrainer:
     # ---- held-out acceptance ---------------------------------------------------------------------
     @torch.no_grad()
     def expected_tau(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
-                     max_anchors: int = 64) -> tuple[float, int]:
-        """Mean over anchors of 1 + the number of leading block positions whose drafted argmax equals
-        the data token (for greedy-regenerated data: the target's own prediction). → (sum, count)"""
+                     max_anchors: int = 64, top_ks: tuple[int, ...] = ()) -> tuple[dict, int]:
+        """Held-out acceptance over anchors of one sequence → ({"tau": sum, k: sum, ...}, anchors).
+        "tau": 1 + the number of leading block positions whose drafted argmax equals the data token
+        (for greedy-regenerated data: the target's own prediction). k in top_ks: 1 + the leading
+        positions whose data token is among the drafter's k most likely there — what a draft tree
+        holding the top k of every position accepts, the ceiling of trees built from these drafts."""
         B = self.drafter.cfg.block_size
         L = tokens.numel()
         anchors = sample_anchors(loss_mask, max_anchors, random.Random(0))
         if anchors.numel() == 0:
-            return 0.0, 0
+            return {"tau": 0.0, **{k: 0.0 for k in top_ks}}, 0
         features = self.drafter.features(taps[None, : L - 1].to(self.drafter.fc.weight.dtype))
         ctx_k, ctx_v = self.drafter.context_kv(features, torch.arange(L - 1))
         n = anchors.numel()
@@ -319,14 +322,21 @@ class DrafterTrainer:
         ids[:, 0] = tokens[anchors]
         mask = block_mask_dense(anchors, B, L - 1, self.cfg.causal_in_block)[None, None]
         hidden = self.drafter(self.target.embed_tokens(ids.flatten())[None], pos.flatten(), ctx_k, ctx_v, mask)
-        logits = hidden[0].view(n, B, -1)[:, 1:] @ self.head_weight.T
-        drafts = logits.argmax(-1)
-        if self.draft_vocab is not None:
-            drafts = self.draft_vocab.ids[drafts]
+        logits = hidden[0].view(n, B, -1)[:, 1:] @ self.head_weight.T  # [n, B-1, Vd]
         label_pos = pos[:, 1:].clamp(max=L - 1)
-        good = (drafts == tokens[label_pos]) & (pos[:, 1:] < L) & loss_mask[label_pos]
-        accepted = torch.cumprod(good.long(), dim=1).sum(1)  # leading matches
-        return float((accepted + 1).sum()), n
+        labels = tokens[label_pos]  # [n, B-1]
+        counted = (pos[:, 1:] < L) & loss_mask[label_pos]
+        to_target = (lambda d: self.draft_vocab.ids[d]) if self.draft_vocab is not None else (lambda d: d)
+
+        def accepted(good: torch.Tensor) -> float:  # good [n, B-1] → Σ over anchors of 1 + leading run
+            return float((torch.cumprod((good & counted).long(), dim=1).sum(1) + 1).sum())
+
+        sums = {"tau": accepted(to_target(logits.argmax(-1)) == labels)}
+        if top_ks:
+            top = to_target(logits.topk(max(top_ks), dim=-1).indices)  # [n, B-1, kmax]
+            for k in top_ks:
+                sums[k] = accepted((top[..., :k] == labels[..., None]).any(-1))
+        return sums, n
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
