@@ -92,3 +92,22 @@ $BIN/loopspec data --pack $KEPT --out "$WORK/data-v6"
 $BIN/loopspec train --data "$WORK/data-v6" --init loopspec/drafters/smollm2-135m-instruct --num-layers 3 \
     --out "$WORK/drafter-v6a" --block-size 8 --anchors 512 --batch-sequences 4 --lr 3e-4 --epochs 1 \
     --max-steps 500 --eval-every 100 --save-every 25 --compute-dtype bfloat16 --tap-cache "$WORK/taps-v6"
+
+# 10. v6 A/B (not shipped): v6a continued for 120 steps, DFlash CE against CE + forward KL to the target
+#     (weight 1, online logits, so no tap cache), on the first 7346 kept samples with 64 held out (the
+#     same split, seed and batches for both).
+SNAP="$WORK/data-v6-7346"
+if [ ! -f "$SNAP/samples.jsonl" ]; then
+    mkdir -p "$SNAP"
+    cp "$WORK/data-v6/manifest.json" "$SNAP/"
+    head -n 7346 "$WORK/data-v6/samples.jsonl" > "$SNAP/samples.jsonl"
+fi
+AB="--data $SNAP --init $WORK/drafter-v6a --block-size 8 --anchors 256 --batch-sequences 4 --lr 3e-4 --epochs 1 \
+    --max-steps 120 --eval-every 60 --eval-samples 64 --save-every 20 --compute-dtype bfloat16"
+$BIN/loopspec train $AB --out "$WORK/ab-ce"
+$BIN/loopspec train $AB --out "$WORK/ab-kl" --kl-weight 1.0
+
+# 11. v6b (the loop-aware step): v6a with loop-aware DLoop training (N = 3), 120 steps at a lower rate
+$BIN/loopspec train --data "$SNAP" --init "$WORK/drafter-v6a" --out "$WORK/drafter-v6b" --block-size 8 \
+    --loop-stages 3 --anchors 128 --batch-sequences 4 --lr 1e-4 --epochs 1 --max-steps 120 --eval-every 40 \
+    --eval-samples 64 --save-every 10 --compute-dtype bfloat16 --tap-cache "$WORK/taps-v6"
