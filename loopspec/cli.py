@@ -201,6 +201,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tap-layers", default=None, help="comma-separated target layer ids (default: 5 by formula)")
     d.add_argument("--threads", type=_positive_int("--threads"), default=None)
 
+    w = sub.add_parser("prompts", help="the target writes user prompts (a prompt file for `loopspec data`)",
+                       description="Sample user prompts from the target itself: its chat template up to the user's "
+                                   "text, continued until the model ends the turn. Appends {\"turns\": [text]} lines "
+                                   "to --out until it holds --count distinct prompts (re-running resumes).")
+    w.add_argument("--target", default="default")
+    w.add_argument("--out", required=True, help="JSONL prompt file (appended to)")
+    w.add_argument("--count", type=_positive_int("--count"), required=True, help="prompts the file should hold")
+    w.add_argument("--max-prompt-tokens", type=_positive_int("--max-prompt-tokens"), default=256,
+                   help="a prompt the model has not ended within this many tokens is dropped")
+    w.add_argument("--batch-size", type=_positive_int("--batch-size"), default=16)
+    w.add_argument("--starts-with", default="", metavar="TEXT",
+                   help="every prompt begins with TEXT (steers the topic, e.g. 'Write a Python function')")
+    w.add_argument("--temperature", type=float, default=1.0)
+    w.add_argument("--top-p", type=float, default=1.0)
+    w.add_argument("--top-k", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--threads", type=_positive_int("--threads"), default=None)
+
     t = sub.add_parser("train", help="train a DFlash drafter on a data directory")
     t.add_argument("--data", required=True, help="directory made by `loopspec data`")
     t.add_argument("--target", default="default")
@@ -398,6 +416,27 @@ def cmd_data(args) -> int:
                           target_hash=target_fingerprint(pair.target_dir), kept_dir=args.kept,
                           respond=decoder.regenerate_responses)  # the runtime's decoder, one row per prompt
     print(f"{manifest['samples']} samples in {args.out}")
+    return 0
+
+
+def cmd_prompts(args) -> int:
+    import torch
+
+    from loopspec.decoding import SamplingParams
+    from loopspec.pair import load_pair
+    from loopspec.runtime import decoder
+    from loopspec.train.data import write_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pair = load_pair(args.target, "none")
+    report = write_prompts(target=pair.target, tokenizer=pair.tokenizer, out_path=args.out, count=args.count,
+                           stop_ids=set(pair.stop_token_ids),
+                           params=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+                           seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
+                           starts_with=args.starts_with, respond=decoder.regenerate_responses)
+    print(f"{report['prompts']} prompts in {args.out} ({report['written_this_run']} written this run from "
+          f"{report['tries_this_run']} tries)")
     return 0
 
 
@@ -649,8 +688,8 @@ def cmd_convert(args) -> int:
     return CONVERT_STAGES[args.stage][2](args)
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune, "data": cmd_data, "train": cmd_train,
-            "serve": cmd_serve, "convert": cmd_convert}
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune, "prompts": cmd_prompts, "data": cmd_data,
+            "train": cmd_train, "serve": cmd_serve, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

