@@ -111,3 +111,33 @@ $BIN/loopspec train $AB --out "$WORK/ab-kl" --kl-weight 1.0
 $BIN/loopspec train --data "$SNAP" --init "$WORK/drafter-v6a" --out "$WORK/drafter-v6b" --block-size 8 \
     --loop-stages 3 --anchors 128 --batch-sequences 4 --lr 1e-4 --epochs 1 --max-steps 120 --eval-every 40 \
     --eval-samples 64 --save-every 10 --compute-dtype bfloat16 --tap-cache "$WORK/taps-v6"
+
+# 12. v6 data, second part: prompts the target writes itself (`loopspec prompts`: its chat template up
+#     to the user's text, sampled at temperature 1), kept beside the samples, and the target's greedy
+#     responses to them (the same settings as step 8, so the same kept directory holds them). Chat as
+#     the template leads, code steered by "Write a Python function", math by "Let $". Each file is
+#     complete in the repository, so these commands only check it; the responses are copied from
+#     the kept data.
+$BIN/loopspec prompts --out $KEPT/self-chat.jsonl --count 1200 --max-prompt-tokens 128 --batch-size 48 --seed 1 \
+    --threads 1
+$BIN/loopspec prompts --out $KEPT/self-code.jsonl --count 900 --max-prompt-tokens 128 --batch-size 48 --seed 2 \
+    --threads 1 --starts-with "Write a Python function"
+$BIN/loopspec prompts --out $KEPT/self-math.jsonl --count 400 --max-prompt-tokens 128 --batch-size 48 --seed 3 \
+    --threads 1 --starts-with 'Let $'
+for part in chat code math; do
+    $BIN/loopspec data --target default --prompts $KEPT/self-$part.jsonl --max-new-tokens 256 \
+        --max-prompt-tokens 2048 --batch-size 48 --threads 1 --out "$WORK/data-self-$part" --kept $KEPT
+    $BIN/loopspec data --pack $KEPT --out "$WORK/data-self-$part"
+done
+
+# 13. v6c: v6a trained with DFlash on a mix that leans to what v6a saw least: every self-written sample
+#     (step 12), every livecodebench and arena-hard-v2 sample, and the first 1500 gsm8k-train ones.
+MIX="$WORK/data-v6c-mix"
+if [ ! -f "$MIX/samples.jsonl" ]; then
+    mkdir -p "$MIX"
+    cp "$WORK/data-v6/manifest.json" "$MIX/"
+    cat "$WORK"/data-self-*/samples.jsonl > "$MIX/samples.jsonl.tmp"
+    grep -v '"file": "gsm8k-train.jsonl"' "$WORK/data-v6/samples.jsonl" >> "$MIX/samples.jsonl.tmp"
+    grep '"file": "gsm8k-train.jsonl"' "$WORK/data-v6/samples.jsonl" | head -n 1500 >> "$MIX/samples.jsonl.tmp"
+    mv "$MIX/samples.jsonl.tmp" "$MIX/samples.jsonl"
+fi

@@ -258,3 +258,30 @@ def test_tap_cache_computes_taps_once_and_refuses_a_mismatch(tiny_pair, prompts,
     (cache / "manifest.json").write_text("{not json")
     assert main(train + ["--tap-layers", "1,4", "--out", str(tmp_path / "g")]) == 2
     assert "is corrupt" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_the_repository_kept_data_is_intact_and_matches_its_prompt_files():
+    """The kept data of the default target: its sha256 and counts check out, and every sample of a
+    prompt file kept beside it (the prompts the target wrote itself) holds that file's line as its
+    prompt, so `loopspec data --kept` resumes from it instead of refusing."""
+    from pathlib import Path
+
+    from loopspec.prompts import prompt_ids, read_conversations
+    from loopspec.train.kept import read_kept
+    from loopspec.weights import load_tokenizer, resolve_target_dir, target_fingerprint
+
+    kept_dir = Path(__file__).resolve().parent.parent / "data" / "smollm2-135m-instruct"
+    manifest = json.loads((kept_dir / "manifest.json").read_text())
+    target_dir = resolve_target_dir("default")
+    kept = read_kept(kept_dir, target_fingerprint(target_dir), manifest["settings"])
+    assert sum(manifest["samples_per_file"].values()) == len(kept) == manifest["samples"]
+    tokenizer = load_tokenizer(target_dir)
+    prompt_files = sorted(kept_dir.glob("*.jsonl"))
+    assert prompt_files, "the self-written prompt files are kept beside the samples"
+    for path in prompt_files:
+        lines = dict(read_conversations(path))
+        mine = [s for s in kept.values() if s.file == path.name]
+        assert len(mine) == manifest["samples_per_file"].get(path.name, 0) <= len(lines)
+        for s in mine:
+            assert s.tokens[: s.prompt_len] == prompt_ids(tokenizer, lines[s.line][0])
