@@ -147,7 +147,8 @@ if [ ! -f "$MIX/samples.jsonl" ]; then
 fi
 $BIN/loopspec train --data "$MIX" --init "$WORK/drafter-v6a" --out "$WORK/drafter-v6c" --block-size 8 \
     --anchors 512 --batch-sequences 4 --lr 2e-4 --epochs 1 --max-steps 450 --eval-every 150 --eval-samples 64 \
-    --save-every 10 --compute-dtype bfloat16 --tap-cache "$WORK/taps-v6" --threads 2
+    --save-every 10 --compute-dtype bfloat16 --tap-cache "$WORK/taps-v6" --threads 2 --stop-after-steps 341
+# (the shipped v6c stopped after 341 of the schedule's 450 steps; drop --stop-after-steps to finish it)
 
 # 14. ship v6c (it drafts better than v5 on four of the five eval sets) and tune it on ONNX Runtime for
 #     each CPU engine: fp32 (chains, trees and the suffix branch) and the GGUF's own blocks with int8
