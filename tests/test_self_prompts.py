@@ -98,6 +98,8 @@ def test_cli_prompts_refuses_greedy(chat_target, tmp_path, capsys):
                  "--temperature", "0"]) == 2
     assert "needs --temperature > 0" in capsys.readouterr().err
     assert not out.exists()
+    assert main(["prompts", "--target", str(chat_target[2]), "--out", str(tmp_path), "--count", "2"]) == 2
+    assert "is not a file" in capsys.readouterr().err
 
 
 def test_written_prompts_feed_loopspec_data(chat_target, tmp_path):

@@ -245,6 +245,8 @@ def write_prompts(*, target: Target, tokenizer, out_path: str | Path, count: int
     out_path = Path(out_path)
     if params.temperature <= 0:
         raise LoopspecError("writing prompts needs --temperature > 0 (greedy decoding writes one prompt)")
+    if out_path.exists() and not out_path.is_file():
+        raise LoopspecError(f"{out_path} is not a file (--out names the JSONL prompt file to write)")
     start = tokenizer.encode(starts_with, add_special_tokens=False) if starts_with else []
     prefix = user_turn_prefix_ids(tokenizer) + start
     if out_path.is_file():
