@@ -267,12 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     import torch
 
-    from loopspec.model.drafter import Drafter, DrafterConfig, check_fits
-    from loopspec.model.target import default_target_layer_ids
-    from loopspec.pair import load_pair, mask_token_id
-    from loopspec.train.data import read_samples
-    from loopspec.train.run import train_drafter
-    from loopspec.train.trainer import DraftVocab, TrainConfig, top_token_vocab
+    from loopspec.pair import load_pair
+    from loopspec.train.run import prepare_drafter, train_drafter
+    from loopspec.train.trainer import TrainConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -280,39 +277,15 @@ def cmd_train(args) -> int:
         if not getattr(args, name) > 0:
             raise LoopspecError(f"--{name} must be > 0")
     pair = load_pair(args.target, args.init or "none", mask_token=args.mask_token_id)
-    target = pair.target
-    if args.init:
-        drafter = pair.drafter
-        if args.num_layers is not None and args.num_layers != drafter.cfg.num_layers:
-            if args.num_layers < drafter.cfg.num_layers:
-                raise LoopspecError(f"--num-layers {args.num_layers} is fewer than the --init drafter's "
-                                    f"{drafter.cfg.num_layers}; a drafter can only be deepened")
-            drafter = drafter.grow(args.num_layers)
-        if args.block_size:
-            if args.block_size < 2:
-                raise LoopspecError(f"block size must be at least 2, got {args.block_size}")
-            drafter.cfg.block_size = args.block_size
-    else:
-        mask = mask_token_id(args.mask_token_id, args.target, pair.tokenizer, target.cfg.vocab_size)
-        taps = _int_list(args.tap_layers, "--tap-layers") or default_target_layer_ids(
-            target.cfg.num_layers, args.num_taps or args.num_layers or 1)
-        cfg = DrafterConfig.for_target(target.cfg, num_layers=args.num_layers or 1, block_size=args.block_size or 16,
-                                       target_layer_ids=taps, mask_token_id=mask)
-        torch.manual_seed(args.seed)
-        drafter = Drafter(cfg)
-    check_fits(drafter.cfg, target.cfg)
-    draft_vocab = DraftVocab(drafter.draft_ids) if drafter.draft_ids is not None else None
-    if args.draft_vocab_size and draft_vocab is None:
-        samples = read_samples(args.data)
-        ids = top_token_vocab(samples, args.draft_vocab_size, target.cfg.vocab_size,
-                              always=sorted(set(target.cfg.eos_token_ids)))
-        draft_vocab = DraftVocab(ids)
-        drafter.cfg.extra = {**drafter.cfg.extra, "draft_vocab_size": int(ids.numel())}
+    drafter, draft_vocab = prepare_drafter(
+        pair, args.target, num_layers=args.num_layers, block_size=args.block_size,
+        target_layer_ids=_int_list(args.tap_layers, "--tap-layers"), num_taps=args.num_taps,
+        mask_token=args.mask_token_id, draft_vocab_size=args.draft_vocab_size, data_dir=args.data, seed=args.seed)
     cfg = TrainConfig(anchors=args.anchors, gamma=args.gamma, lr=args.lr, epochs=args.epochs,
                       batch_sequences=args.batch_sequences, dpace=args.dpace, kl_weight=args.kl_weight,
                       causal_in_block=args.causal_in_block, loop_stages=args.loop_stages, eval_every=args.eval_every,
                       eval_samples=args.eval_samples, save_every=args.save_every, seed=args.seed, compute_dtype=args.compute_dtype)
-    last = train_drafter(data_dir=args.data, target=target, drafter=drafter, out_dir=args.out, cfg=cfg,
+    last = train_drafter(data_dir=args.data, target=pair.target, drafter=drafter, out_dir=args.out, cfg=cfg,
                          draft_vocab=draft_vocab, max_steps=args.max_steps,
                          max_seconds=args.max_minutes * 60 if args.max_minutes else None,
                          stop_after_steps=args.stop_after_steps, tap_cache=args.tap_cache)

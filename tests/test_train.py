@@ -189,14 +189,21 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path, capsy
     assert runs["straight"].keys() == runs["stopped"].keys()
     assert all(torch.equal(runs["straight"][k], runs["stopped"][k]) for k in runs["straight"])
 
-    # --num-layers deepens an --init drafter (this one has 1 layer), keeping its draft vocabulary;
-    # fewer layers than the init's is refused with a one-line error and writes nothing
+    # --num-layers deepens an --init drafter (this one has 1 layer), keeping its draft vocabulary but
+    # not its tuned setting (measured with the weights the run replaces); fewer layers than the
+    # init's is refused with a one-line error and writes nothing
+    from loopspec.runtime.tune import store_setting
+    tuned = {"block_size": 4, "max_stages": 3, "gate_threshold": -0.5, "tree_budget": 0, "suffix": False}
+    store_setting(out, tuned, "onnxruntime")
+    assert Drafter.load(out).cfg.extra["dloop"] == tuned
     grown = tmp_path / "grown"
     deepen = ["train", "--data", str(data), "--target", str(target_dir), "--anchors", "8", "--batch-sequences", "2",
               "--max-steps", "1"]
     assert main(deepen + ["--init", str(out), "--num-layers", "2", "--out", str(grown)]) == 0
     deeper = Drafter.load(grown)
     assert deeper.cfg.num_layers == 2 and deeper.draft_ids.numel() == 40
+    assert "tuned" not in deeper.cfg.extra and "dloop" not in deeper.cfg.extra
+    assert deeper.cfg.extra["draft_vocab_size"] == 40
     assert main(deepen + ["--init", str(grown), "--num-layers", "1", "--out", str(tmp_path / "shallower")]) == 2
     assert "can only be deepened" in capsys.readouterr().err
     assert not (tmp_path / "shallower").exists()

@@ -11,14 +11,58 @@ from pathlib import Path
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter
-from loopspec.model.target import Target
+from loopspec.model.drafter import Drafter, DrafterConfig, check_fits
+from loopspec.model.target import Target, default_target_layer_ids
+from loopspec.pair import Pair, mask_token_id
 from loopspec.train.data import Sample, read_samples, safe_name
-from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, compute_context, lr_at
+from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, compute_context, lr_at, top_token_vocab
 from loopspec.weights import read_safetensors, write_safetensors
 
 
 TAP_CACHE_KIND = "loopspec-tap-cache"
+
+# Settings `loopspec tune` measured with a drafter's weights; a trained drafter starts without them
+# (an --init drafter's setting was measured on weights this run replaces).
+TUNED_SETTING_KEYS = ("tuned", "dloop")
+
+
+def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = None, block_size: int | None = None,
+                    target_layer_ids: list[int] | None = None, num_taps: int | None = None,
+                    mask_token: int | None = None, draft_vocab_size: int | None = None,
+                    data_dir: str | Path | None = None, seed: int = 0) -> tuple[Drafter, DraftVocab | None]:
+    """The drafter a run trains: the pair's (--init) one, deepened to num_layers and set to block_size
+    where given, else a fresh one for the pair's target (its tap layers, its mask token); and its draft
+    vocabulary: the init drafter's d2t, else the draft_vocab_size most frequent tokens of data_dir."""
+    target = pair.target
+    if block_size is not None and block_size < 2:
+        raise LoopspecError(f"block size must be at least 2, got {block_size}")
+    if pair.drafter is not None:
+        drafter = pair.drafter
+        if num_layers is not None and num_layers != drafter.cfg.num_layers:
+            if num_layers < drafter.cfg.num_layers:
+                raise LoopspecError(f"--num-layers {num_layers} is fewer than the --init drafter's "
+                                    f"{drafter.cfg.num_layers}; a drafter can only be deepened")
+            drafter = drafter.grow(num_layers)
+        if block_size:
+            drafter.cfg.block_size = block_size
+        drafter.cfg.extra = {k: v for k, v in drafter.cfg.extra.items() if k not in TUNED_SETTING_KEYS}
+    else:
+        mask = mask_token_id(mask_token, target_spec, pair.tokenizer, target.cfg.vocab_size)
+        taps = target_layer_ids or default_target_layer_ids(target.cfg.num_layers, num_taps or num_layers or 1)
+        cfg = DrafterConfig.for_target(target.cfg, num_layers=num_layers or 1, block_size=block_size or 16,
+                                       target_layer_ids=taps, mask_token_id=mask)
+        torch.manual_seed(seed)
+        drafter = Drafter(cfg)
+    check_fits(drafter.cfg, target.cfg)
+    draft_vocab = DraftVocab(drafter.draft_ids) if drafter.draft_ids is not None else None
+    if draft_vocab_size and draft_vocab is None:
+        if data_dir is None:
+            raise LoopspecError("a draft vocabulary size needs the training data to count tokens in")
+        ids = top_token_vocab(read_samples(data_dir), draft_vocab_size, target.cfg.vocab_size,
+                              always=sorted(set(target.cfg.eos_token_ids)))
+        draft_vocab = DraftVocab(ids)
+        drafter.cfg.extra = {**drafter.cfg.extra, "draft_vocab_size": int(ids.numel())}
+    return drafter, draft_vocab
 
 
 class TapSource:
