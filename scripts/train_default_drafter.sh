@@ -162,3 +162,10 @@ TUNE="--prompts $DATA/train/livecodebench.jsonl $DATA/train/gsm8k-train.jsonl --
     --thresholds=-0.5 --stages 1,3 --block-sizes 4,8 --backend onnxruntime --threads 2"
 $BIN/loopspec tune $TUNE --tree-budgets 0,4,8,16,24 --precision fp32
 $BIN/loopspec tune $TUNE --tree-budgets 0 --suffix off --precision gguf-int8act
+
+# 15. v6d: v6c continued with DFlash on step 13's mix, which from the complete kept data holds all 2500
+#     self-written responses (v6c ran when 1840 were kept; v6d's run had the whole 5775), at a lower
+#     peak rate (1.5e-4: re-warming the rate costs τ before it pays)
+$BIN/loopspec train --data "$MIX" --init "$WORK/drafter-v6c" --out "$WORK/drafter-v6d" --block-size 8 \
+    --anchors 512 --batch-sequences 4 --lr 1.5e-4 --epochs 1 --max-steps 450 --eval-every 150 --eval-samples 64 \
+    --save-every 10 --compute-dtype bfloat16 --tap-cache "$WORK/taps-v6" --threads 2
