@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from loopspec.engines.manifest import read_manifest
 from loopspec.engines.ort import EngineSession, check_precision
-from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY
+from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
+                                    TARGET_VERIFY)
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, draft_head_weight, draft_candidates
 from loopspec.model.target import Target
@@ -147,22 +148,25 @@ def reference_greedy(target: Target, prompt: list[int], new_tokens: int) -> tupl
 
 
 def onnx_greedy(session: EngineSession, prompt: list[int], new_tokens: int) -> tuple[list[int], np.ndarray | None]:
-    """The same decoding with the exported target_verify (the past grows by concatenation here)."""
+    """The same decoding with the exported target_verify, called as the runtime calls it: the prompt
+    with the last position's logits, then one token a step with a padding token (MIN_PRODUCT_ROWS)
+    and every position's logits (the past grows by concatenation here)."""
     L = session.spec.inputs[3].dims
     past_k = np.zeros((L[0], 1, L[2], 0, L[4]), dtype=np.float32)
     past_v = past_k
     ids, tokens, taps = prompt, [], []
     while len(tokens) < new_tokens:
-        start = past_k.shape[3]
-        run = session.run(input_ids=np.asarray([ids], dtype=np.int64),
-                          positions=np.arange(start, start + len(ids), dtype=np.int64)[None],
-                          logit_index=np.asarray([len(ids) - 1], dtype=np.int64), past_key=past_k, past_value=past_v,
-                          past_lengths=np.asarray([start], dtype=np.int64),
-                          tree_mask=np.tril(np.ones((1, len(ids), len(ids)), dtype=bool)))
-        past_k = np.concatenate([past_k, run["new_key"]], axis=3)
-        past_v = np.concatenate([past_v, run["new_value"]], axis=3)
-        tokens.append(int(run["logits"][0, -1].argmax()))
-        taps.append(run.get("taps"))
+        start, n = past_k.shape[3], len(ids)
+        padded = ids + [0] * (MIN_PRODUCT_ROWS - n)  # the padding token sees the chain, nothing sees it
+        run = session.run(input_ids=np.asarray([padded], dtype=np.int64),
+                          positions=np.arange(start, start + len(padded), dtype=np.int64)[None],
+                          logit_index=np.asarray([n - 1] if not tokens else range(len(padded)), dtype=np.int64),
+                          past_key=past_k, past_value=past_v, past_lengths=np.asarray([start], dtype=np.int64),
+                          tree_mask=np.tril(np.ones((1, len(padded), len(padded)), dtype=bool)))
+        past_k = np.concatenate([past_k, run["new_key"][:, :, :, :n]], axis=3)
+        past_v = np.concatenate([past_v, run["new_value"][:, :, :, :n]], axis=3)
+        tokens.append(int(run["logits"][0, 0 if tokens else -1].argmax()))
+        taps.append(run["taps"][:, :n] if "taps" in run else None)
         ids = [tokens[-1]]
     return tokens, (np.concatenate(taps, axis=1) if taps[0] is not None else None)
 

@@ -76,6 +76,23 @@ def length_mask(lengths: torch.Tensor, width) -> torch.Tensor:
     return torch.where(slots[None, :] < lengths[:, None], 0.0, float("-inf"))[:, None, None, :]
 
 
+# integer units per 1.0 of the softmax's sum: 2^-40 resolution, exact int64 sums of up to 2^23 terms
+SOFTMAX_SUM_UNITS = 2.0 ** 40
+ORDER_FREE_SOFTMAX = "order-free (exps summed as int64 units of 2^-40)"  # the manifest's name of it
+
+
+def order_free_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim whose result does not depend on where the masked (-inf) slots sit or
+    how wide the row is: the max is exact in any order and exp is elementwise, but a float sum rounds
+    differently when elements move to other SIMD lanes (ONNX Runtime's softmax shifts every later
+    element when a masked slot sits inside the row: a shorter row of a batch, a draft tree's
+    siblings). So the exps are summed as integers (exact and associative) in units of 2^-40 — a
+    relative error of the sum below 1e-9 for any context — and each is divided by that sum."""
+    exps = torch.exp(scores - scores.amax(-1, keepdim=True))  # masked slots: exactly 0
+    total = (exps * SOFTMAX_SUM_UNITS).to(torch.int64).sum(-1, keepdim=True)  # truncation is exact per element
+    return exps / (total.to(scores.dtype) / SOFTMAX_SUM_UNITS)
+
+
 def attend(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            past: torch.Tensor, past_mask: torch.Tensor, bias: torch.Tensor | None,
            joined_values: bool = False) -> torch.Tensor:
@@ -86,19 +103,25 @@ def attend(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch
     past_mask [B, 1, 1, P] additive mask of each row's invalid past slots, bias [B, 1, g·T, T] additive mask
     among the new tokens (None: they all see each other) → [B, kvh, g·T, hd].
 
+    The softmax is order-free (`order_free_softmax`) and a masked slot's probability is exactly 0,
+    so a row's result does not depend on the other rows of the call (their past widths, their token
+    counts) nor on masked slots between a tree node's ancestors: the value products add exact zeros
+    for them (their terms are accumulated in index order).
+
     joined_values: ONE value product over [past_v ; v] (a copy of the past values per call) instead
     of two summed: a token's output then no longer depends on whether its context came from the
-    cache or from the same call (the masked slots add exact zeros), so a verification computes, bit
-    for bit, what plain decoding computes. fp32 engines differ only in the last bits there; engines
-    that quantize activations (int8) turn those bits into different roundings and need it."""
+    cache or from the same call, so a verification (chain or tree) computes, bit for bit, what plain
+    decoding computes. fp32 engines differ only in the last bits there; engines that quantize
+    activations (int8) turn those bits into different roundings and need it."""
     scores_new = torch.matmul(q, k.transpose(-1, -2))  # [B, kvh, g·T, T]
     if bias is not None:
         scores_new = scores_new + bias
     scores_past = torch.matmul(q, past_k.transpose(-1, -2)) + past_mask  # [B, kvh, g·T, P]
     scores = torch.cat([scores_past, scores_new], dim=-1)  # [B, kvh, g·T, P + T]
+    probs = order_free_softmax(scores)
     if joined_values:
-        return torch.matmul(torch.softmax(scores, dim=-1), torch.cat([past_v, v], dim=2))
-    p_past, p_new = torch.split(torch.softmax(scores, dim=-1), [past, k.shape[2]], dim=-1)
+        return torch.matmul(probs, torch.cat([past_v, v], dim=2))
+    p_past, p_new = torch.split(probs, [past, k.shape[2]], dim=-1)
     return torch.matmul(p_past, past_v) + torch.matmul(p_new, v)
 
 
@@ -156,12 +179,11 @@ class TargetVerify(nn.Module):
     Written for a small graph: head counts are Python ints and every reshape has one symbolic dim
     (-1) besides the batch, read once from the input, so little shape arithmetic is traced per layer."""
 
-    def __init__(self, target: Target, tap_layer_ids: list[int], joined_values: bool = False):
+    def __init__(self, target: Target, tap_layer_ids: list[int]):
         super().__init__()
         self.target = target
         self.cfg = cfg = target.cfg
         self.tap_layer_ids = list(tap_layer_ids)
-        self.joined_values = joined_values  # see `attend`
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.register_buffer("rotate", rotate_half_matrix(hd))
         self.register_buffer("head_scale", head_scales(h, kvh, hd))
@@ -194,8 +216,9 @@ class TargetVerify(nn.Module):
             q, k, v = qkv_heads(linear(y, attn.qkv_proj), batch, h, kvh, hd, norm_w, eps, cos, sin, self.rotate)
             new_keys.append(k)  # [B, kvh, T, hd]
             new_values.append(v)
+            # one value product: a node computes what plain decoding computes at its position (`attend`)
             out = attend(q, past_key[i], past_value[i], k, v, past, past_mask, bias,
-                         self.joined_values)  # [B, kvh, g·T, hd]
+                         joined_values=True)  # [B, kvh, g·T, hd]
             x = x + linear(merge_heads(out, batch, h, hd), attn.o_proj)
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
@@ -410,7 +433,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
                    drafter_dir: str | Path | None = None, max_context: int | None = None,
                    block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET,
                    verify_target: Target | None = None, precision: str = "fp32",
-                   extra_settings: dict | None = None, joined_values: bool = False) -> Manifest:
+                   extra_settings: dict | None = None) -> Manifest:
     """Export target_verify (+ the three drafter engines when a drafter is given) as ONNX into
     `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Staged
     (engines/staging.py): an interrupted export never looks complete and never destroys the previous one.
@@ -418,7 +441,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     `verify_target`: the module target_verify computes instead of `target` (a copy with linears that
     export themselves, e.g. the GGUF's blocks: engines/gguf_export.py), named by `precision` and
     described by `extra_settings` in the manifest; the drafter engines keep `target`'s fp32 embedding
-    and lm_head. `joined_values`: target_verify's attention as one value product (see `attend`)."""
+    and lm_head."""
     import onnx  # noqa: F401  (fail early, with the extra to install)
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
@@ -429,8 +452,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     specs = engine_specs(target.cfg, drafter.cfg if drafter is not None else None, max_context=max_context,
                          block_size=block_size, max_batch=max_batch)
     taps = drafter.cfg.target_layer_ids if drafter is not None else []
-    modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps,
-                                           joined_values)}
+    modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps)}
     if drafter is not None:
         modules[DRAFTER_CONTEXT] = DrafterContext(drafter, from_taps=True)
         modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(drafter, from_taps=False)
@@ -445,7 +467,8 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
         settings = {"opset": opset, "max_context": max_context, "max_batch": max_batch,
                     "block_size": specs.get(DRAFTER_BLOCK) and specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
                     "exporter": "torch.onnx.export (TorchScript)", "kv_layout": "past in, new out",
-                    "attention_values": "one product over [past; new]" if joined_values else "past and new summed",
+                    "attention_values": "one product over [past; new]",
+                    "softmax": ORDER_FREE_SOFTMAX,
                     "export_code_sha256": export_code_sha256(), **(extra_settings or {})}
         sources = {"target": source_hashes(target_dir),
                    "drafter": drafter_source(drafter, drafter_dir) if drafter is not None else None}

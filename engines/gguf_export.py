@@ -23,8 +23,10 @@ Two arithmetics, one precision name each (the artifact manifest records them):
   gguf-int8act  accuracy_level 4: activations quantized to int8 per block of 32 inside MatMulNBits
                 (llama.cpp's arithmetic for these types; AVX512-VNNI where the CPU has it); the
                 minimum term stays fp32. A different, fixed model: lossless decoding is relative to
-                its own plain decoding, which its target_verify reproduces bit for bit because its
-                attention takes one value product over [past ; new] (engines/export.py `attend`).
+                its own plain decoding, which its target_verify reproduces bit for bit (chains and
+                draft trees): the attention's softmax sums in integers and its value product runs
+                over [past ; new] (engines/export.py `attend`), and no product has a single row
+                (runtime/artifact_engine.py).
 
 The modules compute, eagerly, the fp32 expansion's product (the reference); their ONNX graph is
 emitted by `symbolic` (TorchScript exporter), so engines/export.py traces them like any linear
@@ -191,9 +193,7 @@ def block_target(target: Target, blocks: dict[str, BlockMatrix], precision: str)
 def precision_options(target: Target, precision: str, gguf_path: str | Path | None) -> dict:
     """export_engines' keyword arguments for `precision`: nothing for fp32; for a `gguf-*` precision
     the target over the blocks of `gguf_path` (the GGUF `target` was expanded from), the manifest's
-    account of its weights and arithmetic, and — with int8 activations — one value product over
-    [past ; new] in attention, since int8 rounding turns a split product's last-bit differences into
-    other tokens: a verification must compute what plain decoding computes (engines/export.py `attend`)."""
+    account of its weights and arithmetic."""
     from loopspec.engines.manifest import source_hashes
     from loopspec.gguf_blocks import target_blocks
 
@@ -211,5 +211,4 @@ def precision_options(target: Target, precision: str, gguf_path: str | Path | No
                 "arithmetic": {"activations": ACTIVATIONS[precision],
                                "matmulnbits_accuracy_level": ACCURACY_LEVEL[precision],
                                "q4_1_minimum": "blocksum(x) @ M in fp32"}}
-    return {"precision": precision, "verify_target": verify_target, "extra_settings": settings,
-            "joined_values": precision == "gguf-int8act"}
+    return {"precision": precision, "verify_target": verify_target, "extra_settings": settings}

@@ -27,6 +27,11 @@ ENGINE_NAMES = (TARGET_VERIFY, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_
 DRAFTER_ENGINES = (DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK)
 
 MAX_BATCH = 16  # rows per engine call, by default (the server's --max-batch-size must fit)
+# rows × tokens of every target_verify call that continues a sequence: a one-row product takes
+# another kernel than a batch's rows do (measured on AVX2: ONNX Runtime's 4-bit MatMulNBits differs
+# in the last bits between 1 row and ≥ 2, and not among ≥ 2), so a lone one-token step carries one
+# padding token and computes what the same row computes in any batch or verification
+MIN_PRODUCT_ROWS = 2
 # the batch TensorRT tunes its kernels for: one sequence, the latency path of `generate` and `bench`
 OPT_BATCH = 1
 

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
+from loopspec.engines.export import ORDER_FREE_SOFTMAX
 from loopspec.engines.manifest import Manifest, read_manifest
-from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY, EngineSpec
+from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
+                                    TARGET_VERIFY, EngineSpec)
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import DrafterConfig
 from loopspec.model.target import KVCache, TargetConfig
@@ -40,8 +42,10 @@ class ArtifactEngine:
                                                               "drafter config"))
                             if self.manifest.has_drafter else None)
         self.precision = self.manifest.precision
-        arithmetic = self.manifest.data.get("settings", {}).get("arithmetic", {})
-        self.chains_only = str(arithmetic.get("activations", "")).startswith("int8")  # see engines/protocol.py
+        settings = self.manifest.data.get("settings", {})
+        # see engines/protocol.py: int8 activations verify trees exactly only over the order-free softmax
+        self.chains_only = (str(settings.get("arithmetic", {}).get("activations", "")).startswith("int8")
+                            and settings.get("softmax") != ORDER_FREE_SOFTMAX)
         spec_limit = self.manifest.spec(TARGET_VERIFY).ranges["tokens"][2]  # the exported max context
         self.max_context = min(max_context or spec_limit, spec_limit)
         names = [TARGET_VERIFY] + ([DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK] if self.has_drafter else [])
@@ -94,7 +98,8 @@ class ArtifactEngine:
                 tree_masks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """`rows` run their tokens (right-padded) after their own KV — a chain, or the draft trees of
         `tree_masks` [R, T, T] — and the first len(tokens[b]) new K/V of row b are stored at its length."""
-        width = max(len(t) for t in tokens)
+        # a lone one-token step gets a padding token (never stored, never seen): see MIN_PRODUCT_ROWS
+        width = max(max(len(t) for t in tokens), MIN_PRODUCT_ROWS if len(tokens) == 1 else 1)
         ids = torch.zeros(len(tokens), width, dtype=torch.long)  # [R, T]
         for b, t in enumerate(tokens):
             ids[b, :len(t)] = torch.tensor(t)
@@ -103,12 +108,17 @@ class ArtifactEngine:
         if int((starts + counts).max()) > self.max_context:
             raise LoopspecError(f"sequence of {int((starts + counts).max())} tokens exceeds the context of {self.max_context}")
         past_key, past_value = self.cache.prefix(rows, int(starts.max()))
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
         if tree_masks is None:
-            tree_masks = torch.ones(width, width, dtype=torch.bool).tril().expand(len(tokens), -1, -1)
+            tree_masks = causal.expand(len(tokens), -1, -1)
+        elif tree_masks.shape[-1] < width:  # padding tokens see what a chain's would: never seen by a real token
+            padded = causal.repeat(len(tokens), 1, 1)
+            padded[:, :tree_masks.shape[1], :tree_masks.shape[2]] = tree_masks
+            tree_masks = padded
         depths = tree_masks.sum(-1) - 1  # [R, T]: a node sits at its row's length + its depth
         out = self.runners[TARGET_VERIFY].run(
             input_ids=ids, positions=(starts[:, None] + depths).clamp_max(self.max_context - 1),
-            logit_index=torch.arange(width) if all_logits else torch.tensor([width - 1]),
+            logit_index=torch.arange(width) if all_logits else torch.tensor([max(len(t) for t in tokens) - 1]),
             past_key=past_key, past_value=past_value, past_lengths=starts, tree_mask=tree_masks.contiguous())
         self.cache.append(out["new_key"], out["new_value"], rows, counts)
         return out

@@ -270,10 +270,10 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
                         if "llamacpp-dflash" in wanted else None)
         llama, reason = llamacpp_peer(pipe, target, llama_server, dflash_block, num_threads,
                                       context=longest + max_new_tokens + 16)
-        if llama is None:
-            skipped = {m: reason for m in wanted}
-            print(f"[loopspec] skipping {', '.join(wanted)}: {reason}", file=sys.stderr)
-        else:
+        skipped = {m: reason for m in wanted} if llama is None else dict(llama.failed)
+        for m, why in skipped.items():
+            print(f"[loopspec] skipping {m}: {why}", file=sys.stderr)
+        if llama is not None:
             peers["llama.cpp"] = llama
     peer_methods = [m for m in methods if m in PEER_METHODS and m not in skipped]
     # (method, engine) runs; ar on every engine always runs, the first engine's is the reference

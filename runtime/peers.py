@@ -23,6 +23,9 @@ HF_METHODS = ("hf", "hf-lookup")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-dflash")
 PEER_METHODS = HF_METHODS + LLAMACPP_METHODS
 PLAIN_PEER = {"hf-lookup": "hf", "llamacpp-dflash": "llamacpp"}  # the plain decoding each peer must equal
+# llama-server configurations tried in order until one loads: its defaults, then without repacking the
+# weights for the CPU (its AMX repacking crashed at model load on an Intel Xeon with AMX)
+SERVER_FALLBACKS = ([], ["--no-repack"])
 PEER_BACKENDS = {"hf": "transformers", "hf-lookup": "transformers", "llamacpp": "llama.cpp",
                  "llamacpp-dflash": "llama.cpp"}
 
@@ -72,43 +75,55 @@ class LlamaServerPeer:
 
         self.servers: dict[str, tuple[subprocess.Popen, str]] = {}
         self.settings: dict[str, list[str]] = {}
+        self.failed: dict[str, str] = {}  # method → why no configuration of its server started
         self.logs: dict[str, object] = {}  # the servers log every request: to files, never to an unread pipe
         try:
             for method in LLAMACPP_METHODS:
                 if method == "llamacpp-dflash" and drafter_gguf is None:
                     continue
-                port = free_port()
-                # one request at a time, on as many threads as loopspec's engines use
-                command = llama_server_command(binary, target_gguf, threads=num_threads or torch.get_num_threads(),
-                                               context=context, port=port, slots=1,
-                                               **({"drafter_gguf": drafter_gguf, "draft_max": draft_max}
-                                                  if method == "llamacpp-dflash" else {}))
-                self.logs[method] = tempfile.TemporaryFile(mode="w+")
-                process = subprocess.Popen(command, stdout=self.logs[method], stderr=subprocess.STDOUT, text=True)
-                self.servers[method] = (process, f"http://127.0.0.1:{port}")
-                self.settings[method] = [str(c) for c in command]
-            for method in self.servers:
-                self._wait_ready(method, start_timeout_s)
+                failures = []
+                for extra in SERVER_FALLBACKS:
+                    port = free_port()
+                    # one request at a time, on as many threads as loopspec's engines use
+                    command = llama_server_command(binary, target_gguf, threads=num_threads or torch.get_num_threads(),
+                                                   context=context, port=port, slots=1,
+                                                   **({"drafter_gguf": drafter_gguf, "draft_max": draft_max}
+                                                      if method == "llamacpp-dflash" else {})) + extra
+                    why = self._start(method, command, f"http://127.0.0.1:{port}", start_timeout_s)
+                    if why is None:
+                        break
+                    failures.append(f"{' '.join(extra) or 'its defaults'}: {why}")
+                else:
+                    self.failed[method] = "llama-server did not start with " + "; nor with ".join(failures)
         except BaseException:
             self.close()
             raise
 
-    def _wait_ready(self, method: str, timeout_s: float) -> None:
-        process, url = self.servers[method]
+    def _start(self, method: str, command: list[str], url: str, timeout_s: float) -> str | None:
+        """Start `command` for `method` and wait until it answers /health → None, or why it did not
+        (its exit code and last log lines, or the timeout; the process is stopped)."""
+        log = tempfile.TemporaryFile(mode="w+")
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout_s
+        why = f"not ready after {timeout_s:.0f} s"
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                self.logs[method].seek(0)
-                tail = " | ".join(self.logs[method].read().strip().splitlines()[-3:])
-                raise LoopspecError(f"llama-server for {method} exited with code {process.returncode}: {tail}")
+                log.seek(0)
+                tail = " | ".join(log.read().strip().splitlines()[-2:])
+                why = f"exited with code {process.returncode} at load ({tail or 'no output'})"
+                break
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as response:
                     if response.status == 200:
-                        return
+                        self.servers[method], self.logs[method] = (process, url), log
+                        self.settings[method] = [str(c) for c in command]
+                        return None
             except (urllib.error.URLError, OSError):
                 pass  # still loading the model
             time.sleep(0.2)
-        raise LoopspecError(f"llama-server for {method} was not ready after {timeout_s:.0f} s")
+        stop(process)
+        log.close()
+        return why
 
     def run(self, prompt_ids: list[int], method: str, max_new_tokens: int) -> PeerRun:
         if method not in self.servers:
@@ -127,16 +142,20 @@ class LlamaServerPeer:
 
     def close(self) -> None:
         for process, _ in self.servers.values():
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop(process)
         for log in self.logs.values():
             log.close()
         self.servers, self.logs = {}, {}
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def free_port() -> int:

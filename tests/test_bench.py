@@ -211,6 +211,31 @@ def test_llamacpp_rows_are_skipped_with_a_reason_without_a_binary(tiny_pair, pro
                   drafter="none", params=SamplingParams(temperature=0.7))
 
 
+def test_a_llama_server_that_dies_at_load_is_a_skipped_row(tiny_pair, prompt_sets, tmp_path, monkeypatch):
+    """A llama-server that crashes while loading the model (as llama.cpp's AMX weight repacking did):
+    it is tried again without repacking, and when that dies too its rows are skipped with the exit code
+    and last log line; the bench itself runs to the end."""
+    import stat
+
+    target, drafter = tiny_pair
+    gguf = tmp_path / "target.gguf"
+    gguf.write_bytes(b"GGUF")  # never read: the server dies first
+    calls = tmp_path / "calls.txt"
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'load_tensors: repacking'\n"
+                      "echo 'Segmentation fault'\nexit 139\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr("loopspec.weights.target_gguf_path", lambda target: gguf)
+    report = tmp_path / "b.json"
+    results = run_bench(prompt_files=[str(prompt_sets[1])], methods=["ar", "dflash", "llamacpp"], target=str(target),
+                        drafter=str(drafter), max_new_tokens=8, json_out=str(report), llama_server=str(binary))
+    assert [r.method for r in results] == ["ar", "dflash"]
+    why = json.loads(report.read_text())["settings"]["skipped"]["llamacpp"]
+    assert "exited with code 139 at load (load_tensors: repacking | Segmentation fault)" in why and "--no-repack" in why
+    tried = calls.read_text().splitlines()
+    assert len(tried) == 2 and "--no-repack" not in tried[0] and tried[1].endswith("--no-repack")
+
+
 @pytest.mark.e2e
 def test_llamacpp_peers_beside_the_default_engines(tmp_path):
     """llama-server on the default GGUF, plain and with the shipped drafter, in one bench run with

@@ -122,7 +122,48 @@ def test_bench_compares_the_fp32_and_4_bit_engines(tmp_path):
 
     engines = json.loads((tmp_path / "b.json").read_text())["settings"]["engines"]
     assert engines["onnxruntime gguf-int8act"]["computes_with"] == "the GGUF's own Q4_1/Q8_0 blocks, int8 activations"
-    assert engines["onnxruntime gguf-int8act"]["decoding"]["dloop"]["tree_budget"] == 0  # chains only there
+    assert engines["onnxruntime gguf-int8act"]["decoding"]["dloop"]["tree_budget"] == 0  # its tuned setting: the chain
+
+
+def test_the_server_on_the_default_engine_answers_each_request_as_alone(tmp_path, monkeypatch):
+    """16 concurrent greedy chat requests of different lengths through `serve` on the default CPU
+    engine (ONNX Runtime over the GGUF's blocks, int8 activations): each reply equals the same
+    request sent alone, for ar, dflash, dloop (its tree) and suffix."""
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
+    pytest.importorskip("fastapi", reason="needs fastapi: pip install 'loopspec[serve]'")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from loopspec.runtime.pipeline import load_pipeline
+    from loopspec.runtime.server import ServeConfig, create_app
+
+    pipe = load_pipeline("default", "default", backend="onnxruntime", num_threads=2)
+    assert pipe.engine.precision == "gguf-int8act"
+    topics = ["a haiku about caches", "why the sky is blue", "a Python function that reverses a list",
+              "the rules of chess in one paragraph", "what 17 * 23 is", "three facts about owls",
+              "a limerick about a cat", "how a hash map works", "the capital of Japan",
+              "a SQL query that counts rows per day", "the difference between TCP and UDP",
+              "a short story about a robot, in two sentences", "what RoPE is", "a recipe for pancakes",
+              "a regular expression for e-mail addresses", "why 0.1 + 0.2 != 0.3 in floating point"]
+    messages = [[{"role": "user", "content": ("Please, briefly: " * (i % 4)) + "Write " + t + "."}]
+                for i, t in enumerate(topics)]
+    settings = {"ar": pipe.settings("ar"), "dflash": pipe.settings("dflash", adaptive=False),
+                "dloop": pipe.settings("dloop", tree_budget=8, suffix=True, adaptive=False),
+                "suffix": pipe.settings("suffix", adaptive=False)}
+    for name, decoding in settings.items():
+        app = create_app(pipe, ServeConfig(settings=decoding, model_name="default", max_batch_size=16))
+        with TestClient(app) as client:
+            def chat(m):
+                body = {"model": "default", "messages": m, "max_tokens": 32, "temperature": 0}
+                reply = client.post("/v1/chat/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                return reply.json()["choices"][0]["message"]["content"]
+
+            alone = [chat(m) for m in messages]
+            with ThreadPoolExecutor(16) as pool:
+                together = list(pool.map(chat, messages))
+        assert len(set(alone)) == 16 and together == alone, name
 
 
 def test_default_target_writes_user_prompts(pipe, tmp_path):

@@ -1,0 +1,240 @@
+"""Batch invariance and exact draft trees on the exported engines, bit for bit.
+
+A row's logits do not depend on the other rows of its calls (their number, their past lengths, their
+token counts), and a draft tree's node computes what plain decoding computes at its position — on
+every precision, the GGUF engine with int8 activations included (the default CPU engine). The
+target is a lively tiny llama quantized in-test to Q4_1/Q8_0 blocks, so its greedy text varies and
+the last bits of an attention sum turn into other int8 roundings, and other tokens, when they move.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
+pytest.importorskip("onnx", reason="needs onnx: pip install 'loopspec[onnx]'")
+pytest.importorskip("gguf", reason="needs gguf: pip install gguf (a core dependency)")
+
+from loopspec.convert.onnx_export import convert_onnx  # noqa: E402
+from loopspec.engines import export  # noqa: E402
+from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from loopspec.runtime.decoder import Decoder, generate  # noqa: E402
+from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
+from loopspec.settings import DecodingSettings as Method  # noqa: E402
+from loopspec.tree import DraftTree, tree_masks  # noqa: E402
+from loopspec.weights import load_target_dir, read_safetensors_dir, write_safetensors  # noqa: E402
+
+from conftest import save_tiny_target, save_tiny_tokenizer  # noqa: E402
+from test_gguf_blocks import write_tiny_gguf  # noqa: E402
+
+CONTEXT = 160
+PRECISIONS = ("fp32", "gguf-fp32act", "gguf-int8act")
+METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
+           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
+           "tree": Method("dflash", block_size=5, tree_budget=8, suffix=True),
+           "dloop-tree": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, tree_budget=10, suffix=True),
+           "suffix": Method("suffix", block_size=6)}
+
+
+def prompts(n, seed, low=2, high=40):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 120, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def export_pair(root, softmax=None) -> dict:
+    """{precision: ONNX Runtime engine} of one lively tiny GGUF target and a random drafter.
+    `softmax`: the attention's softmax during the export (a mutation check passes torch.softmax)."""
+    target_dir = save_tiny_target("llama", root / "target", seed=11)
+    save_tiny_tokenizer(target_dir)
+    state = read_safetensors_dir(target_dir)
+    for name, w in state.items():  # lively: every matrix scaled up, so the greedy text follows the context
+        if w.dim() == 2:
+            state[name] = w * 8.0
+    for f in target_dir.glob("*.safetensors"):
+        f.unlink()
+    write_safetensors(state, target_dir / "model.safetensors")
+    gguf_path = write_tiny_gguf(target_dir, root / "tiny.Q4_1.gguf")
+    target = load_target_dir(target_dir)
+    torch.manual_seed(1)
+    drafter = Drafter(DrafterConfig.for_target(target.cfg, num_layers=1, block_size=5, mask_token_id=127)).eval()
+    engines, real = {}, export.order_free_softmax
+    try:
+        if softmax is not None:
+            export.order_free_softmax = softmax
+        for precision in PRECISIONS:
+            out = root / precision
+            convert_onnx(target, drafter, out, target_dir=target_dir, max_context=CONTEXT, validate=False,
+                         precision=precision, gguf_path=gguf_path if precision != "fp32" else None)
+            engines[precision] = OrtEngine(out, CONTEXT, num_threads=1)
+    finally:
+        export.order_free_softmax = real
+    return engines
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    return export_pair(tmp_path_factory.mktemp("invariance"))
+
+
+def rows_against_alone(engine, prompt_list, calls):
+    """Prefill every prompt into one row of a batch engine and into its own one-row engine, then run
+    each call (a list of (tokens, tree mask or None) per row) on both → the largest difference of
+    any row's logits and taps between the batch and the row alone (0.0: bit for bit)."""
+    batch = engine.with_rows(len(prompt_list))
+    singles = [engine.with_rows(1) for _ in prompt_list]
+    worst = 0.0
+    for r, p in enumerate(prompt_list):
+        batch.prefill(r, p, want_taps=True)
+        singles[r].prefill(0, p, want_taps=True)
+    for call in calls:
+        tokens = [t for t, _ in call]
+        width = max(len(t) for t in tokens)
+        masks = None
+        if any(m is not None for _, m in call):
+            masks = torch.zeros(len(call), width, width, dtype=torch.bool)
+            for b, (t, m) in enumerate(call):
+                masks[b] = torch.eye(width, dtype=torch.bool) | torch.ones(width, width, dtype=torch.bool).tril()
+                if m is not None:
+                    masks[b, :len(t), :len(t)] = m
+        logits, taps = batch.verify(tokens, want_taps=True, tree_masks=masks)
+        for b, (t, m) in enumerate(call):
+            alone_logits, alone_taps = singles[b].verify([t], want_taps=True,
+                                                        tree_masks=m[None] if m is not None else None)
+            n = len(t)
+            worst = max(worst, float((logits[b, :n] - alone_logits[0, :n]).abs().max()),
+                        float((taps[b, :n] - alone_taps[0, :n]).abs().max()))
+    return worst
+
+
+def tree_mask_of(parents: list[int]) -> torch.Tensor:
+    tree = DraftTree.root(5)
+    for i, parent in enumerate(parents):
+        tree.add(parent, 10 + i)
+    return tree_masks([tree], len(parents) + 1)[0]
+
+
+CALLS = [[([7], None), ([8, 9, 10], None), ([11, 12], None)],  # chains of different counts
+         [([13], None), ([14], None), ([15], None)],  # plain decoding, one token a row
+         [([5, 10, 11, 12], tree_mask_of([0, 0, 1])), ([16], None), ([5, 10, 11], tree_mask_of([0, 1]))]]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_row_computes_the_same_bits_beside_any_rows(engines, precision):
+    """Rows of 3, 17 and 36 prompt tokens in one call: each row's logits and taps are bit for bit
+    those of the same row alone — chains of different counts, one-token steps and draft trees."""
+    assert rows_against_alone(engines[precision], [prompts(1, 3, 3, 4)[0], prompts(1, 4, 17, 18)[0],
+                                                   prompts(1, 5, 36, 37)[0]], CALLS) == 0.0
+
+
+def test_the_plain_softmax_breaks_it(tmp_path):
+    """Mutation check: with ONNX Runtime's own softmax (a masked slot inside the row moves later
+    elements to other SIMD lanes) the int8 engine's rows differ beside rows of other lengths."""
+    mutant = export_pair(tmp_path, softmax=lambda scores: torch.softmax(scores, dim=-1))["gguf-int8act"]
+    assert rows_against_alone(mutant, [prompts(1, 3, 3, 4)[0], prompts(1, 4, 17, 18)[0],
+                                       prompts(1, 5, 36, 37)[0]], CALLS) > 0.0
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", list(METHODS))
+def test_batched_rows_commit_what_ar_commits_alone(engines, precision, name):
+    """Seven requests of different lengths and budgets through three rows, admitted and retired
+    mid-run: every row commits, token for token, what the engine's own plain decoding commits for
+    that request alone — draft trees on the int8 engine included."""
+    engine = engines[precision]
+    method = METHODS[name]
+    ps = prompts(7, seed=2)
+    budgets = [40, 9, 33, 1, 40, 17, 26]
+    refs = [generate(engine, p, Method(), max_new_tokens=n).tokens for p, n in zip(ps, budgets)]
+    assert len({tuple(r) for r in refs}) == 7 and min(len(set(r)) for r in refs if len(r) > 20) >= 5
+    decoder = Decoder(engine.with_rows(3), method)
+    waiting, done, admitted_mid_run = list(range(7)), {}, 0
+    while waiting or decoder.rows:
+        while waiting and decoder.free_rows:
+            i = waiting.pop(0)
+            admitted_mid_run += any(len(r.tokens) > 1 for r in decoder.rows)
+            row, _ = decoder.admit(i, ps[i], max_new_tokens=budgets[i])
+            if row.finish:
+                done[i] = row
+        for row, _ in decoder.step():
+            if row.finish:
+                done[row.key] = row
+    assert [done[i].tokens for i in range(7)] == refs
+    assert admitted_mid_run >= 2
+    assert [generate(engine, p, method, max_new_tokens=n).tokens for p, n in zip(ps, budgets)] == refs
+
+
+def plain_logits(engine, prompt, path):
+    """The logits plain decoding computes after `prompt` + `path`, one token a step (a fresh row)."""
+    row = engine.with_rows(1)
+    logits = row.prefill(0, prompt, want_taps=False)
+    for token in path:
+        logits = row.verify([[token]], want_taps=False)[0][0, 0]
+    return logits
+
+
+PARENTS = [0, 0, 1, 2, 1, 3, 0]  # node i + 1's parent: a tree with siblings at depths 1, 2 and 3
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_tree_node_computes_what_plain_decoding_computes(engines, precision):
+    """One verification of a draft tree: each node's logits are, bit for bit, those plain decoding
+    computes after the node's path — masked siblings between its ancestors change nothing."""
+    engine = engines[precision]
+    prompt = prompts(1, 8, 20, 21)[0]
+    tokens = [5] + [20 + i for i in range(len(PARENTS))]
+    mask = tree_mask_of(PARENTS)
+    row = engine.with_rows(1)
+    row.prefill(0, prompt, want_taps=False)
+    logits = row.verify([tokens], want_taps=False, tree_masks=mask[None])[0][0]
+    for node in range(len(tokens)):
+        path = [tokens[j] for j in range(node + 1) if mask[node, j]]
+        assert torch.equal(logits[node], plain_logits(engine, prompt, path)), node
+
+
+def test_a_visible_sibling_breaks_it(engines):
+    """Mutation check of the test above: a layout where node 2 also sees its sibling node 1 gives
+    other logits than plain decoding of node 2's path."""
+    engine = engines["gguf-int8act"]
+    prompt = prompts(1, 8, 20, 21)[0]
+    tokens = [5] + [20 + i for i in range(len(PARENTS))]
+    mask = tree_mask_of(PARENTS)
+    mask[2, 1] = True
+    row = engine.with_rows(1)
+    row.prefill(0, prompt, want_taps=False)
+    logits = row.verify([tokens], want_taps=False, tree_masks=mask[None])[0][0]
+    assert not torch.equal(logits[2], plain_logits(engine, prompt, [5, 21]))
+
+
+def test_no_target_product_has_a_single_row(engines, monkeypatch):
+    """A one-row product takes another kernel than a batch's rows (4-bit MatMulNBits on AVX2
+    differs in the last bits), so the engine never sends the target a call of one token and one row:
+    a lone plain-decoding step carries a padding token, and its logits are those of the real token."""
+    engine = engines["gguf-int8act"].with_rows(1)
+    runner = engine.runners["target_verify"]
+    shapes, run = [], runner.run
+    monkeypatch.setattr(runner, "run", lambda **kw: shapes.append(tuple(kw["input_ids"].shape)) or run(**kw))
+    prompt = prompts(1, 9, 1, 2)[0]  # a one-token prompt too
+    result = generate(engine, prompt, Method(), max_new_tokens=6)
+    assert len(result.tokens) == 6 and shapes and min(b * t for b, t in shapes) >= 2
+    assert engine.cache.lengths[0] == len(prompt) + 5  # padding is never stored
+
+
+def test_an_int8_export_without_the_order_free_softmax_verifies_chains_only(engines, tmp_path):
+    """An int8 export made before the order-free softmax (its manifest does not name it) keeps
+    verifying chains only: a draft tree there is refused with the reason, chains still run."""
+    import shutil
+
+    from loopspec.engines.manifest import read_manifest
+    from loopspec.errors import LoopspecError
+
+    old = tmp_path / "old"
+    shutil.copytree(engines["gguf-int8act"].artifact_dir, old)
+    manifest = read_manifest(old)
+    del manifest.data["settings"]["softmax"]
+    manifest.save()
+    engine = OrtEngine(old, CONTEXT, num_threads=1)
+    assert engine.chains_only and not engines["gguf-int8act"].chains_only
+    prompt = prompts(1, 8, 20, 21)[0]
+    with pytest.raises(LoopspecError, match="chains exactly"):
+        generate(engine, prompt, METHODS["tree"], max_new_tokens=8)
+    assert len(generate(engine, prompt, METHODS["dflash"], max_new_tokens=8).tokens) == 8
