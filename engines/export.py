@@ -21,9 +21,10 @@ K/V, `drafter_block` reads the valid prefix.
 
 Batch. Every graph takes B rows (one request, or several decoded together). Rows hold different
 numbers of valid past slots, so the past passed in is as wide as the longest row and each row's
-length (`past_lengths` / `context_lengths`) masks the rest: the additive mask is built in-graph
-from the lengths (Range, Less, Where) once per call and added to the past scores of every layer.
-For one row the mask is all zeros, and adding zeros changes no score.
+length (`past_lengths` / `context_lengths`) says how much of it is valid. Each row's new K/V are
+written right after its own valid past (`row_layout`, once per call) and the attention sums in an
+order that no masked slot changes (`order_free_softmax`): a row computes, bit for bit, what it
+computes alone, and a verification what plain decoding computes (`attend`).
 
 Positions are inputs (absolute RoPE positions), so one graph serves prefill and decoding.
 """
@@ -69,11 +70,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Te
     return x * cos + torch.matmul(x, rotate) * sin
 
 
-def length_mask(lengths: torch.Tensor, width) -> torch.Tensor:
-    """Valid lengths [B] → additive mask [B, 1, 1, width]: 0 on row b's first lengths[b] slots, -inf
-    on the rest (another row's longer past, or stale slots after a rollback)."""
-    slots = torch.arange(width, device=lengths.device)
-    return torch.where(slots[None, :] < lengths[:, None], 0.0, float("-inf"))[:, None, None, :]
+def row_layout(lengths: torch.Tensor, past: torch.Tensor, new_mask: torch.Tensor, num_kv_heads: int, group: int,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's T new tokens go among the [past ; T] slots of a call, and what each sees.
+
+    Row b's new tokens take slots lengths[b] .. lengths[b] + T - 1, right after its own valid past
+    (not after the call's widest past), so every term of a row's attention sits at the index it has
+    when the row runs alone: no masked gap between its past and its new tokens, and the products'
+    sums group the same terms (ONNX Runtime's MatMul sums its reduction in blocks of 256). The slots
+    past them are masked, at the end.
+
+    lengths [B] valid past slots per row, past the call's past width, new_mask bool [B, T, T] (new
+    token i sees new token j) → slots [B, kvh, T, hd] (scatter index of the new K/V), additive mask
+    [B, 1, g·T, past + T] (rows in q's (g, T) order)."""
+    batch, width = new_mask.shape[0], new_mask.shape[1]
+    offset = torch.arange(past + width, device=lengths.device)[None, :] - lengths[:, None]  # [B, P+T]: slot - length
+    in_new = (offset >= 0) & (offset < width)
+    sees_new = new_mask.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(batch, width, -1))  # [B, T, P+T]
+    visible = (offset < 0)[:, None, :] | (in_new[:, None, :] & sees_new)  # own past, and the new tokens it sees
+    mask = torch.where(visible, 0.0, float("-inf"))[:, None].repeat(1, 1, group, 1)  # [B, 1, g·T, P+T]
+    slots = lengths[:, None] + torch.arange(width, device=lengths.device)[None, :]  # [B, T]
+    return slots[:, None, :, None].expand(batch, num_kv_heads, width, head_dim), mask
 
 
 # integer units per 1.0 of the softmax's sum: 2^-40 resolution, exact int64 sums of up to 2^23 terms
@@ -85,44 +102,31 @@ def order_free_softmax(scores: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim whose result does not depend on where the masked (-inf) slots sit or
     how wide the row is: the max is exact in any order and exp is elementwise, but a float sum rounds
     differently when elements move to other SIMD lanes (ONNX Runtime's softmax shifts every later
-    element when a masked slot sits inside the row: a shorter row of a batch, a draft tree's
-    siblings). So the exps are summed as integers (exact and associative) in units of 2^-40 — a
-    relative error of the sum below 1e-9 for any context — and each is divided by that sum."""
+    element when a masked slot sits inside the row: a draft tree's siblings). So the exps are summed
+    as integers (exact and associative) in units of 2^-40 — a relative error of the sum below 1e-9
+    for any context — and each is divided by that sum."""
     exps = torch.exp(scores - scores.amax(-1, keepdim=True))  # masked slots: exactly 0
     total = (exps * SOFTMAX_SUM_UNITS).to(torch.int64).sum(-1, keepdim=True)  # truncation is exact per element
     return exps / (total.to(scores.dtype) / SOFTMAX_SUM_UNITS)
 
 
 def attend(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           past: torch.Tensor, past_mask: torch.Tensor, bias: torch.Tensor | None,
-           joined_values: bool = False) -> torch.Tensor:
+           slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention of q [B, kvh, g·T, hd] (pre-scaled; query head j = kv head j // g, as
-    HF's repeat_kv) over [past ; new] keys without concatenating the K/V: one softmax over the joined
-    scores, then the two value products summed. The past is only read (MatMul with its transpose
-    fuses into one kernel), never copied. past_k/past_v [B, kvh, P, hd], k/v [B, kvh, T, hd],
-    past_mask [B, 1, 1, P] additive mask of each row's invalid past slots, bias [B, 1, g·T, T] additive mask
-    among the new tokens (None: they all see each other) → [B, kvh, g·T, hd].
+    HF's repeat_kv) over each row's [valid past ; new] keys (`row_layout`: slots, mask) → [B, kvh, g·T, hd].
+    past_k/past_v [B, kvh, P, hd] are the call's past (as wide as its widest row), k/v [B, kvh, T, hd].
 
-    The softmax is order-free (`order_free_softmax`) and a masked slot's probability is exactly 0,
-    so a row's result does not depend on the other rows of the call (their past widths, their token
-    counts) nor on masked slots between a tree node's ancestors: the value products add exact zeros
-    for them (their terms are accumulated in index order).
-
-    joined_values: ONE value product over [past_v ; v] (a copy of the past values per call) instead
-    of two summed: a token's output then no longer depends on whether its context came from the
-    cache or from the same call, so a verification (chain or tree) computes, bit for bit, what plain
-    decoding computes. fp32 engines differ only in the last bits there; engines that quantize
-    activations (int8) turn those bits into different roundings and need it."""
-    scores_new = torch.matmul(q, k.transpose(-1, -2))  # [B, kvh, g·T, T]
-    if bias is not None:
-        scores_new = scores_new + bias
-    scores_past = torch.matmul(q, past_k.transpose(-1, -2)) + past_mask  # [B, kvh, g·T, P]
-    scores = torch.cat([scores_past, scores_new], dim=-1)  # [B, kvh, g·T, P + T]
-    probs = order_free_softmax(scores)
-    if joined_values:
-        return torch.matmul(probs, torch.cat([past_v, v], dim=2))
-    p_past, p_new = torch.split(probs, [past, k.shape[2]], dim=-1)
-    return torch.matmul(p_past, past_v) + torch.matmul(p_new, v)
+    The new K/V are written into a copy of the past at each row's own length, and ONE product over
+    those slots gives the values: a token's output then depends neither on the other rows of the call
+    nor on whether its context came from the cache or from the same call, so a verification computes
+    bit for bit what plain decoding computes. The softmax is order-free and a masked slot's
+    probability exactly 0 (adding 0·v is exact), so masked slots between a tree node's ancestors (its
+    siblings) change nothing either, as long as the node's terms stay in the same 256-slot blocks of
+    the value product as in plain decoding (the decoder keeps a tree inside one block)."""
+    keys = torch.cat([past_k, k], dim=2).scatter(2, slots, k)  # [B, kvh, P + T, hd]
+    values = torch.cat([past_v, v], dim=2).scatter(2, slots, v)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) + mask  # [B, kvh, g·T, P + T]
+    return torch.matmul(order_free_softmax(scores), values)
 
 
 def head_scales(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -203,8 +207,7 @@ class TargetVerify(nn.Module):
         sin = t.rotary.sin[positions][:, :, None] * self.head_scale
         # new token i sees its row's valid past keys and the new keys its tree_mask row marks (the
         # causal chain, or its ancestors in a draft tree); rows of the bias follow q's (g, T) order
-        past_mask = length_mask(past_lengths, past)  # [B, 1, 1, P]
-        bias = torch.where(tree_mask, 0.0, float("-inf"))[:, None].repeat(1, 1, group, 1)  # [B, 1, g·T, T]
+        slots, mask = row_layout(past_lengths, past, tree_mask, kvh, group, hd)
         x = F.embedding(input_ids, t.embed_tokens.weight)  # [B, T, H]
         taps, new_keys, new_values = {}, [], []
         last = cfg.num_layers - 1
@@ -216,9 +219,7 @@ class TargetVerify(nn.Module):
             q, k, v = qkv_heads(linear(y, attn.qkv_proj), batch, h, kvh, hd, norm_w, eps, cos, sin, self.rotate)
             new_keys.append(k)  # [B, kvh, T, hd]
             new_values.append(v)
-            # one value product: a node computes what plain decoding computes at its position (`attend`)
-            out = attend(q, past_key[i], past_value[i], k, v, past, past_mask, bias,
-                         joined_values=True)  # [B, kvh, g·T, hd]
+            out = attend(q, past_key[i], past_value[i], k, v, slots, mask)  # [B, kvh, g·T, hd]
             x = x + linear(merge_heads(out, batch, h, hd), attn.o_proj)
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
@@ -297,14 +298,15 @@ class DrafterBlock(nn.Module):
         batch, context = block_ids.shape[0], context_key.shape[3]
         cos = d.rotary.cos[positions][:, :, None] * self.head_scale  # [B, k, h + kvh, hd]
         sin = d.rotary.sin[positions][:, :, None] * self.head_scale
-        context_mask = length_mask(context_lengths, context)  # [B, 1, 1, C]
+        block = torch.ones_like(block_ids, dtype=torch.bool)[:, :, None] & torch.ones_like(block_ids, dtype=torch.bool)[:, None, :]
+        slots, mask = row_layout(context_lengths, context, block, kvh, h // kvh, hd)  # the block sees all of itself
         x = F.embedding(block_ids, self.embed_weight)  # [B, k, H]
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             y = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
             q, k, v = qkv_heads(linear(y, self.qkv_proj[i]), batch, h, kvh, hd, self.qk_norm_weight[i],
                                 attn.q_norm.eps, cos, sin, self.rotate)
-            out = attend(q, context_key[i], context_value[i], k, v, context, context_mask, None)  # bidirectional block
+            out = attend(q, context_key[i], context_value[i], k, v, slots, mask)
             x = x + linear(merge_heads(out, batch, h, hd), attn.o_proj)
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)

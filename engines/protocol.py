@@ -34,6 +34,12 @@ class Engine(Protocol):
     # computes a tree's nodes with another summation order than plain decoding's (masked slots sit
     # between a node's ancestors), and int8 rounding turns those last bits into other tokens
     chains_only: bool
+    # > 0 where a draft tree verifies exactly only inside one aligned block of this many slots: the
+    # value product sums its reduction in blocks (ONNX Runtime's fp32 MatMul: 256 slots at head dim
+    # 64), and a tree node sits at a later slot than plain decoding puts it (after its siblings), so
+    # a block boundary between the two slots groups its sum differently. The decoder verifies the
+    # chain in a round whose tree would straddle one. 0: trees anywhere.
+    tree_span: int
 
     @property
     def has_drafter(self) -> bool: ...

@@ -29,6 +29,7 @@ from loopspec.weights import read_json
 class ArtifactEngine:
     backend = ""
     device = torch.device("cpu")
+    tree_span = 0  # see engines/protocol.py; a backend that measures its products sets it
 
     def __init__(self, artifact_dir: str | Path, max_context: int | None = None, max_rows: int = 1):
         self.artifact_dir = Path(artifact_dir)

@@ -348,8 +348,15 @@ class Decoder:
     def _tree(self, row: Row, drafted: Drafted, depth: int) -> DraftTree:
         """The row's draft tree for this round: the drafter's nodes, and the suffix branch."""
         suffix = row.suffix_index.continuation(depth) if row.suffix_index is not None and depth else []
-        return draft_tree(row.tokens[-1], drafted.candidates, drafted.logprobs, drafted.stage_sizes,
+        tree = draft_tree(row.tokens[-1], drafted.candidates, drafted.logprobs, drafted.stage_sizes,
                           tree_budget=self.settings.tree_budget, suffix=suffix, max_nodes=self._room(row))
+        span, first = self.engine.tree_span, row.position
+        if span and not tree.is_chain and first // span != (first + len(tree) - 1) // span:
+            # the tree's slots straddle a block of the engine's value product (engines/protocol.py):
+            # this round verifies the drafter's chain, which sits where plain decoding puts it
+            tree = draft_tree(row.tokens[-1], drafted.candidates, drafted.logprobs, drafted.stage_sizes,
+                              tree_budget=0, suffix=[], max_nodes=self._room(row))
+        return tree
 
     def _retire(self, b: int) -> None:
         last = len(self.rows) - 1

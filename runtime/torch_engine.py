@@ -21,6 +21,7 @@ from loopspec.model.target import Target, inference_linear, pack_linears_for_cpu
 class TorchEngine:
     backend = "torch"
     chains_only = False
+    tree_span = 0
 
     def __init__(self, target: Target, drafter: Drafter | None, max_context: int, num_threads: int | None = None,
                  cuda_graphs: bool = False, max_rows: int = 1):

@@ -7,12 +7,12 @@ FAMILIES = ["llama", "qwen2", "qwen3"]
 
 
 def tiny_hf_config(family: str, vocab_size: int = 128, num_layers: int = 6, tie: bool | None = None,
-                   rope_scaling: dict | None = None):
+                   rope_scaling: dict | None = None, hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2):
     """A tiny random transformers config of the given family (GQA, 2 kv heads)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=96, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
                   rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1)
     if family == "llama":
         rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -26,7 +26,7 @@ from loopspec.weights import load_target_dir, read_safetensors_dir, write_safete
 from conftest import save_tiny_target, save_tiny_tokenizer  # noqa: E402
 from test_gguf_blocks import write_tiny_gguf  # noqa: E402
 
-CONTEXT = 160
+CONTEXT = 400
 PRECISIONS = ("fp32", "gguf-fp32act", "gguf-int8act")
 METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
            "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
@@ -41,10 +41,11 @@ def prompts(n, seed, low=2, high=40):
             for _ in range(n)]
 
 
-def export_pair(root, softmax=None) -> dict:
+def export_pair(root, **mutations) -> dict:
     """{precision: ONNX Runtime engine} of one lively tiny GGUF target and a random drafter.
-    `softmax`: the attention's softmax during the export (a mutation check passes torch.softmax)."""
-    target_dir = save_tiny_target("llama", root / "target", seed=11)
+    `mutations`: functions of engines/export.py replaced during the export (mutation checks)."""
+    # head dim 64, as the default target's: ONNX Runtime sums its value products in blocks of 256 slots
+    target_dir = save_tiny_target("llama", root / "target", seed=11, hidden_size=128, num_heads=2, num_kv_heads=1)
     save_tiny_tokenizer(target_dir)
     state = read_safetensors_dir(target_dir)
     for name, w in state.items():  # lively: every matrix scaled up, so the greedy text follows the context
@@ -57,17 +58,18 @@ def export_pair(root, softmax=None) -> dict:
     target = load_target_dir(target_dir)
     torch.manual_seed(1)
     drafter = Drafter(DrafterConfig.for_target(target.cfg, num_layers=1, block_size=5, mask_token_id=127)).eval()
-    engines, real = {}, export.order_free_softmax
+    engines, real = {}, {name: getattr(export, name) for name in mutations}
     try:
-        if softmax is not None:
-            export.order_free_softmax = softmax
+        for name, mutant in mutations.items():
+            setattr(export, name, mutant)
         for precision in PRECISIONS:
             out = root / precision
             convert_onnx(target, drafter, out, target_dir=target_dir, max_context=CONTEXT, validate=False,
                          precision=precision, gguf_path=gguf_path if precision != "fp32" else None)
             engines[precision] = OrtEngine(out, CONTEXT, num_threads=1)
     finally:
-        export.order_free_softmax = real
+        for name, function in real.items():
+            setattr(export, name, function)
     return engines
 
 
@@ -118,20 +120,36 @@ CALLS = [[([7], None), ([8, 9, 10], None), ([11, 12], None)],  # chains of diffe
          [([5, 10, 11, 12], tree_mask_of([0, 0, 1])), ([16], None), ([5, 10, 11], tree_mask_of([0, 1]))]]
 
 
+# rows of 3, 17, 36 and 270 prompt tokens: the longest past crosses the value product's 256-slot block
+ROWS = [prompts(1, 3, 3, 4)[0], prompts(1, 4, 17, 18)[0], prompts(1, 5, 36, 37)[0], prompts(1, 6, 270, 271)[0]]
+CALLS_4 = [call + [([17, 18], None)] for call in CALLS]
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_a_row_computes_the_same_bits_beside_any_rows(engines, precision):
-    """Rows of 3, 17 and 36 prompt tokens in one call: each row's logits and taps are bit for bit
-    those of the same row alone — chains of different counts, one-token steps and draft trees."""
-    assert rows_against_alone(engines[precision], [prompts(1, 3, 3, 4)[0], prompts(1, 4, 17, 18)[0],
-                                                   prompts(1, 5, 36, 37)[0]], CALLS) == 0.0
+    """Rows of 3 to 270 prompt tokens in one call: each row's logits and taps are bit for bit those of
+    the same row alone — chains of different counts, one-token steps and draft trees."""
+    assert rows_against_alone(engines[precision], ROWS, CALLS_4) == 0.0
 
 
-def test_the_plain_softmax_breaks_it(tmp_path):
-    """Mutation check: with ONNX Runtime's own softmax (a masked slot inside the row moves later
-    elements to other SIMD lanes) the int8 engine's rows differ beside rows of other lengths."""
-    mutant = export_pair(tmp_path, softmax=lambda scores: torch.softmax(scores, dim=-1))["gguf-int8act"]
-    assert rows_against_alone(mutant, [prompts(1, 3, 3, 4)[0], prompts(1, 4, 17, 18)[0],
-                                       prompts(1, 5, 36, 37)[0]], CALLS) > 0.0
+def widest_past_layout(lengths, past, new_mask, num_kv_heads, group, head_dim):
+    """The mutant: every row's new tokens after the call's widest past (a masked gap after a shorter
+    row's own past), as the engines laid them out before."""
+    batch, width = new_mask.shape[0], new_mask.shape[1]
+    slot = torch.arange(past + width)[None, :]
+    offset = slot - past
+    sees_new = new_mask.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(batch, width, -1))
+    visible = (slot < lengths[:, None])[:, None, :] | ((offset >= 0)[:, None, :] & sees_new)
+    mask = torch.where(visible, 0.0, float("-inf"))[:, None].repeat(1, 1, group, 1)
+    slots = (past + torch.arange(width))[None, None, :, None].expand(batch, num_kv_heads, width, head_dim)
+    return slots, mask
+
+
+def test_the_widest_past_layout_breaks_it(tmp_path):
+    """Mutation check: with a shorter row's new tokens after the widest row's past, their terms
+    fall into other blocks of the value product than alone, and the int8 engine's rows differ."""
+    mutant = export_pair(tmp_path, row_layout=widest_past_layout)["gguf-int8act"]
+    assert rows_against_alone(mutant, ROWS, CALLS_4) > 0.0
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -191,6 +209,21 @@ def test_every_tree_node_computes_what_plain_decoding_computes(engines, precisio
         assert torch.equal(logits[node], plain_logits(engine, prompt, path)), node
 
 
+def test_the_plain_softmax_breaks_trees(tmp_path):
+    """Mutation check: with ONNX Runtime's own softmax (a masked sibling inside a node's row moves
+    its later elements to other SIMD lanes) some tree node's logits differ from plain decoding's."""
+    engine = export_pair(tmp_path, order_free_softmax=lambda scores: torch.softmax(scores, dim=-1))["gguf-int8act"]
+    prompt = prompts(1, 8, 20, 21)[0]
+    tokens = [5] + [20 + i for i in range(len(PARENTS))]
+    mask = tree_mask_of(PARENTS)
+    row = engine.with_rows(1)
+    row.prefill(0, prompt, want_taps=False)
+    logits = row.verify([tokens], want_taps=False, tree_masks=mask[None])[0][0]
+    assert any(not torch.equal(logits[node], plain_logits(engine, prompt, [tokens[j] for j in range(node + 1)
+                                                                           if mask[node, j]]))
+               for node in range(len(tokens)))
+
+
 def test_a_visible_sibling_breaks_it(engines):
     """Mutation check of the test above: a layout where node 2 also sees its sibling node 1 gives
     other logits than plain decoding of node 2's path."""
@@ -238,3 +271,33 @@ def test_an_int8_export_without_the_order_free_softmax_verifies_chains_only(engi
     with pytest.raises(LoopspecError, match="chains exactly"):
         generate(engine, prompt, METHODS["tree"], max_new_tokens=8)
     assert len(generate(engine, prompt, METHODS["dflash"], max_new_tokens=8).tokens) == 8
+
+
+def test_a_tree_across_a_value_block_differs_so_the_decoder_verifies_the_chain_there(engines):
+    """ONNX Runtime sums a value product in blocks of 256 slots (head dim 64): a tree node sits at a
+    later slot than plain decoding puts it, so a tree across a block boundary computes some node
+    differently (shown), and the decoder verifies the drafter's chain in such a round: across the
+    boundary, trees still commit exactly what plain decoding commits."""
+    from loopspec.runtime.ort_engine import value_product_block
+
+    engine = engines["gguf-int8act"]
+    assert engine.tree_span == value_product_block(64) > 0
+    span = engine.tree_span
+    prompt = prompts(1, 10, span - 3, span - 2)[0]  # the tree's slots run from span - 3 past span
+    tokens = [5] + [20 + i for i in range(len(PARENTS))]
+    mask = tree_mask_of(PARENTS)
+    row = engine.with_rows(1)
+    row.prefill(0, prompt, want_taps=False)
+    logits = row.verify([tokens], want_taps=False, tree_masks=mask[None])[0][0]
+    assert any(not torch.equal(logits[node], plain_logits(engine, prompt, [tokens[j] for j in range(node + 1)
+                                                                           if mask[node, j]]))
+               for node in range(len(tokens)))
+    for start in (span - 12, span - 5):
+        prompt = prompts(1, start, start, start + 1)[0]
+        ar = generate(engine, prompt, Method(), max_new_tokens=30).tokens
+        for name in ("tree", "dloop-tree"):
+            result = generate(engine, prompt, METHODS[name], max_new_tokens=30)
+            assert result.tokens == ar, (start, name)
+            assert max(result.stats.nodes_per_round) > METHODS[name].block_size - 1  # it branched elsewhere
+        first = generate(engine, prompt, METHODS["tree"], max_new_tokens=30).stats.nodes_per_round[0]
+        assert first == (METHODS["tree"].block_size - 1 if start == span - 5 else METHODS["tree"].tree_budget)
