@@ -193,49 +193,39 @@ def plain_logits(engine, prompt, path):
 PARENTS = [0, 0, 1, 2, 1, 3, 0]  # node i + 1's parent: a tree with siblings at depths 1, 2 and 3
 
 
+def nodes_unlike_plain(engine, prompt, mask=None) -> list[int]:
+    """Verify the PARENTS tree (or `mask`'s layout of its tokens) after `prompt` in one call → the
+    nodes whose logits differ, in any bit, from plain decoding's after the node's path."""
+    tokens = [5] + [20 + i for i in range(len(PARENTS))]
+    paths = tree_mask_of(PARENTS)
+    mask = paths if mask is None else mask
+    row = engine.with_rows(1)
+    row.prefill(0, prompt, want_taps=False)
+    logits = row.verify([tokens], want_taps=False, tree_masks=mask[None])[0][0]
+    return [node for node in range(len(tokens))
+            if not torch.equal(logits[node], plain_logits(engine, prompt, [t for t, seen in zip(tokens, paths[node]) if seen]))]
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_every_tree_node_computes_what_plain_decoding_computes(engines, precision):
     """One verification of a draft tree: each node's logits are, bit for bit, those plain decoding
     computes after the node's path — masked siblings between its ancestors change nothing."""
-    engine = engines[precision]
-    prompt = prompts(1, 8, 20, 21)[0]
-    tokens = [5] + [20 + i for i in range(len(PARENTS))]
-    mask = tree_mask_of(PARENTS)
-    row = engine.with_rows(1)
-    row.prefill(0, prompt, want_taps=False)
-    logits = row.verify([tokens], want_taps=False, tree_masks=mask[None])[0][0]
-    for node in range(len(tokens)):
-        path = [tokens[j] for j in range(node + 1) if mask[node, j]]
-        assert torch.equal(logits[node], plain_logits(engine, prompt, path)), node
+    assert nodes_unlike_plain(engines[precision], prompts(1, 8, 20, 21)[0]) == []
 
 
 def test_the_plain_softmax_breaks_trees(tmp_path):
     """Mutation check: with ONNX Runtime's own softmax (a masked sibling inside a node's row moves
     its later elements to other SIMD lanes) some tree node's logits differ from plain decoding's."""
     engine = export_pair(tmp_path, order_free_softmax=lambda scores: torch.softmax(scores, dim=-1))["gguf-int8act"]
-    prompt = prompts(1, 8, 20, 21)[0]
-    tokens = [5] + [20 + i for i in range(len(PARENTS))]
-    mask = tree_mask_of(PARENTS)
-    row = engine.with_rows(1)
-    row.prefill(0, prompt, want_taps=False)
-    logits = row.verify([tokens], want_taps=False, tree_masks=mask[None])[0][0]
-    assert any(not torch.equal(logits[node], plain_logits(engine, prompt, [tokens[j] for j in range(node + 1)
-                                                                           if mask[node, j]]))
-               for node in range(len(tokens)))
+    assert nodes_unlike_plain(engine, prompts(1, 8, 20, 21)[0]) != []
 
 
 def test_a_visible_sibling_breaks_it(engines):
     """Mutation check of the test above: a layout where node 2 also sees its sibling node 1 gives
     other logits than plain decoding of node 2's path."""
-    engine = engines["gguf-int8act"]
-    prompt = prompts(1, 8, 20, 21)[0]
-    tokens = [5] + [20 + i for i in range(len(PARENTS))]
     mask = tree_mask_of(PARENTS)
     mask[2, 1] = True
-    row = engine.with_rows(1)
-    row.prefill(0, prompt, want_taps=False)
-    logits = row.verify([tokens], want_taps=False, tree_masks=mask[None])[0][0]
-    assert not torch.equal(logits[2], plain_logits(engine, prompt, [5, 21]))
+    assert 2 in nodes_unlike_plain(engines["gguf-int8act"], prompts(1, 8, 20, 21)[0], mask)
 
 
 def test_no_target_product_has_a_single_row(engines, monkeypatch):
@@ -283,15 +273,7 @@ def test_a_tree_across_a_value_block_differs_so_the_decoder_verifies_the_chain_t
     engine = engines["gguf-int8act"]
     assert engine.tree_span == value_product_block(64) > 0
     span = engine.tree_span
-    prompt = prompts(1, 10, span - 3, span - 2)[0]  # the tree's slots run from span - 3 past span
-    tokens = [5] + [20 + i for i in range(len(PARENTS))]
-    mask = tree_mask_of(PARENTS)
-    row = engine.with_rows(1)
-    row.prefill(0, prompt, want_taps=False)
-    logits = row.verify([tokens], want_taps=False, tree_masks=mask[None])[0][0]
-    assert any(not torch.equal(logits[node], plain_logits(engine, prompt, [tokens[j] for j in range(node + 1)
-                                                                           if mask[node, j]]))
-               for node in range(len(tokens)))
+    assert nodes_unlike_plain(engine, prompts(1, 10, span - 3, span - 2)[0]) != []  # slots span - 3 .. span + 4
     for start in (span - 12, span - 5):
         prompt = prompts(1, start, start, start + 1)[0]
         ar = generate(engine, prompt, Method(), max_new_tokens=30).tokens
