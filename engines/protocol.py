@@ -4,7 +4,7 @@ An engine owns two KV caches of `max_rows` rows with one length per row (`loopsp
 KVCache`): the target's, and the drafter's context. Every call takes rows. The decoder keeps its live
 rows packed at the front, so the per-round calls (verify, rollback, context append) are over rows
 0..B-1; drafting calls name their rows, since DLoop's later stages run only for the rows whose gate
-opened. A single request is one row.
+opened. A single request is one row; a prompt prefilled in chunks sits in another row until done.
 
 Tensors that decide (logits, drafts, log-probs) come back on the CPU; features (taps, hidden states)
 stay on the engine's device. Backends: runtime/torch_engine.py (PyTorch, CUDA graphs an option of
@@ -48,9 +48,10 @@ class Engine(Protocol):
         """The same models (weights, sessions, plans) with fresh caches of `max_rows` rows."""
 
     # ---- target ----------------------------------------------------------------------------------
-    def prefill(self, row: int, prompt_ids: list[int], want_taps: bool) -> torch.Tensor:
-        """Start `row` with a prompt (its caches restart at 0; with `want_taps` its drafter context
-        holds every prompt position's features) → the last position's logits [V]."""
+    def prefill(self, row: int, prompt_ids: list[int], want_taps: bool, start: int = 0) -> torch.Tensor:
+        """Start `row` with a prompt (its caches restart at `start`: 0, or the prompt tokens an
+        earlier chunk of the same prompt holds; with `want_taps` its drafter context holds every
+        prompt position's features) → the last position's logits [V]."""
 
     def verify(self, tokens: list[list[int]], want_taps: bool,
                tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -86,5 +87,6 @@ class Engine(Protocol):
         argmax), their log-probs [R, k-1, C], final-norm hidden states [R, k, H]."""
 
     # ---- rows ------------------------------------------------------------------------------------
-    def move_row(self, src: int, dst: int) -> None:
-        """Row `dst` takes over row `src`'s caches (retiring a row keeps the live ones packed)."""
+    def swap_rows(self, a: int, b: int) -> None:
+        """Rows a and b exchange their caches (retiring a row keeps the live ones packed; a prompt
+        prefilled in chunks joins them)."""

@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model-name", default=None, help="the model id clients send (default: the target's folder name)")
     v.add_argument("--max-batch-size", type=_positive_int("--max-batch-size"), default=8)
     v.add_argument("--max-queue", type=_positive_int("--max-queue"), default=64, help="waiting requests; more get 429")
+    v.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk"), default=256,
+                   help="a longer prompt is prefilled this many tokens a step, between the running requests' steps")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds from arrival, queueing included")
     v.add_argument("--max-body-bytes", type=_positive_int("--max-body-bytes"), default=1 << 20)
     v.add_argument("--max-tokens-limit", type=_positive_int("--max-tokens-limit"), default=4096,
@@ -483,7 +485,8 @@ def cmd_serve(args) -> int:
                                source.stem if source.suffix == ".gguf" else source.resolve().name)
     config = ServeConfig(settings=settings, model_name=name, max_batch_size=args.max_batch_size,
                          max_queue=args.max_queue, request_timeout_s=args.request_timeout,
-                         max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)
+                         max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
+                         prefill_chunk=args.prefill_chunk)
     serve(pipe, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0
 

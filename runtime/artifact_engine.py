@@ -124,11 +124,11 @@ class ArtifactEngine:
         self.cache.append(out["new_key"], out["new_value"], rows, counts)
         return out
 
-    def prefill(self, row: int, prompt_ids: list[int], want_taps: bool) -> torch.Tensor:
-        self.cache.lengths[row] = 0
+    def prefill(self, row: int, prompt_ids: list[int], want_taps: bool, start: int = 0) -> torch.Tensor:
+        self.cache.lengths[row] = start
         out = self._target([row], [prompt_ids], all_logits=False)
         if want_taps:
-            self.context.lengths[row] = 0
+            self.context.lengths[row] = start
             self._append_context(DRAFTER_CONTEXT, "taps", [row], out["taps"], [len(prompt_ids)])
         return out["logits"][0, -1].float().cpu()
 
@@ -177,7 +177,7 @@ class ArtifactEngine:
         return out["draft_ids"].cpu(), out["draft_logprobs"].float().cpu(), out["hidden"]
 
     # ---- rows ------------------------------------------------------------------------------------
-    def move_row(self, src: int, dst: int) -> None:
-        self.cache.move_row(src, dst)
+    def swap_rows(self, a: int, b: int) -> None:
+        self.cache.swap_rows(a, b)
         if self.context is not None:
-            self.context.move_row(src, dst)
+            self.context.swap_rows(a, b)

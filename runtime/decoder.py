@@ -112,6 +112,16 @@ class Row:
 
 
 @dataclass
+class Prefilling:
+    """A row whose prompt is prefilled in chunks, one chunk a step, in an engine row of its own."""
+
+    row: Row
+    prompt_ids: list[int]
+    slot: int  # its engine row until the prompt is in (then it joins the live rows)
+    done: int = 0  # prompt tokens in its caches
+
+
+@dataclass
 class Drafted:
     """One row's drafter output for one verification: the candidates at every drafted depth."""
 
@@ -204,7 +214,7 @@ class Decoder:
     request's own fallback."""
 
     def __init__(self, engine, settings: DecodingSettings = DecodingSettings(),
-                 fallback: AdaptiveFallback | None = None):
+                 fallback: AdaptiveFallback | None = None, prefill_chunk: int | None = None):
         if settings.uses_drafter and not engine.has_drafter:
             raise LoopspecError(f"{settings.method} needs a drafter")
         if engine.chains_only and (settings.tree_budget or settings.suffix):
@@ -214,17 +224,25 @@ class Decoder:
         if fallback is None and settings.adaptive:
             fallback = AdaptiveFallback()
         self.fallback = fallback if settings.drafting else None
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise LoopspecError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
+        # a longer prompt is prefilled `prefill_chunk` tokens a step, between the live rows' rounds,
+        # so admitting it does not stall them (None: every prompt whole, at admission)
+        self.prefill_chunk = prefill_chunk
         self.rows: list[Row] = []
+        self.prefilling: list[Prefilling] = []
 
     @property
     def free_rows(self) -> int:
-        return self.engine.max_rows - len(self.rows)
+        return self.engine.max_rows - len(self.rows) - len(self.prefilling)
 
     def admit(self, key: Hashable, prompt_ids: list[int], *, max_new_tokens: int,
               params: SamplingParams = SamplingParams(), seed: int = 0, generator: torch.Generator | None = None,
               stop_token_ids: frozenset[int] | set[int] = frozenset()) -> tuple[Row, list[int]]:
         """Prefill a new sequence into a free row → (its Row, its first token). A row that is already
-        finished (first token a stop token, or max_new_tokens 1) is not kept."""
+        finished (first token a stop token, or max_new_tokens 1) is not kept. A prompt longer than
+        `prefill_chunk` is only registered → (its Row, []): `step` prefills it chunk by chunk and
+        returns its first token when the last chunk is in."""
         if not prompt_ids:
             raise LoopspecError("empty prompt")
         if max_new_tokens < 1:
@@ -238,18 +256,22 @@ class Decoder:
                   started=time.perf_counter(),
                   suffix_index=SuffixIndex(prompt_ids) if self.settings.uses_suffix else None)
         row.stats.prompt_tokens, row.stats.drafting = len(prompt_ids), self.settings.drafting
+        if self.prefill_chunk is not None and len(prompt_ids) > self.prefill_chunk:
+            self.prefilling.append(Prefilling(row, list(prompt_ids), self._free_slot()))
+            return row, []
+        self._clear(len(self.rows))
         logits = self.engine.prefill(len(self.rows), prompt_ids, want_taps=self.settings.uses_drafter)
-        anchor = next_token(logits, params, row.generator)
-        row.stats.prefill_s = time.perf_counter() - row.started
-        self._commit(row, [anchor])
-        if not row.finish:
-            self.rows.append(row)
-        return row, [anchor]
+        return row, self._start(row, logits)
 
     def step(self) -> list[tuple[Row, list[int]]]:
-        """One draft → verify → accept round over every live row → [(row, its new tokens)]; rows that
+        """One chunk of the oldest prompt still prefilling (its row joins when its prompt is in), then
+        one draft → verify → accept round over every live row → [(row, its new tokens)]; rows that
         finished (see Row.finish) are retired. A row whose acceptance fails ends with finish 'error';
         the others go on."""
+        events = self._prefill_chunk() if self.prefilling else []
+        return events + self._round()
+
+    def _round(self) -> list[tuple[Row, list[int]]]:
         rows, settings = self.rows, self.settings
         if not rows:
             return []
@@ -305,13 +327,60 @@ class Decoder:
         return events
 
     def cancel(self, key: Hashable) -> Row | None:
-        """Retire the live row of `key` (a cancelled or timed-out request) → that row, if live."""
+        """Retire the row of `key` (a cancelled or timed-out request) → that row, if live or prefilling."""
         for b, row in enumerate(self.rows):
             if row.key == key:
                 row.finish = row.finish or "cancelled"
                 self._retire(b)
                 return row
+        for pending in self.prefilling:
+            if pending.row.key == key:
+                pending.row.finish = pending.row.finish or "cancelled"
+                self.prefilling.remove(pending)  # its engine row is free again
+                return pending.row
         return None
+
+    # ---- prefill -----------------------------------------------------------------------------------
+    def _prefill_chunk(self) -> list[tuple[Row, list[int]]]:
+        """The next chunk of the oldest prefilling prompt; when it is the last, the row joins the
+        live rows (its caches swapped to the end of theirs) → [(row, [its first token])], else []."""
+        pending = self.prefilling[0]
+        chunk = pending.prompt_ids[pending.done:pending.done + self.prefill_chunk]
+        logits = self.engine.prefill(pending.slot, chunk, want_taps=self.settings.uses_drafter, start=pending.done)
+        pending.done += len(chunk)
+        if pending.done < len(pending.prompt_ids):
+            return []
+        self.prefilling.pop(0)
+        target = len(self.rows)
+        if pending.slot != target:  # whatever sits there (a free row, or a prompt still prefilling) takes its slot
+            self.engine.swap_rows(pending.slot, target)
+            for other in self.prefilling:
+                if other.slot == target:
+                    other.slot = pending.slot
+        return [(pending.row, self._start(pending.row, logits))]
+
+    def _start(self, row: Row, logits: torch.Tensor) -> list[int]:
+        """A prefilled row's first token from its prompt's last logits; it joins the live rows unless done."""
+        anchor = next_token(logits, row.params, row.generator)
+        row.stats.prefill_s = time.perf_counter() - row.started
+        self._commit(row, [anchor])
+        if not row.finish:
+            self.rows.append(row)
+        return [anchor]
+
+    def _free_slot(self) -> int:
+        """The lowest engine row that neither a live row nor a prefilling prompt holds."""
+        held = {p.slot for p in self.prefilling}
+        return next(i for i in range(len(self.rows), self.engine.max_rows) if i not in held)
+
+    def _clear(self, slot: int) -> None:
+        """Make engine row `slot` free: a prefilling prompt there moves to another free row."""
+        for pending in self.prefilling:
+            if pending.slot == slot:
+                held = {p.slot for p in self.prefilling}
+                free = next(i for i in range(len(self.rows), self.engine.max_rows) if i not in held)
+                self.engine.swap_rows(slot, free)
+                pending.slot = free
 
     # ---- internals ---------------------------------------------------------------------------------
     def _commit(self, row: Row, new: list[int]) -> list[int]:
@@ -361,7 +430,7 @@ class Decoder:
     def _retire(self, b: int) -> None:
         last = len(self.rows) - 1
         if b != last:  # keep the live rows packed at the front of the caches
-            self.engine.move_row(last, b)
+            self.engine.swap_rows(last, b)
             self.rows[b] = self.rows[last]
         self.rows.pop()
 
@@ -370,7 +439,7 @@ def decode_all(decoder: Decoder, requests: list[dict]) -> dict[Hashable, Row]:
     """Admit `requests` (kwargs of `admit`, with a `key`) as rows free up and step until all are done
     → {key: finished Row}. Continuous batching without a server (training data is made with it)."""
     waiting, done = list(requests), {}
-    while waiting or decoder.rows:
+    while waiting or decoder.rows or decoder.prefilling:
         while waiting and decoder.free_rows:
             row, _ = decoder.admit(**waiting.pop(0))
             if row.finish:

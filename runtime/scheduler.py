@@ -170,7 +170,7 @@ class Scheduler:
             for request in [r for r in self._active if r.cancelled or _expired(r, now)]:
                 self.decoder.cancel(request)
                 self._end_early(request, now)
-            if self.decoder.rows:
+            if self.decoder.rows or self.decoder.prefilling:
                 self._step()
             self.metrics.running = len(self._active)
         with self._cond:  # shutting down: nothing waiting or running gets an answer any more

@@ -45,6 +45,7 @@ class ServeConfig:
     model_name: str | None = None  # the id clients send as `model` (default: the target's folder name)
     max_batch_size: int = 8  # batch rows decoding at once
     max_queue: int = 64  # requests waiting for a row; one more gets 429
+    prefill_chunk: int | None = 256  # prompt tokens prefilled per step beside the running rows (None: whole prompts)
     request_timeout_s: float = 600.0  # from arrival, queueing included
     max_body_bytes: int = 1 << 20
     max_json_depth: int = 64  # nesting of the request body; deeper gets 400
@@ -477,7 +478,7 @@ def create_app(pipeline, config: ServeConfig):
     from starlette.exceptions import HTTPException
 
     pipeline = pipeline.with_rows(config.max_batch_size)
-    scheduler = Scheduler(Decoder(pipeline.engine, config.settings), pipeline.decode,
+    scheduler = Scheduler(Decoder(pipeline.engine, config.settings, prefill_chunk=config.prefill_chunk), pipeline.decode,
                           stop_token_ids=pipeline.stop_token_ids, max_queue=config.max_queue, metrics=Metrics())
     state = ServerState(pipeline=pipeline, config=config, scheduler=scheduler,
                         model_name=config.model_name or pipeline.target_dir.name, created=int(time.time()))

@@ -71,12 +71,12 @@ class TorchEngine:
 
     # ---- target ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, row: int, prompt_ids: list[int], want_taps: bool) -> torch.Tensor:
-        self.cache.lengths[row] = 0
+    def prefill(self, row: int, prompt_ids: list[int], want_taps: bool, start: int = 0) -> torch.Tensor:
+        self.cache.lengths[row] = start
         out = self.target(torch.tensor([prompt_ids], device=self.device), self.cache, want_taps=want_taps,
                           last_logits_only=True, first_row=row)
         if want_taps:
-            self.context.lengths[row] = 0
+            self.context.lengths[row] = start
             self._append_context([row], self.drafter.features(out.taps), [len(prompt_ids)])
         return out.logits[0, -1].float().cpu()
 
@@ -145,7 +145,7 @@ class TorchEngine:
         return drafts.cpu(), logprobs.float().cpu(), hidden
 
     # ---- rows ------------------------------------------------------------------------------------
-    def move_row(self, src: int, dst: int) -> None:
-        self.cache.move_row(src, dst)
+    def swap_rows(self, a: int, b: int) -> None:
+        self.cache.swap_rows(a, b)
         if self.context is not None:
-            self.context.move_row(src, dst)
+            self.context.swap_rows(a, b)

@@ -105,7 +105,7 @@ def test_batched_greedy_equals_alone(family, name, pairs):
 
 def test_batched_calls_match_the_torch_batch_engine(pairs):
     """The same calls on the ONNX Runtime and the torch batch engines, rows of different lengths:
-    verify logits and taps, drafts on a shuffled subset of rows, pseudo-context, rollback, move_row."""
+    verify logits and taps, drafts on a shuffled subset of rows, pseudo-context, rollback, swap_rows."""
     torch_engine, ort_engine = pairs["qwen2"]
     tb, ob = torch_engine.with_rows(4), ort_engine.with_rows(4)
     ps = prompts(3, seed=3)
@@ -140,7 +140,7 @@ def test_batched_calls_match_the_torch_batch_engine(pairs):
     assert torch.equal(do, dt) and (po - pt).abs().max() < 1e-4
     for e in (tb, ob):
         e.context_rollback(rows, positions)
-        e.move_row(2, 1)  # retire row 1: the last row moves into its place
+        e.swap_rows(2, 1)  # retire row 1: the last row moves into its place
     assert ob.context_lengths([0, 1]) == [kept[0], kept[2]]
     (lt, _), (lo, _) = tb.verify([[3], [4, 5]], want_taps=False), ob.verify([[3], [4, 5]], want_taps=False)
     assert (lo[0, :1] - lt[0, :1]).abs().max() < 1e-4 and (lo[1] - lt[1]).abs().max() < 1e-4

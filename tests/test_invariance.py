@@ -15,6 +15,7 @@ pytest.importorskip("onnx", reason="needs onnx: pip install 'loopspec[onnx]'")
 pytest.importorskip("gguf", reason="needs gguf: pip install gguf (a core dependency)")
 
 from loopspec.convert.onnx_export import convert_onnx  # noqa: E402
+from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.engines import export  # noqa: E402
 from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import Decoder, generate  # noqa: E402
@@ -283,3 +284,38 @@ def test_a_tree_across_a_value_block_differs_so_the_decoder_verifies_the_chain_t
             assert max(result.stats.nodes_per_round) > METHODS[name].block_size - 1  # it branched elsewhere
         first = generate(engine, prompt, METHODS["tree"], max_new_tokens=30).stats.nodes_per_round[0]
         assert first == (METHODS["tree"].block_size - 1 if start == span - 5 else METHODS["tree"].tree_budget)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", ["ar", "dloop-tree"])
+def test_prompts_prefilled_in_chunks_between_steps_commit_what_whole_prompts_do(engines, precision, name):
+    """Prompts longer than the chunk are prefilled a chunk a step while other rows decode, joining
+    when their prompt is in (rows swapped into place, also past one another); every request commits
+    what it commits alone with its prompt prefilled whole — a chunk computes what the whole prompt's
+    forward computes there. A short prompt admitted behind long ones starts decoding at once."""
+    engine, method = engines[precision], METHODS[name]
+    long = prompts(6, seed=21, low=30, high=120)
+    ps = long[:3] + prompts(1, 22, 3, 4) + long[3:]  # the short prompt is admitted with the first three
+    budgets = [12, 30, 8, 20, 16, 10, 24]
+    refs = [generate(engine, p, method, max_new_tokens=n).tokens for p, n in zip(ps, budgets)]
+    decoder = Decoder(engine.with_rows(4), method, prefill_chunk=16)
+    waiting, done, first_step = list(range(7)), {}, {}
+    steps = 0
+    while waiting or decoder.rows or decoder.prefilling:
+        while waiting and decoder.free_rows:
+            i = waiting.pop(0)
+            row, first = decoder.admit(i, ps[i], max_new_tokens=budgets[i])
+            assert (first == []) == (len(ps[i]) > 16)
+            if first:
+                first_step[i] = steps
+            if row.finish:
+                done[i] = row
+        steps += 1
+        for row, new in decoder.step():
+            first_step.setdefault(row.key, steps)
+            if row.finish:
+                done[row.key] = row
+    assert [done[i].tokens for i in range(7)] == refs
+    assert first_step[3] == 0 < min(first_step[i] for i in (0, 1, 2))  # the short prompt did not wait for the long ones
+    with pytest.raises(LoopspecError, match="prefill chunk must be >= 1"):
+        Decoder(engine, method, prefill_chunk=0)

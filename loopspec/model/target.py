@@ -265,7 +265,7 @@ class KVCache:
     each with its own length (`lengths` [rows], on the host). Rolling back is lowering a length.
 
     The one cache type: the target's KV cache and the drafter's context are both one of these, on
-    every backend. Callers keep their live rows packed at the front (`move_row` fills a hole), so
+    every backend. Callers keep their live rows packed at the front (`swap_rows` fills a hole), so
     a call over rows 0..B-1 reads a view, not a copy."""
 
     def __init__(self, num_layers: int, rows: int, num_kv_heads: int, max_length: int, head_dim: int,
@@ -331,11 +331,12 @@ class KVCache:
         index = torch.tensor(rows, device=self.k.device)
         return self.k[:, index, :, :width], self.v[:, index, :, :width]
 
-    def move_row(self, src: int, dst: int) -> None:
-        n = int(self.lengths[src])
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.lengths[dst] = n
+    def swap_rows(self, a: int, b: int) -> None:
+        """Rows a and b exchange their slots and lengths (only the valid slots are copied)."""
+        n, pair = int(self.lengths[[a, b]].max()), [b, a]
+        self.k[:, [a, b], :, :n] = self.k[:, pair, :, :n]  # the gather copies before the write
+        self.v[:, [a, b], :, :n] = self.v[:, pair, :, :n]
+        self.lengths[[a, b]] = self.lengths[pair]
 
     def plan(self, first_row: int, counts: torch.Tensor, width: int) -> KVWrite:
         """The write of one forward over rows first_row.. (counts [R] real tokens each, right-padded
