@@ -138,7 +138,8 @@ def test_the_server_on_the_default_engine_answers_each_request_as_alone(tmp_path
     from loopspec.runtime.pipeline import load_pipeline
     from loopspec.runtime.server import ServeConfig, create_app
 
-    pipe = load_pipeline("default", "default", backend="onnxruntime", num_threads=2)
+    # a short context: 16 rows of the full 8192-token cache are 6 GB of K/V per app
+    pipe = load_pipeline("default", "default", max_context=512, backend="onnxruntime", num_threads=2)
     assert pipe.engine.precision == "gguf-int8act"
     topics = ["a haiku about caches", "why the sky is blue", "a Python function that reverses a list",
               "the rules of chess in one paragraph", "what 17 * 23 is", "three facts about owls",
@@ -163,6 +164,7 @@ def test_the_server_on_the_default_engine_answers_each_request_as_alone(tmp_path
             alone = [chat(m) for m in messages]
             with ThreadPoolExecutor(16) as pool:
                 together = list(pool.map(chat, messages))
+        del app, client
         assert len(set(alone)) == 16 and together == alone, name
 
 

@@ -317,9 +317,11 @@ def test_default_target_over_its_gguf_blocks(tmp_path):
         pipe = load_pipeline(backend="onnxruntime", onnx_dir=out, num_threads=1)
         prompt = prompt or pipe.encode("Write a Python function that reverses a string.")
         ar = pipe.run(prompt, pipe.settings("ar"), max_new_tokens=48)
-        dloop = pipe.run(prompt, pipe.settings("dloop"), max_new_tokens=48)  # the tuned setting (int8: no tree)
+        dloop = pipe.run(prompt, pipe.settings("dloop"), max_new_tokens=48)  # the tuned setting (int8: chain + suffix)
         assert dloop.tokens == ar.tokens and sum(dloop.stats.accepted_per_round) > 0  # drafts were accepted
-        assert (dloop.settings.tree_budget == 0 and not dloop.settings.suffix) == (precision == "gguf-int8act")
+        assert dloop.settings.suffix and (dloop.settings.tree_budget == 0) == (precision == "gguf-int8act")
+        tree = pipe.run(prompt, pipe.settings("dloop", tree_budget=8, suffix=True), max_new_tokens=48)
+        assert tree.tokens == ar.tokens and max(tree.stats.nodes_per_round) > 3  # trees on both arithmetics
         outputs[precision] = ar.tokens
     reference = load_pipeline("default", "none", backend="torch", num_threads=1)
     assert outputs["gguf-fp32act"] == reference.run(prompt, reference.settings("ar"), max_new_tokens=48).tokens
