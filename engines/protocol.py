@@ -30,9 +30,9 @@ class Engine(Protocol):
     drafter_cfg: DrafterConfig | None  # None: no drafter (plain decoding only)
     max_rows: int
     max_context: int  # the most positions a row may hold
-    # True where only chains verify exactly: an engine that rounds activations to int8 (gguf-int8act)
-    # computes a tree's nodes with another summation order than plain decoding's (masked slots sit
-    # between a node's ancestors), and int8 rounding turns those last bits into other tokens
+    # True where only chains verify exactly: an int8-activation engine exported before the
+    # order-free softmax (its softmax sums a tree node's exps in another order than plain decoding,
+    # masked siblings between its ancestors, and int8 rounding turns those last bits into other tokens)
     chains_only: bool
     # > 0 where a draft tree verifies exactly only inside one aligned block of this many slots: the
     # value product sums its reduction in blocks (ONNX Runtime's fp32 MatMul: 256 slots at head dim
