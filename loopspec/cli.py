@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model-name", default=None, help="the model id clients send (default: the target's folder name)")
     v.add_argument("--max-batch-size", type=_positive_int("--max-batch-size"), default=8)
     v.add_argument("--max-queue", type=_positive_int("--max-queue"), default=64, help="waiting requests; more get 429")
-    v.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk"), default=256,
+    v.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk"), default=64,
                    help="a longer prompt is prefilled this many tokens a step, between the running requests' steps")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds from arrival, queueing included")
     v.add_argument("--max-body-bytes", type=_positive_int("--max-body-bytes"), default=1 << 20)

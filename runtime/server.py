@@ -45,7 +45,7 @@ class ServeConfig:
     model_name: str | None = None  # the id clients send as `model` (default: the target's folder name)
     max_batch_size: int = 8  # batch rows decoding at once
     max_queue: int = 64  # requests waiting for a row; one more gets 429
-    prefill_chunk: int | None = 256  # prompt tokens prefilled per step beside the running rows (None: whole prompts)
+    prefill_chunk: int | None = 64  # prompt tokens prefilled per step beside the running rows (None: whole prompts)
     request_timeout_s: float = 600.0  # from arrival, queueing included
     max_body_bytes: int = 1 << 20
     max_json_depth: int = 64  # nesting of the request body; deeper gets 400
