@@ -142,7 +142,7 @@ def _layer_kv(drafter: Drafter, features: torch.Tensor, positions: torch.Tensor)
 def run_drafter_as_decoding(drafter: Drafter, target: Target, sequences: list[CalibSequence]) -> None:
     """Draft stages over each sequence as decoding meets them: context = the target's taps of the
     positions before the anchor; a stage every k-1 positions of the response; each followed by a DLoop
-    stage on the drafter's own pseudo-features (design §4 step 3)."""
+    stage on the drafter's own pseudo-features (DLoop, docs/concepts.md)."""
     cfg = drafter.cfg
     k, mask = cfg.block_size, cfg.mask_token_id
     head = target.lm_head.weight if drafter.draft_ids is None else target.lm_head.weight[drafter.draft_ids]

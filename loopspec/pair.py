@@ -43,7 +43,7 @@ def stop_token_ids(target: TargetConfig, tokenizer) -> frozenset[int]:
 
 def mask_token_id(configured: int | None, target: str, tokenizer, vocab_size: int) -> int:
     """The mask token of a drafter that has none in its config: the one given, the default target's
-    designated row, else the first unused embedding row (design §2)."""
+    designated row, else the first unused embedding row."""
     if configured is None and str(target) == "default":
         configured = DEFAULT_TARGET_MASK_TOKEN_ID
     return resolve_mask_token_id(configured, len(tokenizer), vocab_size)

@@ -1,4 +1,4 @@
-"""Draft trees (design §10): what one target verification checks, and where its nodes come from.
+"""Draft trees (DDTree-style, docs/concepts.md): what one target verification checks, and where its nodes come from.
 
 A `DraftTree` lists its nodes in verification order; node 0 is the anchor (the root), and every
 other node's parent comes before it. Two sources fill it:
@@ -106,7 +106,7 @@ class DraftTree:
 
 def best_first(anchor: int, candidates: torch.Tensor, logprobs: torch.Tensor, budget: int,
                stage_sizes: list[int] | None = None) -> DraftTree:
-    """The `budget` best nodes over per-depth candidates (design §10) → a DraftTree.
+    """The `budget` best nodes over per-depth candidates → a DraftTree.
 
     candidates/logprobs [D, C]: depth d+1's candidates, rank-ordered, with the drafter's log-probs.
     A node's score is the sum of its path's log-probs, and nodes are taken best first; since a child

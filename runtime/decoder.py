@@ -136,7 +136,7 @@ class Drafted:
 
 def draft_round(engine, settings: DecodingSettings, anchors: list[int], positions: list[int],
                 budgets: list[int]) -> list[Drafted]:
-    """Draft stages for one verification of rows 0..B-1 (design §4) → what each row drafted (at most
+    """Draft stages for one verification of rows 0..B-1 (DLoop: the gate decides each next stage) → what each row drafted (at most
     `budget` depths). A row with budget 0 drafts nothing.
 
     Stage 1 drafts [anchor, MASK…] on the target context. While the gate score of a row's newest

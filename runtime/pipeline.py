@@ -131,7 +131,7 @@ class Pipeline:
 
 def resolve_backend(backend: str, device: str = "cpu", cuda_graphs: bool | None = None,
                     onnx_dir: str | Path | None = None, trt_dir: str | Path | None = None) -> str:
-    """'auto' → design §7's default: the backend of the artifacts named (--trt-dir, --onnx-dir); PyTorch
+    """'auto' → the default: the backend of the artifacts named (--trt-dir, --onnx-dir); PyTorch
     on a GPU or with CUDA graphs; ONNX Runtime on the CPU when its extra is installed, else PyTorch."""
     if backend != "auto":
         return backend

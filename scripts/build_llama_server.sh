@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` from the llama.cpp vendored in the llama-cpp-python==0.3.36 sdist
-# (design §9): that version runs DFlash drafters (`--spec-type draft-dflash`). Needs cmake and a C++
+# Build llama.cpp's `llama-server` from the llama.cpp vendored in the llama-cpp-python==0.3.36 sdist:
+# that version runs DFlash drafters (`--spec-type draft-dflash`). Needs cmake and a C++
 # compiler; about 15 minutes on 2 cores.
 #
 #   scripts/build_llama_server.sh [PREFIX]        # PREFIX defaults to ./llamacpp

@@ -18,7 +18,7 @@ def run(capsys, *argv):
 
 def test_generate_ar_and_dflash_print_same_text(capsys, tiny_pair):
     """Every method on both CPU backends prints the same text; the default backend is ONNX Runtime
-    where the onnx extra is installed (design §7), and the stats line names it."""
+    where the onnx extra is installed, and the stats line names it."""
     from loopspec.runtime.pipeline import resolve_backend
 
     target, drafter = tiny_pair

@@ -1,4 +1,4 @@
-"""Unit tests of the pure sampling / acceptance functions in loopspec.decoding (design.md §3).
+"""Unit tests of the pure sampling / acceptance functions in loopspec.decoding.
 
 The Monte Carlo checks use seeded generators and fixed thresholds, so they are deterministic.
 """

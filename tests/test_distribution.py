@@ -1,4 +1,4 @@
-"""Statistical proof that speculative sampling is lossless (design.md §3): at T > 0 the tokens that
+"""Statistical proof that speculative sampling is lossless: at T > 0 the tokens that
 `runtime.decoder.generate` commits with a drafter are distributed exactly as the target's own samples.
 
 A tiny random Llama target (vocabulary 8) makes the exact law of a short continuation computable by

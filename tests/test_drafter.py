@@ -1,4 +1,4 @@
-"""DFlash drafter: z-lab checkpoint format, forward against a plain reference written from design §2,
+"""DFlash drafter: z-lab checkpoint format, forward against a plain reference written from the z-lab format,
 config defaults, target/drafter fit checks and bad checkpoints.
 
 Everything runs on tiny random models on the CPU in fp32 (the reference in fp64)."""
@@ -36,7 +36,7 @@ def make_drafter(target_cfg: TargetConfig, seed: int = 0, **kw) -> Drafter:
 
 
 def expected_keys_and_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """The z-lab tensor list of design §2, with the shapes a Qwen3 layer gives them."""
+    """The z-lab tensor list, with the shapes a Qwen3 layer gives them."""
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     out = {"fc.weight": (H, cfg.num_taps * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
@@ -162,7 +162,7 @@ def test_zlab_round_trip_bf16_default(tiny_targets, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# 2. forward against a plain reference written from design §2
+# 2. forward against a plain reference written from the z-lab format
 
 
 def ref_rms(x, w, eps):

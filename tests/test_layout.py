@@ -1,4 +1,4 @@
-"""The import arrows of design §6, no bare subpackage imports, and packaging that matches the folders."""
+"""The import arrows (core ← engines ← convert, runtime), no bare subpackage imports, and packaging that matches the folders."""
 
 import ast
 import sys

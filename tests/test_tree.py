@@ -1,4 +1,4 @@
-"""Draft trees (design §10): the tree builders, the suffix index, one-forward tree verification with
+"""Draft trees: the tree builders, the suffix index, one-forward tree verification with
 its ancestor-only mask, the commit of the accepted path, and lossless decoding with trees and
 suffix branches (greedy identity here; the distribution tests at T > 0 are at the end)."""
 

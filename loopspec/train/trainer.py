@@ -1,4 +1,4 @@
-"""DFlash drafter training (design §5).
+"""DFlash drafter training (docs/training.md).
 
 Per sequence: the target's taps give context features for every position; up to `anchors` anchors
 are sampled where the position and the next are supervised, each opening a block
@@ -207,7 +207,7 @@ class DrafterTrainer:
 
     def loop_sequence_loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
                            rng: random.Random) -> tuple[torch.Tensor | None, dict]:
-        """Loop-aware loss (design §4): per anchor S-1 ~ U{1..N}; stage 1 on the target context;
+        """Loop-aware loss (DLoop): per anchor S-1 ~ U{1..N}; stage 1 on the target context;
         stages 2..S anchored on the previous stage's argmax at its last position, with the previous
         stages' final-norm hidden states as pseudo-context (feature(p) = z(p+1)), exactly as at
         inference. L = (L(1) + L(S)) / 2; middle stages get no loss (only their last row's argmax)."""
