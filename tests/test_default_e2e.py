@@ -125,10 +125,12 @@ def test_bench_compares_the_fp32_and_4_bit_engines(tmp_path):
     assert engines["onnxruntime gguf-int8act"]["decoding"]["dloop"]["tree_budget"] == 0  # its tuned setting: the chain
 
 
-def test_the_server_on_the_default_engine_answers_each_request_as_alone(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision, methods", [("gguf-int8act", ("ar", "dflash", "dloop", "suffix")),
+                                                ("fp32", ("ar", "dloop"))])
+def test_the_server_on_the_default_engine_answers_each_request_as_alone(precision, methods):
     """16 concurrent greedy chat requests of different lengths through `serve` on the default CPU
-    engine (ONNX Runtime over the GGUF's blocks, int8 activations): each reply equals the same
-    request sent alone, for ar, dflash, dloop (its tree) and suffix."""
+    engine (ONNX Runtime over the GGUF's blocks, int8 activations) and on fp32: each reply equals the
+    same request sent alone, for ar, dflash, dloop (a tree of 8 + suffix) and suffix."""
     pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
     pytest.importorskip("fastapi", reason="needs fastapi: pip install 'loopspec[serve]'")
     from concurrent.futures import ThreadPoolExecutor
@@ -139,8 +141,9 @@ def test_the_server_on_the_default_engine_answers_each_request_as_alone(tmp_path
     from loopspec.runtime.server import ServeConfig, create_app
 
     # a short context: 16 rows of the full 8192-token cache are 6 GB of K/V per app
-    pipe = load_pipeline("default", "default", max_context=512, backend="onnxruntime", num_threads=2)
-    assert pipe.engine.precision == "gguf-int8act"
+    pipe = load_pipeline("default", "default", max_context=512, backend="onnxruntime", num_threads=2,
+                         precision=precision)
+    assert pipe.engine.precision == precision
     topics = ["a haiku about caches", "why the sky is blue", "a Python function that reverses a list",
               "the rules of chess in one paragraph", "what 17 * 23 is", "three facts about owls",
               "a limerick about a cat", "how a hash map works", "the capital of Japan",
@@ -152,7 +155,8 @@ def test_the_server_on_the_default_engine_answers_each_request_as_alone(tmp_path
     settings = {"ar": pipe.settings("ar"), "dflash": pipe.settings("dflash", adaptive=False),
                 "dloop": pipe.settings("dloop", tree_budget=8, suffix=True, adaptive=False),
                 "suffix": pipe.settings("suffix", adaptive=False)}
-    for name, decoding in settings.items():
+    for name in methods:
+        decoding = settings[name]
         app = create_app(pipe, ServeConfig(settings=decoding, model_name="default", max_batch_size=16))
         with TestClient(app) as client:
             def chat(m):
