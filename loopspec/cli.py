@@ -57,13 +57,17 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix", action=argparse.BooleanOptionalAction, default=None,
                    help="dflash/dloop: also verify the continuation of the text's longest repeated suffix "
                         "as a tree branch (default: the tuned setting, else off)")
+    p.add_argument("--suffix-first", type=_non_negative_int("--suffix-first"), default=None, metavar="N",
+                   help="dflash/dloop chain policy: after the text repeats an earlier N-gram (N = 2..6), verify "
+                        "what followed it instead of drafting (0 = off; default: the tuned setting, else off)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="decode plainly while drafting does not pay (output unchanged)")
 
 
 def _decoding_knobs(args) -> dict:
     return {"block_size": args.block_size, "gate_threshold": args.gate_threshold, "max_stages": args.max_stages,
-            "tree_budget": args.tree_budget, "suffix": args.suffix, "adaptive": args.adaptive}
+            "tree_budget": args.tree_budget, "suffix": args.suffix, "suffix_first": args.suffix_first,
+            "adaptive": args.adaptive}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -502,7 +506,7 @@ def cmd_bench(args) -> int:
               repeats=args.repeats, json_out=args.json_out, chat=args.chat, max_context=args.max_context,
               mask_token_id=args.mask_token_id, num_threads=args.threads,
               gate_threshold=args.gate_threshold, max_stages=args.max_stages, cost_model=args.cost_model,
-              adaptive=args.adaptive, tree_budget=args.tree_budget, suffix=args.suffix, device=args.device, cuda_graphs=args.cuda_graphs, out_dir=args.out_dir,
+              adaptive=args.adaptive, tree_budget=args.tree_budget, suffix=args.suffix, suffix_first=args.suffix_first, device=args.device, cuda_graphs=args.cuda_graphs, out_dir=args.out_dir,
               backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir, precision=args.precision,
               llama_server=args.llama_server, command="loopspec " + shlex.join(args.argv))
     return 0

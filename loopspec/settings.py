@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import DrafterConfig
+from loopspec.tree import SUFFIX_MAX_MATCH, SUFFIX_MIN_MATCH
 
 METHODS = ("ar", "dflash", "dloop", "suffix")
 DRAFTER_METHODS = ("dflash", "dloop")
@@ -27,7 +28,12 @@ class DecodingSettings:
     suffix index proposes (up to block_size - 1 tokens). `adaptive`: a row decodes plainly while
     drafting does not pay on it (speed only, never the output). `tree_budget`: the drafter's
     draft-tree nodes per verification (0 = its argmax chain). `suffix`: dflash/dloop also verify the
-    suffix index's continuation as a branch of the same tree (up to max_drafts more nodes)."""
+    suffix index's continuation as a branch of the same tree (up to max_drafts more nodes).
+    `suffix_first` (the chain policy; 0 = off): dflash/dloop, per row and round — when the
+    committed text's suffix matched an earlier occurrence of at least this many tokens, verify
+    that occurrence's continuation (max_drafts tokens) as the chain and skip the drafter; else
+    draft as set. A long match foretells a copy (code, quoted text, a repeated step), where the
+    continuation is accepted far more often than the drafter's later positions, at no drafting cost."""
 
     method: str = "ar"
     block_size: int = 1
@@ -36,6 +42,7 @@ class DecodingSettings:
     adaptive: bool = False
     tree_budget: int = 0
     suffix: bool = False
+    suffix_first: int = 0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -58,6 +65,11 @@ class DecodingSettings:
             raise LoopspecError(f"{self.method} has no drafter tree; --tree-budget needs dflash or dloop")
         if self.method == "ar" and self.suffix:
             raise LoopspecError("ar drafts nothing: use method suffix for suffix drafting alone")
+        if self.suffix_first and self.method not in DRAFTER_METHODS:
+            raise LoopspecError(f"{self.method} has no drafter to skip; suffix-first needs dflash or dloop")
+        if self.suffix_first and not SUFFIX_MIN_MATCH <= self.suffix_first <= SUFFIX_MAX_MATCH:
+            raise LoopspecError(f"suffix-first match length must be {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH} tokens "
+                                f"(0: off), got {self.suffix_first}")
 
     @property
     def drafting(self) -> bool:
@@ -70,7 +82,7 @@ class DecodingSettings:
 
     @property
     def uses_suffix(self) -> bool:
-        return self.method == "suffix" or self.suffix
+        return self.method == "suffix" or self.suffix or bool(self.suffix_first)
 
     @property
     def max_drafts(self) -> int:
@@ -86,12 +98,14 @@ class DecodingSettings:
             text += f", tree {self.tree_budget}"
         if self.suffix:
             text += ", + suffix"
+        if self.suffix_first:
+            text += f", suffix first at {self.suffix_first}-token matches"
         return text
 
     def to_dict(self) -> dict:
         return {"method": self.method, "block_size": self.block_size, "max_stages": self.max_stages,
                 "gate_threshold": self.gate_threshold, "adaptive": self.adaptive, "tree_budget": self.tree_budget,
-                "suffix": self.suffix}
+                "suffix": self.suffix, "suffix_first": self.suffix_first}
 
 
 def check_method(method: str, has_drafter: bool) -> None:
@@ -120,10 +134,10 @@ def tuned_setting(drafter: DrafterConfig | None, engine: str | None = None) -> d
 def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: int | None = None,
                      gate_threshold: float | None = None, max_stages: int | None = None,
                      adaptive: bool = True, tree_budget: int | None = None,
-                     suffix: bool | None = None, engine: str | None = None,
+                     suffix: bool | None = None, suffix_first: int | None = None, engine: str | None = None,
                      chains_only: bool = False) -> DecodingSettings:
     """The settings of `method` for a drafter on `engine` (`engine_key`): what was given, else the
-    drafter's tuned setting for that engine (its tree budget and suffix for dflash and dloop; block size, gate and
+    drafter's tuned setting for that engine (its tree budget, suffix and suffix-first for dflash and dloop; block size, gate and
     stages for dloop), else its block size, the chain without suffix and the DLoop defaults."""
     check_method(method, drafter is not None)
     if block_size is not None and block_size < 1:
@@ -134,12 +148,14 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
         return DecodingSettings()  # drafts nothing: the drafting knobs do not apply
     if method == "suffix":
         return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
-                                tree_budget=tree_budget or 0)  # (a tree budget is refused with its reason)
+                                tree_budget=tree_budget or 0,  # (a tree budget is refused with its reason)
+                                suffix_first=suffix_first or 0)
     stored = tuned_setting(drafter, engine)
     if chains_only:  # an engine that verifies only chains exactly (see engines/protocol.py): no stored tree
         stored = {k: v for k, v in stored.items() if k not in ("tree_budget", "suffix")}
     tree = {"tree_budget": tree_budget if tree_budget is not None else int(stored.get("tree_budget", 0)),
-            "suffix": suffix if suffix is not None else bool(stored.get("suffix", False))}
+            "suffix": suffix if suffix is not None else bool(stored.get("suffix", False)),
+            "suffix_first": suffix_first if suffix_first is not None else int(stored.get("suffix_first", 0))}
     if method == "dflash":
         return DecodingSettings("dflash", block_size=block_size or drafter.block_size, adaptive=adaptive, **tree)
     k = block_size or stored.get("block_size") or drafter.block_size
@@ -156,20 +172,24 @@ def method_variant(name: str) -> tuple[str, dict]:
     A bare name is the resolved setting (flags, else what `tune` stored); parts name the tree and
     the suffix branch completely, whatever was stored: 'dflash+chain' (no tree, no suffix branch),
     'dloop+tree16' (16 tree nodes, no suffix branch), 'dflash+suffix' (the chain and the suffix
-    branch), 'dloop+tree16+suffix'. 'suffix' is the drafter-free method."""
+    branch), 'dloop+tree16+suffix', 'dloop+first3' (the chain, and the suffix's continuation instead
+    of the drafter's after a match of >= 3 tokens). 'suffix' is the drafter-free method."""
     method, *parts = name.split("+")
     if method not in METHODS:
         raise LoopspecError(f"unknown method {method!r} in {name!r} (choose from {', '.join(METHODS)})")
     if parts and method not in DRAFTER_METHODS:
-        raise LoopspecError(f"{name!r}: only {' and '.join(DRAFTER_METHODS)} take +chain, +treeN or +suffix")
-    overrides: dict = {"tree_budget": 0, "suffix": False} if parts else {}
+        raise LoopspecError(f"{name!r}: only {' and '.join(DRAFTER_METHODS)} take +chain, +treeN, +suffix or +firstN")
+    overrides: dict = {"tree_budget": 0, "suffix": False, "suffix_first": 0} if parts else {}
     for part in parts:
         if part == "suffix":
             overrides["suffix"] = True
         elif part.startswith("tree") and part[4:].isdigit() and int(part[4:]) > 0:
             overrides["tree_budget"] = int(part[4:])
+        elif part.startswith("first") and part[5:].isdigit() and SUFFIX_MIN_MATCH <= int(part[5:]) <= SUFFIX_MAX_MATCH:
+            overrides["suffix_first"] = int(part[5:])
         elif part != "chain":
-            raise LoopspecError(f"{name!r}: unknown part {part!r} (+chain, +treeN with N >= 1, +suffix)")
+            raise LoopspecError(f"{name!r}: unknown part {part!r} (+chain, +treeN with N >= 1, +suffix, "
+                                f"+firstN with N in {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH})")
     return method, overrides
 
 
@@ -177,5 +197,6 @@ def variant_name(settings: DecodingSettings) -> str:
     """The bench/tune name of a setting's tree and suffix choice ('dloop+tree16+suffix', 'dflash+chain')."""
     if settings.method not in DRAFTER_METHODS:
         return settings.method
-    parts = ([f"tree{settings.tree_budget}"] if settings.tree_budget else []) + (["suffix"] if settings.suffix else [])
+    parts = ([f"tree{settings.tree_budget}"] if settings.tree_budget else []) + (["suffix"] if settings.suffix else []) \
+        + ([f"first{settings.suffix_first}"] if settings.suffix_first else [])
     return "+".join([settings.method] + (parts or ["chain"]))

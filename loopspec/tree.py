@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+SUFFIX_MIN_MATCH, SUFFIX_MAX_MATCH = 2, 6  # the n-gram lengths a SuffixIndex matches
+
 
 @dataclass
 class DraftTree:
@@ -166,7 +168,7 @@ class SuffixIndex:
     last token), and proposes the n tokens that followed its latest occurrence; where those run
     into the suffix itself (a repeating loop), the loop's period continues them."""
 
-    def __init__(self, tokens: list[int] = (), min_match: int = 2, max_match: int = 6):
+    def __init__(self, tokens: list[int] = (), min_match: int = SUFFIX_MIN_MATCH, max_match: int = SUFFIX_MAX_MATCH):
         self.min_match, self.max_match = min_match, max_match
         self.tokens: list[int] = []
         self.last_end: dict[tuple[int, ...], int] = {}
@@ -179,13 +181,19 @@ class SuffixIndex:
                 self.last_end[tuple(self.tokens[t - n + 1:t + 1])] = t
             self.tokens.append(token)
 
-    def continuation(self, length: int) -> list[int]:
+    def longest_match(self) -> tuple[int, int]:
+        """(n, end): the longest suffix of the text (n tokens, min_match..max_match) that occurred
+        before, and where its latest earlier occurrence ends → (0, -1) when none did."""
         t = len(self.tokens) - 1
-        if length <= 0:
-            return []
         for n in range(min(self.max_match, t + 1), self.min_match - 1, -1):
             end = self.last_end.get(tuple(self.tokens[t - n + 1:t + 1]))
             if end is not None:
-                period = t - end  # tokens beyond the text repeat the loop end+1 .. t
-                return [self.tokens[end + 1 + i % period] for i in range(length)]
-        return []
+                return n, end
+        return 0, -1
+
+    def continuation(self, length: int) -> list[int]:
+        n, end = self.longest_match()
+        if length <= 0 or not n:
+            return []
+        period = len(self.tokens) - 1 - end  # tokens beyond the text repeat the loop end+1 .. t
+        return [self.tokens[end + 1 + i % period] for i in range(length)]

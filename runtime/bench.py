@@ -193,7 +193,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
               max_context: int | None = None, mask_token_id: int | None = None, num_threads: int | None = None,
               gate_threshold: float | None = None, max_stages: int | None = None,
               cost_model: bool = False, adaptive: bool = True, tree_budget: int | None = None,
-              suffix: bool | None = None, command: str | None = None, device: str = "cpu",
+              suffix: bool | None = None, suffix_first: int | None = None, command: str | None = None,
+              device: str = "cpu",
               cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | None = None,
               trt_dir: str | None = None, precision: str = "auto", llama_server: str | None = None) -> list[BenchResult]:
     """`backend` and `precision` may be comma lists: every (backend, precision) engine runs the same
@@ -244,7 +245,7 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     # each engine's decoding settings per method, resolved once (tuned settings are per engine);
     # `ar` always runs: each engine's own plain decoding is what its methods must reproduce
     knobs = {"block_size": block_size, "gate_threshold": gate_threshold, "max_stages": max_stages,
-             "adaptive": adaptive, "tree_budget": tree_budget, "suffix": suffix}
+             "adaptive": adaptive, "tree_budget": tree_budget, "suffix": suffix, "suffix_first": suffix_first}
     decoding = {name: {"ar": p.settings("ar")} | {m: p.settings(method, **(knobs | overrides))
                                                   for m, (method, overrides) in variants.items()}
                 for name, p in pipes.items()}

@@ -279,9 +279,13 @@ class Decoder:
         possible = [self._draft_depth(r) for r in rows]
         plain = self.fallback is not None and not self.fallback.want_draft()
         depths = [0 if plain else n for n in possible]
+        # the chain policy: a row whose text just repeated a long enough n-gram verifies the
+        # continuation of its earlier occurrence and skips the drafter this round
+        copying = [bool(settings.suffix_first and depths[b] and row.suffix_index.longest_match()[0] >= settings.suffix_first)
+                   for b, row in enumerate(rows)]
         drafted = draft_round(self.engine, settings, [r.tokens[-1] for r in rows], [r.position for r in rows],
-                              depths if settings.uses_drafter else [0] * len(rows))
-        trees = [self._tree(row, drafted[b], depths[b]) for b, row in enumerate(rows)]
+                              [0 if c or not settings.uses_drafter else n for n, c in zip(depths, copying)])
+        trees = [self._tree(row, drafted[b], depths[b], copying[b]) for b, row in enumerate(rows)]
         t1 = time.perf_counter()
         masks = None if all(t.is_chain for t in trees) else tree_masks(trees, max(len(t) for t in trees))
         logits, taps = self.engine.verify([t.tokens for t in trees], want_taps=settings.uses_drafter,
@@ -312,10 +316,11 @@ class Decoder:
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
             stats.accepted_per_round.append(accepted)
-            stats.stages_per_round.append(drafted[b].stages if settings.uses_drafter else int(depths[b] > 0))
+            stats.stages_per_round.append(drafted[b].stages if settings.uses_drafter and not copying[b]
+                                          else int(depths[b] > 0))
             stats.nodes_per_round.append(tree.drafts)
             stats.suffix_tokens += sum(tree.from_suffix[n] and not tree.from_drafter[n] for n in path[1:])
-            if settings.uses_drafter:
+            if settings.uses_drafter and not copying[b]:
                 stats.later_stage_tokens += max(0, accepted - (settings.block_size - 1))
             if self.fallback is not None:
                 stats.fallback_rounds += plain and possible[b] > 0 and self.fallback.draft_rounds > 0
@@ -414,9 +419,14 @@ class Decoder:
     def _room(self, row: Row) -> int:
         return self.engine.max_context - row.position - 1  # nodes that fit after the anchor
 
-    def _tree(self, row: Row, drafted: Drafted, depth: int) -> DraftTree:
-        """The row's draft tree for this round: the drafter's nodes, and the suffix branch."""
+    def _tree(self, row: Row, drafted: Drafted, depth: int, copying: bool = False) -> DraftTree:
+        """The row's draft tree for this round: the drafter's nodes, and the suffix branch (copying:
+        the suffix's continuation alone, as a chain)."""
         suffix = row.suffix_index.continuation(depth) if row.suffix_index is not None and depth else []
+        if copying:
+            tree = DraftTree.root(row.tokens[-1])
+            tree.add_branch(suffix, self._room(row))
+            return tree
         tree = draft_tree(row.tokens[-1], drafted.candidates, drafted.logprobs, drafted.stage_sizes,
                           tree_budget=self.settings.tree_budget, suffix=suffix, max_nodes=self._room(row))
         span, first = self.engine.tree_span, row.position

@@ -98,7 +98,7 @@ class Pipeline:
     def settings(self, method: str, **knobs) -> DecodingSettings:
         """The decoding settings of `method` for this pipeline's drafter on its backend; `knobs` are
         those of loopspec.settings.resolve_settings (block_size, gate_threshold, max_stages,
-        adaptive, tree_budget, suffix)."""
+        adaptive, tree_budget, suffix, suffix_first)."""
         return resolve_settings(method, self.engine.drafter_cfg, engine=self.tuning_key,
                                 chains_only=self.engine.chains_only, **knobs)
 

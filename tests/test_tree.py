@@ -57,6 +57,10 @@ def test_suffix_index_proposes_the_latest_longest_match_and_continues_a_loop():
     assert loop.continuation(5) == [5, 6, 5, 6, 5]
     assert SuffixIndex([1, 2, 3, 4]).continuation(4) == []  # nothing repeats
     assert SuffixIndex([1, 2, 1, 2]).continuation(0) == []
+    # the match the chain policy reads: its length and where the earlier occurrence ended
+    assert index.longest_match() == (3, 6) and loop.longest_match() == (2, 2)
+    assert SuffixIndex([1, 2, 3, 4]).longest_match() == (0, -1)
+    assert SuffixIndex([4, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6]).longest_match() == (6, 6)  # at most max_match
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,16 +144,28 @@ def test_settings_for_trees_and_suffix():
     assert resolve_settings("dflash", drafter, tree_budget=0, suffix=False).tree_budget == 0
     # bench/tune names: a bare name is the resolved setting; parts name tree and suffix completely
     assert method_variant("dflash") == ("dflash", {})
-    assert method_variant("dflash+tree8") == ("dflash", {"tree_budget": 8, "suffix": False})
-    assert method_variant("dloop+tree16+suffix") == ("dloop", {"tree_budget": 16, "suffix": True})
-    assert method_variant("dflash+chain") == ("dflash", {"tree_budget": 0, "suffix": False})
+    assert method_variant("dflash+tree8") == ("dflash", {"tree_budget": 8, "suffix": False, "suffix_first": 0})
+    assert method_variant("dloop+tree16+suffix") == ("dloop", {"tree_budget": 16, "suffix": True, "suffix_first": 0})
+    assert method_variant("dflash+chain") == ("dflash", {"tree_budget": 0, "suffix": False, "suffix_first": 0})
     assert variant_name(resolve_settings("dflash", drafter, **method_variant("dflash+tree8")[1])) == "dflash+tree8"
-    for bad in ("dflash+tree0", "suffix+chain", "magic", "dflash+fast"):
+    assert method_variant("dloop+first3") == ("dloop", {"tree_budget": 0, "suffix": False, "suffix_first": 3})
+    first = resolve_settings("dloop", drafter, **method_variant("dloop+tree8+first4")[1])
+    assert (first.suffix_first, first.uses_suffix, variant_name(first)) == (4, True, "dloop+tree8+first4")
+    assert "suffix first at 4-token matches" in first.describe()
+    drafter.extra["tuned"]["torch"]["suffix_first"] = 3  # a stored chain policy, and the flag over it
+    assert resolve_settings("dflash", drafter, engine="torch").suffix_first == 3
+    assert resolve_settings("dflash", drafter, engine="torch", suffix_first=0).suffix_first == 0
+    assert resolve_settings("dflash", drafter, engine="torch", chains_only=True).suffix_first == 3  # a chain
+    for bad in ("dflash+tree0", "suffix+chain", "magic", "dflash+fast", "dflash+first1", "dflash+first7",
+                "suffix+first3"):
         with pytest.raises(LoopspecError):
             method_variant(bad)
     for bad, match in ((dict(method="suffix", block_size=8, tree_budget=4), "tree"),
                        (dict(method="ar", suffix=True), "suffix"),
-                       (dict(method="dflash", block_size=8, tree_budget=-1), "tree budget")):
+                       (dict(method="dflash", block_size=8, tree_budget=-1), "tree budget"),
+                       (dict(method="suffix", block_size=8, suffix_first=3), "suffix-first needs"),
+                       (dict(method="dflash", block_size=8, suffix_first=7), "2..6"),
+                       (dict(method="dflash", block_size=8, suffix_first=1), "2..6")):
         with pytest.raises(LoopspecError, match=match):
             DecodingSettings(**bad)
 
@@ -227,7 +243,9 @@ SETTINGS = {"tree": DecodingSettings("dflash", block_size=5, tree_budget=12),
             "chain+suffix": DecodingSettings("dflash", block_size=5, suffix=True),
             "dloop-tree+suffix": DecodingSettings("dloop", block_size=5, max_stages=3, gate_threshold=-1e9,
                                                   tree_budget=14, suffix=True),
-            "suffix": DecodingSettings("suffix", block_size=8)}
+            "suffix": DecodingSettings("suffix", block_size=8),
+            "dloop+first3": DecodingSettings("dloop", block_size=5, max_stages=2, gate_threshold=-1e9, suffix_first=3),
+            "tree+first2": DecodingSettings("dflash", block_size=5, tree_budget=8, suffix_first=2)}
 
 
 def repeating_prompt(seed: int) -> list[int]:
@@ -253,6 +271,50 @@ def test_greedy_tree_decoding_equals_ar(family, name, tiny_targets):
     done = decode_all(Decoder(engine.with_rows(3), settings),
                       [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)])
     assert [done[i].tokens for i in range(3)] == refs  # batched rows too
+
+
+class CountingEngine(TorchEngine):
+    """Records the anchor position of every row the drafter drafts for."""
+
+    def draft(self, rows, anchors, positions, block_size):
+        self.drafted_at += list(positions)
+        return super().draft(rows, anchors, positions, block_size)
+
+
+def brute_match_length(tokens, min_match=2, max_match=6) -> int:
+    t = len(tokens) - 1
+    return next((n for n in range(min(max_match, t + 1), min_match - 1, -1)
+                 if any(tokens[e - n + 1:e + 1] == tokens[t - n + 1:] for e in range(n - 1, t))), 0)
+
+
+@pytest.mark.parametrize("suffix_first", [2, 4])
+def test_the_chain_policy_copies_after_a_long_match_and_drafts_otherwise(tiny_targets, suffix_first):
+    """Round by round (replayed from the committed tokens with the rule stated plainly): the drafter
+    runs exactly in the rounds whose text's longest earlier match is shorter than suffix_first; the
+    others verify the copy alone (as many nodes as the chain would have), and the output is ar's."""
+    target = lively(load_target_dir(tiny_targets["llama"]))
+    engine = CountingEngine(target, random_drafter(target), max_context=200)
+    settings = DecodingSettings("dflash", block_size=5, suffix_first=suffix_first)
+    copied = drafted = 0
+    for seed in range(3):
+        prompt = repeating_prompt(seed) + [7, 8]  # ends inside its repeated line: a match of 5
+        prompt[-2:] = prompt[3:5]
+        engine.drafted_at = []
+        ref = generate(engine, prompt, max_new_tokens=40).tokens
+        result = generate(engine, prompt, settings, max_new_tokens=40)
+        assert result.tokens == ref
+        text, expected_drafts = prompt + ref[:1], []
+        for accepted, nodes in zip(result.stats.accepted_per_round, result.stats.nodes_per_round):
+            depth = min(4, 40 - (len(text) - len(prompt)) - 1)  # what the round may draft
+            if depth and brute_match_length(text) < suffix_first:
+                expected_drafts.append(len(text) - 1)
+                drafted += 1
+            elif depth:
+                assert nodes == depth  # the copy fills the chain's depth
+                copied += 1
+            text = prompt + ref[:len(text) - len(prompt) + accepted + 1]
+        assert engine.drafted_at == expected_drafts
+    assert copied >= 3 and drafted >= 3  # both kinds of round happened
 
 
 class OracleEngine(TorchEngine):
@@ -333,7 +395,8 @@ CASES = {"tree dflash": (DecodingSettings("dflash", block_size=4, tree_budget=6)
                                      SamplingParams(temperature=1.0, top_k=5, top_p=0.9), 3),
          "tree dloop + suffix": (DecodingSettings("dloop", block_size=3, max_stages=2, gate_threshold=-1e9,
                                                   tree_budget=6, suffix=True), T1, 4),
-         "suffix": (DecodingSettings("suffix", block_size=4), T1, 3)}
+         "suffix": (DecodingSettings("suffix", block_size=4), T1, 3),
+         "chain policy": (DecodingSettings("dflash", block_size=4, suffix_first=2), T1, 4)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
