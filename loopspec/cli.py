@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft-tree budgets tried on the fastest chain setting (0 = the chain)")
     u.add_argument("--suffix", choices=("sweep", "on", "off"), default="sweep",
                    help="the suffix branch: tried off and on (sweep), or fixed")
+    u.add_argument("--suffix-firsts", default="0,2,3,4",
+                   help="chain-policy match lengths tried on the best chain and the best tree (0 = off; 2..6)")
     u.add_argument("--no-store", action="store_true", help="print the result, do not write it to the drafter")
     u.add_argument("--json", dest="json_out", default=None)
     _add_backend_args(u)  # tune where the setting will run: backends differ in what a stage costs
@@ -325,14 +327,18 @@ def cmd_tune(args) -> int:
     if not tree_budgets or min(tree_budgets) < 0:
         raise LoopspecError("--tree-budgets needs at least one value; budgets >= 0")
     suffix_options = {"sweep": (False, True), "on": (True,), "off": (False,)}[args.suffix]
+    suffix_firsts = _int_list(args.suffix_firsts, "--suffix-firsts")
+    if any(m and not 2 <= m <= 6 for m in suffix_firsts):
+        raise LoopspecError(f"--suffix-firsts takes 0 (off) or match lengths 2..6, got {args.suffix_firsts!r}")
     prompts = [pipe.encode(t) for t in texts]
     rows = sweep(pipe, prompts, thresholds=thresholds, stages=stages, block_sizes=block_sizes,
-                 max_new_tokens=args.max_new_tokens, tree_budgets=tree_budgets, suffix_options=suffix_options)
-    print(f"{'k':>3} {'stages':>6} {'gate':>6} {'tree':>5} {'suffix':>6} {'nodes':>6} {'tau':>6} {'tok/s':>7}"
+                 max_new_tokens=args.max_new_tokens, tree_budgets=tree_budgets, suffix_options=suffix_options,
+                 suffix_firsts=suffix_firsts)
+    print(f"{'k':>3} {'stages':>6} {'gate':>6} {'tree':>5} {'suffix':>6} {'first':>5} {'nodes':>6} {'tau':>6} {'tok/s':>7}"
           f" {'speedup':>8} lossless")
     for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
         print(f"{r['block_size']:>3} {r['max_stages']:>6} {r['gate_threshold']:>6} {r['tree_budget']:>5}"
-              f" {'on' if r['suffix'] else 'off':>6} {r['nodes_per_verification']:>6.1f} {r['tau']:>6.2f}"
+              f" {'on' if r['suffix'] else 'off':>6} {r['suffix_first'] or '-':>5} {r['nodes_per_verification']:>6.1f} {r['tau']:>6.2f}"
               f" {r['tokens_per_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}x {r['lossless']}")
     best = choose(rows)
     if args.json_out:
@@ -343,7 +349,7 @@ def cmd_tune(args) -> int:
         store_setting(pipe.drafter_dir, best, pipe.tuning_key)
         print(f"stored in {pipe.drafter_dir / 'config.json'} for {pipe.tuning_key}: block {best['block_size']}, "
               f"max stages {best['max_stages']}, gate {best['gate_threshold']}, tree budget {best['tree_budget']}, "
-              f"suffix {'on' if best['suffix'] else 'off'}")
+              f"suffix {'on' if best['suffix'] else 'off'}, suffix first {best['suffix_first'] or 'off'}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """`loopspec tune`: sweep DLoop's gate threshold × max stages (× block size) on calibration prompts,
-then the draft-tree budget × the suffix branch on the best of them; keep the fastest setting whose
-greedy output equals plain decoding, and store it with the drafter.
+then the draft-tree budget × the suffix branch on the best of them, then the chain policy's match
+length (suffix_first) on the best chain and the best tree; keep the fastest setting whose greedy
+output equals plain decoding, and store it with the drafter.
 
 The DLoop paper uses one global threshold that must be re-swept per deployment; this does the sweep
 on the machine that will serve — and the tree budget above all depends on it: verifying N + 1
@@ -18,7 +19,7 @@ from pathlib import Path
 from loopspec.errors import LoopspecError
 from loopspec.stats import acceptance_length
 
-STORED = ("gate_threshold", "max_stages", "block_size", "tree_budget", "suffix")
+STORED = ("gate_threshold", "max_stages", "block_size", "tree_budget", "suffix", "suffix_first")
 
 
 def measure(pipe, prompts: list[list[int]], settings, reference: list[list[int]], ar_seconds: float,
@@ -32,6 +33,7 @@ def measure(pipe, prompts: list[list[int]], settings, reference: list[list[int]]
     nodes = [n for o in outs for n in o.stats.nodes_per_round]
     return {"block_size": settings.block_size, "max_stages": settings.max_stages,
             "gate_threshold": settings.gate_threshold, "tree_budget": settings.tree_budget, "suffix": settings.suffix,
+            "suffix_first": settings.suffix_first,
             "tokens_per_s": tokens / seconds, "speedup_vs_ar": ar_seconds / seconds,
             "tau": acceptance_length(o.stats for o in outs) or 1.0,
             "nodes_per_verification": sum(nodes) / max(len(nodes), 1),
@@ -39,9 +41,10 @@ def measure(pipe, prompts: list[list[int]], settings, reference: list[list[int]]
 
 
 def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, max_new_tokens: int,
-          tree_budgets=(0,), suffix_options=(False,), progress: bool = True) -> list[dict]:
+          tree_budgets=(0,), suffix_options=(False,), suffix_firsts=(0,), progress: bool = True) -> list[dict]:
     """Tokens/s of every setting on the same prompts, with losslessness checked: the DLoop grid with
-    the chain, then every tree budget × suffix choice on the fastest chain setting found."""
+    the chain, then every tree budget × suffix choice on the fastest chain setting found, then every
+    chain-policy match length on that chain and on the best tree setting."""
     from tqdm import tqdm
 
     ar = pipe.settings("ar")
@@ -57,7 +60,8 @@ def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, ma
         grid.append(pipe.settings("dloop", block_size=k, max_stages=s, gate_threshold=g, adaptive=False,
                                   tree_budget=0, suffix=False))
     trees = [(n, x) for n, x in itertools.product(tree_budgets, suffix_options) if (n, x) != (0, False)]
-    bar = tqdm(total=len(grid) + len(trees), desc="tuning", disable=not progress, file=sys.stderr)
+    firsts = [m for m in suffix_firsts if m]
+    bar = tqdm(total=len(grid) + len(trees) + 2 * len(firsts), desc="tuning", disable=not progress, file=sys.stderr)
     rows = []
     for settings in grid:
         rows.append(measure(pipe, prompts, settings, reference, ar_seconds, max_new_tokens))
@@ -70,6 +74,15 @@ def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, ma
                                      suffix=suffix)
             rows.append(measure(pipe, prompts, settings, reference, ar_seconds, max_new_tokens))
             bar.update()
+    if firsts:
+        best_chain, best = choose([r for r in rows if not r["tree_budget"] and not r["suffix"]]), choose(rows)
+        for base in [best_chain] + ([best] if best is not best_chain else []):
+            for m in firsts:
+                settings = pipe.settings("dloop", block_size=base["block_size"], max_stages=base["max_stages"],
+                                         gate_threshold=base["gate_threshold"], adaptive=False,
+                                         tree_budget=base["tree_budget"], suffix=base["suffix"], suffix_first=m)
+                rows.append(measure(pipe, prompts, settings, reference, ar_seconds, max_new_tokens))
+                bar.update()
     bar.close()
     return rows
 
@@ -81,16 +94,20 @@ def choose(rows: list[dict]) -> dict:
     Each can only pay through a longer accepted chain: a multi-stage setting whose τ is not above
     the one-stage τ of its block size, or a tree / suffix setting whose τ is not above the chain's
     of the same stages, runs the same verifications plus extra work, so any edge it shows on the
-    clock is timing noise, not a gain to store."""
+    clock is timing noise, not a gain to store. The chain policy (suffix_first) is exempt: it pays
+    by skipping the drafter's stage, whatever τ does."""
     good = [r for r in rows if r["lossless"]]
     if not good:
         raise LoopspecError("no setting reproduced plain decoding; nothing stored")
 
-    def plain(r):
+    def plain(r):  # verifies the drafter's chain (or, by the chain policy, a copy in its place)
         return not r.get("tree_budget") and not r.get("suffix")
 
-    one_stage_tau = {r["block_size"]: r["tau"] for r in good if r["max_stages"] == 1 and plain(r)}
-    chain_tau = {(r["block_size"], r["max_stages"], r["gate_threshold"]): r["tau"] for r in good if plain(r)}
+    def chain(r):  # the reference τ: the drafter's chain every round
+        return plain(r) and not r.get("suffix_first")
+
+    one_stage_tau = {r["block_size"]: r["tau"] for r in good if r["max_stages"] == 1 and chain(r)}
+    chain_tau = {(r["block_size"], r["max_stages"], r["gate_threshold"]): r["tau"] for r in good if chain(r)}
     eligible = [r for r in good
                 if (r["max_stages"] == 1 or r["tau"] > one_stage_tau.get(r["block_size"], 0.0))
                 and (plain(r) or r["tau"] > chain_tau.get((r["block_size"], r["max_stages"], r["gate_threshold"]), 0.0))]

@@ -178,22 +178,31 @@ def test_tune_stores_fastest_lossless_setting(capsys, tiny_pair, tmp_path):
     out_json = tmp_path / "tune.json"
     code = main(["tune", "--prompts", str(prompts), "--target", str(target), "--drafter", str(mine),
                  "--max-new-tokens", "16", "--thresholds=-0.5,-2", "--stages", "1,3", "--block-sizes", "3,6",
-                 "--tree-budgets", "0,8", "--json", str(out_json)])
+                 "--tree-budgets", "0,8", "--suffix-firsts", "0,3", "--json", str(out_json)])
     assert code == 0
     report = json.loads(out_json.read_text())
-    # k x (one-stage + two thresholds for 3 stages), then on the best: chain + suffix, tree 8 ± suffix
-    assert len(report["rows"]) == 2 * (1 + 2) + 3
-    assert {(r["tree_budget"], r["suffix"]) for r in report["rows"][-3:]} == {(0, True), (8, False), (8, True)}
-    assert all(r["lossless"] for r in report["rows"])
+    rows = report["rows"]
+    # k x (one-stage + two thresholds for 3 stages), then on the best: chain + suffix, tree 8 ± suffix,
+    # then the chain policy (match of 3) on the best chain and, when it differs, the best tree setting
+    chains, trees, firsts = rows[:6], rows[6:9], rows[9:]
+    assert len(chains) == 2 * (1 + 2) and not any(r["tree_budget"] or r["suffix"] or r["suffix_first"] for r in chains)
+    assert {(r["tree_budget"], r["suffix"]) for r in trees} == {(0, True), (8, False), (8, True)}
+    from loopspec.runtime.tune import choose
+
+    best_chain = choose(chains)
+    assert firsts[0]["suffix_first"] == 3 and all(firsts[0][k] == best_chain[k] for k in ("block_size", "max_stages", "gate_threshold"))
+    assert len(firsts) in (1, 2) and all(r["suffix_first"] == 3 for r in firsts)
+    assert all(r["lossless"] for r in rows)
     extra = json.loads((mine / "config.json").read_text())["loopspec"]
     stored = extra["dloop"]  # the first tuned setting is the drafter's default for every backend
-    assert stored == {k: report["best"][k]
-                      for k in ("gate_threshold", "max_stages", "block_size", "tree_budget", "suffix")}
+    assert stored == {k: report["best"][k] for k in ("gate_threshold", "max_stages", "block_size", "tree_budget",
+                                                    "suffix", "suffix_first")}
     assert list(extra["tuned"].values()) == [stored] and list(extra["tuned"]) in (["onnxruntime"], ["torch"])
     from loopspec.runtime.pipeline import load_pipeline
 
     pipe = load_pipeline(str(target), str(mine))
     assert pipe.settings("dloop").max_stages == stored["max_stages"]
     assert pipe.settings("dloop").block_size == stored["block_size"]
+    assert pipe.settings("dloop").suffix_first == stored["suffix_first"]
     assert main(["tune", "--prompts", str(prompts), "--target", str(target), "--drafter", str(mine),
                  "--stages", "0"]) == 2

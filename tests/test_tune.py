@@ -31,3 +31,11 @@ def test_lossy_settings_never_chosen():
 def test_without_a_one_stage_row_every_setting_counts():
     rows = [row(8, 2, -0.5, 1.5, 30.0), row(8, 3, -0.5, 1.5, 31.0)]
     assert choose(rows) == rows[1]
+
+
+def test_the_chain_policy_counts_without_more_tau():
+    """suffix_first pays by skipping drafter stages: it may win at the chain's τ (or below it)."""
+    chain = row(4, 1, -0.5, 2.0, 40.0) | {"tree_budget": 0, "suffix": False}
+    policy = row(4, 1, -0.5, 1.9, 44.0) | {"tree_budget": 0, "suffix": False, "suffix_first": 3}
+    suffix_branch = row(4, 1, -0.5, 2.0, 46.0) | {"tree_budget": 0, "suffix": True}  # no more τ: noise
+    assert choose([chain, policy, suffix_branch]) == policy
