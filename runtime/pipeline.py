@@ -4,6 +4,7 @@ arguments. Prompts are encoded (chat templating included) only here."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -17,6 +18,7 @@ from loopspec.model.target import Target
 from loopspec.pair import load_pair, stop_token_ids
 from loopspec.prompts import chat_ids, prompt_ids
 from loopspec.settings import DecodingSettings, engine_key, resolve_settings
+from loopspec.tuned import user_setting
 from loopspec.weights import load_tokenizer
 from loopspec.runtime.decoder import GenerationResult, generate
 from loopspec.runtime.torch_engine import TorchEngine
@@ -51,6 +53,7 @@ class Pipeline:
     drafter_description: str  # "shipped (...)", "untrained (...)", a path, or "none"
     stop_token_ids: frozenset[int]
     target_source: str | None = None  # the target as the user named it ('default', a dir, a .gguf)
+    tuned_store: Path | None = None  # where users' tune results for shipped drafters are (None: the cache's)
 
     @property
     def backend(self) -> str:
@@ -98,9 +101,16 @@ class Pipeline:
     def settings(self, method: str, **knobs) -> DecodingSettings:
         """The decoding settings of `method` for this pipeline's drafter on its backend; `knobs` are
         those of loopspec.settings.resolve_settings (block_size, gate_threshold, max_stages,
-        adaptive, tree_budget, suffix)."""
+        adaptive, tree_budget, suffix). A user's tune result for a shipped drafter wins over the
+        setting shipped with it (loopspec/tuned.py)."""
         return resolve_settings(method, self.engine.drafter_cfg, engine=self.tuning_key,
-                                chains_only=self.engine.chains_only, **knobs)
+                                chains_only=self.engine.chains_only, tuned=self.user_tuned, **knobs)
+
+    @functools.cached_property
+    def user_tuned(self) -> dict | None:
+        """The user's stored tune result for this engine when the drafter is a shipped one (read
+        once: `tune` resolves settings for every point of its grid)."""
+        return user_setting(self.drafter_dir, self.tuning_key, self.tuned_store)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """A user prompt → token ids, wrapped in the chat template when `chat` and the model has one."""
