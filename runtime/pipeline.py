@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from loopspec.decoding import SamplingParams
-from loopspec.errors import LoopspecError
+from loopspec.errors import InvalidValue, LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 from loopspec.pair import load_pair, stop_token_ids
@@ -182,7 +182,7 @@ def resolve_precision(precision: str, backend: str, target: str | None) -> str:
 
 def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,
                   mask_token_id: int | None = None, num_threads: int | None = None, device: str = "cpu",
-                  cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | Path | None = None,
+                  cuda_graphs: bool | None = None, backend: str = "auto", onnx_dir: str | Path | None = None,
                   trt_dir: str | Path | None = None, precision: str = "auto") -> Pipeline:
     """Resolve `target` ('default' | checkpoint dir | .gguf) and `drafter` ('default' | dir | 'none').
 
@@ -191,9 +191,13 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
     (target and drafter are then not read), or — without onnx_dir — the pair exported once into
     ~/.cache/loopspec/onnx/<key of target + drafter> and reused while its manifest matches.
     backend 'tensorrt': the plans in `trt_dir` (built by `loopspec convert trt`) on the GPU.
-    backend 'auto' (the command line's default): see `resolve_backend`. precision: what the target
+    backend 'auto' (the default, as on the command line): see `resolve_backend`. precision: what the target
     computes with (fp32, or on ONNX Runtime the GGUF's own blocks; 'auto': `resolve_precision`);
-    artifacts in onnx_dir / trt_dir carry their own, which an explicit precision must name. The engine has one batch row; `Pipeline.with_rows` gives more."""
+    artifacts in onnx_dir / trt_dir carry their own, which an explicit precision must name. The engine has one batch row; `Pipeline.with_rows` gives more.
+    A max_context or num_threads that is not a positive integer raises InvalidValue (a ValueError)."""
+    for name, value in (("max_context", max_context), ("num_threads", num_threads)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InvalidValue(f"{name} must be a positive integer (or None for the default), got {value!r}")
     backend = resolve_backend(backend, device, cuda_graphs, onnx_dir, trt_dir)
     if backend not in BACKENDS:
         raise LoopspecError(f"unknown backend {backend!r} (choose from auto, {', '.join(BACKENDS)})")

@@ -20,7 +20,7 @@ PROMPTS = [
 def pipe():
     from loopspec.runtime.pipeline import load_pipeline
 
-    return load_pipeline("default", "default")
+    return load_pipeline("default", "default", backend="torch")  # the PyTorch modules (fp32) these tests read
 
 
 def test_default_target_matches_transformers(pipe):

@@ -70,7 +70,7 @@ def pipe(tiny_pair, tmp_path_factory):
     shutil.copytree(target_dir, lively)
     for f in lively.glob("*.safetensors"):
         write_safetensors({k: v * 8 if v.dim() == 2 else v for k, v in read_safetensors(f).items()}, f)
-    return load_pipeline(str(lively), str(drafter_dir), max_context=CONTEXT)
+    return load_pipeline(str(lively), str(drafter_dir), max_context=CONTEXT, backend="torch")
 
 
 def make_app(pipe, **kw):
@@ -323,7 +323,7 @@ def test_scheduler_isolates_a_failing_request(pipe):
 def test_default_pair_four_concurrent_greedy_streams_equal_alone():
     from loopspec.runtime.pipeline import load_pipeline
 
-    pipe = load_pipeline("default", "default", max_context=1024)
+    pipe = load_pipeline("default", "default", max_context=1024, backend="torch")
     prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                "Give me three tips for writing clean Python.", "Explain what a hash table is."]
     refs = [pipe.decode(alone(pipe, pipe.encode(p), 32).tokens) for p in prompts]
