@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -11,14 +13,15 @@ from pathlib import Path
 from loopspec.errors import LoopspecError
 
 
-def _int_at_least(name, least):
+def _int_at_least(name, least, most=None):
     def parse(text):
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {least}, got {value}")
+        if value < least or (most is not None and value > most):
+            bound = f">= {least}" if most is None else f"in [{least}, {most}]"
+            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {value}")
         return value
     return parse
 
@@ -29,6 +32,25 @@ def _positive_int(name):
 
 def _non_negative_int(name):
     return _int_at_least(name, 0)
+
+
+def _seed(name):  # seeds torch.Generator.manual_seed, which takes an unsigned 64-bit value
+    return _int_at_least(name, 0, (1 << 64) - 1)
+
+
+def _finite_float(name, positive=True):
+    """A finite number > 0 (or >= 0 with positive=False): inf would pass a `> 0` check and nan fails
+    every comparison, so either would surface only deep inside a long run."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number {'>' if positive else '>='} 0, "
+                                             f"got {text}")
+        return value
+    return parse
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -75,7 +97,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed("--seed"), default=0)
 
 
 def _add_backend_args(p: argparse.ArgumentParser, side_by_side: bool = False) -> None:
@@ -96,8 +118,28 @@ def _add_backend_args(p: argparse.ArgumentParser, side_by_side: bool = False) ->
 
 
 class _Parser(argparse.ArgumentParser):
+    """Every parser of the command line (subcommands are made of this class too): a malformed flag
+    gets the one line every other bad input gets, `loopspec: error: ...`, naming the subcommand."""
+
     def error(self, message):  # one line, not argparse's usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        command = self.prog.removeprefix("loopspec").strip()
+        text = " ".join(f"{command + ': ' if command else ''}{message}".split())
+        self.exit(2, f"loopspec: error: {text}\n")
+
+
+def _check_output_file(path: str | None, flag: str) -> None:
+    """Refuse, before any work, an output file that could not be written after it: a directory,
+    or a file in a folder that does not exist or is not writable."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise LoopspecError(f"{flag} {path} is a directory; name a file to write")
+    folder = path.parent
+    if not folder.is_dir():
+        raise LoopspecError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise LoopspecError(f"{flag} {path}: not writable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_args(v)  # every backend batches its rows (onnxruntime and tensorrt up to their exported batch)
     _add_decoding_args(v)
     v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--port", type=_int_at_least("--port", 1, 65535), default=8000)
     v.add_argument("--model-name", default=None, help="the model id clients send (default: the target's folder name)")
     v.add_argument("--max-batch-size", type=_positive_int("--max-batch-size"), default=8)
     v.add_argument("--max-queue", type=_positive_int("--max-queue"), default=64, help="waiting requests; more get 429")
@@ -176,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-body-bytes", type=_positive_int("--max-body-bytes"), default=1 << 20)
     v.add_argument("--max-tokens-limit", type=_positive_int("--max-tokens-limit"), default=4096,
                    help="the most max_tokens one request may ask for")
-    v.add_argument("--log-level", default="info")
+    v.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's log level")
 
     c = sub.add_parser("convert", help=f"artifacts out, by stage: {', '.join(CONVERT_STAGES)}")
     stages = c.add_subparsers(dest="stage", required=True)
@@ -204,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--top-k", type=int, default=0)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=_seed("--seed"), default=0)
     d.add_argument("--cache-taps", action="store_true", help="also store the target's taps (offline training)")
     d.add_argument("--tap-layers", default=None, help="comma-separated target layer ids (default: 5 by formula)")
     d.add_argument("--threads", type=_positive_int("--threads"), default=None)
@@ -224,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--temperature", type=float, default=1.0)
     w.add_argument("--top-p", type=float, default=1.0)
     w.add_argument("--top-k", type=int, default=0)
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=_seed("--seed"), default=0)
     w.add_argument("--threads", type=_positive_int("--threads"), default=None)
 
     t = sub.add_parser("train", help="train a DFlash drafter on a data directory")
@@ -242,16 +285,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of taps by the formula (default: one per drafter layer)")
     t.add_argument("--mask-token-id", type=int, default=None)
     t.add_argument("--anchors", type=_positive_int("--anchors"), default=512)
-    t.add_argument("--epochs", type=float, default=1.0)
+    t.add_argument("--epochs", type=_finite_float("--epochs"), default=1.0)
     t.add_argument("--max-steps", type=_positive_int("--max-steps"), default=None)
-    t.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this wall time")
+    t.add_argument("--max-minutes", type=_finite_float("--max-minutes"), default=None, help="stop (and save) after this wall time")
     t.add_argument("--stop-after-steps", type=_positive_int("--stop-after-steps"), default=None,
                    help="stop (and save) after this many steps of the unchanged schedule; re-running resumes")
     t.add_argument("--batch-sequences", type=_positive_int("--batch-sequences"), default=4)
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--gamma", type=float, default=None)
+    t.add_argument("--lr", type=_finite_float("--lr"), default=6e-4)
+    t.add_argument("--gamma", type=_finite_float("--gamma"), default=None,
+                   help="decay of the loss weight along the block (default: by block size)")
     t.add_argument("--dpace", action="store_true", help="D-PACE position weighting")
-    t.add_argument("--kl-weight", type=float, default=0.0, help="forward KL to the target (online taps)")
+    t.add_argument("--kl-weight", type=_finite_float("--kl-weight", positive=False), default=0.0, help="forward KL to the target (online taps)")
     t.add_argument("--causal-in-block", action="store_true")
     t.add_argument("--loop-stages", type=int, nargs="?", const=3, default=0,
                    help="DLoop loop-aware training: per anchor S-1 ~ U{1..N} extra stages (e.g. 3; 0 = DFlash)")
@@ -267,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="bfloat16: the drafter's forward and backward under CPU autocast (fp32 weights and "
                         "optimizer; faster where the CPU has AVX512-BF16 or AMX)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_seed("--seed"), default=0)
     t.add_argument("--threads", type=_positive_int("--threads"), default=None)
     return parser
 
@@ -281,9 +325,6 @@ def cmd_train(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    for name in ("lr", "epochs"):
-        if not getattr(args, name) > 0:
-            raise LoopspecError(f"--{name} must be > 0")
     pair = load_pair(args.target, args.init or "none", mask_token=args.mask_token_id)
     drafter, draft_vocab = prepare_drafter(
         pair, args.target, num_layers=args.num_layers, block_size=args.block_size,
@@ -305,6 +346,7 @@ def cmd_tune(args) -> int:
     from loopspec.runtime.bench import load_prompts
     from loopspec.runtime.pipeline import load_pipeline
     from loopspec.runtime.tune import choose, store_setting, sweep
+    from loopspec.tuned import check_storable
 
     try:
         thresholds = [float(x) for x in args.thresholds.split(",") if x.strip()]
@@ -313,6 +355,16 @@ def cmd_tune(args) -> int:
     stages = _int_list(args.stages, "--stages")
     if not thresholds or not stages or min(stages) < 1:
         raise LoopspecError("--thresholds and --stages need at least one value; stages >= 1")
+    # what would fail only after the sweep is refused before it
+    if not _names_a_drafter(args):
+        raise LoopspecError("tune needs a drafter (got --drafter none)")
+    _check_output_file(args.json_out, "--json")
+    if not args.no_store:
+        if args.onnx_dir or args.trt_dir:
+            raise LoopspecError("an exported engine directory has no drafter directory to store a tuned setting "
+                                "into: pass --no-store (and --json FILE to keep the result)")
+        if args.drafter != "default":
+            check_storable(args.drafter)
     texts = [t for f in args.prompts for t in load_prompts(f, args.limit)]
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
                          mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
@@ -346,8 +398,8 @@ def cmd_tune(args) -> int:
     if not args.no_store:
         if pipe.drafter_dir is None:
             raise LoopspecError("the drafter was not loaded from a directory; nothing to store into")
-        store_setting(pipe.drafter_dir, best, pipe.tuning_key)
-        print(f"stored in {pipe.drafter_dir / 'config.json'} for {pipe.tuning_key}: block {best['block_size']}, "
+        path = store_setting(pipe.drafter_dir, best, pipe.tuning_key)
+        print(f"stored in {path} for {pipe.tuning_key}: block {best['block_size']}, "
               f"max stages {best['max_stages']}, gate {best['gate_threshold']}, tree budget {best['tree_budget']}, "
               f"suffix {'on' if best['suffix'] else 'off'}, suffix first {best['suffix_first'] or 'off'}")
     return 0
@@ -374,6 +426,7 @@ def cmd_data(args) -> int:
     from loopspec.decoding import SamplingParams
     from loopspec.model.target import default_target_layer_ids
     from loopspec.pair import load_pair
+    from loopspec.prompts import read_conversations
     from loopspec.runtime import decoder
     from loopspec.train.data import build_data
     from loopspec.train.kept import pack_kept
@@ -386,6 +439,8 @@ def cmd_data(args) -> int:
         return 0
     if not args.prompts:
         raise LoopspecError("data needs --prompts (or --pack DIR to keep an existing data directory)")
+    for path in args.prompts:  # a missing, malformed or non-UTF-8 file fails before the target loads
+        read_conversations(path, args.limit)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -432,6 +487,8 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_method(args.method, _names_a_drafter(args))
+    if not args.prompt.strip():  # known before the model loads (Pipeline.encode refuses it too)
+        raise LoopspecError("empty prompt")
     pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
                          mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
                          cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir,
@@ -506,6 +563,7 @@ def cmd_bench(args) -> int:
     from loopspec.runtime.bench import run_bench
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    _check_output_file(args.json_out, "--json")
     run_bench(prompt_files=args.prompts, methods=[m.strip() for m in args.methods.split(",") if m.strip()],
               target=args.target, drafter=args.drafter, limit=args.limit, max_new_tokens=args.max_new_tokens,
               all_turns=args.all_turns, params=params, block_size=args.block_size, seed=args.seed,

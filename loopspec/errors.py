@@ -3,3 +3,7 @@
 
 class LoopspecError(Exception):
     """Bad input from the user: wrong path, mismatched models, invalid parameters, ..."""
+
+
+class InvalidValue(LoopspecError, ValueError):
+    """A parameter outside what it may be: a ValueError to Python callers, one line on the command line."""

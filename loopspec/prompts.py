@@ -17,7 +17,14 @@ def read_conversations(path: str | Path, limit: int | None = None,
         raise LoopspecError(f"{what} does not exist: {path}")
     conversations: list[tuple[int, list[str]]] = []
     # split on "\n" only: str.splitlines() would also split at U+2028 inside JSON strings
-    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise LoopspecError(f"{path}:{line}: {what} is not UTF-8 text (byte {e.start}: "
+                            f"{data[e.start:e.start + 1]!r}); save it as UTF-8") from None
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -135,10 +135,12 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
                      gate_threshold: float | None = None, max_stages: int | None = None,
                      adaptive: bool = True, tree_budget: int | None = None,
                      suffix: bool | None = None, suffix_first: int | None = None, engine: str | None = None,
-                     chains_only: bool = False) -> DecodingSettings:
+                     chains_only: bool = False, tuned: dict | None = None) -> DecodingSettings:
     """The settings of `method` for a drafter on `engine` (`engine_key`): what was given, else the
-    drafter's tuned setting for that engine (its tree budget, suffix and suffix-first for dflash and dloop; block size, gate and
-    stages for dloop), else its block size, the chain without suffix and the DLoop defaults."""
+    drafter's tuned setting for that engine (its tree budget, suffix and suffix-first for dflash and dloop; block size,
+    gate and stages for dloop), else its block size, the chain without suffix and the DLoop defaults. `tuned`: a
+    setting stored elsewhere that replaces the drafter's (a user's result for a shipped drafter:
+    loopspec/tuned.py)."""
     check_method(method, drafter is not None)
     if block_size is not None and block_size < 1:
         raise LoopspecError(f"block size must be >= 1, got {block_size}")
@@ -150,7 +152,7 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
         return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
                                 tree_budget=tree_budget or 0,  # (a tree budget is refused with its reason)
                                 suffix_first=suffix_first or 0)
-    stored = tuned_setting(drafter, engine)
+    stored = dict(tuned) if tuned is not None else tuned_setting(drafter, engine)
     if chains_only:  # an engine that verifies only chains exactly (see engines/protocol.py): no stored tree
         stored = {k: v for k, v in stored.items() if k not in ("tree_budget", "suffix")}
     tree = {"tree_budget": tree_budget if tree_budget is not None else int(stored.get("tree_budget", 0)),

@@ -4,6 +4,7 @@ arguments. Prompts are encoded (chat templating included) only here."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -11,12 +12,13 @@ from typing import Callable
 import torch
 
 from loopspec.decoding import SamplingParams
-from loopspec.errors import LoopspecError
+from loopspec.errors import InvalidValue, LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 from loopspec.pair import load_pair, stop_token_ids
 from loopspec.prompts import chat_ids, prompt_ids
 from loopspec.settings import DecodingSettings, engine_key, resolve_settings
+from loopspec.tuned import user_setting
 from loopspec.weights import load_tokenizer
 from loopspec.runtime.decoder import GenerationResult, generate
 from loopspec.runtime.torch_engine import TorchEngine
@@ -51,6 +53,7 @@ class Pipeline:
     drafter_description: str  # "shipped (...)", "untrained (...)", a path, or "none"
     stop_token_ids: frozenset[int]
     target_source: str | None = None  # the target as the user named it ('default', a dir, a .gguf)
+    tuned_store: Path | None = None  # where users' tune results for shipped drafters are (None: the cache's)
 
     @property
     def backend(self) -> str:
@@ -98,9 +101,16 @@ class Pipeline:
     def settings(self, method: str, **knobs) -> DecodingSettings:
         """The decoding settings of `method` for this pipeline's drafter on its backend; `knobs` are
         those of loopspec.settings.resolve_settings (block_size, gate_threshold, max_stages,
-        adaptive, tree_budget, suffix, suffix_first)."""
+        adaptive, tree_budget, suffix, suffix_first). A user's tune result for a shipped drafter wins
+        over the setting shipped with it (loopspec/tuned.py)."""
         return resolve_settings(method, self.engine.drafter_cfg, engine=self.tuning_key,
-                                chains_only=self.engine.chains_only, **knobs)
+                                chains_only=self.engine.chains_only, tuned=self.user_tuned, **knobs)
+
+    @functools.cached_property
+    def user_tuned(self) -> dict | None:
+        """The user's stored tune result for this engine when the drafter is a shipped one (read
+        once: `tune` resolves settings for every point of its grid)."""
+        return user_setting(self.drafter_dir, self.tuning_key, self.tuned_store)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """A user prompt → token ids, wrapped in the chat template when `chat` and the model has one."""
@@ -172,7 +182,7 @@ def resolve_precision(precision: str, backend: str, target: str | None) -> str:
 
 def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,
                   mask_token_id: int | None = None, num_threads: int | None = None, device: str = "cpu",
-                  cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | Path | None = None,
+                  cuda_graphs: bool | None = None, backend: str = "auto", onnx_dir: str | Path | None = None,
                   trt_dir: str | Path | None = None, precision: str = "auto") -> Pipeline:
     """Resolve `target` ('default' | checkpoint dir | .gguf) and `drafter` ('default' | dir | 'none').
 
@@ -181,9 +191,13 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
     (target and drafter are then not read), or — without onnx_dir — the pair exported once into
     ~/.cache/loopspec/onnx/<key of target + drafter> and reused while its manifest matches.
     backend 'tensorrt': the plans in `trt_dir` (built by `loopspec convert trt`) on the GPU.
-    backend 'auto' (the command line's default): see `resolve_backend`. precision: what the target
+    backend 'auto' (the default, as on the command line): see `resolve_backend`. precision: what the target
     computes with (fp32, or on ONNX Runtime the GGUF's own blocks; 'auto': `resolve_precision`);
-    artifacts in onnx_dir / trt_dir carry their own, which an explicit precision must name. The engine has one batch row; `Pipeline.with_rows` gives more."""
+    artifacts in onnx_dir / trt_dir carry their own, which an explicit precision must name. The engine has one batch row; `Pipeline.with_rows` gives more.
+    A max_context or num_threads that is not a positive integer raises InvalidValue (a ValueError)."""
+    for name, value in (("max_context", max_context), ("num_threads", num_threads)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InvalidValue(f"{name} must be a positive integer (or None for the default), got {value!r}")
     backend = resolve_backend(backend, device, cuda_graphs, onnx_dir, trt_dir)
     if backend not in BACKENDS:
         raise LoopspecError(f"unknown backend {backend!r} (choose from auto, {', '.join(BACKENDS)})")

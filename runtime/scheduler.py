@@ -72,23 +72,29 @@ class TextTail:
         self.tokens: list[int] = []
         self.sent = 0  # characters released so far
 
-    def feed(self, tokens: list[int]) -> tuple[str, bool]:
-        """Add tokens → (text now safe to release, whether a stop string ended the text)."""
+    def feed(self, tokens: list[int], final: bool = False) -> tuple[str, bool]:
+        """Add tokens → (text now safe to release, whether a stop string ended the text). `final`:
+        no tokens follow, so the whole text counts as decoded."""
         self.tokens += tokens
         text = self.decode(self.tokens)
+        # A trailing U+FFFD may be the first bytes of a character whose other bytes come with the next
+        # tokens: that text is not decoded yet, so it is neither released nor matched against stop
+        # strings (a stop string "\ufffd" would otherwise end every reply at its first emoji).
+        decoded = len(text)
+        if not final:
+            while decoded > self.sent and text[decoded - 1] == "\ufffd":
+                decoded -= 1
         if self.stop:
             longest = max(len(s) for s in self.stop)
             start = max(0, self.sent - longest + 1)
-            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [i for i in (text.find(s, start, decoded) for s in self.stop) if i >= 0]
             if hits:
                 end = max(min(hits), self.sent)
                 out, self.sent = text[self.sent:end], end
                 return out, True
-        end = len(text)
-        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 character
-            end -= 1
+        end = decoded
         hold = 0  # the longest unreleased tail that may still grow into a stop string
-        for s in self.stop:
+        for s in self.stop if not final else ():
             for n in range(min(len(s) - 1, end - self.sent), hold, -1):
                 if text[end - n:end] == s[:n]:
                     hold = n
@@ -97,11 +103,10 @@ class TextTail:
         out, self.sent = text[self.sent:end], max(self.sent, end)
         return out, False
 
-    def flush(self) -> str:
-        """The rest of the text at the end of a request (no stop string came)."""
-        text = self.decode(self.tokens)
-        out, self.sent = text[self.sent:], len(text)
-        return out
+    def flush(self) -> tuple[str, bool]:
+        """The rest of the text at the end of a request, and whether a stop string ended it (one
+        can end in text held back until now: a genuine U+FFFD at the very end)."""
+        return self.feed([], final=True)
 
 
 class Scheduler:
@@ -236,7 +241,9 @@ class Scheduler:
             self.decoder.cancel(request)  # the stop string ended it mid-decode: free its row now
         finish = "stop" if stopped else FINISH_REASONS.get(row.finish)
         if finish and not stopped:
-            text += tail.flush()
+            rest, stopped = tail.flush()
+            text += rest
+            finish = "stop" if stopped else finish
         if text and not self._emit(request, Event("text", text=text)):
             return
         if finish:

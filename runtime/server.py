@@ -30,10 +30,10 @@ from loopspec.runtime.metrics import Metrics
 from loopspec.runtime.scheduler import Event, QueueFull, Request, Scheduler
 
 try:  # the serve extra (fastapi brings starlette); FastAPI reads the handlers' parameter type
-    from starlette.requests import Request as HTTPRequest
+    from starlette.requests import ClientDisconnect, Request as HTTPRequest
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 except ImportError:  # create_app refuses with a clear message before any route exists
-    HTTPRequest = JSONResponse = PlainTextResponse = StreamingResponse = None
+    ClientDisconnect = HTTPRequest = JSONResponse = PlainTextResponse = StreamingResponse = None
 
 log = logging.getLogger("loopspec.server")
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
@@ -52,6 +52,10 @@ class ServeConfig:
     max_tokens_limit: int = 4096  # the most `max_tokens` one request may ask for
     default_max_tokens: int = 256  # when a request sets none (bounded by the context)
     max_stop_strings: int = 4
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its request body was complete: nobody to answer."""
 
 
 class APIError(Exception):
@@ -118,27 +122,59 @@ class Settings:
     include_usage: bool
 
 
-UNSUPPORTED = (("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("logprobs", (None, False)),
-               ("top_logprobs", (None, 0)), ("suffix", (None, "")), ("presence_penalty", (None, 0)),
-               ("frequency_penalty", (None, 0)), ("logit_bias", (None, {})), ("tools", (None, [])),
-               ("response_format", (None, {"type": "text"})))
+# Options this server does not implement, each with the one value (beside null) that leaves the
+# output as it is: any other value would change the output, so it is refused rather than ignored.
+# The JSON type is part of the value: Python's == would let `true` pass for 1, `1.0` for 1 and `0`
+# for false. An int here takes an integer only; a float takes any number (0 or 0.0 for a penalty).
+UNSUPPORTED = {
+    "n": 1, "best_of": 1, "echo": False, "top_logprobs": 0, "suffix": "",
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+    "ignore_eos": False, "min_tokens": 0, "stop_token_ids": [], "logit_bias": {},
+    "tools": [], "functions": [], "function_call": None, "tool_choice": None,
+    "response_format": {"type": "text"},
+}
+
+
+def _is_neutral(value, neutral) -> bool:
+    """`value` is `neutral` in JSON terms: equal, and of its JSON type (see UNSUPPORTED)."""
+    if isinstance(neutral, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else json.dumps(value)
+
+
+def _check_unsupported(body: dict, chat: bool) -> None:
+    for name, neutral in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not _is_neutral(value, neutral):
+            supported = "null" if neutral is None else f"null or {_shown(neutral)}"
+            raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported (supported: {supported})", name)
+    # logprobs: a boolean in chat, a count in completions, where even 0 returns the sampled
+    # token's log-probability; neither is produced here
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not (chat and logprobs is False):
+        supported = "null or false" if chat else "null"
+        raise APIError(400, f"logprobs={json.dumps(logprobs)[:80]} is not supported (supported: {supported})",
+                       "logprobs")
+    user = body.get("user")  # an end-user id for abuse monitoring: accepted, unused, but a string
+    if user is not None and not isinstance(user, str):
+        raise APIError(400, f"user must be a string, got {json.dumps(user)[:80]}", "user")
 
 
 def parse_settings(body: dict, config: ServeConfig, chat: bool) -> Settings:
-    for name, allowed in UNSUPPORTED:
-        if body.get(name) not in allowed:
-            raise APIError(400, f"{name}={body[name]!r} is not supported (supported: {allowed[1]!r})", name)
+    _check_unsupported(body, chat)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     top_k = _integer(body, "top_k", low=0) or 0  # an extension (vLLM has it too)
     seed = _integer(body, "seed", *SEED_RANGE)
+    # chat: max_completion_tokens wins over max_tokens, but both are checked (a bad one is refused
+    # even beside a good one)
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    max_tokens = None
-    for name in names:
-        value = _integer(body, name, low=1, high=config.max_tokens_limit)
-        if value is not None:
-            max_tokens = value
-            break
+    limits = [_integer(body, name, low=1, high=config.max_tokens_limit) for name in names]
+    max_tokens = next((value for value in limits if value is not None), None)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -151,12 +187,18 @@ def parse_settings(body: dict, config: ServeConfig, chat: bool) -> Settings:
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise APIError(400, f"stream must be a boolean, got {stream!r}", "stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
     if not isinstance(options, dict):
-        raise APIError(400, "stream_options must be an object", "stream_options")
+        raise APIError(400, f"stream_options must be an object, got {json.dumps(options)[:80]}", "stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise APIError(400, f"stream_options.include_usage must be a boolean, got {json.dumps(include_usage)[:80]}",
+                       "stream_options")
     return Settings(params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
                     max_tokens=max_tokens, stop=tuple(_text(s, "stop") for s in stop), stream=bool(stream),
-                    include_usage=bool(options.get("include_usage")))
+                    include_usage=bool(include_usage))
 
 
 def completion_prompt(body: dict, pipeline) -> list[int]:
@@ -184,6 +226,9 @@ def chat_prompt(body: dict, pipeline) -> list[int]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
             raise APIError(400, f"messages[{i}] must be an object with role system, user or assistant", "messages")
+        for name in ("tool_calls", "function_call"):  # earlier tool use: no tools here to render it with
+            if m.get(name) not in (None, []):
+                raise APIError(400, f"messages[{i}].{name} is not supported (this server has no tools)", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -257,18 +302,27 @@ async def read_body(http: HTTPRequest, state: ServerState) -> dict:
         raise APIError(413, f"request body of {declared} bytes exceeds the limit of {config.max_body_bytes}",
                        code="request_too_large")
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > config.max_body_bytes:
-            raise APIError(413, f"request body exceeds the limit of {config.max_body_bytes} bytes",
-                           code="request_too_large")
-        chunks.append(chunk)
     try:
-        body = json.loads(b"".join(chunks))
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                raise APIError(413, f"request body exceeds the limit of {config.max_body_bytes} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    raw = b"".join(chunks)
+    if b"\x00" in raw:  # JSON escapes every control character: a NUL byte is UTF-16 or UTF-32 text
+        raise APIError(400, "the body is not UTF-8 JSON (it holds NUL bytes: UTF-16 or UTF-32?)", code="invalid_json")
+    try:
+        # UTF-8 only, as JSON over HTTP is (RFC 8259): json.loads(bytes) would also take UTF-16/32
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the body is not UTF-8 JSON (byte {e.start} is not UTF-8)", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, f"the JSON body nests deeper than {config.max_json_depth} levels",
                        code="invalid_json") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except ValueError as e:
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the JSON body must be an object", code="invalid_json")
@@ -401,6 +455,13 @@ async def http_error(http, e):
                         headers=getattr(e, "headers", None))
 
 
+async def client_gone(http, e: ClientGone):
+    """A client that left mid-body cancelled its own request: no failure of ours, no traceback."""
+    log.info("client left before sending all of its request body: %s %s", http.method, http.url.path)
+    _state(http).metrics.count_request("cancelled")
+    return PlainTextResponse("", status_code=499)  # what nginx logs for it; nobody reads it
+
+
 async def server_error(http, e: Exception):
     """An internal failure: the traceback to the log, a generic message to the client."""
     log.exception("internal error serving %s %s", http.method, http.url.path, exc_info=e)
@@ -426,6 +487,7 @@ _SAMPLING = {
                        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "user": {"type": "string"},
 }
 COMPLETION_BODY = {"type": "object", "required": ["prompt"], "properties": {
     **_SAMPLING,
@@ -492,6 +554,7 @@ def create_app(pipeline, config: ServeConfig):
     app = FastAPI(title="loopspec", lifespan=lifespan)
     app.state.server = state
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, server_error)
     app.add_api_route("/v1/completions", completions, methods=["POST"], **_post_doc(COMPLETION_BODY))

@@ -11,15 +11,12 @@ tokens costs about one step on a GPU but grows with N on a CPU.
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 import time
-from pathlib import Path
 
 from loopspec.errors import LoopspecError
 from loopspec.stats import acceptance_length
-
-STORED = ("gate_threshold", "max_stages", "block_size", "tree_budget", "suffix", "suffix_first")
+from loopspec.tuned import store_setting  # noqa: F401 (where a result is stored: loopspec/tuned.py)
 
 
 def measure(pipe, prompts: list[list[int]], settings, reference: list[list[int]], ar_seconds: float,
@@ -112,19 +109,3 @@ def choose(rows: list[dict]) -> dict:
                 if (r["max_stages"] == 1 or r["tau"] > one_stage_tau.get(r["block_size"], 0.0))
                 and (plain(r) or r["tau"] > chain_tau.get((r["block_size"], r["max_stages"], r["gate_threshold"]), 0.0))]
     return max(eligible, key=lambda r: r["tokens_per_s"])
-
-
-def store_setting(drafter_dir: str | Path, setting: dict, engine: str) -> None:
-    """Write the chosen setting (block size, stages, gate, tree budget, suffix: what dflash and
-    dloop resolve to by default) into the drafter's config.json under loopspec.tuned[engine], the
-    engine it was measured on (loopspec.settings.engine_key); the first one stored is also
-    loopspec.dloop, the drafter's setting for the engines not tuned yet."""
-    path = Path(drafter_dir) / "config.json"
-    if not path.is_file():
-        raise LoopspecError(f"cannot store the tuned setting: {path} does not exist")
-    cfg = json.loads(path.read_text())
-    chosen = {k: setting[k] for k in STORED if k in setting}
-    extra = cfg.setdefault("loopspec", {})
-    extra.setdefault("tuned", {})[engine] = chosen
-    extra.setdefault("dloop", chosen)
-    path.write_text(json.dumps(cfg, indent=2) + "\n")

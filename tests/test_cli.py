@@ -107,7 +107,19 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
     (wider / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
     empty = tmp_path / "empty"
     empty.mkdir()
-    base = ["generate", "--target", str(target), "--drafter", str(drafter), "--max-new-tokens", "4"]
+    # the PyTorch engine: these checks need the model, not a (first-time) ONNX export
+    base = ["generate", "--target", str(target), "--drafter", str(drafter), "--max-new-tokens", "4", "--backend", "torch"]
+    # The cases below name a target that does not exist: their own check must come first, before
+    # the model would load, or the line would say "does not exist" instead.
+    never = str(tmp_path / "never-loaded")
+    latin1 = tmp_path / "latin1.jsonl"  # "café" in Latin-1: byte 0xE9 is no UTF-8
+    latin1.write_bytes(b'{"turns": ["ok"]}\n{"turns": ["caf\xe9"]}\n')
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"turns": ["hello"]}\n')
+    gen = ["generate", "--prompt", "x", "--target", never]
+    train = ["train", "--data", str(tmp_path / "data"), "--target", never, "--out", str(tmp_path / "drafter-out")]
+    serve = ["serve", "--target", never]
+    not_utf8 = "latin1.jsonl:2: prompt file is not UTF-8"
     return {
         "weights wider than config": (["generate", "--prompt", "x", "--target", str(wider), "--drafter", "none",
                                        "--method", "ar"], "does not match its config.json"),
@@ -116,7 +128,7 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
         "corrupt safetensors": (["generate", "--prompt", "x", "--target", str(corrupt), "--drafter", "none",
                                  "--method", "ar"], "corrupt"),
         "mismatched drafter": (["generate", "--prompt", "x", "--target", str(target), "--drafter",
-                                str(tmp_path / "wrong_drafter")], "does not fit"),
+                                str(tmp_path / "wrong_drafter"), "--backend", "torch"], "does not fit"),
         "empty prompt": (base + ["--prompt", "  "], "empty prompt"),
         "prompt over context": (base + ["--prompt", "a" * 40, "--max-context", "16"], "does not fit the context"),
         "negative temperature": (base + ["--prompt", "x", "--temperature", "-1"], "temperature"),
@@ -126,17 +138,79 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
         "bad top-p": (base + ["--prompt", "x", "--top-p", "0"], "top_p"),
         "negative tree budget": (base + ["--prompt", "x", "--tree-budget", "-1"], "--tree-budget"),
         "tree on suffix": (base + ["--prompt", "x", "--method", "suffix", "--tree-budget", "4"], "tree"),
+        # fail before the model loads
+        "bench prompts not UTF-8": (["bench", "--prompts", str(latin1), "--target", never], not_utf8),
+        "tune prompts not UTF-8": (["tune", "--prompts", str(latin1), "--target", never], not_utf8),
+        "data prompts not UTF-8": (["data", "--prompts", str(latin1), "--target", never,
+                                    "--out", str(tmp_path / "data-out")], not_utf8),
+        "calibration prompts not UTF-8": (["convert", "quantize", "--precision", "fp8", "--target", never,
+                                           "--calib-prompts", str(latin1), "--out", str(tmp_path / "q-out")],
+                                          "latin1.jsonl:2: calibration prompt file is not UTF-8"),
+        "tune --json into a missing folder": (["tune", "--prompts", str(good), "--target", never,
+                                               "--json", str(tmp_path / "no-such-folder" / "t.json")],
+                                              "no-such-folder does not exist"),
+        "bench --json names a folder": (["bench", "--prompts", str(good), "--target", never,
+                                         "--json", str(tmp_path)], "is a directory"),
+        "bench --json into a missing folder": (["bench", "--prompts", str(good), "--target", never,
+                                                "--json", str(tmp_path / "no-such-folder" / "b.json")],
+                                               "no-such-folder does not exist"),
+        "tune without a drafter": (["tune", "--prompts", str(good), "--target", never, "--drafter", "none"],
+                                   "tune needs a drafter"),
+        "tune storing into an exported engine": (["tune", "--prompts", str(good), "--onnx-dir", never],
+                                                 "--no-store"),
+        "tune thresholds not numbers": (["tune", "--prompts", str(good), "--target", never, "--thresholds=a,b"],
+                                        "--thresholds must be comma-separated numbers"),
+        "seed 2**64": (gen + ["--seed", str(2 ** 64)], "argument --seed: --seed must be in [0, 18446744073709551615]"),
+        "negative seed": (gen + ["--seed", "-1"], "argument --seed: --seed must be in [0,"),
+        "train seed 2**70": (train + ["--seed", str(2 ** 70)], "train: argument --seed"),
+        "data negative seed": (["data", "--prompts", str(good), "--out", str(tmp_path / "d"), "--seed", "-5"],
+                               "data: argument --seed"),
+        "serve port 70000": (serve + ["--port", "70000"], "argument --port: --port must be in [1, 65535], got 70000"),
+        "serve port 0": (serve + ["--port", "0"], "argument --port"),
+        "serve port not a number": (serve + ["--port", "http"], "argument --port: --port must be an integer"),
+        "serve log level bogus": (serve + ["--log-level", "bogus"], "argument --log-level: invalid choice: 'bogus'"),
+        "train epochs inf": (train + ["--epochs", "inf"], "argument --epochs: --epochs must be a finite number > 0"),
+        "train epochs nan": (train + ["--epochs", "nan"], "argument --epochs: --epochs must be a finite number > 0"),
+        "train epochs 0": (train + ["--epochs", "0"], "argument --epochs: --epochs must be a finite number > 0"),
+        "train epochs negative": (train + ["--epochs", "-2"], "argument --epochs: --epochs must be a finite number > 0"),
+        "train gamma 0": (train + ["--gamma", "0"], "argument --gamma: --gamma must be a finite number > 0"),
+        "train gamma negative": (train + ["--gamma", "-7"], "argument --gamma: --gamma must be a finite number > 0"),
+        "train lr nan": (train + ["--lr", "nan"], "argument --lr"),
+        "train max minutes inf": (train + ["--max-minutes", "inf"], "argument --max-minutes"),
+        "train kl weight negative": (train + ["--kl-weight", "-1"], "argument --kl-weight: --kl-weight must be a finite number >= 0"),
+        "generate without --prompt": (["generate", "--target", never], "generate: the following arguments are "
+                                                                       "required: --prompt"),
+        "generate unknown flag": (gen + ["--beam-width", "4"], "unrecognized arguments: --beam-width"),
+        "max new tokens 0": (gen + ["--max-new-tokens", "0"], "argument --max-new-tokens: --max-new-tokens must be >= 1"),
+        "unknown command": (["translate"], "argument command: invalid choice: 'translate'"),
+        "convert onnx unknown precision": (["convert", "onnx", "--out", str(tmp_path / "o"), "--precision", "int3"],
+                                           "convert onnx: argument --precision: invalid choice"),
+        "prompts count 0": (["prompts", "--out", str(tmp_path / "p.jsonl"), "--count", "0"], "argument --count"),
     }
 
 
-CASES = ["weights wider than config", "empty target dir", "unknown path", "corrupt safetensors", "mismatched drafter", "empty prompt", "prompt over context",
-         "negative temperature", "infinite temperature", "block size 0", "unknown method", "bad top-p",
-         "negative tree budget", "tree on suffix"]
+CASES = ["weights wider than config", "empty target dir", "unknown path", "corrupt safetensors", "mismatched drafter",
+         "empty prompt", "prompt over context", "negative temperature", "infinite temperature", "block size 0",
+         "unknown method", "bad top-p", "negative tree budget", "tree on suffix",
+         "bench prompts not UTF-8", "tune prompts not UTF-8", "data prompts not UTF-8", "calibration prompts not UTF-8",
+         "tune --json into a missing folder", "bench --json names a folder", "bench --json into a missing folder",
+         "tune without a drafter", "tune storing into an exported engine", "tune thresholds not numbers",
+         "seed 2**64", "negative seed", "train seed 2**70", "data negative seed", "serve port 70000", "serve port 0",
+         "serve port not a number", "serve log level bogus", "train epochs inf", "train epochs nan", "train epochs 0",
+         "train epochs negative", "train gamma 0", "train gamma negative", "train lr nan", "train max minutes inf",
+         "train kl weight negative", "generate without --prompt", "generate unknown flag", "max new tokens 0",
+         "unknown command", "convert onnx unknown precision", "prompts count 0"]
+
+
+def _files_under(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_exits_2_with_one_line(case, bad_cases, capsys):
+def test_bad_input_exits_2_with_one_line(case, bad_cases, capsys, tmp_path):
+    """One line `loopspec: error: ...` naming the cause, exit code 2, and nothing written."""
     argv, needle = bad_cases[case]
+    before = _files_under(tmp_path)
     try:
         code = main(argv)
     except SystemExit as e:  # argparse-level errors
@@ -144,7 +218,8 @@ def test_bad_input_exits_2_with_one_line(case, bad_cases, capsys):
     err = capsys.readouterr().err
     assert code == 2
     line = _one_error_line(err)
-    assert needle in line and line.startswith("loopspec")
+    assert line.startswith("loopspec: error: ") and needle in line, line
+    assert _files_under(tmp_path) == before
 
 
 def test_bench_bad_prompt_file(capsys, tiny_pair, tmp_path):
@@ -206,3 +281,14 @@ def test_tune_stores_fastest_lossless_setting(capsys, tiny_pair, tmp_path):
     assert pipe.settings("dloop").suffix_first == stored["suffix_first"]
     assert main(["tune", "--prompts", str(prompts), "--target", str(target), "--drafter", str(mine),
                  "--stages", "0"]) == 2
+
+
+@pytest.mark.parametrize("kwargs", [{"max_context": 0}, {"max_context": -8}, {"max_context": 2.5},
+                                    {"max_context": True}, {"num_threads": 0}])
+def test_load_pipeline_refuses_a_bad_size_before_loading(kwargs):
+    """The Python API: a ValueError naming the parameter, raised before the (default) model loads."""
+    from loopspec.runtime.pipeline import load_pipeline
+
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
+        load_pipeline("/nonexistent-target", "none", **kwargs)

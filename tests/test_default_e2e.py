@@ -20,7 +20,7 @@ PROMPTS = [
 def pipe():
     from loopspec.runtime.pipeline import load_pipeline
 
-    return load_pipeline("default", "default")
+    return load_pipeline("default", "default", backend="torch")  # the PyTorch modules (fp32) these tests read
 
 
 def test_default_target_matches_transformers(pipe):
@@ -116,8 +116,20 @@ def test_bench_compares_the_fp32_and_4_bit_engines(tmp_path):
     assert by["dloop", "onnxruntime fp32"].identical_to_ar and by["dloop", "onnxruntime gguf-int8act"].identical_to_ar
     assert by["ar", "onnxruntime gguf-int8act"].identical_to_ar is None  # another arithmetic: not fp32's plain run
     assert all(r.agreement_with_fp32 == 1.0 for r in results if r.backend.endswith("fp32"))
+    # how long the 4-bit engine's `ar` follows fp32's, counted here from each engine's own output
+    from loopspec.runtime.pipeline import load_pipeline
+
+    outputs = {}
+    for precision in ("fp32", "gguf-int8act"):
+        pipe = load_pipeline("default", "default", backend="onnxruntime", precision=precision, num_threads=1)
+        ids = pipe.encode("Write a Python function that reverses a string.")
+        outputs[precision] = pipe.run(ids, pipe.settings("ar"), max_new_tokens=24).tokens
+    fp32, int8_tokens = outputs["fp32"], outputs["gguf-int8act"]
+    shared = 0
+    while shared < min(len(fp32), len(int8_tokens)) and fp32[shared] == int8_tokens[shared]:
+        shared += 1
     int8 = by["ar", "onnxruntime gguf-int8act"]
-    assert 0 <= int8.fp32_matching_prefix <= 24 and int8.agreement_with_fp32 in (0.0, 1.0)
+    assert int8.fp32_matching_prefix == shared and int8.agreement_with_fp32 == float(fp32 == int8_tokens)
     import json
 
     engines = json.loads((tmp_path / "b.json").read_text())["settings"]["engines"]

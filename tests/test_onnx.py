@@ -189,7 +189,7 @@ def test_pipeline_exports_once_and_reuses_the_cache(tiny_pair, tmp_path, monkeyp
     assert "exporting fp32 ONNX engines" in capsys.readouterr().err
     cached = pipe.engine.onnx_dir
     assert cached.parent == tmp_path / "loopspec" / "onnx" and pipe.backend == "onnxruntime"
-    torch_pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=128)
+    torch_pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=128, backend="torch")
     ids = pipe.encode("hello there")
     for method in ("ar", "dflash", "dloop"):
         settings = pipe.settings(method)
@@ -324,7 +324,7 @@ def test_default_pair_onnxruntime_equals_torch(tmp_path_factory):
     from loopspec.convert.onnx_export import convert_onnx
     from loopspec.runtime.pipeline import load_pipeline
 
-    torch_pipe = load_pipeline("default", "default", max_context=512)
+    torch_pipe = load_pipeline("default", "default", max_context=512, backend="torch")
     onnx_dir = tmp_path_factory.mktemp("default") / "onnx"
     _, report = convert_onnx(torch_pipe.target, torch_pipe.drafter, onnx_dir, target_dir=torch_pipe.target_dir,
                              drafter_dir=torch_pipe.drafter_dir)

@@ -70,7 +70,7 @@ def pipe(tiny_pair, tmp_path_factory):
     shutil.copytree(target_dir, lively)
     for f in lively.glob("*.safetensors"):
         write_safetensors({k: v * 8 if v.dim() == 2 else v for k, v in read_safetensors(f).items()}, f)
-    return load_pipeline(str(lively), str(drafter_dir), max_context=CONTEXT)
+    return load_pipeline(str(lively), str(drafter_dir), max_context=CONTEXT, backend="torch")
 
 
 def make_app(pipe, **kw):
@@ -323,7 +323,7 @@ def test_scheduler_isolates_a_failing_request(pipe):
 def test_default_pair_four_concurrent_greedy_streams_equal_alone():
     from loopspec.runtime.pipeline import load_pipeline
 
-    pipe = load_pipeline("default", "default", max_context=1024)
+    pipe = load_pipeline("default", "default", max_context=1024, backend="torch")
     prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                "Give me three tips for writing clean Python.", "Explain what a hash table is."]
     refs = [pipe.decode(alone(pipe, pipe.encode(p), 32).tokens) for p in prompts]
@@ -388,3 +388,160 @@ def test_inputs_that_once_broke_the_server_get_a_4xx(server):
         assert {"400", "404", "413", "429", "500"} <= set(post["responses"])
     assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200  # still serving
+
+
+OK_COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
+OK_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+# (endpoint, what the body adds or changes, the parameter the 400 must name)
+REFUSED = [
+    # options that would change the output and are not implemented
+    ("completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("completions", {"min_p": 0.1}, "min_p"),
+    ("completions", {"ignore_eos": True}, "ignore_eos"),
+    ("completions", {"stop_token_ids": [5]}, "stop_token_ids"),
+    ("completions", {"min_tokens": 2}, "min_tokens"),
+    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ("chat", {"function_call": "auto"}, "function_call"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"tool_choice": "none"}, "tool_choice"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function"}]}]},
+     "messages"),
+    ("completions", {"logprobs": 0}, "logprobs"),  # completions: a count; 0 still returns the token's own
+    ("chat", {"logprobs": True}, "logprobs"),
+    # the right value in the wrong JSON type (Python's == would let each one through)
+    ("completions", {"n": True}, "n"),
+    ("completions", {"best_of": 1.0}, "best_of"),
+    ("completions", {"echo": 0}, "echo"),
+    ("chat", {"logprobs": 0}, "logprobs"),
+    ("chat", {"top_logprobs": False}, "top_logprobs"),
+    ("completions", {"presence_penalty": False}, "presence_penalty"),
+    ("completions", {"frequency_penalty": False}, "frequency_penalty"),
+    ("completions", {"repetition_penalty": True}, "repetition_penalty"),
+    ("completions", {"stream_options": False}, "stream_options"),
+    ("completions", {"stream_options": []}, "stream_options"),
+    ("completions", {"stream_options": 0}, "stream_options"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
+    ("chat", {"max_completion_tokens": 3, "max_tokens": "ten"}, "max_tokens"),
+    ("completions", {"user": 42}, "user"),
+    ("chat", {"user": {"id": "u1"}}, "user"),
+    ("completions", {"suffix": 0}, "suffix"),
+    ("completions", {"logit_bias": []}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("endpoint, change, param", REFUSED, ids=[f"{e}-{json.dumps(c)[:40]}" for e, c, _ in REFUSED])
+def test_unsupported_or_mistyped_options_get_a_400_naming_them(server, endpoint, change, param):
+    body = {**(OK_CHAT if endpoint == "chat" else OK_COMPLETION), **change}
+    response = httpx.post(f"{server.url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+@pytest.mark.parametrize("change", [{"n": 1, "best_of": 1, "echo": False, "top_logprobs": 0},
+                                    {"presence_penalty": 0.0, "frequency_penalty": 0, "repetition_penalty": 1.0,
+                                     "min_p": 0, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": []},
+                                    {"logprobs": False, "tools": [], "tool_choice": None, "user": "u1",
+                                     "stream_options": None, "max_tokens": 3, "max_completion_tokens": 3}])
+def test_the_neutral_value_of_each_unsupported_option_is_accepted(server, change):
+    """The values that leave the output unchanged are no reason to refuse a request."""
+    response = httpx.post(server.url + "/v1/chat/completions", json={**OK_CHAT, **change})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+def test_a_body_that_is_not_utf8_json_gets_a_400(server, encoding):
+    raw = json.dumps(OK_COMPLETION).encode(encoding)
+    assert json.loads(raw) == OK_COMPLETION  # Python's json alone would take it (it detects UTF-16/32)
+    response = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json", response.text
+    assert "UTF-8" in response.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_mid_body_is_a_cancellation_not_an_error(server, caplog):
+    """The server logs it at info (no traceback) and counts it as cancelled, not as an error."""
+    import logging
+
+    errors = server.metric('loopspec_requests_total{outcome="error"}')
+    cancelled = server.metric('loopspec_requests_total{outcome="cancelled"}')
+    host, port = server.url.removeprefix("http://").split(":")
+    with caplog.at_level(logging.INFO, logger="loopspec.server"):
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 200\r\n\r\n" + b'{"prompt": "hel')  # 15 of the 200 bytes promised
+        server.wait_metric('loopspec_requests_total{outcome="cancelled"}', cancelled + 1)
+    assert server.metric('loopspec_requests_total{outcome="error"}') == errors
+    records = [r for r in caplog.records if r.name == "loopspec.server"]
+    assert any("before sending all of its request body" in r.getMessage() and r.levelno == logging.INFO
+               for r in records), records
+    assert not any(r.levelno >= logging.WARNING or r.exc_info for r in records), records
+    assert httpx.post(server.url + "/v1/completions", json=OK_COMPLETION).status_code == 200
+
+
+# Byte-level text: token i of a reply is byte i of "😀😀..." (4 bytes each), the way a byte-level BPE
+# splits an emoji. Every odd prefix of the reply decodes with a trailing U+FFFD; the whole reply has none.
+EMOJI = "\N{GRINNING FACE}"
+
+
+def emoji_bytes(tokens: list[int]) -> str:
+    return (EMOJI.encode() * len(tokens))[:len(tokens)].decode("utf-8", errors="replace")
+
+
+def test_a_replacement_character_stop_does_not_cut_a_reply_at_a_partial_character(pipe):
+    """Through the scheduler: a stop string "\\ufffd" never matches the U+FFFD of a character whose
+    bytes are still arriving; the reply is the whole text, ended by its length."""
+    from loopspec.runtime.decoder import Decoder
+    from loopspec.runtime.scheduler import Request, Scheduler
+
+    scheduler = Scheduler(Decoder(pipe.engine.with_rows(2), pipe.settings("dflash", adaptive=False)), emoji_bytes,
+                          stop_token_ids=frozenset()).start()  # no end-of-sequence: exactly max_tokens tokens
+    try:
+        events, done = [], threading.Event()
+
+        def collect(event):
+            events.append(event)
+            if event.kind in ("done", "error"):
+                done.set()
+
+        scheduler.submit(Request(prompt_ids=pipe.tokenizer.encode("hello"), max_tokens=8, on_event=collect,
+                                 stop=("\ufffd",)))
+        assert done.wait(30)
+    finally:
+        scheduler.close()
+    assert "".join(e.text for e in events if e.kind == "text") == EMOJI * 2
+    assert events[-1].kind == "done" and events[-1].finish_reason == "length"
+
+
+def test_stop_strings_are_matched_in_decoded_text_only():
+    """TextTail against an independent oracle: whatever the chunking of a byte-level reply, the text
+    released is the decoded text up to the first occurrence of the stop string (all of it when
+    there is none), and nothing else."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import given, settings, strategies as st
+
+    from loopspec.runtime.scheduler import TextTail
+
+    alphabet = st.sampled_from(["a", "b", " ", "é", "\u20ac", EMOJI, "\ufffd"])  # 1- to 4-byte characters
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(st.lists(alphabet, max_size=12).map("".join), st.lists(alphabet, min_size=1, max_size=3).map("".join),
+           st.lists(st.integers(1, 5), max_size=40))
+    def check(text, stop, cuts):
+        data = text.encode()
+        tail = TextTail(lambda tokens: bytes(tokens).decode("utf-8", errors="replace"), (stop,))
+        released, stopped, fed = [], False, 0
+        for size in cuts + [len(data)]:
+            if fed >= len(data) or stopped:
+                break
+            out, stopped = tail.feed(list(data[fed:fed + size]))
+            released.append(out)
+            fed += size
+        if not stopped:
+            out, stopped = tail.flush()
+            released.append(out)
+        expected = text[:text.index(stop)] if stop in text else text
+        assert ("".join(released), stopped) == (expected, stop in text)
+
+    check()

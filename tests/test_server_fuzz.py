@@ -61,7 +61,7 @@ def client(tiny_pair):
     from loopspec.runtime.server import ServeConfig, create_app
 
     target_dir, drafter_dir = tiny_pair
-    pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=96)
+    pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=96, backend="torch")
     config = ServeConfig(settings=pipe.settings("dloop", adaptive=False), model_name="tiny", max_batch_size=2,
                          max_tokens_limit=4, default_max_tokens=4, max_body_bytes=4096)
     with TestClient(create_app(pipe, config)) as c:

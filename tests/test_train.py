@@ -1,11 +1,13 @@
 """Drafter training: block mask, anchors, weights, and a tiny overfit run."""
 
 import json
+import math
 import random
 
 import pytest
 import torch
 
+from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
 from loopspec.train.data import Sample
 from loopspec.train.trainer import (DrafterTrainer, TrainConfig, block_mask_dense, default_gamma,
@@ -313,7 +315,32 @@ def test_dpace_and_kl_options_change_the_loss(tiny_targets):
         losses[name] = loss.item()
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
     assert losses["kl"] > losses["plain"]  # KL to the target is >= 0 and > 0 for a random drafter
-    assert losses["dpace"] != losses["plain"]
+    assert losses["dpace"] != losses["plain"]  # the option is wired in; its weights: the test below
+
+
+def test_dpace_weights_match_a_hand_computed_case():
+    """D-PACE weighs in-block position i by sum over k >= i of p_1 * ... * p_k (p: the drafter's
+    probability of the label), normalized to mean 1; a position without a label ends the chain.
+    Worked by hand on two blocks of 4 (position 0 is the anchor):
+      block 0: p = 0.5, 0.8, 0.25 → products 0.5, 0.4, 0.1 → sums from i: 1.0, 0.5, 0.1
+      block 1: p = 0.5, (no label), 0.25 → products 0.5, 0, 0 → labelled positions 1 and 3: 0.5, 0.0
+    mean of the five = 2.1 / 5 = 0.42 → 1.0/0.42, 0.5/0.42, 0.1/0.42, 0.5/0.42, 0.0."""
+    rows = (torch.tensor([0, 0, 0, 1, 1]), torch.tensor([1, 2, 3, 1, 3]))
+    p = torch.tensor([0.5, 0.8, 0.25, 0.5, 0.25])
+    factor = DrafterTrainer._dpace_factor(-torch.log(p), rows, 2, 4)
+    expected = torch.tensor([1.0, 0.5, 0.1, 0.5, 0.0]) / 0.42
+    assert torch.allclose(factor, expected, atol=1e-6), factor
+
+
+def test_gamma_must_be_positive(tiny_targets):
+    """A decay length of 0 once became the default silently; now it is refused, like a negative one."""
+    target = load_target_dir(tiny_targets["qwen2"])
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=4, mask_token_id=127, target_layer_ids=[2])
+    for gamma in (0.0, -1.0, float("nan")):
+        with pytest.raises(LoopspecError, match="gamma must be a finite number > 0"):
+            DrafterTrainer(target, Drafter(cfg), TrainConfig(gamma=gamma))
+    trainer = DrafterTrainer(target, Drafter(cfg), TrainConfig(gamma=2.0))
+    assert torch.allclose(trainer.weights, torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
 
 
 def test_bfloat16_compute_matches_float32_and_trains(tiny_targets):

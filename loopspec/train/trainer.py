@@ -137,7 +137,11 @@ class DrafterTrainer:
             p.requires_grad_(False)
         self.draft_vocab = draft_vocab
         self.head_weight = target.lm_head.weight if draft_vocab is None else target.lm_head.weight[draft_vocab.ids]
-        self.weights = position_weights(drafter.cfg.block_size, cfg.gamma or default_gamma(drafter.cfg.block_size))
+        if cfg.gamma is not None and not (math.isfinite(cfg.gamma) and cfg.gamma > 0):
+            # 0 once fell back to the default silently; a decay length must be a positive number
+            raise LoopspecError(f"gamma must be a finite number > 0 (or None for the default), got {cfg.gamma}")
+        gamma = default_gamma(drafter.cfg.block_size) if cfg.gamma is None else cfg.gamma
+        self.weights = position_weights(drafter.cfg.block_size, gamma)
         target.set_taps(drafter.cfg.target_layer_ids)
 
     # ---- taps ------------------------------------------------------------------------------------
