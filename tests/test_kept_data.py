@@ -11,7 +11,7 @@ import loopspec.runtime.decoder as decoder_module
 from conftest import save_tiny_target, save_tiny_tokenizer
 from loopspec.cli import main
 from loopspec.errors import LoopspecError
-from loopspec.train.data import read_samples, safe_name
+from loopspec.train.samples import read_samples, safe_name
 from loopspec.weights import read_safetensors
 
 TEXTS = [f"prompt {i} " + "says hello " * (i % 4) for i in range(10)]

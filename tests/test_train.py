@@ -9,7 +9,7 @@ import torch
 
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
-from loopspec.train.data import Sample
+from loopspec.train.samples import Sample
 from loopspec.train.trainer import (DrafterTrainer, TrainConfig, block_mask_dense, default_gamma,
                                     position_weights, sample_anchors)
 from loopspec.weights import load_target_dir

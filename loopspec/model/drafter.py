@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopspec.errors import LoopspecError
+from loopspec.files import one_line, read_json, read_safetensors, refuse_quantized, write_safetensors
 from loopspec.model.target import (MLP, KVCache, RMSNorm, RotaryTable, TargetConfig, apply_rope,
                                    default_target_layer_ids)
 
@@ -336,8 +337,6 @@ class Drafter(nn.Module):
         return out
 
     def save(self, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        from loopspec.weights import write_safetensors
-
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         cfg = self.cfg.to_zlab()
@@ -349,8 +348,6 @@ class Drafter(nn.Module):
 
     def save_d2t(self, directory: str | Path) -> None:
         """The reduced draft vocabulary as `d2t.safetensors` (what `load` reads; none without one)."""
-        from loopspec.weights import write_safetensors
-
         path = Path(directory) / D2T_FILE
         if self.draft_ids is None:
             path.unlink(missing_ok=True)  # a stale map of an earlier save must not be read back
@@ -360,8 +357,6 @@ class Drafter(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter":
-        from loopspec.weights import one_line, read_json, read_safetensors, refuse_quantized
-
         directory = Path(directory)
         if not directory.is_dir():
             raise LoopspecError(f"drafter path does not exist or is not a directory: {directory}")

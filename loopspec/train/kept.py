@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from loopspec.errors import LoopspecError
-from loopspec.train.data import Sample, parse_sample, read_samples, sample_json
+from loopspec.train.samples import Sample, parse_sample, read_samples, sample_json
 from loopspec.weights import read_json
 
 KIND = "loopspec-kept-data"

@@ -14,7 +14,7 @@ from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig, check_fits
 from loopspec.model.target import Target, default_target_layer_ids
 from loopspec.pair import Pair, mask_token_id
-from loopspec.train.data import Sample, read_samples, safe_name
+from loopspec.train.samples import Sample, read_samples, safe_name
 from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, compute_context, lr_at, top_token_vocab
 from loopspec.weights import read_safetensors, write_safetensors
 
