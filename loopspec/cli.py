@@ -344,7 +344,7 @@ def cmd_train(args) -> int:
 
 def cmd_tune(args) -> int:
     from loopspec.runtime.bench import load_prompts
-    from loopspec.runtime.pipeline import load_pipeline
+    from loopspec.runtime.pipeline import open_pipeline
     from loopspec.runtime.tune import choose, store_setting, sweep
     from loopspec.tuned import check_storable
 
@@ -356,7 +356,8 @@ def cmd_tune(args) -> int:
     if not thresholds or not stages or min(stages) < 1:
         raise LoopspecError("--thresholds and --stages need at least one value; stages >= 1")
     # what would fail only after the sweep is refused before it
-    if not _names_a_drafter(args):
+    choice = _engine_choice(args)
+    if not choice.names_a_drafter:
         raise LoopspecError("tune needs a drafter (got --drafter none)")
     _check_output_file(args.json_out, "--json")
     if not args.no_store:
@@ -366,10 +367,7 @@ def cmd_tune(args) -> int:
         if args.drafter != "default":
             check_storable(args.drafter)
     texts = [t for f in args.prompts for t in load_prompts(f, args.limit)]
-    pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
-                         mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
-                         cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir,
-                         trt_dir=args.trt_dir, precision=args.precision)
+    pipe = open_pipeline(choice)
     if not pipe.engine.has_drafter:
         raise LoopspecError("tune needs a drafter")
     block_sizes = _int_list(args.block_sizes, "--block-sizes") or [pipe.engine.drafter_cfg.block_size]
@@ -405,10 +403,20 @@ def cmd_tune(args) -> int:
     return 0
 
 
-def _names_a_drafter(args) -> bool:
-    """Whether the arguments can give a drafter (known before anything is loaded; artifact dirs are
-    checked when opened)."""
-    return args.drafter != "none" or args.onnx_dir is not None or args.trt_dir is not None
+def _engine_choice(args):
+    """The one value of which engine runs (loopspec.runtime.pipeline.EngineChoice), from the flags."""
+    from loopspec.runtime.pipeline import EngineChoice
+
+    return EngineChoice(target=args.target, drafter=args.drafter, backend=args.backend, precision=args.precision,
+                        device=args.device, max_context=args.max_context, threads=args.threads,
+                        cuda_graphs=args.cuda_graphs, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir,
+                        mask_token_id=args.mask_token_id)
+
+
+def _sampling(args):
+    from loopspec.decoding import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
 def _int_list(text: str | None, name: str) -> list[int] | None:
@@ -423,7 +431,6 @@ def _int_list(text: str | None, name: str) -> list[int] | None:
 def cmd_data(args) -> int:
     import torch
 
-    from loopspec.decoding import SamplingParams
     from loopspec.model.target import default_target_layer_ids
     from loopspec.pair import load_pair
     from loopspec.prompts import read_conversations
@@ -441,7 +448,7 @@ def cmd_data(args) -> int:
         raise LoopspecError("data needs --prompts (or --pack DIR to keep an existing data directory)")
     for path in args.prompts:  # a missing, malformed or non-UTF-8 file fails before the target loads
         read_conversations(path, args.limit)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    params = _sampling(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     pair = load_pair(args.target, "none")
@@ -462,7 +469,6 @@ def cmd_data(args) -> int:
 def cmd_prompts(args) -> int:
     import torch
 
-    from loopspec.decoding import SamplingParams
     from loopspec.pair import load_pair
     from loopspec.runtime import decoder
     from loopspec.train.data import write_prompts
@@ -472,7 +478,7 @@ def cmd_prompts(args) -> int:
     pair = load_pair(args.target, "none")
     report = write_prompts(target=pair.target, tokenizer=pair.tokenizer, out_path=args.out, count=args.count,
                            stop_ids=set(pair.stop_token_ids),
-                           params=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+                           params=_sampling(args),
                            seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
                            starts_with=args.starts_with, respond=decoder.regenerate_responses)
     print(f"{report['prompts']} prompts in {args.out} ({report['written_this_run']} written this run from "
@@ -481,18 +487,14 @@ def cmd_prompts(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from loopspec.decoding import SamplingParams
-    from loopspec.runtime.pipeline import load_pipeline
+    from loopspec.runtime.pipeline import open_pipeline
     from loopspec.settings import check_method
 
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    check_method(args.method, _names_a_drafter(args))
+    params, choice = _sampling(args), _engine_choice(args)
+    check_method(args.method, choice.names_a_drafter)
     if not args.prompt.strip():  # known before the model loads (Pipeline.encode refuses it too)
         raise LoopspecError("empty prompt")
-    pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context,
-                         mask_token_id=args.mask_token_id, num_threads=args.threads, device=args.device,
-                         cuda_graphs=args.cuda_graphs, backend=args.backend, onnx_dir=args.onnx_dir,
-                         trt_dir=args.trt_dir, precision=args.precision)
+    pipe = open_pipeline(choice)
     settings = pipe.settings(args.method, **_decoding_knobs(args))
     prompt_ids = pipe.encode(args.prompt, chat=args.chat)
     stream = TextStream(pipe)
@@ -535,17 +537,16 @@ class TextStream:
 
 
 def cmd_serve(args) -> int:
-    from loopspec.runtime.pipeline import load_pipeline
+    from loopspec.runtime.pipeline import open_pipeline
     from loopspec.runtime.server import ServeConfig, serve
     from loopspec.settings import check_method
     from loopspec.weights import DEFAULT_TARGET_NAME
 
     if not args.request_timeout > 0:
         raise LoopspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
-    check_method(args.method, _names_a_drafter(args))
-    pipe = load_pipeline(args.target, args.drafter, max_context=args.max_context, mask_token_id=args.mask_token_id,
-                         num_threads=args.threads, device=args.device, cuda_graphs=args.cuda_graphs,
-                         backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir, precision=args.precision)
+    choice = _engine_choice(args)
+    check_method(args.method, choice.names_a_drafter)
+    pipe = open_pipeline(choice)
     settings = pipe.settings(args.method, **_decoding_knobs(args))
     source = Path(args.onnx_dir or args.trt_dir or args.target)
     name = args.model_name or (DEFAULT_TARGET_NAME if source == Path("default") else
@@ -559,10 +560,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from loopspec.decoding import SamplingParams
     from loopspec.runtime.bench import run_bench
 
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    params = _sampling(args)
     _check_output_file(args.json_out, "--json")
     run_bench(prompt_files=args.prompts, methods=[m.strip() for m in args.methods.split(",") if m.strip()],
               target=args.target, drafter=args.drafter, limit=args.limit, max_new_tokens=args.max_new_tokens,

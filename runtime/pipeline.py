@@ -180,71 +180,116 @@ def resolve_precision(precision: str, backend: str, target: str | None) -> str:
     return precision
 
 
+@dataclass(frozen=True)
+class EngineChoice:
+    """Which engine runs the pair, as one value: the target and drafter ('default', a directory, a
+    .gguf; drafter 'none'), the backend and what the target computes with, the device, the KV context,
+    CPU threads and CUDA graphs — or the artifact directory (`onnx_dir`, `trt_dir`) to run instead.
+    Built and checked once, from Python keywords or the command line's flags: a bad value or
+    combination fails here, before anything loads; then load_pipeline, bench, tune and serve take it.
+    backend 'auto' is resolved on construction (`resolve_backend`); precision 'auto' when the
+    pipeline loads (it depends on the target file)."""
+
+    target: str = "default"
+    drafter: str | None = "default"
+    backend: str = "auto"
+    precision: str = "auto"
+    device: str = "cpu"
+    max_context: int | None = None
+    threads: int | None = None
+    cuda_graphs: bool | None = None
+    onnx_dir: str | Path | None = None
+    trt_dir: str | Path | None = None
+    mask_token_id: int | None = None
+
+    def __post_init__(self):
+        for name, value in (("max_context", self.max_context), ("num_threads", self.threads)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidValue(f"{name} must be a positive integer (or None for the default), got {value!r}")
+        backend = resolve_backend(self.backend, self.device, self.cuda_graphs, self.onnx_dir, self.trt_dir)
+        object.__setattr__(self, "backend", backend)
+        if backend not in BACKENDS:
+            raise LoopspecError(f"unknown backend {backend!r} (choose from auto, {', '.join(BACKENDS)})")
+        if backend != "onnxruntime" and self.onnx_dir is not None:
+            raise LoopspecError("--onnx-dir needs --backend onnxruntime")
+        if backend == "onnxruntime" and (self.device != "cpu" or self.cuda_graphs):
+            raise LoopspecError("the onnxruntime backend runs on the CPU here (use --device cpu, no CUDA graphs)")
+        if (backend == "tensorrt") != (self.trt_dir is not None):
+            raise LoopspecError("--backend tensorrt runs the plans of --trt-dir DIR (built by `loopspec convert trt`), "
+                                "and --trt-dir needs --backend tensorrt")
+        artifacts = self.onnx_dir is not None or self.trt_dir is not None
+        if self.precision not in PRECISIONS and not (artifacts and self.precision in ("fp8", "nvfp4")):
+            raise LoopspecError(f"unknown precision {self.precision!r} (choose from {', '.join(PRECISIONS)})")
+
+    @property
+    def from_artifacts(self) -> bool:
+        return self.onnx_dir is not None or self.trt_dir is not None
+
+    @property
+    def names_a_drafter(self) -> bool:
+        """Whether a drafter can come with it (known before anything loads; artifacts are checked when opened)."""
+        return self.drafter not in (None, "none") or self.from_artifacts
+
+
 def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,
                   mask_token_id: int | None = None, num_threads: int | None = None, device: str = "cpu",
                   cuda_graphs: bool | None = None, backend: str = "auto", onnx_dir: str | Path | None = None,
                   trt_dir: str | Path | None = None, precision: str = "auto") -> Pipeline:
-    """Resolve `target` ('default' | checkpoint dir | .gguf) and `drafter` ('default' | dir | 'none').
+    """The pipeline of an `EngineChoice` given as keywords (`open_pipeline` takes the value).
 
-    device: where the torch engine runs ('cpu' or 'cuda'); cuda_graphs: replay captured forwards
-    (default: on for CUDA, off for the CPU). backend 'onnxruntime': the exported engines in `onnx_dir`
-    (target and drafter are then not read), or — without onnx_dir — the pair exported once into
+    target: 'default' | checkpoint dir | .gguf; drafter: 'default' | dir | 'none'. device: where the
+    torch engine runs ('cpu' or 'cuda'); cuda_graphs: replay captured forwards (default: on for CUDA,
+    off for the CPU). backend 'onnxruntime': the exported engines in `onnx_dir` (target and drafter
+    are then not read), or — without onnx_dir — the pair exported once into
     ~/.cache/loopspec/onnx/<key of target + drafter> and reused while its manifest matches.
     backend 'tensorrt': the plans in `trt_dir` (built by `loopspec convert trt`) on the GPU.
-    backend 'auto' (the default, as on the command line): see `resolve_backend`. precision: what the target
-    computes with (fp32, or on ONNX Runtime the GGUF's own blocks; 'auto': `resolve_precision`);
-    artifacts in onnx_dir / trt_dir carry their own, which an explicit precision must name. The engine has one batch row; `Pipeline.with_rows` gives more.
-    A max_context or num_threads that is not a positive integer raises InvalidValue (a ValueError)."""
-    for name, value in (("max_context", max_context), ("num_threads", num_threads)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise InvalidValue(f"{name} must be a positive integer (or None for the default), got {value!r}")
-    backend = resolve_backend(backend, device, cuda_graphs, onnx_dir, trt_dir)
-    if backend not in BACKENDS:
-        raise LoopspecError(f"unknown backend {backend!r} (choose from auto, {', '.join(BACKENDS)})")
-    if backend != "onnxruntime" and onnx_dir is not None:
-        raise LoopspecError("--onnx-dir needs --backend onnxruntime")
-    if backend == "onnxruntime" and (device != "cpu" or cuda_graphs):
-        raise LoopspecError("the onnxruntime backend runs on the CPU here (use --device cpu, no CUDA graphs)")
-    if (backend == "tensorrt") != (trt_dir is not None):
-        raise LoopspecError("--backend tensorrt runs the plans of --trt-dir DIR (built by `loopspec convert trt`), "
-                            "and --trt-dir needs --backend tensorrt")
-    if onnx_dir is not None or trt_dir is not None:
-        if precision not in PRECISIONS and precision not in ("fp8", "nvfp4"):
-            raise LoopspecError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
-        if onnx_dir is not None:
+    backend 'auto' (the default, as on the command line): see `resolve_backend`. precision: what the
+    target computes with (fp32, or on ONNX Runtime the GGUF's own blocks; 'auto': `resolve_precision`);
+    artifacts in onnx_dir / trt_dir carry their own, which an explicit precision must name. The engine
+    has one batch row; `Pipeline.with_rows` gives more. A max_context or num_threads that is not a
+    positive integer raises InvalidValue (a ValueError)."""
+    return open_pipeline(EngineChoice(target=target, drafter=drafter, backend=backend, precision=precision,
+                                      device=device, max_context=max_context, threads=num_threads,
+                                      cuda_graphs=cuda_graphs, onnx_dir=onnx_dir, trt_dir=trt_dir,
+                                      mask_token_id=mask_token_id))
+
+
+def open_pipeline(choice: EngineChoice) -> Pipeline:
+    """Load the pair and build the engine `choice` names."""
+    if choice.from_artifacts:
+        if choice.onnx_dir is not None:
             from loopspec.runtime.ort_engine import OrtEngine
 
-            engine, directory = OrtEngine(onnx_dir, max_context, num_threads), Path(onnx_dir)
+            engine, directory = OrtEngine(choice.onnx_dir, choice.max_context, choice.threads), Path(choice.onnx_dir)
         else:
             from loopspec.runtime.trt_engine import TrtEngine
 
-            engine, directory = TrtEngine(trt_dir, max_context), Path(trt_dir)
-        if precision not in ("auto", engine.precision):
-            raise LoopspecError(f"{directory} holds {engine.precision} engines, not {precision} "
+            engine, directory = TrtEngine(choice.trt_dir, choice.max_context), Path(choice.trt_dir)
+        if choice.precision not in ("auto", engine.precision):
+            raise LoopspecError(f"{directory} holds {engine.precision} engines, not {choice.precision} "
                                 "(artifacts carry their precision: drop --precision or export again)")
         return artifact_pipeline(engine, directory)
-    precision = resolve_precision(precision, backend, target)
-    device = resolve_device(device)
-    if cuda_graphs is None:
-        cuda_graphs = device.type == "cuda"
+    precision = resolve_precision(choice.precision, choice.backend, choice.target)
+    device = resolve_device(choice.device)
+    cuda_graphs = device.type == "cuda" if choice.cuda_graphs is None else choice.cuda_graphs
     if cuda_graphs:
         from loopspec.runtime.cuda_graphs import require_cuda
 
         require_cuda(device)  # before any model is loaded
-    pair = load_pair(target, drafter, mask_token=mask_token_id)
+    pair = load_pair(choice.target, choice.drafter, mask_token=choice.mask_token_id)
     model, draft_model = pair.target, pair.drafter
     if device.type != "cpu":
         model = model.to(device)
         draft_model = draft_model.to(device) if draft_model is not None else None
-    if backend == "onnxruntime":
-        engine = cached_ort_engine(model, draft_model, pair.target_dir, pair.drafter_dir, max_context, num_threads,
-                                   precision, target)
+    if choice.backend == "onnxruntime":
+        engine = cached_ort_engine(model, draft_model, pair.target_dir, pair.drafter_dir, choice.max_context,
+                                   choice.threads, precision, choice.target)
     else:
-        engine = TorchEngine(model, draft_model, max_context or model.cfg.max_position_embeddings, num_threads,
-                             cuda_graphs=cuda_graphs)
+        engine = TorchEngine(model, draft_model, choice.max_context or model.cfg.max_position_embeddings,
+                             choice.threads, cuda_graphs=cuda_graphs)
     return Pipeline(tokenizer=pair.tokenizer, target_dir=pair.target_dir, drafter_dir=pair.drafter_dir, target=model,
                     drafter=draft_model, engine=engine, drafter_description=pair.drafter_description,
-                    stop_token_ids=pair.stop_token_ids, target_source=str(target))
+                    stop_token_ids=pair.stop_token_ids, target_source=str(choice.target))
 
 
 def artifact_pipeline(engine, directory: Path) -> Pipeline:
