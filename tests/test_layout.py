@@ -11,7 +11,7 @@ else:  # pragma: no cover
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"loopspec": ROOT / "loopspec", "loopspec.engines": ROOT / "engines",
-           "loopspec.convert": ROOT / "convert", "loopspec.runtime": ROOT / "runtime"}
+           "loopspec.convert": ROOT / "convert", "loopspec.runtime": ROOT / "runtime", "loopspec.cli": ROOT / "cli"}
 OPTIONAL = {"onnxruntime", "onnx", "onnxscript", "tensorrt", "tensorrt_llm", "modelopt", "fastapi", "uvicorn",
             "openai", "matplotlib", "vllm", "sglang"}
 STDLIB = set(sys.stdlib_module_names)
@@ -19,12 +19,10 @@ STDLIB = set(sys.stdlib_module_names)
 
 def layer_of(path: Path) -> str:
     rel = path.relative_to(ROOT).parts
-    if rel[0] in ("engines", "convert", "runtime"):
+    if rel[0] in ("engines", "convert", "runtime", "cli"):
         return rel[0]
     if rel[:2] == ("loopspec", "train"):
         return "train"
-    if rel == ("loopspec", "cli.py"):
-        return "cli"
     return "core"
 
 
@@ -72,7 +70,7 @@ def test_import_arrows():
         layer = layer_of(path)
         for module, top_level in imports(path):
             root = module.split(".")[0]
-            if root in ("runtime", "convert", "engines"):
+            if root in ("runtime", "convert", "engines", "cli"):
                 problems.append(f"{path}: bare import of {module!r} (use loopspec.{module})")
             dest = target_layer(module)
             if dest is not None and dest not in ALLOWED[layer]:

@@ -1,4 +1,10 @@
-"""The `loopspec` command line. Bad input → one clear line on stderr and exit code 2."""
+"""The `loopspec` command line (the package loopspec.cli). Bad input → one clear line on stderr and
+exit code 2.
+
+The top floor: it may import every layer (core, train, engines, convert, runtime) and nothing imports
+it. It parses flags into the values the layers take (EngineChoice, DecodingSettings' knobs,
+SamplingParams) and prints; it builds nothing itself. The layers are imported inside each command
+so that `loopspec --help` and a refused flag answer without loading torch."""
 
 from __future__ import annotations
 
@@ -748,7 +754,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("loopspec: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
