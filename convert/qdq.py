@@ -13,8 +13,9 @@ TRT_FP4DynamicQuantize is a TensorRT op: NVFP4 graphs run only on TensorRT with 
 
 The ops are torch custom ops (`loopspec::…`) translated to ONNX by `translations(precision)` (the
 dynamo exporter's custom_translation_table). Eagerly, the FP8 ops compute exactly what the ONNX ops
-compute (saturating round-to-nearest-even float8); the NVFP4 ops refuse: their numerics are not run
-on this machine. The modules carry the tensors convert/quantize.py computes with modelopt
+compute (saturating round-to-nearest-even float8); the NVFP4 ops emulate in PyTorch what TensorRT's FP4
+kernels compute (e2m1 codes, e4m3 block scales, fp32 tensor scale), so a CPU measures an NVFP4
+drafter's accuracy (convert/quantize.py) although ONNX Runtime cannot run its graphs. The modules carry the tensors convert/quantize.py computes with modelopt
 (`QuantizedWeight`); `engines/export.py`'s wrappers call them as they are (`exports_itself`) and fuse
 them (`fused`: one input scale, weights side by side) where the graph has one GEMM for several.
 
@@ -38,7 +39,6 @@ from torch import nn
 from loopspec.engines.export import (OPSET, DrafterBlock, DrafterContext, TargetVerify, copy_run_files, drafter_source,
                                      example_inputs, export_graph)
 from loopspec.engines.manifest import Manifest, read_manifest, source_hashes, tool_versions, write_manifest
-from loopspec.engines.ort import NVFP4_NOT_HERE
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY, engine_specs
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
@@ -73,9 +73,54 @@ def _(weight, scale):
     return torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
 
 
+# NVFP4 as NVIDIA defines it (Model Optimizer's NVFP4 export, TensorRT's FP4 kernels): 4-bit e2m1
+# codes (bit 3 the sign, bits 0-2 index E2M1_VALUES), one float8 e4m3 scale per block of 16 values
+# along the last axis, and one fp32 scale per tensor (amax / (6 * 448)), so a value is
+# e2m1 × block scale × tensor scale. A block's scale is amax(block) / (6 × tensor scale) rounded to e4m3.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """float → uint8 e2m1 codes: the nearest magnitude (ties to the even code, as IEEE rounding does),
+    saturating at ±6; bit 3 carries the sign."""
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
+    magnitude = x.abs().float().clamp_max(E2M1_MAX)
+    lower = (torch.searchsorted(values, magnitude, right=True) - 1).clamp(0, 6)  # the largest value <= magnitude
+    below, above = magnitude - values[lower], values[lower + 1] - magnitude
+    upper = (above < below) | ((above == below) & (lower % 2 == 1))  # a tie goes to the even code
+    return ((lower + upper.long()) | torch.where(x < 0, 8, 0)).to(torch.uint8)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 e2m1 codes → float32 values."""
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    magnitude = values[(codes & 7).long()]
+    return torch.where(codes >= 8, -magnitude, magnitude)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n/2], two codes a byte, low nibble first (modelopt's packing) → codes [..., n]."""
+    packed = packed.view(torch.uint8)
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % NVFP4_BLOCK:
+        raise LoopspecError(f"NVFP4 needs the last dimension to be a multiple of {NVFP4_BLOCK}, got {x.shape[-1]}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
+
+
 @torch.library.custom_op("loopspec::nvfp4_qdq", mutates_args=())
 def nvfp4_qdq(x: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
-    raise LoopspecError(NVFP4_NOT_HERE)
+    """Activations through NVFP4 and back, as TRT_FP4DynamicQuantize + the two DequantizeLinear compute
+    it: each block of 16 gets the e4m3 scale amax / (6 · scale_2) (saturating at 448), its values the
+    nearest e2m1 of x / (block scale · scale_2). A block whose scale rounds to 0 comes back as zeros."""
+    blocks = _blocks(x.float())
+    block_scale = (blocks.abs().amax(-1, keepdim=True) / (E2M1_MAX * scale_2)).clamp_max(FP8_MAX)
+    step = block_scale.to(torch.float8_e4m3fn).float() * scale_2  # what one e2m1 unit is worth in this block
+    scaled = torch.where(step > 0, blocks / torch.where(step > 0, step, 1.0), 0.0)
+    return (e2m1_values(e2m1_codes(scaled)) * step).reshape(x.shape).to(x.dtype)
 
 
 @nvfp4_qdq.register_fake
@@ -85,7 +130,9 @@ def _(x, scale_2):
 
 @torch.library.custom_op("loopspec::nvfp4_dequantize", mutates_args=())
 def nvfp4_dequantize(weight: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
-    raise LoopspecError(NVFP4_NOT_HERE)
+    """Packed e2m1 weight [out, in/2] × e4m3 block scales [out, in/16] × scale_2 → float32 [out, in]."""
+    values = e2m1_values(unpack_e2m1(weight))  # [out, in]
+    return values * block_scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1) * scale_2.float()
 
 
 @nvfp4_dequantize.register_fake
@@ -210,7 +257,8 @@ class Fp8Linear(nn.Module):
 
 class Nvfp4Linear(nn.Module):
     """y = DQ(dynamic FP4 Q(x)) · DQ(weight)ᵀ (+ bias): weight float4e2m1 [out, in] (two per byte),
-    float8 block scales [out, in/16], fp32 global scales. Exported, never run here."""
+    float8 block scales [out, in/16], fp32 global scales. Eagerly it runs the PyTorch emulation of
+    NVFP4 (the accuracy check); exported, the graph is modelopt's TensorRT pattern."""
 
     exports_itself = True
 

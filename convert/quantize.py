@@ -20,7 +20,8 @@ FP8, measures the ONNX Runtime engines against the fp32 drafter: artifacts that 
 never replace the output directory (they are kept aside, and the command exits 2).
 
 modelopt is the optional `quant` extra and is imported lazily. NVFP4 calibration runs on a CPU (it only
-records ranges); NVFP4 numerics need a Blackwell GPU (TensorRT) and are never run here.
+records ranges); NVFP4 plans need a Blackwell GPU (TensorRT), so on a CPU the NVFP4 drafter's accuracy
+(logit error, offline τ) is measured through convert/qdq.py's PyTorch emulation of NVFP4 arithmetic.
 """
 
 from __future__ import annotations
@@ -286,15 +287,70 @@ def quantize_target_checkpoint(src: str | Path, dst: str | Path, precision: str,
 
 
 # --------------------------------------------------------------------------------------------------
-# accuracy of the FP8 drafter (ONNX Runtime) against the fp32 drafter (PyTorch)
+# accuracy of a quantized drafter against the fp32 drafter
+
+
+def compare_drafters(target: Target, drafter: Drafter, sequences: list[CalibSequence], quantized_context,
+                     quantized_hidden, with_tau: bool = False) -> dict:
+    """The quantized drafter end to end (its context K/V from the target's taps, then draft blocks every
+    k-1 positions of each response) against the fp32 PyTorch drafter on the same inputs: the draft
+    logits' absolute error (max, mean, and the logits' scale) and how often the top-1 draft agrees.
+    With `with_tau`, also the offline τ of both (a block at every anchor of the responses, accepted
+    while the chain matches the target's greedy tokens) and its relative drop.
+
+    quantized_context(taps [1, T, n·H], T) → context K, V [L, 1, h, T, d];
+    quantized_hidden(block [1, k], anchor a, K[..., :a, :], V[..., :a, :]) → hidden [1, k, H]."""
+    from loopspec.convert.validate import offline_tau
+    from loopspec.model.drafter import draft_candidates
+
+    target.set_taps(drafter.cfg.target_layer_ids)
+    head = target.lm_head.weight if drafter.draft_ids is None else target.lm_head.weight[drafter.draft_ids]
+    k, mask = drafter.cfg.block_size, drafter.cfg.mask_token_id
+    max_err = abs_sum = scale = 0.0
+    agree = positions = blocks = 0
+    taus_ref, taus_quantized = [], []
+    for seq in sequences:
+        T = len(seq.tokens)
+        taps = target(torch.tensor([seq.tokens]), target.new_cache(T), want_taps=True).taps  # [1, T, n·H]
+        ref_k, ref_v = drafter.context_kv(drafter.features(taps), torch.arange(T))
+        q_k, q_v = quantized_context(taps, T)
+
+        def logits(a: int, quantized: bool) -> torch.Tensor:  # [k-1, V or Vd]: the block at anchor a
+            block = torch.full((1, k), mask, dtype=torch.long)
+            block[0, 0] = seq.tokens[a]
+            if quantized:
+                hidden = quantized_hidden(block, a, q_k[:, :, :, :a], q_v[:, :, :, :a])
+            else:
+                hidden = drafter(target.embed_tokens(block), torch.arange(a, a + k), ref_k[:, :, :, :a],
+                                 ref_v[:, :, :, :a])
+            return hidden[0, 1:].float() @ head.T
+
+        for a in range(seq.prompt_len, T, k - 1):
+            ref_logits, q_logits = logits(a, False), logits(a, True)
+            diff = (q_logits - ref_logits).abs()
+            max_err, abs_sum = max(max_err, float(diff.max())), abs_sum + float(diff.mean()) * (k - 1)
+            scale = max(scale, float(ref_logits.abs().max()))
+            agree += int((q_logits.argmax(-1) == ref_logits.argmax(-1)).sum())
+            positions, blocks = positions + k - 1, blocks + 1
+        if with_tau:
+            for quantized, taus in ((False, taus_ref), (True, taus_quantized)):
+                taus += offline_tau(lambda a: draft_candidates(logits(a, quantized), drafter.draft_ids)[0][:, 0],
+                                    seq.tokens, seq.prompt_len, k)
+    if not blocks:
+        raise LoopspecError("no draft block to measure (the evaluation prompts have no response tokens)")
+    out = {"max_abs": round(max_err, 4), "mean_abs": round(abs_sum / positions, 5), "logit_scale": round(scale, 3),
+           "top1_agreement": round(agree / positions, 4), "blocks": blocks, "positions": positions}
+    if with_tau and taus_ref:
+        tau_ref, tau_q = sum(taus_ref) / len(taus_ref), sum(taus_quantized) / len(taus_quantized)
+        out.update(tau_reference=round(tau_ref, 4), tau_quantized=round(tau_q, 4),
+                   tau_relative_drop=round((tau_ref - tau_q) / tau_ref, 4), anchors=len(taus_ref))
+    return out
 
 
 @torch.no_grad()
 def drafter_logit_error(onnx_dir: str | Path, target: Target, drafter: Drafter, sequences: list[CalibSequence],
                         num_threads: int | None = None) -> dict:
-    """The exported drafter end to end (its context engine on the target's taps, then draft blocks
-    every k-1 positions of each response) against the fp32 PyTorch drafter on the same inputs: the
-    draft logits' absolute error (max, mean, and the logits' scale) and how often the top-1 draft agrees."""
+    """compare_drafters with the exported drafter run by ONNX Runtime (FP8 graphs)."""
     import numpy as np
 
     from loopspec.engines.manifest import read_manifest
@@ -304,42 +360,57 @@ def drafter_logit_error(onnx_dir: str | Path, target: Target, drafter: Drafter, 
     manifest = read_manifest(onnx_dir)
     check_runnable(manifest.precision, str(onnx_dir))
     sessions = {n: EngineSession(manifest.path(n), manifest.spec(n), num_threads) for n in (DRAFTER_CONTEXT, DRAFTER_BLOCK)}
-    target.set_taps(drafter.cfg.target_layer_ids)
-    head = target.lm_head.weight if drafter.draft_ids is None else target.lm_head.weight[drafter.draft_ids]
-    k, mask = drafter.cfg.block_size, drafter.cfg.mask_token_id
-    max_err = abs_sum = scale = 0.0
-    agree = positions = blocks = 0
-    for seq in sequences:
-        T = len(seq.tokens)
-        taps = target(torch.tensor([seq.tokens]), target.new_cache(T), want_taps=True).taps  # [1, T, n·H]
-        ref_k, ref_v = drafter.context_kv(drafter.features(taps), torch.arange(T))
+    k = drafter.cfg.block_size
+
+    def context(taps, T):
         run = sessions[DRAFTER_CONTEXT].run(taps=taps.numpy(), positions=np.arange(T, dtype=np.int64)[None])
-        q_k, q_v = run["context_key"], run["context_value"]
-        for a in range(seq.prompt_len, T, k - 1):
-            block = torch.full((1, k), mask, dtype=torch.long)
-            block[0, 0] = seq.tokens[a]
-            ref_hidden = drafter(target.embed_tokens(block), torch.arange(a, a + k), ref_k[:, :, :, :a], ref_v[:, :, :, :a])
-            out = sessions[DRAFTER_BLOCK].run(block_ids=block.numpy(), positions=np.arange(a, a + k, dtype=np.int64)[None],
-                                              context_key=np.ascontiguousarray(q_k[:, :, :, :a]),
-                                              context_value=np.ascontiguousarray(q_v[:, :, :, :a]),
-                                              context_lengths=np.asarray([a], dtype=np.int64))
-            ref_logits = ref_hidden[0, 1:] @ head.T  # [k-1, V or Vd]
-            q_logits = torch.from_numpy(out["hidden"][0, 1:]) @ head.T
-            diff = (q_logits - ref_logits).abs()
-            max_err, abs_sum = max(max_err, float(diff.max())), abs_sum + float(diff.mean()) * (k - 1)
-            scale = max(scale, float(ref_logits.abs().max()))
-            agree += int((q_logits.argmax(-1) == ref_logits.argmax(-1)).sum())
-            positions, blocks = positions + k - 1, blocks + 1
-    if not blocks:
-        raise LoopspecError("no draft block to measure (the evaluation prompts have no response tokens)")
-    return {"max_abs": round(max_err, 4), "mean_abs": round(abs_sum / positions, 5), "logit_scale": round(scale, 3),
-            "top1_agreement": round(agree / positions, 4), "blocks": blocks, "positions": positions}
+        return torch.from_numpy(run["context_key"]), torch.from_numpy(run["context_value"])
+
+    def hidden(block, a, ctx_k, ctx_v):
+        out = sessions[DRAFTER_BLOCK].run(block_ids=block.numpy(), positions=np.arange(a, a + k, dtype=np.int64)[None],
+                                          context_key=np.ascontiguousarray(ctx_k.numpy()),
+                                          context_value=np.ascontiguousarray(ctx_v.numpy()),
+                                          context_lengths=np.asarray([a], dtype=np.int64))
+        return torch.from_numpy(out["hidden"])
+
+    return compare_drafters(target, drafter, sequences, context, hidden)
+
+
+@torch.no_grad()
+def emulated_drafter_check(target: Target, drafter: Drafter, weights: dict[str, QuantizedWeight],
+                           sequences: list[CalibSequence], precision: str) -> dict:
+    """compare_drafters with the quantized drafter emulated in PyTorch (qdq_copy: the Q/DQ arithmetic of
+    its graphs, run eagerly — for NVFP4 the emulation of TensorRT's FP4 kernels), τ included; `passed`
+    when the offline τ drop is within the precision's tolerance (convert/validate.py TOLERANCES)."""
+    from loopspec.convert.qdq import qdq_copy
+    from loopspec.convert.validate import TOLERANCES
+    from loopspec.engines.export import DrafterBlock, DrafterContext
+
+    # the modules the graphs are exported from, run eagerly: the same fused GEMMs and Q/DQ as the graphs
+    quantized = qdq_copy(drafter, weights).eval()
+    context_module = DrafterContext(quantized, from_taps=True)
+    block_module = DrafterBlock(quantized, target.embed_tokens.weight, target.lm_head.weight)
+    k = drafter.cfg.block_size
+
+    def context(taps, T):
+        return context_module(taps, torch.arange(T)[None])
+
+    def hidden(block, a, ctx_k, ctx_v):
+        return block_module(block, torch.arange(a, a + k)[None], ctx_k, ctx_v, torch.tensor([a]))[2]
+
+    out = compare_drafters(target, drafter, sequences, context, hidden, with_tau=True)
+    limit = TOLERANCES[precision]["tau_drop"]
+    out["tau_drop_limit"] = limit
+    out["passed"] = bool(limit is None or out.get("tau_relative_drop", 0.0) <= limit)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
 # `loopspec convert quantize`
 
 REPORT = "quantize.json"
+NVFP4_EMULATED = ("NVFP4 drafter measured through a PyTorch emulation of its arithmetic on the CPU; the NVFP4 "
+                  "graphs themselves need TensorRT on a Blackwell GPU")
 REJECTED_SUFFIX = ".rejected"  # where artifacts that failed validation are kept aside: OUT.rejected/
 
 
@@ -387,10 +458,11 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
     out_dir/target    HF checkpoint of the quantized target (with target_too)
     out_dir/onnx      the four engines (quantized drafter graphs), manifest precision = `precision`
     FP8: ONNX Runtime runs the engines; the drafter's logit error, the offline τ and greedy identity are
-    measured against the fp32 reference. NVFP4: structure checks only (numerics need a Blackwell GPU).
+    measured against the fp32 reference. NVFP4: ONNX Runtime cannot run its graphs, so the drafter's
+    logit error and offline τ are measured through the PyTorch emulation of NVFP4 (convert/qdq.py).
 
     Written staged: `out_dir` is replaced only by artifacts that passed every check. A failed FP8
-    validation leaves `out_dir` as it was, keeps the artifacts and report aside in `out_dir`.rejected
+    validation (FP8, or the NVFP4 emulation's τ drop) leaves `out_dir` as it was, keeps the artifacts and report aside in `out_dir`.rejected
     (its onnx/manifest.json says `validation.passed: false`) and raises ValidationFailed."""
     import time
 
@@ -428,15 +500,25 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
             export_target_checkpoint(qtarget, target_dir, work / "target")
             report["checkpoints"]["target"] = check_checkpoint(work / "target")
             target_weights = quantized_weights(qtarget)
+        drafter_weights = quantized_weights(qdrafter)
         export_quantized_engines(target_model, drafter_model, work / "onnx", precision=precision,
-                                 drafter_weights=quantized_weights(qdrafter), target_weights=target_weights,
+                                 drafter_weights=drafter_weights, target_weights=target_weights,
                                  target_dir=target_dir, drafter_dir=drafter_dir, max_context=max_context,
                                  quantization=calibration)
         report["onnx"] = check_onnx(work / "onnx")
         if precision == "nvfp4":
-            from loopspec.engines.ort import NVFP4_NOT_HERE
+            # ONNX Runtime cannot run the NVFP4 graphs (TensorRT's FP4 op): the drafter is measured
+            # through the PyTorch emulation of the same arithmetic instead
+            report["numerics"] = NVFP4_EMULATED
+            if validate:
+                from loopspec.convert.validate import PROMPT_TEXTS
 
-            report["numerics"] = NVFP4_NOT_HERE
+                held_out = calibration_sequences(target_model, tokenizer, list(PROMPT_TEXTS), len(PROMPT_TEXTS))
+                check = emulated_drafter_check(target_model, drafter_model, drafter_weights, held_out, precision)
+                report["emulated"] = check
+                report["failed_checks"] = [] if check["passed"] else [
+                    f"offline tau drop {check['tau_relative_drop']:.1%} > allowed {check['tau_drop_limit']:.0%} "
+                    f"(fp32 {check['tau_reference']:.3f}, emulated nvfp4 {check['tau_quantized']:.3f})"]
         elif validate:
             from loopspec.convert.validate import PROMPT_TEXTS, validate_onnx
 
@@ -468,6 +550,15 @@ def format_quantize_report(report: dict, out_dir: str | Path) -> str:
     lines.append(f"  {out_dir / 'onnx'}: quantized engines {engines}")
     if "numerics" in report:
         lines.append(f"  {report['numerics']}")
+    if "emulated" in report:
+        e = report["emulated"]
+        lines.append(f"  emulated drafter logits vs fp32 over {e['positions']} draft positions: max |err| "
+                     f"{e['max_abs']:.3g}, mean |err| {e['mean_abs']:.3g} (logit scale {e['logit_scale']:.3g}), "
+                     f"top-1 agreement {e['top1_agreement']:.1%}")
+        if "tau_reference" in e:
+            lines.append(f"  offline tau over {e['anchors']} anchors: fp32 {e['tau_reference']:.3f}, emulated "
+                         f"{e['tau_quantized']:.3f} (drop {e['tau_relative_drop']:+.1%}, limit {e['tau_drop_limit']:.0%}): "
+                         f"{'PASSED' if e['passed'] else 'FAILED'}")
     if "drafter_logits" in report:
         d = report["drafter_logits"]
         lines.append(f"  drafter logits vs fp32 over {d['positions']} draft positions: max |err| {d['max_abs']:.3g}, "

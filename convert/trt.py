@@ -6,7 +6,9 @@ one optimization profile taken from its EngineSpec ranges (the spec the export d
 narrows its rows, since TensorRT sizes activation memory for the profile's largest shapes), and
 serialized to `<engine>.plan`. The configs and tokenizer travel along, and `manifest.json` (stage
 "tensorrt") records the GPU, its compute capability and the TensorRT version the plans were built
-for: a plan runs only on that GPU architecture and TensorRT version.
+for: a plan runs only on that GPU architecture and TensorRT version, and `settings.arithmetic` what the
+plans compute with (fp32 plans have TF32 cleared; only they verify draft trees, the others chains:
+engines/trt.py plan_arithmetic).
 
 tensorrt is imported lazily; without it, or without a GPU, the command stops with a clear error.
 """
@@ -19,7 +21,8 @@ from pathlib import Path
 from loopspec.engines.manifest import Manifest, read_manifest, tool_versions, write_manifest
 from loopspec.weights import file_sha256
 from loopspec.engines.staging import check_out_dir, staged_dir
-from loopspec.engines.trt import check_precision_supported, cuda_capability, profile_shapes, require_tensorrt
+from loopspec.engines.trt import (builder_flags, check_precision_supported, cuda_capability, plan_arithmetic,
+                                  profile_shapes, require_tensorrt)
 from loopspec.errors import LoopspecError
 
 WEIGHT_SUFFIXES = (".onnx", ".data", ".onnx_data")  # the graphs and their external weights: replaced by plans
@@ -29,8 +32,10 @@ def _errors(parser) -> str:
     return "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors)) or "no parser message"
 
 
-def build_plan(trt, builder, logger, onnx_path: Path, spec, workspace_bytes: int | None) -> bytes:
-    """Parse one ONNX graph into a strongly typed network and build its plan for the spec's ranges."""
+def build_plan(trt, builder, logger, onnx_path: Path, spec, workspace_bytes: int | None,
+               precision: str = "fp32") -> bytes:
+    """Parse one ONNX graph into a strongly typed network and build its plan for the spec's ranges
+    (an fp32 plan with TF32 cleared: engines/trt.py plan_arithmetic)."""
     strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     network = builder.create_network(0 if strongly_typed is None else 1 << int(strongly_typed))
     parser = trt.OnnxParser(network, logger)
@@ -41,6 +46,11 @@ def build_plan(trt, builder, logger, onnx_path: Path, spec, workspace_bytes: int
     if inputs != sorted(spec.input_names) or outputs != sorted(spec.output_names):
         raise LoopspecError(f"{onnx_path} does not match its spec {spec.name}: inputs {inputs}, outputs {outputs}")
     config = builder.create_builder_config()
+    to_set, to_clear = builder_flags(trt, precision)
+    for flag in to_set:
+        config.set_flag(flag)
+    for flag in to_clear:
+        config.clear_flag(flag)
     if workspace_bytes:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
     profile = builder.create_optimization_profile()
@@ -77,7 +87,7 @@ def build_plans(onnx_dir: str | Path, out_dir: str | Path, precision: str | None
             specs[name] = source.spec(name) if max_batch is None else source.spec(name).narrowed("batch", max_batch)
             files[name] = f"{name}.plan"
             plan = build_plan(trt, builder, logger, source.path(name), specs[name],
-                              int(workspace_gb * (1 << 30)) if workspace_gb else None)
+                              int(workspace_gb * (1 << 30)) if workspace_gb else None, precision)
             (tmp / files[name]).write_bytes(plan)
         engine_files = {source.data["engines"][n]["file"] for n in source.engines}
         for rel in source.data["files"]:  # configs, tokenizer, d2t: what running the plans needs besides them
@@ -86,7 +96,8 @@ def build_plans(onnx_dir: str | Path, out_dir: str | Path, precision: str | None
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(onnx_dir) / rel, tmp / rel)
         settings = {**source.data.get("settings", {}), "device": device,
-                    "compute_capability": f"{capability[0]}.{capability[1]}", "workspace_gb": workspace_gb}
+                    "compute_capability": f"{capability[0]}.{capability[1]}", "workspace_gb": workspace_gb,
+                    "arithmetic": plan_arithmetic(precision)}
         manifest = write_manifest(
             tmp, stage="tensorrt", precision=precision, specs=specs, engine_files=files,
             sources={"onnx": {"path": str(Path(onnx_dir).resolve()),

@@ -21,6 +21,30 @@ NEEDS = {"bf16": "an Ampere or newer GPU", "fp8": "an Ada, Hopper or newer GPU",
          "nvfp4": "a Blackwell GPU"}
 
 
+def plan_arithmetic(precision: str) -> dict:
+    """What a plan of `precision` computes with, recorded in its manifest (settings.arithmetic) and read
+    back by the runtime (runtime/artifact_engine.py, `chains_only`).
+
+    fp32 plans clear TensorRT's TF32 builder flag (it is on by default, and TF32 GEMMs round their
+    inputs to 10 mantissa bits), so an fp32 plan really computes in fp32. Only those are order-exact
+    the way the torch fp32 engine is: in fp16/bf16/fp8/nvfp4 a draft-tree node (whose attention sums
+    masked siblings between its ancestors) rounds differently from the same token decoded plainly,
+    and a few low bits turn into another greedy token; such plans verify chains only, as the int8
+    CPU engines exported before the order-free softmax do."""
+    if precision not in MIN_CAPABILITY:
+        raise LoopspecError(f"unknown engine precision {precision!r} (known: {', '.join(MIN_CAPABILITY)})")
+    exact = precision == "fp32"
+    return {"activations": precision, "tf32": False if exact else None, "order_exact": exact}
+
+
+def builder_flags(trt, precision: str) -> tuple[list, list]:
+    """(flags to set, flags to clear) on a builder config for `precision` (see plan_arithmetic): a
+    strongly typed network takes its precisions from the graph, so only TF32 is left to decide."""
+    arithmetic = plan_arithmetic(precision)
+    clear = [trt.BuilderFlag.TF32] if arithmetic["tf32"] is False else []
+    return [], clear
+
+
 def require_tensorrt():
     try:
         import tensorrt

@@ -26,6 +26,16 @@ from loopspec.model.target import KVCache, TargetConfig
 from loopspec.weights import read_json
 
 
+def verifies_chains_only(settings: dict) -> bool:
+    """Whether artifacts with these manifest settings verify only chains exactly (engines/protocol.py):
+    int8 activations without the order-free softmax, or arithmetic its builder declared not order-exact
+    (a TensorRT plan in fp16/bf16/fp8/nvfp4: engines/trt.py plan_arithmetic)."""
+    arithmetic = settings.get("arithmetic", {})
+    int8_unordered = (str(arithmetic.get("activations", "")).startswith("int8")
+                      and settings.get("softmax") != ORDER_FREE_SOFTMAX)
+    return int8_unordered or arithmetic.get("order_exact") is False
+
+
 class ArtifactEngine:
     backend = ""
     device = torch.device("cpu")
@@ -44,9 +54,7 @@ class ArtifactEngine:
                             if self.manifest.has_drafter else None)
         self.precision = self.manifest.precision
         settings = self.manifest.data.get("settings", {})
-        # see engines/protocol.py: int8 activations verify trees exactly only over the order-free softmax
-        self.chains_only = (str(settings.get("arithmetic", {}).get("activations", "")).startswith("int8")
-                            and settings.get("softmax") != ORDER_FREE_SOFTMAX)
+        self.chains_only = verifies_chains_only(settings)
         spec_limit = self.manifest.spec(TARGET_VERIFY).ranges["tokens"][2]  # the exported max context
         self.max_context = min(max_context or spec_limit, spec_limit)
         names = [TARGET_VERIFY] + ([DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK] if self.has_drafter else [])

@@ -1,29 +1,32 @@
 """CUDA graphs for the torch backend: the target-verify and drafter-block forwards are captured once per
-(batch, length) bucket over static buffers and replayed with padding.
+(rows, length, window) bucket over static buffers and replayed with padding.
 
 A CUDA graph replays fixed kernels on fixed addresses, so nothing inside it may depend on a Python
-int that changes between calls (the cache length, the context length). The captured forwards
-therefore take positions and lengths as tensors and see a fixed-size window of the static buffer,
-the first `keys` slots (a power of two >= what the call needs, so attention costs at most twice
-the live length):
-- target verify: T real tokens (a chain or a draft tree) are padded to the bucket length with a
-  chain that continues after them. Slots, positions and the attention mask over the window are
-  input buffers, built on the host by the eager forward's own rule (`attention_mask`): a real query
-  never sees a padding key nor a stale slot past the cache length; the padding's K/V land in slots
-  past the new length, which the next forward overwrites before any query can see them. Outputs
-  are sliced to the real tokens.
-- drafter block: the block attends to the context window with the mask `context slot < context
-  length` (a tensor) plus the whole block (bidirectional).
-Calls that fit no bucket (a long prefill, the last slots of the context) run eagerly.
+int that changes between calls (the cache lengths, the context lengths). The captured forwards
+therefore take positions, slots and lengths as tensors and see a fixed-size window of the static
+buffers, the first `keys` slots (a power of two >= what the call needs, so attention costs at most
+twice the live length):
+- target verify: each row's T_b real tokens (a chain or a draft tree) are padded to the bucket
+  length with a chain that continues after them. Slots, positions and the attention mask over the
+  window are input buffers, built on the host by `plan_verify` with the eager forward's own rule
+  (`attention_mask`): a real query never sees a padding key nor a stale slot past its row's length;
+  the padding's K/V land in slots past the row's new length, which the next forward overwrites
+  before any query can see them. Outputs are sliced to the real tokens.
+- drafter block: each row's block attends to its context window with the mask `context slot <
+  its context length` (a tensor) plus the whole block (bidirectional); `plan_block` builds it.
+Calls that fit no bucket (a long prefill, the last slots of the context, rows not packed from 0)
+run eagerly.
 
-Graphs cover one-row calls on row 0 (a single request); the bucket key carries the row count so
-batched buckets can be added. Calls over several rows run eagerly.
+The planning (`plan_verify`, `plan_block`: which bucket, window, slots, positions, masks and new
+lengths) is pure host code, and the static forwards run on any device: `StaticRunner` runs them
+directly (the CPU path the tests decode with, and mutate), `CudaGraphRunner` captures and replays
+them. Both share every line that decides what a replay computes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -52,34 +55,95 @@ def require_cuda(device: torch.device) -> None:
         raise LoopspecError("CUDA graphs need a CUDA GPU, and torch sees none")
 
 
-def target_verify_static(target: Target, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,
-                         slots: torch.Tensor, mask: torch.Tensor, want_taps: bool) -> TargetOutput:
-    """The target over ids/positions [1, T] in row 0 of `cache` with static shapes (its length is
-    neither read nor moved): token t's K/V land at slot slots[t], and it sees the slots `mask` [T, keys]
-    marks among the first `keys` (attention_mask: the committed history, and its chain or tree
-    ancestors among the new tokens).
+class VerifyPlan(NamedTuple):
+    """Everything a static verify needs, built on the host (see `plan_verify`)."""
+    bucket: int  # tokens per row, padding included
+    keys: int  # the attention window: slots 0..keys-1
+    ids: torch.Tensor  # [R, bucket]
+    positions: torch.Tensor  # [R, bucket]
+    slots: torch.Tensor  # [R·bucket]: row_index[i]'s token token_index[i] is stored at slots[i]
+    row_index: torch.Tensor  # [R·bucket]
+    token_index: torch.Tensor  # [R·bucket]
+    mask: torch.Tensor  # [R, bucket, keys]
+    lengths: list[int]  # each row's length after the call: start + its real tokens
 
-    Row t equals the eager forward's row t whenever slots continue the cache (start .. start+T-1) and
-    positions/mask are the eager forward's."""
-    cos, sin = target.rotary(positions)  # [1, T, hd]
-    write = KVWrite(slice(0, 1), mask.shape[-1], slots=slots)
-    return target._stack(target.embed_tokens(ids), cos[:, None], sin[:, None], cache, write, mask[None, None],
+
+def plan_verify(starts: list[int], tokens: list[list[int]], max_length: int,
+                tree_masks: torch.Tensor | None = None) -> VerifyPlan | None:
+    """Rows 0..R-1 (lengths `starts`) verify `tokens` (chains, or draft trees with `tree_masks` [R, T, T])
+    → the static verify's inputs, or None when no bucket holds the widest row at these lengths.
+
+    Row b's token t is stored at slot starts[b] + t and sits at starts[b] + its depth; the padding
+    continues a chain after the real tokens (no real token sees it; its K/V land past the row's new
+    length). The mask is the eager forward's (`attention_mask`)."""
+    rows, width, top = len(tokens), max(len(t) for t in tokens), max(starts)
+    bucket = next((b for b in BUCKETS if b >= width and top + b <= max_length), None)
+    if bucket is None:
+        return None
+    keys = key_bucket(top + bucket, max_length)
+    ids = torch.zeros(rows, bucket, dtype=torch.long)  # padding: token 0, after the real tokens
+    tree = torch.ones(bucket, bucket, dtype=torch.bool).tril().repeat(rows, 1, 1)
+    for b, t in enumerate(tokens):
+        ids[b, :len(t)] = torch.tensor(t, dtype=torch.long)
+        if tree_masks is not None:
+            tree[b, :len(t), :len(t)] = tree_masks[b, :len(t), :len(t)]
+    start = torch.tensor(starts, dtype=torch.long)
+    positions = start[:, None] + tree.sum(-1) - 1  # [R, bucket]: a node's depth after its row's length
+    row_index = torch.arange(rows).repeat_interleave(bucket)
+    token_index = torch.arange(bucket).repeat(rows)
+    slots = start[row_index] + token_index
+    mask = attention_mask(start, bucket, keys, tree)  # [R, bucket, keys]
+    return VerifyPlan(bucket, keys, ids, positions, slots, row_index, token_index, mask,
+                      [s + len(t) for s, t in zip(starts, tokens)])
+
+
+class BlockPlan(NamedTuple):
+    """Everything a static drafter block needs, built on the host (see `plan_block`)."""
+    keys: int  # the context window: slots 0..keys-1
+    ids: torch.Tensor  # [R, k]: anchor, then MASK
+    positions: torch.Tensor  # [R, k]
+    context_lengths: torch.Tensor  # [R]: each row's live context slots
+
+
+def plan_block(context_lengths: list[int], anchors: list[int], positions: list[int], block_size: int,
+               mask_token_id: int, max_length: int) -> BlockPlan:
+    """Rows 0..R-1 (context lengths given) draft a block [anchor, MASK × (k-1)] at positions .. +k-1."""
+    keys = key_bucket(max(context_lengths), max_length)
+    ids = torch.full((len(anchors), block_size), mask_token_id, dtype=torch.long)
+    ids[:, 0] = torch.tensor(anchors, dtype=torch.long)
+    block_positions = torch.tensor(positions, dtype=torch.long)[:, None] + torch.arange(block_size)
+    return BlockPlan(keys, ids, block_positions, torch.tensor(context_lengths, dtype=torch.long))
+
+
+def target_verify_static(target: Target, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,
+                         slots: torch.Tensor, row_index: torch.Tensor, token_index: torch.Tensor,
+                         mask: torch.Tensor, want_taps: bool) -> TargetOutput:
+    """The target over ids/positions [R, T] in rows 0..R-1 of `cache` with static shapes (its lengths
+    are neither read nor moved): row_index[i]'s token token_index[i] is stored at slots[i], and token t
+    of row b sees the slots mask[b, t] marks among the first `keys` = mask.shape[-1].
+
+    Row b's token t equals the eager forward's whenever its slots continue the row's cache and
+    positions/mask are the eager forward's (as `plan_verify` builds them)."""
+    cos, sin = target.rotary(positions)  # [R, T, hd]
+    write = KVWrite(slice(0, ids.shape[0]), mask.shape[-1], slots=slots, row_index=row_index, token_index=token_index)
+    return target._stack(target.embed_tokens(ids), cos[:, None], sin[:, None], cache, write, mask[:, None],
                          want_taps, None)
 
 
 def drafter_block_static(drafter: Drafter, embed: torch.nn.Module, draft_head: torch.nn.Module,
                          context: KVCache, ids: torch.Tensor, positions: torch.Tensor,
-                         context_length: torch.Tensor, draft_ids: torch.Tensor | None, keys: int | None = None):
-    """One stage over ids [1, k] at positions [k] against row 0 of the context buffer, its first `keys`
-    slots (default all), of which the first `context_length` (0-d tensor) are live → drafts [k-1, C],
-    log-probs [k-1, C], hidden [k, H]."""
-    k, keys = ids.shape[1], keys or context.max_length
-    live = torch.arange(keys, device=ids.device) < context_length  # [keys]
-    visible = torch.cat([live, torch.ones(k, dtype=torch.bool, device=ids.device)])  # [keys + k]
-    ctx_k, ctx_v = context.k[:, :1, :, :keys], context.v[:, :1, :, :keys]
-    hidden = drafter(embed(ids), positions, ctx_k, ctx_v, visible[None, None, None, :])  # [1, k, H]
-    drafts, logprobs = draft_candidates(draft_head(hidden[0, 1:]), draft_ids)  # [k-1, C] each
-    return drafts, logprobs, hidden[0]
+                         context_lengths: torch.Tensor, draft_ids: torch.Tensor | None, keys: int | None = None):
+    """One stage over ids [R, k] at positions [R, k] against rows 0..R-1 of the context buffer, its
+    first `keys` slots (default all), of which row b's first context_lengths[b] are live → drafts
+    [R, k-1, C], log-probs [R, k-1, C], hidden [R, k, H]."""
+    rows, k = ids.shape
+    keys = keys or context.max_length
+    live = torch.arange(keys, device=ids.device)[None, :] < context_lengths[:, None]  # [R, keys]
+    visible = torch.cat([live, torch.ones(rows, k, dtype=torch.bool, device=ids.device)], dim=1)  # [R, keys + k]
+    ctx_k, ctx_v = context.k[:, :rows, :, :keys], context.v[:, :rows, :, :keys]
+    hidden = drafter(embed(ids), positions[:, None], ctx_k, ctx_v, visible[:, None, None, :])  # [R, k, H]
+    drafts, logprobs = draft_candidates(draft_head(hidden[:, 1:]), draft_ids)  # [R, k-1, C] each
+    return drafts, logprobs, hidden
 
 
 @dataclass
@@ -106,85 +170,84 @@ def capture(fn: Callable[[], tuple], inputs: dict[str, torch.Tensor]) -> Capture
     return Captured(graph, inputs, outputs)
 
 
-class CudaGraphRunner:
-    """Captured target-verify and drafter-block forwards of row 0 of a TorchEngine's caches, per bucket.
+class StaticRunner:
+    """The bucketed static-buffer forwards over rows 0..R-1 of a TorchEngine's caches, run directly.
+
+    This is what CudaGraphRunner replays, minus the capture: the same plans, the same static
+    forwards, the same slicing of the outputs. It runs on any device, so the CPU decodes through it
+    (and tests plant bugs in its plans to show that the identity checks catch them). `verify` and
+    `draft` return None for a call no bucket holds; the engine then runs it eagerly.
 
     Results follow the engine's contract: decision tensors (logits, drafts, log-probs) come back on
-    the CPU, features (taps, hidden states) stay on the GPU."""
+    the CPU, features (taps, hidden states) stay on the models' device."""
+
+    plan_verify = staticmethod(plan_verify)
+    plan_block = staticmethod(plan_block)
 
     def __init__(self, engine):
         self.device = engine.device
-        require_cuda(self.device)
         self.target, self.cache = engine.target, engine.cache
         self.drafter, self.context, self.draft_head = engine.drafter, engine.context, engine.draft_head
         self.mask_token_id = engine.drafter_cfg.mask_token_id if engine.drafter_cfg is not None else None
         self.draft_ids = engine.draft_ids
-        self.graphs: dict[tuple, Captured] = {}
+
+    def run(self, key: tuple, forward: Callable[[dict], tuple], values: dict[str, torch.Tensor]) -> tuple:
+        """forward(inputs) on the call's values (CudaGraphRunner: a replay of its capture for `key`)."""
+        return forward({name: t.to(self.device) for name, t in values.items()})
 
     # ---- target verify ---------------------------------------------------------------------------
-    def verify_bucket(self, tokens: int) -> int | None:
-        start = int(self.cache.lengths[0])
-        return next((b for b in BUCKETS if b >= tokens and start + b <= self.cache.max_length), None)
+    def verify(self, tokens: list[list[int]], want_taps: bool,
+               tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Rows 0..R-1 verify their tokens → logits [R, T, V] (CPU), taps [R, T, n*H] or None (device),
+        T the widest row; advances each row's length by its tokens. None: no bucket holds the call."""
+        rows = len(tokens)
+        plan = self.plan_verify(self.cache.lengths[:rows].tolist(), tokens, self.cache.max_length, tree_masks)
+        if plan is None:
+            return None
+        values = {"ids": plan.ids, "positions": plan.positions, "slots": plan.slots, "row_index": plan.row_index,
+                  "token_index": plan.token_index, "mask": plan.mask}
+        logits, taps = self.run(
+            ("verify", rows, plan.bucket, plan.keys, want_taps),
+            lambda v: tuple(target_verify_static(self.target, self.cache, v["ids"], v["positions"], v["slots"],
+                                                 v["row_index"], v["token_index"], v["mask"], want_taps)),
+            values)
+        self.cache.lengths[:rows] = torch.tensor(plan.lengths)
+        width = max(len(t) for t in tokens)
+        return logits[:, :width].float().cpu(), (taps[:, :width].clone() if taps is not None else None)
 
-    def verify(self, input_ids: list[int], want_taps: bool,
-               tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """→ logits [T, V] (CPU), taps [T, n*H] or None (GPU); advances row 0's length by T. The
-        tokens are a chain, or a draft tree with `tree_mask` [T, T] (its ancestor mask)."""
-        T, start = len(input_ids), int(self.cache.lengths[0])
-        bucket = self.verify_bucket(T)
-        if bucket is None:
-            raise LoopspecError(f"no CUDA-graph bucket holds {T} tokens at length {start}")
-        keys = key_bucket(start + bucket, self.cache.max_length)
-        key = ("verify", 1, bucket, keys, want_taps)
-        ids = torch.zeros(1, bucket, dtype=torch.long)  # padding: token 0, after the real tokens
-        ids[0, :T] = torch.tensor(input_ids, dtype=torch.long)
-        # padding tokens continue the chain after the real ones: no real token sees them, and their
-        # K/V land past the new length, where the next forward writes before anyone reads
-        tree = torch.ones(bucket, bucket, dtype=torch.bool).tril()
-        if tree_mask is not None:
-            tree[:T, :T] = tree_mask
-        positions = start + tree.sum(-1)[None] - 1  # [1, bucket]
-        slots = torch.arange(start, start + bucket)
-        mask = attention_mask(torch.tensor([start]), bucket, keys, tree[None])[0]  # [bucket, keys]
+    # ---- drafter block ---------------------------------------------------------------------------
+    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int):
+        """Rows 0..R-1 (packed: `rows` must be exactly those) → drafts [R, k-1, C] (CPU), log-probs
+        (CPU), final-norm hidden states [R, k, H] (device); None for any other set of rows."""
+        if rows != list(range(len(rows))):
+            return None
+        plan = self.plan_block(self.context.lengths[rows].tolist(), anchors, positions, block_size,
+                               self.mask_token_id, self.context.max_length)
+        values = {"ids": plan.ids, "positions": plan.positions, "lengths": plan.context_lengths}
+        drafts, logprobs, hidden = self.run(
+            ("block", len(rows), block_size, plan.keys),
+            lambda v: drafter_block_static(self.drafter, self.target.embed_tokens, self.draft_head, self.context,
+                                           v["ids"], v["positions"], v["lengths"], self.draft_ids, plan.keys),
+            values)
+        return drafts.cpu(), logprobs.float().cpu(), hidden.clone()
+
+
+class CudaGraphRunner(StaticRunner):
+    """StaticRunner whose forwards are captured once per bucket key as CUDA graphs and replayed: the
+    plans' tensors are copied into the capture's static input buffers before each replay."""
+
+    def __init__(self, engine):
+        require_cuda(engine.device)
+        super().__init__(engine)
+        self.graphs: dict[tuple, Captured] = {}
+
+    def run(self, key: tuple, forward: Callable[[dict], tuple], values: dict[str, torch.Tensor]) -> tuple:
         captured = self.graphs.get(key)
-        values = {"ids": ids, "positions": positions, "slots": slots, "mask": mask}
         if captured is None:
             inputs = {name: t.to(self.device) for name, t in values.items()}
-            captured = self.graphs[key] = capture(
-                lambda: target_verify_static(self.target, self.cache, inputs["ids"], inputs["positions"],
-                                             inputs["slots"], inputs["mask"], want_taps),
-                inputs)
+            captured = self.graphs[key] = capture(lambda: forward(inputs), inputs)
         else:
             for name, t in values.items():
                 captured.inputs[name].copy_(t)
         captured.graph.replay()
-        self.cache.lengths[0] = start + T
-        logits, taps = captured.outputs
-        return logits[0, :T].float().cpu(), (taps[0, :T].clone() if taps is not None else None)
-
-    # ---- drafter block ---------------------------------------------------------------------------
-    def draft(self, anchor: int, position: int, block_size: int):
-        """→ drafts [k-1] (CPU), log-probs [k-1] (CPU), final-norm hidden states [k, H] (GPU)."""
-        length = int(self.context.lengths[0])
-        keys = key_bucket(length, self.context.max_length)
-        key = ("block", 1, block_size, keys)
-        ids = torch.full((1, block_size), self.mask_token_id, dtype=torch.long)
-        ids[0, 0] = anchor
-        positions = torch.arange(position, position + block_size)
-        length = torch.tensor(length, dtype=torch.long)
-        captured = self.graphs.get(key)
-        if captured is None:
-            inputs = {"ids": ids.to(self.device), "positions": positions.to(self.device),
-                      "length": length.to(self.device)}
-            captured = self.graphs[key] = capture(
-                lambda: drafter_block_static(self.drafter, self.target.embed_tokens, self.draft_head, self.context,
-                                             inputs["ids"], inputs["positions"], inputs["length"], self.draft_ids,
-                                             keys),
-                inputs)
-        else:
-            captured.inputs["ids"].copy_(ids)
-            captured.inputs["positions"].copy_(positions)
-            captured.inputs["length"].copy_(length)
-        captured.graph.replay()
-        drafts, logprobs, hidden = captured.outputs
-        return drafts.cpu(), logprobs.float().cpu(), hidden.clone()
+        return captured.outputs

@@ -218,7 +218,8 @@ class Decoder:
         if settings.uses_drafter and not engine.has_drafter:
             raise LoopspecError(f"{settings.method} needs a drafter")
         if engine.chains_only and (settings.tree_budget or settings.suffix):
-            raise LoopspecError("this engine verifies chains exactly, not trees (int8 activations): "
+            raise LoopspecError("this engine verifies chains exactly, not trees (its arithmetic is not order-exact: "
+                                f"{engine.precision}): "
                                 "use --tree-budget 0 --no-suffix, or --method suffix")
         self.engine, self.settings = engine, settings
         if fallback is None and settings.adaptive:

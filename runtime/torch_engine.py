@@ -2,9 +2,9 @@
 
 The engine owns the target's KV cache and the drafter's context cache, one `KVCache` each with
 `max_rows` rows. The models may sit on a CUDA device: decision tensors (logits, drafts, log-probs)
-come back on the CPU, features (taps, hidden states) stay on the device. With `cuda_graphs`, one-row
-verifications and stages replay captured forwards (runtime/cuda_graphs.py); every other call runs
-eagerly.
+come back on the CPU, features (taps, hidden states) stay on the device. With `cuda_graphs`,
+verifications and stages of rows 0..R-1 (one request or a batch, chains or trees) replay captured
+forwards (runtime/cuda_graphs.py); prefill and calls no bucket holds run eagerly.
 """
 
 from __future__ import annotations
@@ -54,11 +54,13 @@ class TorchEngine:
         self.max_rows = max_rows
         self.cache = self.target.new_cache(self.max_context, max_rows)
         self.context = self.drafter.new_context(self.max_context, max_rows) if self.drafter is not None else None
-        self.graphs = None
-        if self.cuda_graphs:
-            from loopspec.runtime.cuda_graphs import CudaGraphRunner
+        self.graphs = self._static_runner() if self.cuda_graphs else None
 
-            self.graphs = CudaGraphRunner(self)
+    def _static_runner(self):
+        """The bucketed static forwards the engine replays (runtime/cuda_graphs.py): CUDA graphs."""
+        from loopspec.runtime.cuda_graphs import CudaGraphRunner
+
+        return CudaGraphRunner(self)
 
     def with_rows(self, max_rows: int) -> "TorchEngine":
         twin = copy.copy(self)  # the same modules and draft head
@@ -84,9 +86,10 @@ class TorchEngine:
     def verify(self, tokens: list[list[int]], want_taps: bool,
                tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         want_taps = want_taps and self.has_drafter
-        if self.graphs is not None and len(tokens) == 1 and self.graphs.verify_bucket(len(tokens[0])) is not None:
-            logits, taps = self.graphs.verify(tokens[0], want_taps, tree_masks[0] if tree_masks is not None else None)
-            return logits[None], (taps[None] if taps is not None else None)
+        if self.graphs is not None:
+            replayed = self.graphs.verify(tokens, want_taps, tree_masks)
+            if replayed is not None:  # None: no bucket holds the call, which runs eagerly
+                return replayed
         width = max(len(t) for t in tokens)
         ids = torch.zeros(len(tokens), width, dtype=torch.long)  # right padding (never stored)
         for b, t in enumerate(tokens):
@@ -126,9 +129,10 @@ class TorchEngine:
     @torch.inference_mode()
     def draft(self, rows: list[int], anchors: list[int], positions: list[int],
               block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.graphs is not None and rows == [0]:
-            drafts, logprobs, hidden = self.graphs.draft(anchors[0], positions[0], block_size)
-            return drafts[None], logprobs[None], hidden[None]
+        if self.graphs is not None:
+            replayed = self.graphs.draft(rows, anchors, positions, block_size)
+            if replayed is not None:
+                return replayed
         R, k = len(rows), block_size
         lengths = self.context.lengths[rows]  # [R]
         width = int(lengths.max())

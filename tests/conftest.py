@@ -80,3 +80,14 @@ def tiny_pair(tmp_path_factory):
     cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=6, mask_token_id=127)
     Drafter(cfg).save(root / "drafter", dtype=torch.float32)
     return target_dir, root / "drafter"
+
+
+def lively(target, scale: float = 8.0):
+    """Random tiny targets repeat one token forever; with every matrix scaled up their greedy
+    continuations depend on the context (10-30 distinct tokens in 40), so a row reading another
+    row's KV or context would show."""
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return target

@@ -11,7 +11,7 @@ from loopspec.runtime.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings as Method
 from loopspec.weights import load_target_dir
 
-from conftest import FAMILIES
+from conftest import FAMILIES, lively
 
 METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
            "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
@@ -35,17 +35,6 @@ def prompts(n, seed=0):
 def alone(engine, prompt, method: Method, max_new_tokens, params=SamplingParams(), seed=0, stop=frozenset()):
     return generate(engine, prompt, method, max_new_tokens=max_new_tokens, params=params, stop_token_ids=stop,
                     generator=torch.Generator().manual_seed(seed))
-
-
-def lively(target, scale: float = 8.0):
-    """Random tiny targets repeat one token forever; with every matrix scaled up their greedy
-    continuations depend on the context (10-30 distinct tokens in 40), so a row reading another
-    row's KV or context would show."""
-    with torch.no_grad():
-        for p in target.parameters():
-            if p.dim() == 2:
-                p.mul_(scale)
-    return target
 
 
 @pytest.fixture(scope="module")

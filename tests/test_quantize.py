@@ -1,5 +1,6 @@
 """modelopt FP8 / NVFP4 quantization: calibration, checkpoints, ONNX graphs, ONNX Runtime runs of FP8,
-NVFP4 refused where its numerics cannot run, bad input."""
+the PyTorch emulation of NVFP4 (hand-computed cases, a tiny drafter's bounded error), NVFP4 graphs
+refused where they cannot run, bad input."""
 
 import json
 import shutil
@@ -61,7 +62,8 @@ def fp8_out(tiny_pair, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def nvfp4_out(pair, tmp_path_factory):
-    """NVFP4 calibration of drafter and target, checkpoints and ONNX graphs (no validation: not runnable here)."""
+    """NVFP4 calibration of drafter and target, checkpoints and ONNX graphs; the drafter measured through
+    the PyTorch emulation of NVFP4 (its graphs are not runnable here)."""
     target_dir, drafter_dir = pair[:2]
     out = tmp_path_factory.mktemp("nvfp4") / "q"
     report = Q.quantize_pair(target=str(target_dir), drafter=str(drafter_dir), out_dir=out, precision="nvfp4",
@@ -181,7 +183,53 @@ def test_fp8_engines_generate_exactly_what_ar_generates(fp8_out):
         assert result.stats.verifications > 0 and result.stats.acceptance_length >= 1
 
 
-# ---- NVFP4: structure, and refused where its numerics would run -----------------------------------
+# ---- NVFP4: the PyTorch emulation, structure, and refused where its graphs would run -----------------
+
+
+def test_nvfp4_emulation_on_hand_computed_values():
+    """Worked by hand from the format (e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; block of 16; e4m3
+    block scale amax / (6 · tensor scale); nearest value, ties to the even code, saturation at 6)."""
+    from loopspec.convert.qdq import nvfp4_dequantize, nvfp4_qdq
+
+    # tensor scale 0.5: block amax 6 → block scale 6 / (6 · 0.5) = 2, one e2m1 unit is worth 2 · 0.5 = 1
+    block = torch.tensor([0.2, 0.26, 0.75, 1.25, 1.8, 2.5, 2.6, 3.5, 5.0, 5.1, -0.74, -6.0, 0.0, -1.76, 4.4, 6.0])
+    want = torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 3.0, 4.0, 4.0, 6.0, -0.5, -6.0, 0.0, -2.0, 4.0, 6.0])
+    # (0.75 → 1, 1.25 → 1, 2.5 → 2, 3.5 → 4, 5 → 4: ties to the even code; 0.26 → 0.5, 5.1 → 6: nearest)
+    scale_2 = torch.tensor(0.5)
+    assert torch.equal(nvfp4_qdq(block[None], scale_2)[0], want)
+    # a second block 3× larger gets block scale 6 (an e4m3 value): the same codes, worth 3 each
+    two = torch.cat([block, 3 * block])[None]
+    assert torch.equal(nvfp4_qdq(two, scale_2)[0], torch.cat([want, 3 * want]))
+    # block amax 6.9 → block scale 2.3, which e4m3 rounds to 2.25 (3 mantissa bits: 2, 2.25, 2.5 ...):
+    # a unit is 1.125, so 6.9 → 6.13 units → saturates at 6 → 6.75; 1.2 → 1.07 units → 1 → 1.125
+    odd = torch.zeros(1, 16)
+    odd[0, 0], odd[0, 1] = 6.9, 1.2
+    out = nvfp4_qdq(odd, scale_2)[0]
+    assert out[0].item() == 6.75 and out[1].item() == 1.125 and not out[2:].any()
+    # packed weights: bytes 0x72 → codes 2 (1.0, low nibble first) and 7 (6.0); 0x9F → 15 (-6.0), 9 (-0.5)
+    packed = torch.tensor([[0x72, 0x9F, 0, 0, 0, 0, 0, 0]], dtype=torch.uint8)
+    block_scale = torch.tensor([[2.0]]).to(torch.float8_e4m3fn)
+    weight = nvfp4_dequantize(packed, block_scale, torch.tensor(0.25))  # a unit is 2 · 0.25 = 0.5
+    assert torch.equal(weight, torch.tensor([[0.5, 3.0, -3.0, -0.25] + [0.0] * 12]))
+
+
+def test_nvfp4_linear_is_close_to_fp32_and_not_equal(pair):
+    """One calibrated NVFP4 linear of the tiny drafter, emulated, against its fp32 linear on inputs
+    inside its calibrated range."""
+    from loopspec.convert.qdq import Nvfp4Linear
+
+    target_dir, drafter_dir, target, drafter, sequences = pair
+    calibrated = Q.quantize_drafter(drafter, target, sequences, "nvfp4")
+    weights = Q.quantized_weights(calibrated)
+    q = weights["layers.0.mlp.down_proj"]
+    original = drafter.layers[0].mlp.down_proj
+    calibrated_amax = float(q.input_scale) * 6 * 448  # input_scale = amax / (6 · 448): inputs inside that range
+    x = torch.randn(12, original.in_features, generator=torch.Generator().manual_seed(0)) * calibrated_amax / 4
+    got, want = Nvfp4Linear.from_quantized(q)(x), original(x)
+    error = (got - want).abs().max() / want.abs().max()
+    assert 0 < error < 0.25  # 4-bit arithmetic: really rounded, and still the same linear
+
+
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -193,7 +241,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 def test_nvfp4_checkpoints_hold_packed_weights_and_scales(nvfp4_out, pair):
     out, report = nvfp4_out
     drafter = pair[3]
-    assert report["numerics"] == "NVFP4 numerics need a Blackwell GPU (TensorRT); not run here"
+    assert report["numerics"] == Q.NVFP4_EMULATED
     for sub in ("drafter", "target"):
         assert CK.check_checkpoint(out / sub)["quant_algo"] == "NVFP4"
         quant = json.loads((out / sub / "hf_quant_config.json").read_text())["quantization"]
@@ -210,12 +258,30 @@ def test_nvfp4_checkpoints_hold_packed_weights_and_scales(nvfp4_out, pair):
     restored = unpack_e2m1(w) * scale.float().repeat_interleave(16, dim=1) * scale_2
     original = drafter.layers[0].self_attn.q_proj.weight
     assert (restored - original).abs().max() <= original.abs().max() / 4
+    from loopspec.convert.qdq import nvfp4_dequantize
+
+    assert torch.equal(nvfp4_dequantize(w, scale, scale_2), restored)  # the emulation decodes modelopt's packing
     target_state = read_safetensors(out / "target" / "model.safetensors")
     assert target_state["model.layers.0.self_attn.k_proj.weight"].dtype == torch.uint8
     assert target_state["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert (out / "target" / "tokenizer.json").is_file()
     assert "model.embed_tokens" in json.loads((out / "target" / "hf_quant_config.json").read_text())[
         "quantization"]["exclude_modules"]
+
+
+def test_nvfp4_drafter_error_is_bounded_on_the_cpu(nvfp4_out):
+    """`convert quantize --precision nvfp4` measured the emulated drafter against fp32 (as FP8 is
+    measured through ONNX Runtime): a real but bounded logit error, top-1 drafts mostly kept, τ checked."""
+    out, report = nvfp4_out
+    e = report["emulated"]
+    assert e["positions"] > 50 and e["anchors"] > 50
+    assert 0 < e["max_abs"] < 0.3 * e["logit_scale"] and e["mean_abs"] < 0.05 * e["logit_scale"]
+    assert e["top1_agreement"] >= 0.9
+    assert e["passed"] and e["tau_relative_drop"] <= e["tau_drop_limit"] == 0.15
+    assert report["failed_checks"] == []
+    saved = json.loads((out / Q.REPORT).read_text())
+    assert saved["emulated"] == e
+    assert "emulated drafter logits vs fp32" in Q.format_quantize_report(report, out)
 
 
 def test_nvfp4_onnx_graphs(nvfp4_out):
@@ -232,7 +298,6 @@ def test_nvfp4_onnx_graphs(nvfp4_out):
 
 
 def test_nvfp4_is_refused_where_it_would_run(nvfp4_out, capsys):
-    from loopspec.convert.qdq import Nvfp4Linear
     from loopspec.convert.validate import validate_onnx
     from loopspec.runtime.ort_engine import OrtEngine
 
@@ -241,10 +306,6 @@ def test_nvfp4_is_refused_where_it_would_run(nvfp4_out, capsys):
         OrtEngine(out / "onnx")
     with pytest.raises(LoopspecError, match="Blackwell"):
         validate_onnx(out / "onnx", None, None, "nvfp4")
-    layer = Nvfp4Linear(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1).to(torch.float8_e4m3fn),
-                        torch.tensor(1.0), torch.tensor(1.0))
-    with pytest.raises(LoopspecError, match="Blackwell"):
-        layer(torch.ones(1, 16))
     code, _, err = run(capsys, "generate", "--prompt", "hi", "--backend", "onnxruntime", "--onnx-dir",
                        str(out / "onnx"), "--max-new-tokens", "4")
     assert code == 2 and "NVFP4 numerics need a Blackwell GPU" in one_error_line(err)

@@ -10,7 +10,7 @@ import torch
 from loopspec.engines.specs import DRAFTER_BLOCK, TARGET_VERIFY, engine_specs
 from loopspec.engines.trt import check_precision_supported, profile_shapes
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import DrafterConfig
+from loopspec.model.drafter import Drafter, DrafterConfig
 from loopspec.model.target import TargetConfig
 from loopspec.weights import load_target_dir
 
@@ -72,6 +72,65 @@ def test_profiles_come_from_the_specs(tiny_pair):
     assert narrow["block_ids"] == ((1, 2), (1, 6), (4, 6)) and narrow["context_lengths"][2] == (4,)
     with pytest.raises(LoopspecError, match=r"batch max 17 is outside the exported range \[1, 16\]"):
         specs[TARGET_VERIFY].narrowed("batch", 17)
+
+
+def test_plan_arithmetic_clears_tf32_for_fp32_and_marks_reduced_precision_not_order_exact():
+    from loopspec.engines.trt import builder_flags, plan_arithmetic
+    from loopspec.runtime.artifact_engine import verifies_chains_only
+
+    class FakeBuilderFlag:  # TensorRT's enum, by name: builder_flags only picks which members to touch
+        TF32 = "TF32"
+        FP16 = "FP16"
+
+    class FakeTrt:
+        BuilderFlag = FakeBuilderFlag
+
+    assert plan_arithmetic("fp32") == {"activations": "fp32", "tf32": False, "order_exact": True}
+    assert builder_flags(FakeTrt, "fp32") == ([], ["TF32"])
+    for precision in ("fp16", "bf16", "fp8", "nvfp4"):
+        arithmetic = plan_arithmetic(precision)
+        assert arithmetic["order_exact"] is False and arithmetic["activations"] == precision
+        assert builder_flags(FakeTrt, precision) == ([], [])  # strongly typed: the graph's types decide
+        assert verifies_chains_only({"arithmetic": arithmetic})
+    assert not verifies_chains_only({"arithmetic": plan_arithmetic("fp32")})
+    # the int8 rule the same function carries (runtime/artifact_engine.py)
+    assert verifies_chains_only({"arithmetic": {"activations": "int8"}})
+    from loopspec.engines.export import ORDER_FREE_SOFTMAX
+
+    assert not verifies_chains_only({"arithmetic": {"activations": "int8"}, "softmax": ORDER_FREE_SOFTMAX})
+    assert not verifies_chains_only({})  # an fp32 ONNX export declares nothing: trees verify
+    with pytest.raises(LoopspecError, match="unknown engine precision 'int3'"):
+        plan_arithmetic("int3")
+
+
+def test_a_plan_that_is_not_order_exact_verifies_chains_only(tiny_targets, tmp_path):
+    """The runtime reads a plan manifest's arithmetic through the one mechanism the artifact engines
+    share (TrtEngine is an ArtifactEngine, as OrtEngine is): here an ONNX export whose manifest says what
+    a bf16 plan's says; a draft tree is refused with the reason, a chain still decodes what ar decodes."""
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
+    from loopspec.engines.export import export_engines
+    from loopspec.engines.manifest import read_manifest
+    from loopspec.engines.trt import plan_arithmetic
+    from loopspec.runtime.decoder import generate
+    from loopspec.runtime.ort_engine import OrtEngine
+    from loopspec.settings import DecodingSettings
+
+    target = load_target_dir(tiny_targets["llama"])
+    torch.manual_seed(0)
+    drafter_cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=4, mask_token_id=127)
+    export_engines(target, Drafter(drafter_cfg).eval(), tmp_path / "onnx", target_dir=tiny_targets["llama"],
+                   max_context=64)
+    assert not OrtEngine(tmp_path / "onnx", max_context=64).chains_only
+    manifest = read_manifest(tmp_path / "onnx")
+    manifest.data["settings"]["arithmetic"] = plan_arithmetic("bf16")
+    manifest.save()
+    engine = OrtEngine(tmp_path / "onnx", max_context=64)
+    assert engine.chains_only
+    prompt = [5, 9, 14, 3]
+    with pytest.raises(LoopspecError, match="chains exactly, not trees"):
+        generate(engine, prompt, DecodingSettings("dflash", 4, tree_budget=6), max_new_tokens=6)
+    ar = generate(engine, prompt, DecodingSettings(), max_new_tokens=6).tokens
+    assert generate(engine, prompt, DecodingSettings("dflash", 4), max_new_tokens=6).tokens == ar
 
 
 @pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
