@@ -17,6 +17,11 @@ import sys
 from pathlib import Path
 
 from loopspec.errors import LoopspecError
+from loopspec.precisions import precision_names
+
+# what `convert onnx` exports a pair in (loopspec/precisions.py), and what `convert quantize` makes
+PAIR_PRECISIONS = precision_names(backend="onnxruntime", weights=("fp32", "gguf"))
+QUANTIZED_PRECISIONS = precision_names(weights=("modelopt",))
 
 
 def _int_at_least(name, least, most=None):
@@ -593,7 +598,7 @@ def _add_convert_onnx_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int("--threads"), default=None, help="CPU threads")
     p.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
                    help="check every engine against the PyTorch reference (default on)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "gguf-fp32act", "gguf-int8act"),
+    p.add_argument("--precision", default="fp32", choices=PAIR_PRECISIONS,
                    help="fp32 (default) | gguf-fp32act | gguf-int8act: the target's matrices as its GGUF's own "
                         "Q4_1/Q8_0 blocks (ONNX Runtime MatMulNBits) with fp32 or int8 activations "
                         "(--target default or FILE.gguf)")
@@ -624,7 +629,7 @@ def cmd_convert_onnx(args) -> int:
 
 
 def _add_convert_quantize_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", required=True, help="fp8 | nvfp4")
+    p.add_argument("--precision", required=True, help=" | ".join(QUANTIZED_PRECISIONS))
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF checkpoint dir or a .gguf file")
     p.add_argument("--drafter", default="default", help="'default' or a trained z-lab DFlash drafter dir")
     p.add_argument("--out", required=True,

@@ -62,6 +62,7 @@ from loopspec.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET_MASK_TOKEN_ID
 from loopspec.engines.llamacpp import gguf_target_info, llama_server_command, write_dflash_gguf
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
+from loopspec.precisions import precision_names
 from loopspec.model.drafter import Drafter, check_fits, resolve_mask_token_id
 from loopspec.model.target import TargetConfig
 from loopspec.weights import (DEFAULT_TARGET_NAME, file_sha256, load_tokenizer, read_json, read_safetensors,
@@ -70,7 +71,7 @@ from loopspec.weights import (DEFAULT_TARGET_NAME, file_sha256, load_tokenizer, 
 HF_ENGINES = ("trtllm", "vllm", "sglang")  # serve the HF checkpoint in target/ with the z-lab drafter/
 ENGINES = HF_ENGINES + ("llamacpp",)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-PRECISIONS = ("fp8", "nvfp4")
+PRECISIONS = precision_names(weights=("modelopt",))  # quantized checkpoints a bundle can carry
 # what an engine needs beside the weights to serve the target (chat template, stop tokens, tokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",

@@ -42,6 +42,7 @@ from loopspec.engines.manifest import Manifest, read_manifest, source_hashes, to
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY, engine_specs
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
+from loopspec.precisions import precision_names
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 
@@ -291,8 +292,9 @@ class Nvfp4Linear(nn.Module):
         return F.linear(nvfp4_qdq(x, self.input_scale), w, self.bias)
 
 
+PRECISIONS = precision_names(weights=("modelopt",))  # what `convert quantize` makes (loopspec/precisions.py)
 MODULES = {"fp8": Fp8Linear, "nvfp4": Nvfp4Linear}
-PRECISIONS = tuple(MODULES)
+assert set(MODULES) == set(PRECISIONS), "one quantized linear per modelopt precision"
 
 
 def check_precision(precision: str) -> None:

@@ -24,25 +24,12 @@ from loopspec.engines.ort import EngineSession, check_precision
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
                                     TARGET_VERIFY)
 from loopspec.errors import LoopspecError
+from loopspec.precisions import REGISTRY
 from loopspec.model.drafter import Drafter, draft_head_weight, draft_candidates
 from loopspec.model.target import Target
 
-# per precision: relative tolerance of every engine output, largest allowed relative τ drop (None:
-# reported, not gated); "target": the target_verify's own tolerance where it differs; "greedy":
-# whether greedy decoding must equal the reference's; "verify_equals_plain": whether one verification
-# of the engine's own greedy tokens must give back exactly those tokens
-TOLERANCES = {
-    "fp32": {"relative": 1e-4, "tau_drop": 0.02, "greedy": True, "verify_equals_plain": True},
-    "fp16": {"relative": 1e-2, "tau_drop": 0.05, "greedy": False, "verify_equals_plain": True},
-    "fp8": {"relative": 5e-2, "tau_drop": 0.10, "greedy": False, "verify_equals_plain": True},
-    "nvfp4": {"relative": 1e-1, "tau_drop": 0.15, "greedy": False, "verify_equals_plain": True},
-    # the GGUF's blocks (engines/gguf_export.py); the reference is their fp32 expansion
-    "gguf-fp32act": {"relative": 1e-4, "target": 1e-3, "tau_drop": 0.02, "greedy": True, "verify_equals_plain": True},
-    # a different model: its deviation from fp32 is bounded only loosely (a wrong block layout or a
-    # missing minimum term gives errors of order 1), τ along the fp32 trajectory is reported; what
-    # makes its speculative decoding lossless is checked: a verification equals its plain decoding
-    "gguf-int8act": {"relative": 1e-4, "target": 0.25, "tau_drop": None, "greedy": False, "verify_equals_plain": True},
-}
+# per precision: the tolerances of loopspec/precisions.py (those it validates: the ones that have some)
+TOLERANCES = {name: p.tolerance for name, p in REGISTRY.items() if p.tolerance}
 PROMPT_TEXTS = ("The quick brown fox jumps over the lazy dog because",
                 "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
                 "Explain in two sentences why the sky is blue.")

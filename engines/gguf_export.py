@@ -43,11 +43,13 @@ import torch
 from torch import nn
 
 from loopspec.errors import LoopspecError
+from loopspec.precisions import precision_names
 from loopspec.gguf_blocks import BLOCK, BlockMatrix
 from loopspec.model.target import Target
 
 ACCURACY_LEVEL = {"gguf-fp32act": 1, "gguf-int8act": 4}  # precision → MatMulNBits accuracy_level
-PRECISIONS = tuple(ACCURACY_LEVEL)
+PRECISIONS = precision_names(weights=("gguf",))  # loopspec/precisions.py
+assert set(ACCURACY_LEVEL) == set(PRECISIONS), "one accuracy level per GGUF-block precision"
 ACTIVATIONS = {"gguf-fp32act": "fp32", "gguf-int8act": "int8 (per block of 32, inside MatMulNBits)"}
 
 

@@ -47,22 +47,6 @@ def source_hashes(directory: str | Path | None, names: list[str] | None = None) 
             "files": {n: file_sha256(directory / n) for n in files if (directory / n).is_file()}}
 
 
-# What each engine precision computes with, in words: the stats line, bench and the server name it.
-PRECISION_DESCRIPTIONS = {
-    "fp32": "fp32 weights and activations",
-    "bf16": "bf16 weights and activations",
-    "fp16": "fp16 weights and activations",
-    "fp8": "FP8 weights and activations (modelopt)",
-    "nvfp4": "NVFP4 weights and activations (modelopt)",
-    "gguf-fp32act": "the GGUF's own Q4_1/Q8_0 blocks, fp32 activations",
-    "gguf-int8act": "the GGUF's own Q4_1/Q8_0 blocks, int8 activations",
-}
-
-
-def describe_precision(precision: str) -> str:
-    return PRECISION_DESCRIPTIONS.get(precision, precision)
-
-
 @dataclass
 class Manifest:
     directory: Path

@@ -12,12 +12,12 @@ import numpy as np
 
 from loopspec.engines.specs import EngineSpec
 from loopspec.errors import LoopspecError
+from loopspec.precisions import precision_names
 
-# Precisions whose graphs ONNX Runtime runs on this machine's CPU: fp32, and fp8 as standard
-# QuantizeLinear/DequantizeLinear with float8e4m3fn (opset 19), which ORT's CPU kernels execute.
-# gguf-fp32act / gguf-int8act: the target's GGUF blocks as com.microsoft MatMulNBits (CPU kernels).
-# NVFP4 graphs hold TensorRT's TRT_FP4DynamicQuantize and float4 weights: TensorRT on Blackwell only.
-ORT_PRECISIONS = ("fp32", "fp8", "gguf-fp32act", "gguf-int8act")
+# the precisions whose graphs ONNX Runtime runs on this machine's CPU (loopspec/precisions.py): fp32,
+# fp8 as standard QuantizeLinear/DequantizeLinear with float8e4m3fn (opset 19), the GGUF's blocks as
+# com.microsoft MatMulNBits. NVFP4 graphs hold TensorRT's FP4 ops and float4 weights: Blackwell only.
+ORT_PRECISIONS = precision_names(backend="onnxruntime")
 NVFP4_NOT_HERE = "NVFP4 numerics need a Blackwell GPU (TensorRT); not run here"
 
 

@@ -13,12 +13,9 @@ capability 10.0 or newer; BF16 needs 8.0 (Ampere) or newer.
 from __future__ import annotations
 
 from loopspec.engines.specs import EngineSpec
+from loopspec.precisions import REGISTRY, precision_names
 from loopspec.errors import LoopspecError
 
-# the lowest CUDA compute capability whose kernels run each engine precision
-MIN_CAPABILITY = {"fp32": (7, 5), "fp16": (7, 5), "bf16": (8, 0), "fp8": (8, 9), "nvfp4": (10, 0)}
-NEEDS = {"bf16": "an Ampere or newer GPU", "fp8": "an Ada, Hopper or newer GPU",
-         "nvfp4": "a Blackwell GPU"}
 
 
 def plan_arithmetic(precision: str) -> dict:
@@ -31,10 +28,15 @@ def plan_arithmetic(precision: str) -> dict:
     masked siblings between its ancestors) rounds differently from the same token decoded plainly,
     and a few low bits turn into another greedy token; such plans verify chains only, as the int8
     CPU engines exported before the order-free softmax do."""
-    if precision not in MIN_CAPABILITY:
-        raise LoopspecError(f"unknown engine precision {precision!r} (known: {', '.join(MIN_CAPABILITY)})")
-    exact = precision == "fp32"
-    return {"activations": precision, "tf32": False if exact else None, "order_exact": exact}
+    plan_precision(precision)
+    exact = REGISTRY[precision].order_exact
+    return {"activations": precision, "tf32": False if precision == "fp32" else None, "order_exact": exact}
+
+
+def plan_precision(precision: str) -> None:
+    """Refuse a precision that has no TensorRT plan (loopspec/precisions.py)."""
+    if precision not in precision_names(trt=True):
+        raise LoopspecError(f"unknown engine precision {precision!r} (known: {', '.join(precision_names(trt=True))})")
 
 
 def builder_flags(trt, precision: str) -> tuple[list, list]:
@@ -68,11 +70,10 @@ def check_precision_supported(precision: str, capability: tuple[int, int], devic
     if precision.startswith("gguf-"):
         raise LoopspecError(f"{precision} engines compute with ONNX Runtime's com.microsoft MatMulNBits, which "
                             f"TensorRT does not run: use them with --backend onnxruntime")
-    if precision not in MIN_CAPABILITY:
-        raise LoopspecError(f"unknown engine precision {precision!r} (known: {', '.join(MIN_CAPABILITY)})")
-    need = MIN_CAPABILITY[precision]
+    plan_precision(precision)
+    need = REGISTRY[precision].min_capability
     if tuple(capability) < need:
-        what = NEEDS.get(precision, f"compute capability {need[0]}.{need[1]}")
+        what = REGISTRY[precision].gpu_needed or f"compute capability {need[0]}.{need[1]}"
         raise LoopspecError(f"{precision} engines need {what} (compute capability >= {need[0]}.{need[1]}); "
                             f"{device} has {capability[0]}.{capability[1]}")
 

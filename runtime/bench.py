@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loopspec.decoding import SamplingParams
-from loopspec.engines.manifest import describe_precision
+from loopspec.precisions import describe_precision
 from loopspec.errors import LoopspecError
 from loopspec.prompts import read_prompts
 from loopspec.settings import DecodingSettings

@@ -16,6 +16,7 @@ from loopspec.errors import InvalidValue, LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 from loopspec.pair import load_pair, stop_token_ids
+from loopspec.precisions import REGISTRY, describe_precision, precision_names
 from loopspec.prompts import chat_ids, prompt_ids
 from loopspec.settings import DecodingSettings, engine_key, resolve_settings
 from loopspec.tuned import user_setting
@@ -24,9 +25,12 @@ from loopspec.runtime.decoder import GenerationResult, generate
 from loopspec.runtime.torch_engine import TorchEngine
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
-# what the target computes with (engines/manifest.py PRECISION_DESCRIPTIONS); "auto" picks the fastest
-# this backend has for this target (`resolve_precision`)
-PRECISIONS = ("auto", "fp32", "gguf-fp32act", "gguf-int8act")
+# what a pair's target computes with on the torch and onnxruntime backends (loopspec/precisions.py);
+# "auto" picks the fastest this backend has for this target (`resolve_precision`). Artifact
+# directories may also hold modelopt-quantized engines (ARTIFACT_PRECISIONS).
+PRECISIONS = ("auto",) + tuple(name for name in precision_names(weights=("fp32", "gguf"))
+                               if {"torch", "onnxruntime"} & set(REGISTRY[name].backends))
+ARTIFACT_PRECISIONS = precision_names(weights=("modelopt",))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -70,8 +74,6 @@ class Pipeline:
         return engine_key(self.engine.backend, self.engine.precision)
 
     def describe_engine(self) -> str:
-        from loopspec.engines.manifest import describe_precision
-
         return f"{self.engine_name} ({describe_precision(self.engine.precision)})"
 
     def on_backend(self, backend: str, max_context: int | None = None, num_threads: int | None = None,
@@ -218,7 +220,7 @@ class EngineChoice:
             raise LoopspecError("--backend tensorrt runs the plans of --trt-dir DIR (built by `loopspec convert trt`), "
                                 "and --trt-dir needs --backend tensorrt")
         artifacts = self.onnx_dir is not None or self.trt_dir is not None
-        if self.precision not in PRECISIONS and not (artifacts and self.precision in ("fp8", "nvfp4")):
+        if self.precision not in PRECISIONS and not (artifacts and self.precision in ARTIFACT_PRECISIONS):
             raise LoopspecError(f"unknown precision {self.precision!r} (choose from {', '.join(PRECISIONS)})")
 
     @property

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from loopspec.decoding import SamplingParams
-from loopspec.engines.manifest import describe_precision
+from loopspec.precisions import describe_precision
 from loopspec.errors import LoopspecError
 from loopspec.settings import DecodingSettings
 from loopspec.runtime.decoder import Decoder

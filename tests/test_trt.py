@@ -161,7 +161,7 @@ def test_tensorrt_backend_needs_its_plans(tmp_path):
     with pytest.raises(LoopspecError, match="--backend tensorrt runs the plans of --trt-dir"):
         load_pipeline(backend="tensorrt")
     with pytest.raises(LoopspecError, match="--trt-dir needs --backend tensorrt"):
-        load_pipeline(trt_dir=tmp_path)
+        load_pipeline(backend="torch", trt_dir=tmp_path)
     if not HAVE_TRT:
         with pytest.raises(LoopspecError, match="TensorRT is not installed"):
             load_pipeline(backend="tensorrt", trt_dir=tmp_path)
