@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from loopspec.convert.qdq import NVFP4_BLOCK
-from loopspec.convert.quantize import UNQUANTIZED_DTYPE, quantized_weight
+from loopspec.convert.quant_weights import UNQUANTIZED_DTYPE, quantized_weight
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target

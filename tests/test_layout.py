@@ -95,3 +95,43 @@ def test_declared_packages_match_folders():
             rel = init.parent.relative_to(folder).parts
             found.add(".".join((name,) + rel))
     assert declared == found
+
+
+def module_name(path: Path) -> str:
+    for name, folder in FOLDERS.items():
+        if path.is_relative_to(folder):
+            rel = path.relative_to(folder).with_suffix("").parts
+            rel = rel[:-1] if rel[-1] == "__init__" else rel
+            return ".".join((name,) + rel)
+    raise AssertionError(path)
+
+
+def test_no_import_cycles():
+    """No module reaches, through any chain of imports (function-level ones included), back to itself:
+    a cycle hidden in a function-level import is still a layering knot."""
+    modules = {module_name(p): p for p in python_files()}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for module, _ in imports(path):
+            # `from loopspec.x import y` may name a submodule y or a name in x: take the longest module
+            candidates = [module] + [module.rsplit(".", 1)[0]] if module else []
+            found = next((c for c in candidates if c in modules), None)
+            if found and found != name and not name.startswith(found + "."):  # a package's own __init__
+                targets.add(found)
+        graph[name] = targets
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(" → ".join(c) for c in cycles)
