@@ -274,7 +274,9 @@ def test_a_llama_server_that_dies_at_load_is_a_skipped_row(tiny_pair, prompt_set
 @pytest.mark.e2e
 def test_llamacpp_peers_beside_the_default_engines(tmp_path):
     """llama-server on the default GGUF, plain and with the shipped drafter, in one bench run with
-    loopspec's engines: its DFlash output equals its plain output and its τ comes from its counters."""
+    loopspec's engines: both rows complete, repeat their own output, and report τ from llama.cpp's
+    counters. Whether its DFlash output equals its plain output is reported, not asserted: llama.cpp
+    does not promise it (docs/benchmarks.md)."""
     from loopspec.engines.llamacpp import find_llama_server
 
     if find_llama_server() is None:
@@ -283,11 +285,15 @@ def test_llamacpp_peers_beside_the_default_engines(tmp_path):
     prompts.write_text('{"turns": ["Write a Python function that returns the n-th Fibonacci number."]}\n')
     report = tmp_path / "b.json"
     results = run_bench(prompt_files=[str(prompts)], methods=["ar", "llamacpp", "llamacpp-dflash"], max_new_tokens=32,
-                        num_threads=2, json_out=str(report))
+                        num_threads=2, repeats=2, json_out=str(report))
     by = {r.method: r for r in results}
     assert by["llamacpp"].backend == by["llamacpp-dflash"].backend == "llama.cpp"
-    assert by["llamacpp"].new_tokens == 32 and by["llamacpp-dflash"].identical_to_ar is True
+    assert by["llamacpp"].new_tokens == by["llamacpp-dflash"].new_tokens == 32
+    assert by["llamacpp"].same_across_repeats and by["llamacpp-dflash"].same_across_repeats
     assert by["llamacpp"].tau == 1.0 and by["llamacpp-dflash"].tau > 1.0  # drafts were accepted
+    assert by["llamacpp-dflash"].identical_to_ar in (True, False)  # compared with llamacpp's own output
+    print(f"llamacpp-dflash: tau {by['llamacpp-dflash'].tau:.2f}, output identical to llamacpp's plain output: "
+          f"{by['llamacpp-dflash'].identical_to_ar}")
     assert 0.0 <= by["llamacpp"].fp32_matching_prefix <= 32
     command = json.loads(report.read_text())["settings"]["llamacpp"]["llamacpp-dflash"]
     assert "--spec-type" in command and "draft-dflash" in command
