@@ -64,11 +64,12 @@ def _finite_float(name, positive=True):
     return parse
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, max_context: int | None = None) -> None:
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF checkpoint dir or a .gguf file")
     p.add_argument("--drafter", default="default", help="'default', a z-lab DFlash drafter dir, or 'none'")
-    p.add_argument("--max-context", type=_positive_int("--max-context"), default=None,
-                   help="KV cache length (default: the target's max_position_embeddings)")
+    p.add_argument("--max-context", type=_positive_int("--max-context"), default=max_context,
+                   help="KV cache length (default: the target's max_position_embeddings)" if max_context is None else
+                   f"KV cache length per row (default {max_context}: the caches hold --max-batch-size rows of it)")
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token for a drafter whose config has none")
     p.add_argument("--threads", type=_positive_int("--threads"), default=None, help="torch CPU threads")
     p.add_argument("--device", default="cpu", help="where the torch engine runs: cpu or cuda")
@@ -169,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="every method on the same prompts in one process")
     b.add_argument("--prompts", required=True, nargs="+",
-                   help="JSONL files of {\"turns\": [...]} (dataset = file stem) or the built-in set 'humaneval'")
+                   help="JSONL files of {\"turns\": [...]} (dataset = file stem) or built-in sets "
+                        "(humaneval, mt-bench; python -m loopspec.prompt_sets lists them)")
     _add_model_args(b)
     _add_backend_args(b, side_by_side=True)
     b.add_argument("--methods", default="ar,dflash",
@@ -193,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("tune", help="sweep DLoop gate x stages (x block size), then tree budget x suffix; "
                                     "store the fastest lossless setting")
-    u.add_argument("--prompts", required=True, nargs="+", help="calibration JSONL files")
+    u.add_argument("--prompts", required=True, nargs="+", help="calibration JSONL files or built-in sets")
     _add_model_args(u)
     u.add_argument("--limit", type=_positive_int("--limit"), default=8)
     u.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=96)
@@ -213,8 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_args(u)  # tune where the setting will run: backends differ in what a stage costs
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    _add_model_args(v)
-    v.set_defaults(max_context=2048)  # the KV caches hold --max-batch-size rows of this length
+    _add_model_args(v, max_context=2048)  # not the target's maximum: the KV caches hold --max-batch-size rows
     v.add_argument("--method", default="dflash", help="ar | dflash | dloop | suffix")
     _add_backend_args(v)  # every backend batches its rows (onnxruntime and tensorrt up to their exported batch)
     _add_decoding_args(v)

