@@ -415,14 +415,26 @@ def cmd_tune(args) -> int:
     return 0
 
 
-def _engine_choice(args):
+def _engine_choice(args, **overrides):
     """The one value of which engine runs (loopspec.runtime.pipeline.EngineChoice), from the flags."""
     from loopspec.runtime.pipeline import EngineChoice
 
-    return EngineChoice(target=args.target, drafter=args.drafter, backend=args.backend, precision=args.precision,
-                        device=args.device, max_context=args.max_context, threads=args.threads,
-                        cuda_graphs=args.cuda_graphs, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir,
-                        mask_token_id=args.mask_token_id)
+    flags = dict(target=args.target, drafter=args.drafter, backend=args.backend, precision=args.precision,
+                 device=args.device, max_context=args.max_context, threads=args.threads,
+                 cuda_graphs=args.cuda_graphs, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir,
+                 mask_token_id=args.mask_token_id)
+    return EngineChoice(**(flags | overrides))
+
+
+def _side_by_side(args) -> list:
+    """--backend and --precision as comma lists: every (backend, precision) engine, the first the reference."""
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
+    if not backends or len(set(backends)) != len(backends):
+        raise LoopspecError(f"--backend needs distinct backends, got {args.backend!r}")
+    if not precisions or len(set(precisions)) != len(precisions):
+        raise LoopspecError(f"--precision needs distinct precisions, got {args.precision!r}")
+    return [_engine_choice(args, backend=b, precision=p) for b in backends for p in precisions]
 
 
 def _sampling(args):
@@ -572,19 +584,15 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from loopspec.runtime.bench import run_bench
+    from loopspec.runtime.bench import BenchOutput, BenchPlan, run_bench
 
-    params = _sampling(args)
     _check_output_file(args.json_out, "--json")
-    run_bench(prompt_files=args.prompts, methods=[m.strip() for m in args.methods.split(",") if m.strip()],
-              target=args.target, drafter=args.drafter, limit=args.limit, max_new_tokens=args.max_new_tokens,
-              all_turns=args.all_turns, params=params, block_size=args.block_size, seed=args.seed,
-              repeats=args.repeats, json_out=args.json_out, chat=args.chat, max_context=args.max_context,
-              mask_token_id=args.mask_token_id, num_threads=args.threads,
-              gate_threshold=args.gate_threshold, max_stages=args.max_stages, cost_model=args.cost_model,
-              adaptive=args.adaptive, tree_budget=args.tree_budget, suffix=args.suffix, suffix_first=args.suffix_first, device=args.device, cuda_graphs=args.cuda_graphs, out_dir=args.out_dir,
-              backend=args.backend, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir, precision=args.precision,
-              llama_server=args.llama_server, command="loopspec " + shlex.join(args.argv))
+    plan = BenchPlan(prompt_sets=args.prompts, methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+                     limit=args.limit, max_new_tokens=args.max_new_tokens, all_turns=args.all_turns, chat=args.chat,
+                     params=_sampling(args), seed=args.seed, repeats=args.repeats, cost_model=args.cost_model,
+                     llama_server=args.llama_server)
+    run_bench(plan, _side_by_side(args), _decoding_knobs(args),
+              BenchOutput(json_out=args.json_out, out_dir=args.out_dir, command="loopspec " + shlex.join(args.argv)))
     return 0
 
 

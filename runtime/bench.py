@@ -7,6 +7,7 @@ curve, the τ histogram, the DLoop breakdown and the prefill/draft/verify/other 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import platform
@@ -170,70 +171,111 @@ def _prepare_out_dir(out_dir: str | None) -> Path | None:
     return path
 
 
-def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "default", drafter: str = "default",
-              limit: int | None = None, max_new_tokens: int = 128, all_turns: bool = False,
-              params: SamplingParams = SamplingParams(), block_size: int | None = None, seed: int = 0,
-              repeats: int = 1, json_out: str | None = None, out_dir: str | None = None, chat: bool = True,
-              max_context: int | None = None, mask_token_id: int | None = None, num_threads: int | None = None,
-              gate_threshold: float | None = None, max_stages: int | None = None,
-              cost_model: bool = False, adaptive: bool = True, tree_budget: int | None = None,
-              suffix: bool | None = None, suffix_first: int | None = None, command: str | None = None,
-              device: str = "cpu",
-              cuda_graphs: bool | None = None, backend: str = "torch", onnx_dir: str | None = None,
-              trt_dir: str | None = None, precision: str = "auto", llama_server: str | None = None) -> list[BenchResult]:
-    """`backend` and `precision` may be comma lists: every (backend, precision) engine runs the same
-    pair side by side; `ar` on the first is the reference of every speedup."""
+@dataclass(frozen=True)
+class BenchPlan:
+    """What one bench run measures: the prompt sets (JSONL files or built-in set names), the methods
+    (loopspec's, with +chain/+treeN/+suffix/+firstN variants, and the peers), and how each prompt runs.
+    Checked on construction, before anything loads."""
+
+    prompt_sets: tuple[str, ...]
+    methods: tuple[str, ...]
+    limit: int | None = None
+    max_new_tokens: int = 128
+    all_turns: bool = False
+    chat: bool = True
+    params: SamplingParams = SamplingParams()
+    seed: int = 0
+    repeats: int = 1
+    cost_model: bool = False  # also measure bandwidth, t_verify(n), draft time and each method's bound
+    llama_server: str | None = None  # the binary the llama.cpp peers run (None: the one on PATH)
+
+    def __post_init__(self):
+        from loopspec.runtime.peers import PEER_METHODS
+        from loopspec.settings import METHODS, method_variant
+
+        object.__setattr__(self, "prompt_sets", tuple(self.prompt_sets))
+        object.__setattr__(self, "methods", tuple(self.methods))
+        if not self.methods:
+            raise LoopspecError(f"no method given (choose from {', '.join(METHODS + PEER_METHODS)})")
+        for m in self.methods:
+            if m not in PEER_METHODS:
+                method_variant(m)  # refuses unknown names and parts
+        if len(set(self.methods)) != len(self.methods):
+            raise LoopspecError(f"a method is named twice in {','.join(self.methods)}")
+        if self.repeats < 1:
+            raise LoopspecError(f"repeats must be >= 1, got {self.repeats}")
+        if any(m in PEER_METHODS for m in self.methods) and not self.params.greedy:
+            raise LoopspecError("the transformers and llama.cpp peers are measured greedy only (use --temperature 0)")
+
+    @property
+    def variants(self) -> dict[str, tuple[str, dict]]:
+        """loopspec's methods → (method, overrides of its resolved settings)."""
+        from loopspec.runtime.peers import PEER_METHODS
+        from loopspec.settings import method_variant
+
+        return {m: method_variant(m) for m in self.methods if m not in PEER_METHODS}
+
+
+@dataclass(frozen=True)
+class BenchOutput:
+    """Where a bench run's report goes: `json_out` (bench.json alone), `out_dir` (bench.json, bench.md
+    and the plots), and the command recorded in it."""
+
+    json_out: str | None = None
+    out_dir: str | None = None
+    command: str | None = None
+
+
+@dataclass
+class Runs:
+    """The (method, engine) runs of a bench in order, and what each is compared with."""
+
+    order: list[tuple[str, str]]
+    decoding: dict[tuple[str, str], DecodingSettings | None]  # per run (None: a peer)
+    reported: set[tuple[str, str]]  # the runs asked for (`ar` always runs: it is the reference)
+    reference: tuple[str, str]  # the first engine's `ar`: every speedup is against it
+    plain: dict[tuple[str, str], tuple[str, str] | None]  # the run whose output each must equal (`plain_decoding`)
+    fp32_reference: tuple[str, str] | None = None  # the fp32 engine's `ar`, where one runs
+
+
+def run_bench(plan: BenchPlan, engines, knobs: dict | None = None,
+              output: BenchOutput = BenchOutput()) -> list[BenchResult]:
+    """Every method of `plan` on every engine of `engines` (an EngineChoice, or several: the same pair
+    side by side in this process, the first engine's `ar` the reference of every speedup), with the
+    decoding `knobs` of loopspec.settings.resolve_settings (block_size, gate_threshold, ...)."""
     from tqdm import tqdm
 
-    from loopspec.runtime.peers import HF_METHODS, LLAMACPP_METHODS, PEER_BACKENDS, PEER_METHODS, HFPeer
-    from loopspec.runtime.pipeline import load_pipeline, resolve_backend
-    from loopspec.settings import DRAFTER_METHODS, METHODS, method_variant
+    from loopspec.runtime.peers import HF_METHODS, LLAMACPP_METHODS, PEER_METHODS, HFPeer
+    from loopspec.runtime.pipeline import EngineChoice, open_pipeline
+    from loopspec.settings import DRAFTER_METHODS
 
-    if not methods:
-        raise LoopspecError(f"no method given (choose from {', '.join(METHODS + PEER_METHODS)})")
-    variants = {m: method_variant(m) for m in methods if m not in PEER_METHODS}  # refuses unknown names
-    if len(set(methods)) != len(methods):
-        raise LoopspecError(f"a method is named twice in {','.join(methods)}")
-    if repeats < 1:
-        raise LoopspecError(f"repeats must be >= 1, got {repeats}")
-    if any(m in PEER_METHODS for m in methods) and not params.greedy:
-        raise LoopspecError("the transformers and llama.cpp peers are measured greedy only (use --temperature 0)")
-    datasets = load_prompt_sets(prompt_files, limit, all_turns)  # validate everything before the long run
-    if json_out is not None and not Path(json_out).resolve().parent.is_dir():
-        raise LoopspecError(f"directory for --json does not exist: {Path(json_out).parent}")
-    out_path = _prepare_out_dir(out_dir)
+    engines = [engines] if isinstance(engines, EngineChoice) else list(engines)
+    if not engines:
+        raise LoopspecError("no engine to bench")
+    methods, variants, knobs = plan.methods, plan.variants, dict(knobs or {})
+    datasets = load_prompt_sets(list(plan.prompt_sets), plan.limit, plan.all_turns)  # everything checked before the long run
+    if output.json_out is not None and not Path(output.json_out).resolve().parent.is_dir():
+        raise LoopspecError(f"directory for --json does not exist: {Path(output.json_out).parent}")
+    out_path = _prepare_out_dir(output.out_dir)
     needs_drafter = any(method in DRAFTER_METHODS for method, _ in variants.values()) or "llamacpp-dflash" in methods
-    backends = [resolve_backend(b.strip(), device, cuda_graphs, onnx_dir, trt_dir) for b in backend.split(",") if b.strip()]
-    precisions = [p.strip() for p in precision.split(",") if p.strip()]
-    if not backends or len(set(backends)) != len(backends):
-        raise LoopspecError(f"--backend needs distinct backends, got {backend!r}")
-    if not precisions or len(set(precisions)) != len(precisions):
-        raise LoopspecError(f"--precision needs distinct precisions, got {precision!r}")
-    pipe = load_pipeline(target, drafter if needs_drafter else "none",
-                         max_context=max_context, mask_token_id=mask_token_id, num_threads=num_threads,
-                         device=device, cuda_graphs=cuda_graphs, backend=backends[0], onnx_dir=onnx_dir,
-                         trt_dir=trt_dir, precision=precisions[0])
-    # every engine (backend x precision) runs the same pair in this process; `ar` on the first is the reference
+    first = engines[0]
+    pipe = open_pipeline(first if needs_drafter else dataclasses.replace(first, drafter="none"))
+    # every engine runs the same pair in this process; `ar` on the first is the reference
     pipes = {pipe.engine_name: pipe}
-    for b in backends:
-        for prec in precisions:
-            if (b, prec) != (backends[0], precisions[0]):
-                other = pipe.on_backend(b, max_context, num_threads, prec)
-                if other.engine_name in pipes:
-                    raise LoopspecError(f"--backend/--precision name the engine {other.engine_name} twice")
-                pipes[other.engine_name] = other
-    backend = ",".join(pipes)
-    if pipe.target is None and (cost_model or any(m in PEER_METHODS for m in methods)):
+    for choice in engines[1:]:
+        other = pipe.on_backend(choice.backend, choice.max_context, choice.threads, choice.precision)
+        if other.engine_name in pipes:
+            raise LoopspecError(f"--backend/--precision name the engine {other.engine_name} twice")
+        pipes[other.engine_name] = other
+    if pipe.target is None and (plan.cost_model or any(m in PEER_METHODS for m in methods)):
         raise LoopspecError("the transformers and llama.cpp peers and --cost-model need the target's weights: "
                             "run without --onnx-dir")
     # each engine's decoding settings per method, resolved once (tuned settings are per engine);
     # `ar` always runs: each engine's own plain decoding is what its methods must reproduce
-    knobs = {"block_size": block_size, "gate_threshold": gate_threshold, "max_stages": max_stages,
-             "adaptive": adaptive, "tree_budget": tree_budget, "suffix": suffix, "suffix_first": suffix_first}
     decoding = {name: {"ar": p.settings("ar")} | {m: p.settings(method, **(knobs | overrides))
                                                   for m, (method, overrides) in variants.items()}
                 for name, p in pipes.items()}
-    encoded_sets = {name: [pipe.encode(p, chat=chat) for p in prompts] for name, prompts in datasets.items()}
+    encoded_sets = {name: [pipe.encode(p, chat=plan.chat) for p in prompts] for name, prompts in datasets.items()}
     for name, encoded in encoded_sets.items():
         too_long = [len(ids) for ids in encoded if len(ids) >= pipe.engine.max_context]
         if too_long:
@@ -241,31 +283,25 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
     if needs_drafter:
         print(f"[loopspec] drafter: {pipe.drafter_description}", file=sys.stderr)
 
-    engine_device = getattr(pipe.engine, "device", "cpu")
-    peers: dict[str, object] = {}
-    skipped: dict[str, str] = {}  # peer method → why it did not run
+    peers, skipped = {}, {}  # peer library → its runner; peer method → why it did not run
     if any(m in HF_METHODS for m in methods):
-        peers["transformers"] = HFPeer(pipe.target_dir, pipe.stop_token_ids, num_threads, engine_device)
+        peers["transformers"] = HFPeer(pipe.target_dir, pipe.stop_token_ids, first.threads,
+                                       getattr(pipe.engine, "device", "cpu"))
     wanted = [m for m in methods if m in LLAMACPP_METHODS]
     if wanted:
         longest = max(len(ids) for encoded in encoded_sets.values() for ids in encoded)
         # llama.cpp drafts the block of the drafter's tuned setting on this machine (loopspec's dloop
         # block): the block whose verification pays on a CPU
-        dflash_block = (pipe.settings("dloop", block_size=block_size).block_size
+        dflash_block = (pipe.settings("dloop", block_size=knobs.get("block_size")).block_size
                         if "llamacpp-dflash" in wanted else None)
-        llama, reason = llamacpp_peer(pipe, target, llama_server, dflash_block, num_threads,
-                                      context=longest + max_new_tokens + 16)
+        llama, reason = llamacpp_peer(pipe, first.target, plan.llama_server, dflash_block, first.threads,
+                                      context=longest + plan.max_new_tokens + 16)
         skipped = {m: reason for m in wanted} if llama is None else dict(llama.failed)
         for m, why in skipped.items():
             print(f"[loopspec] skipping {m}: {why}", file=sys.stderr)
         if llama is not None:
             peers["llama.cpp"] = llama
-    peer_methods = [m for m in methods if m in PEER_METHODS and m not in skipped]
-    # (method, engine) runs; ar on every engine always runs, the first engine's is the reference
-    own = ["ar"] + [m for m in methods if m != "ar" and m not in PEER_METHODS]
-    order = [(m, e) for e in pipes for m in own] + [(m, PEER_BACKENDS[m]) for m in peer_methods]
-    reference = order[0]
-    fp32_reference = next((("ar", e) for e, p in pipes.items() if p.engine.precision == "fp32"), None)
+    runs = plan_runs(plan, pipes, decoding, [m for m in methods if m in PEER_METHODS and m not in skipped])
 
     def run_once(run: tuple[str, str], ids: list[int], i: int, new_tokens: int):
         """(tokens, wall seconds, stats: GenerationStats, a peer's PeerRun, or None)."""
@@ -274,23 +310,21 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
         if method in PEER_METHODS:
             out = peers[on].run(ids, method, new_tokens)
             return out.tokens, time.perf_counter() - t0, out if method in LLAMACPP_METHODS else None
-        out = pipes[on].run(ids, decoding[on][method], max_new_tokens=new_tokens, params=params, seed=seed + i)
+        out = pipes[on].run(ids, decoding[on][method], max_new_tokens=new_tokens, params=plan.params,
+                            seed=plan.seed + i)
         return out.tokens, time.perf_counter() - t0, out.stats
 
-    total_runs = sum(len(e) for e in encoded_sets.values()) * len(order) * repeats
+    total_runs = sum(len(e) for e in encoded_sets.values()) * len(runs.order) * plan.repeats
     progress = tqdm(total=total_runs, unit="run", file=sys.stderr, leave=False)
-    results: list[BenchResult] = []
     try:
-        measure_sets(encoded_sets, order, run_once, repeats, max_new_tokens, progress, pipes, decoding, methods,
-                     reference, fp32_reference, params, results)
+        results = measure_sets(encoded_sets, runs, run_once, plan, progress)
     finally:
         for peer in peers.values():
             getattr(peer, "close", lambda: None)()
     progress.close()
 
-    cm = measure_cost_model(pipe, decoding[pipe.engine_name], results) if cost_model else None
-    report = {"settings": settings(command, pipe, backend, datasets, prompt_files, methods, decoding[pipe.engine_name],
-                                   limit, max_new_tokens, repeats, params, chat, all_turns),
+    cm = measure_cost_model(pipe, decoding[pipe.engine_name], results) if plan.cost_model else None
+    report = {"settings": settings(plan, output.command, pipe, ",".join(pipes), datasets, decoding[pipe.engine_name]),
               "results": [asdict(r) for r in results]}
     report["settings"]["engines"] = {name: {"precision": p.engine.precision, "computes_with": describe_precision(p.engine.precision),
                                             "decoding": {m: d.to_dict() for m, d in decoding[name].items() if m in methods}}
@@ -312,8 +346,8 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
                 print(f"  {r.dataset}/{r.method}: speedup {r.speedup_vs_ar:.2f}x of a {r.speedup_bound:.2f}x bound "
                       f"({r.speedup_bound_as_run:.2f}x over the rounds as run)")
     text = json.dumps(report, indent=2) + "\n"
-    if json_out is not None:
-        Path(json_out).write_text(text)
+    if output.json_out is not None:
+        Path(output.json_out).write_text(text)
     if out_path is not None:
         from loopspec.runtime.report import write_report
 
@@ -321,6 +355,21 @@ def run_bench(*, prompt_files: list[str], methods: list[str], target: str = "def
         written = write_report(json.loads(text), out_path)
         print(f"[loopspec] wrote {', '.join(str(p) for p in [out_path / 'bench.json'] + written)}", file=sys.stderr)
     return results
+
+
+def plan_runs(plan: BenchPlan, pipes: dict, decoding: dict, peer_methods: list[str]) -> Runs:
+    """The runs in order — every loopspec method on every engine (`ar` first on each), then the peers
+    that can run — and what each is compared with."""
+    from loopspec.runtime.peers import PEER_BACKENDS, PEER_METHODS
+
+    own = ["ar"] + [m for m in plan.methods if m != "ar" and m not in PEER_METHODS]
+    order = [(m, e) for e in pipes for m in own] + [(m, PEER_BACKENDS[m]) for m in peer_methods]
+    reference = order[0]
+    fp32_reference = next((("ar", e) for e, p in pipes.items() if p.engine.precision == "fp32"), None)
+    return Runs(order=order, decoding={(m, on): None if m in PEER_METHODS else decoding[on][m] for m, on in order},
+                reported={run for run in order if run[0] in plan.methods}, reference=reference,
+                plain={run: plain_decoding(run, reference, fp32_reference, pipes) for run in order},
+                fp32_reference=fp32_reference)
 
 
 def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backend: str,
@@ -367,8 +416,8 @@ def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backen
     return row
 
 
-def settings(command, pipe, backend, datasets, sources, methods, decoding, limit, max_new_tokens, repeats,
-             params, chat, all_turns) -> dict:
+def settings(plan: BenchPlan, command: str | None, pipe, backend: str, datasets: dict,
+             decoding: dict[str, DecodingSettings]) -> dict:
     """What produced the numbers: the command, the pair, the prompts, each method's decoding settings
     and the machine."""
     import torch
@@ -380,12 +429,13 @@ def settings(command, pipe, backend, datasets, sources, methods, decoding, limit
         "drafter": pipe.drafter_description if pipe.engine.has_drafter else "none",
         "backend": backend,
         "device": str(getattr(pipe.engine, "device", "cpu")),
-        "methods": methods,
-        "datasets": {name: {"source": src, "prompts": len(p)} for (name, p), src in zip(datasets.items(), sources)},
-        "limit": limit, "max_new_tokens": max_new_tokens, "repeats": repeats, "all_turns": all_turns, "chat": chat,
-        "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p},
-        "decoding": {m: d.to_dict() for m, d in decoding.items() if m in methods},
-        "block_size": {m: d.block_size for m, d in decoding.items() if m in methods},
+        "methods": list(plan.methods),
+        "datasets": {name: {"source": src, "prompts": len(p)} for (name, p), src in zip(datasets.items(), plan.prompt_sets)},
+        "limit": plan.limit, "max_new_tokens": plan.max_new_tokens, "repeats": plan.repeats,
+        "all_turns": plan.all_turns, "chat": plan.chat,
+        "sampling": {"temperature": plan.params.temperature, "top_k": plan.params.top_k, "top_p": plan.params.top_p},
+        "decoding": {m: d.to_dict() for m, d in decoding.items() if m in plan.methods},
+        "block_size": {m: d.block_size for m, d in decoding.items() if m in plan.methods},
         "dloop": ({"gate_threshold": decoding["dloop"].gate_threshold, "max_stages": decoding["dloop"].max_stages}
                   if "dloop" in decoding else None),
         "adaptive": any(d.adaptive for d in decoding.values()),
@@ -430,47 +480,47 @@ def measure_cost_model(pipe, decoding: dict[str, DecodingSettings], results: lis
             "ar_bound_tokens_per_s": bandwidth * 1e9 / weights, "verify_s": t_verify, "draft_stage_s": t_draft}
 
 
-def measure_sets(encoded_sets, order, run_once, repeats, max_new_tokens, progress, pipes, decoding, methods,
-                 reference, fp32_reference, params, results: list[BenchResult]) -> None:
-    """Every run of `order` on every dataset (after one short warm-up each), appended to `results`:
-    speedup against `reference`, identity with the same engine's `ar` (a peer: its own plain
-    decoding), agreement with the fp32 engine's `ar`."""
-    from loopspec.runtime.peers import PEER_METHODS
-
+def measure_sets(encoded_sets: dict[str, list[list[int]]], runs: Runs, run_once, plan: BenchPlan,
+                 progress) -> list[BenchResult]:
+    """Every run on every dataset (after one short warm-up each): `run_once(run, ids, prompt index,
+    new tokens)` → (tokens, wall seconds, stats or None), `plan.repeats` times per prompt; per run and
+    dataset a row from each prompt's median repeat, with its speedup against `runs.reference`, its
+    identity with `runs.plain[run]` (greedy), and its agreement with the fp32 engine's `ar`."""
+    results = []
+    engines = {on for _, on in runs.order}
     for dataset, encoded in encoded_sets.items():
-        for run in order:  # warm-up: first calls allocate and pack
+        for run in runs.order:  # warm-up: first calls allocate and pack
             run_once(run, encoded[0], 0, 8)
         outputs: dict[tuple, list[list[int]]] = {}
         per_run: dict[tuple, BenchResult] = {}
-        for run in order:
+        for run in runs.order:
             method, on = run
-            progress.set_description(f"{dataset}/{method}" + (f"/{on}" if len(pipes) > 1 else ""))
-            runs: list[list[tuple]] = [[] for _ in encoded]  # per prompt: one (tokens, seconds, stats) per repeat
-            for _ in range(repeats):
+            progress.set_description(f"{dataset}/{method}" + (f"/{on}" if len(engines) > 1 else ""))
+            repeats: list[list[tuple]] = [[] for _ in encoded]  # per prompt: one (tokens, seconds, stats) per repeat
+            for _ in range(plan.repeats):
                 for i, ids in enumerate(encoded):
-                    runs[i].append(run_once(run, ids, i, max_new_tokens))
+                    repeats[i].append(run_once(run, ids, i, plan.max_new_tokens))
                     progress.update()
-            median = [prompt_runs[median_run(prompt_runs)] for prompt_runs in runs]
+            median = [prompt_runs[median_run(prompt_runs)] for prompt_runs in repeats]
             outputs[run] = [tokens for tokens, _, _ in median]
-            per_run[run] = summarize(method, dataset, median, repeats, on,
-                                     None if method in PEER_METHODS else decoding[on][method])
-            per_run[run].same_across_repeats = all(r[0] == prompt_runs[0][0] for prompt_runs in runs
+            per_run[run] = summarize(method, dataset, median, plan.repeats, on, runs.decoding[run])
+            per_run[run].same_across_repeats = all(r[0] == prompt_runs[0][0] for prompt_runs in repeats
                                                    for r in prompt_runs)
-        base = per_run[reference]
-        for run in order:
-            method, on = run
-            if method not in methods:
+        base = per_run[runs.reference]
+        for run in runs.order:
+            if run not in runs.reported:
                 continue
             r = per_run[run]
             r.speedup_vs_ar = r.tokens_per_s / base.tokens_per_s
-            plain = plain_decoding(run, reference, fp32_reference, pipes)
-            if params.greedy and plain in outputs:
+            plain = runs.plain[run]
+            if plan.params.greedy and plain in outputs:
                 r.identical_to_ar = outputs[run] == outputs[plain]
-            if params.greedy and fp32_reference is not None:
-                pairs = list(zip(outputs[run], outputs[fp32_reference]))
+            if plan.params.greedy and runs.fp32_reference is not None:
+                pairs = list(zip(outputs[run], outputs[runs.fp32_reference]))
                 r.agreement_with_fp32 = sum(a == b for a, b in pairs) / max(len(pairs), 1)
                 r.fp32_matching_prefix = sum(matching_prefix(a, b) for a, b in pairs) / max(len(pairs), 1)
             results.append(r)
+    return results
 
 
 def llamacpp_peer(pipe, target: str, llama_server: str | None, dflash_block: int | None, num_threads: int | None,

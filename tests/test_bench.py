@@ -8,7 +8,8 @@ import pytest
 from loopspec.cli import main
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
-from loopspec.runtime.bench import (acceptance_stats, load_prompt_sets, median_run, run_bench,
+from loopspec.runtime.pipeline import EngineChoice
+from loopspec.runtime.bench import (BenchOutput, BenchPlan, Runs, acceptance_stats, load_prompt_sets, median_run, run_bench,
                                     verifications_saved)
 
 PLOTS = ("speedup.png", "acceptance.png", "tau_histogram.png", "time_split.png", "dloop_stages.png", "tree_budget.png",
@@ -127,14 +128,12 @@ def test_timing_columns_from_known_run_times():
                                     verify_s=0.5 * seconds)
         return list(tokens), seconds, stats
 
-    results = []
-    measure_sets({"set": [[1, 2], [3, 4]]}, [("ar", engine), ("dflash", engine)], run_once, repeats=3,
-                 max_new_tokens=8, progress=SimpleNamespace(set_description=lambda text: None, update=lambda: None),
-                 pipes={engine: SimpleNamespace(engine=SimpleNamespace(precision="fp32"))},
-                 decoding={engine: {"ar": DecodingSettings(), "dflash": DecodingSettings("dflash", 6)}},
-                 methods=["ar", "dflash"], reference=("ar", engine), fp32_reference=None, params=SamplingParams(),
-                 results=results)
-    ar, dflash = results
+    order = [("ar", engine), ("dflash", engine)]
+    runs = Runs(order=order, decoding={order[0]: DecodingSettings(), order[1]: DecodingSettings("dflash", 6)},
+                reported=set(order), reference=order[0], plain={order[0]: order[0], order[1]: order[0]})
+    ar, dflash = measure_sets({"set": [[1, 2], [3, 4]]}, runs, run_once,
+                              BenchPlan(prompt_sets=("set",), methods=("ar", "dflash"), max_new_tokens=8, repeats=3),
+                              progress=SimpleNamespace(set_description=lambda text: None, update=lambda: None))
     assert all(next(it, None) is None for it in calls.values())  # one warm-up, three repeats each, no more
     # ar: 2.0 + 2.0 = 4 s for 16 tokens; prefill 0.2 + 0.2, verify 1.0 + 1.0, the rest 1.6
     assert (ar.seconds, ar.new_tokens, ar.tokens_per_s) == pytest.approx((4.0, 16, 4.0))
@@ -169,8 +168,8 @@ def test_median_run_picks_the_median_wall_time():
 
 def test_repeats_and_several_prompt_sets_through_the_api(tiny_pair, prompt_sets):
     target, drafter = tiny_pair
-    results = run_bench(prompt_files=[str(p) for p in prompt_sets], methods=["ar", "dflash"], target=str(target),
-                        drafter=str(drafter), max_new_tokens=8, repeats=3)
+    results = run_bench(BenchPlan([str(p) for p in prompt_sets], ["ar", "dflash"], max_new_tokens=8, repeats=3),
+                        EngineChoice(str(target), str(drafter), backend="torch"))
     assert [(r.dataset, r.method) for r in results] == [("alpha", "ar"), ("alpha", "dflash"),
                                                         ("beta", "ar"), ("beta", "dflash")]
     assert all(r.repeats == 3 and r.same_across_repeats and r.identical_to_ar for r in results)
@@ -210,9 +209,10 @@ def test_backends_side_by_side_in_one_run(tiny_pair, prompt_sets, tmp_path):
     ar on the first backend is the reference for speedup and identity."""
     pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
     target, drafter = tiny_pair
-    results = run_bench(prompt_files=[str(prompt_sets[0])], methods=["ar", "dflash", "dloop"], target=str(target),
-                        drafter=str(drafter), max_new_tokens=12, backend="torch,onnxruntime", adaptive=False,
-                        gate_threshold=-1000, max_stages=2, out_dir=str(tmp_path / "out"))
+    results = run_bench(BenchPlan([str(prompt_sets[0])], ["ar", "dflash", "dloop"], max_new_tokens=12),
+                        [EngineChoice(str(target), str(drafter), backend=b) for b in ("torch", "onnxruntime")],
+                        {"adaptive": False, "gate_threshold": -1000, "max_stages": 2},
+                        BenchOutput(out_dir=str(tmp_path / "out")))
     assert [(r.method, r.backend) for r in results] == [(m, b) for b in ("torch fp32", "onnxruntime fp32")
                                                          for m in ("ar", "dflash", "dloop")]
     assert all(r.identical_to_ar for r in results)
@@ -222,9 +222,10 @@ def test_backends_side_by_side_in_one_run(tiny_pair, prompt_sets, tmp_path):
     assert all(r.agreement_with_fp32 == 1.0 for r in results)
     md = (tmp_path / "out" / "bench.md").read_text()
     assert "| ar (onnxruntime fp32) |" in md
-    with pytest.raises(LoopspecError, match="distinct backends"):
-        run_bench(prompt_files=[str(prompt_sets[0])], methods=["ar"], target=str(target), drafter="none",
-                  backend="torch,torch")
+    with pytest.raises(LoopspecError, match="name the engine torch fp32 twice"):
+        run_bench(BenchPlan([str(prompt_sets[0])], ["ar"]), [EngineChoice(str(target), "none", backend="torch")] * 2)
+    # on the command line the comma list itself is refused: one line, exit 2
+    assert main(["bench", "--prompts", str(prompt_sets[0]), "--target", str(target), "--backend", "torch,torch"]) == 2
 
 
 def test_llamacpp_rows_are_skipped_with_a_reason_without_a_binary(tiny_pair, prompt_sets, tmp_path, monkeypatch):
@@ -233,17 +234,16 @@ def test_llamacpp_rows_are_skipped_with_a_reason_without_a_binary(tiny_pair, pro
     target, drafter = tiny_pair
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no llama-server to find
     report = tmp_path / "b.json"
-    results = run_bench(prompt_files=[str(prompt_sets[1])], methods=["ar", "dflash", "llamacpp", "llamacpp-dflash"],
-                        target=str(target), drafter=str(drafter), max_new_tokens=8, json_out=str(report))
+    results = run_bench(BenchPlan([str(prompt_sets[1])], ["ar", "dflash", "llamacpp", "llamacpp-dflash"], max_new_tokens=8),
+                        EngineChoice(str(target), str(drafter), backend="torch"), output=BenchOutput(json_out=str(report)))
     assert [r.method for r in results] == ["ar", "dflash"]
     skipped = json.loads(report.read_text())["settings"]["skipped"]
     assert set(skipped) == {"llamacpp", "llamacpp-dflash"} and "no llama-server on PATH" in skipped["llamacpp"]
     with pytest.raises(LoopspecError, match="does not exist or is not executable"):
-        run_bench(prompt_files=[str(prompt_sets[1])], methods=["ar", "llamacpp"], target=str(target),
-                  drafter="none", llama_server=str(tmp_path / "llama-server"))
+        run_bench(BenchPlan([str(prompt_sets[1])], ["ar", "llamacpp"], llama_server=str(tmp_path / "llama-server")),
+                  EngineChoice(str(target), "none", backend="torch"))
     with pytest.raises(LoopspecError, match="greedy only"):
-        run_bench(prompt_files=[str(prompt_sets[1])], methods=["ar", "llamacpp"], target=str(target),
-                  drafter="none", params=SamplingParams(temperature=0.7))
+        BenchPlan([str(prompt_sets[1])], ["ar", "llamacpp"], params=SamplingParams(temperature=0.7))
 
 
 def test_a_llama_server_that_dies_at_load_is_a_skipped_row(tiny_pair, prompt_sets, tmp_path, monkeypatch):
@@ -262,8 +262,9 @@ def test_a_llama_server_that_dies_at_load_is_a_skipped_row(tiny_pair, prompt_set
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setattr("loopspec.weights.target_gguf_path", lambda target: gguf)
     report = tmp_path / "b.json"
-    results = run_bench(prompt_files=[str(prompt_sets[1])], methods=["ar", "dflash", "llamacpp"], target=str(target),
-                        drafter=str(drafter), max_new_tokens=8, json_out=str(report), llama_server=str(binary))
+    results = run_bench(BenchPlan([str(prompt_sets[1])], ["ar", "dflash", "llamacpp"], max_new_tokens=8,
+                                  llama_server=str(binary)),
+                        EngineChoice(str(target), str(drafter), backend="torch"), output=BenchOutput(json_out=str(report)))
     assert [r.method for r in results] == ["ar", "dflash"]
     why = json.loads(report.read_text())["settings"]["skipped"]["llamacpp"]
     assert "exited with code 139 at load (load_tensors: repacking | Segmentation fault)" in why and "--no-repack" in why
@@ -284,8 +285,8 @@ def test_llamacpp_peers_beside_the_default_engines(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"turns": ["Write a Python function that returns the n-th Fibonacci number."]}\n')
     report = tmp_path / "b.json"
-    results = run_bench(prompt_files=[str(prompts)], methods=["ar", "llamacpp", "llamacpp-dflash"], max_new_tokens=32,
-                        num_threads=2, repeats=2, json_out=str(report))
+    results = run_bench(BenchPlan([str(prompts)], ["ar", "llamacpp", "llamacpp-dflash"], max_new_tokens=32, repeats=2),
+                        EngineChoice(backend="torch", threads=2), output=BenchOutput(json_out=str(report)))
     by = {r.method: r for r in results}
     assert by["llamacpp"].backend == by["llamacpp-dflash"].backend == "llama.cpp"
     assert by["llamacpp"].new_tokens == by["llamacpp-dflash"].new_tokens == 32

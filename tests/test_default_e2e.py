@@ -103,12 +103,14 @@ def test_bench_compares_the_fp32_and_4_bit_engines(tmp_path):
     """One bench run over both engines of the default pair: each method equals its own engine's `ar`,
     the fp32 rows equal the fp32 reference, and the int8 rows report how long they follow it."""
     pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
-    from loopspec.runtime.bench import run_bench
+    from loopspec.runtime.bench import BenchOutput, BenchPlan, run_bench
+    from loopspec.runtime.pipeline import EngineChoice
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"turns": ["Write a Python function that reverses a string."]}\n')
-    results = run_bench(prompt_files=[str(prompts)], methods=["ar", "dloop"], max_new_tokens=24, num_threads=1,
-                        backend="onnxruntime", precision="fp32,gguf-int8act", json_out=str(tmp_path / "b.json"))
+    results = run_bench(BenchPlan([str(prompts)], ["ar", "dloop"], max_new_tokens=24),
+                        [EngineChoice(backend="onnxruntime", precision=p, threads=1) for p in ("fp32", "gguf-int8act")],
+                        output=BenchOutput(json_out=str(tmp_path / "b.json")))
     assert [(r.method, r.backend) for r in results] == [
         ("ar", "onnxruntime fp32"), ("dloop", "onnxruntime fp32"),
         ("ar", "onnxruntime gguf-int8act"), ("dloop", "onnxruntime gguf-int8act")]
