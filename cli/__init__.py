@@ -94,6 +94,9 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-first", type=_non_negative_int("--suffix-first"), default=None, metavar="N",
                    help="dflash/dloop chain policy: after the text repeats an earlier N-gram (N = 2..6), verify "
                         "what followed it instead of drafting (0 = off; default: the tuned setting, else off)")
+    p.add_argument("--suffix-then-draft", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --suffix-first: after the copy, the drafter's stage drafts on from its last token "
+                        "(default: the tuned setting, else off)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="decode plainly while drafting does not pay (output unchanged)")
 
@@ -101,7 +104,7 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
 def _decoding_knobs(args) -> dict:
     return {"block_size": args.block_size, "gate_threshold": args.gate_threshold, "max_stages": args.max_stages,
             "tree_budget": args.tree_budget, "suffix": args.suffix, "suffix_first": args.suffix_first,
-            "adaptive": args.adaptive}
+            "suffix_then_draft": args.suffix_then_draft, "adaptive": args.adaptive}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -396,11 +399,12 @@ def cmd_tune(args) -> int:
     rows = sweep(pipe, prompts, thresholds=thresholds, stages=stages, block_sizes=block_sizes,
                  max_new_tokens=args.max_new_tokens, tree_budgets=tree_budgets, suffix_options=suffix_options,
                  suffix_firsts=suffix_firsts)
-    print(f"{'k':>3} {'stages':>6} {'gate':>6} {'tree':>5} {'suffix':>6} {'first':>5} {'nodes':>6} {'tau':>6} {'tok/s':>7}"
+    print(f"{'k':>3} {'stages':>6} {'gate':>6} {'tree':>5} {'suffix':>6} {'first':>5} {'then':>4} {'nodes':>6} {'tau':>6} {'tok/s':>7}"
           f" {'speedup':>8} lossless")
     for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
         print(f"{r['block_size']:>3} {r['max_stages']:>6} {r['gate_threshold']:>6} {r['tree_budget']:>5}"
-              f" {'on' if r['suffix'] else 'off':>6} {r['suffix_first'] or '-':>5} {r['nodes_per_verification']:>6.1f} {r['tau']:>6.2f}"
+              f" {'on' if r['suffix'] else 'off':>6} {r['suffix_first'] or '-':>5}"
+              f" {'yes' if r.get('suffix_then_draft') else '-':>4} {r['nodes_per_verification']:>6.1f} {r['tau']:>6.2f}"
               f" {r['tokens_per_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}x {r['lossless']}")
     best = choose(rows)
     if args.json_out:
@@ -411,7 +415,8 @@ def cmd_tune(args) -> int:
         path = store_setting(pipe.drafter_dir, best, pipe.tuning_key)
         print(f"stored in {path} for {pipe.tuning_key}: block {best['block_size']}, "
               f"max stages {best['max_stages']}, gate {best['gate_threshold']}, tree budget {best['tree_budget']}, "
-              f"suffix {'on' if best['suffix'] else 'off'}, suffix first {best['suffix_first'] or 'off'}")
+              f"suffix {'on' if best['suffix'] else 'off'}, suffix first {best['suffix_first'] or 'off'}"
+              f"{', then the drafter' if best.get('suffix_then_draft') else ''}")
     return 0
 
 

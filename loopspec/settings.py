@@ -33,7 +33,11 @@ class DecodingSettings:
     committed text's suffix matched an earlier occurrence of at least this many tokens, verify
     that occurrence's continuation (max_drafts tokens) as the chain and skip the drafter; else
     draft as set. A long match foretells a copy (code, quoted text, a repeated step), where the
-    continuation is accepted far more often than the drafter's later positions, at no drafting cost."""
+    continuation is accepted far more often than the drafter's later positions, at no drafting cost.
+    `suffix_then_draft` (the chain policy's second variant; needs suffix_first): in a copying round
+    the drafter still runs one stage, anchored at the copy's last token, and its chain extends the
+    copy — the drafter's context has no features for the copied positions (no drafter stage
+    produced them), so its block attends past that gap."""
 
     method: str = "ar"
     block_size: int = 1
@@ -43,6 +47,7 @@ class DecodingSettings:
     tree_budget: int = 0
     suffix: bool = False
     suffix_first: int = 0
+    suffix_then_draft: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -70,6 +75,8 @@ class DecodingSettings:
         if self.suffix_first and not SUFFIX_MIN_MATCH <= self.suffix_first <= SUFFIX_MAX_MATCH:
             raise LoopspecError(f"suffix-first match length must be {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH} tokens "
                                 f"(0: off), got {self.suffix_first}")
+        if self.suffix_then_draft and not self.suffix_first:
+            raise LoopspecError("suffix-then-draft extends the chain policy's copy: it needs suffix-first")
 
     @property
     def drafting(self) -> bool:
@@ -100,12 +107,14 @@ class DecodingSettings:
             text += ", + suffix"
         if self.suffix_first:
             text += f", suffix first at {self.suffix_first}-token matches"
+            if self.suffix_then_draft:
+                text += ", then the drafter"
         return text
 
     def to_dict(self) -> dict:
         return {"method": self.method, "block_size": self.block_size, "max_stages": self.max_stages,
                 "gate_threshold": self.gate_threshold, "adaptive": self.adaptive, "tree_budget": self.tree_budget,
-                "suffix": self.suffix, "suffix_first": self.suffix_first}
+                "suffix": self.suffix, "suffix_first": self.suffix_first, "suffix_then_draft": self.suffix_then_draft}
 
 
 def check_method(method: str, has_drafter: bool) -> None:
@@ -134,7 +143,8 @@ def tuned_setting(drafter: DrafterConfig | None, engine: str | None = None) -> d
 def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: int | None = None,
                      gate_threshold: float | None = None, max_stages: int | None = None,
                      adaptive: bool = True, tree_budget: int | None = None,
-                     suffix: bool | None = None, suffix_first: int | None = None, engine: str | None = None,
+                     suffix: bool | None = None, suffix_first: int | None = None,
+                     suffix_then_draft: bool | None = None, engine: str | None = None,
                      chains_only: bool = False, tuned: dict | None = None) -> DecodingSettings:
     """The settings of `method` for a drafter on `engine` (`engine_key`): what was given, else the
     drafter's tuned setting for that engine (its tree budget, suffix and suffix-first for dflash and dloop; block size,
@@ -151,13 +161,16 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
     if method == "suffix":
         return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
                                 tree_budget=tree_budget or 0,  # (a tree budget is refused with its reason)
-                                suffix_first=suffix_first or 0)
+                                suffix_first=suffix_first or 0, suffix_then_draft=bool(suffix_then_draft))
     stored = dict(tuned) if tuned is not None else tuned_setting(drafter, engine)
     if chains_only:  # an engine that verifies only chains exactly (see engines/protocol.py): no stored tree
         stored = {k: v for k, v in stored.items() if k not in ("tree_budget", "suffix")}
     tree = {"tree_budget": tree_budget if tree_budget is not None else int(stored.get("tree_budget", 0)),
             "suffix": suffix if suffix is not None else bool(stored.get("suffix", False)),
             "suffix_first": suffix_first if suffix_first is not None else int(stored.get("suffix_first", 0))}
+    # the stored variant goes with the stored match length: a match length given alone drops it
+    tree["suffix_then_draft"] = (suffix_then_draft if suffix_then_draft is not None
+                                 else suffix_first is None and bool(stored.get("suffix_then_draft", False)))
     if method == "dflash":
         return DecodingSettings("dflash", block_size=block_size or drafter.block_size, adaptive=adaptive, **tree)
     k = block_size or stored.get("block_size") or drafter.block_size
@@ -175,13 +188,15 @@ def method_variant(name: str) -> tuple[str, dict]:
     the suffix branch completely, whatever was stored: 'dflash+chain' (no tree, no suffix branch),
     'dloop+tree16' (16 tree nodes, no suffix branch), 'dflash+suffix' (the chain and the suffix
     branch), 'dloop+tree16+suffix', 'dloop+first3' (the chain, and the suffix's continuation instead
-    of the drafter's after a match of >= 3 tokens). 'suffix' is the drafter-free method."""
+    of the drafter's after a match of >= 3 tokens), 'dloop+first3+thendraft' (after such a match the
+    drafter's stage extends the continuation). 'suffix' is the drafter-free method."""
     method, *parts = name.split("+")
     if method not in METHODS:
         raise LoopspecError(f"unknown method {method!r} in {name!r} (choose from {', '.join(METHODS)})")
     if parts and method not in DRAFTER_METHODS:
-        raise LoopspecError(f"{name!r}: only {' and '.join(DRAFTER_METHODS)} take +chain, +treeN, +suffix or +firstN")
-    overrides: dict = {"tree_budget": 0, "suffix": False, "suffix_first": 0} if parts else {}
+        raise LoopspecError(f"{name!r}: only {' and '.join(DRAFTER_METHODS)} take +chain, +treeN, +suffix, +firstN "
+                            "or +thendraft")
+    overrides: dict = {"tree_budget": 0, "suffix": False, "suffix_first": 0, "suffix_then_draft": False} if parts else {}
     for part in parts:
         if part == "suffix":
             overrides["suffix"] = True
@@ -189,9 +204,13 @@ def method_variant(name: str) -> tuple[str, dict]:
             overrides["tree_budget"] = int(part[4:])
         elif part.startswith("first") and part[5:].isdigit() and SUFFIX_MIN_MATCH <= int(part[5:]) <= SUFFIX_MAX_MATCH:
             overrides["suffix_first"] = int(part[5:])
+        elif part == "thendraft":
+            overrides["suffix_then_draft"] = True
         elif part != "chain":
             raise LoopspecError(f"{name!r}: unknown part {part!r} (+chain, +treeN with N >= 1, +suffix, "
-                                f"+firstN with N in {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH})")
+                                f"+firstN with N in {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH}, +thendraft)")
+    if overrides.get("suffix_then_draft") and not overrides["suffix_first"]:
+        raise LoopspecError(f"{name!r}: +thendraft extends +firstN's copy; name a match length too")
     return method, overrides
 
 
@@ -200,5 +219,6 @@ def variant_name(settings: DecodingSettings) -> str:
     if settings.method not in DRAFTER_METHODS:
         return settings.method
     parts = ([f"tree{settings.tree_budget}"] if settings.tree_budget else []) + (["suffix"] if settings.suffix else []) \
-        + ([f"first{settings.suffix_first}"] if settings.suffix_first else [])
+        + ([f"first{settings.suffix_first}"] if settings.suffix_first else []) \
+        + (["thendraft"] if settings.suffix_then_draft else [])
     return "+".join([settings.method] + (parts or ["chain"]))

@@ -284,9 +284,14 @@ class Decoder:
         # continuation of its earlier occurrence and skips the drafter this round
         copying = [bool(settings.suffix_first and depths[b] and row.suffix_index.longest_match()[0] >= settings.suffix_first)
                    for b, row in enumerate(rows)]
-        drafted = draft_round(self.engine, settings, [r.tokens[-1] for r in rows], [r.position for r in rows],
-                              [0 if c or not settings.uses_drafter else n for n, c in zip(depths, copying)])
-        trees = [self._tree(row, drafted[b], depths[b], copying[b]) for b, row in enumerate(rows)]
+        copies = [row.suffix_index.continuation(depths[b]) if copying[b] else None for b, row in enumerate(rows)]
+        # the policy's second variant: the drafter's stage drafts on from the copy's last token
+        extend = [bool(c) and settings.suffix_then_draft for c in copies]
+        anchors = [c[-1] if x else r.tokens[-1] for r, c, x in zip(rows, copies, extend)]
+        positions = [r.position + (len(c) if x else 0) for r, c, x in zip(rows, copies, extend)]
+        budgets = [self._drafter_budget(row, depths[b], copies[b], extend[b]) for b, row in enumerate(rows)]
+        drafted = draft_round(self.engine, settings, anchors, positions, budgets)
+        trees = [self._tree(row, drafted[b], depths[b], copies[b]) for b, row in enumerate(rows)]
         t1 = time.perf_counter()
         masks = None if all(t.is_chain for t in trees) else tree_masks(trees, max(len(t) for t in trees))
         logits, taps = self.engine.verify([t.tokens for t in trees], want_taps=settings.uses_drafter,
@@ -318,11 +323,13 @@ class Decoder:
             stats.verify_s += t2 - t1
             stats.accepted_per_round.append(accepted)
             stats.stages_per_round.append(drafted[b].stages if settings.uses_drafter and not copying[b]
-                                          else int(depths[b] > 0))
+                                          else int(depths[b] > 0) + (drafted[b].stages if extend[b] else 0))
             stats.nodes_per_round.append(tree.drafts)
             stats.suffix_tokens += sum(tree.from_suffix[n] and not tree.from_drafter[n] for n in path[1:])
             if settings.uses_drafter and not copying[b]:
                 stats.later_stage_tokens += max(0, accepted - (settings.block_size - 1))
+            elif extend[b]:  # the drafter's stage came after the copy
+                stats.later_stage_tokens += max(0, accepted - len(copies[b]))
             if self.fallback is not None:
                 stats.fallback_rounds += plain and possible[b] > 0 and self.fallback.draft_rounds > 0
                 stats.fallback_switches = self.fallback.switches
@@ -417,17 +424,32 @@ class Decoder:
         remaining = row.max_new_tokens - len(row.tokens)
         return max(0, min(self.settings.max_drafts, remaining - 1, self._room(row)))
 
+    def _drafter_budget(self, row: Row, depth: int, copy: list[int] | None, extend: bool) -> int:
+        """Drafts the drafter may add this round: none for ar and suffix, nor beside a plain copy;
+        after a copy (suffix_then_draft) one stage in the room the copy leaves — a later stage's
+        pseudo-context would sit at the context's end, not after the copy's gap."""
+        if not self.settings.uses_drafter or (copy is not None and not extend):
+            return 0
+        if extend:
+            wanted = row.max_new_tokens - len(row.tokens) - 1 - len(copy)  # tokens still wanted after the copy
+            return max(0, min(self.settings.block_size - 1, self._room(row) - len(copy), wanted))
+        return depth
+
     def _room(self, row: Row) -> int:
         return self.engine.max_context - row.position - 1  # nodes that fit after the anchor
 
-    def _tree(self, row: Row, drafted: Drafted, depth: int, copying: bool = False) -> DraftTree:
-        """The row's draft tree for this round: the drafter's nodes, and the suffix branch (copying:
-        the suffix's continuation alone, as a chain)."""
-        suffix = row.suffix_index.continuation(depth) if row.suffix_index is not None and depth else []
-        if copying:
+    def _tree(self, row: Row, drafted: Drafted, depth: int, copy: list[int] | None = None) -> DraftTree:
+        """The row's draft tree for this round: the drafter's nodes, and the suffix branch (the chain
+        policy's `copy`: the suffix's continuation as the chain, extended by what the drafter drafted
+        from its end)."""
+        if copy is not None:
             tree = DraftTree.root(row.tokens[-1])
-            tree.add_branch(suffix, self._room(row))
+            tree.add_branch(copy, self._room(row))
+            node = len(tree) - 1
+            for token in drafted.candidates[:, 0].tolist():  # empty unless suffix_then_draft
+                node = tree.add(node, token, from_drafter=True)
             return tree
+        suffix = row.suffix_index.continuation(depth) if row.suffix_index is not None and depth else []
         tree = draft_tree(row.tokens[-1], drafted.candidates, drafted.logprobs, drafted.stage_sizes,
                           tree_budget=self.settings.tree_budget, suffix=suffix, max_nodes=self._room(row))
         span, first = self.engine.tree_span, row.position

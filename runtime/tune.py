@@ -30,7 +30,7 @@ def measure(pipe, prompts: list[list[int]], settings, reference: list[list[int]]
     nodes = [n for o in outs for n in o.stats.nodes_per_round]
     return {"block_size": settings.block_size, "max_stages": settings.max_stages,
             "gate_threshold": settings.gate_threshold, "tree_budget": settings.tree_budget, "suffix": settings.suffix,
-            "suffix_first": settings.suffix_first,
+            "suffix_first": settings.suffix_first, "suffix_then_draft": settings.suffix_then_draft,
             "tokens_per_s": tokens / seconds, "speedup_vs_ar": ar_seconds / seconds,
             "tau": acceptance_length(o.stats for o in outs) or 1.0,
             "nodes_per_verification": sum(nodes) / max(len(nodes), 1),
@@ -41,7 +41,8 @@ def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, ma
           tree_budgets=(0,), suffix_options=(False,), suffix_firsts=(0,), progress: bool = True) -> list[dict]:
     """Tokens/s of every setting on the same prompts, with losslessness checked: the DLoop grid with
     the chain, then every tree budget × suffix choice on the fastest chain setting found, then every
-    chain-policy match length on that chain and on the best tree setting."""
+    chain-policy match length, each variant (copy alone; copy then the drafter), on that chain and on
+    the best tree setting."""
     from tqdm import tqdm
 
     ar = pipe.settings("ar")
@@ -58,7 +59,7 @@ def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, ma
                                   tree_budget=0, suffix=False))
     trees = [(n, x) for n, x in itertools.product(tree_budgets, suffix_options) if (n, x) != (0, False)]
     firsts = [m for m in suffix_firsts if m]
-    bar = tqdm(total=len(grid) + len(trees) + 2 * len(firsts), desc="tuning", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=len(grid) + len(trees) + 4 * len(firsts), desc="tuning", disable=not progress, file=sys.stderr)
     rows = []
     for settings in grid:
         rows.append(measure(pipe, prompts, settings, reference, ar_seconds, max_new_tokens))
@@ -74,10 +75,11 @@ def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, ma
     if firsts:
         best_chain, best = choose([r for r in rows if not r["tree_budget"] and not r["suffix"]]), choose(rows)
         for base in [best_chain] + ([best] if best is not best_chain else []):
-            for m in firsts:
+            for m, then_draft in itertools.product(firsts, (False, True)):  # both variants of the policy
                 settings = pipe.settings("dloop", block_size=base["block_size"], max_stages=base["max_stages"],
                                          gate_threshold=base["gate_threshold"], adaptive=False,
-                                         tree_budget=base["tree_budget"], suffix=base["suffix"], suffix_first=m)
+                                         tree_budget=base["tree_budget"], suffix=base["suffix"], suffix_first=m,
+                                         suffix_then_draft=then_draft)
                 rows.append(measure(pipe, prompts, settings, reference, ar_seconds, max_new_tokens))
                 bar.update()
     bar.close()

@@ -266,12 +266,13 @@ def test_tune_stores_fastest_lossless_setting(capsys, tiny_pair, tmp_path):
 
     best_chain = choose(chains)
     assert firsts[0]["suffix_first"] == 3 and all(firsts[0][k] == best_chain[k] for k in ("block_size", "max_stages", "gate_threshold"))
-    assert len(firsts) in (1, 2) and all(r["suffix_first"] == 3 for r in firsts)
+    assert len(firsts) in (2, 4) and all(r["suffix_first"] == 3 for r in firsts)  # both variants
+    assert sorted(r["suffix_then_draft"] for r in firsts[:2]) == [False, True]
     assert all(r["lossless"] for r in rows)
     extra = json.loads((mine / "config.json").read_text())["loopspec"]
     stored = extra["dloop"]  # the first tuned setting is the drafter's default for every backend
     assert stored == {k: report["best"][k] for k in ("gate_threshold", "max_stages", "block_size", "tree_budget",
-                                                    "suffix", "suffix_first")}
+                                                    "suffix", "suffix_first", "suffix_then_draft")}
     assert list(extra["tuned"].values()) == [stored] and list(extra["tuned"]) in (["onnxruntime"], ["torch"])
     from loopspec.runtime.pipeline import load_pipeline
 
@@ -279,6 +280,7 @@ def test_tune_stores_fastest_lossless_setting(capsys, tiny_pair, tmp_path):
     assert pipe.settings("dloop").max_stages == stored["max_stages"]
     assert pipe.settings("dloop").block_size == stored["block_size"]
     assert pipe.settings("dloop").suffix_first == stored["suffix_first"]
+    assert pipe.settings("dloop").suffix_then_draft == stored["suffix_then_draft"]
     assert main(["tune", "--prompts", str(prompts), "--target", str(target), "--drafter", str(mine),
                  "--stages", "0"]) == 2
 

@@ -34,7 +34,9 @@ METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
            "tree": Method("dflash", block_size=5, tree_budget=8, suffix=True),
            "dloop-tree": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, tree_budget=10, suffix=True),
            "suffix": Method("suffix", block_size=6),
-           "dloop+first2": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, suffix_first=2)}
+           "dloop+first2": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, suffix_first=2),
+           "dloop+first2+thendraft": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, suffix_first=2,
+                                            suffix_then_draft=True)}
 
 
 def prompts(n, seed, low=2, high=40):

@@ -144,11 +144,16 @@ def test_settings_for_trees_and_suffix():
     assert resolve_settings("dflash", drafter, tree_budget=0, suffix=False).tree_budget == 0
     # bench/tune names: a bare name is the resolved setting; parts name tree and suffix completely
     assert method_variant("dflash") == ("dflash", {})
-    assert method_variant("dflash+tree8") == ("dflash", {"tree_budget": 8, "suffix": False, "suffix_first": 0})
-    assert method_variant("dloop+tree16+suffix") == ("dloop", {"tree_budget": 16, "suffix": True, "suffix_first": 0})
-    assert method_variant("dflash+chain") == ("dflash", {"tree_budget": 0, "suffix": False, "suffix_first": 0})
+    assert method_variant("dflash+tree8") == ("dflash", {"tree_budget": 8, "suffix": False, "suffix_first": 0, "suffix_then_draft": False})
+    assert method_variant("dloop+tree16+suffix") == ("dloop", {"tree_budget": 16, "suffix": True, "suffix_first": 0, "suffix_then_draft": False})
+    assert method_variant("dflash+chain") == ("dflash", {"tree_budget": 0, "suffix": False, "suffix_first": 0, "suffix_then_draft": False})
     assert variant_name(resolve_settings("dflash", drafter, **method_variant("dflash+tree8")[1])) == "dflash+tree8"
-    assert method_variant("dloop+first3") == ("dloop", {"tree_budget": 0, "suffix": False, "suffix_first": 3})
+    assert method_variant("dloop+first3") == ("dloop", {"tree_budget": 0, "suffix": False, "suffix_first": 3,
+                                                        "suffix_then_draft": False})
+    then = resolve_settings("dloop", drafter, **method_variant("dloop+first3+thendraft")[1])
+    assert (then.suffix_first, then.suffix_then_draft, variant_name(then)) == (3, True, "dloop+first3+thendraft")
+    with pytest.raises(LoopspecError, match="name a match length"):
+        method_variant("dloop+thendraft")
     first = resolve_settings("dloop", drafter, **method_variant("dloop+tree8+first4")[1])
     assert (first.suffix_first, first.uses_suffix, variant_name(first)) == (4, True, "dloop+tree8+first4")
     assert "suffix first at 4-token matches" in first.describe()
@@ -156,6 +161,10 @@ def test_settings_for_trees_and_suffix():
     assert resolve_settings("dflash", drafter, engine="torch").suffix_first == 3
     assert resolve_settings("dflash", drafter, engine="torch", suffix_first=0).suffix_first == 0
     assert resolve_settings("dflash", drafter, engine="torch", chains_only=True).suffix_first == 3  # a chain
+    drafter.extra["tuned"]["torch"]["suffix_then_draft"] = True  # the stored variant goes with its match length
+    assert resolve_settings("dflash", drafter, engine="torch").suffix_then_draft is True
+    assert resolve_settings("dflash", drafter, engine="torch", suffix_first=2).suffix_then_draft is False
+    assert "then the drafter" in resolve_settings("dflash", drafter, engine="torch").describe()
     for bad in ("dflash+tree0", "suffix+chain", "magic", "dflash+fast", "dflash+first1", "dflash+first7",
                 "suffix+first3"):
         with pytest.raises(LoopspecError):
@@ -165,7 +174,8 @@ def test_settings_for_trees_and_suffix():
                        (dict(method="dflash", block_size=8, tree_budget=-1), "tree budget"),
                        (dict(method="suffix", block_size=8, suffix_first=3), "suffix-first needs"),
                        (dict(method="dflash", block_size=8, suffix_first=7), "2..6"),
-                       (dict(method="dflash", block_size=8, suffix_first=1), "2..6")):
+                       (dict(method="dflash", block_size=8, suffix_first=1), "2..6"),
+                       (dict(method="dflash", block_size=8, suffix_then_draft=True), "needs suffix-first")):
         with pytest.raises(LoopspecError, match=match):
             DecodingSettings(**bad)
 
@@ -245,7 +255,9 @@ SETTINGS = {"tree": DecodingSettings("dflash", block_size=5, tree_budget=12),
                                                   tree_budget=14, suffix=True),
             "suffix": DecodingSettings("suffix", block_size=8),
             "dloop+first3": DecodingSettings("dloop", block_size=5, max_stages=2, gate_threshold=-1e9, suffix_first=3),
-            "tree+first2": DecodingSettings("dflash", block_size=5, tree_budget=8, suffix_first=2)}
+            "tree+first2": DecodingSettings("dflash", block_size=5, tree_budget=8, suffix_first=2),
+            "dloop+first2+thendraft": DecodingSettings("dloop", block_size=5, max_stages=2, gate_threshold=-1e9,
+                                                       suffix_first=2, suffix_then_draft=True)}
 
 
 def repeating_prompt(seed: int) -> list[int]:
@@ -274,10 +286,11 @@ def test_greedy_tree_decoding_equals_ar(family, name, tiny_targets):
 
 
 class CountingEngine(TorchEngine):
-    """Records the anchor position of every row the drafter drafts for."""
+    """Records the anchor position (and token) of every row the drafter drafts for."""
 
     def draft(self, rows, anchors, positions, block_size):
         self.drafted_at += list(positions)
+        self.anchors = getattr(self, "anchors", []) + list(anchors)
         return super().draft(rows, anchors, positions, block_size)
 
 
@@ -315,6 +328,48 @@ def test_the_chain_policy_copies_after_a_long_match_and_drafts_otherwise(tiny_ta
             text = prompt + ref[:len(text) - len(prompt) + accepted + 1]
         assert engine.drafted_at == expected_drafts
     assert copied >= 3 and drafted >= 3  # both kinds of round happened
+
+
+def brute_copy(tokens, length, min_match=2, max_match=6) -> list[int]:
+    """What followed the latest earlier occurrence of the text's longest repeated suffix, `length`
+    tokens (a run into the suffix itself repeats its period)."""
+    t, n = len(tokens) - 1, brute_match_length(tokens, min_match, max_match)
+    end = max(e for e in range(n - 1, t) if tokens[e - n + 1:e + 1] == tokens[t - n + 1:])
+    return [tokens[end + 1 + i % (t - end)] for i in range(length)]
+
+
+def test_the_chain_policy_then_draft_extends_the_copy_from_its_end(tiny_targets):
+    """The second variant, replayed round by round: after a long enough match the drafter drafts
+    one block anchored at the copy's last token, at the position after the copy, and the round
+    verifies copy + drafts as one chain; other rounds draft as plain dflash; the output is ar's."""
+    target = lively(load_target_dir(tiny_targets["llama"]))
+    engine = CountingEngine(target, random_drafter(target), max_context=200)
+    settings = DecodingSettings("dflash", block_size=5, suffix_first=2, suffix_then_draft=True)
+    extended = plain = 0
+    for seed in range(3):
+        prompt = repeating_prompt(seed) + [7, 8]
+        prompt[-2:] = prompt[3:5]
+        ref = generate(engine, prompt, max_new_tokens=40).tokens
+        engine.drafted_at, engine.anchors = [], []
+        result = generate(engine, prompt, settings, max_new_tokens=40)
+        assert result.tokens == ref
+        text, expected = prompt + ref[:1], []
+        for accepted, nodes in zip(result.stats.accepted_per_round, result.stats.nodes_per_round):
+            produced = len(text) - len(prompt)
+            depth = min(4, 40 - produced - 1)
+            if depth and brute_match_length(text) < 2:
+                expected.append((len(text) - 1, text[-1]))
+                plain += 1
+            elif depth:
+                copy = brute_copy(text, depth)
+                drafts = min(4, 40 - produced - 1 - depth)
+                if drafts:
+                    expected.append((len(text) - 1 + depth, copy[-1]))
+                assert nodes == depth + drafts  # the copy, then the drafter's chain from its end
+                extended += drafts > 0
+            text = prompt + ref[:produced + accepted + 1]
+        assert list(zip(engine.drafted_at, engine.anchors)) == expected
+    assert extended >= 3 and plain >= 3
 
 
 class OracleEngine(TorchEngine):
@@ -396,7 +451,9 @@ CASES = {"tree dflash": (DecodingSettings("dflash", block_size=4, tree_budget=6)
          "tree dloop + suffix": (DecodingSettings("dloop", block_size=3, max_stages=2, gate_threshold=-1e9,
                                                   tree_budget=6, suffix=True), T1, 4),
          "suffix": (DecodingSettings("suffix", block_size=4), T1, 3),
-         "chain policy": (DecodingSettings("dflash", block_size=4, suffix_first=2), T1, 4)}
+         "chain policy": (DecodingSettings("dflash", block_size=4, suffix_first=2), T1, 4),
+         "chain policy, then the drafter": (DecodingSettings("dflash", block_size=4, suffix_first=2,
+                                                             suffix_then_draft=True), T1, 4)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
