@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="every method on the same prompts in one process")
     b.add_argument("--prompts", required=True, nargs="+",
                    help="JSONL files of {\"turns\": [...]} (dataset = file stem) or built-in sets "
-                        "(humaneval, mt-bench; python -m loopspec.prompt_sets lists them)")
+                        "(humaneval, mt-bench from installed packages; mbpp, math500, alpaca downloaded on first "
+                        "use and cached; python -m loopspec.prompt_sets lists them)")
     _add_model_args(b)
     _add_backend_args(b, side_by_side=True)
     b.add_argument("--methods", default="ar,dflash",
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("tune", help="sweep DLoop gate x stages (x block size), then tree budget x suffix; "
                                     "store the fastest lossless setting")
-    u.add_argument("--prompts", required=True, nargs="+", help="calibration JSONL files or built-in sets")
+    u.add_argument("--prompts", required=True, nargs="+", help="calibration JSONL files or built-in sets (python -m loopspec.prompt_sets)")
     _add_model_args(u)
     u.add_argument("--limit", type=_positive_int("--limit"), default=8)
     u.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=96)

