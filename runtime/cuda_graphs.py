@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, draft_candidates
+from loopspec.model.drafter import Drafter, StageDrafts, draft_stage
 from loopspec.model.target import KVCache, KVWrite, Target, TargetOutput, attention_mask
 
 # verify lengths: 1 (plain decoding) up to a DLoop chain of 4 stages of 16 (61 tokens)
@@ -142,8 +142,8 @@ def drafter_block_static(drafter: Drafter, embed: torch.nn.Module, draft_head: t
     visible = torch.cat([live, torch.ones(rows, k, dtype=torch.bool, device=ids.device)], dim=1)  # [R, keys + k]
     ctx_k, ctx_v = context.k[:, :rows, :, :keys], context.v[:, :rows, :, :keys]
     hidden = drafter(embed(ids), positions[:, None], ctx_k, ctx_v, visible[:, None, None, :])  # [R, k, H]
-    drafts, logprobs = draft_candidates(draft_head(hidden[:, 1:]), draft_ids)  # [R, k-1, C] each
-    return drafts, logprobs, hidden
+    drafts, logprobs, confidence = draft_stage(drafter, hidden, ids[:, 0], draft_head, draft_ids)  # [R, D, C] each
+    return drafts, logprobs, hidden, confidence
 
 
 @dataclass
@@ -224,12 +224,13 @@ class StaticRunner:
         plan = self.plan_block(self.context.lengths[rows].tolist(), anchors, positions, block_size,
                                self.mask_token_id, self.context.max_length)
         values = {"ids": plan.ids, "positions": plan.positions, "lengths": plan.context_lengths}
-        drafts, logprobs, hidden = self.run(
+        drafts, logprobs, hidden, confidence = self.run(
             ("block", len(rows), block_size, plan.keys),
             lambda v: drafter_block_static(self.drafter, self.target.embed_tokens, self.draft_head, self.context,
                                            v["ids"], v["positions"], v["lengths"], self.draft_ids, plan.keys),
             values)
-        return drafts.cpu(), logprobs.float().cpu(), hidden.clone()
+        return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden.clone(),
+                           None if confidence is None else confidence.cpu())
 
 
 class CudaGraphRunner(StaticRunner):
