@@ -335,3 +335,27 @@ def test_greedy_dspark_decoding_equals_ar(kind, anchor_predicts, name, target):
     done = decode_all(Decoder(engine.with_rows(3), settings),
                       [dict(key=i, prompt_ids=p, max_new_tokens=30) for i, p in enumerate(ps)])
     assert [done[i].tokens for i in range(3)] == refs  # batched rows too
+
+
+def test_static_runner_drafts_what_the_eager_engine_drafts(target):
+    """The CUDA graphs' static drafter block (run on the CPU without the capture) runs the same heads:
+    greedy decoding through it equals ar, batched, and its stages went through the static block."""
+    from test_cuda_graphs import StaticEngine
+
+    drafter = dspark_drafter(target, head_type="rnn")
+    eager = TorchEngine(target, drafter, max_context=160)
+    static = StaticEngine(target, drafter, max_context=160)
+    ps = [repeating_prompt(s) for s in range(3)]
+    refs = [generate(eager, p, max_new_tokens=24).tokens for p in ps]
+    for settings in (SETTINGS["dflash tree"], SETTINGS["dloop chain"]):
+        batch = static.with_rows(3)  # its own caches and runner
+        done = decode_all(Decoder(batch, settings), [dict(key=i, prompt_ids=p, max_new_tokens=24) for i, p in enumerate(ps)])
+        assert [done[i].tokens for i in range(3)] == refs
+        assert any(key[0] == "block" for key in batch.graphs.keys)
+    engines = (eager.with_rows(2), static.with_rows(2))
+    for b, p in enumerate(ps[:2]):  # one stage: the same drafts, log-probs and confidence as the eager engine
+        for engine in engines:
+            engine.prefill(b, p, want_taps=True)
+    (ed, ep, _), (sd, sp, _) = stages = [e.draft([0, 1], [7, 8], [len(p) for p in ps[:2]], BLOCK) for e in engines]
+    assert torch.equal(ed, sd) and torch.allclose(ep, sp, atol=1e-5)
+    assert torch.allclose(stages[0].confidence, stages[1].confidence, atol=1e-5)
