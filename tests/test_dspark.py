@@ -112,9 +112,9 @@ def test_markov_and_confidence_match_the_fp64_reference(kind, anchor_predicts, t
     assert not torch.equal(drafts[:, :, 0], base_chain)  # the correction moved some argmax: a live head
 
 
-@pytest.mark.parametrize("rank,with_markov", [(RANK, False), (0, False)])
-def test_confidence_without_the_markov_input(rank, with_markov, target):
-    drafter = dspark_drafter(target, rank=rank, with_markov=with_markov).double()
+@pytest.mark.parametrize("rank", [RANK, 0])  # beside a Markov head, and alone
+def test_confidence_without_the_markov_input(rank, target):
+    drafter = dspark_drafter(target, rank=rank, with_markov=False).double()
     assert drafter.confidence_head.proj.weight.shape == (1, drafter.cfg.hidden_size)
     lm_head = target.lm_head.weight.detach().double()
     hidden = torch.randn(2, BLOCK, drafter.cfg.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
