@@ -66,7 +66,7 @@ def _finite_float(name, positive=True):
 
 def _add_model_args(p: argparse.ArgumentParser, max_context: int | None = None) -> None:
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF checkpoint dir or a .gguf file")
-    p.add_argument("--drafter", default="default", help="'default', a z-lab DFlash drafter dir, or 'none'")
+    p.add_argument("--drafter", default="default", help="'default', a z-lab DFlash or DeepSpec DSpark/DFlash drafter dir, or 'none'")
     p.add_argument("--max-context", type=_positive_int("--max-context"), default=max_context,
                    help="KV cache length (default: the target's max_position_embeddings)" if max_context is None else
                    f"KV cache length per row (default {max_context}: the caches hold --max-batch-size rows of it)")

@@ -63,7 +63,7 @@ from loopspec.engines.llamacpp import gguf_target_info, llama_server_command, wr
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.precisions import precision_names
-from loopspec.model.drafter import Drafter, check_fits, resolve_mask_token_id
+from loopspec.model.drafter import Drafter, check_fits, require_zlab_block, resolve_mask_token_id
 from loopspec.model.target import TargetConfig
 from loopspec.weights import (DEFAULT_TARGET_NAME, file_sha256, load_tokenizer, read_json, read_safetensors,
                               resolve_target_dir, target_fingerprint, target_gguf_path, write_safetensors)
@@ -496,6 +496,7 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
     drafter_dir = _resolve_drafter(drafter, target)
     model = Drafter.load(drafter_dir)
     cfg = model.cfg
+    require_zlab_block(cfg, "a serving bundle")  # its launch settings draft block_size - 1 tokens
     if hf_engines:
         target_dir = resolve_target_dir(target)
         target_cfg = TargetConfig.from_hf(read_json(target_dir / "config.json", "target config"))

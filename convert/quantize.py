@@ -41,7 +41,7 @@ from loopspec.engines.staging import check_out_dir, replace_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.pair import load_pair
 from loopspec.prompts import prompt_ids, read_prompts
-from loopspec.model.drafter import Drafter
+from loopspec.model.drafter import Drafter, require_zlab_block
 from loopspec.model.target import Target
 
 DEFAULT_CALIB_SIZE = 16
@@ -177,6 +177,7 @@ def quantize_drafter(drafter: Drafter, target: Target, calib_prompts: list[Calib
                      calib_size: int | None = None) -> Drafter:
     """A modelopt-calibrated copy of `drafter` (QuantLinear modules with their quantizers' ranges);
     `drafter` itself stays as it is (the fp32 reference)."""
+    require_zlab_block(drafter.cfg, "quantization")  # its calibration and export run z-lab's block
     cfg = modelopt_config(precision)
     mtq = require_modelopt()
     sequences = calib_prompts[:calib_size] if calib_size else calib_prompts

@@ -47,7 +47,7 @@ from loopspec.weights import file_sha256
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MAX_BATCH,
                                     TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.engines.staging import check_out_dir, staged_dir
-from loopspec.model.drafter import Drafter, draft_head_weight, draft_candidates
+from loopspec.model.drafter import Drafter, draft_head_weight, draft_candidates, require_zlab_block
 from loopspec.model.target import Target
 
 
@@ -446,6 +446,8 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     and lm_head."""
     import onnx  # noqa: F401  (fail early, with the extra to install)
 
+    if drafter is not None:  # the drafter-block graph drafts z-lab's block, without the DSpark heads
+        require_zlab_block(drafter.cfg, "the ONNX / TensorRT export")
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     drafter_dir = Path(drafter_dir) if drafter_dir is not None else None
     check_out_dir(out_dir, "manifest.json", "an artifact directory")

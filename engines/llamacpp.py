@@ -179,6 +179,9 @@ def write_dflash_gguf(drafter, target_gguf: str | Path, out_path: str | Path, *,
     them). Written to a temporary sibling and renamed, so a failure leaves no file behind."""
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
+    from loopspec.model.drafter import require_zlab_block
+
+    require_zlab_block(drafter.cfg, "the llama.cpp dflash GGUF")  # its arch drafts z-lab's block
     if dtype not in DTYPES:
         raise LoopspecError(f"unknown GGUF dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     target_gguf, out_path = Path(target_gguf), Path(out_path)

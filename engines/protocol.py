@@ -84,8 +84,10 @@ class Engine(Protocol):
     def draft(self, rows: list[int], anchors: list[int], positions: list[int],
               block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One stage for each of `rows`: [anchor, MASK × (k-1)] at positions .. positions+k-1 on the
-        row's own context → each position's C best drafts [R, k-1, C] (target ids, rank 0 the
-        argmax), their log-probs [R, k-1, C], final-norm hidden states [R, k, H]."""
+        row's own context → each drafting position's C best drafts [R, D, C] (target ids, rank 0 the
+        argmax), their log-probs [R, D, C], final-norm hidden states [R, k, H]. D = k-1 for z-lab's
+        block convention, k for DeepSpec's (`DrafterConfig.anchor_predicts`). An engine whose drafter
+        has a confidence head returns a `StageDrafts`, whose `.confidence` [R, D] carries it."""
 
     # ---- rows ------------------------------------------------------------------------------------
     def swap_rows(self, a: int, b: int) -> None:

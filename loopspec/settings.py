@@ -96,6 +96,13 @@ class DecodingSettings:
         """The most drafts one verification checks."""
         return self.max_stages * (self.block_size - 1)
 
+    def drafts_with(self, drafter: DrafterConfig | None) -> int:
+        """The most drafts one verification checks with this drafter: a drafter of DeepSpec's block
+        convention drafts every block position (k a stage), z-lab's all but the anchor's (k-1)."""
+        if self.uses_drafter and drafter is not None:
+            return self.max_stages * drafter.drafts_per_block(self.block_size)
+        return self.max_drafts
+
     def describe(self) -> str:
         """What the stats line and reports name: 'dloop, k=4, gate -0.5, max stages 3'."""
         text = f"{self.method}, k={self.block_size}"

@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, draft_candidates
+from loopspec.model.drafter import Drafter, StageDrafts, draft_stage
 from loopspec.model.target import KVCache, KVWrite, Target, TargetOutput, attention_mask
 
 # verify lengths: 1 (plain decoding) up to a DLoop chain of 4 stages of 16 (61 tokens)
@@ -134,16 +134,17 @@ def drafter_block_static(drafter: Drafter, embed: torch.nn.Module, draft_head: t
                          context: KVCache, ids: torch.Tensor, positions: torch.Tensor,
                          context_lengths: torch.Tensor, draft_ids: torch.Tensor | None, keys: int | None = None):
     """One stage over ids [R, k] at positions [R, k] against rows 0..R-1 of the context buffer, its
-    first `keys` slots (default all), of which row b's first context_lengths[b] are live → drafts
-    [R, k-1, C], log-probs [R, k-1, C], hidden [R, k, H]."""
+    first `keys` slots (default all), of which row b's first context_lengths[b] are live → StageDrafts:
+    drafts [R, D, C], log-probs [R, D, C], hidden [R, k, H], confidence [R, D] or None (D = k-1 or k
+    by the drafter's block convention)."""
     rows, k = ids.shape
     keys = keys or context.max_length
     live = torch.arange(keys, device=ids.device)[None, :] < context_lengths[:, None]  # [R, keys]
     visible = torch.cat([live, torch.ones(rows, k, dtype=torch.bool, device=ids.device)], dim=1)  # [R, keys + k]
     ctx_k, ctx_v = context.k[:, :rows, :, :keys], context.v[:, :rows, :, :keys]
     hidden = drafter(embed(ids), positions[:, None], ctx_k, ctx_v, visible[:, None, None, :])  # [R, k, H]
-    drafts, logprobs = draft_candidates(draft_head(hidden[:, 1:]), draft_ids)  # [R, k-1, C] each
-    return drafts, logprobs, hidden
+    drafts, logprobs, confidence = draft_stage(drafter, hidden, ids[:, 0], draft_head, draft_ids)  # [R, D, C] each
+    return StageDrafts(drafts, logprobs, hidden, confidence)
 
 
 @dataclass
@@ -224,12 +225,14 @@ class StaticRunner:
         plan = self.plan_block(self.context.lengths[rows].tolist(), anchors, positions, block_size,
                                self.mask_token_id, self.context.max_length)
         values = {"ids": plan.ids, "positions": plan.positions, "lengths": plan.context_lengths}
-        drafts, logprobs, hidden = self.run(
+        stage = self.run(
             ("block", len(rows), block_size, plan.keys),
             lambda v: drafter_block_static(self.drafter, self.target.embed_tokens, self.draft_head, self.context,
                                            v["ids"], v["positions"], v["lengths"], self.draft_ids, plan.keys),
             values)
-        return drafts.cpu(), logprobs.float().cpu(), hidden.clone()
+        (drafts, logprobs, hidden), confidence = stage, stage.confidence  # a replay returns the captured StageDrafts
+        return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden.clone(),
+                           None if confidence is None else confidence.cpu())
 
 
 class CudaGraphRunner(StaticRunner):

@@ -128,6 +128,9 @@ class Drafted:
     candidates: torch.Tensor  # [D, C] target ids, rank-ordered (rank 0: the argmax chain)
     logprobs: torch.Tensor  # [D, C]
     stage_sizes: list[int]  # depths each stage drafted, in order (they sum to D)
+    # the confidence head's estimate at each depth [D] (DSpark: P(accepted | the depths before were));
+    # None when the drafter has none
+    confidence: torch.Tensor | None = None
 
     @property
     def stages(self) -> int:
@@ -151,7 +154,8 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
     if not live:  # plain rounds (ar, the fallback, no room left): nothing to ask the engine
         return [nothing] * len(budgets)
     k, max_context = settings.block_size, engine.max_context
-    stages: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in budgets]
+    first = engine.drafter_cfg.first_draft  # block positions before the first draft (0 or 1)
+    stages: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = [[] for _ in budgets]
     anchors, positions = list(anchors), list(positions)
     start_lengths = dict(zip(live, engine.context_lengths(live)))
     while live:
@@ -160,18 +164,23 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
         for b in live:  # a stage that would run past the context is shorter; those go together
             by_size.setdefault(min(k, max_context - positions[b]), []).append(b)
         for size, group in by_size.items():
-            drafts, logprobs, hidden = engine.draft(group, [anchors[b] for b in group], [positions[b] for b in group],
-                                                    size)  # [R, size-1, C] ids and log-probs
+            stage = engine.draft(group, [anchors[b] for b in group], [positions[b] for b in group], size)
+            drafts, logprobs, hidden = stage  # [R, size-first, C] ids and log-probs, [R, size, H]
+            # engines without a confidence head return a plain tuple
+            confidence = getattr(stage, "confidence", None)  # [R, size-first] or None
             for i, b in enumerate(group):
-                stages[b].append((drafts[i], logprobs[i]))
-                drafted = sum(d.shape[0] for d, _ in stages[b])
-                next_position = positions[b] + size - 1
+                stages[b].append((drafts[i], logprobs[i], None if confidence is None else confidence[i]))
+                drafted = sum(d.shape[0] for d, _, _ in stages[b])
+                # the last draft sits at the anchor's position + the stage's drafts
+                next_position = positions[b] + drafts.shape[1]
                 if (len(stages[b]) >= settings.max_stages or drafted >= budgets[b]
                         or max_context - next_position < k
                         or float(logprobs[i, :, 0].sum()) < settings.gate_threshold):
                     continue
                 going.append(b)
-                pseudo.append(hidden[i, 1:])  # positions .. +k-2 get feature(p) = z(p+1)
+                # the pseudo-feature of position p is the state that drafted p+1 (the target's tap at p
+                # predicts p+1 likewise): block positions first.. cover the anchor's .. the last draft's
+                pseudo.append(hidden[i, first:])
                 anchors[b], positions[b] = int(drafts[i, -1, 0]), next_position
         if going:
             engine.append_pseudo_context(going, torch.stack(pseudo))
@@ -185,11 +194,13 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
             out.append(nothing)
             continue
         sizes, left = [], n
-        for d, _ in row_stages:  # at most `budget` depths in all
+        for d, _, _ in row_stages:  # at most `budget` depths in all
             sizes.append(min(d.shape[0], left))
             left -= sizes[-1]
-        out.append(Drafted(torch.cat([d for d, _ in row_stages])[:n], torch.cat([lp for _, lp in row_stages])[:n],
-                           [m for m in sizes if m]))
+        confidence = (torch.cat([c for _, _, c in row_stages])[:n] if all(c is not None for _, _, c in row_stages)
+                      else None)
+        out.append(Drafted(torch.cat([d for d, _, _ in row_stages])[:n], torch.cat([lp for _, lp, _ in row_stages])[:n],
+                           [m for m in sizes if m], confidence))
     return out
 
 
@@ -222,6 +233,7 @@ class Decoder:
                                 f"{engine.precision}): "
                                 "use --tree-budget 0 --no-suffix, or --method suffix")
         self.engine, self.settings = engine, settings
+        self.max_drafts = settings.drafts_with(engine.drafter_cfg)
         if fallback is None and settings.adaptive:
             fallback = AdaptiveFallback()
         self.fallback = fallback if settings.drafting else None
@@ -327,7 +339,7 @@ class Decoder:
             stats.nodes_per_round.append(tree.drafts)
             stats.suffix_tokens += sum(tree.from_suffix[n] and not tree.from_drafter[n] for n in path[1:])
             if settings.uses_drafter and not copying[b]:
-                stats.later_stage_tokens += max(0, accepted - (settings.block_size - 1))
+                stats.later_stage_tokens += max(0, accepted - self.engine.drafter_cfg.drafts_per_block(settings.block_size))
             elif extend[b]:  # the drafter's stage came after the copy
                 stats.later_stage_tokens += max(0, accepted - len(copies[b]))
             if self.fallback is not None:
@@ -422,7 +434,7 @@ class Decoder:
         if not self.settings.drafting:
             return 0
         remaining = row.max_new_tokens - len(row.tokens)
-        return max(0, min(self.settings.max_drafts, remaining - 1, self._room(row)))
+        return max(0, min(self.max_drafts, remaining - 1, self._room(row)))
 
     def _drafter_budget(self, row: Row, depth: int, copy: list[int] | None, extend: bool) -> int:
         """Drafts the drafter may add this round: none for ar and suffix, nor beside a plain copy;
@@ -432,7 +444,8 @@ class Decoder:
             return 0
         if extend:
             wanted = row.max_new_tokens - len(row.tokens) - 1 - len(copy)  # tokens still wanted after the copy
-            return max(0, min(self.settings.block_size - 1, self._room(row) - len(copy), wanted))
+            stage = self.engine.drafter_cfg.drafts_per_block(self.settings.block_size)
+            return max(0, min(stage, self._room(row) - len(copy), wanted))
         return depth
 
     def _room(self, row: Row) -> int:

@@ -14,7 +14,7 @@ import copy
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, draft_head_weight, draft_candidates
+from loopspec.model.drafter import Drafter, StageDrafts, draft_head_weight, draft_stage
 from loopspec.model.target import Target, inference_linear, pack_linears_for_cpu_
 
 
@@ -144,9 +144,12 @@ class TorchEngine:
         ids = torch.full((R, k), self.drafter_cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor(anchors)
         pos = (torch.tensor(positions)[:, None, None] + torch.arange(k)).to(self.device)  # [R, 1, k]
-        hidden = self.drafter(self.target.embed_tokens(ids.to(self.device)), pos, ctx_k, ctx_v, mask)  # [R, k, H]
-        drafts, logprobs = draft_candidates(self.draft_head(hidden[:, 1:]), self.draft_ids)  # [R, k-1, C] each
-        return drafts.cpu(), logprobs.float().cpu(), hidden
+        ids = ids.to(self.device)
+        hidden = self.drafter(self.target.embed_tokens(ids), pos, ctx_k, ctx_v, mask)  # [R, k, H]
+        drafts, logprobs, confidence = draft_stage(self.drafter, hidden, ids[:, 0], self.draft_head,
+                                                   self.draft_ids)  # [R, D, C] each, [R, D]
+        return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden,
+                           None if confidence is None else confidence.cpu())
 
     # ---- rows ------------------------------------------------------------------------------------
     def swap_rows(self, a: int, b: int) -> None:

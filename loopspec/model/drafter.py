@@ -1,11 +1,22 @@
-"""DFlash block-diffusion drafter (z-lab checkpoint format).
+"""DFlash block-diffusion drafter: z-lab's checkpoint format, and DeepSpec's DSpark / DFlash format.
 
 One forward ("stage") drafts a whole block `[anchor, MASK × (k-1)]` at positions a .. a+k-1. Every
 layer's queries come from the block only; its keys/values are `[context ; block]`, where the context
 is the target's tapped hidden states projected by `fc` → `hidden_norm` and then by the layer's own
 `k_proj`/`v_proj` (+ `k_norm`, RoPE at absolute positions). Inside the block attention is
 bidirectional. The drafter has no embedding or lm_head of its own: it borrows the target's.
-The output at block position i (1..k-1) predicts the token AT position a+i.
+
+Which block outputs are drafts is the drafter's block convention (`DrafterConfig.anchor_predicts`):
+z-lab's output at block position i (1..k-1) predicts the token AT position a+i (k-1 drafts);
+DeepSpec's output at every position i (0..k-1) predicts the token at a+i+1 (k drafts).
+
+A DSpark drafter adds two small heads on the final-norm states h_i (`draft_stage` runs them):
+- a low-rank Markov head that corrects each position's logits by the token before it,
+  z_i = lm_head(h_i) + W2·u_i, left to right, where prev_0 is the anchor and prev_{i+1} the argmax of
+  z_i; u_i = W1[prev_i] (vanilla), σ(gate([h_i ; W1[prev_i]])) ⊙ W1[prev_i] (gated), or a GRU-like
+  state s_i over joint([s_{i-1} ; W1[prev_i] ; h_i]) → (g, c, o) with u_i = tanh(o) (rnn);
+- a confidence head σ(proj([h_i ; W1[prev_i]])) (or of h_i alone): the estimated probability that
+  draft i is accepted given that the drafts before it were.
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ from loopspec.model.target import (MLP, KVCache, RMSNorm, RotaryTable, TargetCon
                                    default_target_layer_ids)
 
 ARCHITECTURE = "DFlashDraftModel"
+DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"  # DeepSpec's DSpark drafters, and its DFlash ones (markov_rank 0)
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 D2T_FILE = "d2t.safetensors"
 
 
@@ -44,7 +57,38 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
+    # the block convention: False = z-lab's (block position i >= 1 drafts the token at a+i: k-1
+    # drafts), True = DeepSpec's (every position i drafts the token at a+i+1: k drafts)
+    anchor_predicts: bool = False
+    markov_rank: int = 0  # DSpark's low-rank Markov head (0: none)
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
+    confidence_head: bool = False  # DSpark's per-position acceptance estimate
+    confidence_with_markov: bool = False  # the confidence head also reads W1[prev]
     extra: dict = field(default_factory=dict)  # loopspec settings kept beside the z-lab fields
+
+    def __post_init__(self):
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise LoopspecError(f"unknown markov_head_type {self.markov_head_type!r} "
+                                f"(choose from {', '.join(MARKOV_HEAD_TYPES)})")
+        if self.markov_rank < 0:
+            raise LoopspecError(f"markov_rank must be >= 0, got {self.markov_rank}")
+        if self.confidence_with_markov and not (self.confidence_head and self.markov_rank):
+            raise LoopspecError("confidence_head_with_markov needs both a confidence head and a Markov head "
+                                "(markov_rank > 0)")
+
+    @property
+    def first_draft(self) -> int:
+        """The first block position whose output is a draft (0: the anchor's own, DeepSpec's convention)."""
+        return 0 if self.anchor_predicts else 1
+
+    def drafts_per_block(self, block_size: int) -> int:
+        """How many drafts one stage of `block_size` positions yields."""
+        return block_size - self.first_draft
+
+    @property
+    def is_dspark(self) -> bool:
+        """Carries a head that runs after the lm_head (the Markov or confidence head)."""
+        return bool(self.markov_rank or self.confidence_head)
 
     @classmethod
     def for_target(cls, target: TargetConfig, num_layers: int = 1, block_size: int = 16,
@@ -72,7 +116,10 @@ class DrafterConfig:
         return len(self.target_layer_ids)
 
     def to_zlab(self) -> dict:
-        """A Qwen3 config + the DFlash fields, as TensorRT-LLM / vLLM / SGLang read them."""
+        """A Qwen3 config + the DFlash fields, as TensorRT-LLM / vLLM / SGLang read them. A drafter of
+        DeepSpec's block convention is written as DeepSpec writes it (`Qwen3DSparkModel`, the fields at
+        the top level, `dflash_config` too for readers that look there): a z-lab architecture name
+        would make every z-lab reader draft one position off."""
         rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)
         cfg = {
             "architectures": [ARCHITECTURE],
@@ -97,17 +144,30 @@ class DrafterConfig:
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids},
         }
+        if self.anchor_predicts:
+            cfg.update({"architectures": [DEEPSPEC_ARCHITECTURE], "mask_token_id": self.mask_token_id,
+                        "target_layer_ids": self.target_layer_ids, "markov_rank": self.markov_rank,
+                        "enable_confidence_head": self.confidence_head})
+            if self.markov_rank:
+                cfg["markov_head_type"] = self.markov_head_type
+            if self.confidence_head:
+                cfg["confidence_head_with_markov"] = self.confidence_with_markov
         if self.extra:
             cfg["loopspec"] = self.extra
         return cfg
 
     @classmethod
     def from_zlab(cls, cfg: dict) -> "DrafterConfig":
+        """Read a drafter's config.json: z-lab's `DFlashDraftModel` (mask and taps in `dflash_config`),
+        or DeepSpec's `Qwen3DSparkModel` (DSpark, or DFlash with markov_rank 0: the fields at the top
+        level, DeepSpec's block convention)."""
         if not isinstance(cfg, dict):
             raise LoopspecError(f"drafter config.json must hold a JSON object, got {type(cfg).__name__}")
         archs = cfg.get("architectures") or []
-        if not isinstance(archs, list) or ARCHITECTURE not in archs:
-            raise LoopspecError(f"not a DFlash drafter: architectures={archs} (expected {ARCHITECTURE})")
+        if not isinstance(archs, list) or not ({ARCHITECTURE, DEEPSPEC_ARCHITECTURE} & set(archs)):
+            raise LoopspecError(f"not a DFlash drafter: architectures={archs} "
+                                f"(expected {ARCHITECTURE} or {DEEPSPEC_ARCHITECTURE})")
+        deepspec = DEEPSPEC_ARCHITECTURE in archs
         dflash = cfg.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise LoopspecError("drafter config.json: dflash_config must be an object")
@@ -122,13 +182,22 @@ class DrafterConfig:
         if ids is not None and (not isinstance(ids, list) or not ids
                                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
             raise LoopspecError(f"drafter config.json: target_layer_ids must be a non-empty list of ints, got {ids!r}")
-        mask = dflash.get("mask_token_id")
+        mask = dflash.get("mask_token_id", cfg.get("mask_token_id") if deepspec else None)
         if mask is not None and (not isinstance(mask, int) or isinstance(mask, bool)):
             raise LoopspecError(f"drafter config.json: mask_token_id must be an integer, got {mask!r}")
+        rank = cfg.get("markov_rank", 0) if deepspec else 0
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise LoopspecError(f"drafter config.json: markov_rank must be an integer >= 0, got {rank!r}")
+        head_type = cfg.get("markov_head_type", "vanilla") if rank else "vanilla"
+        if head_type not in MARKOV_HEAD_TYPES:
+            raise LoopspecError(f"drafter config.json: unknown markov_head_type {head_type!r} "
+                                f"(loopspec runs {', '.join(MARKOV_HEAD_TYPES)})")
+        confidence = bool(cfg.get("enable_confidence_head", False)) if deepspec else False
+        # DeepSpec writes confidence_head_with_markov only with a confidence head, and defaults it on
+        with_markov = bool(cfg.get("confidence_head_with_markov", bool(rank))) if confidence else False
         try:
             heads = cfg["num_attention_heads"]
             num_layers = cfg["num_hidden_layers"]
-            ids = dflash.get("target_layer_ids") or cfg.get("target_layer_ids")
             num_target_layers = cfg["num_target_layers"]
             if ids is None:
                 ids = default_target_layer_ids(num_target_layers, num_layers)
@@ -143,10 +212,12 @@ class DrafterConfig:
                        num_kv_heads=cfg.get("num_key_value_heads") or heads,
                        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                        vocab_size=cfg["vocab_size"], num_target_layers=num_target_layers,
-                       target_layer_ids=list(ids), mask_token_id=dflash.get("mask_token_id"),
+                       target_layer_ids=list(ids), mask_token_id=mask,
                        block_size=cfg.get("block_size", 16), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
                        rope_theta=float(rope_theta), rope_scaling=rope,
                        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                       anchor_predicts=deepspec, markov_rank=rank, markov_head_type=head_type,
+                       confidence_head=confidence, confidence_with_markov=with_markov,
                        extra=dict(cfg.get("loopspec") or {}))
         except KeyError as e:
             raise LoopspecError(f"drafter config.json lacks {e.args[0]!r}") from None
@@ -165,11 +236,21 @@ def check_fits(drafter: DrafterConfig, target: TargetConfig) -> None:
     if bad:
         problems.append(f"tap ids {bad} out of range for a target with {target.num_layers} layers")
     if drafter.mask_token_id is None:
-        problems.append("no mask token id (set dflash_config.mask_token_id)")
+        problems.append("no mask token id (set dflash_config.mask_token_id, or mask_token_id in a DeepSpec config)")
     elif not 0 <= drafter.mask_token_id < target.vocab_size:
         problems.append(f"mask token id {drafter.mask_token_id} outside the vocabulary of {target.vocab_size}")
     if problems:
         raise LoopspecError("drafter does not fit the target: " + "; ".join(problems))
+
+
+def require_zlab_block(cfg: DrafterConfig, what: str) -> None:
+    """Refuse a drafter of DeepSpec's block convention or with DSpark heads where only the z-lab
+    block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented."""
+    if cfg.anchor_predicts or cfg.is_dspark:
+        kind = (f"DSpark, {cfg.markov_head_type} Markov head of rank {cfg.markov_rank}" if cfg.markov_rank
+                else "DSpark" if cfg.is_dspark else "DeepSpec DFlash")
+        raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {kind} drafter "
+                            "(DeepSpec's block convention); decode it with the torch engine (--backend torch)")
 
 
 def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, vocab_size: int) -> int:
@@ -201,6 +282,107 @@ def draft_candidates(logits: torch.Tensor, draft_ids: torch.Tensor | None,
     top = best[..., :1]
     logprobs = best - top - torch.log(torch.exp(logits - top).sum(-1, keepdim=True))  # log softmax at each
     return (draft_ids[index] if draft_ids is not None else index), logprobs
+
+
+class MarkovHead(nn.Module):
+    """DSpark's low-rank Markov correction: a bias W2·u over the vocabulary from the token before a
+    position (`markov_w1`, an embedding [V, r]), gated by the position's state or carried through a
+    recurrent state (see the module docstring). Parameter names are DeepSpec's."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        r, H = cfg.markov_rank, cfg.hidden_size
+        self.kind = cfg.markov_head_type
+        self.markov_w1 = nn.Embedding(cfg.vocab_size, r)
+        self.markov_w2 = nn.Linear(r, cfg.vocab_size, bias=False)
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(H + r, r)
+        elif self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * r + H, 3 * r)  # rows: gate | candidate | output
+
+    def latent(self, prev: torch.Tensor, h: torch.Tensor,
+               state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One position: previous tokens prev [R] (target ids) and final-norm states h [R, H] → the
+        rank-r latent u [R, r] whose W2 product is the bias, and the recurrent state after it (rnn)."""
+        e = self.markov_w1(prev).to(h.dtype)  # [R, r]
+        if self.kind == "vanilla":
+            return e, state
+        if self.kind == "gated":
+            return torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1))) * e, state
+        if state is None:  # the state starts at zero at every block's first drafting position
+            state = torch.zeros_like(e)
+        gate, candidate, output = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)  # [R, r] each
+        gate = torch.sigmoid(gate)
+        return torch.tanh(output), gate * state + (1 - gate) * torch.tanh(candidate)
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's per-position acceptance estimate σ(proj(features)), features [h ; W1[prev]] or h."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.proj = nn.Linear(cfg.hidden_size + (cfg.markov_rank if cfg.confidence_with_markov else 0), 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.proj(features).squeeze(-1).float())
+
+
+class StageDrafts(tuple):
+    """What an engine's `draft` returns: the tuple (drafts [R, D, C], log-probs [R, D, C], hidden
+    [R, k, H]) of the Engine protocol, which callers unpack as three, and the confidence head's
+    per-position estimates [R, D] as `.confidence` (None without a confidence head)."""
+
+    confidence: torch.Tensor | None
+
+    def __new__(cls, drafts: torch.Tensor, logprobs: torch.Tensor, hidden: torch.Tensor,
+                confidence: torch.Tensor | None = None):
+        out = super().__new__(cls, (drafts, logprobs, hidden))
+        out.confidence = confidence
+        return out
+
+
+def draft_stage(drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor, head,
+                draft_ids: torch.Tensor | None, top_k: int = DRAFT_CANDIDATES
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The draft-head step of one stage: the final-norm states of blocks hidden [R, k, H] whose
+    anchors are `anchors` [R] → each drafting position's `top_k` candidates [R, D, C] (target ids,
+    rank 0 the argmax chain), their log-probabilities [R, D, C], and the confidence head's estimates
+    [R, D] (None without one). D is k-1 or k, by the drafter's block convention. `head` maps states
+    [..., H] to logits over the draft rows [..., V or Vd] (the target's lm_head, or its draft rows).
+
+    A DSpark head runs left to right: position i's logits are corrected by the token before it —
+    the anchor at the first drafting position, then the previous position's corrected argmax — so
+    the chain is the greedy Markov chain and a tree's other ranks come from the same corrected
+    logits. Written in plain ops, as `draft_candidates`."""
+    cfg = drafter.cfg
+    h = hidden[:, cfg.first_draft:]  # [R, D, H]
+    logits = head(h)  # [R, D, V or Vd]
+    if not cfg.is_dspark:
+        drafts, logprobs = draft_candidates(logits, draft_ids, top_k)
+        return drafts, logprobs, None
+    markov = drafter.markov_head
+    w2 = None
+    if markov is not None and draft_ids is not None:  # the bias over the draft rows only
+        w2 = draft_head_weight(markov.markov_w2.weight, draft_ids)  # [Vd, r]
+    prev, state = anchors, None  # [R]
+    prevs, corrected = [], []
+    for i in range(h.shape[1]):
+        prevs.append(prev)
+        z = logits[:, i]  # [R, V or Vd]
+        if markov is not None:
+            u, state = markov.latent(prev, h[:, i], state)  # [R, r]
+            z = z + (markov.markov_w2(u) if w2 is None else F.linear(u, w2)).to(z.dtype)
+        corrected.append(z)
+        best = z.argmax(-1)  # [R]: the chain's draft here is the next position's predecessor
+        prev = draft_ids[best] if draft_ids is not None else best
+    drafts, logprobs = draft_candidates(torch.stack(corrected, dim=1), draft_ids, top_k)  # [R, D, C] each
+    confidence = None
+    if drafter.confidence_head is not None:
+        features = h
+        if cfg.confidence_with_markov:
+            features = torch.cat([h, markov.markov_w1(torch.stack(prevs, dim=1)).to(h.dtype)], dim=-1)  # [R, D, H + r]
+        confidence = drafter.confidence_head(features)  # [R, D]
+    return drafts, logprobs, confidence
 
 
 class DrafterAttention(nn.Module):
@@ -255,6 +437,8 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.markov_head = MarkovHead(cfg) if cfg.markov_rank else None
+        self.confidence_head = ConfidenceHead(cfg) if cfg.confidence_head else None
         # optional reduced draft vocabulary: target ids of the draft rows (d2t map), None = full vocab
         self.draft_ids: torch.Tensor | None = None
         with torch.no_grad():  # HF's Qwen3 initialisation: N(0, 0.02) projections, unit norms
@@ -364,11 +548,15 @@ class Drafter(nn.Module):
         refuse_quantized(raw, directory)
         cfg = DrafterConfig.from_zlab(raw)
         weights = directory / "model.safetensors"
-        if not weights.is_file():
+        # Hugging Face shards a large save_pretrained as model-0000i-of-0000n.safetensors
+        files = [weights] if weights.is_file() else sorted(directory.glob("model-*-of-*.safetensors"))
+        if not files:
             raise LoopspecError(f"missing drafter weights: {weights}")
-        src = read_safetensors(weights)
+        src = {}
+        for f in files:
+            src.update(read_safetensors(f))
         for unexpected in ("embed_tokens.weight", "lm_head.weight"):
-            src.pop(unexpected, None)  # some exports carry a copy of the target's; we borrow the target's
+            src.pop(unexpected, None)  # some exports (DeepSpec's) carry a copy of the target's; we borrow the target's
         state = {}
         for i in range(cfg.num_layers):
             m = f"layers.{i}.mlp."

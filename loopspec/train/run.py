@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig, check_fits
+from loopspec.model.drafter import Drafter, DrafterConfig, check_fits, require_zlab_block
 from loopspec.model.target import Target, default_target_layer_ids
 from loopspec.pair import Pair, mask_token_id
 from loopspec.train.samples import Sample, read_samples, safe_name
@@ -38,6 +38,7 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
         raise LoopspecError(f"block size must be at least 2, got {block_size}")
     if pair.drafter is not None:
         drafter = pair.drafter
+        require_zlab_block(drafter.cfg, "training")  # its loss and DLoop stages are z-lab's block
         if num_layers is not None and num_layers != drafter.cfg.num_layers:
             if num_layers < drafter.cfg.num_layers:
                 raise LoopspecError(f"--num-layers {num_layers} is fewer than the --init drafter's "
