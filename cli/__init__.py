@@ -317,6 +317,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DLoop loop-aware training: per anchor S-1 ~ U{1..N} extra stages (e.g. 3; 0 = DFlash)")
     t.add_argument("--draft-vocab-size", type=_positive_int("--draft-vocab-size"), default=None,
                    help="reduced draft vocabulary (most frequent response tokens) + d2t map")
+    t.add_argument("--markov-rank", type=_positive_int("--markov-rank"), default=None,
+                   help="DSpark: add a low-rank Markov head of this rank (its bias starts at zero, so training "
+                        "starts from the --init drafter's drafts)")
+    t.add_argument("--markov-head", default="vanilla", metavar="TYPE",
+                   help="DSpark: the Markov head's type, vanilla | gated | rnn (vanilla is the one vLLM and "
+                        "llama.cpp run)")
+    t.add_argument("--confidence-head", action="store_true",
+                   help="DSpark: add a confidence head, trained to predict whether each draft is accepted")
+    t.add_argument("--confidence-weight", type=_finite_float("--confidence-weight", positive=False), default=1.0,
+                   help="weight of the confidence head's loss beside the drafts' cross-entropy")
     t.add_argument("--eval-every", type=_positive_int("--eval-every"), default=100)
     t.add_argument("--save-every", type=_positive_int("--save-every"), default=200)
     t.add_argument("--eval-samples", type=_positive_int("--eval-samples"), default=16,
@@ -335,19 +345,28 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     import torch
 
+    from loopspec.model.drafter import DSparkHeads
     from loopspec.pair import load_pair
     from loopspec.train.run import prepare_drafter, train_drafter
     from loopspec.train.trainer import TrainConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    heads = (DSparkHeads(markov_rank=args.markov_rank or 0, markov_head_type=args.markov_head,
+                         confidence_head=args.confidence_head)
+             if args.markov_rank or args.confidence_head else None)
+    if args.loop_stages and args.markov_rank:
+        raise LoopspecError("--loop-stages with --markov-rank is not implemented (a later stage's Markov chain "
+                            "starts from a drafted anchor); train the Markov head with --loop-stages 0")
     pair = load_pair(args.target, args.init or "none", mask_token=args.mask_token_id)
     drafter, draft_vocab = prepare_drafter(
         pair, args.target, num_layers=args.num_layers, block_size=args.block_size,
         target_layer_ids=_int_list(args.tap_layers, "--tap-layers"), num_taps=args.num_taps,
-        mask_token=args.mask_token_id, draft_vocab_size=args.draft_vocab_size, data_dir=args.data, seed=args.seed)
+        mask_token=args.mask_token_id, draft_vocab_size=args.draft_vocab_size, data_dir=args.data, seed=args.seed,
+        heads=heads)
     cfg = TrainConfig(anchors=args.anchors, gamma=args.gamma, lr=args.lr, epochs=args.epochs,
                       batch_sequences=args.batch_sequences, dpace=args.dpace, kl_weight=args.kl_weight,
+                      confidence_weight=args.confidence_weight,
                       causal_in_block=args.causal_in_block, loop_stages=args.loop_stages, eval_every=args.eval_every,
                       eval_samples=args.eval_samples, save_every=args.save_every, seed=args.seed, compute_dtype=args.compute_dtype)
     last = train_drafter(data_dir=args.data, target=pair.target, drafter=drafter, out_dir=args.out, cfg=cfg,

@@ -45,7 +45,7 @@ def test_anchor_sampling_respects_loss_mask():
 
 
 def test_weight_formula():
-    w = position_weights(16, default_gamma(16))
+    w = position_weights(15, default_gamma(16))  # a block of 16 in z-lab's convention drafts 15
     assert w.shape == (15,)
     assert torch.allclose(w, torch.exp(-torch.arange(15.0) / 7.0))
     assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4

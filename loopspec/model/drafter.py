@@ -146,8 +146,11 @@ class DrafterConfig:
         }
         if self.anchor_predicts:
             cfg.update({"architectures": [DEEPSPEC_ARCHITECTURE], "mask_token_id": self.mask_token_id,
-                        "target_layer_ids": self.target_layer_ids, "markov_rank": self.markov_rank,
-                        "enable_confidence_head": self.confidence_head})
+                        "target_layer_ids": self.target_layer_ids})
+        if self.anchor_predicts or self.is_dspark:
+            # DeepSpec's head fields; on a z-lab architecture they mark a z-lab-convention drafter
+            # with DSpark heads, which z-lab readers cannot run (bundles refuse it)
+            cfg.update({"markov_rank": self.markov_rank, "enable_confidence_head": self.confidence_head})
             if self.markov_rank:
                 cfg["markov_head_type"] = self.markov_head_type
             if self.confidence_head:
@@ -185,14 +188,14 @@ class DrafterConfig:
         mask = dflash.get("mask_token_id", cfg.get("mask_token_id") if deepspec else None)
         if mask is not None and (not isinstance(mask, int) or isinstance(mask, bool)):
             raise LoopspecError(f"drafter config.json: mask_token_id must be an integer, got {mask!r}")
-        rank = cfg.get("markov_rank", 0) if deepspec else 0
+        rank = cfg.get("markov_rank", 0)  # either architecture: the heads do not change the block convention
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise LoopspecError(f"drafter config.json: markov_rank must be an integer >= 0, got {rank!r}")
         head_type = cfg.get("markov_head_type", "vanilla") if rank else "vanilla"
         if head_type not in MARKOV_HEAD_TYPES:
             raise LoopspecError(f"drafter config.json: unknown markov_head_type {head_type!r} "
                                 f"(loopspec runs {', '.join(MARKOV_HEAD_TYPES)})")
-        confidence = bool(cfg.get("enable_confidence_head", False)) if deepspec else False
+        confidence = bool(cfg.get("enable_confidence_head", False))
         # DeepSpec writes confidence_head_with_markov only with a confidence head, and defaults it on
         with_markov = bool(cfg.get("confidence_head_with_markov", bool(rank))) if confidence else False
         try:
@@ -282,6 +285,25 @@ def draft_candidates(logits: torch.Tensor, draft_ids: torch.Tensor | None,
     top = best[..., :1]
     logprobs = best - top - torch.log(torch.exp(logits - top).sum(-1, keepdim=True))  # log softmax at each
     return (draft_ids[index] if draft_ids is not None else index), logprobs
+
+
+@dataclass(frozen=True)
+class DSparkHeads:
+    """The DSpark heads a drafter is given for training: a Markov head of `markov_rank` (0: none) and
+    `markov_head_type`, and a confidence head (reading W1[prev] too when there is a Markov head)."""
+
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+
+    def __post_init__(self):
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise LoopspecError(f"unknown Markov head type {self.markov_head_type!r} "
+                                f"(choose from {', '.join(MARKOV_HEAD_TYPES)})")
+        if not isinstance(self.markov_rank, int) or self.markov_rank < 0:
+            raise LoopspecError(f"Markov rank must be an integer >= 0, got {self.markov_rank!r}")
+        if not (self.markov_rank or self.confidence_head):
+            raise LoopspecError("a DSpark drafter needs a Markov head (rank > 0) or a confidence head")
 
 
 class MarkovHead(nn.Module):
@@ -505,6 +527,27 @@ class Drafter(nn.Module):
                 layer.mlp.down_proj.weight.zero_()
         grown.draft_ids = self.draft_ids
         return grown.to(p.device).train(self.training)
+
+    def with_heads(self, heads: DSparkHeads) -> "Drafter":
+        """This drafter with DSpark heads: existing heads kept where they match, new ones added with
+        markov_w2 zeroed, so the drafter drafts exactly as this one did until training moves them."""
+        from dataclasses import replace
+
+        cfg = replace(self.cfg, markov_rank=heads.markov_rank,
+                      markov_head_type=heads.markov_head_type if heads.markov_rank else "vanilla",
+                      confidence_head=heads.confidence_head,
+                      confidence_with_markov=heads.confidence_head and heads.markov_rank > 0,
+                      extra=dict(self.cfg.extra))
+        p = self.fc.weight
+        out = Drafter(cfg).to(p.dtype)
+        own = out.state_dict()
+        kept = {k: v for k, v in self.state_dict().items() if k in own and own[k].shape == v.shape}
+        out.load_state_dict(kept, strict=False)
+        if out.markov_head is not None and cfg.markov_rank != self.cfg.markov_rank:
+            with torch.no_grad():
+                out.markov_head.markov_w2.weight.zero_()
+        out.draft_ids = self.draft_ids
+        return out.to(p.device).train(self.training)
 
     # ----------------------------------------------------------------------------------------------
     # z-lab checkpoint I/O

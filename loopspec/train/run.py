@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig, check_fits, require_zlab_block
+from loopspec.model.drafter import Drafter, DrafterConfig, DSparkHeads, check_fits
 from loopspec.model.target import Target, default_target_layer_ids
 from loopspec.pair import Pair, mask_token_id
 from loopspec.train.samples import Sample, read_samples, safe_name
@@ -29,16 +29,17 @@ TUNED_SETTING_KEYS = ("tuned", "dloop")
 def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = None, block_size: int | None = None,
                     target_layer_ids: list[int] | None = None, num_taps: int | None = None,
                     mask_token: int | None = None, draft_vocab_size: int | None = None,
-                    data_dir: str | Path | None = None, seed: int = 0) -> tuple[Drafter, DraftVocab | None]:
+                    data_dir: str | Path | None = None, seed: int = 0,
+                    heads: DSparkHeads | None = None) -> tuple[Drafter, DraftVocab | None]:
     """The drafter a run trains: the pair's (--init) one, deepened to num_layers and set to block_size
-    where given, else a fresh one for the pair's target (its tap layers, its mask token); and its draft
-    vocabulary: the init drafter's d2t, else the draft_vocab_size most frequent tokens of data_dir."""
+    where given, else a fresh one for the pair's target (its tap layers, its mask token), with DSpark
+    heads added where `heads` asks for them; and its draft vocabulary: the init drafter's d2t, else
+    the draft_vocab_size most frequent tokens of data_dir."""
     target = pair.target
     if block_size is not None and block_size < 2:
         raise LoopspecError(f"block size must be at least 2, got {block_size}")
     if pair.drafter is not None:
         drafter = pair.drafter
-        require_zlab_block(drafter.cfg, "training")  # its loss and DLoop stages are z-lab's block
         if num_layers is not None and num_layers != drafter.cfg.num_layers:
             if num_layers < drafter.cfg.num_layers:
                 raise LoopspecError(f"--num-layers {num_layers} is fewer than the --init drafter's "
@@ -54,6 +55,9 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
                                        target_layer_ids=taps, mask_token_id=mask)
         torch.manual_seed(seed)
         drafter = Drafter(cfg)
+    if heads is not None:
+        torch.manual_seed(seed)
+        drafter = drafter.with_heads(heads)
     check_fits(drafter.cfg, target.cfg)
     draft_vocab = DraftVocab(drafter.draft_ids) if drafter.draft_ids is not None else None
     if draft_vocab_size and draft_vocab is None:
@@ -217,7 +221,7 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        loss_total, correct, labels, used = 0.0, 0, 0, 0
+        loss_total, correct, labels, used, brier = 0.0, 0, 0, 0, None
         for _ in range(cfg.batch_sequences):
             s = train_set[cursor % len(train_set)]
             cursor += 1
@@ -235,6 +239,8 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
             loss_total += loss.item()
             correct += st["correct"]
             labels += st["labels"]
+            if "confidence_brier" in st:
+                brier = (brier or 0.0) + st["confidence_brier"]
             used += 1
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip))
         optimizer.step()
@@ -242,6 +248,8 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         elapsed = time.time() - t_start
         last = {"step": step, "loss": loss_total / max(used, 1), "acc": correct / max(labels, 1), "lr": lr,
                 "grad_norm": grad_norm, "elapsed_s": round(elapsed, 1)}
+        if brier is not None:  # the confidence head's Brier score on this step's drafts
+            last["confidence_brier"] = brier / max(labels, 1)
         if step % cfg.eval_every == 0 or step == total_steps:
             last.update(evaluate())
         with open(log_path, "a") as f:

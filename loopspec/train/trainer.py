@@ -1,11 +1,16 @@
-"""DFlash drafter training (docs/training.md).
+"""DFlash and DSpark drafter training (docs/training.md).
 
 Per sequence: the target's taps give context features for every position; up to `anchors` anchors
 are sampled where the position and the next are supervised, each opening a block
 `[x_a, MASK × (B-1)]` at positions a .. a+B-1. A block sees the context strictly before its anchor
-and the whole of its own block, nothing else. The loss is cross-entropy at block positions
-k = 1 .. B-1 with weight exp(-(k-1)/γ), normalised by the weight sum; the lm_head is evaluated only at
-the rows that carry a label (and, with a reduced draft vocabulary, only over its rows).
+and the whole of its own block, nothing else. The loss is cross-entropy at the block's drafting
+positions (z-lab's convention: k = 1 .. B-1 draft the token at a+k; DeepSpec's: k = 0 .. B-1 draft
+the token at a+k+1), the d-th draft weighted exp(-d/γ), normalised by the weight sum; the lm_head is
+evaluated only at the rows that carry a label (and, with a reduced draft vocabulary, only over its
+rows). A DSpark drafter's Markov head corrects those logits from the token before each drafted one
+(teacher-forced: the data's token, which is the drafted one wherever the drafts so far were
+accepted), and its confidence head learns, by binary cross-entropy, whether the corrected argmax is
+the data's token — for greedy-regenerated data, whether the target accepts that draft.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter
@@ -29,10 +35,9 @@ def default_gamma(block_size: int) -> float:
     return GAMMA_BY_BLOCK.get(block_size, max(1.0, block_size / 2 - 1))
 
 
-def position_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """exp(-(k-1)/γ) for in-block positions k = 1 .. B-1 → [B-1]."""
-    k = torch.arange(1, block_size, dtype=torch.float32)
-    return torch.exp(-(k - 1) / gamma)
+def position_weights(num_drafts: int, gamma: float) -> torch.Tensor:
+    """exp(-d/γ) for a block's drafts d = 0 .. num_drafts-1 → [num_drafts]."""
+    return torch.exp(-torch.arange(num_drafts, dtype=torch.float32) / gamma)
 
 
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: random.Random) -> torch.Tensor:
@@ -84,6 +89,7 @@ class TrainConfig:
     batch_sequences: int = 4  # sequences per optimizer step
     dpace: bool = False
     kl_weight: float = 0.0  # forward KL to the target's distribution (needs online taps)
+    confidence_weight: float = 1.0  # the confidence head's BCE beside the CE (DSpark drafters)
     causal_in_block: bool = False
     loop_stages: int = 0  # DLoop loop-aware training: S-1 ~ U{1..N} extra stages per anchor (0 = DFlash)
     eval_samples: int = 16
@@ -140,8 +146,17 @@ class DrafterTrainer:
         if cfg.gamma is not None and not (math.isfinite(cfg.gamma) and cfg.gamma > 0):
             # 0 once fell back to the default silently; a decay length must be a positive number
             raise LoopspecError(f"gamma must be a finite number > 0 (or None for the default), got {cfg.gamma}")
+        if cfg.loop_stages and drafter.cfg.markov_rank:
+            # a later stage's Markov chain starts from a drafted anchor the data does not hold
+            raise LoopspecError("loop-aware training (--loop-stages) of a drafter with a Markov head is not "
+                                "implemented; train it with --loop-stages 0")
         gamma = default_gamma(drafter.cfg.block_size) if cfg.gamma is None else cfg.gamma
-        self.weights = position_weights(drafter.cfg.block_size, gamma)
+        self.first = drafter.cfg.first_draft  # block positions before the first draft (0 or 1)
+        self.weights = position_weights(drafter.cfg.drafts_per_block(drafter.cfg.block_size), gamma)
+        markov = drafter.markov_head
+        # the Markov bias over the draft rows only, as draft_stage computes it
+        self.markov_w2 = (None if markov is None else markov.markov_w2.weight if draft_vocab is None
+                          else markov.markov_w2.weight[draft_vocab.ids])  # [Vd, r]
         target.set_taps(drafter.cfg.target_layer_ids)
 
     # ---- taps ------------------------------------------------------------------------------------
@@ -170,7 +185,7 @@ class DrafterTrainer:
             losses.append(loss_sum)
             total_weight += weight_sum
             for k, v in st.items():
-                stats[k] += v
+                stats[k] = stats.get(k, 0) + v
         loss = torch.stack(losses).sum() / max(total_weight, 1e-9)
         stats["anchors"] = anchors.numel()
         return loss, stats
@@ -181,20 +196,24 @@ class DrafterTrainer:
         keep [n] which blocks count; target_logits [L, V] for KL. → (loss sum, weight sum, stats)."""
         n, B = positions.shape
         L = tokens.numel()
-        valid = (positions < L) & keep[:, None]
-        label_pos = positions.clamp(max=L - 1)
+        label_positions = positions + (1 - self.first)  # the token each block row drafts
+        valid = (label_positions < L) & keep[:, None]
+        label_pos = label_positions.clamp(max=L - 1)
         supervised = valid & loss_mask[label_pos]
-        supervised[:, 0] = False
+        supervised[:, :self.first] = False
         rows = supervised.nonzero(as_tuple=True)
-        y = tokens[label_pos][rows]  # the token AT position a+k (no shift)
+        y = tokens[label_pos][rows]
         if self.draft_vocab is not None:
             y = self.draft_vocab.target_to_draft(self.target.cfg.vocab_size)[y]
             inside = y >= 0  # labels outside the draft vocabulary cannot be drafted: no loss
             rows, y = (rows[0][inside], rows[1][inside]), y[inside]
         if y.numel() == 0:
             return hidden.sum() * 0.0, 0.0, {"correct": 0, "labels": 0}
-        w = self.weights[rows[1] - 1]
-        logp = torch.log_softmax((hidden[rows] @ self.head_weight.T).float(), dim=-1)  # [R, Vd]
+        w = self.weights[rows[1] - self.first]
+        prev = tokens[label_pos - 1]  # [n, B] teacher forcing: the token before each drafted one
+        latent = self._markov_latent(hidden, prev)  # [n, B, r] or None
+        logits = self._draft_logits(hidden[rows], None if latent is None else latent[rows])  # [R, Vd]
+        logp = torch.log_softmax(logits.float(), dim=-1)
         nll = -logp.gather(1, y[:, None])[:, 0]
         if self.cfg.dpace:
             w = w * self._dpace_factor(nll.detach(), rows, n, B)
@@ -206,8 +225,39 @@ class DrafterTrainer:
             p = torch.softmax(t_logits.float(), dim=-1)
             kl = (p * (torch.log(p.clamp_min(1e-30)) - logp)).sum(-1)
             loss = loss + self.cfg.kl_weight * (w * kl).sum()
-        correct = int((logp.argmax(-1) == y).sum())
-        return loss, float(w.sum()), {"correct": correct, "labels": int(y.numel())}
+        hit = logp.argmax(-1) == y  # [R]
+        stats = {"correct": int(hit.sum()), "labels": int(y.numel())}
+        head = self.drafter.confidence_head
+        if head is not None:
+            features = hidden[rows]
+            if self.drafter.cfg.confidence_with_markov:
+                features = torch.cat([features, self.drafter.markov_head.markov_w1(prev[rows]).to(features.dtype)], dim=-1)
+            confidence_logit = head.proj(features).squeeze(-1).float()  # [R]
+            bce = F.binary_cross_entropy_with_logits(confidence_logit, hit.float(), reduction="none")
+            loss = loss + self.cfg.confidence_weight * (w * bce).sum()
+            # squared error of the estimate against the outcome (Brier score, summed over rows)
+            stats["confidence_brier"] = float(((torch.sigmoid(confidence_logit.detach()) - hit.float()) ** 2).sum())
+        return loss, float(w.sum()), stats
+
+    def _markov_latent(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """The Markov head's latent at every drafting row, unrolled over the block as draft_stage runs
+        it (the rnn state starts at zero at the first drafting position): hidden [n, B, H], prev [n, B]
+        (the token before each row's draft) → [n, B, r] (zero at non-drafting rows), or None."""
+        markov = self.drafter.markov_head
+        if markov is None:
+            return None
+        n, B, _ = hidden.shape
+        state, latents = None, []
+        for i in range(self.first, B):
+            u, state = markov.latent(prev[:, i], hidden[:, i], state)  # [n, r]
+            latents.append(u)
+        skipped = hidden.new_zeros(n, self.first, markov.markov_w1.embedding_dim)
+        return torch.cat([skipped, torch.stack(latents, dim=1).to(hidden.dtype)], dim=1)
+
+    def _draft_logits(self, hidden: torch.Tensor, latent: torch.Tensor | None) -> torch.Tensor:
+        """Draft-vocabulary logits of hidden [..., H], Markov-corrected by latent [..., r] when given."""
+        logits = hidden @ self.head_weight.T
+        return logits if latent is None else logits + latent @ self.markov_w2.T.to(latent.dtype)
 
     def loop_sequence_loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
                            rng: random.Random) -> tuple[torch.Tensor | None, dict]:
@@ -243,7 +293,7 @@ class DrafterTrainer:
                     last_loss.append(loss_sum)
                     last_w += w_sum
                 for k, v in st.items():
-                    stats[k] += v
+                    stats[k] = stats.get(k, 0) + v
         loss_first = torch.stack(first_loss).sum() / max(first_w, 1e-9)
         loss_last = torch.stack(last_loss).sum() / max(last_w, 1e-9) if last_loss else loss_first * 0.0
         stats["anchors"] = anchors.numel()
@@ -254,11 +304,12 @@ class DrafterTrainer:
         final-norm hidden [n, B, H]). Stage s+1's anchor is stage s's argmax at its last row; its
         context adds the previous stages' hidden states z[1:] as pseudo-features at a .. a_s - 1."""
         B = self.drafter.cfg.block_size
+        D = self.drafter.cfg.drafts_per_block(B)
         n = anchors.numel()
         anchor_tokens = tokens[anchors]
-        pseudo: list[torch.Tensor] = []  # per finished stage: [n, B-1, H]
+        pseudo: list[torch.Tensor] = []  # per finished stage: [n, D, H]
         for stage in range(1, num_stages + 1):
-            start = anchors + (stage - 1) * (B - 1)  # this stage's anchor position
+            start = anchors + (stage - 1) * D  # this stage's anchor position (the previous stage's last draft)
             positions = start[:, None] + torch.arange(B)[None]
             ids = torch.full((n, B), self.drafter.cfg.mask_token_id, dtype=torch.long)
             ids[:, 0] = anchor_tokens
@@ -280,7 +331,7 @@ class DrafterTrainer:
                 with torch.no_grad():  # the next anchor: this stage's argmax at its last row
                     best = (hidden[:, -1] @ self.head_weight.T).argmax(-1)
                     anchor_tokens = self.draft_vocab.ids[best] if self.draft_vocab is not None else best
-                pseudo.append(hidden[:, 1:])
+                pseudo.append(hidden[:, self.first:])
 
     def _chunk_loss(self, tokens, loss_mask, anchors, ctx_k, ctx_v, target_logits):
         """DFlash: one stage per anchor on the target context, loss over its labelled rows."""
@@ -326,18 +377,24 @@ class DrafterTrainer:
         ids[:, 0] = tokens[anchors]
         mask = block_mask_dense(anchors, B, L - 1, self.cfg.causal_in_block)[None, None]
         hidden = self.drafter(self.target.embed_tokens(ids.flatten())[None], pos.flatten(), ctx_k, ctx_v, mask)
-        logits = hidden[0].view(n, B, -1)[:, 1:] @ self.head_weight.T  # [n, B-1, Vd]
-        label_pos = pos[:, 1:].clamp(max=L - 1)
-        labels = tokens[label_pos]  # [n, B-1]
-        counted = (pos[:, 1:] < L) & loss_mask[label_pos]
+        hidden = hidden[0].view(n, B, -1)
+        drafted_pos = pos + (1 - self.first)  # the position each block row drafts
+        label_pos = drafted_pos.clamp(max=L - 1)
+        # the Markov head reads the data's previous token: within the accepted leading run that IS the
+        # drafted one, so "tau" is exact; the top-k ceilings take the data's path through the tree
+        latent = self._markov_latent(hidden, tokens[label_pos - 1])
+        f = self.first
+        logits = self._draft_logits(hidden[:, f:], None if latent is None else latent[:, f:])  # [n, D, Vd]
+        labels = tokens[label_pos[:, f:]]  # [n, D]
+        counted = (drafted_pos[:, f:] < L) & loss_mask[label_pos[:, f:]]
         to_target = (lambda d: self.draft_vocab.ids[d]) if self.draft_vocab is not None else (lambda d: d)
 
-        def accepted(good: torch.Tensor) -> float:  # good [n, B-1] → Σ over anchors of 1 + leading run
+        def accepted(good: torch.Tensor) -> float:  # good [n, D] → Σ over anchors of 1 + leading run
             return float((torch.cumprod((good & counted).long(), dim=1).sum(1) + 1).sum())
 
         sums = {"tau": accepted(to_target(logits.argmax(-1)) == labels)}
         if top_ks:
-            top = to_target(logits.topk(max(top_ks), dim=-1).indices)  # [n, B-1, kmax]
+            top = to_target(logits.topk(max(top_ks), dim=-1).indices)  # [n, D, kmax]
             for k in top_ks:
                 sums[k] = accepted((top[..., :k] == labels[..., None]).any(-1))
         return sums, n
