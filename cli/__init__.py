@@ -83,6 +83,9 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help="draft block size k (default: the drafter's; suffix: 8)")
     p.add_argument("--gate-threshold", type=float, default=None,
                    help="dloop: add a stage while the last one's summed draft log-prob is >= this (default -0.5)")
+    p.add_argument("--gate", default=None, metavar="SCORE",
+                   help="dloop: what the gate scores a stage by: logprob (its drafts' summed log-probs; default) "
+                        "or confidence (a DSpark drafter's confidence head: the summed log of its estimates)")
     p.add_argument("--max-stages", type=_positive_int("--max-stages"), default=None,
                    help="dloop: draft stages per verification (default 4)")
     p.add_argument("--tree-budget", type=_non_negative_int("--tree-budget"), default=None,
@@ -102,7 +105,8 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
 
 
 def _decoding_knobs(args) -> dict:
-    return {"block_size": args.block_size, "gate_threshold": args.gate_threshold, "max_stages": args.max_stages,
+    return {"block_size": args.block_size, "gate_threshold": args.gate_threshold, "gate": args.gate,
+            "max_stages": args.max_stages,
             "tree_budget": args.tree_budget, "suffix": args.suffix, "suffix_first": args.suffix_first,
             "suffix_then_draft": args.suffix_then_draft, "adaptive": args.adaptive}
 

@@ -17,7 +17,11 @@ from loopspec.tree import SUFFIX_MAX_MATCH, SUFFIX_MIN_MATCH
 METHODS = ("ar", "dflash", "dloop", "suffix")
 DRAFTER_METHODS = ("dflash", "dloop")
 SUFFIX_BLOCK_SIZE = 8  # `suffix` verifies up to 7 proposed tokens by default (as a block-8 chain)
-DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4}
+DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4, "gate": "logprob"}
+# what a DLoop gate scores a stage by: the log-prob sum of its argmax drafts (the drafter's own belief
+# that all are right), or the log of the product of a DSpark confidence head's per-draft estimates
+# (trained to predict acceptance); either is an estimated log-probability that the whole stage holds
+GATES = ("logprob", "confidence")
 
 
 @dataclass(frozen=True)
@@ -37,12 +41,14 @@ class DecodingSettings:
     `suffix_then_draft` (the chain policy's second variant; needs suffix_first): in a copying round
     the drafter still runs one stage, anchored at the copy's last token, and its chain extends the
     copy — the drafter's context has no features for the copied positions (no drafter stage
-    produced them), so its block attends past that gap."""
+    produced them), so its block attends past that gap. `gate`: what dloop's gate scores a stage by
+    (GATES): its drafts' summed log-probs, or a DSpark confidence head's summed log-estimates."""
 
     method: str = "ar"
     block_size: int = 1
     max_stages: int = 1
     gate_threshold: float = DLOOP_DEFAULTS["gate_threshold"]
+    gate: str = DLOOP_DEFAULTS["gate"]
     adaptive: bool = False
     tree_budget: int = 0
     suffix: bool = False
@@ -64,6 +70,10 @@ class DecodingSettings:
             raise LoopspecError(f"{self.method} runs one stage; max stages {self.max_stages} needs dloop")
         if math.isnan(self.gate_threshold):
             raise LoopspecError("the gate threshold must be a number, got nan")
+        if self.gate not in GATES:
+            raise LoopspecError(f"unknown gate {self.gate!r} (choose from {', '.join(GATES)})")
+        if self.method != "dloop" and self.gate != DLOOP_DEFAULTS["gate"]:
+            raise LoopspecError(f"{self.method} runs one stage: the {self.gate} gate needs dloop")
         if self.tree_budget < 0:
             raise LoopspecError(f"tree budget must be >= 0, got {self.tree_budget}")
         if self.method not in DRAFTER_METHODS and self.tree_budget:
@@ -107,7 +117,8 @@ class DecodingSettings:
         """What the stats line and reports name: 'dloop, k=4, gate -0.5, max stages 3'."""
         text = f"{self.method}, k={self.block_size}"
         if self.method == "dloop":
-            text += f", gate {self.gate_threshold:g}, max stages {self.max_stages}"
+            text += f", gate {self.gate_threshold:g}" + (f" ({self.gate})" if self.gate != DLOOP_DEFAULTS["gate"] else "")
+            text += f", max stages {self.max_stages}"
         if self.tree_budget:
             text += f", tree {self.tree_budget}"
         if self.suffix:
@@ -120,7 +131,7 @@ class DecodingSettings:
 
     def to_dict(self) -> dict:
         return {"method": self.method, "block_size": self.block_size, "max_stages": self.max_stages,
-                "gate_threshold": self.gate_threshold, "adaptive": self.adaptive, "tree_budget": self.tree_budget,
+                "gate_threshold": self.gate_threshold, "gate": self.gate, "adaptive": self.adaptive, "tree_budget": self.tree_budget,
                 "suffix": self.suffix, "suffix_first": self.suffix_first, "suffix_then_draft": self.suffix_then_draft}
 
 
@@ -149,7 +160,7 @@ def tuned_setting(drafter: DrafterConfig | None, engine: str | None = None) -> d
 
 def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: int | None = None,
                      gate_threshold: float | None = None, max_stages: int | None = None,
-                     adaptive: bool = True, tree_budget: int | None = None,
+                     gate: str | None = None, adaptive: bool = True, tree_budget: int | None = None,
                      suffix: bool | None = None, suffix_first: int | None = None,
                      suffix_then_draft: bool | None = None, engine: str | None = None,
                      chains_only: bool = False, tuned: dict | None = None) -> DecodingSettings:
@@ -163,6 +174,8 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
         raise LoopspecError(f"block size must be >= 1, got {block_size}")
     if max_stages is not None and max_stages < 1:
         raise LoopspecError(f"max stages must be >= 1, got {max_stages}")
+    if gate is not None and gate != DLOOP_DEFAULTS["gate"] and method != "dloop":
+        raise LoopspecError(f"{method} runs one stage: the {gate} gate needs dloop")
     if method == "ar":
         return DecodingSettings()  # drafts nothing: the drafting knobs do not apply
     if method == "suffix":
@@ -185,7 +198,7 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
     return DecodingSettings("dloop", block_size=k,
                             max_stages=max_stages if max_stages is not None else int(loop["max_stages"]),
                             gate_threshold=gate_threshold if gate_threshold is not None else float(loop["gate_threshold"]),
-                            adaptive=adaptive, **tree)
+                            gate=gate if gate is not None else str(loop["gate"]), adaptive=adaptive, **tree)
 
 
 def method_variant(name: str) -> tuple[str, dict]:
@@ -196,7 +209,8 @@ def method_variant(name: str) -> tuple[str, dict]:
     'dloop+tree16' (16 tree nodes, no suffix branch), 'dflash+suffix' (the chain and the suffix
     branch), 'dloop+tree16+suffix', 'dloop+first3' (the chain, and the suffix's continuation instead
     of the drafter's after a match of >= 3 tokens), 'dloop+first3+thendraft' (after such a match the
-    drafter's stage extends the continuation). 'suffix' is the drafter-free method."""
+    drafter's stage extends the continuation), 'dloop+gateconf' (the chain, its stages gated by the DSpark
+    confidence head). 'suffix' is the drafter-free method."""
     method, *parts = name.split("+")
     if method not in METHODS:
         raise LoopspecError(f"unknown method {method!r} in {name!r} (choose from {', '.join(METHODS)})")
@@ -213,6 +227,8 @@ def method_variant(name: str) -> tuple[str, dict]:
             overrides["suffix_first"] = int(part[5:])
         elif part == "thendraft":
             overrides["suffix_then_draft"] = True
+        elif part == "gateconf" and method == "dloop":
+            overrides["gate"] = "confidence"
         elif part != "chain":
             raise LoopspecError(f"{name!r}: unknown part {part!r} (+chain, +treeN with N >= 1, +suffix, "
                                 f"+firstN with N in {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH}, +thendraft)")
@@ -227,5 +243,6 @@ def variant_name(settings: DecodingSettings) -> str:
         return settings.method
     parts = ([f"tree{settings.tree_budget}"] if settings.tree_budget else []) + (["suffix"] if settings.suffix else []) \
         + ([f"first{settings.suffix_first}"] if settings.suffix_first else []) \
-        + (["thendraft"] if settings.suffix_then_draft else [])
+        + (["thendraft"] if settings.suffix_then_draft else []) \
+        + (["gateconf"] if settings.gate == "confidence" else [])
     return "+".join([settings.method] + (parts or ["chain"]))

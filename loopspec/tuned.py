@@ -20,7 +20,7 @@ from pathlib import Path
 from loopspec.errors import LoopspecError
 
 SHIPPED_DRAFTERS = Path(__file__).resolve().parent / "drafters"
-STORED = ("gate_threshold", "max_stages", "block_size", "tree_budget", "suffix", "suffix_first", "suffix_then_draft")
+STORED = ("gate_threshold", "gate", "max_stages", "block_size", "tree_budget", "suffix", "suffix_first", "suffix_then_draft")
 
 
 def is_shipped(drafter_dir: str | Path) -> bool:

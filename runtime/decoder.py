@@ -137,6 +137,15 @@ class Drafted:
         return len(self.stage_sizes)
 
 
+def gate_score(gate: str, logprobs: torch.Tensor, confidence: torch.Tensor | None) -> float:
+    """A stage's DLoop gate score: the summed log-probs of its argmax drafts (logprobs [D, C]), or the
+    summed log of the confidence head's per-draft acceptance estimates (confidence [D]) — each an
+    estimated log-probability that the whole stage is accepted."""
+    if gate == "confidence":
+        return float(torch.log(confidence.float().clamp_min(1e-30)).sum())
+    return float(logprobs[:, 0].sum())
+
+
 def draft_round(engine, settings: DecodingSettings, anchors: list[int], positions: list[int],
                 budgets: list[int]) -> list[Drafted]:
     """Draft stages for one verification of rows 0..B-1 (DLoop: the gate decides each next stage) → what each row drafted (at most
@@ -175,7 +184,8 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
                 next_position = positions[b] + drafts.shape[1]
                 if (len(stages[b]) >= settings.max_stages or drafted >= budgets[b]
                         or max_context - next_position < k
-                        or float(logprobs[i, :, 0].sum()) < settings.gate_threshold):
+                        or gate_score(settings.gate, logprobs[i], None if confidence is None else confidence[i])
+                        < settings.gate_threshold):
                     continue
                 going.append(b)
                 # the pseudo-feature of position p is the state that drafted p+1 (the target's tap at p
@@ -232,6 +242,9 @@ class Decoder:
             raise LoopspecError("this engine verifies chains exactly, not trees (its arithmetic is not order-exact: "
                                 f"{engine.precision}): "
                                 "use --tree-budget 0 --no-suffix, or --method suffix")
+        if settings.gate == "confidence" and not (engine.has_drafter and engine.drafter_cfg.confidence_head):
+            raise LoopspecError("the confidence gate needs a drafter with a confidence head (a DSpark drafter); "
+                                "use --gate logprob")
         self.engine, self.settings = engine, settings
         self.max_drafts = settings.drafts_with(engine.drafter_cfg)
         if fallback is None and settings.adaptive:

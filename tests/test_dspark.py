@@ -359,3 +359,72 @@ def test_static_runner_drafts_what_the_eager_engine_drafts(target):
     (ed, ep, _), (sd, sp, _) = stages = [e.draft([0, 1], [7, 8], [len(p) for p in ps[:2]], BLOCK) for e in engines]
     assert torch.equal(ed, sd) and torch.allclose(ep, sp, atol=1e-5)
     assert torch.allclose(stages[0].confidence, stages[1].confidence, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# DLoop over DSpark: the confidence head as the gate
+
+
+def test_gate_scores_against_hand_computed_values():
+    from loopspec.runtime.decoder import gate_score
+
+    logprobs = torch.tensor([[-0.1, -3.0], [-0.4, -2.0], [-0.25, -5.0]])  # [D, C]
+    confidence = torch.tensor([0.9, 0.5, 0.8])
+    assert gate_score("logprob", logprobs, confidence) == pytest.approx(-0.75)
+    assert gate_score("confidence", logprobs, confidence) == pytest.approx(float(torch.log(torch.tensor(0.36))))
+
+
+@pytest.mark.parametrize("anchor_predicts", [True, False], ids=["deepspec", "zlab"])
+def test_confidence_gate_adds_a_stage_exactly_when_the_estimates_say_so(anchor_predicts, target):
+    """Each stage of a round is followed by another iff the summed log of its confidence estimates is >=
+    the threshold (an oracle from the estimates the round returns), the threshold sits where both
+    happen, and greedy decoding under that gate equals ar, batched and alone."""
+    drafter = dspark_drafter(target, head_type="gated", anchor_predicts=anchor_predicts)
+    engine = TorchEngine(target, drafter, max_context=300)
+    ps = [repeating_prompt(s) for s in range(4)]
+    probe = DecodingSettings("dloop", block_size=BLOCK, max_stages=4, gate_threshold=-1e9, gate="confidence")
+    scores = []
+    for p in ps:  # the first stage's scores at each prompt's end place a threshold between them
+        engine.prefill(0, p[:-1], want_taps=True)
+        (drafted,) = draft_round(engine, replace(probe, max_stages=1), [p[-1]], [len(p) - 1], [100])
+        scores.append(float(torch.log(drafted.confidence).sum()))
+    threshold = sorted(scores)[len(scores) // 2]
+    settings = replace(probe, gate_threshold=threshold)
+    opened = closed = 0
+    for p in ps:
+        engine.prefill(0, p[:-1], want_taps=True)
+        (drafted,) = draft_round(engine, settings, [p[-1]], [len(p) - 1], [100])
+        ends = torch.tensor(drafted.stage_sizes).cumsum(0).tolist()
+        for s, end in enumerate(ends):
+            start = end - drafted.stage_sizes[s]
+            wants_more = float(torch.log(drafted.confidence[start:end]).sum()) >= threshold
+            if s + 1 < len(ends):
+                assert wants_more
+                opened += 1
+            elif s + 1 < settings.max_stages:
+                assert not wants_more
+                closed += 1
+    assert opened and closed  # both sides of the gate were exercised
+    refs = [generate(engine, p, max_new_tokens=30).tokens for p in ps]
+    assert [generate(engine, p, settings, max_new_tokens=30).tokens for p in ps] == refs
+    done = decode_all(Decoder(engine.with_rows(4), settings),
+                      [dict(key=i, prompt_ids=p, max_new_tokens=30) for i, p in enumerate(ps)])
+    assert [done[i].tokens for i in range(4)] == refs
+
+
+def test_confidence_gate_is_refused_where_it_cannot_apply(target, target_dir, tmp_path, capsys):
+    plain = dspark_drafter(target, confidence=False)
+    with pytest.raises(LoopspecError, match="needs a drafter with a confidence head"):
+        Decoder(TorchEngine(target, plain, max_context=64), DecodingSettings("dloop", BLOCK, 2, gate="confidence"))
+    with pytest.raises(LoopspecError, match="needs dloop"):
+        DecodingSettings("dflash", BLOCK, gate="confidence")
+    with pytest.raises(LoopspecError, match="unknown gate"):
+        DecodingSettings("dloop", BLOCK, 2, gate="entropy")
+    drafter_dir, _ = deepspec_checkpoint(tmp_path / "no-confidence", target_dir, confidence=False)
+    for bad, says in ((["--gate", "entropy", "--method", "dloop"], "unknown gate 'entropy'"),
+                      (["--gate", "confidence", "--method", "dflash"], "needs dloop"),
+                      (["--gate", "confidence", "--method", "dloop"], "needs a drafter with a confidence head")):
+        assert main(["generate", "--target", str(target_dir), "--drafter", str(drafter_dir), "--backend", "torch",
+                     "--prompt", "hi", "--max-new-tokens", "4"] + bad) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("loopspec: error:") and says in err and "\n" not in err, err
