@@ -148,7 +148,8 @@ def test_train_cli_adds_dspark_heads(tiny_pair, tmp_path, capsys):
     out = tmp_path / "dspark"
     common = ["train", "--data", str(data), "--target", str(target_dir), "--init", str(drafter_dir),
               "--anchors", "8", "--batch-sequences", "2", "--max-steps", "2", "--eval-every", "1"]
-    assert main(common + ["--out", str(out), "--markov-rank", "4", "--markov-head", "rnn", "--confidence-head"]) == 0
+    assert main(common + ["--out", str(out), "--markov-rank", "4", "--markov-head", "rnn", "--confidence-head",
+                          "--draft-vocab-size", "40"]) == 0
     log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines()]
     assert "confidence_brier" in log[-1] and "heldout_tau" in log[-1]
     config = json.loads((out / "config.json").read_text())

@@ -153,10 +153,7 @@ class DrafterTrainer:
         gamma = default_gamma(drafter.cfg.block_size) if cfg.gamma is None else cfg.gamma
         self.first = drafter.cfg.first_draft  # block positions before the first draft (0 or 1)
         self.weights = position_weights(drafter.cfg.drafts_per_block(drafter.cfg.block_size), gamma)
-        markov = drafter.markov_head
-        # the Markov bias over the draft rows only, as draft_stage computes it
-        self.markov_w2 = (None if markov is None else markov.markov_w2.weight if draft_vocab is None
-                          else markov.markov_w2.weight[draft_vocab.ids])  # [Vd, r]
+
         target.set_taps(drafter.cfg.target_layer_ids)
 
     # ---- taps ------------------------------------------------------------------------------------
@@ -257,7 +254,12 @@ class DrafterTrainer:
     def _draft_logits(self, hidden: torch.Tensor, latent: torch.Tensor | None) -> torch.Tensor:
         """Draft-vocabulary logits of hidden [..., H], Markov-corrected by latent [..., r] when given."""
         logits = hidden @ self.head_weight.T
-        return logits if latent is None else logits + latent @ self.markov_w2.T.to(latent.dtype)
+        if latent is None:
+            return logits
+        w2 = self.drafter.markov_head.markov_w2.weight  # [V, r]; re-indexed per call: it is trained
+        if self.draft_vocab is not None:  # the bias over the draft rows only, as draft_stage computes it
+            w2 = w2[self.draft_vocab.ids]
+        return logits + latent @ w2.T.to(latent.dtype)
 
     def loop_sequence_loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
                            rng: random.Random) -> tuple[torch.Tensor | None, dict]:
