@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default="ar,dflash",
                    help="comma-separated: ar, dflash, dloop, suffix, hf, hf-lookup (transformers), llamacpp, "
                         "llamacpp-dflash (llama-server on the target's GGUF, plain / with the drafter); dflash/dloop "
-                        "may take +chain, +treeN and +suffix (dloop+tree16+suffix) over the flags' setting")
+                        "may take +chain, +treeN, +suffix, +firstN, +thendraft (dloop+tree16+suffix), dloop also "
+                        "+gateconf (its stages gated by a DSpark confidence head), over the flags' setting")
     b.add_argument("--llama-server", default=None,
                    help="the llama-server binary the llamacpp peers run (default: llama-server on PATH; "
                         "scripts/build_llama_server.sh builds one)")
