@@ -330,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "llama.cpp run)")
     t.add_argument("--confidence-head", action="store_true",
                    help="DSpark: add a confidence head, trained to predict whether each draft is accepted")
+    t.add_argument("--heads-only", action="store_true",
+                   help="DSpark: train only the new heads; the --init drafter's backbone stays as it is")
     t.add_argument("--confidence-weight", type=_finite_float("--confidence-weight", positive=False), default=1.0,
                    help="weight of the confidence head's loss beside the drafts' cross-entropy")
     t.add_argument("--eval-every", type=_positive_int("--eval-every"), default=100)
@@ -371,7 +373,7 @@ def cmd_train(args) -> int:
         heads=heads)
     cfg = TrainConfig(anchors=args.anchors, gamma=args.gamma, lr=args.lr, epochs=args.epochs,
                       batch_sequences=args.batch_sequences, dpace=args.dpace, kl_weight=args.kl_weight,
-                      confidence_weight=args.confidence_weight,
+                      confidence_weight=args.confidence_weight, heads_only=args.heads_only,
                       causal_in_block=args.causal_in_block, loop_stages=args.loop_stages, eval_every=args.eval_every,
                       eval_samples=args.eval_samples, save_every=args.save_every, seed=args.seed, compute_dtype=args.compute_dtype)
     last = train_drafter(data_dir=args.data, target=pair.target, drafter=drafter, out_dir=args.out, cfg=cfg,

@@ -165,7 +165,17 @@ def test_train_cli_adds_dspark_heads(tiny_pair, tmp_path, capsys):
     for settings in (DecodingSettings("dflash", 6), DecodingSettings("dloop", 4, 3, -1e9)):
         assert generate(engine, [5, 6, 7, 8], settings, max_new_tokens=24).tokens == ar.tokens
 
+    # --heads-only: the backbone (and the mask/anchor embedding path) stays bit for bit the init's
+    heads_only = tmp_path / "heads-only"
+    assert main(common + ["--out", str(heads_only), "--markov-rank", "4", "--heads-only"]) == 0
+    init, trained = Drafter.load(drafter_dir).state_dict(), Drafter.load(heads_only).state_dict()
+    backbone = [k for k in init if not k.startswith(("markov_head.", "confidence_head."))]
+    assert backbone and all(torch.equal(init[k].to(torch.bfloat16), trained[k].to(torch.bfloat16)) for k in backbone)
+    assert trained["markov_head.markov_w2.weight"].abs().sum() > 0  # while the head moved off its zero start
+
     capsys.readouterr()
+    assert main(common + ["--out", str(tmp_path / "bad"), "--heads-only"]) == 2
+    assert "--heads-only trains the DSpark heads" in capsys.readouterr().err
     assert main(common + ["--out", str(tmp_path / "bad"), "--markov-rank", "4", "--markov-head", "lstm"]) == 2
     assert capsys.readouterr().err.strip().startswith("loopspec: error: unknown Markov head type 'lstm'")
     assert main(common + ["--out", str(tmp_path / "bad"), "--markov-rank", "4", "--loop-stages", "3"]) == 2

@@ -90,6 +90,7 @@ class TrainConfig:
     dpace: bool = False
     kl_weight: float = 0.0  # forward KL to the target's distribution (needs online taps)
     confidence_weight: float = 1.0  # the confidence head's BCE beside the CE (DSpark drafters)
+    heads_only: bool = False  # train the DSpark heads alone: the drafter's own drafts stay as they were
     causal_in_block: bool = False
     loop_stages: int = 0  # DLoop loop-aware training: S-1 ~ U{1..N} extra stages per anchor (0 = DFlash)
     eval_samples: int = 16
