@@ -424,12 +424,14 @@ def drafter_source(drafter: Drafter, drafter_dir: Path | None) -> dict:
 
 
 def export_code_sha256() -> str:
-    """The wrappers' and the specs' source: a cached export made by other code (other graphs or
-    other inputs and outputs) is not reused."""
+    """The wrappers', the specs' and the drafter model's source (the drafter-block graph traces its
+    `draft_stage`): a cached export made by other code (other graphs or other inputs and outputs) is
+    not reused."""
     from loopspec.engines import specs
+    from loopspec.model import drafter
 
     h = hashlib.sha256()
-    for source in (Path(__file__), Path(specs.__file__)):
+    for source in (Path(__file__), Path(specs.__file__), Path(drafter.__file__)):
         h.update(file_sha256(source).encode())
     return h.hexdigest()
 
