@@ -268,7 +268,7 @@ def compare_drafters(target: Target, drafter: Drafter, sequences: list[CalibSequ
         if with_tau:
             for quantized, taus in ((False, taus_ref), (True, taus_quantized)):
                 taus += offline_tau(lambda a: draft_candidates(logits(a, quantized), drafter.draft_ids)[0][:, 0],
-                                    seq.tokens, seq.prompt_len, k)
+                                    seq.tokens, seq.prompt_len)
     if not blocks:
         raise LoopspecError("no draft block to measure (the evaluation prompts have no response tokens)")
     out = {"max_abs": round(max_err, 4), "mean_abs": round(abs_sum / positions, 5), "logit_scale": round(scale, 3),

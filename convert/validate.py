@@ -3,6 +3,8 @@
 1. Per engine and output: the largest absolute error relative to the output's scale
    (max |onnx - ref| / max |ref|) on real inputs, against a tolerance per precision.
 2. Greedy decoding of the target on a few prompts: the token sequences must be identical (fp32).
+   A DSpark drafter's block engine runs its Markov correction, so its drafts, log-probs and
+   confidence are checked against `draft_stage`, the torch engine's own draft-head step.
 3. With a drafter: the offline acceptance length τ of both drafters along the reference greedy
    trajectory (one block drafted at every position, accepted prefix + 1); the drop of the exported
    drafter's τ must stay under a limit per precision (quantized drafters lose a little, fp32 none).
@@ -25,7 +27,7 @@ from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONT
                                     TARGET_VERIFY)
 from loopspec.errors import LoopspecError
 from loopspec.precisions import REGISTRY
-from loopspec.model.drafter import Drafter, draft_head_weight, draft_candidates
+from loopspec.model.drafter import Drafter, draft_head_weight, draft_stage
 from loopspec.model.target import Target
 
 # per precision: the tolerances of loopspec/precisions.py (those it validates: the ones that have some)
@@ -56,12 +58,15 @@ class Reference:
 
     @torch.inference_mode()
     def block(self, anchor: int, position: int, k: int, ctx_k, ctx_v):
+        """One stage → drafts [D, C], log-probs [D, C], hidden [k, H], confidence [D] (None without a
+        confidence head): the torch engine's draft-head step, a DSpark drafter's heads included."""
         d = self.drafter
         ids = torch.full((1, k), d.cfg.mask_token_id, dtype=torch.long)
         ids[0, 0] = anchor
         hidden = d(self.target.embed_tokens(ids), torch.arange(position, position + k), ctx_k, ctx_v)  # [1, k, H]
-        drafts, logprobs = draft_candidates(F.linear(hidden[0, 1:], self.head), d.draft_ids)  # [k-1, C] each
-        return drafts, logprobs, hidden[0]
+        drafts, logprobs, confidence = draft_stage(d, hidden, ids[:, 0], lambda h: F.linear(h, self.head),
+                                                   d.draft_ids)  # [1, D, C] each, [1, D]
+        return drafts[0], logprobs[0], hidden[0], None if confidence is None else confidence[0]
 
     @torch.inference_mode()
     def context(self, features: torch.Tensor, start: int, from_taps: bool = True):
@@ -102,7 +107,7 @@ def engine_errors(ref: Reference, sessions: dict[str, EngineSession], prompt: li
     run = sessions[DRAFTER_CONTEXT].run(taps=taps.numpy(), positions=np.arange(len(prompt), dtype=np.int64)[None])
     out[DRAFTER_CONTEXT] = {"context_key": relative_error(run["context_key"], ctx_k),
                             "context_value": relative_error(run["context_value"], ctx_v)}
-    drafts, logprobs, hidden = ref.block(prompt[-1], len(prompt), block_size, ctx_k, ctx_v)
+    drafts, logprobs, hidden, confidence = ref.block(prompt[-1], len(prompt), block_size, ctx_k, ctx_v)
     ids = np.full((1, block_size), ref.drafter.cfg.mask_token_id, dtype=np.int64)
     ids[0, 0] = prompt[-1]
     run = sessions[DRAFTER_BLOCK].run(
@@ -112,6 +117,8 @@ def engine_errors(ref: Reference, sessions: dict[str, EngineSession], prompt: li
     out[DRAFTER_BLOCK] = {"draft_ids": relative_error(run["draft_ids"][0], drafts),
                           "draft_logprobs": relative_error(run["draft_logprobs"][0], logprobs),
                           "hidden": relative_error(run["hidden"][0], hidden)}
+    if confidence is not None:  # a DSpark drafter's acceptance estimates
+        out[DRAFTER_BLOCK]["confidence"] = relative_error(run["confidence"][0], confidence)
     start = len(prompt)
     pseudo_k, pseudo_v = ref.context(hidden[None, 1:], start, from_taps=False)
     run = sessions[DRAFTER_CONTEXT_HIDDEN].run(hidden=hidden[None, 1:].numpy(),
@@ -172,13 +179,14 @@ def verified_greedy(session: EngineSession, prompt: list[int], tokens: list[int]
     return run["logits"][0].argmax(-1).tolist()
 
 
-def offline_tau(draft, sequence: list[int], prompt_len: int, block_size: int) -> list[int]:
+def offline_tau(draft, sequence: list[int], prompt_len: int) -> list[int]:
     """Tokens committed per anchor (accepted drafts + 1) when drafting one block at every position
-    of `sequence` after the prompt: draft(anchor_position) → drafts for the next k-1 positions."""
+    of `sequence` after the prompt: draft(anchor_position) → drafts for the positions after it (k-1
+    or k of them, by the drafter's block convention)."""
     committed = []
     for a in range(prompt_len, len(sequence) - 1):
         drafts = draft(a).tolist()
-        truth = sequence[a + 1:a + block_size]
+        truth = sequence[a + 1:a + 1 + len(drafts)]
         accepted = 0
         while accepted < len(truth) and drafts[accepted] == truth[accepted]:
             accepted += 1
@@ -207,8 +215,7 @@ def acceptance(ref: Reference, sessions: dict[str, EngineSession], sequence: lis
                                           context_lengths=np.asarray([a], dtype=np.int64))
         return out["draft_ids"][0][:, 0]  # the chain
 
-    return (offline_tau(draft_ref, sequence, prompt_len, block_size),
-            offline_tau(draft_onnx, sequence, prompt_len, block_size))
+    return offline_tau(draft_ref, sequence, prompt_len), offline_tau(draft_onnx, sequence, prompt_len)
 
 
 def validation_prompts(onnx_dir: Path, vocab_size: int) -> tuple[list[list[int]], str]:

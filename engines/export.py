@@ -47,7 +47,7 @@ from loopspec.weights import file_sha256
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MAX_BATCH,
                                     TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.engines.staging import check_out_dir, staged_dir
-from loopspec.model.drafter import Drafter, draft_head_weight, draft_candidates, require_zlab_block
+from loopspec.model.drafter import ConfidenceHead, Drafter, MarkovHead, draft_head_weight, draft_stage
 from loopspec.model.target import Target
 
 
@@ -266,18 +266,44 @@ class DrafterContext(nn.Module):
         return rope(k, cos, sin, self.rotate), v
 
 
+class DraftHeads(nn.Module):
+    """What `draft_stage` reads of a drafter — its config, Markov head and confidence head — as plain
+    modules: the torch engine swaps a drafter's Linears for oneDNN-packed copies in place, whose
+    product does not export, so the export runs fresh heads holding the same weights."""
+
+    def __init__(self, drafter: Drafter):
+        super().__init__()
+        self.cfg = drafter.cfg
+        self.markov_head = self.confidence_head = None
+        for name, make in (("markov_head", MarkovHead), ("confidence_head", ConfidenceHead)):
+            head = getattr(drafter, name)
+            if head is not None:
+                plain = make(drafter.cfg)  # fp32, as every exported graph
+                plain.load_state_dict(head.state_dict())
+                setattr(self, name, plain.eval())
+
+
 class DrafterBlock(nn.Module):
     """(block_ids [B, k], positions [B, k], context_key/context_value [N, B, kvh, C, hd],
-    context_lengths [B]) → draft_ids [B, k-1, C] (each position's C best drafts as target ids, rank 0
-    the argmax), draft_logprobs [B, k-1, C], hidden [B, k, H].
+    context_lengths [B]) → draft_ids [B, D, C] (each drafting position's C best drafts as target ids,
+    rank 0 the argmax), draft_logprobs [B, D, C], hidden [B, k, H], and with a confidence head
+    confidence [B, D]; D = k-1 or k by the drafter's block convention.
 
     The block embeds with the target's embedding and drafts with the target's lm_head rows (only the
-    reduced draft vocabulary's rows when the drafter has a d2t map; ids are mapped back in-graph)."""
+    reduced draft vocabulary's rows when the drafter has a d2t map; ids are mapped back in-graph).
+    The draft-head step is `draft_stage` itself, traced: a DSpark drafter's Markov correction runs
+    left to right, each position's argmax the next one's predecessor, so the trace unrolls it over
+    a fixed number of positions — the most a block of `max_block` has. A shorter block's states are
+    padded to that width and its outputs cut back: every position reads only those before it, so the
+    padding changes nothing that is returned."""
 
-    def __init__(self, drafter: Drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+    def __init__(self, drafter: Drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 max_block: int | None = None):
         super().__init__()
         self.drafter = drafter
         cfg = drafter.cfg
+        self.heads = DraftHeads(drafter)
+        self.max_block = max_block or cfg.block_size
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.register_buffer("embed_weight", embed_weight.detach())
         draft_ids = drafter.draft_ids
@@ -311,8 +337,14 @@ class DrafterBlock(nn.Module):
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
         hidden = rms_norm(x, d.norm.weight, d.norm.eps)  # [B, k, H]
-        draft_ids, logprobs = draft_candidates(F.linear(hidden[:, 1:], self.head_weight), self.draft_to_target)  # [B, k-1, C]
-        return draft_ids, logprobs, hidden
+        states = hidden
+        if cfg.is_dspark:  # the traced chain is unrolled over max_block positions; the last real one repeats past k
+            states = torch.cat([hidden, hidden[:, -1:].expand(-1, self.max_block, -1)], dim=1)[:, :self.max_block]  # [B, max_block, H]
+        drafts, logprobs, confidence = draft_stage(self.heads, states, block_ids[:, 0],
+                                                   lambda h: F.linear(h, self.head_weight), self.draft_to_target)
+        width = hidden.shape[1] - cfg.first_draft  # D of this call's block
+        outputs = (drafts[:, :width], logprobs[:, :width], hidden)  # [B, D, C], [B, D, C], [B, k, H]
+        return outputs if confidence is None else (*outputs, confidence[:, :width])  # + [B, D]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -392,12 +424,14 @@ def drafter_source(drafter: Drafter, drafter_dir: Path | None) -> dict:
 
 
 def export_code_sha256() -> str:
-    """The wrappers' and the specs' source: a cached export made by other code (other graphs or
-    other inputs and outputs) is not reused."""
+    """The wrappers', the specs' and the drafter model's source (the drafter-block graph traces its
+    `draft_stage`): a cached export made by other code (other graphs or other inputs and outputs) is
+    not reused."""
     from loopspec.engines import specs
+    from loopspec.model import drafter
 
     h = hashlib.sha256()
-    for source in (Path(__file__), Path(specs.__file__)):
+    for source in (Path(__file__), Path(specs.__file__), Path(drafter.__file__)):
         h.update(file_sha256(source).encode())
     return h.hexdigest()
 
@@ -446,8 +480,6 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     and lm_head."""
     import onnx  # noqa: F401  (fail early, with the extra to install)
 
-    if drafter is not None:  # the drafter-block graph drafts z-lab's block, without the DSpark heads
-        require_zlab_block(drafter.cfg, "the ONNX / TensorRT export")
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     drafter_dir = Path(drafter_dir) if drafter_dir is not None else None
     check_out_dir(out_dir, "manifest.json", "an artifact directory")
@@ -460,7 +492,8 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     if drafter is not None:
         modules[DRAFTER_CONTEXT] = DrafterContext(drafter, from_taps=True)
         modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(drafter, from_taps=False)
-        modules[DRAFTER_BLOCK] = DrafterBlock(drafter, target.embed_tokens.weight, target.lm_head.weight)
+        modules[DRAFTER_BLOCK] = DrafterBlock(drafter, target.embed_tokens.weight, target.lm_head.weight,
+                                              max_block=specs[DRAFTER_BLOCK].ranges["block"][2])
 
     with staged_dir(out_dir) as work:
         files = {}

@@ -201,10 +201,13 @@ def drafter_context_hidden_spec(drafter, max_context: int, block_size: int | Non
 
 def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
                        max_block: int | None = None, max_batch: int = MAX_BATCH) -> EngineSpec:
-    """Block ids [anchor, MASK…] + positions + context K/V → each position's best draft target-token
-    ids (rank-ordered; rank 0 is the chain, the others are the branches of a draft tree), their
-    log-probs and the final-norm hidden states. Row b's context slot j is seen iff
-    j < context_lengths[b]; the block sees all of itself."""
+    """Block ids [anchor, MASK…] + positions + context K/V → each drafting position's best draft
+    target-token ids (rank-ordered; rank 0 is the chain, the others are the branches of a draft
+    tree), their log-probs and the final-norm hidden states; with a confidence head, its estimate
+    per drafting position too. The drafting positions are the block's by the drafter's block
+    convention: drafts = block - 1 (z-lab's), or = block (DeepSpec's). A DSpark drafter's Markov
+    correction runs inside the graph. Row b's context slot j is seen iff j < context_lengths[b];
+    the block sees all of itself."""
     block_size = block_size or drafter.block_size
     max_block = max(max_block or block_size, block_size)
     N, kvh, hd = drafter.num_layers, drafter.num_kv_heads, drafter.head_dim
@@ -217,6 +220,8 @@ def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
     outputs = (TensorSpec("draft_ids", "int64", ("batch", "drafts", candidates)),
                TensorSpec("draft_logprobs", "float32", ("batch", "drafts", candidates)),
                TensorSpec("hidden", "float32", ("batch", "block", drafter.hidden_size)))
+    if drafter.confidence_head:
+        outputs += (TensorSpec("confidence", "float32", ("batch", "drafts")),)
     ranges = {"batch": batch_range(max_batch), "block": (2, block_size, max_block),
               "context": (1, max_context // 2, max_context)}
     return EngineSpec(DRAFTER_BLOCK, inputs, outputs, ranges)

@@ -21,7 +21,7 @@ from loopspec.engines.manifest import Manifest, read_manifest
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
                                     TARGET_VERIFY, EngineSpec)
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import DrafterConfig
+from loopspec.model.drafter import DrafterConfig, StageDrafts
 from loopspec.model.target import KVCache, TargetConfig
 from loopspec.weights import read_json
 
@@ -173,7 +173,7 @@ class ArtifactEngine:
 
     # ---- drafter ---------------------------------------------------------------------------------
     def draft(self, rows: list[int], anchors: list[int], positions: list[int],
-              block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              block_size: int) -> StageDrafts:
         R, k = len(rows), block_size
         lengths = self.context.lengths[rows]  # [R]
         context_key, context_value = self.context.prefix(rows, int(lengths.max()))
@@ -182,7 +182,9 @@ class ArtifactEngine:
         out = self.runners[DRAFTER_BLOCK].run(block_ids=ids, positions=torch.tensor(positions)[:, None] + torch.arange(k),
                                               context_key=context_key, context_value=context_value,
                                               context_lengths=lengths)
-        return out["draft_ids"].cpu(), out["draft_logprobs"].float().cpu(), out["hidden"]
+        confidence = out.get("confidence")  # [R, D]: declared by the spec when the drafter has a confidence head
+        return StageDrafts(out["draft_ids"].cpu(), out["draft_logprobs"].float().cpu(), out["hidden"],
+                           None if confidence is None else confidence.float().cpu())
 
     # ---- rows ------------------------------------------------------------------------------------
     def swap_rows(self, a: int, b: int) -> None:

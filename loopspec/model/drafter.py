@@ -248,12 +248,15 @@ def check_fits(drafter: DrafterConfig, target: TargetConfig) -> None:
 
 def require_zlab_block(cfg: DrafterConfig, what: str) -> None:
     """Refuse a drafter of DeepSpec's block convention or with DSpark heads where only the z-lab
-    block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented."""
+    block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented (quantized
+    drafter graphs, the llama.cpp GGUF, serving bundles). The torch engine, the fp32 ONNX / TensorRT
+    drafter graphs and training run both conventions and the DSpark heads."""
     if cfg.anchor_predicts or cfg.is_dspark:
-        kind = (f"DSpark, {cfg.markov_head_type} Markov head of rank {cfg.markov_rank}" if cfg.markov_rank
-                else "DSpark" if cfg.is_dspark else "DeepSpec DFlash")
-        raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {kind} drafter "
-                            "(DeepSpec's block convention); decode it with the torch engine (--backend torch)")
+        kind = (f"DSpark ({cfg.markov_head_type} Markov head of rank {cfg.markov_rank})" if cfg.markov_rank
+                else "DSpark (confidence head)" if cfg.is_dspark else "DeepSpec DFlash")
+        convention = "DeepSpec's" if cfg.anchor_predicts else "z-lab's"
+        raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {kind} drafter in "
+                            f"{convention} block convention; decode it with --backend torch or onnxruntime")
 
 
 def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, vocab_size: int) -> int:
