@@ -138,7 +138,8 @@ def test_negative_control_q_without_the_markov_bias_is_rejected(target, monkeypa
     def draft_with_uncorrected_q(rows, anchors, positions, block_size, sampling=None):
         stage = real_draft(rows, anchors, positions, block_size, sampling=sampling)
         hidden = stage[2]
-        stage.q = torch.softmax(engine.draft_head(hidden[:, engine.drafter_cfg.first_draft:]).float(), -1).cpu()
+        with torch.inference_mode():
+            stage.q = torch.softmax(engine.draft_head(hidden[:, engine.drafter_cfg.first_draft:]).float(), -1).cpu()
         return stage
 
     monkeypatch.setattr(engine, "draft", draft_with_uncorrected_q)
