@@ -100,6 +100,11 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-then-draft", action=argparse.BooleanOptionalAction, default=None,
                    help="with --suffix-first: after the copy, the drafter's stage drafts on from its last token "
                         "(default: the tuned setting, else off)")
+    p.add_argument("--draft-sampling", choices=("walk", "drafter"), default=None,
+                   help="at temperature > 0: walk (default; the drafter's argmax drafts, and a seeded run commits "
+                        "exactly the tokens ar does) | drafter (drafts sampled from the drafter's distribution q, "
+                        "accepted with probability min(1, p/q): same output distribution, more accepted drafts "
+                        "where q is close to p; chains only, torch backend)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="decode plainly while drafting does not pay (output unchanged)")
 
@@ -108,7 +113,8 @@ def _decoding_knobs(args) -> dict:
     return {"block_size": args.block_size, "gate_threshold": args.gate_threshold, "gate": args.gate,
             "max_stages": args.max_stages,
             "tree_budget": args.tree_budget, "suffix": args.suffix, "suffix_first": args.suffix_first,
-            "suffix_then_draft": args.suffix_then_draft, "adaptive": args.adaptive}
+            "suffix_then_draft": args.suffix_then_draft, "draft_sampling": args.draft_sampling,
+            "adaptive": args.adaptive}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -41,6 +41,9 @@ class Engine(Protocol):
     # a block boundary between the two slots groups its sum differently. The decoder verifies the
     # chain in a round whose tree would straddle one. 0: trees anywhere.
     tree_span: int
+    # True where `draft` takes `sampling` (DecodingSettings.draft_sampling "drafter"): it samples
+    # the drafts from the drafter's distribution q and returns q, which speculative sampling needs
+    samples_drafts: bool
 
     @property
     def has_drafter(self) -> bool: ...
@@ -81,13 +84,17 @@ class Engine(Protocol):
     def context_rollback(self, rows: list[int], lengths: list[int]) -> None: ...
 
     # ---- drafter ---------------------------------------------------------------------------------
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int],
-              block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
+              sampling: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One stage for each of `rows`: [anchor, MASK × (k-1)] at positions .. positions+k-1 on the
         row's own context → each drafting position's C best drafts [R, D, C] (target ids, rank 0 the
         argmax), their log-probs [R, D, C], final-norm hidden states [R, k, H]. D = k-1 for z-lab's
         block convention, k for DeepSpec's (`DrafterConfig.anchor_predicts`). An engine whose drafter
-        has a confidence head returns a `StageDrafts`, whose `.confidence` [R, D] carries it."""
+        has a confidence head returns a `StageDrafts`, whose `.confidence` [R, D] carries it.
+        `sampling` (engines with `samples_drafts`): each row's (SamplingParams, torch.Generator);
+        each position's one draft is then sampled from the drafter's warped distribution q with
+        the row's generator (C = 1, log-probs log q), and the `StageDrafts` carries q [R, D, V]
+        as `.q` (loopspec.model.drafter.sample_stage)."""
 
     # ---- rows ------------------------------------------------------------------------------------
     def swap_rows(self, a: int, b: int) -> None:

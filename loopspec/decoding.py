@@ -89,3 +89,71 @@ def tree_accept(tree, target_logits: torch.Tensor, params: SamplingParams,
             return path, token
         path.append(child)
         node = child
+
+
+class DraftSampler:
+    """Draws a stage's drafts from the drafter's own distribution q, one position at a time, each row
+    with its own sampling parameters and generator (so a row's drafts never depend on the batch).
+
+    `choose(logits)` takes one drafting position's logits [R, V or Vd] over the draft head's rows
+    (the target's vocabulary, or the reduced draft vocabulary of `draft_ids`) → the chosen rows'
+    indices [R] on the logits' device; it keeps each row's q, warped by that row's temperature /
+    top-k / top-p and spread over the target's vocabulary (zero outside the draft rows), and the
+    chosen token as a target id. A greedy row takes the argmax (its q one-hot there): greedy
+    decoding drafts exactly as the argmax chain does."""
+
+    def __init__(self, rows: list[tuple[SamplingParams, torch.Generator]], vocab_size: int,
+                 draft_ids: torch.Tensor | None):
+        self.rows, self.vocab_size = rows, vocab_size
+        self.draft_ids = draft_ids.cpu() if draft_ids is not None else None
+        self.tokens: list[torch.Tensor] = []  # per position [R] target ids
+        self.q: list[torch.Tensor] = []  # per position [R, V]
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float().cpu()  # the generators are CPU generators
+        index = torch.empty(logits.shape[0], dtype=torch.long)
+        q = torch.zeros(logits.shape[0], self.vocab_size)
+        for r, (params, generator) in enumerate(self.rows):
+            if params.greedy:
+                index[r] = logits[r].argmax(-1)
+                q_rows = torch.zeros(logits.shape[-1]).index_fill_(0, index[r:r + 1], 1.0)
+            else:
+                q_rows = probabilities(logits[r], params)
+                index[r] = sample(q_rows, generator)
+            if self.draft_ids is None:
+                q[r] = q_rows
+            else:
+                q[r, self.draft_ids] = q_rows
+        self.tokens.append(index if self.draft_ids is None else self.draft_ids[index])
+        self.q.append(q)
+        return index
+
+    def drafts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What was drafted → the drafts [R, D, 1] (target ids; one candidate: the sampled one),
+        their log q [R, D, 1] and q itself [R, D, V]."""
+        tokens, q = torch.stack(self.tokens, dim=1), torch.stack(self.q, dim=1)
+        return tokens[..., None], q.gather(-1, tokens[..., None]).log(), q
+
+
+def speculative_accept(drafts: list[int], q: torch.Tensor, target_logits: torch.Tensor, params: SamplingParams,
+                       generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling of a chain whose drafts were sampled from q → (how many drafts are
+    accepted, the bonus token).
+
+    q [n, V]: the distribution draft i was drawn from (given the drafts before it); target_logits
+    [n + 1, V]: row i predicts the token after draft i - 1 (row 0: after the anchor). Draft x at
+    position i is accepted with probability min(1, p(x) / q(x)), p the target's warped law there;
+    at the first rejection the bonus is drawn from normalize(max(0, p - q)), and after n acceptances
+    from p at row n. Each committed token is then distributed as p given its prefix (Leviathan et
+    al., 2023), so the output is distributed as plain decoding's, and a position accepts with
+    probability 1 - TV(p, q)."""
+    p = probabilities(target_logits[:len(drafts) + 1], params)
+    for i, x in enumerate(drafts):
+        ratio = float(p[i, x]) / float(q[i, x])  # q(x) > 0: x was drawn from q
+        if float(torch.rand((), generator=generator)) < ratio:
+            continue
+        residual = (p[i] - q[i].to(p.dtype)).clamp_min(0.0)
+        # p(x) < q(x) puts mass q(x) - p(x) > 0 on the residual; only rounding can leave it empty
+        # (p and q then agree to fp32's resolution, and p itself is the residual)
+        return i, int(sample(residual / residual.sum() if float(residual.sum()) > 0 else p[i], generator))
+    return len(drafts), int(sample(p[len(drafts)], generator))

@@ -22,6 +22,8 @@ DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4, "gate": "logprob"}
 # that all are right), or the log of the product of a DSpark confidence head's per-draft estimates
 # (trained to predict acceptance); either is an estimated log-probability that the whole stage holds
 GATES = ("logprob", "confidence")
+# how drafts are made and accepted at T > 0 (DecodingSettings.draft_sampling)
+DRAFT_SAMPLINGS = ("walk", "drafter")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,16 @@ class DecodingSettings:
     the drafter still runs one stage, anchored at the copy's last token, and its chain extends the
     copy — the drafter's context has no features for the copied positions (no drafter stage
     produced them), so its block attends past that gap. `gate`: what dloop's gate scores a stage by
-    (GATES): its drafts' summed log-probs, or a DSpark confidence head's summed log-estimates."""
+    (GATES): its drafts' summed log-probs, or a DSpark confidence head's summed log-estimates.
+    `draft_sampling` (rows sampling at T > 0; greedy rows always draft the argmax and keep the
+    target's argmax): "walk" drafts the drafter's argmax chain or tree and commits, token by token,
+    the target's own sample in plain decoding's order, following the draft that carries it — a
+    seeded request then commits exactly the tokens `ar` does with the same seed; "drafter" samples
+    each draft from the drafter's warped distribution q and accepts it with probability
+    min(1, p/q), the bonus from normalize(max(0, p - q)) at the first rejection (standard
+    speculative sampling: a position accepts with probability 1 - TV(p, q) instead of the walk's
+    p(argmax q)); the output is distributed as `ar`'s but not the same tokens for a seed. "drafter"
+    verifies the drafter's chain only (no tree, no suffix branch, no suffix-first)."""
 
     method: str = "ar"
     block_size: int = 1
@@ -54,6 +65,7 @@ class DecodingSettings:
     suffix: bool = False
     suffix_first: int = 0
     suffix_then_draft: bool = False
+    draft_sampling: str = "walk"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -87,6 +99,14 @@ class DecodingSettings:
                                 f"(0: off), got {self.suffix_first}")
         if self.suffix_then_draft and not self.suffix_first:
             raise LoopspecError("suffix-then-draft extends the chain policy's copy: it needs suffix-first")
+        if self.draft_sampling not in DRAFT_SAMPLINGS:
+            raise LoopspecError(f"unknown draft sampling {self.draft_sampling!r} (choose from {', '.join(DRAFT_SAMPLINGS)})")
+        if self.draft_sampling == "drafter" and self.method not in DRAFTER_METHODS:
+            raise LoopspecError(f"draft sampling 'drafter' samples the drafter's distribution: {self.method} has no "
+                                "drafter (use dflash or dloop)")
+        if self.draft_sampling == "drafter" and (self.tree_budget or self.suffix or self.suffix_first):
+            raise LoopspecError("draft sampling 'drafter' verifies the drafter's chain only: "
+                                "use --tree-budget 0 --no-suffix --suffix-first 0, or --draft-sampling walk")
 
     @property
     def drafting(self) -> bool:
@@ -127,12 +147,15 @@ class DecodingSettings:
             text += f", suffix first at {self.suffix_first}-token matches"
             if self.suffix_then_draft:
                 text += ", then the drafter"
+        if self.draft_sampling == "drafter":
+            text += ", drafts sampled from the drafter"
         return text
 
     def to_dict(self) -> dict:
         return {"method": self.method, "block_size": self.block_size, "max_stages": self.max_stages,
                 "gate_threshold": self.gate_threshold, "gate": self.gate, "adaptive": self.adaptive, "tree_budget": self.tree_budget,
-                "suffix": self.suffix, "suffix_first": self.suffix_first, "suffix_then_draft": self.suffix_then_draft}
+                "suffix": self.suffix, "suffix_first": self.suffix_first, "suffix_then_draft": self.suffix_then_draft,
+                "draft_sampling": self.draft_sampling}
 
 
 def check_method(method: str, has_drafter: bool) -> None:
@@ -162,13 +185,15 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
                      gate_threshold: float | None = None, max_stages: int | None = None,
                      gate: str | None = None, adaptive: bool = True, tree_budget: int | None = None,
                      suffix: bool | None = None, suffix_first: int | None = None,
-                     suffix_then_draft: bool | None = None, engine: str | None = None,
+                     suffix_then_draft: bool | None = None, draft_sampling: str | None = None,
+                     engine: str | None = None,
                      chains_only: bool = False, tuned: dict | None = None) -> DecodingSettings:
     """The settings of `method` for a drafter on `engine` (`engine_key`): what was given, else the
     drafter's tuned setting for that engine (its tree budget, suffix and suffix-first for dflash and dloop; block size,
     gate and stages for dloop), else its block size, the chain without suffix and the DLoop defaults. `tuned`: a
     setting stored elsewhere that replaces the drafter's (a user's result for a shipped drafter:
-    loopspec/tuned.py)."""
+    loopspec/tuned.py). `draft_sampling` (default "walk"): "drafter" verifies chains, so a stored
+    tree, suffix branch or suffix-first is not taken (one given is refused)."""
     check_method(method, drafter is not None)
     if block_size is not None and block_size < 1:
         raise LoopspecError(f"block size must be >= 1, got {block_size}")
@@ -181,8 +206,12 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
     if method == "suffix":
         return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
                                 tree_budget=tree_budget or 0,  # (a tree budget is refused with its reason)
-                                suffix_first=suffix_first or 0, suffix_then_draft=bool(suffix_then_draft))
+                                suffix_first=suffix_first or 0, suffix_then_draft=bool(suffix_then_draft),
+                                draft_sampling=draft_sampling or "walk")  # ("drafter" is refused with its reason)
+    sampling = {"draft_sampling": draft_sampling or "walk"}
     stored = dict(tuned) if tuned is not None else tuned_setting(drafter, engine)
+    if sampling["draft_sampling"] == "drafter":  # it verifies the drafter's chain: no stored tree or suffix use
+        stored = {k: v for k, v in stored.items() if k not in ("tree_budget", "suffix", "suffix_first", "suffix_then_draft")}
     if chains_only:  # an engine that verifies only chains exactly (see engines/protocol.py): no stored tree
         stored = {k: v for k, v in stored.items() if k not in ("tree_budget", "suffix")}
     tree = {"tree_budget": tree_budget if tree_budget is not None else int(stored.get("tree_budget", 0)),
@@ -192,13 +221,15 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: 
     tree["suffix_then_draft"] = (suffix_then_draft if suffix_then_draft is not None
                                  else suffix_first is None and bool(stored.get("suffix_then_draft", False)))
     if method == "dflash":
-        return DecodingSettings("dflash", block_size=block_size or drafter.block_size, adaptive=adaptive, **tree)
+        return DecodingSettings("dflash", block_size=block_size or drafter.block_size, adaptive=adaptive,
+                                **tree, **sampling)
     k = block_size or stored.get("block_size") or drafter.block_size
     loop = {**DLOOP_DEFAULTS, **{key: v for key, v in stored.items() if key in DLOOP_DEFAULTS}}
     return DecodingSettings("dloop", block_size=k,
                             max_stages=max_stages if max_stages is not None else int(loop["max_stages"]),
                             gate_threshold=gate_threshold if gate_threshold is not None else float(loop["gate_threshold"]),
-                            gate=gate if gate is not None else str(loop["gate"]), adaptive=adaptive, **tree)
+                            gate=gate if gate is not None else str(loop["gate"]), adaptive=adaptive, **tree,
+                            **sampling)
 
 
 def method_variant(name: str) -> tuple[str, dict]:

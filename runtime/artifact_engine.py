@@ -40,6 +40,8 @@ class ArtifactEngine:
     backend = ""
     device = torch.device("cpu")
     tree_span = 0  # see engines/protocol.py; a backend that measures its products sets it
+    # the exported drafter graph returns its top candidates, not the distribution they come from
+    samples_drafts = False
 
     def __init__(self, artifact_dir: str | Path, max_context: int | None = None, max_rows: int = 1):
         self.artifact_dir = Path(artifact_dir)

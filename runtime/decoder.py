@@ -24,7 +24,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from loopspec.decoding import SamplingParams, next_token, tree_accept
+from loopspec.decoding import SamplingParams, next_token, speculative_accept, tree_accept
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import DRAFT_CANDIDATES
 from loopspec.settings import DecodingSettings
@@ -131,6 +131,9 @@ class Drafted:
     # the confidence head's estimate at each depth [D] (DSpark: P(accepted | the depths before were));
     # None when the drafter has none
     confidence: torch.Tensor | None = None
+    # drafts sampled from the drafter (draft_sampling "drafter"): the distribution q each depth's
+    # draft was drawn from [D, V]; None for argmax drafts
+    q: torch.Tensor | None = None
 
     @property
     def stages(self) -> int:
@@ -147,7 +150,7 @@ def gate_score(gate: str, logprobs: torch.Tensor, confidence: torch.Tensor | Non
 
 
 def draft_round(engine, settings: DecodingSettings, anchors: list[int], positions: list[int],
-                budgets: list[int]) -> list[Drafted]:
+                budgets: list[int], sampling: list | None = None) -> list[Drafted]:
     """Draft stages for one verification of rows 0..B-1 (DLoop: the gate decides each next stage) → what each row drafted (at most
     `budget` depths). A row with budget 0 drafts nothing.
 
@@ -156,7 +159,11 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
     max_stages, the row's next stage drafts from that stage's last argmax draft, its context
     extended — temporarily — with the stage's own final-norm hidden states as pseudo-features
     (feature(p) = z(p+1)). The gate only decides whether to ADD a stage: a drafted block is never
-    dropped or cut for its own score."""
+    dropped or cut for its own score.
+
+    `sampling` (draft_sampling "drafter"): each row's (SamplingParams, generator); the engine samples
+    every draft from the drafter's q (the gate then sums the sampled drafts' log q, and a later stage
+    is anchored on the last sampled draft), and each Drafted carries q."""
     C = DRAFT_CANDIDATES
     nothing = Drafted(torch.empty(0, C, dtype=torch.long), torch.empty(0, C), [])
     live = [b for b, n in enumerate(budgets) if n > 0]
@@ -165,6 +172,7 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
     k, max_context = settings.block_size, engine.max_context
     first = engine.drafter_cfg.first_draft  # block positions before the first draft (0 or 1)
     stages: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = [[] for _ in budgets]
+    distributions: list[list[torch.Tensor]] = [[] for _ in budgets]  # q of each stage, when sampled
     anchors, positions = list(anchors), list(positions)
     start_lengths = dict(zip(live, engine.context_lengths(live)))
     while live:
@@ -173,12 +181,15 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
         for b in live:  # a stage that would run past the context is shorter; those go together
             by_size.setdefault(min(k, max_context - positions[b]), []).append(b)
         for size, group in by_size.items():
-            stage = engine.draft(group, [anchors[b] for b in group], [positions[b] for b in group], size)
+            stage = engine.draft(group, [anchors[b] for b in group], [positions[b] for b in group], size,
+                                 **({"sampling": [sampling[b] for b in group]} if sampling is not None else {}))
             drafts, logprobs, hidden = stage  # [R, size-first, C] ids and log-probs, [R, size, H]
             # engines without a confidence head return a plain tuple
             confidence = getattr(stage, "confidence", None)  # [R, size-first] or None
             for i, b in enumerate(group):
                 stages[b].append((drafts[i], logprobs[i], None if confidence is None else confidence[i]))
+                if sampling is not None:
+                    distributions[b].append(stage.q[i])
                 drafted = sum(d.shape[0] for d, _, _ in stages[b])
                 # the last draft sits at the anchor's position + the stage's drafts
                 next_position = positions[b] + drafts.shape[1]
@@ -199,7 +210,7 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
     if multi:  # the pseudo-context never outlives the round
         engine.context_rollback(multi, [start_lengths[b] for b in multi])
     out = []
-    for row_stages, n in zip(stages, budgets):
+    for row_stages, row_q, n in zip(stages, distributions, budgets):
         if not row_stages:
             out.append(nothing)
             continue
@@ -210,7 +221,7 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
         confidence = (torch.cat([c for _, _, c in row_stages])[:n] if all(c is not None for _, _, c in row_stages)
                       else None)
         out.append(Drafted(torch.cat([d for d, _, _ in row_stages])[:n], torch.cat([lp for _, lp, _ in row_stages])[:n],
-                           [m for m in sizes if m], confidence))
+                           [m for m in sizes if m], confidence, torch.cat(row_q)[:n] if row_q else None))
     return out
 
 
@@ -245,6 +256,10 @@ class Decoder:
         if settings.gate == "confidence" and not (engine.has_drafter and engine.drafter_cfg.confidence_head):
             raise LoopspecError("the confidence gate needs a drafter with a confidence head (a DSpark drafter); "
                                 "use --gate logprob")
+        if settings.draft_sampling == "drafter" and not getattr(engine, "samples_drafts", False):
+            raise LoopspecError(f"draft sampling 'drafter' needs the drafter's whole distribution, which the "
+                                f"{engine.backend} engine's drafter does not return (it returns its top "
+                                "candidates): use --backend torch, or --draft-sampling walk")
         self.engine, self.settings = engine, settings
         self.max_drafts = settings.drafts_with(engine.drafter_cfg)
         if fallback is None and settings.adaptive:
@@ -315,7 +330,10 @@ class Decoder:
         anchors = [c[-1] if x else r.tokens[-1] for r, c, x in zip(rows, copies, extend)]
         positions = [r.position + (len(c) if x else 0) for r, c, x in zip(rows, copies, extend)]
         budgets = [self._drafter_budget(row, depths[b], copies[b], extend[b]) for b, row in enumerate(rows)]
-        drafted = draft_round(self.engine, settings, anchors, positions, budgets)
+        # real-q sampling: only when a row samples (greedy rows draft the argmax either way)
+        sampling = ([(r.params, r.generator) for r in rows]
+                    if settings.draft_sampling == "drafter" and not all(r.params.greedy for r in rows) else None)
+        drafted = draft_round(self.engine, settings, anchors, positions, budgets, sampling)
         trees = [self._tree(row, drafted[b], depths[b], copies[b]) for b, row in enumerate(rows)]
         t1 = time.perf_counter()
         masks = None if all(t.is_chain for t in trees) else tree_masks(trees, max(len(t) for t in trees))
@@ -324,7 +342,7 @@ class Decoder:
         results: list[tuple[list[int], int | None]] = []
         for b, row in enumerate(rows):
             try:
-                results.append(tree_accept(trees[b], logits[b, :len(trees[b])], row.params, row.generator))
+                results.append(self._accept(trees[b], drafted[b], logits[b, :len(trees[b])], row))
             except Exception as e:  # noqa: BLE001 — one row's failure must not end the others
                 row.finish, row.error = "error", f"{type(e).__name__}: {e}"
                 results.append(([0], None))
@@ -363,6 +381,16 @@ class Decoder:
             if rows[b].finish:
                 self._retire(b)
         return events
+
+    @staticmethod
+    def _accept(tree: DraftTree, drafted: Drafted, logits: torch.Tensor, row: Row) -> tuple[list[int], int]:
+        """The row's accepted path (node indices from the anchor's 0) and bonus: speculative sampling
+        against q where its drafts were sampled from the drafter, else the walk."""
+        if drafted.q is None or row.params.greedy:
+            return tree_accept(tree, logits, row.params, row.generator)
+        accepted, bonus = speculative_accept(tree.tokens[1:], drafted.q[:tree.drafts], logits, row.params,
+                                             row.generator)
+        return list(range(accepted + 1)), bonus
 
     def cancel(self, key: Hashable) -> Row | None:
         """Retire the row of `key` (a cancelled or timed-out request) → that row, if live or prefilling."""

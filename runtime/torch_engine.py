@@ -14,13 +14,15 @@ import copy
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, StageDrafts, draft_head_weight, draft_stage
+from loopspec.decoding import DraftSampler
+from loopspec.model.drafter import Drafter, StageDrafts, draft_head_weight, draft_stage, sample_stage
 from loopspec.model.target import Target, inference_linear, pack_linears_for_cpu_
 
 
 class TorchEngine:
     backend = "torch"
     chains_only = False
+    samples_drafts = True  # `draft` can sample its drafts from the drafter's q and return q
     tree_span = 0
 
     def __init__(self, target: Target, drafter: Drafter | None, max_context: int, num_threads: int | None = None,
@@ -127,9 +129,10 @@ class TorchEngine:
 
     # ---- drafter ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int],
-              block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.graphs is not None:
+    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
+              sampling: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # drafts sampled with each row's own CPU generator run eagerly: a captured graph cannot draw them
+        if self.graphs is not None and sampling is None:
             replayed = self.graphs.draft(rows, anchors, positions, block_size)
             if replayed is not None:
                 return replayed
@@ -146,6 +149,11 @@ class TorchEngine:
         pos = (torch.tensor(positions)[:, None, None] + torch.arange(k)).to(self.device)  # [R, 1, k]
         ids = ids.to(self.device)
         hidden = self.drafter(self.target.embed_tokens(ids), pos, ctx_k, ctx_v, mask)  # [R, k, H]
+        if sampling is not None:
+            sampler = DraftSampler(sampling, self.target_cfg.vocab_size, self.draft_ids)
+            drafts, logq, confidence, q = sample_stage(self.drafter, hidden, ids[:, 0], self.draft_head,
+                                                       self.draft_ids, sampler)
+            return StageDrafts(drafts, logq, hidden, None if confidence is None else confidence.cpu(), q)
         drafts, logprobs, confidence = draft_stage(self.drafter, hidden, ids[:, 0], self.draft_head,
                                                    self.draft_ids)  # [R, D, C] each, [R, D]
         return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden,

@@ -31,12 +31,11 @@ RUNS = 3000  # generate() calls per case (about 2 ms each on one core)
 T1 = SamplingParams(temperature=1.0)
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def distribution_target(directory):
+    """The tiny random Llama target of these tests (vocabulary 8, moderate entropies), saved to and
+    loaded from `directory`."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a vocabulary-8 model runs fastest on one thread
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -47,9 +46,15 @@ def engine(tmp_path_factory):
         # that the context matters and the lm_head so that the entropies are moderate (~1.25 nats)
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
         model.lm_head.weight.normal_(0.0, 0.35)
-    directory = tmp_path_factory.mktemp("distribution_target")
     model.save_pretrained(str(directory))
-    target = load_target_dir(directory)
+    return load_target_dir(directory)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a vocabulary-8 model runs fastest on one thread
+    target = distribution_target(tmp_path_factory.mktemp("distribution_target"))
     torch.manual_seed(1)
     drafter = Drafter(DrafterConfig.for_target(target.cfg, num_layers=1, block_size=4, mask_token_id=MASK)).eval()
     yield TorchEngine(target, drafter, max_context=16)

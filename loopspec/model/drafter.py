@@ -355,14 +355,17 @@ class ConfidenceHead(nn.Module):
 class StageDrafts(tuple):
     """What an engine's `draft` returns: the tuple (drafts [R, D, C], log-probs [R, D, C], hidden
     [R, k, H]) of the Engine protocol, which callers unpack as three, and the confidence head's
-    per-position estimates [R, D] as `.confidence` (None without a confidence head)."""
+    per-position estimates [R, D] as `.confidence` (None without a confidence head); with drafts
+    sampled from the drafter (`sample_stage`), the distribution q [R, D, V] each was drawn from as
+    `.q` (None otherwise)."""
 
     confidence: torch.Tensor | None
+    q: torch.Tensor | None
 
     def __new__(cls, drafts: torch.Tensor, logprobs: torch.Tensor, hidden: torch.Tensor,
-                confidence: torch.Tensor | None = None):
+                confidence: torch.Tensor | None = None, q: torch.Tensor | None = None):
         out = super().__new__(cls, (drafts, logprobs, hidden))
-        out.confidence = confidence
+        out.confidence, out.q = confidence, q
         return out
 
 
@@ -385,6 +388,32 @@ def draft_stage(drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor,
     if not cfg.is_dspark:
         drafts, logprobs = draft_candidates(logits, draft_ids, top_k)
         return drafts, logprobs, None
+    corrected, prevs = corrected_logits(drafter, h, logits, anchors, draft_ids, lambda z: z.argmax(-1))
+    drafts, logprobs = draft_candidates(corrected, draft_ids, top_k)  # [R, D, C] each
+    return drafts, logprobs, stage_confidence(drafter, h, prevs)
+
+
+def sample_stage(drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor, head,
+                 draft_ids: torch.Tensor | None, sampler
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The draft-head step of one stage with drafts sampled from the drafter's distribution q
+    (`sampler`: a loopspec.decoding.DraftSampler over the stage's rows) instead of its argmax →
+    the drafts [R, D, 1] (target ids), their log q [R, D, 1], the confidence head's estimates [R, D]
+    (or None) and q [R, D, V] over the target's vocabulary (on the CPU). A DSpark drafter's q at
+    position i is its Markov-corrected distribution given the token sampled at i - 1."""
+    h = hidden[:, drafter.cfg.first_draft:]  # [R, D, H]
+    _, prevs = corrected_logits(drafter, h, head(h), anchors, draft_ids, sampler.choose)
+    drafts, logq, q = sampler.drafts()
+    return drafts, logq, stage_confidence(drafter, h, prevs), q
+
+
+def corrected_logits(drafter: "Drafter", h: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
+                     draft_ids: torch.Tensor | None, choose) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left to right over the drafting positions' states h [R, D, H] and logits [R, D, V or Vd]:
+    each position's logits plus the Markov head's bias from the token before it (none without a
+    Markov head), and the token `choose(corrected logits [R, V or Vd])` picks there (a draft-row
+    index [R]) as the next position's predecessor → corrected logits [R, D, V or Vd] and each
+    position's predecessor [R, D] (target ids; the anchor first)."""
     markov = drafter.markov_head
     w2 = None
     if markov is not None and draft_ids is not None:  # the bias over the draft rows only
@@ -398,16 +427,20 @@ def draft_stage(drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor,
             u, state = markov.latent(prev, h[:, i], state)  # [R, r]
             z = z + (markov.markov_w2(u) if w2 is None else F.linear(u, w2)).to(z.dtype)
         corrected.append(z)
-        best = z.argmax(-1)  # [R]: the chain's draft here is the next position's predecessor
-        prev = draft_ids[best] if draft_ids is not None else best
-    drafts, logprobs = draft_candidates(torch.stack(corrected, dim=1), draft_ids, top_k)  # [R, D, C] each
-    confidence = None
-    if drafter.confidence_head is not None:
-        features = h
-        if cfg.confidence_with_markov:
-            features = torch.cat([h, markov.markov_w1(torch.stack(prevs, dim=1)).to(h.dtype)], dim=-1)  # [R, D, H + r]
-        confidence = drafter.confidence_head(features)  # [R, D]
-    return drafts, logprobs, confidence
+        chosen = choose(z).to(z.device)  # [R]: the draft here is the next position's predecessor
+        prev = draft_ids[chosen] if draft_ids is not None else chosen
+    return torch.stack(corrected, dim=1), torch.stack(prevs, dim=1)
+
+
+def stage_confidence(drafter: "Drafter", h: torch.Tensor, prevs: torch.Tensor) -> torch.Tensor | None:
+    """The confidence head's estimates [R, D] at states h [R, D, H] with predecessors prevs [R, D]
+    (None without a confidence head)."""
+    if drafter.confidence_head is None:
+        return None
+    features = h
+    if drafter.cfg.confidence_with_markov:
+        features = torch.cat([h, drafter.markov_head.markov_w1(prevs).to(h.dtype)], dim=-1)  # [R, D, H + r]
+    return drafter.confidence_head(features)  # [R, D]
 
 
 class DrafterAttention(nn.Module):
