@@ -180,3 +180,16 @@ $BIN/loopspec train --data "$MIX" --init "$WORK/drafter-v6c" --out "$WORK/drafte
 #     the same way as step 14
 ship_drafter "$WORK/drafter-v6d"
 tune_shipped
+
+# 17. DSpark experiments on v6d (not shipped: neither beats v6d by enough; see the card): the same mix,
+#     block 8, a vanilla Markov head of rank 32 and a confidence head. (a) the whole drafter trained
+#     (stopped at step 160 of 200 on a shared machine: held-out τ 1.911 → 1.895); (b) the heads alone on
+#     v6d's frozen backbone (held-out τ 1.911 → 1.934)
+$BIN/loopspec train --data "$MIX" --init "$WORK/drafter-v6d" --out "$WORK/drafter-dspark-r32" --block-size 8 \
+    --markov-rank 32 --markov-head vanilla --confidence-head --anchors 512 --batch-sequences 4 --lr 2e-4 \
+    --epochs 1 --max-steps 200 --eval-every 100 --eval-samples 64 --save-every 10 --compute-dtype bfloat16 \
+    --tap-cache "$WORK/taps-v6" --threads 2 --stop-after-steps 160
+$BIN/loopspec train --data "$MIX" --init "$WORK/drafter-v6d" --out "$WORK/drafter-dspark-heads" --block-size 8 \
+    --markov-rank 32 --markov-head vanilla --confidence-head --heads-only --anchors 512 --batch-sequences 4 \
+    --lr 1e-3 --epochs 1 --max-steps 80 --eval-every 40 --eval-samples 64 --save-every 10 --compute-dtype bfloat16 \
+    --tap-cache "$WORK/taps-v6" --threads 2
