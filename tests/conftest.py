@@ -133,3 +133,18 @@ def save_trained_like_drafter(target_dir: Path, drafter_dir: Path, out_dir: Path
                 linear.weight.copy_(weight + strength * weight.norm() / 4 * term)
     drafter.save(out_dir, dtype=torch.float32)
     return out_dir
+
+
+def generated_texts_on_both_backends(target_dir, drafter_dir, onnx_dir, capsys, max_new_tokens: int) -> dict:
+    """`loopspec generate` of `ar` and `dloop` on the torch backend and on a converted ONNX directory →
+    {method: [torch text, onnxruntime text]}."""
+    from loopspec.cli import main
+
+    texts = {}
+    for backend in (["--backend", "torch", "--target", str(target_dir), "--drafter", str(drafter_dir)],
+                    ["--backend", "onnxruntime", "--onnx-dir", str(onnx_dir)]):
+        for method in ("ar", "dloop"):
+            argv = ["generate", "--prompt", "abc", "--method", method, "--max-new-tokens", str(max_new_tokens)]
+            assert main(argv + backend) == 0
+            texts.setdefault(method, []).append(capsys.readouterr().out)
+    return texts

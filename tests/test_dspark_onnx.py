@@ -270,12 +270,9 @@ def test_cli_converts_a_deepspec_dspark_drafter(deepspec_pair, tmp_path, capsys)
     assert main(["convert", "onnx", "--target", str(target_dir), "--drafter", str(drafter_dir), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "PASSED" in printed and "confidence" in printed
-    texts = []
-    for backend in (["--backend", "torch", "--target", str(target_dir), "--drafter", str(drafter_dir)],
-                    ["--backend", "onnxruntime", "--onnx-dir", str(out)]):
-        for method in ("ar", "dloop"):
-            assert main(["generate", "--prompt", "abc", "--method", method, "--max-new-tokens", "16"] + backend) == 0
-            texts.append(capsys.readouterr().out)
+    from conftest import generated_texts_on_both_backends
+
+    texts = [t for ts in generated_texts_on_both_backends(target_dir, drafter_dir, out, capsys, 16).values() for t in ts]
     assert len(set(texts)) == 1 and texts[0].strip()
 
 

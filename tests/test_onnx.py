@@ -210,12 +210,9 @@ def test_cli_convert_then_generate_and_bench_on_both_backends(tiny_pair, tmp_pat
     printed = capsys.readouterr().out
     assert "PASSED" in printed and "identical to PyTorch" in printed
     assert read_manifest(out).data["sources"]["drafter"]["files"]["model.safetensors"]
-    texts = {}
-    for backend in (["--backend", "torch", "--target", str(target_dir), "--drafter", str(drafter_dir)],
-                    ["--backend", "onnxruntime", "--onnx-dir", str(out)]):
-        for method in ("ar", "dloop"):
-            assert main(["generate", "--prompt", "abc", "--method", method, "--max-new-tokens", "24"] + backend) == 0
-            texts.setdefault(method, []).append(capsys.readouterr().out)
+    from conftest import generated_texts_on_both_backends
+
+    texts = generated_texts_on_both_backends(target_dir, drafter_dir, out, capsys, 24)
     assert texts["ar"][0] == texts["ar"][1] == texts["dloop"][0] == texts["dloop"][1]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["hello"]}) + "\n" + json.dumps({"turns": ["world"]}) + "\n")
