@@ -243,14 +243,22 @@ def check_fits(drafter: DrafterConfig, target: TargetConfig) -> None:
         raise LoopspecError("drafter does not fit the target: " + "; ".join(problems))
 
 
+def drafter_kind(cfg: DrafterConfig) -> str:
+    """What a drafter is, in a few words: its heads and its block convention."""
+    if not cfg.is_dspark:
+        return "DeepSpec DFlash" if cfg.anchor_predicts else "z-lab DFlash"
+    heads = [f"{cfg.markov_head_type} Markov head of rank {cfg.markov_rank}"] if cfg.markov_rank else []
+    heads += ["confidence head"] if cfg.confidence_head else []
+    convention = "DeepSpec's block convention" if cfg.anchor_predicts else "z-lab's block convention"
+    return f"DSpark ({', '.join(heads)}; {convention})"
+
+
 def require_zlab_block(cfg: DrafterConfig, what: str) -> None:
     """Refuse a drafter of DeepSpec's block convention or with DSpark heads where only the z-lab
     block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented."""
     if cfg.anchor_predicts or cfg.is_dspark:
-        kind = (f"DSpark, {cfg.markov_head_type} Markov head of rank {cfg.markov_rank}" if cfg.markov_rank
-                else "DSpark" if cfg.is_dspark else "DeepSpec DFlash")
-        raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {kind} drafter "
-                            "(DeepSpec's block convention); decode it with the torch engine (--backend torch)")
+        raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {drafter_kind(cfg)} drafter; "
+                            "decode it with the torch engine (--backend torch)")
 
 
 def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, vocab_size: int) -> int:
