@@ -144,14 +144,16 @@ class DrafterConfig:
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids},
         }
+        heads = {"markov_rank": self.markov_rank, "enable_confidence_head": self.confidence_head}
+        if self.markov_rank:
+            heads["markov_head_type"] = self.markov_head_type
+        if self.confidence_head:
+            heads["confidence_head_with_markov"] = self.confidence_with_markov
         if self.anchor_predicts:
             cfg.update({"architectures": [DEEPSPEC_ARCHITECTURE], "mask_token_id": self.mask_token_id,
-                        "target_layer_ids": self.target_layer_ids, "markov_rank": self.markov_rank,
-                        "enable_confidence_head": self.confidence_head})
-            if self.markov_rank:
-                cfg["markov_head_type"] = self.markov_head_type
-            if self.confidence_head:
-                cfg["confidence_head_with_markov"] = self.confidence_with_markov
+                        "target_layer_ids": self.target_layer_ids, **heads})
+        elif self.is_dspark:  # z-lab's convention with heads: the head fields beside the mask and taps
+            cfg["dflash_config"].update(heads)
         if self.extra:
             cfg["loopspec"] = self.extra
         return cfg
@@ -185,16 +187,19 @@ class DrafterConfig:
         mask = dflash.get("mask_token_id", cfg.get("mask_token_id") if deepspec else None)
         if mask is not None and (not isinstance(mask, int) or isinstance(mask, bool)):
             raise LoopspecError(f"drafter config.json: mask_token_id must be an integer, got {mask!r}")
-        rank = cfg.get("markov_rank", 0) if deepspec else 0
+        # DeepSpec writes the head fields at the top level; a z-lab-convention drafter with heads keeps
+        # them in dflash_config (as SpecForge's DSpark export does)
+        heads = cfg if deepspec else dflash
+        rank = heads.get("markov_rank", 0)
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise LoopspecError(f"drafter config.json: markov_rank must be an integer >= 0, got {rank!r}")
-        head_type = cfg.get("markov_head_type", "vanilla") if rank else "vanilla"
+        head_type = heads.get("markov_head_type", "vanilla") if rank else "vanilla"
         if head_type not in MARKOV_HEAD_TYPES:
             raise LoopspecError(f"drafter config.json: unknown markov_head_type {head_type!r} "
                                 f"(loopspec runs {', '.join(MARKOV_HEAD_TYPES)})")
-        confidence = bool(cfg.get("enable_confidence_head", False)) if deepspec else False
+        confidence = bool(heads.get("enable_confidence_head", False))
         # DeepSpec writes confidence_head_with_markov only with a confidence head, and defaults it on
-        with_markov = bool(cfg.get("confidence_head_with_markov", bool(rank))) if confidence else False
+        with_markov = bool(heads.get("confidence_head_with_markov", bool(rank))) if confidence else False
         try:
             heads = cfg["num_attention_heads"]
             num_layers = cfg["num_hidden_layers"]
