@@ -736,7 +736,8 @@ def _add_convert_bundle_args(p: argparse.ArgumentParser) -> None:
                    help="trtllm | vllm | sglang | llamacpp, a comma-separated list, or all (every engine that can "
                         "serve the target: llamacpp needs a GGUF target, 'default' or a .gguf file)")
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF checkpoint dir or a .gguf file")
-    p.add_argument("--drafter", default="default", help="'default' (the shipped drafter) or a z-lab DFlash drafter dir")
+    p.add_argument("--drafter", default="default", help="'default' (the shipped drafter), a z-lab DFlash drafter dir, or a DSpark "
+                        "drafter dir (DeepSpec's format: vLLM and llama.cpp only)")
     p.add_argument("--out", required=True, help="bundle directory (an earlier bundle there is replaced)")
     p.add_argument("--precision", default=None,
                    help="fp8 | nvfp4: a modelopt-quantized target (NVFP4 runs on Blackwell GPUs only)")
@@ -780,8 +781,8 @@ CONVERT_STAGES = {
                  _add_convert_quantize_args, cmd_convert_quantize),
     "trt": ("build TensorRT plans from ONNX engines (needs TensorRT and an NVIDIA GPU)",
             _add_convert_trt_args, cmd_convert_trt),
-    "bundle": ("a TensorRT-LLM / vLLM / SGLang / llama.cpp serving bundle: z-lab drafter, HF target (or the "
-               "drafter as a llama.cpp GGUF beside the target GGUF), launch files",
+    "bundle": ("a TensorRT-LLM / vLLM / SGLang / llama.cpp serving bundle: z-lab drafter (a DSpark drafter: vLLM "
+               "and llama.cpp), HF target (or the drafter as a llama.cpp GGUF beside the target GGUF), launch files",
                _add_convert_bundle_args, cmd_convert_bundle),
 }
 

@@ -1,8 +1,11 @@
 """Serving bundles: TensorRT-LLM, vLLM and SGLang serve the target with the DFlash drafter in the z-lab
 format they all load; llama.cpp serves a GGUF target with the drafter as a llama.cpp `dflash` GGUF.
+A DSpark drafter (Markov / confidence heads) goes to the engines that run its heads: vLLM (DeepSpec's
+`Qwen3DSparkModel` layout, method `dspark`) and llama.cpp (the dflash GGUF with the heads, draft-dspark).
 
 A bundle directory holds
-  drafter/    z-lab config.json + model.safetensors, full draft vocabulary (what every engine reads)
+  drafter/    z-lab config.json + model.safetensors, full draft vocabulary (what every engine reads);
+              for a DSpark drafter DeepSpec's config.json and key names instead (what vLLM reads)
   target/     Hugging Face checkpoint (config.json, *.safetensors, tokenizer files), optionally
               modelopt-quantized (FP8 / NVFP4)
   trtllm/     extra_llm_api_options.yaml + launch.sh      (only the engines asked for)
@@ -46,6 +49,17 @@ Engine facts this module relies on (from each engine's source and documentation;
   `--speculative-draft-model-quantization unquant` keeps the drafter unquantized when the target is.
 - llama.cpp (the version vendored by llama-cpp-python 0.3.36): see loopspec/engines/llamacpp.py for
   the dflash GGUF and the llama-server command; it needs the target as a GGUF file.
+- vLLM's DSpark (vllm/config/speculative.py, vllm/model_executor/models/qwen3_dspark.py): the method is
+  `dspark`, detected from `architectures: ["Qwen3DSparkModel"]` and also given explicitly here;
+  `num_speculative_tokens` is the block size, since the block [anchor, mask x (k-1)] yields k drafts
+  (every position drafts the token after it: DeepSpec's convention). The mask token and taps are read
+  from `dflash_config`, else the top level. Its Markov head has `markov_w1` / `markov_w2` only (the
+  vanilla head; `markov_head_type` is not read, so another head would be run as vanilla), the
+  confidence head is `confidence_head.proj` (with bias) over [h ; W1[prev]] or h by
+  `confidence_head_with_markov`. `load_weights` prefixes `model.` to DeepSpec's bare names; the
+  `embed_tokens` / `lm_head` copies DeepSpec saves are optional (the target's are shared when absent),
+  so drafter/ leaves them out. A reduced draft vocabulary is `draft_vocab_size`, `d2t`, an `lm_head` of
+  the draft rows and a `markov_w2` of the draft rows (its bias is computed over the draft vocabulary).
 """
 
 from __future__ import annotations
@@ -59,11 +73,12 @@ from pathlib import Path
 import torch
 
 from loopspec.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET_MASK_TOKEN_ID
-from loopspec.engines.llamacpp import gguf_target_info, llama_server_command, write_dflash_gguf
+from loopspec.engines.llamacpp import (gguf_target_info, llama_server_command, spec_type, unsupported_in_llamacpp,
+                                       write_dflash_gguf)
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.precisions import precision_names
-from loopspec.model.drafter import Drafter, check_fits, require_zlab_block, resolve_mask_token_id
+from loopspec.model.drafter import Drafter, DrafterConfig, check_fits, drafter_kind, resolve_mask_token_id
 from loopspec.model.target import TargetConfig
 from loopspec.weights import (DEFAULT_TARGET_NAME, file_sha256, load_tokenizer, read_json, read_safetensors,
                               resolve_target_dir, target_fingerprint, target_gguf_path, write_safetensors)
@@ -111,6 +126,50 @@ SUPPORT = {
 }
 
 
+def unsupported_in_vllm(cfg: DrafterConfig) -> str | None:
+    """Why vLLM cannot run this drafter as written (None: it can)."""
+    if not (cfg.anchor_predicts or cfg.is_dspark):
+        return None  # z-lab DFlash: method dflash
+    if not cfg.anchor_predicts:
+        return ("vLLM's DSpark drafts from the anchor's own block position (DeepSpec's block convention: position "
+                "i drafts the token at anchor+i+1), and this drafter's heads were trained in z-lab's (position i "
+                "drafts the token at anchor+i): vLLM would draft one position off")
+    if not cfg.markov_rank:
+        return ("vLLM's Qwen3 DSpark model always builds a Markov head, and this drafter has none (markov_rank 0) "
+                "to load into it")
+    if cfg.markov_head_type != "vanilla":
+        return (f"vLLM's DSpark Markov head is the vanilla one only (markov_w1, markov_w2), not this drafter's "
+                f"{cfg.markov_head_type} head")
+    return None
+
+
+def unsupported_in(cfg: DrafterConfig, engine: str) -> str | None:
+    """Why `engine` cannot serve this drafter (None: it can)."""
+    if engine == "vllm":
+        return unsupported_in_vllm(cfg)
+    if engine == "llamacpp":
+        return unsupported_in_llamacpp(cfg)
+    if cfg.anchor_predicts or cfg.is_dspark:
+        return (f"the {ENGINE_NAMES[engine]} bundle carries z-lab DFlash drafters only (block_size - 1 drafts from "
+                "block positions 1.., no head after the lm_head)")
+    return None
+
+
+def engines_for(cfg: DrafterConfig, engines: list[str], every: bool) -> list[str]:
+    """The engines of `engines` that serve this drafter: with `every` ('all'), those that can; otherwise
+    all of them, or a one-line refusal naming the first that cannot and why."""
+    usable = [e for e in engines if unsupported_in(cfg, e) is None]
+    if every and usable:
+        return usable
+    for engine in engines:
+        why = unsupported_in(cfg, engine)
+        if why:
+            able = [ENGINE_NAMES[e] for e in ENGINES if unsupported_in(cfg, e) is None]
+            raise LoopspecError(f"{ENGINE_NAMES[engine]} cannot serve this {drafter_kind(cfg)} drafter: {why}"
+                                + (f" (engines that can: {', '.join(able)})" if able else ""))
+    return engines
+
+
 def support_matrix_markdown() -> str:
     lines = ["| engine | " + " | ".join(SUPPORT_COLUMNS) + " |", "|---" * (len(SUPPORT_COLUMNS) + 1) + "|"]
     lines += [f"| {engine} | " + " | ".join(row) + " |" for engine, row in SUPPORT.items()]
@@ -124,6 +183,7 @@ class LaunchSettings:
     name: str  # served model name
     tp: int
     block_size: int
+    drafts: int  # drafts per verification: block_size - 1 (z-lab's convention) or block_size (DeepSpec's)
     mask_token_id: int
     target_layer_ids: list[int]
     precision: str | None
@@ -131,6 +191,8 @@ class LaunchSettings:
     max_context: int  # tokens per request, prompt + output
     vllm_drafter: str = "./drafter"  # ./vllm/drafter when the drafter has a reduced draft vocabulary
     llamacpp_threads: int | None = None  # llama-server's -t default in the launch script (None: all cores)
+    vllm_method: str = "dflash"  # dspark for a DSpark drafter
+    llamacpp_spec: str = "draft-dflash"  # llama-server's --spec-type: draft-dspark runs the Markov head
 
     @property
     def max_num_tokens(self) -> int:
@@ -168,7 +230,7 @@ def _command(argv: list[str]) -> str:
 
 def _launch_script(engine: str, argv: list[str], settings: str = "") -> str:
     return ("#!/bin/sh\n"
-            f"# Serve this bundle with {ENGINE_NAMES[engine]}: target + DFlash drafter. Extra flags are passed on.\n"
+            f"# Serve this bundle with {ENGINE_NAMES[engine]}: target + drafter. Extra flags are passed on.\n"
             "set -eu\n"
             'cd "$(dirname "$0")/.."  # paths below are relative to the bundle root\n'
             + settings + _command(argv))
@@ -196,7 +258,7 @@ def trtllm_files(s: LaunchSettings) -> dict[str, str]:
 
 
 def vllm_speculative_config(s: LaunchSettings) -> dict:
-    return {"method": "dflash", "model": s.vllm_drafter, "num_speculative_tokens": s.block_size - 1}
+    return {"method": s.vllm_method, "model": s.vllm_drafter, "num_speculative_tokens": s.drafts}
 
 
 def vllm_files(s: LaunchSettings) -> dict[str, str]:
@@ -224,10 +286,10 @@ def llamacpp_files(s: LaunchSettings) -> dict[str, str]:
                 f'THREADS="${{THREADS:-{threads}}}"\n'
                 'HOST="${HOST:-127.0.0.1}"\n'
                 'PORT="${PORT:-8080}"\n')
-    # llama.cpp drafts at most block_size - 1 tokens after the anchor
+    # llama.cpp drafts at most the drafter's drafts per block
     argv = llama_server_command("$LLAMA_SERVER", f"./{LLAMACPP_TARGET}", drafter_gguf=f"./{LLAMACPP_DRAFTER}",
-                                draft_max=s.block_size - 1, threads="$THREADS", context=s.max_context,
-                                host="$HOST", port="$PORT")
+                                draft_max=s.drafts, threads="$THREADS", context=s.max_context,
+                                host="$HOST", port="$PORT", spec=s.llamacpp_spec)
     argv += ["--alias", s.name]
     return {"llamacpp/launch.sh": _launch_script("llamacpp", argv, settings)}
 
@@ -270,6 +332,8 @@ def resolve_max_context(max_context: int | None, limit: int) -> int:
     return max_context
 
 
+HF_ONLY_OPTIONS = ("--tp and --precision apply to TensorRT-LLM, vLLM and SGLang; llama.cpp serves the target GGUF "
+                   "as it is, in one process")
 LLAMACPP_NEEDS_GGUF = ("llama.cpp serves a GGUF target, and {target} is a checkpoint directory: pass --target "
                        "default or a .gguf file (llama.cpp's convert_hf_to_gguf.py makes one from a Hugging Face "
                        "checkpoint), or leave llamacpp out of --engine")
@@ -358,6 +422,11 @@ def write_vllm_drafter(model: Drafter, draft_ids: torch.Tensor, lm_head: torch.T
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     write_safetensors({"d2t": (draft_ids - torch.arange(draft_ids.numel())).to(torch.int64)}, dst / "d2t.safetensors")
     write_safetensors({"lm_head.weight": lm_head[draft_ids].to(dtype).contiguous()}, dst / "lm_head.safetensors")
+    if model.markov_head is not None:  # vLLM's DSpark adds the Markov bias over the draft rows: W2 of those rows
+        state = read_safetensors(dst / "model.safetensors")
+        name = "markov_head.markov_w2.weight"
+        state[name] = state[name][draft_ids].contiguous()
+        write_safetensors(state, dst / "model.safetensors")
 
 
 def draft_vocab_per_engine(engines: list[str], draft_vocab_size: int | None) -> dict:
@@ -397,20 +466,38 @@ def _draft_vocab_lines(engines: list[str], vocab: int | None) -> list[str]:
 def _llamacpp_readme_lines(s: LaunchSettings) -> list[str]:
     return ["", f"`llamacpp/launch.sh` runs llama-server (`$LLAMA_SERVER`, else `llama-server` on PATH) on "
             f"`{LLAMACPP_TARGET}` (a copy of the target GGUF) with the drafter `{LLAMACPP_DRAFTER}` "
-            f"(`--spec-type draft-dflash --spec-draft-n-max {s.block_size - 1}`); `THREADS`, `HOST` and `PORT` "
+            f"(`--spec-type {s.llamacpp_spec} --spec-draft-n-max {s.drafts}`); `THREADS`, `HOST` and `PORT` "
             "in the environment set `-t`, `--host` and `--port` (defaults: all cores, 127.0.0.1, 8080)."]
 
 
-def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None, sources: dict) -> str:
+def _convention_lines(cfg: DrafterConfig, s: LaunchSettings) -> list[str]:
+    """The block convention, stated: which block outputs are drafts decides how an engine must run it."""
+    if cfg.anchor_predicts:
+        return [f"Block convention: DeepSpec's. The block is [anchor, mask x {s.block_size - 1}] and every block "
+                f"position i drafts the token at anchor+i+1, so one block gives {s.drafts} drafts (vLLM "
+                f"`num_speculative_tokens` {s.drafts}, llama.cpp `--spec-draft-n-max` {s.drafts}); the Markov "
+                "head's first predecessor is the anchor. A z-lab DFlash reader (drafts from positions 1.., the "
+                "token at anchor+i) would draft one position off, so the drafter is written for DSpark readers "
+                "only (`Qwen3DSparkModel`, `dflash.sample_from_anchor` true).", ""]
+    if cfg.is_dspark:
+        return [f"Block convention: z-lab's. The block is [anchor, mask x {s.block_size - 1}] and block positions "
+                f"1..{s.block_size - 1} draft the token at their own position ({s.drafts} drafts); the Markov head's "
+                "first predecessor is the anchor (`dflash.sample_from_anchor` false).", ""]
+    return []
+
+
+def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None, sources: dict,
+            cfg: DrafterConfig) -> str:
     precision = s.precision or dtype
     hf = any(e in HF_ENGINES for e in engines)
     lines = [f"# Serving bundle: {s.name}", "",
-             f"Target `{s.name}` ({precision}, from `{sources['target']}`) with the DFlash drafter "
+             f"Target `{s.name}` ({precision}, from `{sources['target']}`) with the {drafter_kind(cfg)} drafter "
              f"`{sources['drafter']}` "
-             f"(block size {s.block_size}, taps {s.target_layer_ids}, mask token {s.mask_token_id}), "
+             f"(block size {s.block_size}, {s.drafts} drafts per block, taps {s.target_layer_ids}, mask token "
+             f"{s.mask_token_id}), "
              f"tensor parallel size {s.tp}, up to {s.max_batch_size} requests at once of up to "
              f"{s.max_context} tokens each (prompt + output). Every engine serves it as `{s.name}`.", "",
-             "## Launch", ""]
+             *_convention_lines(cfg, s), "## Launch", ""]
     for e in engines:
         lines.append(f"- {ENGINE_NAMES[e]}: `sh {e}/launch.sh [extra engine flags]`")
     if "trtllm" in engines:
@@ -424,15 +511,25 @@ def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None
         lines += _llamacpp_readme_lines(s)
     lines += ["", "Every launch script changes into the bundle root first: the paths below are relative to it.",
               "", "## What each engine uses", ""]
-    if hf:
+    if hf and cfg.anchor_predicts:
+        lines.append("- `drafter/`: DeepSpec's DSpark format (`config.json` with `architectures: [\"Qwen3DSparkModel\"]`, "
+                     "`block_size`, `mask_token_id`, `target_layer_ids`, `markov_rank`, `markov_head_type`, "
+                     "`enable_confidence_head`, `confidence_head_with_markov` at the top level, mask and taps also in "
+                     "`dflash_config`; `model.safetensors` under DeepSpec's key names `markov_head.markov_w1/w2`, "
+                     "`confidence_head.proj`, without the `embed_tokens` / `lm_head` copies: vLLM shares the "
+                     "target's), read by vLLM (`method: dspark`).")
+    elif hf:
         lines.append("- `drafter/`: z-lab DFlash format (`config.json` with `dflash_config.mask_token_id` and "
                      "`target_layer_ids`, `model.safetensors`), read by TensorRT-LLM, vLLM and SGLang.")
     if "llamacpp" in engines:
-        lines.append(f"- `{LLAMACPP_DRAFTER}`: the drafter as a llama.cpp `dflash` GGUF (f32, the target's "
+        heads = (" with its Markov head (`markov_w1`, `markov_w2`)" + (" and confidence head (`conf_proj`)"
+                                                                        if cfg.confidence_head else "")
+                 if cfg.markov_rank else "")
+        lines.append(f"- `{LLAMACPP_DRAFTER}`: the drafter as a llama.cpp `dflash` GGUF{heads} (f32, the target's "
                      f"tokenizer), for `{LLAMACPP_TARGET}`.")
     lines += [*_draft_vocab_lines(engines, vocab),
               "- DLoop (several draft stages per verification) runs only in loopspec's own runtime; the "
-              "engines run plain DFlash (one stage per verification)."]
+              "engines run one draft stage per verification."]
     if hf:
         lines.append("- `target/`: Hugging Face checkpoint" + (f", modelopt {s.precision.upper()}-quantized."
                                                                 if s.precision else f" in {dtype}.")
@@ -445,7 +542,7 @@ def _readme(engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None
 
 
 def _manifest(out: Path, engines: list[str], s: LaunchSettings, dtype: str, vocab: int | None,
-              sources: dict) -> dict:
+              sources: dict, cfg: DrafterConfig) -> dict:
     import importlib.metadata as md
 
     import loopspec
@@ -462,10 +559,13 @@ def _manifest(out: Path, engines: list[str], s: LaunchSettings, dtype: str, voca
     return {"kind": "serving-bundle", "engines": engines, "served_model_name": s.name,
             "tensor_parallel_size": s.tp, "max_batch_size": s.max_batch_size, "max_context": s.max_context,
             "precision": s.precision or dtype, "block_size": s.block_size, "mask_token_id": s.mask_token_id,
+            "drafter_kind": drafter_kind(cfg), "block_convention": "deepspec" if cfg.anchor_predicts else "z-lab",
+            "drafts_per_block": s.drafts,
+            **({"vllm": {"method": s.vllm_method, "num_speculative_tokens": s.drafts}} if "vllm" in engines else {}),
             "target_layer_ids": s.target_layer_ids, "trained_draft_vocab_size": vocab, "draft_vocab": draft_vocab,
             "full_draft_vocab_reasons": reasons, "sources": sources, "tools": tools, "files": files,
             **({"llamacpp": {"target": LLAMACPP_TARGET, "drafter": LLAMACPP_DRAFTER, "drafter_dtype": "f32",
-                             "draft_max": s.block_size - 1}} if "llamacpp" in engines else {})}
+                             "spec_type": s.llamacpp_spec, "draft_max": s.drafts}} if "llamacpp" in engines else {})}
 
 
 def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | list[str], *,
@@ -476,6 +576,7 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
     """Write a serving bundle for `engines` into `out_dir`; returns its manifest. `threads` is the
     llama.cpp launch's default -t (None: all cores)."""
     target_gguf = _gguf_target(target)
+    every = engines == "all" or engines == ["all"]
     engines = parse_engines(engines, gguf_target=target_gguf is not None)
     hf_engines = [e for e in engines if e in HF_ENGINES]
     if precision is not None and precision not in PRECISIONS:
@@ -487,8 +588,7 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
     if "llamacpp" in engines and target_gguf is None:
         raise LoopspecError(LLAMACPP_NEEDS_GGUF.format(target=target))
     if not hf_engines and (tp != 1 or precision is not None):
-        raise LoopspecError("--tp and --precision apply to TensorRT-LLM, vLLM and SGLang; llama.cpp serves the "
-                            "target GGUF as it is, in one process")
+        raise LoopspecError(HF_ONLY_OPTIONS)
     if threads is not None and threads < 1:
         raise LoopspecError(f"threads must be >= 1, got {threads}")
     out = check_out_dir(out_dir, "manifest.json", "a bundle")
@@ -496,7 +596,10 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
     drafter_dir = _resolve_drafter(drafter, target)
     model = Drafter.load(drafter_dir)
     cfg = model.cfg
-    require_zlab_block(cfg, "a serving bundle")  # its launch settings draft block_size - 1 tokens
+    engines = engines_for(cfg, engines, every)  # a DSpark drafter goes only where its heads run
+    hf_engines = [e for e in engines if e in HF_ENGINES]
+    if not hf_engines and (tp != 1 or precision is not None):
+        raise LoopspecError(HF_ONLY_OPTIONS)
     if hf_engines:
         target_dir = resolve_target_dir(target)
         target_cfg = TargetConfig.from_hf(read_json(target_dir / "config.json", "target config"))
@@ -523,11 +626,13 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
         name = DEFAULT_TARGET_NAME
     else:
         name = target_dir.name if hf_engines else target_gguf.stem
-    s = LaunchSettings(name=name, tp=tp, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+    s = LaunchSettings(name=name, tp=tp, block_size=cfg.block_size, drafts=cfg.drafts_per_block(cfg.block_size),
+                       mask_token_id=cfg.mask_token_id,
                        target_layer_ids=list(cfg.target_layer_ids), precision=precision,
                        max_batch_size=max_batch_size, max_context=max_context,
                        vllm_drafter=f"./{VLLM_DRAFTER}" if with_vllm_drafter else "./drafter",
-                       llamacpp_threads=threads)
+                       llamacpp_threads=threads, vllm_method="dspark" if cfg.anchor_predicts else "dflash",
+                       llamacpp_spec=spec_type(cfg))
     fingerprint = target_fingerprint(target_dir) if hf_engines else file_sha256(target_gguf, limit_bytes=16 << 20)
     sources = {"target": str(target), "target_fingerprint": fingerprint,
                "drafter": str(drafter_dir),
@@ -552,8 +657,8 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
                     path.chmod(0o755)
         # a llama.cpp-only bundle serves the target GGUF in its own quantization
         label = dtype if hf_engines else "gguf"
-        (tmp / "README.md").write_text(_readme(engines, s, label, vocab, sources))
-        manifest = _manifest(tmp, engines, s, label, vocab, sources)
+        (tmp / "README.md").write_text(_readme(engines, s, label, vocab, sources, cfg))
+        manifest = _manifest(tmp, engines, s, label, vocab, sources, cfg)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

@@ -18,6 +18,23 @@ converter, the `dflash` model loader and common/speculative.cpp; re-check on upg
   the draft's own head `output` (the target's lm_head rows of those ids); a full-vocabulary draft
   leaves both out and shares the target's output head.
 - llama-server: `-m TARGET -md DRAFT --spec-type draft-dflash --spec-draft-n-max N`, N <= block_size - 1.
+
+DSpark drafters are the same `dflash` architecture plus the Markov head (that version has no `dspark`
+architecture; its DSpark converter, conversion/qwen.py `DSparkModel`, also writes `dflash`):
+- tensors `markov_w1.weight` and `markov_w2.weight` ([V, r] in PyTorch's layout, i.e. ggml {r, V};
+  with a reduced draft vocabulary markov_w2 holds the draft rows only, {r, Vd}), and optionally
+  `conf_proj.weight` ([1, H + r], the confidence head over [h ; W1[prev]]) and `conf_proj.bias` [1].
+  The rank is read from markov_w1's shape: there is no rank key. llama-server chooses `draft-dspark`
+  when markov_w1 is present (common/speculative.cpp).
+- bool keys `dflash.sample_from_anchor` (true: every block position drafts, DeepSpec's convention, up
+  to block_size drafts; false: position 0 is the bonus anchor and positions 1.. draft, up to
+  block_size - 1) and `dflash.has_confidence_head`.
+- Only the vanilla Markov head exists there (the graph is `bias = W2 · W1[prev]`, and the converter
+  refuses other head types), and the confidence head reads [h ; W1[prev]] only (its shape is fixed at
+  n_embd + r).
+- Newer llama.cpp (ggml-org master, src/models/dspark.cpp) has a separate `dspark` architecture with
+  the same tensor names and a required `dspark.markov_rank` key; this module writes what the pinned
+  version above reads, as the bundle's llama-server is built from it (scripts/build_llama_server.sh).
 """
 
 from __future__ import annotations
@@ -35,6 +52,30 @@ ARCH = "dflash"
 DTYPES = ("f32", "f16")
 MASK_KEY = "tokenizer.ggml.mask_token_id"
 LLAMA_SERVER = "llama-server"
+SPEC_TYPES = {False: "draft-dflash", True: "draft-dspark"}  # by: the drafter has a Markov head
+
+
+def spec_type(cfg) -> str:
+    """llama-server's --spec-type for a drafter: draft-dspark runs the Markov head, draft-dflash not."""
+    return SPEC_TYPES[bool(cfg.markov_rank)]
+
+
+def unsupported_in_llamacpp(cfg) -> str | None:
+    """Why llama.cpp cannot run this drafter as written (None: it can)."""
+    if not cfg.is_dspark:
+        if cfg.anchor_predicts:  # draft-dflash drafts from block position 1; only draft-dspark from 0
+            return ("llama.cpp drafts from the anchor's own block position (DeepSpec's block convention) only "
+                    "with a Markov head (draft-dspark); this DeepSpec DFlash drafter has none")
+        return None
+    if not cfg.markov_rank:
+        return "llama.cpp runs a DSpark confidence head only beside a Markov head (markov_rank > 0)"
+    if cfg.markov_head_type != "vanilla":
+        return (f"llama.cpp's DSpark implements the vanilla Markov head only (bias = W2 · W1[prev]), not this "
+                f"drafter's {cfg.markov_head_type} head")
+    if cfg.confidence_head and not cfg.confidence_with_markov:
+        return ("llama.cpp's DSpark confidence head reads [h ; W1[prev]] (n_embd + rank inputs); this drafter's "
+                "reads h alone (confidence_head_with_markov false)")
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -134,9 +175,19 @@ def _copy_tokenizer(reader, writer) -> list[str]:
 # the drafter GGUF
 
 
+# DeepSpec's head tensors → llama.cpp's names (conversion/qwen.py's tensor map)
+HEAD_TENSORS = {"markov_head.markov_w1.weight": "markov_w1.weight", "markov_head.markov_w2.weight": "markov_w2.weight",
+                "confidence_head.proj.weight": "conf_proj.weight", "confidence_head.proj.bias": "conf_proj.bias"}
+
+
 def _draft_tensors(drafter) -> dict[str, np.ndarray]:
-    """The drafter's weights under llama.cpp's dflash names, float32 numpy in PyTorch [out, in] layout."""
+    """The drafter's weights under llama.cpp's dflash names, float32 numpy in PyTorch [out, in] layout
+    (which gguf stores reversed, as ggml's {in, out}); a Markov W2 of the draft rows only when the
+    drafter has a reduced draft vocabulary."""
     state = {k: v.detach().float().cpu().numpy() for k, v in drafter.zlab_state_dict().items()}
+    heads = {HEAD_TENSORS[k]: state.pop(k) for k in list(state) if k in HEAD_TENSORS}
+    if "markov_w2.weight" in heads and drafter.draft_ids is not None:
+        heads["markov_w2.weight"] = heads["markov_w2.weight"][drafter.draft_ids.long().cpu().numpy()]
     per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                  "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
                  "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
@@ -150,7 +201,7 @@ def _draft_tensors(drafter) -> dict[str, np.ndarray]:
             out[f"blk.{i}.{per_layer[rest]}.weight"] = w
         else:
             out[f"{top[base]}.weight"] = w
-    return out
+    return out | heads
 
 
 def _write_hparams(writer, cfg, name: str, file_type: int) -> None:
@@ -171,17 +222,21 @@ def _write_hparams(writer, cfg, name: str, file_type: int) -> None:
     # llama.cpp taps HF hidden_states indices: the output of layer i is hidden_states[i + 1]
     writer.add_array(p + "target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
     writer.add_uint32(MASK_KEY, int(cfg.mask_token_id))
+    if cfg.markov_rank:  # read by draft-dspark only
+        writer.add_bool(p + "sample_from_anchor", cfg.anchor_predicts)
+        writer.add_bool(p + "has_confidence_head", cfg.confidence_head)
 
 
 def write_dflash_gguf(drafter, target_gguf: str | Path, out_path: str | Path, *, dtype: str = "f32") -> Path:
-    """Write `drafter` (a loaded `Drafter`) as a llama.cpp dflash GGUF for the target `target_gguf`.
-    dtype f32 keeps the drafter's arithmetic; f16 halves the file (norms stay f32, as llama.cpp keeps
-    them). Written to a temporary sibling and renamed, so a failure leaves no file behind."""
+    """Write `drafter` (a loaded `Drafter`) as a llama.cpp dflash GGUF for the target `target_gguf`, a
+    DSpark drafter with its Markov (and confidence) head. dtype f32 keeps the drafter's arithmetic;
+    f16 halves the file (norms and biases stay f32, as llama.cpp keeps them). Written to a temporary
+    sibling and renamed, so a failure leaves no file behind."""
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
-    from loopspec.model.drafter import require_zlab_block
-
-    require_zlab_block(drafter.cfg, "the llama.cpp dflash GGUF")  # its arch drafts z-lab's block
+    problem = unsupported_in_llamacpp(drafter.cfg)
+    if problem:
+        raise LoopspecError(f"cannot write this drafter as a llama.cpp GGUF: {problem}")
     if dtype not in DTYPES:
         raise LoopspecError(f"unknown GGUF dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     target_gguf, out_path = Path(target_gguf), Path(out_path)
@@ -204,7 +259,8 @@ def write_dflash_gguf(drafter, target_gguf: str | Path, out_path: str | Path, *,
     tmp = out_path.with_name(f".{out_path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         writer = GGUFWriter(str(tmp), ARCH)
-        _write_hparams(writer, cfg, f"{target_gguf.stem} DFlash drafter", int(file_type))
+        kind = "DSpark" if cfg.markov_rank else "DFlash"
+        _write_hparams(writer, cfg, f"{target_gguf.stem} {kind} drafter", int(file_type))
         _copy_tokenizer(reader, writer)
         for name, w in tensors.items():
             # norms (1-D) stay f32: llama.cpp computes them in f32 and its own converter keeps them so
@@ -244,9 +300,10 @@ def read_dflash_gguf(path: str | Path) -> dict:
 def llama_server_command(binary: str | Path, target_gguf: str | Path, *, drafter_gguf: str | Path | None = None,
                          draft_max: int | None = None, threads: int | str | None = None,
                          context: int | None = None, host: str = "127.0.0.1", port: int | str = 8080,
-                         slots: int | None = None) -> list[str]:
-    """llama-server's argv serving `target_gguf`, plain or with the DFlash drafter `drafter_gguf`
-    drafting up to `draft_max` tokens per step (llama.cpp caps it at block_size - 1). `threads` and
+                         slots: int | None = None, spec: str = SPEC_TYPES[False]) -> list[str]:
+    """llama-server's argv serving `target_gguf`, plain or with the drafter `drafter_gguf` (--spec-type
+    `spec`: `spec_type(cfg)`) drafting up to `draft_max` tokens per step (llama.cpp caps it at the
+    drafter's drafts per block: block_size - 1, or block_size for an anchor-drafting DSpark). `threads` and
     `port` may be shell variables ("$PORT") for a launch script; `slots`: how many requests it
     decodes at once (its -np; the context is shared among them)."""
     argv = [str(binary), "-m", str(target_gguf), "--host", host, "--port", str(port)]
@@ -257,7 +314,9 @@ def llama_server_command(binary: str | Path, target_gguf: str | Path, *, drafter
     if slots is not None:
         argv += ["-np", str(slots)]
     if drafter_gguf is not None:
-        argv += ["-md", str(drafter_gguf), "--spec-type", "draft-dflash"]
+        if spec not in SPEC_TYPES.values():
+            raise LoopspecError(f"unknown llama.cpp speculative type {spec!r}")
+        argv += ["-md", str(drafter_gguf), "--spec-type", spec]
         if draft_max is not None:
             argv += ["--spec-draft-n-max", str(draft_max)]
     elif draft_max is not None:

@@ -527,9 +527,9 @@ def llamacpp_peer(pipe, target: str, llama_server: str | None, dflash_block: int
                   context: int):
     """(LlamaServerPeer, None), or (None, why the llama.cpp rows are skipped): it needs a llama-server
     binary (`llama_server`, else one on PATH) and the target as a GGUF; with `dflash_block`, the
-    pair's drafter is written once as a llama.cpp DFlash GGUF into the cache and drafts
-    dflash_block - 1 tokens a round."""
-    from loopspec.engines.llamacpp import find_llama_server
+    pair's drafter is written once as a llama.cpp dflash GGUF into the cache and drafts its drafts per
+    block a round (dflash_block - 1; dflash_block for a DSpark drafter of DeepSpec's convention)."""
+    from loopspec.engines.llamacpp import find_llama_server, spec_type
     from loopspec.runtime.peers import LlamaServerPeer
     from loopspec.weights import target_gguf_path
 
@@ -540,12 +540,14 @@ def llamacpp_peer(pipe, target: str, llama_server: str | None, dflash_block: int
         gguf = target_gguf_path(target)
     except LoopspecError:
         return None, f"llama.cpp runs the target as a GGUF, and {target} is not one"
-    drafter_gguf = None
+    drafter_gguf, draft_max, spec = None, None, "draft-dflash"
     if dflash_block is not None:
         if pipe.drafter is None:
             return None, "llamacpp-dflash needs the drafter's weights (run without --onnx-dir)"
         drafter_gguf = cached_drafter_gguf(pipe.drafter, pipe.drafter_dir, gguf)
-    peer = LlamaServerPeer(binary, gguf, drafter_gguf, dflash_block - 1 if dflash_block else None, num_threads, context)
+        # a DSpark drafter runs as draft-dspark, drafting every block position in DeepSpec's convention
+        draft_max, spec = pipe.drafter.cfg.drafts_per_block(dflash_block), spec_type(pipe.drafter.cfg)
+    peer = LlamaServerPeer(binary, gguf, drafter_gguf, draft_max, num_threads, context, spec=spec)
     return peer, None
 
 

@@ -70,7 +70,8 @@ class LlamaServerPeer:
     counters (draft_n_accepted)."""
 
     def __init__(self, binary: str | Path, target_gguf: Path, drafter_gguf: Path | None, draft_max: int | None,
-                 num_threads: int | None, context: int, start_timeout_s: float = 120.0):
+                 num_threads: int | None, context: int, start_timeout_s: float = 120.0, spec: str = "draft-dflash"):
+        """`spec`: llama-server's --spec-type for the drafter (engines/llamacpp.py `spec_type`)."""
         from loopspec.engines.llamacpp import llama_server_command
 
         self.servers: dict[str, tuple[subprocess.Popen, str]] = {}
@@ -87,7 +88,7 @@ class LlamaServerPeer:
                     # one request at a time, on as many threads as loopspec's engines use
                     command = llama_server_command(binary, target_gguf, threads=num_threads or torch.get_num_threads(),
                                                    context=context, port=port, slots=1,
-                                                   **({"drafter_gguf": drafter_gguf, "draft_max": draft_max}
+                                                   **({"drafter_gguf": drafter_gguf, "draft_max": draft_max, "spec": spec}
                                                       if method == "llamacpp-dflash" else {})) + extra
                     why = self._start(method, command, f"http://127.0.0.1:{port}", start_timeout_s)
                     if why is None:

@@ -9,8 +9,8 @@
 # (so nothing below can pull a CUDA torch), then vLLM 0.33 and SGLang 0.5.23 without their
 # dependencies, plus only the packages their configuration code imports. No GPU is needed. Bundles of
 # the default pair are built with this checkout's `loopspec convert bundle`: bf16, tensor parallel 3
-# (SmolLM2's 9 heads / 3 K/V heads split 1 or 3 ways, not 2), and FP8 when nvidia-modelopt is
-# installed beside loopspec. Prints one PASS/FAIL line per check; exits 1 if any check fails.
+# (SmolLM2's 9 heads / 3 K/V heads split 1 or 3 ways, not 2), FP8 when nvidia-modelopt is
+# installed beside loopspec, and a vLLM bundle of a random DSpark drafter for the default target. Prints one PASS/FAIL line per check; exits 1 if any check fails.
 # Takes a few minutes (downloads about 500 MB once). Not part of the test suite.
 set -euo pipefail
 
@@ -59,6 +59,24 @@ if "$loopspec_python" -c "import modelopt" 2>/dev/null; then
 else
     echo "   (no FP8 bundle: nvidia-modelopt is not installed beside loopspec)"
 fi
+# a DSpark drafter of DeepSpec's block convention for the default target, random weights (the engines'
+# configuration code reads its config.json only): its vLLM bundle names method dspark, k = block size
+"$loopspec_python" - "$work/dspark-drafter" <<'PY'
+import sys
+from dataclasses import replace
+
+from loopspec.defaults import DEFAULT_TARGET_MASK_TOKEN_ID
+from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.target import TargetConfig
+from loopspec.weights import read_json, resolve_target_dir
+
+target = TargetConfig.from_hf(read_json(resolve_target_dir("default") / "config.json", "target config"))
+cfg = DrafterConfig.for_target(target, num_layers=1, block_size=7, mask_token_id=DEFAULT_TARGET_MASK_TOKEN_ID)
+cfg = replace(cfg, anchor_predicts=True, markov_rank=16, confidence_head=True, confidence_with_markov=True)
+Drafter(cfg).save(sys.argv[1])
+PY
+"$loopspec" convert bundle --engine vllm --drafter "$work/dspark-drafter" --out "$work/bundles/dspark" > /dev/null
+bundles+=("$work/bundles/dspark")
 
 echo "== the engines' own parsers"
 # CPU platform for vLLM, its log quiet; every model is a local bundle directory, so nothing is fetched from a hub

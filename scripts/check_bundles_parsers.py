@@ -39,8 +39,12 @@ def check_vllm(bundle: Path, manifest: dict) -> str:
     args.model = args.model_tag  # what `vllm serve MODEL` does with its positional argument
     config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
     spec = config.speculative_config
-    expect("speculative method", spec.method, "dflash")
-    expect("num_speculative_tokens", spec.num_speculative_tokens, manifest["block_size"] - 1)
+    # a DSpark drafter of DeepSpec's convention: method dspark, one draft per block position
+    vllm = manifest.get("vllm", {"method": "dflash", "num_speculative_tokens": manifest["block_size"] - 1})
+    expect("speculative method", spec.method, vllm["method"])
+    expect("num_speculative_tokens", spec.num_speculative_tokens, vllm["num_speculative_tokens"])
+    if vllm["method"] == "dspark":  # vLLM's own Qwen3 DSpark model, not its DeepSeek-V4 one
+        expect("draft architectures", list(spec.draft_model_config.hf_config.architectures), ["Qwen3DSparkModel"])
     expect("tensor_parallel_size", config.parallel_config.tensor_parallel_size, manifest["tensor_parallel_size"])
     expect("max_model_len", config.model_config.max_model_len, manifest["max_context"])
     expect("max_num_seqs", config.scheduler_config.max_num_seqs, manifest["max_batch_size"])
@@ -48,7 +52,7 @@ def check_vllm(bundle: Path, manifest: dict) -> str:
     draft_vocab = getattr(spec.draft_model_config.hf_config, "draft_vocab_size", None) or "full"
     expect("draft vocabulary", draft_vocab, manifest["draft_vocab"]["vllm"])
     quantization = config.model_config.quantization
-    return (f"dflash k={spec.num_speculative_tokens}, tp={config.parallel_config.tensor_parallel_size}, "
+    return (f"{spec.method} k={spec.num_speculative_tokens}, tp={config.parallel_config.tensor_parallel_size}, "
             f"max_model_len={config.model_config.max_model_len}, draft vocab {draft_vocab}, "
             f"quantization {quantization}")
 

@@ -269,7 +269,7 @@ def test_llamacpp_bundle(target, drafter_dir, tmp_path):
     assert manifest["engines"] == ["llamacpp"] and manifest["precision"] == "gguf"
     assert manifest["draft_vocab"] == {"llamacpp": 32}
     assert manifest["llamacpp"] == {"target": "llamacpp/target.gguf", "drafter": "llamacpp/drafter.gguf",
-                                    "drafter_dtype": "f32", "draft_max": 5}
+                                    "drafter_dtype": "f32", "spec_type": "draft-dflash", "draft_max": 5}
     assert manifest["max_context"] == CONTEXT and manifest["served_model_name"] == "tiny.Q8_0"
     assert manifest["sources"]["target_gguf"] == str(target["path"])
     assert set(manifest["files"]) == on_disk - {"manifest.json"}

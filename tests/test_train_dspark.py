@@ -154,7 +154,8 @@ def test_train_cli_adds_dspark_heads(tiny_pair, tmp_path, capsys):
     assert "confidence_brier" in log[-1] and "heldout_tau" in log[-1]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]  # z-lab's block convention, heads beside it
-    assert config["markov_rank"] == 4 and config["markov_head_type"] == "rnn" and config["enable_confidence_head"]
+    heads = config["dflash_config"]
+    assert heads["markov_rank"] == 4 and heads["markov_head_type"] == "rnn" and heads["enable_confidence_head"]
     drafter = Drafter.load(out)
     assert not drafter.cfg.anchor_predicts and drafter.markov_head.kind == "rnn" and drafter.confidence_head is not None
     with pytest.raises(LoopspecError, match="z-lab DFlash drafters only"):

@@ -144,17 +144,16 @@ class DrafterConfig:
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids},
         }
+        heads = {"markov_rank": self.markov_rank, "enable_confidence_head": self.confidence_head}
+        if self.markov_rank:
+            heads["markov_head_type"] = self.markov_head_type
+        if self.confidence_head:
+            heads["confidence_head_with_markov"] = self.confidence_with_markov
         if self.anchor_predicts:
             cfg.update({"architectures": [DEEPSPEC_ARCHITECTURE], "mask_token_id": self.mask_token_id,
-                        "target_layer_ids": self.target_layer_ids})
-        if self.anchor_predicts or self.is_dspark:
-            # DeepSpec's head fields; on a z-lab architecture they mark a z-lab-convention drafter
-            # with DSpark heads, which z-lab readers cannot run (bundles refuse it)
-            cfg.update({"markov_rank": self.markov_rank, "enable_confidence_head": self.confidence_head})
-            if self.markov_rank:
-                cfg["markov_head_type"] = self.markov_head_type
-            if self.confidence_head:
-                cfg["confidence_head_with_markov"] = self.confidence_with_markov
+                        "target_layer_ids": self.target_layer_ids, **heads})
+        elif self.is_dspark:  # z-lab's convention with heads: the head fields beside the mask and taps
+            cfg["dflash_config"].update(heads)
         if self.extra:
             cfg["loopspec"] = self.extra
         return cfg
@@ -188,16 +187,19 @@ class DrafterConfig:
         mask = dflash.get("mask_token_id", cfg.get("mask_token_id") if deepspec else None)
         if mask is not None and (not isinstance(mask, int) or isinstance(mask, bool)):
             raise LoopspecError(f"drafter config.json: mask_token_id must be an integer, got {mask!r}")
-        rank = cfg.get("markov_rank", 0)  # either architecture: the heads do not change the block convention
+        # DeepSpec writes the head fields at the top level; a z-lab-convention drafter with heads keeps
+        # them in dflash_config (as SpecForge's DSpark export does)
+        heads = cfg if deepspec else dflash
+        rank = heads.get("markov_rank", 0)
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise LoopspecError(f"drafter config.json: markov_rank must be an integer >= 0, got {rank!r}")
-        head_type = cfg.get("markov_head_type", "vanilla") if rank else "vanilla"
+        head_type = heads.get("markov_head_type", "vanilla") if rank else "vanilla"
         if head_type not in MARKOV_HEAD_TYPES:
             raise LoopspecError(f"drafter config.json: unknown markov_head_type {head_type!r} "
                                 f"(loopspec runs {', '.join(MARKOV_HEAD_TYPES)})")
-        confidence = bool(cfg.get("enable_confidence_head", False))
+        confidence = bool(heads.get("enable_confidence_head", False))
         # DeepSpec writes confidence_head_with_markov only with a confidence head, and defaults it on
-        with_markov = bool(cfg.get("confidence_head_with_markov", bool(rank))) if confidence else False
+        with_markov = bool(heads.get("confidence_head_with_markov", bool(rank))) if confidence else False
         try:
             heads = cfg["num_attention_heads"]
             num_layers = cfg["num_hidden_layers"]
@@ -246,17 +248,24 @@ def check_fits(drafter: DrafterConfig, target: TargetConfig) -> None:
         raise LoopspecError("drafter does not fit the target: " + "; ".join(problems))
 
 
+def drafter_kind(cfg: DrafterConfig) -> str:
+    """What a drafter is, in a few words: its heads and its block convention."""
+    if not cfg.is_dspark:
+        return "DeepSpec DFlash" if cfg.anchor_predicts else "z-lab DFlash"
+    heads = [f"{cfg.markov_head_type} Markov head of rank {cfg.markov_rank}"] if cfg.markov_rank else []
+    heads += ["confidence head"] if cfg.confidence_head else []
+    convention = "DeepSpec's block convention" if cfg.anchor_predicts else "z-lab's block convention"
+    return f"DSpark ({', '.join(heads)}; {convention})"
+
+
 def require_zlab_block(cfg: DrafterConfig, what: str) -> None:
     """Refuse a drafter of DeepSpec's block convention or with DSpark heads where only the z-lab
     block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented (quantized
     drafter graphs, the llama.cpp GGUF, serving bundles). The torch engine, the fp32 ONNX / TensorRT
     drafter graphs and training run both conventions and the DSpark heads."""
     if cfg.anchor_predicts or cfg.is_dspark:
-        kind = (f"DSpark ({cfg.markov_head_type} Markov head of rank {cfg.markov_rank})" if cfg.markov_rank
-                else "DSpark (confidence head)" if cfg.is_dspark else "DeepSpec DFlash")
-        convention = "DeepSpec's" if cfg.anchor_predicts else "z-lab's"
-        raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {kind} drafter in "
-                            f"{convention} block convention; decode it with --backend torch or onnxruntime")
+        raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {drafter_kind(cfg)} drafter; "
+                            "decode it with --backend torch or onnxruntime")
 
 
 def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, vocab_size: int) -> int:
