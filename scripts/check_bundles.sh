@@ -79,5 +79,7 @@ PY
 bundles+=("$work/bundles/dspark")
 
 echo "== the engines' own parsers"
-# CPU platform for vLLM, its log quiet; every model is a local bundle directory, so nothing is fetched from a hub
-VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=WARNING HF_HUB_OFFLINE=1 "$work/venv/bin/python" "$root/scripts/check_bundles_parsers.py" "${bundles[@]}"
+# CPU platform for vLLM, its log quiet; every model is a local bundle directory, so nothing is fetched from a hub.
+# vLLM runs DSpark on its V2 model runner only, which it picks by itself where Triton has a GPU; here
+# (Triton without a driver) it would fall back to V1 and refuse dspark, so V2 is asked for by name
+VLLM_USE_V2_MODEL_RUNNER=1 VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=WARNING HF_HUB_OFFLINE=1 "$work/venv/bin/python" "$root/scripts/check_bundles_parsers.py" "${bundles[@]}"
