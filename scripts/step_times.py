@@ -7,6 +7,7 @@ rolled back, so every call sees the same context. Run it with nothing else on th
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -17,6 +18,16 @@ from loopspec.runtime.pipeline import load_pipeline
 
 ROWS = (1, 4, 8, 16)
 CHAINS = (4, 8)
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its wide-vector features (the figures depend on them)."""
+    info = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+    model = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")),
+                 platform.processor() or platform.machine())
+    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
+    features = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8") if f in flags]
+    return f"{model} ({', '.join(features) or 'no AVX2'}, {os.cpu_count()} cores)"
 
 
 def median_ms(call, calls: int) -> float:
@@ -44,7 +55,7 @@ def main() -> int:
     lengths = torch.linspace(100, 250, max(ROWS)).long().tolist()
     for row, n in enumerate(lengths):
         engine.prefill(row, torch.randint(0, 49152, (n,), generator=g).tolist(), want_taps=False)
-    result = {"engine": pipe.engine_name, "cpu": platform.processor() or platform.machine(), "calls": args.calls}
+    result = {"engine": pipe.engine_name, "cpu": cpu_name(), "calls": args.calls}
 
     def one_token(rows: int):
         def call():
