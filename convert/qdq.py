@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import io
 import json
 import warnings
@@ -336,7 +337,12 @@ def export_quantized_graph(module: nn.Module, spec, args: tuple, path: Path, pre
         low, _, high = spec.ranges[name]
         return dims.setdefault(name, torch.export.Dim(name, min=low, max=high))
 
-    dynamic_shapes = tuple({axis: dim(d) for axis, d in t.dynamic_axes().items()} or None for t in spec.inputs)
+    shapes = [{axis: dim(d) for axis, d in t.dynamic_axes().items()} or None for t in spec.inputs]
+    params = inspect.signature(module.forward).parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL for p in params):  # torch.export sees `*past` as one tuple argument
+        named = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+        shapes = shapes[:named] + [tuple(shapes[named:])]
+    dynamic_shapes = tuple(shapes)
     opset = FP8_OPSET if precision == "fp8" else NVFP4_OPSET
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's progress and deprecation chatter

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from loopspec.convert.qdq import check_precision
@@ -288,7 +289,7 @@ def drafter_logit_error(onnx_dir: str | Path, target: Target, drafter: Drafter, 
 
     from loopspec.engines.manifest import read_manifest
     from loopspec.engines.ort import EngineSession, check_precision as check_runnable
-    from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT
+    from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, with_room
 
     manifest = read_manifest(onnx_dir)
     check_runnable(manifest.precision, str(onnx_dir))
@@ -301,8 +302,8 @@ def drafter_logit_error(onnx_dir: str | Path, target: Target, drafter: Drafter, 
 
     def hidden(block, a, ctx_k, ctx_v):
         out = sessions[DRAFTER_BLOCK].run(block_ids=block.numpy(), positions=np.arange(a, a + k, dtype=np.int64)[None],
-                                          context_key=np.ascontiguousarray(ctx_k.numpy()),
-                                          context_value=np.ascontiguousarray(ctx_v.numpy()),
+                                          context_key=with_room(ctx_k.numpy(), k),
+                                          context_value=with_room(ctx_v.numpy(), k),
                                           context_lengths=np.asarray([a], dtype=np.int64))
         return torch.from_numpy(out["hidden"])
 
@@ -329,7 +330,9 @@ def emulated_drafter_check(target: Target, drafter: Drafter, weights: dict[str, 
         return context_module(taps, torch.arange(T)[None])
 
     def hidden(block, a, ctx_k, ctx_v):
-        return block_module(block, torch.arange(a, a + k)[None], ctx_k, ctx_v, torch.tensor([a]))[2]
+        room = (0, 0, 0, k)  # the block's slots after the context (engines/specs.py past_width)
+        return block_module(block, torch.arange(a, a + k)[None], F.pad(ctx_k, room), F.pad(ctx_v, room),
+                            torch.tensor([a]))[2]
 
     out = compare_drafters(target, drafter, sequences, context, hidden, with_tau=True)
     limit = TOLERANCES[precision]["tau_drop"]

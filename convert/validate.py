@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from loopspec.engines.manifest import read_manifest
 from loopspec.engines.ort import EngineSession, check_precision
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
-                                    TARGET_VERIFY)
+                                    TARGET_VERIFY, past_feeds, past_layers, with_room)
 from loopspec.errors import LoopspecError
 from loopspec.precisions import REGISTRY
 from loopspec.model.drafter import Drafter, draft_head_weight, draft_stage
@@ -91,9 +91,9 @@ def engine_errors(ref: Reference, sessions: dict[str, EngineSession], prompt: li
         second = target(torch.tensor([prompt[P:]]), cache, want_taps=ref.drafter is not None, tree_mask=tree)
     run = sessions[TARGET_VERIFY].run(
         input_ids=np.asarray([prompt[P:]], dtype=np.int64), positions=(P + tree.sum(-1) - 1).numpy(),
-        logit_index=np.arange(T, dtype=np.int64), past_key=cache.k[:, :, :, :P].numpy(),
-        past_value=cache.v[:, :, :, :P].numpy(), past_lengths=np.asarray([P], dtype=np.int64),
-        tree_mask=tree.numpy())
+        logit_index=np.arange(T, dtype=np.int64), past_lengths=np.asarray([P], dtype=np.int64),
+        tree_mask=tree.numpy(), **past_feeds(with_room(cache.k[:, :, :, :P].numpy(), T),
+                                             with_room(cache.v[:, :, :, :P].numpy(), T)))
     errors = {"logits": relative_error(run["logits"], second.logits),
               "new_key": relative_error(run["new_key"], cache.k[:, :, :, P:P + T]),
               "new_value": relative_error(run["new_value"], cache.v[:, :, :, P:P + T])}
@@ -112,7 +112,7 @@ def engine_errors(ref: Reference, sessions: dict[str, EngineSession], prompt: li
     ids[0, 0] = prompt[-1]
     run = sessions[DRAFTER_BLOCK].run(
         block_ids=ids, positions=np.arange(len(prompt), len(prompt) + block_size, dtype=np.int64)[None],
-        context_key=ctx_k.numpy(), context_value=ctx_v.numpy(),
+        context_key=with_room(ctx_k.numpy(), block_size), context_value=with_room(ctx_v.numpy(), block_size),
         context_lengths=np.asarray([ctx_k.shape[3]], dtype=np.int64))
     out[DRAFTER_BLOCK] = {"draft_ids": relative_error(run["draft_ids"][0], drafts),
                           "draft_logprobs": relative_error(run["draft_logprobs"][0], logprobs),
@@ -145,8 +145,8 @@ def onnx_greedy(session: EngineSession, prompt: list[int], new_tokens: int) -> t
     """The same decoding with the exported target_verify, called as the runtime calls it: the prompt
     with the last position's logits, then one token a step with a padding token (MIN_PRODUCT_ROWS)
     and every position's logits (the past grows by concatenation here)."""
-    L = session.spec.inputs[3].dims
-    past_k = np.zeros((L[0], 1, L[2], 0, L[4]), dtype=np.float32)
+    layers, kvh, hd = past_layers(session.spec)
+    past_k = np.zeros((layers, 1, kvh, 0, hd), dtype=np.float32)
     past_v = past_k
     ids, tokens, taps = prompt, [], []
     while len(tokens) < new_tokens:
@@ -155,8 +155,9 @@ def onnx_greedy(session: EngineSession, prompt: list[int], new_tokens: int) -> t
         run = session.run(input_ids=np.asarray([padded], dtype=np.int64),
                           positions=np.arange(start, start + len(padded), dtype=np.int64)[None],
                           logit_index=np.asarray([n - 1] if not tokens else range(len(padded)), dtype=np.int64),
-                          past_key=past_k, past_value=past_v, past_lengths=np.asarray([start], dtype=np.int64),
-                          tree_mask=np.tril(np.ones((1, len(padded), len(padded)), dtype=bool)))
+                          past_lengths=np.asarray([start], dtype=np.int64),
+                          tree_mask=np.tril(np.ones((1, len(padded), len(padded)), dtype=bool)),
+                          **past_feeds(with_room(past_k, len(padded)), with_room(past_v, len(padded))))
         past_k = np.concatenate([past_k, run["new_key"][:, :, :, :n]], axis=3)
         past_v = np.concatenate([past_v, run["new_value"][:, :, :, :n]], axis=3)
         tokens.append(int(run["logits"][0, 0 if tokens else -1].argmax()))
@@ -169,13 +170,13 @@ def verified_greedy(session: EngineSession, prompt: list[int], tokens: list[int]
     """The exported target's argmax after the prompt and after each of `tokens`, from ONE forward over
     prompt + tokens: what a verification of those tokens as drafts would accept. Equal to `tokens`
     when verifying agrees with the engine's own plain decoding (which is what lossless means)."""
-    L = session.spec.inputs[3].dims
+    layers, kvh, hd = past_layers(session.spec)
     ids = prompt + tokens[:-1]
-    empty = np.zeros((L[0], 1, L[2], 0, L[4]), dtype=np.float32)
+    room = np.zeros((layers, 1, kvh, len(ids), hd), dtype=np.float32)  # an empty past with room for every token
     run = session.run(input_ids=np.asarray([ids], dtype=np.int64), positions=np.arange(len(ids), dtype=np.int64)[None],
-                      logit_index=np.arange(len(prompt) - 1, len(ids), dtype=np.int64), past_key=empty,
-                      past_value=empty, past_lengths=np.zeros(1, dtype=np.int64),
-                      tree_mask=np.tril(np.ones((1, len(ids), len(ids)), dtype=bool)))
+                      logit_index=np.arange(len(prompt) - 1, len(ids), dtype=np.int64),
+                      past_lengths=np.zeros(1, dtype=np.int64),
+                      tree_mask=np.tril(np.ones((1, len(ids), len(ids)), dtype=bool)), **past_feeds(room, room))
     return run["logits"][0].argmax(-1).tolist()
 
 
@@ -210,8 +211,8 @@ def acceptance(ref: Reference, sessions: dict[str, EngineSession], sequence: lis
         ids = np.full((1, block_size), ref.drafter.cfg.mask_token_id, dtype=np.int64)
         ids[0, 0] = sequence[a]
         out = sessions[DRAFTER_BLOCK].run(block_ids=ids, positions=np.arange(a, a + block_size, dtype=np.int64)[None],
-                                          context_key=np.ascontiguousarray(onnx_k[:, :, :, :a]),
-                                          context_value=np.ascontiguousarray(onnx_v[:, :, :, :a]),
+                                          context_key=with_room(onnx_k[:, :, :, :a], block_size),
+                                          context_value=with_room(onnx_v[:, :, :, :a], block_size),
                                           context_lengths=np.asarray([a], dtype=np.int64))
         return out["draft_ids"][0][:, 0]  # the chain
 

@@ -10,8 +10,10 @@ oneDNN-packed inference copy works too — and use only plain ops that map onto 
 operators: Gather, MatMul, Softmax, Where, Concat, Reshape, Transpose, ReduceMean, Sqrt, ...
 (no mkldnn packed linears, no fused rms_norm / scaled_dot_product_attention kernels).
 
-KV cache layout. The target graph takes the cache's `past_key`/`past_value` [L, B, kvh, past, hd]
-of dynamic length `past` and returns only the NEW tokens' `new_key`/`new_value` [L, B, kvh, T, hd].
+KV cache layout. The target graph takes the cache's past K/V, one input per layer (`past_key_i` /
+`past_value_i` [B, kvh, W, hd]: a stacked input would be cut into layers, a copy of the whole past
+every call), of dynamic width W with room for the call's new tokens (W >= every row's length + T),
+and returns only the NEW tokens' `new_key`/`new_value` [L, B, kvh, T, hd].
 The runtime keeps ONE static buffer of the maximum length and writes the new K/V at the current
 length; rollback is moving the length, nothing is copied back. Returning the full `present` cache
 instead would make the graph copy the whole cache every step (past + new) and the runtime swap
@@ -20,8 +22,8 @@ step. The drafter's context K/V follows the same rule: `drafter_context*` return
 K/V, `drafter_block` reads the valid prefix.
 
 Batch. Every graph takes B rows (one request, or several decoded together). Rows hold different
-numbers of valid past slots, so the past passed in is as wide as the longest row and each row's
-length (`past_lengths` / `context_lengths`) says how much of it is valid. Each row's new K/V are
+numbers of valid past slots, so the past passed in is as wide as the longest row (plus room) and each
+row's length (`past_lengths` / `context_lengths`) says how much of it is valid. Each row's new K/V are
 written right after its own valid past (`row_layout`, once per call) and the attention sums in an
 order that no masked slot changes (`order_free_softmax`): a row computes, bit for bit, what it
 computes alone, and a verification what plain decoding computes (`attend`).
@@ -70,27 +72,28 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Te
     return x * cos + torch.matmul(x, rotate) * sin
 
 
-def row_layout(lengths: torch.Tensor, past: torch.Tensor, new_mask: torch.Tensor, num_kv_heads: int, group: int,
+def row_layout(lengths: torch.Tensor, width: int, new_mask: torch.Tensor, num_kv_heads: int, group: int,
                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each row's T new tokens go among the [past ; T] slots of a call, and what each sees.
+    """Where each row's T new tokens go among the `width` slots of a call's past, and what each sees.
 
-    Row b's new tokens take slots lengths[b] .. lengths[b] + T - 1, right after its own valid past
-    (not after the call's widest past), so every term of a row's attention sits at the index it has
-    when the row runs alone: no masked gap between its past and its new tokens, and the products'
-    sums group the same terms (ONNX Runtime's MatMul sums its reduction in blocks of 256). The slots
-    past them are masked, at the end.
+    The past comes with room: `width` >= every row's length + T. Row b's new tokens take slots
+    lengths[b] .. lengths[b] + T - 1, right after its own valid past (not after the call's widest
+    past), so every term of a row's attention sits at the index it has when the row runs alone: no
+    masked gap between its past and its new tokens, and the products' sums group the same terms
+    (ONNX Runtime's MatMul sums its reduction in blocks of 256). The slots past them are masked, at
+    the end.
 
-    lengths [B] valid past slots per row, past the call's past width, new_mask bool [B, T, T] (new
-    token i sees new token j) → slots [B, kvh, T, hd] (scatter index of the new K/V), additive mask
-    [B, 1, g·T, past + T] (rows in q's (g, T) order)."""
-    batch, width = new_mask.shape[0], new_mask.shape[1]
-    offset = torch.arange(past + width, device=lengths.device)[None, :] - lengths[:, None]  # [B, P+T]: slot - length
-    in_new = (offset >= 0) & (offset < width)
-    sees_new = new_mask.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(batch, width, -1))  # [B, T, P+T]
+    lengths [B] valid past slots per row, new_mask bool [B, T, T] (new token i sees new token j) →
+    slots [B, kvh, T, hd] (scatter index of the new K/V), additive mask [B, 1, g·T, width] (rows in
+    q's (g, T) order)."""
+    batch, tokens = new_mask.shape[0], new_mask.shape[1]
+    offset = torch.arange(width, device=lengths.device)[None, :] - lengths[:, None]  # [B, W]: slot - length
+    in_new = (offset >= 0) & (offset < tokens)
+    sees_new = new_mask.gather(2, offset.clamp(0, tokens - 1)[:, None, :].expand(batch, tokens, -1))  # [B, T, W]
     visible = (offset < 0)[:, None, :] | (in_new[:, None, :] & sees_new)  # own past, and the new tokens it sees
-    mask = torch.where(visible, 0.0, float("-inf"))[:, None].repeat(1, 1, group, 1)  # [B, 1, g·T, P+T]
-    slots = lengths[:, None] + torch.arange(width, device=lengths.device)[None, :]  # [B, T]
-    return slots[:, None, :, None].expand(batch, num_kv_heads, width, head_dim), mask
+    mask = torch.where(visible, 0.0, float("-inf"))[:, None].repeat(1, 1, group, 1)  # [B, 1, g·T, W]
+    slots = lengths[:, None] + torch.arange(tokens, device=lengths.device)[None, :]  # [B, T]
+    return slots[:, None, :, None].expand(batch, num_kv_heads, tokens, head_dim), mask
 
 
 # integer units per 1.0 of the softmax's sum: 2^-40 resolution, exact int64 sums of up to 2^23 terms
@@ -114,18 +117,20 @@ def attend(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch
            slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention of q [B, kvh, g·T, hd] (pre-scaled; query head j = kv head j // g, as
     HF's repeat_kv) over each row's [valid past ; new] keys (`row_layout`: slots, mask) → [B, kvh, g·T, hd].
-    past_k/past_v [B, kvh, P, hd] are the call's past (as wide as its widest row), k/v [B, kvh, T, hd].
+    past_k/past_v [B, kvh, W, hd] are the call's past with room for the new tokens (W >= every row's
+    length + T; the slots past a row's length hold anything finite), k/v [B, kvh, T, hd].
 
-    The new K/V are written into a copy of the past at each row's own length, and ONE product over
-    those slots gives the values: a token's output then depends neither on the other rows of the call
-    nor on whether its context came from the cache or from the same call, so a verification computes
-    bit for bit what plain decoding computes. The softmax is order-free and a masked slot's
-    probability exactly 0 (adding 0·v is exact), so masked slots between a tree node's ancestors (its
-    siblings) change nothing either, as long as the node's terms stay in the same 256-slot blocks of
-    the value product as in plain decoding (the decoder keeps a tree inside one block)."""
-    keys = torch.cat([past_k, k], dim=2).scatter(2, slots, k)  # [B, kvh, P + T, hd]
-    values = torch.cat([past_v, v], dim=2).scatter(2, slots, v)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) + mask  # [B, kvh, g·T, P + T]
+    The new K/V are written into the room at each row's own length (one copy of the past each, no
+    concatenation), and ONE product over those slots gives the scores, one the values: a token's
+    output then depends neither on the other rows of the call nor on whether its context came from
+    the cache or from the same call, so a verification computes bit for bit what plain decoding
+    computes. The softmax is order-free and a masked slot's probability exactly 0 (adding 0·v is
+    exact), so masked slots between a tree node's ancestors (its siblings) change nothing either, as
+    long as the node's terms stay in the same 256-slot blocks of the value product as in plain
+    decoding (the decoder keeps a tree inside one block)."""
+    keys = past_k.scatter(2, slots, k)  # [B, kvh, W, hd]
+    values = past_v.scatter(2, slots, v)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) + mask  # [B, kvh, g·T, W]
     return torch.matmul(order_free_softmax(scores), values)
 
 
@@ -176,9 +181,9 @@ def swiglu(x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
 
 
 class TargetVerify(nn.Module):
-    """(input_ids [B, T], positions [B, T], logit_index [n], past_key/past_value [L, B, kvh, P, hd],
-    past_lengths [B], tree_mask [B, T, T]) → logits [B, n, V], taps [B, T, taps·H] (when tap layers are given),
-    new_key/new_value [L, B, kvh, T, hd].
+    """(input_ids [B, T], positions [B, T], logit_index [n], past_lengths [B], tree_mask [B, T, T],
+    then per layer past_key_i, past_value_i [B, kvh, W, hd] (W >= every row's length + T)) → logits
+    [B, n, V], taps [B, T, taps·H] (when tap layers are given), new_key/new_value [L, B, kvh, T, hd].
 
     Written for a small graph: head counts are Python ints and every reshape has one symbolic dim
     (-1) besides the batch, read once from the input, so little shape arithmetic is traced per layer."""
@@ -198,16 +203,17 @@ class TargetVerify(nn.Module):
         else:
             self.qk_norm_weight = None
 
-    def forward(self, input_ids, positions, logit_index, past_key, past_value, past_lengths, tree_mask):
+    def forward(self, input_ids, positions, logit_index, past_lengths, tree_mask, *past):
         cfg, t = self.cfg, self.target
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = h // kvh
-        batch, past = input_ids.shape[0], past_key.shape[3]
+        batch, width = input_ids.shape[0], past[0].shape[2]
+        past_key, past_value = past[0::2], past[1::2]  # one input each per layer: no cut of a stacked cache
         cos = t.rotary.cos[positions][:, :, None] * self.head_scale  # [B, T, h + kvh, hd]
         sin = t.rotary.sin[positions][:, :, None] * self.head_scale
         # new token i sees its row's valid past keys and the new keys its tree_mask row marks (the
         # causal chain, or its ancestors in a draft tree); rows of the bias follow q's (g, T) order
-        slots, mask = row_layout(past_lengths, past, tree_mask, kvh, group, hd)
+        slots, mask = row_layout(past_lengths, width, tree_mask, kvh, group, hd)
         x = F.embedding(input_ids, t.embed_tokens.weight)  # [B, T, H]
         taps, new_keys, new_values = {}, [], []
         last = cfg.num_layers - 1
@@ -353,7 +359,7 @@ class DrafterBlock(nn.Module):
 OPSET = 17
 # sizes of the symbolic dims in the example inputs of the trace: distinct values, so that no two
 # dims can be confused, none 0 or 1 (the graph itself accepts those: past = 0 at prefill)
-EXAMPLE_SIZES = {"batch": 6, "tokens": 3, "past": 5, "logits": 2, "block": 4, "context": 7}
+EXAMPLE_SIZES = {"batch": 6, "tokens": 3, "past": 8, "logits": 2, "block": 4, "context": 9}
 LENGTH_INPUTS = {"past_lengths": "past", "context_lengths": "context"}  # per-row valid length of that dim
 TARGET_SUBDIR, DRAFTER_SUBDIR = "target", "drafter"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -377,9 +383,9 @@ def example_inputs(spec: EngineSpec, vocab_size: int) -> tuple[torch.Tensor, ...
             mask = torch.ones(shape[1], shape[2], dtype=torch.bool).tril()
             mask[2:, 1] = False
             out.append(mask.expand(shape).contiguous())
-        elif t.name in LENGTH_INPUTS:
-            width = EXAMPLE_SIZES[LENGTH_INPUTS[t.name]]
-            out.append(width - torch.arange(shape[0]) % width)
+        elif t.name in LENGTH_INPUTS:  # rows of different lengths, each with room for the new tokens
+            room = EXAMPLE_SIZES[LENGTH_INPUTS[t.name]] - EXAMPLE_SIZES["tokens" if spec.name == TARGET_VERIFY else "block"]
+            out.append(room - torch.arange(shape[0]) % (room + 1))
         else:
             out.append(torch.randn(shape, generator=g))
     return tuple(out)
@@ -503,7 +509,8 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
         copy_run_files(target_dir, drafter, work)
         settings = {"opset": opset, "max_context": max_context, "max_batch": max_batch,
                     "block_size": specs.get(DRAFTER_BLOCK) and specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
-                    "exporter": "torch.onnx.export (TorchScript)", "kv_layout": "past in, new out",
+                    "exporter": "torch.onnx.export (TorchScript)",
+                    "kv_layout": "past in (per layer, with room for the new tokens), new out",
                     "attention_values": "one product over [past; new]",
                     "softmax": ORDER_FREE_SOFTMAX,
                     "export_code_sha256": export_code_sha256(), **(extra_settings or {})}

@@ -6,13 +6,16 @@ these names, and a TensorRT builder turns `ranges` into optimization profiles (`
 Every engine takes a symbolic `batch` of rows (1 .. max_batch): one request, or several decoded
 together, each at its own position with its own number of valid K/V slots (`past_lengths`,
 `context_lengths`: the graphs mask the slots past a row's length, so rows of different lengths share
-one dense past of the longest row's width). KV tensors are laid out
-`[layers, batch, kv_heads, length, head_dim]`, the layout of the reference caches.
+one dense past of the longest row's width, with room for the call's new tokens). KV tensors are laid
+out `[layers, batch, kv_heads, length, head_dim]`, the layout of the reference caches; the target's
+past comes one tensor per layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import DRAFT_CANDIDATES
@@ -26,6 +29,7 @@ DRAFTER_BLOCK = "drafter_block"
 ENGINE_NAMES = (TARGET_VERIFY, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK)
 DRAFTER_ENGINES = (DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK)
 
+PAST_KINDS = ("past_key", "past_value")  # target_verify's per-layer past inputs: past_key_0, past_value_0, ...
 MAX_BATCH = 16  # rows per engine call, by default (the server's --max-batch-size must fit)
 # rows × tokens of every target_verify call that continues a sequence: a one-row product takes
 # another kernel than a batch's rows do (measured on AVX2: ONNX Runtime's 4-bit MatMulNBits differs
@@ -146,9 +150,11 @@ def target_verify_spec(target, num_taps: int, max_context: int, max_verify: int 
                        max_batch: int = MAX_BATCH) -> EngineSpec:
     """Tokens + absolute positions + the cache's past K/V → logits at `logit_index`, taps, new K/V.
 
-    `target` is a TargetConfig. The graph returns only the new tokens' K/V; the runtime writes them into
-    its static cache at each row's length (rollback = moving the length). Row b's past slot j is seen
-    iff j < past_lengths[b]; new token i sees the new tokens j with tree_mask[b, i, j] — the causal
+    `target` is a TargetConfig. The past comes one input per layer (`past_key_i`, `past_value_i`
+    [B, kvh, past, hd]), as wide as the longest row's length plus the call's tokens (`past_width`):
+    the graph writes each row's new K/V into its slots itself. It returns only the new tokens' K/V;
+    the runtime writes them into its static cache at each row's length (rollback = moving the
+    length). Row b's past slot j is seen iff j < past_lengths[b]; new token i sees the new tokens j with tree_mask[b, i, j] — the causal
     chain (j <= i) for prefill and chains, a draft tree's ancestor mask (loopspec.tree.tree_masks)
     otherwise, its nodes at positions past length + depth (right padding is never seen by a real
     token). `logit_index` picks the positions whose logits are needed, the same for every row (all
@@ -156,22 +162,47 @@ def target_verify_spec(target, num_taps: int, max_context: int, max_verify: int 
     prompt token. num_taps 0: no taps output (plain `ar`)."""
     L, kvh, hd = target.num_layers, target.num_kv_heads, target.head_dim
     kv = (L, "batch", kvh)
+    past = tuple(TensorSpec(f"{kind}_{i}", "float32", ("batch", kvh, "past", hd))
+                 for i in range(L) for kind in PAST_KINDS)
     inputs = (TensorSpec("input_ids", "int64", ("batch", "tokens")),
               TensorSpec("positions", "int64", ("batch", "tokens")),
               TensorSpec("logit_index", "int64", ("logits",)),
-              TensorSpec("past_key", "float32", kv + ("past", hd)),
-              TensorSpec("past_value", "float32", kv + ("past", hd)),
               TensorSpec("past_lengths", "int64", ("batch",)),
-              TensorSpec("tree_mask", "bool", ("batch", "tokens", "tokens")))
+              TensorSpec("tree_mask", "bool", ("batch", "tokens", "tokens"))) + past
     outputs = [TensorSpec("logits", "float32", ("batch", "logits", target.vocab_size))]
     if num_taps:
         outputs.append(TensorSpec("taps", "float32", ("batch", "tokens", num_taps * target.hidden_size)))
     outputs += [TensorSpec("new_key", "float32", kv + ("tokens", hd)),
                 TensorSpec("new_value", "float32", kv + ("tokens", hd))]
     max_verify = min(max_verify, max_context)
+    # the past has room for the call's tokens (a one-token step's padding token too): past >= tokens
     ranges = {"batch": batch_range(max_batch), "tokens": (1, max_verify, max_context),
-              "logits": (1, max_verify, max_context), "past": (0, max_context // 2, max_context - 1)}
+              "logits": (1, max_verify, max_context), "past": (1, max_context // 2, max_context + max_verify)}
     return EngineSpec(TARGET_VERIFY, inputs, tuple(outputs), ranges)
+
+
+def past_width(lengths, tokens: int) -> int:
+    """The width of the past (or context) K/V a call passes: room for every row's new tokens after
+    its own length."""
+    return int(max(lengths)) + tokens
+
+
+def with_room(past: np.ndarray, tokens: int) -> np.ndarray:
+    """Past (or context) K/V [..., W, hd] with `tokens` zero slots after it: what a call adding
+    `tokens` new positions after a past of exactly W valid slots passes."""
+    return np.pad(past, [(0, 0)] * (past.ndim - 2) + [(0, tokens), (0, 0)])
+
+
+def past_layers(spec: EngineSpec) -> tuple[int, int, int]:
+    """target_verify's (layers, kv heads, head dim), read from its per-layer past inputs."""
+    first = next(t for t in spec.inputs if t.name == f"{PAST_KINDS[0]}_0")
+    return sum(t.name.startswith(f"{PAST_KINDS[0]}_") for t in spec.inputs), first.dims[1], first.dims[3]
+
+
+def past_feeds(past_key, past_value) -> dict:
+    """target_verify's per-layer past inputs from stacked K/V [L, B, kvh, W, hd] (views, no copy)."""
+    return {f"{kind}_{i}": t[i] for i in range(past_key.shape[0])
+            for kind, t in zip(PAST_KINDS, (past_key, past_value))}
 
 
 def _context_kv_outputs(drafter) -> tuple[TensorSpec, ...]:
@@ -207,7 +238,8 @@ def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
     per drafting position too. The drafting positions are the block's by the drafter's block
     convention: drafts = block - 1 (z-lab's), or = block (DeepSpec's). A DSpark drafter's Markov
     correction runs inside the graph. Row b's context slot j is seen iff j < context_lengths[b];
-    the block sees all of itself."""
+    the block sees all of itself. The context K/V has room for the block after every row's length
+    (`past_width`)."""
     block_size = block_size or drafter.block_size
     max_block = max(max_block or block_size, block_size)
     N, kvh, hd = drafter.num_layers, drafter.num_kv_heads, drafter.head_dim
@@ -223,7 +255,7 @@ def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
     if drafter.confidence_head:
         outputs += (TensorSpec("confidence", "float32", ("batch", "drafts")),)
     ranges = {"batch": batch_range(max_batch), "block": (2, block_size, max_block),
-              "context": (1, max_context // 2, max_context)}
+              "context": (2, max_context // 2, max_context + max_block)}  # room for the block: >= length + k
     return EngineSpec(DRAFTER_BLOCK, inputs, outputs, ranges)
 
 

@@ -2,9 +2,10 @@
 (engines/protocol.py) over the exported graphs, bound by the names their EngineSpecs declare.
 
 The engine owns the target's K/V and the drafter's context K/V as `KVCache`s of `max_rows` rows
-with one length per row. Each call passes its rows' valid prefix as wide as the longest row plus
-every row's length (the graphs mask the rest; they take dense inputs, so the prefix is copied once
-per call) and writes the K/V the graph returns for the new positions back at each row's own length;
+with one length per row. Each call passes its rows' prefix as wide as the longest row plus the call's
+tokens (room for the new K/V, which the graph writes after each row's own length) and every row's
+length (the graphs mask the rest; they take dense inputs, so the prefix is copied once per call) and
+writes the K/V the graph returns for the new positions back at each row's own length;
 rollback moves the lengths. A backend supplies `_open` (one runner per engine:
 `run(**tensors) → {output: tensor}`), the buffers' dtype and device; everything else is here.
 """
@@ -19,7 +20,7 @@ import torch
 from loopspec.engines.export import ORDER_FREE_SOFTMAX
 from loopspec.engines.manifest import Manifest, read_manifest
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
-                                    TARGET_VERIFY, EngineSpec)
+                                    TARGET_VERIFY, EngineSpec, past_feeds, past_width)
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import DrafterConfig, StageDrafts
 from loopspec.model.target import KVCache, TargetConfig
@@ -47,9 +48,10 @@ class ArtifactEngine:
         self.artifact_dir = Path(artifact_dir)
         self.manifest = read_manifest(self.artifact_dir)
         self._check(self.manifest)
-        if "tree_mask" not in self.manifest.spec(TARGET_VERIFY).input_names:
-            raise LoopspecError(f"{self.artifact_dir} was exported without the draft-tree mask "
-                                "(an older loopspec): export it again")
+        inputs = self.manifest.spec(TARGET_VERIFY).input_names
+        if "tree_mask" not in inputs or "past_key" in inputs:
+            raise LoopspecError(f"{self.artifact_dir} was exported by an older loopspec (its target graph takes "
+                                f"{'a stacked past' if 'tree_mask' in inputs else 'no draft-tree mask'}): export it again")
         self.target_cfg = TargetConfig.from_hf(read_json(self.artifact_dir / "target" / "config.json", "target config"))
         self.drafter_cfg = (DrafterConfig.from_zlab(read_json(self.artifact_dir / "drafter" / "config.json",
                                                               "drafter config"))
@@ -72,7 +74,7 @@ class ArtifactEngine:
         t, d = self.target_cfg, self.drafter_cfg
         self.max_rows = max_rows
         self.cache = KVCache(t.num_layers, max_rows, t.num_kv_heads, self.max_context, t.head_dim,
-                             self._dtype(TARGET_VERIFY, "past_key"), self.device)
+                             self._dtype(TARGET_VERIFY, "past_key_0"), self.device)
         self.context = (KVCache(d.num_layers, max_rows, d.num_kv_heads, self.max_context, d.head_dim,
                                 self._dtype(DRAFTER_BLOCK, "context_key"), self.device) if d is not None else None)
 
@@ -118,7 +120,7 @@ class ArtifactEngine:
         starts = self.cache.lengths[rows]
         if int((starts + counts).max()) > self.max_context:
             raise LoopspecError(f"sequence of {int((starts + counts).max())} tokens exceeds the context of {self.max_context}")
-        past_key, past_value = self.cache.prefix(rows, int(starts.max()))
+        past_key, past_value = self.cache.prefix(rows, past_width(starts, width))  # [L, R, kvh, W, hd], with room
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         if tree_masks is None:
             tree_masks = causal.expand(len(tokens), -1, -1)
@@ -130,7 +132,8 @@ class ArtifactEngine:
         out = self.runners[TARGET_VERIFY].run(
             input_ids=ids, positions=(starts[:, None] + depths).clamp_max(self.max_context - 1),
             logit_index=torch.arange(width) if all_logits else torch.tensor([max(len(t) for t in tokens) - 1]),
-            past_key=past_key, past_value=past_value, past_lengths=starts, tree_mask=tree_masks.contiguous())
+            past_lengths=starts, tree_mask=tree_masks.contiguous(),
+            **past_feeds(past_key.contiguous(), past_value.contiguous()))  # one copy of the prefix, then views
         self.cache.append(out["new_key"], out["new_value"], rows, counts)
         return out
 
@@ -178,7 +181,7 @@ class ArtifactEngine:
               block_size: int) -> StageDrafts:
         R, k = len(rows), block_size
         lengths = self.context.lengths[rows]  # [R]
-        context_key, context_value = self.context.prefix(rows, int(lengths.max()))
+        context_key, context_value = self.context.prefix(rows, past_width(lengths, k))  # with room for the block
         ids = torch.full((R, k), self.drafter_cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor(anchors)
         out = self.runners[DRAFTER_BLOCK].run(block_ids=ids, positions=torch.tensor(positions)[:, None] + torch.arange(k),

@@ -201,8 +201,17 @@ def test_bad_max_rows_and_old_exports(pairs, tmp_path):
     spec["inputs"] = [t for t in spec["inputs"] if t["name"] != "tree_mask"]
     manifest.save()
     assert "tree_mask" not in json.dumps(read_manifest(old).spec("target_verify").to_dict()["inputs"])
-    with pytest.raises(LoopspecError, match="exported without the draft-tree mask.*export it again"):
+    with pytest.raises(LoopspecError, match="older loopspec .its target graph takes no draft-tree mask.: export it again"):
         OrtEngine(old)
+    stacked = tmp_path / "stacked"  # an export whose past came stacked, without room: refused the same way
+    shutil.copytree(ort_engine.artifact_dir, stacked)
+    manifest = read_manifest(stacked)
+    spec = manifest.data["engines"]["target_verify"]["spec"]
+    spec["inputs"] = [t for t in spec["inputs"] if not t["name"].startswith(("past_key_", "past_value_"))] + [
+        {"name": "past_key", "dtype": "float32", "dims": [1, "batch", 1, "past", 8]}]
+    manifest.save()
+    with pytest.raises(LoopspecError, match="older loopspec .its target graph takes a stacked past.: export it again"):
+        OrtEngine(stacked)
 
 
 def test_server_on_onnxruntime_batches_its_rows(tiny_pair, tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from loopspec.convert.validate import validate_onnx  # noqa: E402
 from loopspec.engines.export import DrafterBlock, example_inputs, export_engines, export_graph  # noqa: E402
 from loopspec.engines.manifest import read_manifest  # noqa: E402
 from loopspec.engines.ort import EngineSession  # noqa: E402
-from loopspec.engines.specs import DRAFTER_BLOCK, drafter_block_spec, engine_specs  # noqa: E402
+from loopspec.engines.specs import DRAFTER_BLOCK, drafter_block_spec, engine_specs, with_room  # noqa: E402
 from loopspec.model.drafter import MARKOV_HEAD_TYPES, MarkovHead, draft_head_weight, draft_stage  # noqa: E402
 from loopspec.runtime.decoder import Decoder, decode_all, generate  # noqa: E402
 from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
@@ -63,8 +63,8 @@ def check_block_parity(session, drafter, target, k=BLOCK, seed=0):
     ids = torch.full((len(CONTEXTS), k), MASK, dtype=torch.long)
     ids[:, 0] = anchors
     positions = torch.tensor(CONTEXTS)[:, None] + torch.arange(k)  # [R, k]: each block right after its context
-    out = session.run(block_ids=ids.numpy(), positions=positions.numpy(), context_key=ctx_k.numpy(),
-                      context_value=ctx_v.numpy(), context_lengths=torch.tensor(CONTEXTS).numpy())
+    out = session.run(block_ids=ids.numpy(), positions=positions.numpy(), context_key=with_room(ctx_k.numpy(), k),
+                      context_value=with_room(ctx_v.numpy(), k), context_lengths=torch.tensor(CONTEXTS).numpy())
     head = draft_head_weight(target.lm_head.weight, drafter.draft_ids)
     D = cfg.drafts_per_block(k)
     assert out["draft_ids"].shape[:2] == (len(CONTEXTS), D)

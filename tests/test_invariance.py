@@ -136,16 +136,17 @@ def test_a_row_computes_the_same_bits_beside_any_rows(engines, precision):
     assert rows_against_alone(engines[precision], ROWS, CALLS_4) == 0.0
 
 
-def widest_past_layout(lengths, past, new_mask, num_kv_heads, group, head_dim):
+def widest_past_layout(lengths, width, new_mask, num_kv_heads, group, head_dim):
     """The mutant: every row's new tokens after the call's widest past (a masked gap after a shorter
     row's own past), as the engines laid them out before."""
-    batch, width = new_mask.shape[0], new_mask.shape[1]
-    slot = torch.arange(past + width)[None, :]
+    batch, tokens = new_mask.shape[0], new_mask.shape[1]
+    past = width - tokens  # the widest row's past: the call's past has room for the tokens after it
+    slot = torch.arange(width)[None, :]
     offset = slot - past
-    sees_new = new_mask.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(batch, width, -1))
+    sees_new = new_mask.gather(2, offset.clamp(0, tokens - 1)[:, None, :].expand(batch, tokens, -1))
     visible = (slot < lengths[:, None])[:, None, :] | ((offset >= 0)[:, None, :] & sees_new)
     mask = torch.where(visible, 0.0, float("-inf"))[:, None].repeat(1, 1, group, 1)
-    slots = (past + torch.arange(width))[None, None, :, None].expand(batch, num_kv_heads, width, head_dim)
+    slots = (past + torch.arange(tokens))[None, None, :, None].expand(batch, num_kv_heads, tokens, head_dim)
     return slots, mask
 
 

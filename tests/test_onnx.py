@@ -147,8 +147,10 @@ def test_specs_are_the_one_source_of_truth(tiny_targets):
     verify = specs[TARGET_VERIFY]
     L, kvh, hd = target.cfg.num_layers, target.cfg.num_kv_heads, target.cfg.head_dim
     shapes = verify.profile_shapes()
-    # batch: 1 row (optimized for), up to 16; past: none at the first prefill
-    assert shapes["past_key"] == ((L, 1, kvh, 0, hd), (L, 1, kvh, 128, hd), (L, 16, kvh, 255, hd))
+    # batch: 1 row (optimized for), up to 16; past: one input per layer, with room for the call's tokens
+    assert [n for n in verify.input_names if n.startswith(("past_key_", "past_value_"))] == [
+        f"past_{kind}_{i}" for i in range(L) for kind in ("key", "value")]
+    assert shapes["past_key_0"] == ((1, kvh, 1, hd), (1, kvh, 128, hd), (16, kvh, 256 + 8, hd))
     assert shapes["input_ids"] == ((1, 1), (1, 8), (16, 256))
     assert shapes["past_lengths"] == ((1,), (1,), (16,))
     assert verify.dynamic_axes()["taps"] == {0: "batch", 1: "tokens"}
@@ -163,8 +165,8 @@ def test_specs_are_the_one_source_of_truth(tiny_targets):
         block.check_input("block_ids", (1, 9))
     with pytest.raises(LoopspecError, match="batch=17 is outside"):
         block.check_input("block_ids", (17, 5))
-    with pytest.raises(LoopspecError, match=f"axis 2 must be {kvh}"):
-        verify.check_input("past_key", (L, 3, kvh + 1, 5, hd))
+    with pytest.raises(LoopspecError, match=f"axis 1 must be {kvh}"):
+        verify.check_input("past_key_0", (3, kvh + 1, 5, hd))
     small = engine_specs(target.cfg, drafter.cfg, max_context=256, max_batch=4)
     assert {spec.ranges["batch"] for spec in small.values()} == {(1, 1, 4)}
     with pytest.raises(LoopspecError, match="max batch"):

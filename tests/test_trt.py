@@ -58,17 +58,18 @@ def test_profiles_come_from_the_specs(tiny_pair):
             assert len(lo) == len(opt) == len(hi)
             assert all(a <= b <= c for a, b, c in zip(lo, opt, hi)), name
     verify = {name: (lo, opt, hi) for name, lo, opt, hi in profile_shapes(specs[TARGET_VERIFY])}
-    lo, opt, hi = verify["past_key"]
-    assert lo == (t.num_layers, 1, t.num_kv_heads, 0, t.head_dim)  # the first prefill has no past
-    assert opt == (t.num_layers, 1, t.num_kv_heads, 64, t.head_dim)  # tuned for one sequence
-    assert hi == (t.num_layers, 16, t.num_kv_heads, 127, t.head_dim)  # up to 16 rows
+    assert sum(name.startswith(("past_key_", "past_value_")) for name in verify) == 2 * t.num_layers  # one a layer
+    lo, opt, hi = verify["past_key_0"]
+    assert lo == (1, t.num_kv_heads, 1, t.head_dim)  # the first prefill's past: room for its tokens only
+    assert opt == (1, t.num_kv_heads, 64, t.head_dim)  # tuned for one sequence
+    assert hi == (16, t.num_kv_heads, 128 + 6, t.head_dim)  # up to 16 rows, a full context + a verification
     assert verify["input_ids"] == ((1, 1), (1, 6), (16, 128)) and verify["past_lengths"] == ((1,), (1,), (16,))
     block = {name: (lo, opt, hi) for name, lo, opt, hi in profile_shapes(specs[DRAFTER_BLOCK])}
     assert block["block_ids"] == ((1, 2), (1, 6), (16, 6))  # optimized for the drafter's block size
-    assert block["context_key"][2] == (1, 16, d.num_kv_heads, 128, d.head_dim)
+    assert block["context_key"][2] == (1, 16, d.num_kv_heads, 128 + 6, d.head_dim)  # room for a block
     # a plan for fewer rows (convert trt --max-batch): every input's batch axis narrowed, nothing else
     narrow = {name: (lo, opt, hi) for name, lo, opt, hi in profile_shapes(specs[DRAFTER_BLOCK].narrowed("batch", 4))}
-    assert narrow["context_key"][2] == (1, 4, d.num_kv_heads, 128, d.head_dim)
+    assert narrow["context_key"][2] == (1, 4, d.num_kv_heads, 128 + 6, d.head_dim)
     assert narrow["block_ids"] == ((1, 2), (1, 6), (4, 6)) and narrow["context_lengths"][2] == (4,)
     with pytest.raises(LoopspecError, match=r"batch max 17 is outside the exported range \[1, 16\]"):
         specs[TARGET_VERIFY].narrowed("batch", 17)

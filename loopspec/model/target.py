@@ -325,11 +325,17 @@ class KVCache:
         self.rollback([s + len(o) for s, o in zip(starts, kept)])
 
     def prefix(self, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `width` slots of `rows` → K, V [layers, R, kvh, width, hd] (a view for rows 0..R-1)."""
+        """The first `width` slots of `rows` → K, V [layers, R, kvh, width, hd] (a view for rows 0..R-1);
+        slots past the buffer (room asked for beyond the max length) are zeros."""
         if rows == list(range(len(rows))):
-            return self.k[:, :len(rows), :, :width], self.v[:, :len(rows), :, :width]
-        index = torch.tensor(rows, device=self.k.device)
-        return self.k[:, index, :, :width], self.v[:, index, :, :width]
+            k, v = self.k[:, :len(rows), :, :width], self.v[:, :len(rows), :, :width]
+        else:
+            index = torch.tensor(rows, device=self.k.device)
+            k, v = self.k[:, index, :, :width], self.v[:, index, :, :width]
+        if width > self.max_length:
+            pad = [0, 0, 0, width - self.max_length]  # hd, then the slots
+            k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
+        return k, v
 
     def swap_rows(self, a: int, b: int) -> None:
         """Rows a and b exchange their slots and lengths (only the valid slots are copied)."""
