@@ -73,10 +73,21 @@ class ArtifactEngine:
                                 f"[1, {self.max_batch}] ({self.artifact_dir})")
         t, d = self.target_cfg, self.drafter_cfg
         self.max_rows = max_rows
+        self._staging: dict[str, torch.Tensor] = {}  # dense copies of the prefixes a call passes (`_dense`)
         self.cache = KVCache(t.num_layers, max_rows, t.num_kv_heads, self.max_context, t.head_dim,
                              self._dtype(TARGET_VERIFY, "past_key_0"), self.device)
         self.context = (KVCache(d.num_layers, max_rows, d.num_kv_heads, self.max_context, d.head_dim,
                                 self._dtype(DRAFTER_BLOCK, "context_key"), self.device) if d is not None else None)
+
+    def _dense(self, name: str, view: torch.Tensor) -> torch.Tensor:
+        """`view` (a cache prefix, strided) copied into a dense buffer kept across calls: a fresh
+        allocation every call costs more than the copy (new pages are faulted in and zeroed; measured
+        on the default engine at 16 rows: 16.5 ms a K/V prefix against 7.5 ms into a kept buffer)."""
+        n, buffer = view.numel(), self._staging.get(name)
+        if buffer is None or buffer.numel() < n:
+            grown = max(n, 2 * buffer.numel()) if buffer is not None else n
+            buffer = self._staging[name] = torch.empty(grown, dtype=view.dtype, device=view.device)
+        return buffer[:n].view(view.shape).copy_(view)
 
     def with_rows(self, max_rows: int) -> "ArtifactEngine":
         twin = copy.copy(self)  # the same runners (sessions, plans)
@@ -133,7 +144,7 @@ class ArtifactEngine:
             input_ids=ids, positions=(starts[:, None] + depths).clamp_max(self.max_context - 1),
             logit_index=torch.arange(width) if all_logits else torch.tensor([max(len(t) for t in tokens) - 1]),
             past_lengths=starts, tree_mask=tree_masks.contiguous(),
-            **past_feeds(past_key.contiguous(), past_value.contiguous()))  # one copy of the prefix, then views
+            **past_feeds(self._dense("past_key", past_key), self._dense("past_value", past_value)))
         self.cache.append(out["new_key"], out["new_value"], rows, counts)
         return out
 
@@ -182,6 +193,7 @@ class ArtifactEngine:
         R, k = len(rows), block_size
         lengths = self.context.lengths[rows]  # [R]
         context_key, context_value = self.context.prefix(rows, past_width(lengths, k))  # with room for the block
+        context_key, context_value = self._dense("context_key", context_key), self._dense("context_value", context_value)
         ids = torch.full((R, k), self.drafter_cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor(anchors)
         out = self.runners[DRAFTER_BLOCK].run(block_ids=ids, positions=torch.tensor(positions)[:, None] + torch.arange(k),
