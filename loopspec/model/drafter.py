@@ -190,6 +190,10 @@ class DrafterConfig:
         # DeepSpec writes the head fields at the top level; a z-lab-convention drafter with heads keeps
         # them in dflash_config (as SpecForge's DSpark export does)
         heads = cfg if deepspec else dflash
+        misplaced = sorted(k for k in ("markov_rank", "enable_confidence_head") if not deepspec and k in cfg)
+        if misplaced:
+            raise LoopspecError(f"drafter config.json: {', '.join(misplaced)} of a {cfg.get('architectures')} drafter "
+                                "belong inside dflash_config (DeepSpec's top-level fields go with Qwen3DSparkModel)")
         rank = heads.get("markov_rank", 0)
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise LoopspecError(f"drafter config.json: markov_rank must be an integer >= 0, got {rank!r}")
