@@ -50,6 +50,16 @@ def tiny_targets(tmp_path_factory):
     return {f: save_tiny_target(f, root / f, seed=i) for i, f in enumerate(FAMILIES)}
 
 
+@pytest.fixture(scope="session")
+def target_dir(tiny_targets, tmp_path_factory):
+    """The qwen3 tiny target with a tokenizer (the CLI, load_pair and bundles need one)."""
+    d = tmp_path_factory.mktemp("qwen3-with-tokenizer")
+    for f in tiny_targets["qwen3"].iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    save_tiny_tokenizer(d)
+    return d
+
+
 def save_tiny_tokenizer(directory: Path, vocab_size: int = 128) -> None:
     """A character-level tokenizer (ids 0..2 special, then printable characters) with a chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders

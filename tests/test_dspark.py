@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import lively, save_tiny_tokenizer
+from conftest import lively
 from loopspec.cli import main
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import (MARKOV_HEAD_TYPES, Drafter, DrafterConfig, draft_stage, require_zlab_block)
@@ -190,16 +190,6 @@ def deepspec_checkpoint(directory, target_dir, *, layers=2, rank=RANK, kind="van
     save_file(sd, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(cfg))
     return directory, sd
-
-
-@pytest.fixture(scope="module")
-def target_dir(tiny_targets, tmp_path_factory):
-    """The qwen3 tiny target with a tokenizer (the CLI and load_pair need one)."""
-    d = tmp_path_factory.mktemp("dspark-target")
-    for f in tiny_targets["qwen3"].iterdir():
-        (d / f.name).write_bytes(f.read_bytes())
-    save_tiny_tokenizer(d)
-    return d
 
 
 @pytest.mark.parametrize("kind", MARKOV_HEAD_TYPES)

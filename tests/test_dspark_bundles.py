@@ -16,7 +16,7 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="needs gguf: pip install gguf (a core dependency)")
 
-from conftest import lively, save_tiny_tokenizer  # noqa: E402
+from conftest import lively  # noqa: E402
 from test_dspark import BLOCK, MASK, RANK, dspark_config, liven_heads  # noqa: E402
 from test_llamacpp import NO_SERVER, write_tiny_target_gguf  # noqa: E402
 
@@ -37,16 +37,6 @@ BACKBONE_KEYS = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
         "post_attention_layernorm")]
 MARKOV_KEYS = ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
 CONFIDENCE_KEYS = ["confidence_head.proj.weight", "confidence_head.proj.bias"]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tiny_targets, tmp_path_factory):
-    """The qwen3 tiny target with a tokenizer (a bundle copies its tokenizer files)."""
-    d = tmp_path_factory.mktemp("dspark-bundle-target")
-    for f in tiny_targets["qwen3"].iterdir():
-        (d / f.name).write_bytes(f.read_bytes())
-    save_tiny_tokenizer(d)
-    return d
 
 
 @pytest.fixture(scope="module")
