@@ -325,10 +325,11 @@ def llama_server_command(binary: str | Path, target_gguf: str | Path, *, drafter
 
 
 def find_llama_server(path: str | Path | None = None) -> Path | None:
-    """The llama-server binary: `path` when given (it must be an executable file), else `llama-server`
-    on PATH, else None."""
+    """The llama-server binary: `path` when given (an executable file, or a bare name found on PATH),
+    else `llama-server` on PATH, else None."""
     if path is not None:
-        path = Path(path)
+        on_path = shutil.which(str(path)) if os.sep not in str(path) else None
+        path = Path(on_path or path)
         if not path.is_file() or not os.access(path, os.X_OK):
             raise LoopspecError(f"llama-server binary {path} does not exist or is not executable "
                                 "(scripts/build_llama_server.sh builds one)")

@@ -242,6 +242,9 @@ def test_find_llama_server(tmp_path, monkeypatch):
     assert find_llama_server() is None
     monkeypatch.setenv("PATH", str(tmp_path))
     assert find_llama_server() == binary
+    assert find_llama_server("llama-server") == binary  # a bare name is looked up on PATH, as a shell would
+    with pytest.raises(LoopspecError, match="does not exist or is not executable"):
+        find_llama_server("llama-server-nope")
 
 
 # --------------------------------------------------------------------------------------------------
