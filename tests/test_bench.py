@@ -281,7 +281,7 @@ def test_llamacpp_peers_beside_the_default_engines(tmp_path):
     from loopspec.engines.llamacpp import find_llama_server
 
     if find_llama_server() is None:
-        pytest.skip("no llama-server on PATH (scripts/build_llama_server.sh builds one)")
+        pytest.skip(reason="no llama-server on PATH (scripts/build_llama_server.sh builds one)")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"turns": ["Write a Python function that returns the n-th Fibonacci number."]}\n')
     report = tmp_path / "b.json"

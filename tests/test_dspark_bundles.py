@@ -261,7 +261,7 @@ def test_dspark_gguf_drafts_in_llama_server(tmp_path):
 
     binary = find_llama_server()
     if binary is None:
-        pytest.skip(NO_SERVER)
+        pytest.skip(reason=NO_SERVER)
     from loopspec.model.target import TargetConfig
     from loopspec.runtime.peers import LlamaServerPeer
     from loopspec.weights import load_tokenizer, resolve_target_dir, target_gguf_path

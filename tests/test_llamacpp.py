@@ -343,7 +343,7 @@ def default_peer(tmp_path_factory):
     a dflash GGUF: the runtime's own peer (runtime/peers.py), as `bench` runs it."""
     binary = find_llama_server()
     if binary is None:
-        pytest.skip(NO_SERVER)
+        pytest.skip(reason=NO_SERVER)
     from loopspec.defaults import DEFAULT_DRAFTER_DIR
     from loopspec.runtime.peers import LlamaServerPeer
     from loopspec.weights import target_gguf_path

@@ -28,7 +28,7 @@ def needs(package: str):
     try:
         importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip(f"the PyPI package {package} is not installed (make setup installs it)")
+        pytest.skip(reason=f"the PyPI package {package} is not installed (make setup installs it)")
 
 
 def test_registry_lists_each_set_with_its_origin_source_and_license():
