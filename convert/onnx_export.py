@@ -10,7 +10,9 @@ outputs target token ids.
 
 Precision `fp32` (default) exports the fp32 weights. `gguf-fp32act` / `gguf-int8act` export the
 target_verify graph over the GGUF's own 4-bit / 8-bit blocks (engines/gguf_export.py) with fp32 or
-int8 activations; the drafter engines stay fp32.
+int8 activations; with int8 activations the drafter engines compute with Q8_0 blocks of the
+drafter's own weights and the GGUF's own lm_head rows (`block_drafter`), with fp32 activations they
+stay fp32.
 """
 
 from __future__ import annotations
@@ -34,6 +36,6 @@ def convert_onnx(target: Target, drafter: Drafter | None, out_dir: str | Path, *
     A `gguf-*` precision reads the target's blocks from `gguf_path`, the GGUF `target` was expanded from."""
     manifest = export_engines(target, drafter, out_dir, target_dir=target_dir, drafter_dir=drafter_dir,
                               max_context=max_context, block_size=block_size, opset=opset,
-                              **precision_options(target, precision, gguf_path))
+                              **precision_options(target, precision, gguf_path, drafter))
     report = validate_onnx(out_dir, target, drafter, precision, num_threads=num_threads) if validate else None
     return manifest, report

@@ -260,8 +260,9 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
     for engine, outputs in errors.items():
         # draft ids may differ where two logits tie within the tolerance; the τ check covers them
         worst = max(v for k, v in outputs.items() if k != "draft_ids")
-        tolerance = limits.get("target", limits["relative"]) if engine == TARGET_VERIFY else limits["relative"]
-        report["engines"][engine] = {"errors": outputs, "passed": tolerance is None or worst <= tolerance}
+        tolerance = limits.get("target" if engine == TARGET_VERIFY else "drafter", limits["relative"])
+        report["engines"][engine] = {"errors": outputs, "tolerance": tolerance,
+                                     "passed": tolerance is None or worst <= tolerance}
 
     identical, agreeing, taus_ref, taus_onnx = True, [], [], []
     for prompt in prompts:
@@ -298,7 +299,8 @@ def format_report(report: dict) -> str:
              f"{'PASSED' if report['passed'] else 'FAILED'} in {report['seconds']} s"]
     for engine, r in report["engines"].items():
         errs = ", ".join(f"{k} {v:.1e}" for k, v in r["errors"].items())
-        lines.append(f"  {engine:<24}{'ok ' if r['passed'] else 'BAD'} {errs}")
+        limit = f" (limit {r['tolerance']:g})" if r.get("tolerance") != report["tolerance"]["relative"] else ""
+        lines.append(f"  {engine:<24}{'ok ' if r['passed'] else 'BAD'} {errs}{limit}")
     lines.append(f"  greedy decoding of {report['prompts']} prompts × {report['new_tokens']} tokens: "
                  f"{'identical' if report['greedy_identical'] else 'DIFFERENT'} to PyTorch; one verification "
                  f"of them {'equals' if report['verify_equals_plain'] else 'differs from'} the engine's plain decoding "

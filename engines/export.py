@@ -304,7 +304,7 @@ class DrafterBlock(nn.Module):
     padding changes nothing that is returned."""
 
     def __init__(self, drafter: Drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 max_block: int | None = None):
+                 max_block: int | None = None, head: nn.Module | None = None):
         super().__init__()
         self.drafter = drafter
         cfg = drafter.cfg
@@ -313,7 +313,10 @@ class DrafterBlock(nn.Module):
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.register_buffer("embed_weight", embed_weight.detach())
         draft_ids = drafter.draft_ids
-        self.register_buffer("head_weight", draft_head_weight(lm_head_weight.detach(), draft_ids))
+        if head is None:  # the draft rows of the lm_head, as a plain linear
+            head = nn.Linear(lm_head_weight.shape[1], 1, bias=False)
+            head.weight = nn.Parameter(draft_head_weight(lm_head_weight.detach(), draft_ids), requires_grad=False)
+        self.head = head  # states [..., H] → logits over the draft rows (a block product exports itself)
         self.register_buffer("draft_to_target", draft_ids.clone() if draft_ids is not None else None)
         # q, k and v of each layer as one product, as the target's qkv_proj
         self.qkv_proj = nn.ModuleList(fused_linear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
@@ -347,7 +350,7 @@ class DrafterBlock(nn.Module):
         if cfg.is_dspark:  # the traced chain is unrolled over max_block positions; the last real one repeats past k
             states = torch.cat([hidden, hidden[:, -1:].expand(-1, self.max_block, -1)], dim=1)[:, :self.max_block]  # [B, max_block, H]
         drafts, logprobs, confidence = draft_stage(self.heads, states, block_ids[:, 0],
-                                                   lambda h: F.linear(h, self.head_weight), self.draft_to_target)
+                                                   lambda h: linear(h, self.head), self.draft_to_target)
         width = hidden.shape[1] - cfg.first_draft  # D of this call's block
         outputs = (drafts[:, :width], logprobs[:, :width], hidden)  # [B, D, C], [B, D, C], [B, k, H]
         return outputs if confidence is None else (*outputs, confidence[:, :width])  # + [B, D]
@@ -474,7 +477,8 @@ def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> 
 def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path, *, target_dir: str | Path,
                    drafter_dir: str | Path | None = None, max_context: int | None = None,
                    block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET,
-                   verify_target: Target | None = None, precision: str = "fp32",
+                   verify_target: Target | None = None, draft_drafter: Drafter | None = None,
+                   draft_head: nn.Module | None = None, precision: str = "fp32",
                    extra_settings: dict | None = None) -> Manifest:
     """Export target_verify (+ the three drafter engines when a drafter is given) as ONNX into
     `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Staged
@@ -482,8 +486,9 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
 
     `verify_target`: the module target_verify computes instead of `target` (a copy with linears that
     export themselves, e.g. the GGUF's blocks: engines/gguf_export.py), named by `precision` and
-    described by `extra_settings` in the manifest; the drafter engines keep `target`'s fp32 embedding
-    and lm_head."""
+    described by `extra_settings` in the manifest; `draft_drafter` and `draft_head` likewise what the
+    drafter engines compute instead of `drafter` and its rows of `target`'s lm_head (the embedding
+    stays `target`'s fp32 one)."""
     import onnx  # noqa: F401  (fail early, with the extra to install)
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
@@ -496,10 +501,11 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     taps = drafter.cfg.target_layer_ids if drafter is not None else []
     modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps)}
     if drafter is not None:
-        modules[DRAFTER_CONTEXT] = DrafterContext(drafter, from_taps=True)
-        modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(drafter, from_taps=False)
-        modules[DRAFTER_BLOCK] = DrafterBlock(drafter, target.embed_tokens.weight, target.lm_head.weight,
-                                              max_block=specs[DRAFTER_BLOCK].ranges["block"][2])
+        computed = draft_drafter if draft_drafter is not None else drafter
+        modules[DRAFTER_CONTEXT] = DrafterContext(computed, from_taps=True)
+        modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(computed, from_taps=False)
+        modules[DRAFTER_BLOCK] = DrafterBlock(computed, target.embed_tokens.weight, target.lm_head.weight,
+                                              max_block=specs[DRAFTER_BLOCK].ranges["block"][2], head=draft_head)
 
     with staged_dir(out_dir) as work:
         files = {}

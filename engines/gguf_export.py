@@ -28,6 +28,11 @@ Two arithmetics, one precision name each (the artifact manifest records them):
                 over [past ; new] (engines/export.py `attend`), and no product has a single row
                 (runtime/artifact_engine.py).
 
+The drafter engines follow the activations: with int8 activations the drafter's own linears become
+Q8_0 blocks quantized from its weights and its draft head the GGUF's Q8_0 lm_head rows of the draft
+vocabulary (`block_drafter`); with fp32 activations they stay fp32. A drafter changes only which
+tokens are proposed, never what a round commits.
+
 The modules compute, eagerly, the fp32 expansion's product (the reference); their ONNX graph is
 emitted by `symbolic` (TorchScript exporter), so engines/export.py traces them like any linear
 (`exports_itself`).
@@ -44,12 +49,14 @@ from torch import nn
 
 from loopspec.errors import LoopspecError
 from loopspec.precisions import precision_names
-from loopspec.gguf_blocks import BLOCK, BlockMatrix
+from loopspec.gguf_blocks import BLOCK, BlockMatrix, quantize_blocks
+from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 
 ACCURACY_LEVEL = {"gguf-fp32act": 1, "gguf-int8act": 4}  # precision → MatMulNBits accuracy_level
 PRECISIONS = precision_names(weights=("gguf",))  # loopspec/precisions.py
 assert set(ACCURACY_LEVEL) == set(PRECISIONS), "one accuracy level per GGUF-block precision"
+DRAFTER_BLOCKS = "Q8_0"  # a drafter's own linears with int8 activations (measured: docs/benchmarks.md)
 ACTIVATIONS = {"gguf-fp32act": "fp32", "gguf-int8act": "int8 (per block of 32, inside MatMulNBits)"}
 
 
@@ -148,6 +155,19 @@ class Q80Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Q80Product.apply(x, self.codes, self.scales, self.accuracy_level)
 
+    @classmethod
+    def fused(cls, parts: list["Q80Linear"]) -> "Q80Linear":
+        """The parts' rows one after another (engines/export.py `fused_linear`): blocks run along K
+        inside each row, so stacking quantized rows is the quantization of the stacked matrix."""
+        if len({p.accuracy_level for p in parts}) != 1:
+            raise LoopspecError("cannot fuse block products of different accuracy levels into one")
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.register_buffer("codes", torch.cat([p.codes for p in parts]))  # [ΣN, K/32, 32]
+        fused.register_buffer("scales", torch.cat([p.scales for p in parts]))  # [ΣN·K/32]
+        fused.accuracy_level = parts[0].accuracy_level
+        return fused
+
 
 def block_linear(matrix: BlockMatrix, precision: str) -> nn.Module | None:
     """The module computing one matrix's product in `precision`; None: the fp32 Linear stays (F32/F16
@@ -192,10 +212,49 @@ def block_target(target: Target, blocks: dict[str, BlockMatrix], precision: str)
     return out, counts
 
 
-def precision_options(target: Target, precision: str, gguf_path: str | Path | None) -> dict:
+def block_drafter(drafter: Drafter, lm_head: BlockMatrix, precision: str) -> tuple[Drafter, nn.Module, dict] | None:
+    """What the drafter engines compute in `precision`: with int8 activations, a copy of `drafter`
+    whose linears (its layers' projections and fc) are Q8_0 blocks quantized from its own weights,
+    and its draft head the target GGUF's own `lm_head` blocks, the draft vocabulary's rows → (copy,
+    head module, the manifest's account). None with fp32 activations: there every block product is
+    slower than fp32 (module doc), so the drafter stays fp32.
+
+    The drafter's arithmetic changes only which tokens are proposed: what a round commits is the
+    target's, so the output stays the engine's own plain decoding (validation reports the drafter's
+    τ against its fp32 reference)."""
+    level = ACCURACY_LEVEL[precision]
+    if level != ACCURACY_LEVEL["gguf-int8act"]:
+        return None
+    out = copy.deepcopy(drafter)
+    products, kept = 0, 0
+    for parent in [out] + [m for layer in out.layers for m in (layer.self_attn, layer.mlp)]:
+        for leaf, linear in list(parent.named_children()):
+            if not isinstance(linear, nn.Linear) or (parent is out and leaf != "fc"):
+                continue
+            if linear.bias is not None or linear.in_features % BLOCK:  # no blocks along K: stays fp32
+                kept += 1
+                continue
+            setattr(parent, leaf, Q80Linear(quantize_blocks(linear.weight.detach().float().numpy(), DRAFTER_BLOCKS),
+                                            level))
+            products += 1
+    rows = lm_head if drafter.draft_ids is None else lm_head.rows(drafter.draft_ids.numpy())
+    head = block_linear(rows, precision)
+    if head is None:  # an F32/F16 lm_head in the GGUF: its rows as they are
+        head = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+        head.weight = nn.Parameter(torch.from_numpy(rows.dequantize()), requires_grad=False)
+    account = {"products": f"{products} {DRAFTER_BLOCKS} (quantized from its weights, round to nearest) "
+                           f"as {Q80Linear.__name__}" + (f", {kept} fp32 (a bias, or rows not in blocks of {BLOCK})"
+                                                         if kept else ""),
+               "draft_head": f"the GGUF's lm_head ({lm_head.kind}), {rows.shape[0]} rows",
+               "activations": ACTIVATIONS[precision]}
+    return out, head, account
+
+
+def precision_options(target: Target, precision: str, gguf_path: str | Path | None,
+                      drafter: Drafter | None = None) -> dict:
     """export_engines' keyword arguments for `precision`: nothing for fp32; for a `gguf-*` precision
-    the target over the blocks of `gguf_path` (the GGUF `target` was expanded from), the manifest's
-    account of its weights and arithmetic."""
+    the target over the blocks of `gguf_path` (the GGUF `target` was expanded from), the drafter's
+    block products where they pay (`block_drafter`), the manifest's account of weights and arithmetic."""
     from loopspec.engines.manifest import source_hashes
     from loopspec.gguf_blocks import target_blocks
 
@@ -213,4 +272,8 @@ def precision_options(target: Target, precision: str, gguf_path: str | Path | No
                 "arithmetic": {"activations": ACTIVATIONS[precision],
                                "matmulnbits_accuracy_level": ACCURACY_LEVEL[precision],
                                "q4_1_minimum": "blocksum(x) @ M in fp32"}}
-    return {"precision": precision, "verify_target": verify_target, "extra_settings": settings}
+    options = {"precision": precision, "verify_target": verify_target, "extra_settings": settings}
+    quantized = block_drafter(drafter, blocks["lm_head.weight"], precision) if drafter is not None else None
+    if quantized is not None:
+        options["draft_drafter"], options["draft_head"], settings["drafter"] = quantized
+    return options

@@ -69,6 +69,22 @@ class BlockMatrix:
         return BlockMatrix(self.kind, self.blocks[index])
 
 
+def quantize_blocks(weight: np.ndarray, kind: str) -> BlockMatrix:
+    """A float matrix [N, K] (K a multiple of 32) as ggml blocks of `kind` ("Q8_0" or "Q4_1"), by the
+    `gguf` package's reference quantizer (round to nearest, as llama.cpp's converter writes them):
+    a matrix that has no GGUF of its own, such as a trained drafter's, gets the same block products."""
+    from gguf import GGMLQuantizationType, quants
+
+    if kind not in BLOCK_BYTES:
+        raise LoopspecError(f"cannot quantize to {kind!r} blocks (choose from {', '.join(BLOCK_BYTES)})")
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    if weight.ndim != 2 or weight.shape[1] % BLOCK:
+        raise LoopspecError(f"{kind} blocks need a matrix whose rows are a multiple of {BLOCK} long, "
+                            f"got shape {weight.shape}")
+    data = quants.quantize(weight, GGMLQuantizationType[kind])  # uint8 [N, K/32 · bytes]
+    return BlockMatrix(kind, data.reshape(weight.shape[0], -1, BLOCK_BYTES[kind]))
+
+
 def stack_rows(parts: list[BlockMatrix]) -> BlockMatrix:
     """The parts' rows one after another (a fused projection), all of one type."""
     kinds = {p.kind for p in parts}

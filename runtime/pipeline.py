@@ -329,5 +329,5 @@ def cached_ort_engine(model: Target, draft_model: Drafter | None, target_dir: Pa
             print(f"[loopspec] cached ONNX engines unusable ({e}); exporting again", file=sys.stderr)
     print(f"[loopspec] exporting {precision} ONNX engines to {onnx_dir} (once)", file=sys.stderr)
     export_engines(model, draft_model, onnx_dir, target_dir=target_dir, drafter_dir=drafter_dir,
-                   **gguf_export.precision_options(model, precision, gguf_path))
+                   **gguf_export.precision_options(model, precision, gguf_path, draft_model))
     return OrtEngine(onnx_dir, max_context, num_threads)

@@ -23,7 +23,7 @@ from loopspec.engines.export import linear  # noqa: E402
 from loopspec.engines.ort import EngineSession  # noqa: E402
 from loopspec.engines.specs import TARGET_VERIFY  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
-from loopspec.gguf_blocks import read_tensors, target_blocks  # noqa: E402
+from loopspec.gguf_blocks import quantize_blocks, read_tensors, target_blocks  # noqa: E402
 from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import generate  # noqa: E402
 from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
@@ -184,6 +184,29 @@ def test_one_q8_0_product_is_the_8_bit_block_product(tiny_gguf, tmp_path):
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_quantize_blocks_writes_what_the_gguf_package_reads(kind):
+    w = np.random.default_rng(5).standard_normal((6, 96)).astype(np.float32) * np.linspace(0.1, 3, 96)
+    matrix = quantize_blocks(w, kind)
+    assert matrix.kind == kind and matrix.shape == w.shape
+    back = gguf.quants.dequantize(matrix.blocks.reshape(6, -1), Q[kind]).reshape(w.shape)  # the reader's expansion
+    assert np.array_equal(matrix.dequantize(), back)
+    # round to nearest: every weight within half a step of its block, give or take the fp16 rounding of
+    # the scale and minimum (truncating codes would leave up to a whole step)
+    steps = (np.abs(w).reshape(6, 3, 32).max(-1) / 127 if kind == "Q8_0"
+             else np.ptp(w.reshape(6, 3, 32), axis=-1) / 15)
+    assert (np.abs(back - w).reshape(6, 3, 32) <= steps[..., None] * 0.52).all()
+    # weights the blocks hold exactly come back exactly
+    assert np.array_equal(quantize_blocks(back, kind).dequantize(), back)
+
+
+def test_quantize_blocks_refuses_what_has_no_blocks():
+    with pytest.raises(LoopspecError, match="multiple of 32"):
+        quantize_blocks(np.zeros((4, 48), np.float32), "Q8_0")
+    with pytest.raises(LoopspecError, match="Q5_K"):
+        quantize_blocks(np.zeros((4, 64), np.float32), "Q5_K")
+
+
 def test_the_graphs_hold_the_blocks_and_the_manifest_names_them(exported):
     import onnx
 
@@ -198,12 +221,24 @@ def test_the_graphs_hold_the_blocks_and_the_manifest_names_them(exported):
         nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
         bits = sorted(next(a.i for a in n.attribute if a.name == "bits") for n in nbits)
         counts[precision] = bits
-        for engine in ("drafter_context", "drafter_block"):  # the drafter stays fp32
+        for engine in ("drafter_context", "drafter_context_hidden", "drafter_block"):
             g = onnx.load(str(onnx_dir / f"{engine}.onnx"), load_external_data=False).graph
-            assert not any(n.op_type == "MatMulNBits" for n in g.node)
+            counts[precision, engine] = sorted(next(a.i for a in n.attribute if a.name == "bits")
+                                               for n in g.node if n.op_type == "MatMulNBits")
     n_layers = json.loads((exported["gguf-fp32act"][0] / "target" / "config.json").read_text())["num_hidden_layers"]
     assert counts["gguf-fp32act"] == [4] * (4 * n_layers)  # Q8_0 lm_head as its exact fp32 expansion
     assert counts["gguf-int8act"] == [4] * (4 * n_layers) + [8]  # and as the 8-bit block product
+    # the drafter: fp32 with fp32 activations; with int8 activations its own Q8_0 blocks (per layer q/k/v
+    # fused, o, gate/up fused, down; the draft head the GGUF's Q8_0 lm_head rows; fc and the fused K/V)
+    drafter_cfg = json.loads((exported["gguf-int8act"][0] / "drafter" / "config.json").read_text())
+    assert drafter_cfg["num_hidden_layers"] == 1 and drafter_cfg["intermediate_size"] % 32 == 0
+    for engine in ("drafter_context", "drafter_context_hidden", "drafter_block"):
+        assert counts["gguf-fp32act", engine] == []
+    assert counts["gguf-int8act", "drafter_block"] == [8] * (4 + 1)
+    assert counts["gguf-int8act", "drafter_context"] == [8] * 2
+    assert counts["gguf-int8act", "drafter_context_hidden"] == [8]
+    account = json.loads((exported["gguf-int8act"][0] / "manifest.json").read_text())["settings"]["drafter"]
+    assert account["products"].startswith("7 Q8_0")  # fc, q, k, v, o, gate_up, down and "lm_head (Q8_0)" in account["draft_head"]
 
 
 def test_fp32_activations_match_the_fp32_reference(exported):
@@ -215,6 +250,10 @@ def test_fp32_activations_match_the_fp32_reference(exported):
     # one verification computes what its plain decoding computes (one value product, see `attend`)
     assert 1e-5 < report["engines"][TARGET_VERIFY]["errors"]["logits"] < 0.25
     assert report["verify_equals_plain"] and report["verify_plain_agreement"] == 1.0
+    # its drafter is a quantized one too: off the fp32 drafter measurably, within the same bound
+    for engine in ("drafter_context", "drafter_block"):
+        assert 1e-5 < report["engines"][engine]["errors"]["hidden" if engine == "drafter_block" else "context_key"] < 0.25
+        assert report["engines"][engine]["tolerance"] == 0.25
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
