@@ -194,8 +194,8 @@ $BIN/loopspec train --data "$MIX" --init "$WORK/drafter-v6d" --out "$WORK/drafte
     --lr 1e-3 --epochs 1 --max-steps 80 --eval-every 40 --eval-samples 64 --save-every 10 --compute-dtype bfloat16 \
     --tap-cache "$WORK/taps-v6" --threads 2
 # (c) rank and head type, heads alone as (b): vanilla rank 16 (held-out τ 1.928), gated rank 32 (1.930 at step
-#     40, stopped there for time); rnn not run
-for spec in "16 vanilla" "32 gated"; do
+#     40, stopped there for time), rnn rank 32 (1.913)
+for spec in "16 vanilla" "32 gated" "32 rnn"; do
   set -- $spec
   $BIN/loopspec train --data "$MIX" --init "$WORK/drafter-v6d" --out "$WORK/sweep-r$1-$2" --block-size 8 \
       --markov-rank "$1" --markov-head "$2" --confidence-head --heads-only --anchors 512 --batch-sequences 4 \
