@@ -1,0 +1,79 @@
+"""ONNX Runtime GenAI's decode step on the same prompts as loopspec's engines: the ceiling its own
+int4 model builder reaches on this CPU, timed beside `scripts/step_times.py`. Two steps, because
+onnxruntime-genai is not a loopspec dependency (install it in a virtual environment of its own, with
+torch and transformers for its builder):
+
+    # 1. in loopspec's environment: the prompts as token ids (chat template), in a JSON file
+    python scripts/genai_step.py --write-ids ids.json --prompts humaneval --limit 8
+    # 2. in the GenAI environment: build the int4 model from the default target's fp32 checkpoint
+    #    (the directory `loopspec generate` caches, printed by step 1), then time it
+    python -m onnxruntime_genai.models.builder -i TARGET_DIR -o genai-int4 -p int4 -e cpu -c genai-cache
+    python scripts/genai_step.py --model genai-int4 --ids ids.json --max-new-tokens 128
+
+Greedy, 2 threads' worth of whatever GenAI picks; one uncounted warm-up prompt; the median of every
+decode step (the first token after the prompt excluded) and the median prefill.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def write_ids(path: str, prompts: list[str], limit: int) -> None:
+    from loopspec.runtime.bench import load_prompt_sets
+    from loopspec.runtime.pipeline import load_pipeline
+
+    pipe = load_pipeline("default", None, backend="torch")
+    ids = [pipe.encode(t) for texts in load_prompt_sets(prompts, limit).values() for t in texts]
+    with open(path, "w") as f:
+        json.dump(ids, f)
+    print(f"{len(ids)} prompts → {path}; the target's checkpoint: {pipe.target_dir}")
+
+
+def time_genai(model_dir: str, ids_path: str, max_new_tokens: int) -> None:
+    import onnxruntime_genai as og
+
+    model = og.Model(model_dir)
+    prompts = json.load(open(ids_path))
+    steps, prefills = [], []
+    for i, ids in enumerate([prompts[0]] + prompts):  # the first once more, uncounted: warm-up
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + max_new_tokens, do_sample=False)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(ids)  # the prompt's forward
+        prefill = time.perf_counter() - start
+        times = []
+        while not generator.is_done() and len(times) < max_new_tokens:
+            start = time.perf_counter()
+            generator.generate_next_token()
+            times.append((time.perf_counter() - start) * 1e3)
+        if i:
+            steps += times[1:]
+            prefills.append(prefill)
+    print(f"onnxruntime-genai {getattr(og, '__version__', '?')}: decode step median {statistics.median(steps):.2f} ms "
+          f"({len(steps)} steps, {len(prompts)} prompts), prefill median {statistics.median(prefills) * 1e3:.0f} ms")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--write-ids", metavar="FILE", help="write the prompts' token ids (loopspec's environment)")
+    p.add_argument("--prompts", nargs="+", default=["humaneval"])
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--model", help="a GenAI model directory (its builder's output)")
+    p.add_argument("--ids", help="the token ids --write-ids wrote")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    args = p.parse_args()
+    if args.write_ids:
+        write_ids(args.write_ids, args.prompts, args.limit)
+    elif args.model and args.ids:
+        time_genai(args.model, args.ids, args.max_new_tokens)
+    else:
+        p.error("give --write-ids FILE, or --model DIR and --ids FILE")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
