@@ -164,15 +164,19 @@ def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
+def fixed_linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free, frozen linear over `weight` [N, K] (exported as an initializer)."""
+    module = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    return module
+
+
 def fused_linear(parts: list[nn.Module]) -> nn.Module:
     """One bias-free linear whose output is the parts' outputs side by side (weights stacked by rows);
     quantized linears fuse themselves."""
     if getattr(parts[0], "exports_itself", False):
         return type(parts[0]).fused(parts)
-    weight = torch.cat([p.weight for p in parts]).detach().clone()
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    return fused
+    return fixed_linear(torch.cat([p.weight for p in parts]).detach().clone())
 
 
 def swiglu(x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
@@ -313,9 +317,8 @@ class DrafterBlock(nn.Module):
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.register_buffer("embed_weight", embed_weight.detach())
         draft_ids = drafter.draft_ids
-        if head is None:  # the draft rows of the lm_head, as a plain linear
-            head = nn.Linear(lm_head_weight.shape[1], 1, bias=False)
-            head.weight = nn.Parameter(draft_head_weight(lm_head_weight.detach(), draft_ids), requires_grad=False)
+        # the draft rows of the lm_head, unless a block product of them is given
+        head = head if head is not None else fixed_linear(draft_head_weight(lm_head_weight.detach(), draft_ids))
         self.head = head  # states [..., H] → logits over the draft rows (a block product exports itself)
         self.register_buffer("draft_to_target", draft_ids.clone() if draft_ids is not None else None)
         # q, k and v of each layer as one product, as the target's qkv_proj

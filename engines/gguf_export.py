@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from loopspec.engines.export import fixed_linear
 from loopspec.errors import LoopspecError
 from loopspec.precisions import precision_names
 from loopspec.gguf_blocks import BLOCK, BlockMatrix, quantize_blocks
@@ -240,8 +241,7 @@ def block_drafter(drafter: Drafter, lm_head: BlockMatrix, precision: str) -> tup
     rows = lm_head if drafter.draft_ids is None else lm_head.rows(drafter.draft_ids.numpy())
     head = block_linear(rows, precision)
     if head is None:  # an F32/F16 lm_head in the GGUF: its rows as they are
-        head = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
-        head.weight = nn.Parameter(torch.from_numpy(rows.dequantize()), requires_grad=False)
+        head = fixed_linear(torch.from_numpy(rows.dequantize()))
     account = {"products": f"{products} {DRAFTER_BLOCKS} (quantized from its weights, round to nearest) "
                            f"as {Q80Linear.__name__}" + (f", {kept} fp32 (a bias, or rows not in blocks of {BLOCK})"
                                                          if kept else ""),
