@@ -73,8 +73,8 @@ from pathlib import Path
 import torch
 
 from loopspec.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET_MASK_TOKEN_ID
-from loopspec.engines.llamacpp import (gguf_target_info, llama_server_command, spec_type, unsupported_in_llamacpp,
-                                       write_dflash_gguf)
+from loopspec.engines.llamacpp import (cached_drafter_gguf, gguf_target_info, llama_server_command, spec_type,
+                                       unsupported_in_llamacpp)
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.precisions import precision_names
@@ -644,7 +644,7 @@ def build_bundle(target: str, drafter: str, out_dir: str | Path, engines: str | 
         if "llamacpp" in engines:  # first: it keeps the reduced draft vocabulary the z-lab drafter/ drops
             (tmp / "llamacpp").mkdir()
             shutil.copyfile(target_gguf, tmp / LLAMACPP_TARGET)
-            write_dflash_gguf(model, target_gguf, tmp / LLAMACPP_DRAFTER)
+            shutil.copyfile(cached_drafter_gguf(model, drafter_dir, target_gguf), tmp / LLAMACPP_DRAFTER)
         if hf_engines:
             _write_hf_parts(model, draft_ids, target_dir, target_cfg, tmp, dtype, precision, with_vllm_drafter,
                             calib_prompts, calib_size)

@@ -288,7 +288,7 @@ def drafter_logit_error(onnx_dir: str | Path, target: Target, drafter: Drafter, 
     import numpy as np
 
     from loopspec.engines.manifest import read_manifest
-    from loopspec.engines.ort import EngineSession, check_precision as check_runnable
+    from loopspec.engines.ort_engine import EngineSession, check_precision as check_runnable
     from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, with_room
 
     manifest = read_manifest(onnx_dir)

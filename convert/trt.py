@@ -8,7 +8,7 @@ serialized to `<engine>.plan`. The configs and tokenizer travel along, and `mani
 "tensorrt") records the GPU, its compute capability and the TensorRT version the plans were built
 for: a plan runs only on that GPU architecture and TensorRT version, and `settings.arithmetic` what the
 plans compute with (fp32 plans have TF32 cleared; only they verify draft trees, the others chains:
-engines/trt.py plan_arithmetic).
+engines/trt_engine.py plan_arithmetic).
 
 tensorrt is imported lazily; without it, or without a GPU, the command stops with a clear error.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 from loopspec.engines.manifest import Manifest, read_manifest, tool_versions, write_manifest
 from loopspec.weights import file_sha256
 from loopspec.engines.staging import check_out_dir, staged_dir
-from loopspec.engines.trt import (builder_flags, check_precision_supported, cuda_capability, plan_arithmetic,
+from loopspec.engines.trt_engine import (builder_flags, check_precision_supported, cuda_capability, plan_arithmetic,
                                   profile_shapes, require_tensorrt)
 from loopspec.errors import LoopspecError
 
@@ -35,7 +35,7 @@ def _errors(parser) -> str:
 def build_plan(trt, builder, logger, onnx_path: Path, spec, workspace_bytes: int | None,
                precision: str = "fp32") -> bytes:
     """Parse one ONNX graph into a strongly typed network and build its plan for the spec's ranges
-    (an fp32 plan with TF32 cleared: engines/trt.py plan_arithmetic)."""
+    (an fp32 plan with TF32 cleared: engines/trt_engine.py plan_arithmetic)."""
     strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     network = builder.create_network(0 if strongly_typed is None else 1 << int(strongly_typed))
     parser = trt.OnnxParser(network, logger)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from loopspec.engines.manifest import read_manifest
-from loopspec.engines.ort import EngineSession, check_precision
+from loopspec.engines.ort_engine import EngineSession, check_precision
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
                                     TARGET_VERIFY, past_feeds, past_layers, with_room)
 from loopspec.errors import LoopspecError

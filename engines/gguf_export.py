@@ -26,7 +26,7 @@ Two arithmetics, one precision name each (the artifact manifest records them):
                 its own plain decoding, which its target_verify reproduces bit for bit (chains and
                 draft trees): the attention's softmax sums in integers and its value product runs
                 over [past ; new] (engines/export.py `attend`), and no product has a single row
-                (runtime/artifact_engine.py).
+                (engines/artifact_engine.py).
 
 The drafter engines follow the activations: with int8 activations the drafter's own linears become
 Q8_0 blocks quantized from its weights and its draft head the GGUF's Q8_0 lm_head rows of the draft

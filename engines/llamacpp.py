@@ -39,6 +39,8 @@ architecture; its DSpark converter, conversion/qwen.py `DSparkModel`, also write
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import uuid
@@ -47,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from loopspec.errors import LoopspecError
+from loopspec.files import cache_root, file_sha256
 
 ARCH = "dflash"
 DTYPES = ("f32", "f16")
@@ -336,3 +339,19 @@ def find_llama_server(path: str | Path | None = None) -> Path | None:
         return path
     found = shutil.which(LLAMA_SERVER)
     return Path(found) if found else None
+
+
+def cached_drafter_gguf(drafter, drafter_dir, target_gguf: Path) -> Path:
+    """The drafter as a llama.cpp DFlash GGUF in ~/.cache/loopspec/llamacpp/<key>/drafter.gguf,
+    written on first use (key: the drafter's config and weights, the target GGUF, the writer's code).
+    bench's llama.cpp peer drafts with it and a bundle copies it."""
+    h = hashlib.sha256(json.dumps(drafter.cfg.to_zlab(), sort_keys=True).encode())
+    h.update(file_sha256(Path(__file__)).encode())
+    h.update(str(Path(target_gguf).resolve()).encode())
+    for p in sorted(Path(drafter_dir).glob("*.safetensors")) if drafter_dir is not None else []:
+        h.update(file_sha256(p).encode())
+    out = cache_root() / "llamacpp" / h.hexdigest()[:16] / "drafter.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_dflash_gguf(drafter, target_gguf, out)
+    return out

@@ -7,9 +7,10 @@ rows packed at the front, so the per-round calls (verify, rollback, context appe
 opened. A single request is one row; a prompt prefilled in chunks sits in another row until done.
 
 Tensors that decide (logits, drafts, log-probs) come back on the CPU; features (taps, hidden states)
-stay on the engine's device. Backends: runtime/torch_engine.py (PyTorch, CUDA graphs an option of
-it), runtime/ort_engine.py (ONNX Runtime) and runtime/trt_engine.py (TensorRT), the last two over
-runtime/artifact_engine.py.
+stay on the engine's device. Backends, all in this package: torch_engine.py (PyTorch; cuda_graphs.py
+an option of it), ort_engine.py (ONNX Runtime) and trt_engine.py (TensorRT), the last two over
+artifact_engine.py (the artifact contract: manifest, specs, caches). Callers outside this package
+hold engines as `Engine` and reach nothing else of theirs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from loopspec.model.drafter import DrafterConfig
+from loopspec.model.drafter import DrafterConfig, StageDrafts
 from loopspec.model.target import TargetConfig
 
 
@@ -85,12 +86,13 @@ class Engine(Protocol):
 
     # ---- drafter ---------------------------------------------------------------------------------
     def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              sampling: list | None = None) -> StageDrafts:
         """One stage for each of `rows`: [anchor, MASK × (k-1)] at positions .. positions+k-1 on the
         row's own context → each drafting position's C best drafts [R, D, C] (target ids, rank 0 the
         argmax), their log-probs [R, D, C], final-norm hidden states [R, k, H]. D = k-1 for z-lab's
-        block convention, k for DeepSpec's (`DrafterConfig.anchor_predicts`). An engine whose drafter
-        has a confidence head returns a `StageDrafts`, whose `.confidence` [R, D] carries it.
+        block convention, k for DeepSpec's (`DrafterConfig.anchor_predicts`), as a `StageDrafts`
+        (unpacks as those three), whose `.confidence` [R, D] carries a confidence head's estimates
+        (None without one).
         `sampling` (engines with `samples_drafts`): each row's (SamplingParams, torch.Generator);
         each position's one draft is then sampled from the drafter's warped distribution q with
         the row's generator (C = 1, log-probs log q), and the `StageDrafts` carries q [R, D, V]

@@ -529,7 +529,7 @@ def llamacpp_peer(pipe, target: str, llama_server: str | None, dflash_block: int
     binary (`llama_server`, else one on PATH) and the target as a GGUF; with `dflash_block`, the
     pair's drafter is written once as a llama.cpp dflash GGUF into the cache and drafts its drafts per
     block a round (dflash_block - 1; dflash_block for a DSpark drafter of DeepSpec's convention)."""
-    from loopspec.engines.llamacpp import find_llama_server, spec_type
+    from loopspec.engines.llamacpp import cached_drafter_gguf, find_llama_server, spec_type
     from loopspec.runtime.peers import LlamaServerPeer
     from loopspec.weights import target_gguf_path
 
@@ -549,23 +549,3 @@ def llamacpp_peer(pipe, target: str, llama_server: str | None, dflash_block: int
         draft_max, spec = pipe.drafter.cfg.drafts_per_block(dflash_block), spec_type(pipe.drafter.cfg)
     peer = LlamaServerPeer(binary, gguf, drafter_gguf, draft_max, num_threads, context, spec=spec)
     return peer, None
-
-
-def cached_drafter_gguf(drafter, drafter_dir, target_gguf: Path) -> Path:
-    """The drafter as a llama.cpp DFlash GGUF in ~/.cache/loopspec/llamacpp/<key>/drafter.gguf,
-    written on first use (key: the drafter's config and weights, the target GGUF, the writer's code)."""
-    import hashlib
-
-    from loopspec.engines import llamacpp
-    from loopspec.weights import cache_root, file_sha256
-
-    h = hashlib.sha256(json.dumps(drafter.cfg.to_zlab(), sort_keys=True).encode())
-    h.update(file_sha256(Path(llamacpp.__file__)).encode())
-    h.update(str(Path(target_gguf).resolve()).encode())
-    for p in sorted(Path(drafter_dir).glob("*.safetensors")) if drafter_dir is not None else []:
-        h.update(file_sha256(p).encode())
-    out = cache_root() / "llamacpp" / h.hexdigest()[:16] / "drafter.gguf"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        llamacpp.write_dflash_gguf(drafter, target_gguf, out)
-    return out

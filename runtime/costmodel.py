@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from loopspec.engines.protocol import Engine
+
 
 def memory_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
     """Read bandwidth in GB/s: sum over a buffer much larger than the caches (median of repeats)."""
@@ -46,7 +48,7 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def verify_times(engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repeats: int = 5) -> dict[int, float]:
+def verify_times(engine: Engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repeats: int = 5) -> dict[int, float]:
     """Seconds of one target verification of `n` tokens after `context` committed ones (row 0).
 
     The lengths are interleaved within each repeat, so a transient slowdown of the machine spreads
@@ -64,7 +66,7 @@ def verify_times(engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repea
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def draft_time(engine, block_size: int, context: int = 128, repeats: int = 5) -> float:
+def draft_time(engine: Engine, block_size: int, context: int = 128, repeats: int = 5) -> float:
     """Seconds of one drafter stage (block forward + draft head) plus the context append it needs (row 0)."""
     vocab = engine.target_cfg.vocab_size
     tokens = [(10 + i) % vocab for i in range(context)]

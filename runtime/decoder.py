@@ -25,6 +25,8 @@ from typing import Callable, Hashable
 import torch
 
 from loopspec.decoding import SamplingParams, next_token, speculative_accept, tree_accept
+from loopspec.engines.backends import torch_engine
+from loopspec.engines.protocol import Engine
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import DRAFT_CANDIDATES
 from loopspec.settings import DecodingSettings
@@ -149,7 +151,7 @@ def gate_score(gate: str, logprobs: torch.Tensor, confidence: torch.Tensor | Non
     return float(logprobs[:, 0].sum())
 
 
-def draft_round(engine, settings: DecodingSettings, anchors: list[int], positions: list[int],
+def draft_round(engine: Engine, settings: DecodingSettings, anchors: list[int], positions: list[int],
                 budgets: list[int], sampling: list | None = None) -> list[Drafted]:
     """Draft stages for one verification of rows 0..B-1 (DLoop: the gate decides each next stage) → what each row drafted (at most
     `budget` depths). A row with budget 0 drafts nothing.
@@ -184,8 +186,7 @@ def draft_round(engine, settings: DecodingSettings, anchors: list[int], position
             stage = engine.draft(group, [anchors[b] for b in group], [positions[b] for b in group], size,
                                  **({"sampling": [sampling[b] for b in group]} if sampling is not None else {}))
             drafts, logprobs, hidden = stage  # [R, size-first, C] ids and log-probs, [R, size, H]
-            # engines without a confidence head return a plain tuple
-            confidence = getattr(stage, "confidence", None)  # [R, size-first] or None
+            confidence = stage.confidence  # [R, size-first], None without a confidence head
             for i, b in enumerate(group):
                 stages[b].append((drafts[i], logprobs[i], None if confidence is None else confidence[i]))
                 if sampling is not None:
@@ -245,7 +246,7 @@ class Decoder:
     drafting rows saves nothing, and a step's cost is the batch's. For one request it is that
     request's own fallback."""
 
-    def __init__(self, engine, settings: DecodingSettings = DecodingSettings(),
+    def __init__(self, engine: Engine, settings: DecodingSettings = DecodingSettings(),
                  fallback: AdaptiveFallback | None = None, prefill_chunk: int | None = None):
         if settings.uses_drafter and not engine.has_drafter:
             raise LoopspecError(f"{settings.method} needs a drafter")
@@ -256,7 +257,7 @@ class Decoder:
         if settings.gate == "confidence" and not (engine.has_drafter and engine.drafter_cfg.confidence_head):
             raise LoopspecError("the confidence gate needs a drafter with a confidence head (a DSpark drafter); "
                                 "use --gate logprob")
-        if settings.draft_sampling == "drafter" and not getattr(engine, "samples_drafts", False):
+        if settings.draft_sampling == "drafter" and not engine.samples_drafts:
             raise LoopspecError(f"draft sampling 'drafter' needs the drafter's whole distribution, which the "
                                 f"{engine.backend} engine's drafter does not return (it returns its top "
                                 "candidates): use --backend torch, or --draft-sampling walk")
@@ -541,9 +542,7 @@ def regenerate_responses(target, prompts: list[list[int]], max_new_tokens: int, 
                          params: SamplingParams, generator: torch.Generator) -> list[tuple[list[int], str]]:
     """The target's own responses to `prompts` (training data), decoded together plainly (`ar`, one
     row per prompt, each row seeded from `generator`) → per prompt (response tokens, finish reason)."""
-    from loopspec.runtime.torch_engine import TorchEngine
-
-    engine = TorchEngine(target, None, max(len(p) for p in prompts) + max_new_tokens, max_rows=len(prompts))
+    engine = torch_engine(target, None, max(len(p) for p in prompts) + max_new_tokens, max_rows=len(prompts))
     seeds = torch.randint(1 << 62, (len(prompts),), generator=generator).tolist()
     done = decode_all(Decoder(engine), [dict(key=b, prompt_ids=p, max_new_tokens=max_new_tokens, params=params,
                                              seed=seeds[b], stop_token_ids=frozenset(stop_token_ids))
@@ -551,7 +550,7 @@ def regenerate_responses(target, prompts: list[list[int]], max_new_tokens: int, 
     return [(done[b].tokens, done[b].finish if done[b].finish == "stop" else "length") for b in range(len(prompts))]
 
 
-def generate(engine, prompt_ids: list[int], settings: DecodingSettings = DecodingSettings(), *,
+def generate(engine: Engine, prompt_ids: list[int], settings: DecodingSettings = DecodingSettings(), *,
              max_new_tokens: int, params: SamplingParams = SamplingParams(), seed: int = 0,
              generator: torch.Generator | None = None, stop_token_ids: frozenset[int] | set[int] = frozenset(),
              fallback: AdaptiveFallback | None = None,

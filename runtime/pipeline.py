@@ -22,9 +22,9 @@ from loopspec.settings import DecodingSettings, engine_key, resolve_settings
 from loopspec.tuned import user_setting
 from loopspec.weights import load_tokenizer
 from loopspec.runtime.decoder import GenerationResult, generate
-from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.engines.protocol import Engine
+from loopspec.engines.backends import BACKENDS, artifact_engine, cached_onnx_engine, require_cuda, torch_engine
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
 # what a pair's target computes with on the torch and onnxruntime backends (loopspec/precisions.py);
 # "auto" picks the fastest this backend has for this target (`resolve_precision`). Artifact
 # directories may also hold modelopt-quantized engines (ARTIFACT_PRECISIONS).
@@ -53,7 +53,7 @@ class Pipeline:
     drafter_dir: Path | None  # where the drafter was loaded from (None: none or fresh)
     target: Target | None  # None when the engines run from an exported directory (no torch weights)
     drafter: Drafter | None
-    engine: object  # an Engine (engines/protocol.py)
+    engine: Engine
     drafter_description: str  # "shipped (...)", "untrained (...)", a path, or "none"
     stop_token_ids: frozenset[int]
     target_source: str | None = None  # the target as the user named it ('default', a dir, a .gguf)
@@ -91,7 +91,7 @@ class Pipeline:
             engine = cached_ort_engine(self.target, self.drafter, self.target_dir, self.drafter_dir, max_context,
                                        num_threads, precision, self.target_source)
         else:
-            engine = TorchEngine(self.target, self.drafter, max_context, num_threads)
+            engine = torch_engine(self.target, self.drafter, max_context, num_threads)
         return dataclasses.replace(self, engine=engine)
 
     def with_rows(self, max_rows: int) -> "Pipeline":
@@ -259,14 +259,8 @@ def load_pipeline(target: str = "default", drafter: str | None = "default", max_
 def open_pipeline(choice: EngineChoice) -> Pipeline:
     """Load the pair and build the engine `choice` names."""
     if choice.from_artifacts:
-        if choice.onnx_dir is not None:
-            from loopspec.runtime.ort_engine import OrtEngine
-
-            engine, directory = OrtEngine(choice.onnx_dir, choice.max_context, choice.threads), Path(choice.onnx_dir)
-        else:
-            from loopspec.runtime.trt_engine import TrtEngine
-
-            engine, directory = TrtEngine(choice.trt_dir, choice.max_context), Path(choice.trt_dir)
+        directory = Path(choice.onnx_dir if choice.onnx_dir is not None else choice.trt_dir)
+        engine = artifact_engine(choice.backend, directory, choice.max_context, choice.threads)
         if choice.precision not in ("auto", engine.precision):
             raise LoopspecError(f"{directory} holds {engine.precision} engines, not {choice.precision} "
                                 "(artifacts carry their precision: drop --precision or export again)")
@@ -275,8 +269,6 @@ def open_pipeline(choice: EngineChoice) -> Pipeline:
     device = resolve_device(choice.device)
     cuda_graphs = device.type == "cuda" if choice.cuda_graphs is None else choice.cuda_graphs
     if cuda_graphs:
-        from loopspec.runtime.cuda_graphs import require_cuda
-
         require_cuda(device)  # before any model is loaded
     pair = load_pair(choice.target, choice.drafter, mask_token=choice.mask_token_id)
     model, draft_model = pair.target, pair.drafter
@@ -287,14 +279,13 @@ def open_pipeline(choice: EngineChoice) -> Pipeline:
         engine = cached_ort_engine(model, draft_model, pair.target_dir, pair.drafter_dir, choice.max_context,
                                    choice.threads, precision, choice.target)
     else:
-        engine = TorchEngine(model, draft_model, choice.max_context or model.cfg.max_position_embeddings,
-                             choice.threads, cuda_graphs=cuda_graphs)
+        engine = torch_engine(model, draft_model, choice.max_context, choice.threads, cuda_graphs=cuda_graphs)
     return Pipeline(tokenizer=pair.tokenizer, target_dir=pair.target_dir, drafter_dir=pair.drafter_dir, target=model,
                     drafter=draft_model, engine=engine, drafter_description=pair.drafter_description,
                     stop_token_ids=pair.stop_token_ids, target_source=str(choice.target))
 
 
-def artifact_pipeline(engine, directory: Path) -> Pipeline:
+def artifact_pipeline(engine: Engine, directory: Path) -> Pipeline:
     """The pipeline around an engine that runs from an artifact directory (its tokenizer and configs)."""
     tokenizer = load_tokenizer(directory / "target")
     description = f"exported ({directory})" if engine.has_drafter else "none"
@@ -305,29 +296,11 @@ def artifact_pipeline(engine, directory: Path) -> Pipeline:
 
 def cached_ort_engine(model: Target, draft_model: Drafter | None, target_dir: Path, drafter_dir: Path | None,
                       max_context: int | None, num_threads: int | None, precision: str = "fp32",
-                      target: str | None = None):
-    """OrtEngine over the pair's export in `precision` in the cache, exported on first use (and again
-    when the cached files no longer match their manifest). A gguf-* precision reads the blocks of
-    `target`'s GGUF ('default' or a .gguf file)."""
-    import sys
+                      target: str | None = None) -> Engine:
+    """The pair's cached ONNX export in `precision` (engines/backends.py); a gguf-* precision reads
+    the blocks of `target`'s GGUF ('default' or a .gguf file)."""
+    from loopspec.weights import target_gguf_path
 
-    from loopspec.engines import gguf_export
-    from loopspec.engines.export import OPSET, export_engines, source_key
-    from loopspec.runtime.ort_engine import OrtEngine
-    from loopspec.weights import cache_root, file_sha256, target_gguf_path
-
-    settings = {"opset": OPSET}
-    gguf_path = None
-    if precision != "fp32":  # the block modules are export code too
-        gguf_path = target_gguf_path(target)
-        settings |= {"precision": precision, "gguf_export": file_sha256(Path(gguf_export.__file__))}
-    onnx_dir = cache_root() / "onnx" / source_key(target_dir, draft_model, drafter_dir, settings)
-    if (onnx_dir / "manifest.json").is_file():
-        try:
-            return OrtEngine(onnx_dir, max_context, num_threads)
-        except LoopspecError as e:
-            print(f"[loopspec] cached ONNX engines unusable ({e}); exporting again", file=sys.stderr)
-    print(f"[loopspec] exporting {precision} ONNX engines to {onnx_dir} (once)", file=sys.stderr)
-    export_engines(model, draft_model, onnx_dir, target_dir=target_dir, drafter_dir=drafter_dir,
-                   **gguf_export.precision_options(model, precision, gguf_path, draft_model))
-    return OrtEngine(onnx_dir, max_context, num_threads)
+    gguf_path = target_gguf_path(target) if precision != "fp32" else None
+    return cached_onnx_engine(model, draft_model, target_dir, drafter_dir, max_context, num_threads, precision,
+                              gguf_path)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from loopspec.errors import LoopspecError
 from loopspec.runtime.bench import load_prompt_sets
-from loopspec.runtime.ort_engine import OrtEngine
+from loopspec.engines.backends import artifact_engine
 from loopspec.runtime.pipeline import artifact_pipeline
 from loopspec.settings import DRAFTER_METHODS, method_variant
 from loopspec.stats import acceptance_length
@@ -37,7 +37,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     try:
-        pipes = {name: artifact_pipeline(OrtEngine(d, None, args.threads), d) for name, d in (("A", args.a), ("B", args.b))}
+        pipes = {name: artifact_pipeline(artifact_engine("onnxruntime", d, None, args.threads), d) for name, d in (("A", args.a), ("B", args.b))}
         settings = {}
         for name in args.methods:
             method, overrides = method_variant(name)

@@ -84,7 +84,7 @@ def check_graphs_identity(dry_run: bool) -> int:
     from test_cuda_graphs import (IDENTITY_METHODS, MIN_DISTINCT, StaticEngine, identity_mismatches,
                                   identity_prompts, plain_decoding, random_drafter)
 
-    from loopspec.runtime.torch_engine import TorchEngine
+    from loopspec.engines.torch_engine import TorchEngine
     from loopspec.weights import load_target_dir
 
     device = "cpu" if dry_run else "cuda"
@@ -136,7 +136,7 @@ def check_nvfp4_rule(dry_run: bool) -> int:
     """NVFP4 plans are refused below Blackwell (the H200 is 9.0); allowed on compute capability >= 10.0."""
     import torch
 
-    from loopspec.engines.trt import check_precision_supported
+    from loopspec.engines.trt_engine import check_precision_supported
     from loopspec.errors import LoopspecError
 
     if dry_run or not torch.cuda.is_available():

@@ -15,7 +15,7 @@ Measured, CUDA graphs on and off: tokens/s of ar, dflash and dloop at batch 1 an
 t_verify(1) for k = 1..32; draft ms per stage; and the runtime's overhead against the bound
 τ · t_verify(1) / (t_draft + t_verify(k)) (the speedup a zero-overhead runtime would reach with
 that τ, one stage of k = 16 tokens verified per round). On the CPU (--dry-run) "graphs on" runs
-the graphs' static-buffer path without capture (runtime/cuda_graphs.py StaticRunner).
+the graphs' static-buffer path without capture (engines/cuda_graphs.py StaticRunner).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.drafter import Drafter, DrafterConfig, StageDrafts
 from loopspec.model.target import Target, TargetConfig
-from loopspec.runtime.cuda_graphs import StaticRunner
+from loopspec.engines.cuda_graphs import StaticRunner
 from loopspec.runtime.decoder import Decoder, decode_all
-from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DLOOP_DEFAULTS, DecodingSettings
 
 QWEN3_8B = dict(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
@@ -66,9 +66,10 @@ class OracleEngine(TorchEngine):
         return twin
 
     def draft(self, rows, anchors, positions, block_size):
-        drafts, logprobs, hidden = super().draft(rows, anchors, positions, block_size)
+        stage = super().draft(rows, anchors, positions, block_size)
         if self.decoder is None:  # timing one stage outside decoding: the drafter's own drafts
-            return drafts, logprobs, hidden
+            return stage
+        drafts, logprobs, hidden = stage
         drafts = drafts.clone()
         for i, b in enumerate(rows):
             row = self.decoder.rows[b]
@@ -81,7 +82,7 @@ class OracleEngine(TorchEngine):
             guess = [t if chain_index + j < accept else (t + 1) % self.target_cfg.vocab_size
                      for j, t in enumerate(truth)]
             drafts[i, :, 0] = torch.tensor(guess)
-        return drafts, logprobs, hidden
+        return StageDrafts(drafts, logprobs, hidden)
 
 
 def sync(device: torch.device) -> None:

@@ -5,9 +5,9 @@ import torch
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.drafter import Drafter, DrafterConfig, StageDrafts
 from loopspec.runtime.decoder import AdaptiveFallback, Decoder, decode_all, generate
-from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings as Method
 from loopspec.weights import load_target_dir
 
@@ -139,7 +139,7 @@ def test_ragged_acceptance_with_oracle_drafts(engines):
                     if chain_index + j == wrong_at[row.key]:
                         guess[j] = (guess[j] + 1) % 128
                 drafts[i, :, 0] = torch.tensor(guess)  # the chain; the other ranks stay the drafter's
-            return drafts, logprobs, hidden
+            return StageDrafts(drafts, logprobs, hidden)
 
     decoder = Decoder(OracleEngine(engine.target, engine.drafter, 160, max_rows=4), METHODS["dloop"])
     done = decode_all(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=50) for i, p in enumerate(ps)])
@@ -229,7 +229,7 @@ def test_onnxruntime_engine_batches_its_rows(engines, tiny_targets, tmp_path):
     """The ONNX Runtime engine has its own batched calls (tests/test_batch_artifacts.py has the rest)."""
     pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
     from loopspec.engines.export import export_engines
-    from loopspec.runtime.ort_engine import OrtEngine
+    from loopspec.engines.ort_engine import OrtEngine
 
     engine = engines["qwen3"]
     export_engines(engine.target, engine.drafter, tmp_path / "onnx", target_dir=tiny_targets["qwen3"], max_context=160)

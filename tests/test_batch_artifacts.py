@@ -15,9 +15,9 @@ from loopspec.engines.manifest import read_manifest  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import Decoder, decode_all, generate  # noqa: E402
-from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
+from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
 from loopspec.tree import DraftTree, tree_masks  # noqa: E402
-from loopspec.runtime.torch_engine import TorchEngine  # noqa: E402
+from loopspec.engines.torch_engine import TorchEngine  # noqa: E402
 from loopspec.settings import DecodingSettings as Method  # noqa: E402
 from loopspec.weights import load_target_dir  # noqa: E402
 

@@ -14,11 +14,11 @@ from conftest import FAMILIES, lively
 from loopspec.cli import main
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
-from loopspec.runtime import cuda_graphs
-from loopspec.runtime.cuda_graphs import (StaticRunner, drafter_block_static, key_bucket, plan_block, plan_verify,
+from loopspec.engines import cuda_graphs
+from loopspec.engines.cuda_graphs import (StaticRunner, drafter_block_static, key_bucket, plan_block, plan_verify,
                                           target_verify_static)
 from loopspec.runtime.decoder import Decoder, decode_all, generate
-from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings
 from loopspec.tree import DraftTree, tree_masks
 from loopspec.weights import load_target_dir

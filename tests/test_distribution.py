@@ -16,9 +16,9 @@ from scipy.stats import chisquare
 
 import loopspec.runtime.decoder as decoder_module
 from loopspec.decoding import SamplingParams, probabilities, sample
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.drafter import Drafter, DrafterConfig, StageDrafts
 from loopspec.runtime.decoder import generate
-from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings
 from loopspec.weights import load_target_dir
 
@@ -163,7 +163,7 @@ class SelfDraftingEngine(TorchEngine):
             token = int(logits[0, -1].argmax())
             drafts.append(token)
         self.target_rollback([position])
-        return torch.tensor([drafts])[..., None], torch.zeros(1, block_size - 1, 1), None  # one candidate each
+        return StageDrafts(torch.tensor([drafts])[..., None], torch.zeros(1, block_size - 1, 1), None)  # one candidate each
 
 
 def test_speculative_two_draft_chain_matches_target_distribution(engine):
@@ -195,7 +195,7 @@ class SelfDraftingLoopEngine(TorchEngine):
         self.target_rollback([base])
         self.chain = prefix + drafts
         hidden = torch.zeros(1, block_size, self.target.cfg.hidden_size)  # pseudo-features this drafter ignores
-        return torch.tensor([drafts])[..., None], torch.zeros(1, block_size - 1, 1), hidden
+        return StageDrafts(torch.tensor([drafts])[..., None], torch.zeros(1, block_size - 1, 1), hidden)
 
 
 def test_dloop_matches_target_distribution(engine):

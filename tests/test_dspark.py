@@ -15,7 +15,7 @@ from loopspec.errors import LoopspecError
 from loopspec.model.drafter import (MARKOV_HEAD_TYPES, Drafter, DrafterConfig, draft_stage, require_zlab_block)
 from loopspec.pair import load_pair
 from loopspec.runtime.decoder import Decoder, decode_all, draft_round, generate
-from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings
 from loopspec.weights import load_target_dir
 

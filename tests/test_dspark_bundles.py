@@ -26,7 +26,7 @@ from loopspec.engines.llamacpp import write_dflash_gguf  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.model.drafter import Drafter  # noqa: E402
 from loopspec.pair import load_pair  # noqa: E402
-from loopspec.runtime.torch_engine import TorchEngine  # noqa: E402
+from loopspec.engines.torch_engine import TorchEngine  # noqa: E402
 from loopspec.weights import load_target_dir, read_safetensors  # noqa: E402
 
 # DeepSpec's key names (its Qwen3DSparkModel parameters, without the embed_tokens / lm_head copies)

@@ -19,12 +19,12 @@ from test_dspark import BLOCK, MASK, SETTINGS, deepspec_checkpoint, dspark_draft
 from loopspec.convert.validate import validate_onnx  # noqa: E402
 from loopspec.engines.export import DrafterBlock, example_inputs, export_engines, export_graph  # noqa: E402
 from loopspec.engines.manifest import read_manifest  # noqa: E402
-from loopspec.engines.ort import EngineSession  # noqa: E402
+from loopspec.engines.ort_engine import EngineSession  # noqa: E402
 from loopspec.engines.specs import DRAFTER_BLOCK, drafter_block_spec, engine_specs, with_room  # noqa: E402
 from loopspec.model.drafter import MARKOV_HEAD_TYPES, MarkovHead, draft_head_weight, draft_stage  # noqa: E402
 from loopspec.runtime.decoder import Decoder, decode_all, generate  # noqa: E402
-from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
-from loopspec.runtime.torch_engine import TorchEngine  # noqa: E402
+from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
+from loopspec.engines.torch_engine import TorchEngine  # noqa: E402
 from loopspec.weights import load_target_dir  # noqa: E402
 
 CONTEXTS = [9, 4, 6]  # rows' valid context lengths: the graph masks each row's slots past its own
@@ -288,7 +288,7 @@ needs_trt_gpu = pytest.mark.skipif(not (importlib.util.find_spec("tensorrt") is 
 def test_trt_plans_run_the_dspark_heads(deepspec_pair, tmp_path):
     from loopspec.cli import main
     from loopspec.pair import load_pair
-    from loopspec.runtime.trt_engine import TrtEngine
+    from loopspec.engines.trt_engine import TrtEngine
 
     target_dir, drafter_dir = deepspec_pair
     assert main(["convert", "onnx", "--target", str(target_dir), "--drafter", str(drafter_dir),

@@ -20,13 +20,13 @@ from loopspec.cli import main  # noqa: E402
 from loopspec.engines.gguf_export import Q41Linear, Q80Linear, block_target  # noqa: E402
 from loopspec.convert.onnx_export import convert_onnx  # noqa: E402
 from loopspec.engines.export import linear  # noqa: E402
-from loopspec.engines.ort import EngineSession  # noqa: E402
+from loopspec.engines.ort_engine import EngineSession  # noqa: E402
 from loopspec.engines.specs import TARGET_VERIFY  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.gguf_blocks import quantize_blocks, read_tensors, target_blocks  # noqa: E402
 from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import generate  # noqa: E402
-from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
+from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
 from loopspec.settings import DecodingSettings  # noqa: E402
 from loopspec.weights import load_target_dir, read_safetensors_dir, write_safetensors  # noqa: E402
 
@@ -294,7 +294,7 @@ def test_bad_input_is_one_clear_error(tiny_gguf, tmp_path, capsys):
         block_target(load_target_dir(fresh), tiny_blocks(tiny_gguf), "gguf-fp32act")
     with pytest.raises(LoopspecError, match="unknown GGUF block precision"):
         block_target(target, tiny_blocks(tiny_gguf), "q4")
-    from loopspec.engines.trt import check_precision_supported
+    from loopspec.engines.trt_engine import check_precision_supported
 
     with pytest.raises(LoopspecError, match="MatMulNBits, which TensorRT does not run"):
         check_precision_supported("gguf-int8act", (10, 0))

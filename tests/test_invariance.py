@@ -19,7 +19,7 @@ from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.engines import export  # noqa: E402
 from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import Decoder, generate  # noqa: E402
-from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
+from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
 from loopspec.settings import DecodingSettings as Method  # noqa: E402
 from loopspec.tree import DraftTree, tree_masks  # noqa: E402
 from loopspec.weights import load_target_dir, read_safetensors_dir, write_safetensors  # noqa: E402
@@ -273,7 +273,7 @@ def test_a_tree_across_a_value_block_differs_so_the_decoder_verifies_the_chain_t
     later slot than plain decoding puts it, so a tree across a block boundary computes some node
     differently (shown), and the decoder verifies the drafter's chain in such a round: across the
     boundary, trees still commit exactly what plain decoding commits."""
-    from loopspec.runtime.ort_engine import value_product_block
+    from loopspec.engines.ort_engine import value_product_block
 
     engine = engines["gguf-int8act"]
     assert engine.tree_span == value_product_block(64) > 0

@@ -3,9 +3,9 @@ import torch
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.drafter import Drafter, DrafterConfig, StageDrafts
 from loopspec.runtime.decoder import AdaptiveFallback, draft_round, generate
-from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings
 from loopspec.weights import load_target_dir
 
@@ -55,7 +55,7 @@ def test_greedy_identity_with_accepted_drafts(tiny_targets):
             guess = guess + [0] * (block_size - 1 - len(guess))
             if len(guess) > 3:
                 guess[3] = (guess[3] + 1) % 128  # one wrong token so that both paths are exercised
-            return torch.tensor([guess])[..., None], torch.zeros(1, block_size - 1, 1), None  # one candidate each
+            return StageDrafts(torch.tensor([guess])[..., None], torch.zeros(1, block_size - 1, 1), None)  # one candidate each
 
     oracle = OracleEngine(target, drafter, max_context=256)
     spec = generate(oracle, [5, 6, 7] * 4, dflash(8), max_new_tokens=40)
@@ -131,7 +131,7 @@ class RecordingEngine(TorchEngine):
         i = len(self.calls) % len(self.scores)
         self.calls.append((anchors[0], positions[0], self.context_lengths(rows)[0]))
         logprobs = torch.full_like(logprobs, self.scores[i] / logprobs.shape[1])
-        return drafts, logprobs, hidden
+        return StageDrafts(drafts, logprobs, hidden)
 
 
 def test_gate_adds_next_stage_only_and_never_cuts_a_block(tiny_targets):

@@ -18,8 +18,8 @@ from loopspec.engines.specs import ENGINE_NAMES, TARGET_VERIFY, EngineSpec, Tens
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import generate  # noqa: E402
-from loopspec.runtime.ort_engine import OrtEngine  # noqa: E402
-from loopspec.runtime.torch_engine import TorchEngine  # noqa: E402
+from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
+from loopspec.engines.torch_engine import TorchEngine  # noqa: E402
 from loopspec.settings import DecodingSettings  # noqa: E402
 from loopspec.weights import load_target_dir  # noqa: E402
 

@@ -318,7 +318,7 @@ def test_nvfp4_onnx_graphs(nvfp4_out):
 
 def test_nvfp4_is_refused_where_it_would_run(nvfp4_out, capsys):
     from loopspec.convert.validate import validate_onnx
-    from loopspec.runtime.ort_engine import OrtEngine
+    from loopspec.engines.ort_engine import OrtEngine
 
     out, _ = nvfp4_out
     with pytest.raises(LoopspecError, match=r"NVFP4 numerics need a Blackwell GPU \(TensorRT\); not run here"):

@@ -17,7 +17,7 @@ from loopspec.decoding import SamplingParams, probabilities, speculative_accept
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
 from loopspec.runtime.decoder import Decoder, decode_all, generate
-from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings, resolve_settings
 from loopspec.weights import load_target_dir
 

@@ -139,7 +139,7 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path, capsy
     """`loopspec data` → `loopspec train` (reduced vocab, resumed) → a drafter the loop runs losslessly."""
     from loopspec.cli import main
     from loopspec.runtime.decoder import generate
-    from loopspec.runtime.torch_engine import TorchEngine
+    from loopspec.engines.torch_engine import TorchEngine
     from loopspec.settings import DecodingSettings
 
     target_dir, _ = tiny_pair
@@ -236,7 +236,7 @@ def test_block_mask_with_private_pseudo_context():
 def test_loop_aware_stages_match_inference_exactly(tiny_targets):
     """Training's stage 2 and 3 see exactly what DLoop's inference stages see."""
     from loopspec.runtime.decoder import draft_round
-    from loopspec.runtime.torch_engine import TorchEngine
+    from loopspec.engines.torch_engine import TorchEngine
     from loopspec.settings import DecodingSettings
 
     target = load_target_dir(tiny_targets["qwen3"])

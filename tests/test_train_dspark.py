@@ -13,7 +13,7 @@ from conftest import lively
 from loopspec.cli import main
 from loopspec.model.drafter import Drafter, DrafterConfig, DSparkHeads, require_zlab_block
 from loopspec.errors import LoopspecError
-from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.engines.torch_engine import TorchEngine
 from loopspec.train.trainer import DrafterTrainer, TrainConfig, sample_anchors
 from loopspec.weights import load_target_dir
 

@@ -12,9 +12,9 @@ import loopspec.runtime.decoder as decoder_module
 from conftest import FAMILIES
 from loopspec.decoding import SamplingParams, probabilities
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.drafter import Drafter, DrafterConfig, StageDrafts
 from loopspec.runtime.decoder import Decoder, decode_all, generate
-from loopspec.runtime.torch_engine import TorchEngine
+from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings, method_variant, resolve_settings, variant_name
 from loopspec.tree import DraftTree, SuffixIndex, best_first, draft_tree, tree_masks
 from loopspec.weights import load_target_dir
@@ -387,7 +387,7 @@ class OracleEngine(TorchEngine):
                 drafts[i, j, 1] = true
                 drafts[i, j, 0] = (true + 1) % 128
                 logprobs[i, j, :2] = torch.tensor([-0.5, -0.9])
-        return drafts, logprobs, hidden
+        return StageDrafts(drafts, logprobs, hidden)
 
 
 def test_tree_accepts_what_the_chain_misses_and_a_sibling_leak_breaks_equality(tiny_targets, monkeypatch):

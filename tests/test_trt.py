@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loopspec.engines.specs import DRAFTER_BLOCK, TARGET_VERIFY, engine_specs
-from loopspec.engines.trt import check_precision_supported, profile_shapes
+from loopspec.engines.trt_engine import check_precision_supported, profile_shapes
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
 from loopspec.model.target import TargetConfig
@@ -76,8 +76,8 @@ def test_profiles_come_from_the_specs(tiny_pair):
 
 
 def test_plan_arithmetic_clears_tf32_for_fp32_and_marks_reduced_precision_not_order_exact():
-    from loopspec.engines.trt import builder_flags, plan_arithmetic
-    from loopspec.runtime.artifact_engine import verifies_chains_only
+    from loopspec.engines.trt_engine import builder_flags, plan_arithmetic
+    from loopspec.engines.artifact_engine import verifies_chains_only
 
     class FakeBuilderFlag:  # TensorRT's enum, by name: builder_flags only picks which members to touch
         TF32 = "TF32"
@@ -94,7 +94,7 @@ def test_plan_arithmetic_clears_tf32_for_fp32_and_marks_reduced_precision_not_or
         assert builder_flags(FakeTrt, precision) == ([], [])  # strongly typed: the graph's types decide
         assert verifies_chains_only({"arithmetic": arithmetic})
     assert not verifies_chains_only({"arithmetic": plan_arithmetic("fp32")})
-    # the int8 rule the same function carries (runtime/artifact_engine.py)
+    # the int8 rule the same function carries (engines/artifact_engine.py)
     assert verifies_chains_only({"arithmetic": {"activations": "int8"}})
     from loopspec.engines.export import ORDER_FREE_SOFTMAX
 
@@ -111,9 +111,9 @@ def test_a_plan_that_is_not_order_exact_verifies_chains_only(tiny_targets, tmp_p
     pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
     from loopspec.engines.export import export_engines
     from loopspec.engines.manifest import read_manifest
-    from loopspec.engines.trt import plan_arithmetic
+    from loopspec.engines.trt_engine import plan_arithmetic
     from loopspec.runtime.decoder import generate
-    from loopspec.runtime.ort_engine import OrtEngine
+    from loopspec.engines.ort_engine import OrtEngine
     from loopspec.settings import DecodingSettings
 
     target = load_target_dir(tiny_targets["llama"])
@@ -137,7 +137,7 @@ def test_a_plan_that_is_not_order_exact_verifies_chains_only(tiny_targets, tmp_p
 @pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
 def test_without_tensorrt_a_clear_error(tmp_path):
     from loopspec.convert.trt import build_plans
-    from loopspec.runtime.trt_engine import TrtEngine
+    from loopspec.engines.trt_engine import TrtEngine
 
     for make in (lambda: build_plans(tmp_path, tmp_path / "plans"), lambda: TrtEngine(tmp_path)):
         with pytest.raises(LoopspecError, match="TensorRT is not installed: pip install tensorrt"):
@@ -188,8 +188,8 @@ def plans(tiny_pair, tmp_path_factory):
 @needs_trt_gpu
 def test_plans_match_torch(plans, tiny_pair):
     from loopspec.model.drafter import Drafter
-    from loopspec.runtime.torch_engine import TorchEngine
-    from loopspec.runtime.trt_engine import TrtEngine
+    from loopspec.engines.torch_engine import TorchEngine
+    from loopspec.engines.trt_engine import TrtEngine
 
     target_dir, drafter_dir = tiny_pair
     trt_engine = TrtEngine(plans, max_context=128)
@@ -212,7 +212,7 @@ def test_plans_match_torch(plans, tiny_pair):
 @needs_trt_gpu
 def test_trt_greedy_identity(plans):
     from loopspec.runtime.decoder import generate
-    from loopspec.runtime.trt_engine import TrtEngine
+    from loopspec.engines.trt_engine import TrtEngine
     from loopspec.settings import DecodingSettings
 
     engine = TrtEngine(plans, max_context=128)
@@ -228,7 +228,7 @@ def test_trt_greedy_identity(plans):
 def test_trt_batched_rows_equal_alone(plans):
     """Several rows per plan call, admitted and retired mid-run."""
     from loopspec.runtime.decoder import Decoder, decode_all, generate
-    from loopspec.runtime.trt_engine import TrtEngine
+    from loopspec.engines.trt_engine import TrtEngine
     from loopspec.settings import DecodingSettings as Method
 
     engine = TrtEngine(plans, max_context=128)

@@ -30,7 +30,7 @@ from loopspec.weights import read_json
 def verifies_chains_only(settings: dict) -> bool:
     """Whether artifacts with these manifest settings verify only chains exactly (engines/protocol.py):
     int8 activations without the order-free softmax, or arithmetic its builder declared not order-exact
-    (a TensorRT plan in fp16/bf16/fp8/nvfp4: engines/trt.py plan_arithmetic)."""
+    (a TensorRT plan in fp16/bf16/fp8/nvfp4: engines/trt_engine.py plan_arithmetic)."""
     arithmetic = settings.get("arithmetic", {})
     int8_unordered = (str(arithmetic.get("activations", "")).startswith("int8")
                       and settings.get("softmax") != ORDER_FREE_SOFTMAX)

@@ -4,7 +4,7 @@ The engine owns the target's KV cache and the drafter's context cache, one `KVCa
 `max_rows` rows. The models may sit on a CUDA device: decision tensors (logits, drafts, log-probs)
 come back on the CPU, features (taps, hidden states) stay on the device. With `cuda_graphs`,
 verifications and stages of rows 0..R-1 (one request or a batch, chains or trees) replay captured
-forwards (runtime/cuda_graphs.py); prefill and calls no bucket holds run eagerly.
+forwards (engines/cuda_graphs.py); prefill and calls no bucket holds run eagerly.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class TorchEngine:
         self.graphs = self._static_runner() if self.cuda_graphs else None
 
     def _static_runner(self):
-        """The bucketed static forwards the engine replays (runtime/cuda_graphs.py): CUDA graphs."""
-        from loopspec.runtime.cuda_graphs import CudaGraphRunner
+        """The bucketed static forwards the engine replays (engines/cuda_graphs.py): CUDA graphs."""
+        from loopspec.engines.cuda_graphs import CudaGraphRunner
 
         return CudaGraphRunner(self)
 
