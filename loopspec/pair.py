@@ -17,7 +17,7 @@ from loopspec.defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DRAFTER_DIR, DEFAULT_
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig, check_fits, resolve_mask_token_id
 from loopspec.model.target import Target, TargetConfig
-from loopspec.weights import load_target_dir, load_tokenizer, resolve_target_dir
+from loopspec.weights import TargetSource, load_target_dir, load_tokenizer
 
 UNTRAINED = "untrained (fresh random init: lossless but few drafts accepted)"
 
@@ -41,21 +41,21 @@ def stop_token_ids(target: TargetConfig, tokenizer) -> frozenset[int]:
     return frozenset(stop)
 
 
-def mask_token_id(configured: int | None, target: str, tokenizer, vocab_size: int) -> int:
+def mask_token_id(configured: int | None, target: TargetSource, tokenizer, vocab_size: int) -> int:
     """The mask token of a drafter that has none in its config: the one given, the default target's
     designated row, else the first unused embedding row."""
-    if configured is None and str(target) == "default":
+    if configured is None and target.is_default:
         configured = DEFAULT_TARGET_MASK_TOKEN_ID
     return resolve_mask_token_id(configured, len(tokenizer), vocab_size)
 
 
-def resolve_drafter_dir(drafter: str | Path, target: str | Path) -> Path | None:
+def resolve_drafter_dir(drafter: str | Path, target: TargetSource) -> Path | None:
     """The directory a drafter argument names: the shipped one for 'default' with the default target,
     None for 'default' with any other target (no trained drafter to take) or for 'none'."""
     if drafter in (None, "none"):
         return None
     if str(drafter) == "default":
-        return DEFAULT_DRAFTER_DIR if str(target) == "default" and DEFAULT_DRAFTER_DIR.is_dir() else None
+        return DEFAULT_DRAFTER_DIR if target.is_default and DEFAULT_DRAFTER_DIR.is_dir() else None
     return Path(drafter)
 
 
@@ -67,15 +67,16 @@ def fresh_drafter(target: Target, mask: int, seed: int = 0) -> Drafter:
     return Drafter(cfg).eval()
 
 
-def load_pair(target: str | Path = "default", drafter: str | Path | None = "default", *,
+def load_pair(target: str | Path | TargetSource = "default", drafter: str | Path | None = "default", *,
               mask_token: int | None = None, trained: bool = False) -> Pair:
     """Resolve and load both models (fp32, plain modules); the drafter is checked against the target.
     `trained`: refuse anything but a trained drafter in a directory (quantization, bundles)."""
+    target = TargetSource.of(target)
     drafter_dir = resolve_drafter_dir(drafter, target)
     if trained and drafter_dir is None:
         raise LoopspecError("this needs a trained drafter: pass --drafter DIR (the shipped one fits only "
                             "--target default)")
-    target_dir = resolve_target_dir(target)
+    target_dir = target.checkpoint_dir()
     model = load_target_dir(target_dir)  # first: a bad directory is named by its config, not its tokenizer
     tokenizer = load_tokenizer(target_dir)
     if drafter_dir is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -155,29 +156,64 @@ def gguf_to_hf_dir(gguf_path: Path, out_dir: Path | None = None) -> Path:
     return out_dir
 
 
-def resolve_target_dir(target: str | Path) -> Path:
+@dataclass(frozen=True)
+class TargetSource:
+    """The target as a user names it ('default', a checkpoint directory or a .gguf file), resolved once
+    into what every layer asks of it: whether it is the embedded default, the GGUF file its weights
+    come from (default and .gguf targets; None for a directory), and the checkpoint directory the
+    reference modules load (a GGUF is dequantised to one once, ≈25 s, so that is done on demand).
+    `TargetSource.of` takes a name or a value and refuses a path that is neither, in one line."""
+
+    name: str  # as the user wrote it
+    is_default: bool
+    gguf: Path | None
+    directory: Path | None  # a checkpoint directory named directly; None for a GGUF target
+
+    @classmethod
+    def of(cls, target: "str | Path | TargetSource") -> "TargetSource":
+        if isinstance(target, TargetSource):
+            return target
+        if str(target) == "default":
+            return cls("default", True, default_gguf_path(), None)
+        path = Path(target)
+        if not path.exists():
+            raise LoopspecError(f"target path does not exist: {path}")
+        if path.is_file() and path.suffix == ".gguf":
+            return cls(str(target), False, path, None)
+        if not path.is_dir():
+            raise LoopspecError(f"target must be 'default', a .gguf file or a checkpoint directory: {path}")
+        return cls(str(target), False, None, path)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def display_name(self) -> str:
+        """The model's name for users (a served model id, a bundle's title)."""
+        if self.is_default:
+            return DEFAULT_TARGET_NAME
+        return self.gguf.stem if self.gguf is not None else self.directory.name
+
+    def checkpoint_dir(self) -> Path:
+        """The HF checkpoint directory: the one named, or the GGUF's cached conversion."""
+        return self.directory if self.directory is not None else gguf_to_hf_dir(self.gguf)
+
+    def require_gguf(self, what: str) -> Path:
+        """The GGUF file, or one line saying `what` needs one."""
+        if self.gguf is None:
+            raise LoopspecError(f"{what} need a GGUF target ('default' or a .gguf file), not {self.name}")
+        return self.gguf
+
+
+def resolve_target_dir(target: "str | Path | TargetSource") -> Path:
     """'default' → the cached SmolLM2 directory; a .gguf file → its cached conversion; else a dir."""
-    if str(target) == "default":
-        return gguf_to_hf_dir(default_gguf_path())
-    path = Path(target)
-    if not path.exists():
-        raise LoopspecError(f"target path does not exist: {path}")
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_to_hf_dir(path)
-    if not path.is_dir():
-        raise LoopspecError(f"target must be 'default', a .gguf file or a checkpoint directory: {path}")
-    return path
+    return TargetSource.of(target).checkpoint_dir()
 
 
-def target_gguf_path(target: str | Path) -> Path:
-    """The GGUF file a target name reads its weights from: 'default' → the embedded one, a .gguf
-    file → itself; a checkpoint directory has none."""
-    if str(target) == "default":
-        return default_gguf_path()
-    path = Path(target)
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    raise LoopspecError(f"the GGUF block precisions need a GGUF target ('default' or a .gguf file), not {target}")
+def target_gguf_path(target: "str | Path | TargetSource") -> Path:
+    """The GGUF file a target reads its weights from: 'default' → the embedded one, a .gguf file →
+    itself; a checkpoint directory has none."""
+    return TargetSource.of(target).require_gguf("the GGUF block precisions")
 
 
 def load_tokenizer(directory: str | Path):

@@ -16,7 +16,7 @@ from loopspec.model.target import Target, default_target_layer_ids
 from loopspec.pair import Pair, mask_token_id
 from loopspec.train.samples import Sample, read_samples, safe_name
 from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, compute_context, lr_at, top_token_vocab
-from loopspec.weights import read_safetensors, write_safetensors
+from loopspec.weights import TargetSource, read_safetensors, write_safetensors
 
 
 TAP_CACHE_KIND = "loopspec-tap-cache"
@@ -49,7 +49,7 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
             drafter.cfg.block_size = block_size
         drafter.cfg.extra = {k: v for k, v in drafter.cfg.extra.items() if k not in TUNED_SETTING_KEYS}
     else:
-        mask = mask_token_id(mask_token, target_spec, pair.tokenizer, target.cfg.vocab_size)
+        mask = mask_token_id(mask_token, TargetSource.of(target_spec), pair.tokenizer, target.cfg.vocab_size)
         taps = target_layer_ids or default_target_layer_ids(target.cfg.num_layers, num_taps or num_layers or 1)
         cfg = DrafterConfig.for_target(target.cfg, num_layers=num_layers or 1, block_size=block_size or 16,
                                        target_layer_ids=taps, mask_token_id=mask)
