@@ -6,7 +6,8 @@ import torch
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig, StageDrafts
-from loopspec.runtime.decoder import AdaptiveFallback, Decoder, decode_all, generate
+from loopspec.runtime.decoder import Decoder, decode_all, generate
+from loopspec.runtime.proposal import AdaptiveFallback
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings as Method
 from loopspec.weights import load_target_dir

@@ -356,7 +356,7 @@ def test_static_runner_drafts_what_the_eager_engine_drafts(target):
 
 
 def test_gate_scores_against_hand_computed_values():
-    from loopspec.runtime.decoder import gate_score
+    from loopspec.runtime.proposal import gate_score
 
     logprobs = torch.tensor([[-0.1, -3.0], [-0.4, -2.0], [-0.25, -5.0]])  # [D, C]
     confidence = torch.tensor([0.9, 0.5, 0.8])

@@ -4,7 +4,8 @@ import torch
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig, StageDrafts
-from loopspec.runtime.decoder import AdaptiveFallback, draft_round, generate
+from loopspec.runtime.decoder import generate
+from loopspec.runtime.proposal import AdaptiveFallback, draft_round
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings
 from loopspec.weights import load_target_dir
