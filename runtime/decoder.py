@@ -32,8 +32,8 @@ from loopspec.engines.backends import torch_engine
 from loopspec.engines.protocol import Engine
 from loopspec.errors import LoopspecError
 from loopspec.settings import DecodingSettings
-from loopspec.runtime.proposal import (AdaptiveFallback, Drafted, RowPlan, draft_round, drafter_sampling, plan_row,
-                                       row_tree)
+from loopspec.runtime.proposal import (AdaptiveFallback, Drafted, RowPlan, check_engine_runs, draft_round, drafter_sampling,
+                                       plan_row, row_tree)
 from loopspec.stats import GenerationStats
 from loopspec.tree import DraftTree, SuffixIndex, tree_masks
 
@@ -100,19 +100,7 @@ class Decoder:
 
     def __init__(self, engine: Engine, settings: DecodingSettings = DecodingSettings(),
                  fallback: AdaptiveFallback | None = None, prefill_chunk: int | None = None):
-        if settings.uses_drafter and not engine.has_drafter:
-            raise LoopspecError(f"{settings.method} needs a drafter")
-        if engine.chains_only and (settings.tree_budget or settings.suffix):
-            raise LoopspecError("this engine verifies chains exactly, not trees (its arithmetic is not order-exact: "
-                                f"{engine.precision}): "
-                                "use --tree-budget 0 --no-suffix, or --method suffix")
-        if settings.gate == "confidence" and not (engine.has_drafter and engine.drafter_cfg.confidence_head):
-            raise LoopspecError("the confidence gate needs a drafter with a confidence head (a DSpark drafter); "
-                                "use --gate logprob")
-        if settings.draft_sampling == "drafter" and not engine.samples_drafts:
-            raise LoopspecError(f"draft sampling 'drafter' needs the drafter's whole distribution, which the "
-                                f"{engine.backend} engine's drafter does not return (it returns its top "
-                                "candidates): use --backend torch, or --draft-sampling walk")
+        check_engine_runs(engine, settings)
         self.engine, self.settings = engine, settings
         self.max_drafts = settings.drafts_with(engine.drafter_cfg)
         if fallback is None and settings.adaptive:

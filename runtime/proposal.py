@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from loopspec.engines.protocol import Engine
+from loopspec.errors import LoopspecError
 from loopspec.model.drafter import DRAFT_CANDIDATES
 from loopspec.settings import DecodingSettings
 from loopspec.tree import DraftTree, draft_tree
@@ -205,6 +206,23 @@ class RowPlan:
         if self.uses_drafter and self.copy is None:
             return max(0, accepted - self.stage_drafts)
         return max(0, accepted - len(self.copy)) if self.extends else 0
+
+
+def check_engine_runs(engine: Engine, settings: DecodingSettings) -> None:
+    """Refuse, in one line, settings whose proposals this engine cannot draft or verify exactly."""
+    if settings.uses_drafter and not engine.has_drafter:
+        raise LoopspecError(f"{settings.method} needs a drafter")
+    if engine.chains_only and (settings.tree_budget or settings.suffix):
+        raise LoopspecError("this engine verifies chains exactly, not trees (its arithmetic is not order-exact: "
+                            f"{engine.precision}): "
+                            "use --tree-budget 0 --no-suffix, or --method suffix")
+    if settings.gate == "confidence" and not (engine.has_drafter and engine.drafter_cfg.confidence_head):
+        raise LoopspecError("the confidence gate needs a drafter with a confidence head (a DSpark drafter); "
+                            "use --gate logprob")
+    if settings.draft_sampling == "drafter" and not engine.samples_drafts:
+        raise LoopspecError(f"draft sampling 'drafter' needs the drafter's whole distribution, which the "
+                            f"{engine.backend} engine's drafter does not return (it returns its top "
+                            "candidates): use --backend torch, or --draft-sampling walk")
 
 
 def plan_row(row, settings: DecodingSettings, engine: Engine, max_drafts: int, plain: bool) -> RowPlan:
