@@ -1,0 +1,67 @@
+"""A row's plan for one round (runtime/proposal.py `plan_row`): how deep it drafts and what fills it."""
+
+from types import SimpleNamespace
+
+import torch
+
+from loopspec.decoding import SamplingParams
+from loopspec.runtime.decoder import Row
+from loopspec.runtime.proposal import Drafted, plan_row, row_tree
+from loopspec.settings import DecodingSettings
+from loopspec.tree import SuffixIndex
+
+ZLAB = SimpleNamespace(drafts_per_block=lambda k: k - 1)  # z-lab's convention: the anchor's position drafts nothing
+
+
+def engine(max_context=100):
+    return SimpleNamespace(max_context=max_context, drafter_cfg=ZLAB)
+
+
+def row(prompt, tokens, max_new_tokens=50, suffix=True):
+    return Row(key=0, prompt_len=len(prompt), max_new_tokens=max_new_tokens, params=SamplingParams(),
+               generator=torch.Generator(), stop_token_ids=frozenset(), tokens=list(tokens),
+               suffix_index=SuffixIndex(list(prompt) + list(tokens)) if suffix else None)
+
+
+def test_depth_is_the_least_of_the_method_the_tokens_left_and_the_room():
+    settings = DecodingSettings("dflash", 8)
+    r = row([1, 2, 3], [4], suffix=False)
+    assert plan_row(r, settings, engine(), 7, plain=False).depth == 7
+    assert plan_row(row([1, 2, 3], [4], max_new_tokens=4, suffix=False), settings, engine(), 7, False).depth == 2
+    tight = plan_row(r, settings, engine(max_context=8), 7, plain=False)  # anchor at 3: slots 4..7 left
+    assert (tight.room, tight.depth, tight.drafter_budget) == (4, 4, 4)
+
+
+def test_a_plain_round_drafts_nothing_but_remembers_what_it_could_have():
+    plan = plan_row(row([1, 2, 3], [4], suffix=False), DecodingSettings("dflash", 8), engine(), 7, plain=True)
+    assert (plan.wanted, plan.depth, plan.drafter_budget, plan.copy, plan.suffix) == (7, 0, 0, None, [])
+
+
+def test_ar_never_drafts():
+    plan = plan_row(row([1, 2, 3], [4], suffix=False), DecodingSettings(), engine(), 0, plain=False)
+    assert (plan.wanted, plan.depth, plan.drafter_budget, plan.uses_drafter) == (0, 0, 0, False)
+
+
+def test_the_chain_policy_copies_after_a_long_match_and_drafts_otherwise():
+    text = [5, 6, 7, 8, 9, 10, 5, 6, 7]  # the suffix 5 6 7 occurred before, followed by 8 9 10
+    settings = DecodingSettings("dflash", 8, suffix_first=3)
+    plan = plan_row(row(text[:-1], text[-1:]), settings, engine(), 7, plain=False)
+    assert plan.copy == [8, 9, 10, 5, 6, 7, 8] and plan.drafter_budget == 0 and plan.suffix == []
+    assert (plan.stage_anchor, plan.stage_position) == (7, plan.root_position)
+    longer = DecodingSettings("dflash", 8, suffix_first=4)  # a 3-token match is not long enough
+    plan = plan_row(row(text[:-1], text[-1:]), longer, engine(), 7, plain=False)
+    assert plan.copy is None and plan.drafter_budget == 7
+    assert plan.suffix == [8, 9, 10, 5, 6, 7, 8]  # the shorter match still joins the drafter's tree as a branch
+
+
+def test_the_drafter_extends_a_copy_from_its_last_token_in_the_room_it_leaves():
+    text = [5, 6, 7, 8, 9, 10, 5, 6, 7]
+    settings = DecodingSettings("dflash", 4, suffix_first=3, suffix_then_draft=True)
+    r = row(text[:-1], text[-1:], max_new_tokens=6)  # 4 tokens wanted after the bonus: the copy takes 3
+    plan = plan_row(r, settings, engine(), 3, plain=False)
+    assert plan.copy == [8, 9, 10] and plan.extends
+    assert (plan.stage_anchor, plan.stage_position) == (10, r.position + 3)
+    assert plan.drafter_budget == 1  # one stage drafts 3, but only 4 - 3 tokens are still wanted after the copy
+    tree = row_tree(plan, Drafted(torch.tensor([[11, 0]]), torch.zeros(1, 2), [1]), settings, tree_span=0)
+    assert tree.tokens == [7, 8, 9, 10, 11] and tree.is_chain
+    assert plan.later_stage_tokens(4) == 1 and plan.later_stage_tokens(2) == 0
