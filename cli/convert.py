@@ -143,7 +143,7 @@ def _add_bundle_args(p: argparse.ArgumentParser) -> None:
 def cmd_bundle(args) -> int:
     from loopspec.convert.bundle import ENGINE_NAMES, build_bundle
 
-    # the frameworks positionally: build_bundle's parameter name is its own business
+    # the frameworks go positionally: the command line does not depend on what build_bundle names them
     manifest = build_bundle(args.target, args.drafter, args.out, args.framework, precision=args.precision, tp=args.tp,
                             dtype=args.dtype, mask_token_id=args.mask_token_id, max_batch_size=args.max_batch_size,
                             max_context=args.max_context, calib_prompts=args.calib_prompts, calib_size=args.calib_size,

@@ -102,9 +102,9 @@ class Pipeline:
 
     def settings(self, method: str, **knobs) -> DecodingSettings:
         """The decoding settings of `method` for this pipeline's drafter on its backend; `knobs` are
-        those of loopspec.settings.resolve_settings (block_size, gate_threshold, max_stages,
-        adaptive, tree_budget, suffix, suffix_first). A user's tune result for a shipped drafter wins
-        over the setting shipped with it (loopspec/tuned.py)."""
+        those of loopspec.settings.resolve_settings (loopspec.settings.KNOBS: block_size,
+        gate_threshold, max_stages, tree_budget, suffix, ...). A user's tune result for a shipped
+        drafter wins over the setting shipped with it (loopspec/tuned.py)."""
         return resolve_settings(method, self.engine.drafter_cfg, engine=self.tuning_key,
                                 chains_only=self.engine.chains_only, tuned=self.user_tuned, **knobs)
 
