@@ -8,11 +8,14 @@ tune` stored in its config), then passes the value down; every result carries it
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+
+from typing import TYPE_CHECKING
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import DrafterConfig
-from loopspec.tree import SUFFIX_MAX_MATCH, SUFFIX_MIN_MATCH
+
+if TYPE_CHECKING:  # annotations only: the settings, and the command line's flags made from them, load without torch
+    from loopspec.model.drafter import DrafterConfig
 
 METHODS = ("ar", "dflash", "dloop", "suffix")
 DRAFTER_METHODS = ("dflash", "dloop")
@@ -24,6 +27,30 @@ DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4, "gate": "logprob"}
 GATES = ("logprob", "confidence")
 # how drafts are made and accepted at T > 0 (DecodingSettings.draft_sampling)
 DRAFT_SAMPLINGS = ("walk", "drafter")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """How a user sets one knob of DecodingSettings, declared once in its field's metadata: the
+    flag every decoding command takes (its argparse destination is the field's name), its help, what
+    its text parses to (`kind`: int, float, str, or bool for a --x / --no-x switch; `least`: an int's
+    lower bound; `choices`), and `unset`: what resolve_settings takes when the user gives nothing
+    (None: resolved from the drafter's tuned setting, else the defaults). `tuned`: `loopspec tune`
+    stores it with the drafter (loopspec/tuned.py)."""
+
+    flag: str
+    help: str
+    kind: type = int
+    least: int | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    unset: object = None
+    tuned: bool = False
+
+
+def _knob(default, flag: str, help: str, **how):
+    """A DecodingSettings field (its `default` when built directly) that users set through `flag`."""
+    return field(default=default, metadata={"knob": Knob(flag, help, **how)})
 
 
 @dataclass(frozen=True)
@@ -55,17 +82,49 @@ class DecodingSettings:
     p(argmax q)); the output is distributed as `ar`'s but not the same tokens for a seed. "drafter"
     verifies the drafter's chain only (no tree, no suffix branch, no suffix-first)."""
 
-    method: str = "ar"
-    block_size: int = 1
-    max_stages: int = 1
-    gate_threshold: float = DLOOP_DEFAULTS["gate_threshold"]
-    gate: str = DLOOP_DEFAULTS["gate"]
-    adaptive: bool = False
-    tree_budget: int = 0
-    suffix: bool = False
-    suffix_first: int = 0
-    suffix_then_draft: bool = False
-    draft_sampling: str = "walk"
+    method: str = "ar"  # the one field that is no knob: each command names its method(s) its own way
+    block_size: int = _knob(1, "--block-size", "draft block size k (default: the drafter's; suffix: 8)",
+                            least=1, tuned=True)
+    max_stages: int = _knob(1, "--max-stages", "dloop: draft stages per verification (default 4)", least=1,
+                            tuned=True)
+    gate_threshold: float = _knob(
+        DLOOP_DEFAULTS["gate_threshold"], "--gate-threshold",
+        "dloop: add a stage while the last one's summed draft log-prob is >= this (default -0.5)",
+        kind=float, tuned=True)
+    gate: str = _knob(
+        DLOOP_DEFAULTS["gate"], "--gate",
+        "dloop: what the gate scores a stage by: logprob (its drafts' summed log-probs; default) "
+        "or confidence (a DSpark drafter's confidence head: the summed log of its estimates)",
+        kind=str, metavar="SCORE", tuned=True)
+    adaptive: bool = _knob(False, "--adaptive", "decode plainly while drafting does not pay (output unchanged)",
+                           kind=bool, unset=True)
+    tree_budget: int = _knob(
+        0, "--tree-budget",
+        "dflash/dloop: draft-tree nodes per verification, best first over the drafter's "
+        "candidates (0 = the argmax chain; default: the tuned setting, else 0)",
+        least=0, tuned=True)
+    suffix: bool = _knob(
+        False, "--suffix",
+        "dflash/dloop: also verify the continuation of the text's longest repeated suffix "
+        "as a tree branch (default: the tuned setting, else off)",
+        kind=bool, tuned=True)
+    suffix_first: int = _knob(
+        0, "--suffix-first",
+        "dflash/dloop chain policy: after the text repeats an earlier N-gram (N = 2..6), verify "
+        "what followed it instead of drafting (0 = off; default: the tuned setting, else off)",
+        least=0, metavar="N", tuned=True)
+    suffix_then_draft: bool = _knob(
+        False, "--suffix-then-draft",
+        "with --suffix-first: after the copy, the drafter's stage drafts on from its last token "
+        "(default: the tuned setting, else off)",
+        kind=bool, tuned=True)
+    draft_sampling: str = _knob(
+        "walk", "--draft-sampling",
+        "at temperature > 0: walk (default; the drafter's argmax drafts, and a seeded run commits "
+        "exactly the tokens ar does) | drafter (drafts sampled from the drafter's distribution q, "
+        "accepted with probability min(1, p/q): same output distribution, more accepted drafts "
+        "where q is close to p; chains only, torch backend)",
+        kind=str, choices=DRAFT_SAMPLINGS)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -94,6 +153,8 @@ class DecodingSettings:
             raise LoopspecError("ar drafts nothing: use method suffix for suffix drafting alone")
         if self.suffix_first and self.method not in DRAFTER_METHODS:
             raise LoopspecError(f"{self.method} has no drafter to skip; suffix-first needs dflash or dloop")
+        from loopspec.tree import SUFFIX_MAX_MATCH, SUFFIX_MIN_MATCH
+
         if self.suffix_first and not SUFFIX_MIN_MATCH <= self.suffix_first <= SUFFIX_MAX_MATCH:
             raise LoopspecError(f"suffix-first match length must be {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH} tokens "
                                 f"(0: off), got {self.suffix_first}")
@@ -152,10 +213,26 @@ class DecodingSettings:
         return text
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "block_size": self.block_size, "max_stages": self.max_stages,
-                "gate_threshold": self.gate_threshold, "gate": self.gate, "adaptive": self.adaptive, "tree_budget": self.tree_budget,
-                "suffix": self.suffix, "suffix_first": self.suffix_first, "suffix_then_draft": self.suffix_then_draft,
-                "draft_sampling": self.draft_sampling}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def knobs_of(settings_class: type) -> dict[str, Knob]:
+    """{field name: Knob} of every field but `method`; a field declared without a Knob is refused,
+    so a new knob cannot be added without the flag users set it with."""
+    knobs = {}
+    for f in fields(settings_class):
+        if f.name == "method":
+            continue
+        if not isinstance(f.metadata.get("knob"), Knob):
+            raise TypeError(f"{settings_class.__name__}.{f.name} is declared without a Knob: give its field "
+                            "metadata={'knob': Knob(flag, help, ...)} (see _knob)")
+        knobs[f.name] = f.metadata["knob"]
+    return knobs
+
+
+# the decoding knobs, in declaration order: the command line's decoding flags and resolve_settings'
+# keywords are made from this
+KNOBS = knobs_of(DecodingSettings)
 
 
 def check_method(method: str, has_drafter: bool) -> None:
@@ -181,19 +258,23 @@ def tuned_setting(drafter: DrafterConfig | None, engine: str | None = None) -> d
     return dict((drafter.extra.get("tuned") or {}).get(engine) or drafter.extra.get("dloop") or {})
 
 
-def resolve_settings(method: str, drafter: DrafterConfig | None, *, block_size: int | None = None,
-                     gate_threshold: float | None = None, max_stages: int | None = None,
-                     gate: str | None = None, adaptive: bool = True, tree_budget: int | None = None,
-                     suffix: bool | None = None, suffix_first: int | None = None,
-                     suffix_then_draft: bool | None = None, draft_sampling: str | None = None,
-                     engine: str | None = None,
-                     chains_only: bool = False, tuned: dict | None = None) -> DecodingSettings:
-    """The settings of `method` for a drafter on `engine` (`engine_key`): what was given, else the
-    drafter's tuned setting for that engine (its tree budget, suffix and suffix-first for dflash and dloop; block size,
+def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str | None = None,
+                     chains_only: bool = False, tuned: dict | None = None, **knobs) -> DecodingSettings:
+    """The settings of `method` for a drafter on `engine` (`engine_key`): each knob (KNOBS: block_size,
+    gate_threshold, max_stages, gate, adaptive, tree_budget, suffix, suffix_first, suffix_then_draft,
+    draft_sampling; one not given takes its Knob's `unset`: None, or on for adaptive) as given, else the drafter's tuned
+    setting for that engine (its tree budget, suffix and suffix-first for dflash and dloop; block size,
     gate and stages for dloop), else its block size, the chain without suffix and the DLoop defaults. `tuned`: a
     setting stored elsewhere that replaces the drafter's (a user's result for a shipped drafter:
     loopspec/tuned.py). `draft_sampling` (default "walk"): "drafter" verifies chains, so a stored
     tree, suffix branch or suffix-first is not taken (one given is refused)."""
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise TypeError(f"resolve_settings() got an unexpected keyword argument {unknown[0]!r}")
+    given = {name: knobs.get(name, knob.unset) for name, knob in KNOBS.items()}
+    block_size, max_stages, gate_threshold, gate = (given[n] for n in ("block_size", "max_stages", "gate_threshold", "gate"))
+    adaptive, tree_budget, suffix, suffix_first = (given[n] for n in ("adaptive", "tree_budget", "suffix", "suffix_first"))
+    suffix_then_draft, draft_sampling = given["suffix_then_draft"], given["draft_sampling"]
     check_method(method, drafter is not None)
     if block_size is not None and block_size < 1:
         raise LoopspecError(f"block size must be >= 1, got {block_size}")
@@ -242,6 +323,8 @@ def method_variant(name: str) -> tuple[str, dict]:
     of the drafter's after a match of >= 3 tokens), 'dloop+first3+thendraft' (after such a match the
     drafter's stage extends the continuation), 'dloop+gateconf' (the chain, its stages gated by the DSpark
     confidence head). 'suffix' is the drafter-free method."""
+    from loopspec.tree import SUFFIX_MAX_MATCH, SUFFIX_MIN_MATCH
+
     method, *parts = name.split("+")
     if method not in METHODS:
         raise LoopspecError(f"unknown method {method!r} in {name!r} (choose from {', '.join(METHODS)})")

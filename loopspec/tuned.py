@@ -18,9 +18,10 @@ import tempfile
 from pathlib import Path
 
 from loopspec.errors import LoopspecError
+from loopspec.settings import KNOBS
 
 SHIPPED_DRAFTERS = Path(__file__).resolve().parent / "drafters"
-STORED = ("gate_threshold", "gate", "max_stages", "block_size", "tree_budget", "suffix", "suffix_first", "suffix_then_draft")
+STORED = tuple(name for name, knob in KNOBS.items() if knob.tuned)  # the knobs a tune result sets
 
 
 def is_shipped(drafter_dir: str | Path) -> bool:

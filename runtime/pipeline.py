@@ -20,7 +20,7 @@ from loopspec.precisions import REGISTRY, describe_precision, precision_names
 from loopspec.prompts import chat_ids, prompt_ids
 from loopspec.settings import DecodingSettings, engine_key, resolve_settings
 from loopspec.tuned import user_setting
-from loopspec.weights import load_tokenizer
+from loopspec.weights import TargetSource, load_tokenizer
 from loopspec.runtime.decoder import GenerationResult, generate
 from loopspec.engines.protocol import Engine
 from loopspec.engines.backends import BACKENDS, artifact_engine, cached_onnx_engine, require_cuda, torch_engine
@@ -56,7 +56,7 @@ class Pipeline:
     engine: Engine
     drafter_description: str  # "shipped (...)", "untrained (...)", a path, or "none"
     stop_token_ids: frozenset[int]
-    target_source: str | None = None  # the target as the user named it ('default', a dir, a .gguf)
+    target_source: TargetSource | None = None  # the target as resolved from its name (None: artifacts)
     tuned_store: Path | None = None  # where users' tune results for shipped drafters are (None: the cache's)
 
     @property
@@ -102,9 +102,9 @@ class Pipeline:
 
     def settings(self, method: str, **knobs) -> DecodingSettings:
         """The decoding settings of `method` for this pipeline's drafter on its backend; `knobs` are
-        those of loopspec.settings.resolve_settings (block_size, gate_threshold, max_stages,
-        adaptive, tree_budget, suffix, suffix_first). A user's tune result for a shipped drafter wins
-        over the setting shipped with it (loopspec/tuned.py)."""
+        those of loopspec.settings.resolve_settings (loopspec.settings.KNOBS: block_size,
+        gate_threshold, max_stages, tree_budget, suffix, ...). A user's tune result for a shipped
+        drafter wins over the setting shipped with it (loopspec/tuned.py)."""
         return resolve_settings(method, self.engine.drafter_cfg, engine=self.tuning_key,
                                 chains_only=self.engine.chains_only, tuned=self.user_tuned, **knobs)
 
@@ -159,27 +159,32 @@ def resolve_backend(backend: str, device: str = "cpu", cuda_graphs: bool | None 
     return "onnxruntime" if exportable else "torch"
 
 
-def resolve_precision(precision: str, backend: str, target: str | None) -> str:
-    """'auto' → the fastest engine this backend builds for `target`: on ONNX Runtime, a GGUF target
-    ('default' or a .gguf) runs its own Q4_1/Q8_0 blocks with int8 activations (docs/benchmarks.md:
-    plain decoding 1.6-1.8x fp32's, and the best method faster than fp32's on average over the five
-    eval sets); everything else fp32. An explicit gguf-* precision needs ONNX Runtime and a GGUF target."""
-    from loopspec.weights import target_gguf_path
-
+def resolve_precision(precision: str, backend: str, target: "TargetSource | str | None") -> str:
+    """'auto' → the fastest engine this backend builds for `target` (a TargetSource; a name is
+    resolved): on ONNX Runtime, a GGUF target ('default' or a .gguf) runs its own Q4_1/Q8_0 blocks
+    with int8 activations (docs/benchmarks.md: plain decoding 1.6-1.8x fp32's, and the best method
+    faster than fp32's on average over the five eval sets); everything else fp32. An explicit gguf-*
+    precision needs ONNX Runtime and a GGUF target."""
     if precision not in PRECISIONS:
         raise LoopspecError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
     if precision == "fp32" or (precision == "auto" and backend != "onnxruntime"):
         return "fp32"
     if precision == "auto":
         try:
-            target_gguf_path(target)
-        except LoopspecError:  # no GGUF to read blocks from
-            return "fp32"
-        return "gguf-int8act"
+            gguf = TargetSource.of(target).gguf
+        except LoopspecError:  # a target that cannot be read has no GGUF to read blocks from (its load says why)
+            gguf = None
+        return "fp32" if gguf is None else "gguf-int8act"
     if backend != "onnxruntime":
         raise LoopspecError(f"precision {precision} runs on ONNX Runtime (--backend onnxruntime), not {backend}")
-    target_gguf_path(target)  # a clear error for a target that is no GGUF
+    TargetSource.of(target).require_gguf("the GGUF block precisions")  # a clear error for a target that is no GGUF
     return precision
+
+
+def names_a_drafter(drafter: str | None, onnx_dir=None, trt_dir=None) -> bool:
+    """Whether a drafter can come with these (known before anything is read; artifacts are checked
+    when opened)."""
+    return drafter not in (None, "none") or onnx_dir is not None or trt_dir is not None
 
 
 @dataclass(frozen=True)
@@ -189,10 +194,12 @@ class EngineChoice:
     CPU threads and CUDA graphs — or the artifact directory (`onnx_dir`, `trt_dir`) to run instead.
     Built and checked once, from Python keywords or the command line's flags: a bad value or
     combination fails here, before anything loads; then load_pipeline, bench, tune and serve take it.
-    backend 'auto' is resolved on construction (`resolve_backend`); precision 'auto' when the
-    pipeline loads (it depends on the target file)."""
+    backend 'auto' is resolved on construction (`resolve_backend`), and so is the target, into a
+    TargetSource (a path that does not exist or is neither a checkpoint directory nor a .gguf fails
+    here) — except with artifacts, which carry their own target (its name is then kept unread);
+    precision 'auto' when the pipeline loads (it depends on the target file)."""
 
-    target: str = "default"
+    target: TargetSource | str = "default"
     drafter: str | None = "default"
     backend: str = "auto"
     precision: str = "auto"
@@ -219,9 +226,10 @@ class EngineChoice:
         if (backend == "tensorrt") != (self.trt_dir is not None):
             raise LoopspecError("--backend tensorrt runs the plans of --trt-dir DIR (built by `loopspec convert trt`), "
                                 "and --trt-dir needs --backend tensorrt")
-        artifacts = self.onnx_dir is not None or self.trt_dir is not None
-        if self.precision not in PRECISIONS and not (artifacts and self.precision in ARTIFACT_PRECISIONS):
+        if self.precision not in PRECISIONS and not (self.from_artifacts and self.precision in ARTIFACT_PRECISIONS):
             raise LoopspecError(f"unknown precision {self.precision!r} (choose from {', '.join(PRECISIONS)})")
+        if not self.from_artifacts:
+            object.__setattr__(self, "target", TargetSource.of(self.target))
 
     @property
     def from_artifacts(self) -> bool:
@@ -230,10 +238,18 @@ class EngineChoice:
     @property
     def names_a_drafter(self) -> bool:
         """Whether a drafter can come with it (known before anything loads; artifacts are checked when opened)."""
-        return self.drafter not in (None, "none") or self.from_artifacts
+        return names_a_drafter(self.drafter, self.onnx_dir, self.trt_dir)
+
+    @property
+    def display_name(self) -> str:
+        """The model's name for users (the served model id): the artifact directory's, else the target's."""
+        if self.from_artifacts:
+            return Path(self.onnx_dir if self.onnx_dir is not None else self.trt_dir).resolve().name
+        # a directory named by a path without a last part ('.', '..') is named by the folder it resolves to
+        return self.target.display_name or Path(self.target.name).resolve().name
 
 
-def load_pipeline(target: str = "default", drafter: str | None = "default", max_context: int | None = None,
+def load_pipeline(target: TargetSource | str = "default", drafter: str | None = "default", max_context: int | None = None,
                   mask_token_id: int | None = None, num_threads: int | None = None, device: str = "cpu",
                   cuda_graphs: bool | None = None, backend: str = "auto", onnx_dir: str | Path | None = None,
                   trt_dir: str | Path | None = None, precision: str = "auto") -> Pipeline:
@@ -265,24 +281,25 @@ def open_pipeline(choice: EngineChoice) -> Pipeline:
             raise LoopspecError(f"{directory} holds {engine.precision} engines, not {choice.precision} "
                                 "(artifacts carry their precision: drop --precision or export again)")
         return artifact_pipeline(engine, directory)
-    precision = resolve_precision(choice.precision, choice.backend, choice.target)
+    target = choice.target
+    precision = resolve_precision(choice.precision, choice.backend, target)
     device = resolve_device(choice.device)
     cuda_graphs = device.type == "cuda" if choice.cuda_graphs is None else choice.cuda_graphs
     if cuda_graphs:
         require_cuda(device)  # before any model is loaded
-    pair = load_pair(choice.target, choice.drafter, mask_token=choice.mask_token_id)
+    pair = load_pair(target, choice.drafter, mask_token=choice.mask_token_id)
     model, draft_model = pair.target, pair.drafter
     if device.type != "cpu":
         model = model.to(device)
         draft_model = draft_model.to(device) if draft_model is not None else None
     if choice.backend == "onnxruntime":
         engine = cached_ort_engine(model, draft_model, pair.target_dir, pair.drafter_dir, choice.max_context,
-                                   choice.threads, precision, choice.target)
+                                   choice.threads, precision, target)
     else:
         engine = torch_engine(model, draft_model, choice.max_context, choice.threads, cuda_graphs=cuda_graphs)
     return Pipeline(tokenizer=pair.tokenizer, target_dir=pair.target_dir, drafter_dir=pair.drafter_dir, target=model,
                     drafter=draft_model, engine=engine, drafter_description=pair.drafter_description,
-                    stop_token_ids=pair.stop_token_ids, target_source=str(choice.target))
+                    stop_token_ids=pair.stop_token_ids, target_source=target)
 
 
 def artifact_pipeline(engine: Engine, directory: Path) -> Pipeline:
@@ -296,11 +313,9 @@ def artifact_pipeline(engine: Engine, directory: Path) -> Pipeline:
 
 def cached_ort_engine(model: Target, draft_model: Drafter | None, target_dir: Path, drafter_dir: Path | None,
                       max_context: int | None, num_threads: int | None, precision: str = "fp32",
-                      target: str | None = None) -> Engine:
+                      target: TargetSource | str | None = None) -> Engine:
     """The pair's cached ONNX export in `precision` (engines/backends.py); a gguf-* precision reads
-    the blocks of `target`'s GGUF ('default' or a .gguf file)."""
-    from loopspec.weights import target_gguf_path
-
-    gguf_path = target_gguf_path(target) if precision != "fp32" else None
+    the blocks of `target`'s GGUF ('default' or a .gguf file; a name is resolved)."""
+    gguf_path = TargetSource.of(target).require_gguf("the GGUF block precisions") if precision != "fp32" else None
     return cached_onnx_engine(model, draft_model, target_dir, drafter_dir, max_context, num_threads, precision,
                               gguf_path)

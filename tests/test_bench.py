@@ -9,6 +9,7 @@ from loopspec.cli import main
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
 from loopspec.runtime.pipeline import EngineChoice
+from loopspec.weights import TargetSource
 from loopspec.runtime.bench import (BenchOutput, BenchPlan, Runs, acceptance_stats, load_prompt_sets, median_run, run_bench,
                                     verifications_saved)
 
@@ -246,7 +247,7 @@ def test_llamacpp_rows_are_skipped_with_a_reason_without_a_binary(tiny_pair, pro
         BenchPlan([str(prompt_sets[1])], ["ar", "llamacpp"], params=SamplingParams(temperature=0.7))
 
 
-def test_a_llama_server_that_dies_at_load_is_a_skipped_row(tiny_pair, prompt_sets, tmp_path, monkeypatch):
+def test_a_llama_server_that_dies_at_load_is_a_skipped_row(tiny_pair, prompt_sets, tmp_path):
     """A llama-server that crashes while loading the model (as llama.cpp's AMX weight repacking did):
     it is tried again without repacking, and when that dies too its rows are skipped with the exit code
     and last log line; the bench itself runs to the end."""
@@ -260,11 +261,12 @@ def test_a_llama_server_that_dies_at_load_is_a_skipped_row(tiny_pair, prompt_set
     binary.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'load_tensors: repacking'\n"
                       "echo 'Segmentation fault'\nexit 139\n")
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setattr("loopspec.weights.target_gguf_path", lambda target: gguf)
+    # the tiny checkpoint directory for loopspec's engines, with a GGUF file beside it for llama.cpp
+    source = TargetSource(name=str(target), is_default=False, gguf=gguf, directory=target)
     report = tmp_path / "b.json"
     results = run_bench(BenchPlan([str(prompt_sets[1])], ["ar", "dflash", "llamacpp"], max_new_tokens=8,
                                   llama_server=str(binary)),
-                        EngineChoice(str(target), str(drafter), backend="torch"), output=BenchOutput(json_out=str(report)))
+                        EngineChoice(source, str(drafter), backend="torch"), output=BenchOutput(json_out=str(report)))
     assert [r.method for r in results] == ["ar", "dflash"]
     why = json.loads(report.read_text())["settings"]["skipped"]["llamacpp"]
     assert "exited with code 139 at load (load_tensors: repacking | Segmentation fault)" in why and "--no-repack" in why

@@ -294,3 +294,62 @@ def test_load_pipeline_refuses_a_bad_size_before_loading(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
         load_pipeline("/nonexistent-target", "none", **kwargs)
+
+
+def _subcommands(parser):
+    import argparse
+
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def test_every_decoding_knob_is_one_flag_and_every_decoding_flag_a_knob():
+    """The decoding knobs are declared once, in DecodingSettings' fields: every command that decodes
+    takes one flag per knob, as its Knob declares it, and parses into the knob dict resolve_settings
+    takes; a flag whose destination is a settings field is a knob's."""
+    import dataclasses
+
+    from loopspec.cli import build_parser
+    from loopspec.cli.flags import decoding_knobs
+    from loopspec.settings import KNOBS, DecodingSettings, knobs_of, resolve_settings
+
+    fields = {f.name for f in dataclasses.fields(DecodingSettings)}
+    assert set(KNOBS) == fields - {"method"}
+    commands = _subcommands(build_parser())
+    for name in ("generate", "bench", "serve"):
+        actions = {a.dest: a for a in commands[name]._actions}
+        assert {dest for dest in actions if dest in fields} == set(KNOBS) | ({"method"} & set(actions)), name
+        for knob_name, knob in KNOBS.items():
+            assert actions[knob_name].option_strings[0] == knob.flag and actions[knob_name].help == knob.help
+    args = commands["generate"].parse_args(["--prompt", "x", "--tree-budget", "3", "--no-adaptive", "--gate",
+                                            "confidence", "--draft-sampling", "walk"])
+    knobs = decoding_knobs(args)
+    assert knobs == {name: knob.unset for name, knob in KNOBS.items()} | {
+        "tree_budget": 3, "adaptive": False, "gate": "confidence", "draft_sampling": "walk"}
+    assert resolve_settings("suffix", None, **(knobs | {"tree_budget": 0, "gate": None})).adaptive is False
+    # a knob added to the settings without its Knob (so without a flag) is refused where KNOBS is made
+    planted = dataclasses.make_dataclass("Planted", [("beam_width", int, dataclasses.field(default=1))],
+                                         bases=(DecodingSettings,), frozen=True)
+    with pytest.raises(TypeError, match="Planted.beam_width is declared without a Knob"):
+        knobs_of(planted)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'beam_width'"):
+        resolve_settings("ar", None, beam_width=2)
+
+
+def test_bundle_framework_flag_and_its_deprecated_spelling(capsys):
+    """`convert bundle --framework`; `--engine` still parses into it, with one line on stderr."""
+    from loopspec.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["convert", "bundle", "--framework", "vllm,sglang", "--out", "o"])
+    assert args.framework == "vllm,sglang" and capsys.readouterr().err == ""
+    args = parser.parse_args(["convert", "bundle", "--engine", "all", "--out", "o"])
+    assert args.framework == "all"
+    assert capsys.readouterr().err == "loopspec: warning: --engine is deprecated; use --framework\n"
+    for argv, needle in ((["--out", "o"], "one of the arguments --framework is required"),
+                         (["--framework", "vllm", "--engine", "vllm", "--out", "o"], "not allowed with")):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(["convert", "bundle", *argv])
+        line = _one_error_line(capsys.readouterr().err.replace("loopspec: warning: --engine is deprecated; "
+                                                               "use --framework\n", ""))
+        assert e.value.code == 2 and line.startswith("loopspec: error: convert bundle: ") and needle in line

@@ -11,7 +11,7 @@ pytest.importorskip("fastapi", reason="needs fastapi: pip install 'loopspec[serv
 
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from loopspec.runtime.server import CHAT_BODY, COMPLETION_BODY  # noqa: E402
+from loopspec.runtime.openai_api import CHAT_BODY, COMPLETION_BODY  # noqa: E402
 
 # any JSON value, nested a little: what a careless or hostile client may send in any field
 JUNK = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),

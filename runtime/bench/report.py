@@ -1,4 +1,5 @@
-"""The `loopspec bench --out DIR` report: bench.md (tables per dataset) and PNG plots, from bench.json.
+"""The `loopspec bench` report, from bench.json: the table it prints, and with `--out DIR` bench.md
+(tables per dataset) and PNG plots.
 
 Everything here reads the JSON report only, so a saved bench.json can be rendered again. matplotlib
 is imported lazily and draws with its Agg canvas (no display, no pyplot state)."""
@@ -79,6 +80,24 @@ def _split_ms_per_token(r: dict) -> str:
     if _is_peer(r):
         return f"– / – / – / {r['other_s'] * 1e3 / tokens:.1f} (not split)"
     return " / ".join(f"{r[key] * 1e3 / tokens:.1f}" for key, _ in SPLIT)
+
+
+def results_table(results: list[dict]) -> str:
+    """The table `loopspec bench` prints: one line per (dataset, method, engine) row of bench.json."""
+    width = max([11] + [len(r["method"]) + 2 for r in results])  # variants (dloop+tree16+suffix) are long
+    engine = max([9] + [len(r["backend"]) + 2 for r in results])  # "onnxruntime gguf-int8act"
+    head = (f"{'dataset':<14}{'method':<{width}}{'engine':<{engine}}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/s':>8}"
+            f"{'speedup':>9}{'bound':>8}{'same as ar':>12}{'= fp32':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        speed = "-" if r["speedup_vs_ar"] is None else f"{r['speedup_vs_ar']:.2f}x"
+        bound = "-" if r["speedup_bound"] is None else f"{r['speedup_bound']:.2f}x"
+        same = "-" if r["identical_to_ar"] is None else ("yes" if r["identical_to_ar"] else "NO")
+        agree = "-" if r["agreement_with_fp32"] is None else f"{r['agreement_with_fp32']:.0%}"
+        tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        lines.append(f"{r['dataset']:<14}{r['method']:<{width}}{r['backend']:<{engine}}{r['prompts']:>8}"
+                     f"{r['new_tokens']:>8}{tau:>7}{r['tokens_per_s']:>8.1f}{speed:>9}{bound:>8}{same:>12}{agree:>8}")
+    return "\n".join(lines)
 
 
 def markdown(report: dict, plot_files: list[str] = ()) -> str:

@@ -3,7 +3,8 @@
 Per (dataset, method): τ, tokens/s (sum over prompts of each prompt's median wall time over the
 repeats), speedup over `ar` of the same dataset, identity with `ar`, the per-position acceptance
 curve, the τ histogram, the DLoop breakdown and the prefill/draft/verify/other time split.
-`--out DIR` writes bench.json, bench.md and PNG plots (runtime/report.py)."""
+The plan it runs is plan.py's, the peers peers.py's; `--out DIR` writes bench.json, bench.md and PNG
+plots (report.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loopspec.decoding import SamplingParams
-from loopspec.precisions import describe_precision
 from loopspec.errors import LoopspecError
-from loopspec.prompt_sets import BUILTIN, read_prompt_source, source_name
-from loopspec.settings import DecodingSettings
+from loopspec.precisions import describe_precision
+from loopspec.runtime.bench.peers import (HF_METHODS, LLAMACPP_METHODS, PEER_BACKENDS, PEER_METHODS, PLAIN_PEER, HFPeer,
+                                          llamacpp_peer)
+from loopspec.runtime.bench.plan import BenchOutput, BenchPlan
+from loopspec.runtime.bench.report import results_table
+from loopspec.settings import DRAFTER_METHODS, DecodingSettings
 from loopspec.stats import acceptance_length
 
 
@@ -61,25 +64,6 @@ class BenchResult:
     fp32_matching_prefix: float | None = None  # mean tokens before the output first leaves fp32's `ar`
 
 
-def load_prompts(source: str | Path, limit: int | None = None, all_turns: bool = False) -> list[str]:
-    """Prompts from a `{"turns": [...]}` JSONL file or a built-in set (loopspec/prompt_sets.py): the
-    first turn of each conversation unless all_turns."""
-    return read_prompt_source(source, limit, all_turns)
-
-
-def load_prompt_sets(sources: list[str], limit: int | None = None, all_turns: bool = False) -> dict[str, list[str]]:
-    """{dataset name: prompts}: a JSONL file is named by its stem, a built-in set by its name."""
-    sets: dict[str, list[str]] = {}
-    for source in sources:
-        if not Path(source).is_file() and source not in BUILTIN:
-            raise LoopspecError(f"prompt file does not exist: {source} (built-in sets: {', '.join(BUILTIN)})")
-        name = source_name(source)
-        if name in sets:
-            raise LoopspecError(f"two prompt sets are named {name!r}: give each dataset once")
-        sets[name] = load_prompts(source, limit, all_turns)
-    return sets
-
-
 def acceptance_stats(accepted: list[int], max_drafts: int) -> tuple[list[int], list[float]]:
     """Histogram of accepted drafts per verification, and the per-position acceptance curve.
 
@@ -103,23 +87,6 @@ def verifications_saved(accepted: list[int], block_size: int) -> int:
     return sum(max(0, math.ceil((a + 1) / block_size) - 1) for a in accepted)
 
 
-def _table(results: list[BenchResult]) -> str:
-    width = max([11] + [len(r.method) + 2 for r in results])  # variants (dloop+tree16+suffix) are long
-    engine = max([9] + [len(r.backend) + 2 for r in results])  # "onnxruntime gguf-int8act"
-    head = (f"{'dataset':<14}{'method':<{width}}{'engine':<{engine}}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/s':>8}"
-            f"{'speedup':>9}{'bound':>8}{'same as ar':>12}{'= fp32':>8}")
-    lines = [head, "-" * len(head)]
-    for r in results:
-        speed = "-" if r.speedup_vs_ar is None else f"{r.speedup_vs_ar:.2f}x"
-        bound = "-" if r.speedup_bound is None else f"{r.speedup_bound:.2f}x"
-        same = "-" if r.identical_to_ar is None else ("yes" if r.identical_to_ar else "NO")
-        agree = "-" if r.agreement_with_fp32 is None else f"{r.agreement_with_fp32:.0%}"
-        tau = "-" if r.tau is None else f"{r.tau:.2f}"
-        lines.append(f"{r.dataset:<14}{r.method:<{width}}{r.backend:<{engine}}{r.prompts:>8}{r.new_tokens:>8}{tau:>7}"
-                     f"{r.tokens_per_s:>8.1f}{speed:>9}{bound:>8}{same:>12}{agree:>8}")
-    return "\n".join(lines)
-
-
 def plain_decoding(run: tuple[str, str], reference: tuple[str, str], fp32_reference: tuple[str, str] | None,
                    pipes: dict) -> tuple[str, str] | None:
     """The run whose greedy output `run` must equal token for token: a method, its engine's own `ar`
@@ -127,8 +94,6 @@ def plain_decoding(run: tuple[str, str], reference: tuple[str, str], fp32_refere
     both engines compute in the same precision (torch and ONNX Runtime fp32); transformers, the fp32
     `ar` (the same fp32 model), its prompt lookup transformers' own plain run; llama.cpp's DFlash its
     plain llama.cpp (llama.cpp's own arithmetic equals nothing of ours: `agreement_with_fp32` says how close)."""
-    from loopspec.runtime.peers import PEER_BACKENDS, PLAIN_PEER
-
     method, on = run
     if method in PLAIN_PEER:
         return PLAIN_PEER[method], PEER_BACKENDS[method]
@@ -171,61 +136,6 @@ def _prepare_out_dir(out_dir: str | None) -> Path | None:
     return path
 
 
-@dataclass(frozen=True)
-class BenchPlan:
-    """What one bench run measures: the prompt sets (JSONL files or built-in set names), the methods
-    (loopspec's, with +chain/+treeN/+suffix/+firstN variants, and the peers), and how each prompt runs.
-    Checked on construction, before anything loads."""
-
-    prompt_sets: tuple[str, ...]
-    methods: tuple[str, ...]
-    limit: int | None = None
-    max_new_tokens: int = 128
-    all_turns: bool = False
-    chat: bool = True
-    params: SamplingParams = SamplingParams()
-    seed: int = 0
-    repeats: int = 1
-    cost_model: bool = False  # also measure bandwidth, t_verify(n), draft time and each method's bound
-    llama_server: str | None = None  # the binary the llama.cpp peers run (None: the one on PATH)
-
-    def __post_init__(self):
-        from loopspec.runtime.peers import PEER_METHODS
-        from loopspec.settings import METHODS, method_variant
-
-        object.__setattr__(self, "prompt_sets", tuple(self.prompt_sets))
-        object.__setattr__(self, "methods", tuple(self.methods))
-        if not self.methods:
-            raise LoopspecError(f"no method given (choose from {', '.join(METHODS + PEER_METHODS)})")
-        for m in self.methods:
-            if m not in PEER_METHODS:
-                method_variant(m)  # refuses unknown names and parts
-        if len(set(self.methods)) != len(self.methods):
-            raise LoopspecError(f"a method is named twice in {','.join(self.methods)}")
-        if self.repeats < 1:
-            raise LoopspecError(f"repeats must be >= 1, got {self.repeats}")
-        if any(m in PEER_METHODS for m in self.methods) and not self.params.greedy:
-            raise LoopspecError("the transformers and llama.cpp peers are measured greedy only (use --temperature 0)")
-
-    @property
-    def variants(self) -> dict[str, tuple[str, dict]]:
-        """loopspec's methods → (method, overrides of its resolved settings)."""
-        from loopspec.runtime.peers import PEER_METHODS
-        from loopspec.settings import method_variant
-
-        return {m: method_variant(m) for m in self.methods if m not in PEER_METHODS}
-
-
-@dataclass(frozen=True)
-class BenchOutput:
-    """Where a bench run's report goes: `json_out` (bench.json alone), `out_dir` (bench.json, bench.md
-    and the plots), and the command recorded in it."""
-
-    json_out: str | None = None
-    out_dir: str | None = None
-    command: str | None = None
-
-
 @dataclass
 class Runs:
     """The (method, engine) runs of a bench in order, and what each is compared with."""
@@ -238,31 +148,29 @@ class Runs:
     fp32_reference: tuple[str, str] | None = None  # the fp32 engine's `ar`, where one runs
 
 
-def run_bench(plan: BenchPlan, engines, knobs: dict | None = None,
+def run_bench(plan: BenchPlan, choices, knobs: dict | None = None,
               output: BenchOutput = BenchOutput()) -> list[BenchResult]:
-    """Every method of `plan` on every engine of `engines` (an EngineChoice, or several: the same pair
-    side by side in this process, the first engine's `ar` the reference of every speedup), with the
-    decoding `knobs` of loopspec.settings.resolve_settings (block_size, gate_threshold, ...)."""
+    """Every method of `plan` on every engine `choices` names (an EngineChoice, or several: the same
+    pair side by side in this process, the first engine's `ar` the reference of every speedup), with
+    the decoding `knobs` of loopspec.settings.resolve_settings (loopspec.settings.KNOBS)."""
     from tqdm import tqdm
 
-    from loopspec.runtime.peers import HF_METHODS, LLAMACPP_METHODS, PEER_METHODS, HFPeer
     from loopspec.runtime.pipeline import EngineChoice, open_pipeline
-    from loopspec.settings import DRAFTER_METHODS
 
-    engines = [engines] if isinstance(engines, EngineChoice) else list(engines)
-    if not engines:
+    choices = [choices] if isinstance(choices, EngineChoice) else list(choices)
+    if not choices:
         raise LoopspecError("no engine to bench")
     methods, variants, knobs = plan.methods, plan.variants, dict(knobs or {})
-    datasets = load_prompt_sets(list(plan.prompt_sets), plan.limit, plan.all_turns)  # everything checked before the long run
+    datasets = plan.datasets  # everything checked before the long run
     if output.json_out is not None and not Path(output.json_out).resolve().parent.is_dir():
         raise LoopspecError(f"directory for --json does not exist: {Path(output.json_out).parent}")
     out_path = _prepare_out_dir(output.out_dir)
     needs_drafter = any(method in DRAFTER_METHODS for method, _ in variants.values()) or "llamacpp-dflash" in methods
-    first = engines[0]
+    first = choices[0]
     pipe = open_pipeline(first if needs_drafter else dataclasses.replace(first, drafter="none"))
     # every engine runs the same pair in this process; `ar` on the first is the reference
     pipes = {pipe.engine_name: pipe}
-    for choice in engines[1:]:
+    for choice in choices[1:]:
         other = pipe.on_backend(choice.backend, choice.max_context, choice.threads, choice.precision)
         if other.engine_name in pipes:
             raise LoopspecError(f"--backend/--precision name the engine {other.engine_name} twice")
@@ -324,7 +232,8 @@ def run_bench(plan: BenchPlan, engines, knobs: dict | None = None,
     progress.close()
 
     cm = measure_cost_model(pipe, decoding[pipe.engine_name], results) if plan.cost_model else None
-    report = {"settings": settings(plan, output.command, pipe, ",".join(pipes), datasets, decoding[pipe.engine_name]),
+    report = {"settings": run_description(plan, output.command, pipe, ",".join(pipes), datasets,
+                                          decoding[pipe.engine_name]),
               "results": [asdict(r) for r in results]}
     report["settings"]["engines"] = {name: {"precision": p.engine.precision, "computes_with": describe_precision(p.engine.precision),
                                             "decoding": {m: d.to_dict() for m, d in decoding[name].items() if m in methods}}
@@ -335,7 +244,7 @@ def run_bench(plan: BenchPlan, engines, knobs: dict | None = None,
         report["settings"]["skipped"] = skipped
     if cm is not None:
         report["cost_model"] = cm
-    print(_table(results))
+    print(results_table(report["results"]))
     if cm is not None:
         print(f"memory bandwidth {cm['bandwidth_gbs']:.1f} GB/s, target weights {cm['target_weight_mb']:.0f} MB "
               f"→ plain decoding bound {cm['ar_bound_tokens_per_s']:.1f} tok/s; "
@@ -349,7 +258,7 @@ def run_bench(plan: BenchPlan, engines, knobs: dict | None = None,
     if output.json_out is not None:
         Path(output.json_out).write_text(text)
     if out_path is not None:
-        from loopspec.runtime.report import write_report
+        from loopspec.runtime.bench.report import write_report
 
         (out_path / "bench.json").write_text(text)  # first: the measurements survive a plotting failure
         written = write_report(json.loads(text), out_path)
@@ -360,8 +269,6 @@ def run_bench(plan: BenchPlan, engines, knobs: dict | None = None,
 def plan_runs(plan: BenchPlan, pipes: dict, decoding: dict, peer_methods: list[str]) -> Runs:
     """The runs in order — every loopspec method on every engine (`ar` first on each), then the peers
     that can run — and what each is compared with."""
-    from loopspec.runtime.peers import PEER_BACKENDS, PEER_METHODS
-
     own = ["ar"] + [m for m in plan.methods if m != "ar" and m not in PEER_METHODS]
     order = [(m, e) for e in pipes for m in own] + [(m, PEER_BACKENDS[m]) for m in peer_methods]
     reference = order[0]
@@ -416,10 +323,10 @@ def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backen
     return row
 
 
-def settings(plan: BenchPlan, command: str | None, pipe, backend: str, datasets: dict,
-             decoding: dict[str, DecodingSettings]) -> dict:
-    """What produced the numbers: the command, the pair, the prompts, each method's decoding settings
-    and the machine."""
+def run_description(plan: BenchPlan, command: str | None, pipe, backend: str, datasets: dict,
+                    decoding: dict[str, DecodingSettings]) -> dict:
+    """What produced the numbers (the report's "settings"): the command, the pair, the prompts, each
+    method's decoding settings and the machine."""
     import torch
     import transformers
 
@@ -521,31 +428,3 @@ def measure_sets(encoded_sets: dict[str, list[list[int]]], runs: Runs, run_once,
                 r.fp32_matching_prefix = sum(matching_prefix(a, b) for a, b in pairs) / max(len(pairs), 1)
             results.append(r)
     return results
-
-
-def llamacpp_peer(pipe, target: str, llama_server: str | None, dflash_block: int | None, num_threads: int | None,
-                  context: int):
-    """(LlamaServerPeer, None), or (None, why the llama.cpp rows are skipped): it needs a llama-server
-    binary (`llama_server`, else one on PATH) and the target as a GGUF; with `dflash_block`, the
-    pair's drafter is written once as a llama.cpp dflash GGUF into the cache and drafts its drafts per
-    block a round (dflash_block - 1; dflash_block for a DSpark drafter of DeepSpec's convention)."""
-    from loopspec.engines.llamacpp import cached_drafter_gguf, find_llama_server, spec_type
-    from loopspec.runtime.peers import LlamaServerPeer
-    from loopspec.weights import target_gguf_path
-
-    binary = find_llama_server(llama_server)
-    if binary is None:
-        return None, "no llama-server on PATH (build one with scripts/build_llama_server.sh, pass --llama-server)"
-    try:
-        gguf = target_gguf_path(target)
-    except LoopspecError:
-        return None, f"llama.cpp runs the target as a GGUF, and {target} is not one"
-    drafter_gguf, draft_max, spec = None, None, "draft-dflash"
-    if dflash_block is not None:
-        if pipe.drafter is None:
-            return None, "llamacpp-dflash needs the drafter's weights (run without --onnx-dir)"
-        drafter_gguf = cached_drafter_gguf(pipe.drafter, pipe.drafter_dir, gguf)
-        # a DSpark drafter runs as draft-dspark, drafting every block position in DeepSpec's convention
-        draft_max, spec = pipe.drafter.cfg.drafts_per_block(dflash_block), spec_type(pipe.drafter.cfg)
-    peer = LlamaServerPeer(binary, gguf, drafter_gguf, draft_max, num_threads, context, spec=spec)
-    return peer, None
