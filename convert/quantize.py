@@ -224,16 +224,16 @@ def quantize_target_checkpoint(src: str | Path, dst: str | Path, precision: str,
 # accuracy of a quantized drafter against the fp32 drafter
 
 
-def compare_drafters(target: Target, drafter: Drafter, sequences: list[CalibSequence], quantized_context,
-                     quantized_hidden, with_tau: bool = False) -> dict:
+def compare_drafters(target: Target, drafter: Drafter, sequences: list[CalibSequence], quantized_drafter,
+                     with_tau: bool = False) -> dict:
     """The quantized drafter end to end (its context K/V from the target's taps, then draft blocks every
     k-1 positions of each response) against the fp32 PyTorch drafter on the same inputs: the draft
     logits' absolute error (max, mean, and the logits' scale) and how often the top-1 draft agrees.
     With `with_tau`, also the offline τ of both (a block at every anchor of the responses, accepted
     while the chain matches the target's greedy tokens) and its relative drop.
 
-    quantized_context(taps [1, T, n·H], T) → context K, V [L, 1, h, T, d];
-    quantized_hidden(block [1, k], anchor a, K[..., :a, :], V[..., :a, :]) → hidden [1, k, H]."""
+    quantized_drafter(taps [1, T, n·H] of a sequence) → hidden(block [1, k], anchor a) → hidden [1, k, H]: the
+    quantized drafter's block at anchor a on the context of that sequence's positions before a."""
     from loopspec.convert.validate import offline_tau
     from loopspec.model.drafter import draft_candidates
 
@@ -247,13 +247,13 @@ def compare_drafters(target: Target, drafter: Drafter, sequences: list[CalibSequ
         T = len(seq.tokens)
         taps = target(torch.tensor([seq.tokens]), target.new_cache(T), want_taps=True).taps  # [1, T, n·H]
         ref_k, ref_v = drafter.context_kv(drafter.features(taps), torch.arange(T))
-        q_k, q_v = quantized_context(taps, T)
+        quantized_hidden = quantized_drafter(taps)
 
         def logits(a: int, quantized: bool) -> torch.Tensor:  # [k-1, V or Vd]: the block at anchor a
             block = torch.full((1, k), mask, dtype=torch.long)
             block[0, 0] = seq.tokens[a]
             if quantized:
-                hidden = quantized_hidden(block, a, q_k[:, :, :, :a], q_v[:, :, :, :a])
+                hidden = quantized_hidden(block, a)
             else:
                 hidden = drafter(target.embed_tokens(block), torch.arange(a, a + k), ref_k[:, :, :, :a],
                                  ref_v[:, :, :, :a])
@@ -284,30 +284,28 @@ def compare_drafters(target: Target, drafter: Drafter, sequences: list[CalibSequ
 @torch.no_grad()
 def drafter_logit_error(onnx_dir: str | Path, target: Target, drafter: Drafter, sequences: list[CalibSequence],
                         num_threads: int | None = None) -> dict:
-    """compare_drafters with the exported drafter run by ONNX Runtime (FP8 graphs)."""
-    import numpy as np
+    """compare_drafters with the exported drafter run by the ONNX Runtime engine (FP8 graphs), called
+    as decoding calls it: the sequence's taps appended to its context, a block drafted at each anchor."""
+    from loopspec.engines.backends import artifact_engine
 
-    from loopspec.engines.manifest import read_manifest
-    from loopspec.engines.ort_engine import EngineSession, check_precision as check_runnable
-    from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, with_room
-
-    manifest = read_manifest(onnx_dir)
-    check_runnable(manifest.precision, str(onnx_dir))
-    sessions = {n: EngineSession(manifest.path(n), manifest.spec(n), num_threads) for n in (DRAFTER_CONTEXT, DRAFTER_BLOCK)}
     k = drafter.cfg.block_size
+    engine = artifact_engine("onnxruntime", onnx_dir, max_context=max(len(s.tokens) for s in sequences) + k,
+                             num_threads=num_threads)
 
-    def context(taps, T):
-        run = sessions[DRAFTER_CONTEXT].run(taps=taps.numpy(), positions=np.arange(T, dtype=np.int64)[None])
-        return torch.from_numpy(run["context_key"]), torch.from_numpy(run["context_value"])
+    def quantized_drafter(taps):
+        engine.context_rollback([0], [0])
 
-    def hidden(block, a, ctx_k, ctx_v):
-        out = sessions[DRAFTER_BLOCK].run(block_ids=block.numpy(), positions=np.arange(a, a + k, dtype=np.int64)[None],
-                                          context_key=with_room(ctx_k.numpy(), k),
-                                          context_value=with_room(ctx_v.numpy(), k),
-                                          context_lengths=np.asarray([a], dtype=np.int64))
-        return torch.from_numpy(out["hidden"])
+        def hidden(block, a):  # row 0's context is made to hold the positions before a
+            length = engine.context_lengths([0])[0]
+            if a < length:
+                engine.context_rollback([0], [a])
+            elif a > length:
+                engine.append_context(taps[:, length:a], [a - length])
+            return engine.draft([0], [int(block[0, 0])], [a], k)[2]  # the engine builds the same block
 
-    return compare_drafters(target, drafter, sequences, context, hidden)
+        return hidden
+
+    return compare_drafters(target, drafter, sequences, quantized_drafter)
 
 
 @torch.no_grad()
@@ -326,15 +324,17 @@ def emulated_drafter_check(target: Target, drafter: Drafter, weights: dict[str, 
     block_module = DrafterBlock(quantized, target.embed_tokens.weight, target.lm_head.weight)
     k = drafter.cfg.block_size
 
-    def context(taps, T):
-        return context_module(taps, torch.arange(T)[None])
+    def quantized_drafter(taps):
+        ctx_k, ctx_v = context_module(taps, torch.arange(taps.shape[1])[None])
 
-    def hidden(block, a, ctx_k, ctx_v):
-        room = (0, 0, 0, k)  # the block's slots after the context (engines/specs.py past_width)
-        return block_module(block, torch.arange(a, a + k)[None], F.pad(ctx_k, room), F.pad(ctx_v, room),
-                            torch.tensor([a]))[2]
+        def hidden(block, a):
+            room = (0, 0, 0, k)  # the block's slots after the context (engines/specs.py past_width)
+            return block_module(block, torch.arange(a, a + k)[None], F.pad(ctx_k[:, :, :, :a], room),
+                                F.pad(ctx_v[:, :, :, :a], room), torch.tensor([a]))[2]
 
-    out = compare_drafters(target, drafter, sequences, context, hidden, with_tau=True)
+        return hidden
+
+    out = compare_drafters(target, drafter, sequences, quantized_drafter, with_tau=True)
     limit = TOLERANCES[precision]["tau_drop"]
     out["tau_drop_limit"] = limit
     out["passed"] = bool(limit is None or out.get("tau_relative_drop", 0.0) <= limit)

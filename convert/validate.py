@@ -1,12 +1,21 @@
-"""Check an exported artifact directory against the PyTorch reference modules.
+"""Check an exported artifact directory against the PyTorch reference modules, through the engine
+the runtime runs on it: `artifact_engine("onnxruntime", dir)`, driven by the Engine protocol's calls
+(prefill, verify, target_rollback, append_context, append_pseudo_context, context_rollback, draft), the
+code `loopspec generate --onnx-dir` runs, so what passes here is what decodes there.
 
 1. Per engine and output: the largest absolute error relative to the output's scale
-   (max |onnx - ref| / max |ref|) on real inputs, against a tolerance per precision.
-2. Greedy decoding of the target on a few prompts: the token sequences must be identical (fp32).
-   A DSpark drafter's block engine runs its Markov correction, so its drafts, log-probs and
-   confidence are checked against `draft_stage`, the torch engine's own draft-head step.
+   (max |engine - ref| / max |ref|) on real inputs, against a tolerance per precision. target_verify:
+   a prefill, then a draft-tree verification over the prefix the engine stored (its logits and taps as
+   `verify` returns them, its new K/V as the engine stored them in its KV cache). The drafter's engines get the reference's features
+   (`append_context` of the reference taps, `append_pseudo_context` of the reference block's hidden
+   states) and are read back from the engine's context cache; the block engine (`draft`, a DSpark
+   drafter's Markov correction and confidence included) is checked against `draft_stage`, the torch
+   engine's own draft-head step, on the context the engine holds: each figure is one graph's own error.
+2. Greedy decoding of the target on a few prompts, as `ar` drives the engine: the token sequences
+   must be identical (fp32), and one verification of them must give them back.
 3. With a drafter: the offline acceptance length τ of both drafters along the reference greedy
-   trajectory (one block drafted at every position, accepted prefix + 1); the drop of the exported
+   trajectory (one block drafted at every position, accepted prefix + 1; the engine drafts on the
+   context its own decoding appended, rolled back to each anchor); the drop of the exported
    drafter's τ must stay under a limit per precision (quantized drafters lose a little, fp32 none).
 
 The report goes into the manifest (`validation`) and is returned.
@@ -21,14 +30,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loopspec.engines.backends import artifact_engine
 from loopspec.engines.manifest import read_manifest
-from loopspec.engines.ort_engine import EngineSession, check_precision
-from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
-                                    TARGET_VERIFY, past_feeds, past_layers, with_room)
+from loopspec.engines.protocol import Engine
+from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY
 from loopspec.errors import LoopspecError
 from loopspec.precisions import REGISTRY
 from loopspec.model.drafter import Drafter, draft_head_weight, draft_stage
-from loopspec.model.target import Target
+from loopspec.model.target import KVCache, Target
 
 # per precision: the tolerances of loopspec/precisions.py (those it validates: the ones that have some)
 TOLERANCES = {name: p.tolerance for name, p in REGISTRY.items() if p.tolerance}
@@ -37,14 +46,22 @@ PROMPT_TEXTS = ("The quick brown fox jumps over the lazy dog because",
                 "Explain in two sentences why the sky is blue.")
 
 
-def relative_error(got: np.ndarray, ref: torch.Tensor) -> float:
-    ref = ref.detach().float().numpy()
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().cpu(), ref.detach().cpu()
     if got.shape != ref.shape:
-        raise LoopspecError(f"output shape {got.shape} differs from the reference's {ref.shape}")
-    if got.dtype.kind in "iu":
-        return float(np.mean(got != ref))  # share of differing ids
-    scale = max(float(np.abs(ref).max()), 1e-6)
-    return float(np.abs(got.astype(np.float32) - ref).max()) / scale
+        raise LoopspecError(f"output shape {tuple(got.shape)} differs from the reference's {tuple(ref.shape)}")
+    if not got.is_floating_point():
+        return float((got != ref).float().mean())  # share of differing ids
+    ref = ref.float()
+    scale = max(float(ref.abs().max()), 1e-6)
+    return float((got.float() - ref).abs().max()) / scale
+
+
+def stored(cache: KVCache, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row 0's K/V in slots start..end-1 of one of the engine's caches. Every engine keeps its
+    target KV cache and its drafter context as `KVCache`s (`cache`, `context`; engines/protocol.py);
+    the protocol returns no K/V, and these are what the next call attends over."""
+    return cache.k[:, :1, :, start:end].clone(), cache.v[:, :1, :, start:end].clone()
 
 
 class Reference:
@@ -76,10 +93,10 @@ class Reference:
         return d.context_kv(features, torch.arange(start, start + features.shape[1]))
 
 
-def engine_errors(ref: Reference, sessions: dict[str, EngineSession], prompt: list[int], block_size: int) -> dict:
-    """{engine: {output: relative error}} on the first prompt (prefill of all but 4 tokens, then a
-    4-token draft-tree verification over the reference cache, then the drafter engines on the
-    reference taps)."""
+def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size: int) -> dict:
+    """{engine: {output: relative error}} on the first prompt, in row 0 of `engine` (a prefill of all
+    but 4 tokens, then a 4-token draft-tree verification, against the reference run the same way;
+    then the drafter's engines on the reference taps)."""
     target, out = ref.target, {}
     P = max(1, len(prompt) - 4)
     cache = target.new_cache(len(prompt) + 1)
@@ -89,42 +106,38 @@ def engine_errors(ref: Reference, sessions: dict[str, EngineSession], prompt: li
     with torch.inference_mode():
         first = target(torch.tensor([prompt[:P]]), cache, want_taps=ref.drafter is not None)
         second = target(torch.tensor([prompt[P:]]), cache, want_taps=ref.drafter is not None, tree_mask=tree)
-    run = sessions[TARGET_VERIFY].run(
-        input_ids=np.asarray([prompt[P:]], dtype=np.int64), positions=(P + tree.sum(-1) - 1).numpy(),
-        logit_index=np.arange(T, dtype=np.int64), past_lengths=np.asarray([P], dtype=np.int64),
-        tree_mask=tree.numpy(), **past_feeds(with_room(cache.k[:, :, :, :P].numpy(), T),
-                                             with_room(cache.v[:, :, :, :P].numpy(), T)))
-    errors = {"logits": relative_error(run["logits"], second.logits),
-              "new_key": relative_error(run["new_key"], cache.k[:, :, :, P:P + T]),
-              "new_value": relative_error(run["new_value"], cache.v[:, :, :, P:P + T])}
-    if "taps" in run:
-        errors["taps"] = relative_error(run["taps"], second.taps)
+    engine.prefill(0, prompt[:P], want_taps=False)
+    logits, taps = engine.verify([prompt[P:]], want_taps=ref.drafter is not None, tree_masks=tree)
+    new_key, new_value = stored(engine.cache, P, P + T)
+    errors = {"logits": relative_error(logits[:, :T], second.logits),  # a lone token runs with a padding token
+              "new_key": relative_error(new_key, cache.k[:, :, :, P:P + T]),
+              "new_value": relative_error(new_value, cache.v[:, :, :, P:P + T])}
+    if taps is not None:
+        errors["taps"] = relative_error(taps[:, :T], second.taps)
     out[TARGET_VERIFY] = errors
     if ref.drafter is None:
         return out
     taps = torch.cat([first.taps, second.taps], dim=1)  # [1, len(prompt), n·H]
+    n = taps.shape[1]
     ctx_k, ctx_v = ref.context(taps, 0)
-    run = sessions[DRAFTER_CONTEXT].run(taps=taps.numpy(), positions=np.arange(len(prompt), dtype=np.int64)[None])
-    out[DRAFTER_CONTEXT] = {"context_key": relative_error(run["context_key"], ctx_k),
-                            "context_value": relative_error(run["context_value"], ctx_v)}
-    drafts, logprobs, hidden, confidence = ref.block(prompt[-1], len(prompt), block_size, ctx_k, ctx_v)
-    ids = np.full((1, block_size), ref.drafter.cfg.mask_token_id, dtype=np.int64)
-    ids[0, 0] = prompt[-1]
-    run = sessions[DRAFTER_BLOCK].run(
-        block_ids=ids, positions=np.arange(len(prompt), len(prompt) + block_size, dtype=np.int64)[None],
-        context_key=with_room(ctx_k.numpy(), block_size), context_value=with_room(ctx_v.numpy(), block_size),
-        context_lengths=np.asarray([ctx_k.shape[3]], dtype=np.int64))
-    out[DRAFTER_BLOCK] = {"draft_ids": relative_error(run["draft_ids"][0], drafts),
-                          "draft_logprobs": relative_error(run["draft_logprobs"][0], logprobs),
-                          "hidden": relative_error(run["hidden"][0], hidden)}
+    engine.context_rollback([0], [0])
+    engine.append_context(taps, [n])
+    got_k, got_v = stored(engine.context, 0, n)
+    out[DRAFTER_CONTEXT] = {"context_key": relative_error(got_k, ctx_k),
+                            "context_value": relative_error(got_v, ctx_v)}
+    # the reference block on the context the engine holds: the block engine's own error
+    drafts, logprobs, hidden, confidence = ref.block(prompt[-1], n, block_size, got_k, got_v)
+    stage = engine.draft([0], [prompt[-1]], [n], block_size)
+    out[DRAFTER_BLOCK] = {"draft_ids": relative_error(stage[0][0], drafts),
+                          "draft_logprobs": relative_error(stage[1][0], logprobs),
+                          "hidden": relative_error(stage[2][0], hidden)}
     if confidence is not None:  # a DSpark drafter's acceptance estimates
-        out[DRAFTER_BLOCK]["confidence"] = relative_error(run["confidence"][0], confidence)
-    start = len(prompt)
-    pseudo_k, pseudo_v = ref.context(hidden[None, 1:], start, from_taps=False)
-    run = sessions[DRAFTER_CONTEXT_HIDDEN].run(hidden=hidden[None, 1:].numpy(),
-                                               positions=np.arange(start, start + block_size - 1, dtype=np.int64)[None])
-    out[DRAFTER_CONTEXT_HIDDEN] = {"context_key": relative_error(run["context_key"], pseudo_k),
-                                   "context_value": relative_error(run["context_value"], pseudo_v)}
+        out[DRAFTER_BLOCK]["confidence"] = relative_error(stage.confidence[0], confidence)
+    pseudo_k, pseudo_v = ref.context(hidden[None, 1:], n, from_taps=False)
+    engine.append_pseudo_context([0], hidden[None, 1:])
+    got_k, got_v = stored(engine.context, n, n + block_size - 1)
+    out[DRAFTER_CONTEXT_HIDDEN] = {"context_key": relative_error(got_k, pseudo_k),
+                                   "context_value": relative_error(got_v, pseudo_v)}
     return out
 
 
@@ -141,43 +154,28 @@ def reference_greedy(target: Target, prompt: list[int], new_tokens: int) -> tupl
     return tokens, (torch.cat(taps, dim=1) if taps[0] is not None else None)
 
 
-def onnx_greedy(session: EngineSession, prompt: list[int], new_tokens: int) -> tuple[list[int], np.ndarray | None]:
-    """The same decoding with the exported target_verify, called as the runtime calls it: the prompt
-    with the last position's logits, then one token a step with a padding token (MIN_PRODUCT_ROWS)
-    and every position's logits (the past grows by concatenation here)."""
-    layers, kvh, hd = past_layers(session.spec)
-    past_k = np.zeros((layers, 1, kvh, 0, hd), dtype=np.float32)
-    past_v = past_k
-    ids, tokens, taps = prompt, [], []
+def engine_greedy(engine: Engine, prompt: list[int], new_tokens: int) -> list[int]:
+    """The same decoding by the engine in row 0, as `ar` runs it: a prefill, then one token a step
+    (the engine pads a lone token); with a drafter, every position's taps but the last token's
+    go to the drafter context, as decoding appends them."""
+    want_taps = engine.has_drafter
+    tokens = [int(engine.prefill(0, prompt, want_taps).argmax())]
     while len(tokens) < new_tokens:
-        start, n = past_k.shape[3], len(ids)
-        padded = ids + [0] * (MIN_PRODUCT_ROWS - n)  # the padding token sees the chain, nothing sees it
-        run = session.run(input_ids=np.asarray([padded], dtype=np.int64),
-                          positions=np.arange(start, start + len(padded), dtype=np.int64)[None],
-                          logit_index=np.asarray([n - 1] if not tokens else range(len(padded)), dtype=np.int64),
-                          past_lengths=np.asarray([start], dtype=np.int64),
-                          tree_mask=np.tril(np.ones((1, len(padded), len(padded)), dtype=bool)),
-                          **past_feeds(with_room(past_k, len(padded)), with_room(past_v, len(padded))))
-        past_k = np.concatenate([past_k, run["new_key"][:, :, :, :n]], axis=3)
-        past_v = np.concatenate([past_v, run["new_value"][:, :, :, :n]], axis=3)
-        tokens.append(int(run["logits"][0, 0 if tokens else -1].argmax()))
-        taps.append(run["taps"][:, :n] if "taps" in run else None)
-        ids = [tokens[-1]]
-    return tokens, (np.concatenate(taps, axis=1) if taps[0] is not None else None)
+        logits, taps = engine.verify([[tokens[-1]]], want_taps)
+        if want_taps:
+            engine.append_context(taps, [1])
+        tokens.append(int(logits[0, 0].argmax()))
+    return tokens
 
 
-def verified_greedy(session: EngineSession, prompt: list[int], tokens: list[int]) -> list[int]:
-    """The exported target's argmax after the prompt and after each of `tokens`, from ONE forward over
-    prompt + tokens: what a verification of those tokens as drafts would accept. Equal to `tokens`
-    when verifying agrees with the engine's own plain decoding (which is what lossless means)."""
-    layers, kvh, hd = past_layers(session.spec)
-    ids = prompt + tokens[:-1]
-    room = np.zeros((layers, 1, kvh, len(ids), hd), dtype=np.float32)  # an empty past with room for every token
-    run = session.run(input_ids=np.asarray([ids], dtype=np.int64), positions=np.arange(len(ids), dtype=np.int64)[None],
-                      logit_index=np.arange(len(prompt) - 1, len(ids), dtype=np.int64),
-                      past_lengths=np.zeros(1, dtype=np.int64),
-                      tree_mask=np.tril(np.ones((1, len(ids), len(ids)), dtype=bool)), **past_feeds(room, room))
-    return run["logits"][0].argmax(-1).tolist()
+def verified_greedy(engine: Engine, prompt: list[int], tokens: list[int]) -> list[int]:
+    """The engine's argmax after the prompt and after each of `tokens`, from ONE verification of
+    prompt + tokens in row 0, emptied first: what a verification of those tokens as drafts would
+    accept. Equal to `tokens` when verifying agrees with the engine's own plain decoding (which is
+    what lossless means). The drafter context is left as it was."""
+    engine.target_rollback([0])
+    logits, _ = engine.verify([prompt + tokens[:-1]], want_taps=False)
+    return logits[0, len(prompt) - 1:].argmax(-1).tolist()
 
 
 def offline_tau(draft, sequence: list[int], prompt_len: int) -> list[int]:
@@ -195,28 +193,21 @@ def offline_tau(draft, sequence: list[int], prompt_len: int) -> list[int]:
     return committed
 
 
-def acceptance(ref: Reference, sessions: dict[str, EngineSession], sequence: list[int], taps_ref: torch.Tensor,
-               taps_onnx: np.ndarray, prompt_len: int, block_size: int) -> tuple[list[int], list[int]]:
-    """Offline τ per anchor of the reference drafter (reference taps) and of the exported drafter
-    (exported target's taps through the exported context engine)."""
-    n = taps_ref.shape[1]  # positions with taps: all but the last token of `sequence`
+def acceptance(ref: Reference, engine: Engine, sequence: list[int], taps_ref: torch.Tensor, prompt_len: int,
+               block_size: int) -> tuple[list[int], list[int]]:
+    """Offline τ per anchor of the reference drafter (reference taps) and of the engine's drafter, on
+    the context row 0 holds after `engine_greedy` (the engine's own taps through its context engine),
+    rolled back to each anchor, last first."""
     ctx_k, ctx_v = ref.context(taps_ref, 0)
-    run = sessions[DRAFTER_CONTEXT].run(taps=taps_onnx, positions=np.arange(n, dtype=np.int64)[None])
-    onnx_k, onnx_v = run["context_key"], run["context_value"]
 
     def draft_ref(a):
         return ref.block(sequence[a], a, block_size, ctx_k[:, :, :, :a], ctx_v[:, :, :, :a])[0][:, 0]  # the chain
 
-    def draft_onnx(a):
-        ids = np.full((1, block_size), ref.drafter.cfg.mask_token_id, dtype=np.int64)
-        ids[0, 0] = sequence[a]
-        out = sessions[DRAFTER_BLOCK].run(block_ids=ids, positions=np.arange(a, a + block_size, dtype=np.int64)[None],
-                                          context_key=with_room(onnx_k[:, :, :, :a], block_size),
-                                          context_value=with_room(onnx_v[:, :, :, :a], block_size),
-                                          context_lengths=np.asarray([a], dtype=np.int64))
-        return out["draft_ids"][0][:, 0]  # the chain
-
-    return offline_tau(draft_ref, sequence, prompt_len), offline_tau(draft_onnx, sequence, prompt_len)
+    chains = {}
+    for a in reversed(range(prompt_len, len(sequence) - 1)):
+        engine.context_rollback([0], [a])
+        chains[a] = engine.draft([0], [sequence[a]], [a], block_size)[0][0][:, 0]  # the chain
+    return offline_tau(draft_ref, sequence, prompt_len), offline_tau(chains.__getitem__, sequence, prompt_len)
 
 
 def validation_prompts(onnx_dir: Path, vocab_size: int) -> tuple[list[list[int]], str]:
@@ -240,39 +231,39 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
     if precision not in TOLERANCES:
         raise LoopspecError(f"unknown precision {precision!r} (known: {', '.join(TOLERANCES)})")
     onnx_dir = Path(onnx_dir)
-    manifest = read_manifest(onnx_dir)
+    manifest = read_manifest(onnx_dir, verify=False)  # the engine below verifies every file's hash
     if manifest.precision != precision:
         raise LoopspecError(f"{onnx_dir} holds {manifest.precision} engines, not {precision}")
-    check_precision(precision, str(onnx_dir))
-    if manifest.has_drafter != (drafter is not None):
-        raise LoopspecError(f"{onnx_dir} {'has' if manifest.has_drafter else 'has no'} drafter engines but "
-                            f"{'a' if drafter is not None else 'no'} reference drafter was given")
     t0 = time.perf_counter()
+    # refuses what ONNX Runtime cannot run here (NVFP4), as `generate --onnx-dir` does
+    engine = artifact_engine("onnxruntime", onnx_dir, num_threads=num_threads)
+    if engine.has_drafter != (drafter is not None):
+        raise LoopspecError(f"{onnx_dir} {'has' if engine.has_drafter else 'has no'} drafter engines but "
+                            f"{'a' if drafter is not None else 'no'} reference drafter was given")
     limits = TOLERANCES[precision]
-    sessions = {name: EngineSession(manifest.path(name), manifest.spec(name), num_threads) for name in manifest.engines}
     ref = Reference(target, drafter)
     prompts, prompt_source = validation_prompts(onnx_dir, target.cfg.vocab_size)
     block_size = drafter.cfg.block_size if drafter is not None else 1
 
-    errors = engine_errors(ref, sessions, prompts[0], block_size)
+    errors = engine_errors(ref, engine, prompts[0], block_size)
     report = {"precision": precision, "tolerance": limits, "prompts": len(prompts), "prompt_source": prompt_source,
               "new_tokens": new_tokens, "engines": {}}
-    for engine, outputs in errors.items():
+    for name, outputs in errors.items():
         # draft ids may differ where two logits tie within the tolerance; the τ check covers them
         worst = max(v for k, v in outputs.items() if k != "draft_ids")
-        tolerance = limits.get("target" if engine == TARGET_VERIFY else "drafter", limits["relative"])
-        report["engines"][engine] = {"errors": outputs, "tolerance": tolerance,
-                                     "passed": tolerance is None or worst <= tolerance}
+        tolerance = limits.get("target" if name == TARGET_VERIFY else "drafter", limits["relative"])
+        report["engines"][name] = {"errors": outputs, "tolerance": tolerance,
+                                   "passed": tolerance is None or worst <= tolerance}
 
     identical, agreeing, taus_ref, taus_onnx = True, [], [], []
     for prompt in prompts:
         ref_tokens, ref_taps = reference_greedy(target, prompt, new_tokens)
-        onnx_tokens, onnx_taps = onnx_greedy(sessions[TARGET_VERIFY], prompt, new_tokens)
-        identical &= ref_tokens == onnx_tokens
-        verified = verified_greedy(sessions[TARGET_VERIFY], prompt, onnx_tokens)
-        agreeing += [a == b for a, b in zip(verified, onnx_tokens)]
+        tokens = engine_greedy(engine, prompt, new_tokens)
+        identical &= ref_tokens == tokens
+        verified = verified_greedy(engine, prompt, tokens)
+        agreeing += [a == b for a, b in zip(verified, tokens)]
         if drafter is not None:
-            a, b = acceptance(ref, sessions, prompt + ref_tokens, ref_taps, onnx_taps, len(prompt), block_size)
+            a, b = acceptance(ref, engine, prompt + ref_tokens, ref_taps, len(prompt), block_size)
             taus_ref += a
             taus_onnx += b
     report["greedy_identical"] = identical

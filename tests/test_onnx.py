@@ -4,6 +4,7 @@ ar / dflash / dloop, the specs, the manifest, the first-use cache, the CLI and t
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,11 +12,13 @@ pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loops
 onnx = pytest.importorskip("onnx", reason="needs onnx: pip install 'loopspec[onnx]'")
 
 from loopspec.cli import main  # noqa: E402
-from loopspec.convert.validate import validate_onnx  # noqa: E402
+from loopspec.convert.validate import format_report, validate_onnx  # noqa: E402
 from loopspec.engines.export import export_engines  # noqa: E402
 from loopspec.engines.manifest import read_manifest  # noqa: E402
-from loopspec.engines.specs import ENGINE_NAMES, TARGET_VERIFY, EngineSpec, TensorSpec, engine_specs  # noqa: E402
+from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, ENGINE_NAMES,  # noqa: E402
+                                    TARGET_VERIFY, EngineSpec, TensorSpec, engine_specs)
 from loopspec.errors import LoopspecError  # noqa: E402
+from loopspec.files import file_sha256  # noqa: E402
 from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import generate  # noqa: E402
 from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
@@ -135,6 +138,44 @@ def test_target_only_export_runs_ar(tiny_targets, tmp_path):
         generate(engine, prompt, DecodingSettings("dflash", 4), max_new_tokens=5)
     assert validate_onnx(tmp_path / "ar", target, None)["passed"]
 
+
+
+def scale_output(onnx_dir, engine: str, output: str, factor: float) -> None:
+    """Rewrite `engine`'s graph in `onnx_dir` to return `output` times `factor`: everything the graph
+    computes inside (its other outputs included) stays exact, only what leaves it is off."""
+    manifest = read_manifest(onnx_dir)
+    path = manifest.path(engine)
+    model = onnx.load(str(path))
+    exact = f"{output}_exact"
+    for node in model.graph.node:
+        for names in (node.input, node.output):
+            renamed = [exact if name == output else name for name in names]
+            del names[:]
+            names.extend(renamed)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(factor, np.float32), f"{output}_factor"))
+    model.graph.node.append(onnx.helper.make_node("Mul", [exact, f"{output}_factor"], [output]))
+    onnx.save(model, str(path))  # the weights inline now; the external data file stays as it was
+    manifest.data["files"][path.name] = file_sha256(path)
+    manifest.save()
+
+
+@pytest.mark.parametrize("engine,output", [(TARGET_VERIFY, "logits"), (TARGET_VERIFY, "new_key"),
+                                           (DRAFTER_CONTEXT, "context_value"), (DRAFTER_BLOCK, "hidden"),
+                                           (DRAFTER_CONTEXT_HIDDEN, "context_key")])
+def test_validation_refuses_a_wrong_graph(engine, output, exported, tmp_path):
+    """One output of one graph 1 % off: validation, through the engine the runtime runs, fails that
+    engine and only that one (each figure is its own graph's error). The K/V outputs leave no trace in
+    the call's own logits or drafts; they are read where the engine stored them."""
+    target, drafter, onnx_dir = exported["llama"]
+    bad = copy_of(onnx_dir, tmp_path)
+    scale_output(bad, engine, output, 1.01)
+    report = validate_onnx(bad, target, drafter, "fp32")
+    assert not report["passed"] and read_manifest(bad).data["validation"]["passed"] is False
+    assert [name for name, r in report["engines"].items() if not r["passed"]] == [engine]
+    assert report["engines"][engine]["errors"][output] > 5e-3, report["engines"][engine]
+    text = format_report(report)
+    assert text.startswith("validation (fp32, tolerance 0.0001 relative): FAILED")
+    assert f"  {engine:<24}BAD " in text
 
 # ---- specs ---------------------------------------------------------------------------------------
 
