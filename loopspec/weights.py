@@ -192,7 +192,7 @@ class TargetSource:
         """The model's name for users (a served model id, a bundle's title)."""
         if self.is_default:
             return DEFAULT_TARGET_NAME
-        return self.gguf.stem if self.gguf is not None else self.directory.name
+        return self.gguf.stem if self.gguf is not None else self.directory.resolve().name
 
     def checkpoint_dir(self) -> Path:
         """The HF checkpoint directory: the one named, or the GGUF's cached conversion."""

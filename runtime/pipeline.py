@@ -245,8 +245,7 @@ class EngineChoice:
         """The model's name for users (the served model id): the artifact directory's, else the target's."""
         if self.from_artifacts:
             return Path(self.onnx_dir if self.onnx_dir is not None else self.trt_dir).resolve().name
-        # a directory named by a path without a last part ('.', '..') is named by the folder it resolves to
-        return self.target.display_name or Path(self.target.name).resolve().name
+        return self.target.display_name
 
 
 def load_pipeline(target: TargetSource | str = "default", drafter: str | None = "default", max_context: int | None = None,

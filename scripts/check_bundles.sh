@@ -51,10 +51,10 @@ vllm.__version__, '| sglang', sglang.__version__, '| transformers', transformers
 
 echo "== bundles of the default pair ($loopspec)"
 bundles=("$work/bundles/bf16" "$work/bundles/bf16-tp3")
-"$loopspec" convert bundle --engine all --out "$work/bundles/bf16" > /dev/null
-"$loopspec" convert bundle --engine all --tp 3 --out "$work/bundles/bf16-tp3" > /dev/null
+"$loopspec" convert bundle --framework all --out "$work/bundles/bf16" > /dev/null
+"$loopspec" convert bundle --framework all --tp 3 --out "$work/bundles/bf16-tp3" > /dev/null
 if "$loopspec_python" -c "import modelopt" 2>/dev/null; then
-    "$loopspec" convert bundle --engine all --precision fp8 --calib-size 8 --out "$work/bundles/fp8" > /dev/null
+    "$loopspec" convert bundle --framework all --precision fp8 --calib-size 8 --out "$work/bundles/fp8" > /dev/null
     bundles+=("$work/bundles/fp8")
 else
     echo "   (no FP8 bundle: nvidia-modelopt is not installed beside loopspec)"
@@ -75,7 +75,7 @@ cfg = DrafterConfig.for_target(target, num_layers=1, block_size=7, mask_token_id
 cfg = replace(cfg, anchor_predicts=True, markov_rank=16, confidence_head=True, confidence_with_markov=True)
 Drafter(cfg).save(sys.argv[1])
 PY
-"$loopspec" convert bundle --engine vllm --drafter "$work/dspark-drafter" --out "$work/bundles/dspark" > /dev/null
+"$loopspec" convert bundle --framework vllm --drafter "$work/dspark-drafter" --out "$work/bundles/dspark" > /dev/null
 bundles+=("$work/bundles/dspark")
 
 echo "== the engines' own parsers"

@@ -21,7 +21,7 @@ build() {  # build "COUNT ARGS...": the first COUNT of ARGS are `convert bundle`
         [ "$i" -lt "$count" ] && set -- "$@" "$arg"
         i=$((i + 1))
     done
-    "$LOOPSPEC" convert bundle --engine "$ENGINE" --out "$BUNDLE" "$@"
+    "$LOOPSPEC" convert bundle --framework "$ENGINE" --out "$BUNDLE" "$@"
 }
 
 n=0  # flags before "--" are for `loopspec convert bundle`, the rest for the engine

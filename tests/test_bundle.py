@@ -365,18 +365,18 @@ def test_cli_convert_bundle(tiny_pair, tmp_path, capsys):
 
     target_dir, drafter_dir = tiny_pair
     out = tmp_path / "cli"
-    assert main(["convert", "bundle", "--engine", "vllm,sglang", "--target", str(target_dir),
+    assert main(["convert", "bundle", "--framework", "vllm,sglang", "--target", str(target_dir),
                  "--drafter", str(drafter_dir), "--tp", "2", "--max-batch-size", "3", "--max-context", "200",
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"sh {out / 'vllm' / 'launch.sh'}" in printed and "tensor parallel 2" in printed
     vllm = launch_argv(out / "vllm" / "launch.sh")
     assert (flag(vllm, "--max-num-seqs"), flag(vllm, "--max-model-len")) == ("3", "200")
-    assert main(["convert", "bundle", "--engine", "vllm", "--target", str(target_dir), "--drafter", str(drafter_dir),
+    assert main(["convert", "bundle", "--framework", "vllm", "--target", str(target_dir), "--drafter", str(drafter_dir),
                  "--max-context", "100000", "--out", str(tmp_path / "long")]) == 2
     assert capsys.readouterr().err.strip() == ("loopspec: error: max context must be between 1 and the target's "
                                                "512 positions, got 100000")
-    assert main(["convert", "bundle", "--engine", "tgi", "--target", str(target_dir), "--drafter",
+    assert main(["convert", "bundle", "--framework", "tgi", "--target", str(target_dir), "--drafter",
                  str(drafter_dir), "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "loopspec: error: unknown engine tgi (choose from trtllm, vllm, sglang, llamacpp or all)"

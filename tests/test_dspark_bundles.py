@@ -171,11 +171,11 @@ def test_engines_that_cannot_run_a_drafter_are_refused_in_one_line(target_dir, t
     ]
     for engine, tgt, drafter, words in cases:
         out = tmp_path / f"out-{engine}"
-        line = cli_error(["convert", "bundle", "--engine", engine, "--target", tgt, "--drafter", drafter,
+        line = cli_error(["convert", "bundle", "--framework", engine, "--target", tgt, "--drafter", drafter,
                           "--out", str(out)], capsys)
         assert words in line, (engine, drafter, line)
         assert not out.exists()
-    line = cli_error(["convert", "bundle", "--engine", "vllm", "--target", hf, "--drafter", zlab, "--out",
+    line = cli_error(["convert", "bundle", "--framework", "vllm", "--target", hf, "--drafter", zlab, "--out",
                       str(tmp_path / "x")], capsys)
     assert "engines that can: llama.cpp" in line  # the refusal names where it can go
     with pytest.raises(LoopspecError, match="vanilla Markov head only"):
