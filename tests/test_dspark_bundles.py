@@ -263,7 +263,7 @@ def test_dspark_gguf_drafts_in_llama_server(tmp_path):
     if binary is None:
         pytest.skip(reason=NO_SERVER)
     from loopspec.model.target import TargetConfig
-    from loopspec.runtime.peers import LlamaServerPeer
+    from loopspec.runtime.bench.peers import LlamaServerPeer
     from loopspec.weights import load_tokenizer, resolve_target_dir, target_gguf_path
 
     target_dir = resolve_target_dir("default")

@@ -340,12 +340,12 @@ def test_llamacpp_bundle_bad_inputs(tiny_pair, target, drafter_dir, tmp_path):
 @pytest.fixture(scope="module")
 def default_peer(tmp_path_factory):
     """llama-server on the default target GGUF, plain and drafting with the shipped drafter written as
-    a dflash GGUF: the runtime's own peer (runtime/peers.py), as `bench` runs it."""
+    a dflash GGUF: the runtime's own peer (runtime/bench/peers.py), as `bench` runs it."""
     binary = find_llama_server()
     if binary is None:
         pytest.skip(reason=NO_SERVER)
     from loopspec.defaults import DEFAULT_DRAFTER_DIR
-    from loopspec.runtime.peers import LlamaServerPeer
+    from loopspec.runtime.bench.peers import LlamaServerPeer
     from loopspec.weights import target_gguf_path
 
     target_gguf = target_gguf_path("default")
