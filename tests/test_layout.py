@@ -157,10 +157,12 @@ def test_engines_are_reached_through_backends():
                 modules = [node.module] + [f"{node.module}.{name}" for name in names]  # `from pkg import module`
             else:
                 continue
-            for backend in sorted(m for m in backend_modules if any(x == m or x.startswith(m + ".") for x in modules)):
+            hits = {m for m in backend_modules for x in modules if x == m or x.startswith(m + ".")}
+            for backend in sorted(hits):
                 problems.append(f"{path}:{node.lineno}: imports {backend} (open engines through "
                                 f"loopspec.engines.backends, hold them as Engine)")
             for name in names:
                 if name in backend_classes:
-                    problems.append(f"{path}:{node.lineno}: imports {name} (hold engines as loopspec.engines.protocol.Engine)")
+                    problems.append(f"{path}:{node.lineno}: imports {name} (hold engines as "
+                                    f"loopspec.engines.protocol.Engine)")
     assert not problems, "\n".join(problems)
