@@ -6,11 +6,12 @@ code `loopspec generate --onnx-dir` runs, so what passes here is what decodes th
 1. Per engine and output: the largest absolute error relative to the output's scale
    (max |engine - ref| / max |ref|) on real inputs, against a tolerance per precision. target_verify:
    a prefill, then a draft-tree verification over the prefix the engine stored (its logits and taps as
-   `verify` returns them, its new K/V as the engine stored them in its KV cache). The drafter's engines get the reference's features
-   (`append_context` of the reference taps, `append_pseudo_context` of the reference block's hidden
-   states) and are read back from the engine's context cache; the block engine (`draft`, a DSpark
-   drafter's Markov correction and confidence included) is checked against `draft_stage`, the torch
-   engine's own draft-head step, on the context the engine holds: each figure is one graph's own error.
+   `verify` returns them, its new K/V as the engine stored them in its KV cache). The drafter's
+   engines get the reference's features (`append_context` of the reference taps,
+   `append_pseudo_context` of the reference block's hidden states) and are read back from the
+   engine's context cache; the block engine (`draft`, a DSpark drafter's Markov correction and
+   confidence included) is checked against `draft_stage`, the torch engine's own draft-head step, on
+   the context the engine holds: each drafter figure is its own graph's error.
 2. Greedy decoding of the target on a few prompts, as `ar` drives the engine: the token sequences
    must be identical (fp32), and one verification of them must give them back.
 3. With a drafter: the offline acceptance length τ of both drafters along the reference greedy

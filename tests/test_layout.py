@@ -135,3 +135,34 @@ def test_no_import_cycles():
         if node not in state:
             visit(node, [node])
     assert not cycles, "import cycles:\n" + "\n".join(" → ".join(c) for c in cycles)
+
+
+def test_engines_are_reached_through_backends():
+    """Outside engines/, an engine comes from engines/backends.py and is held as an `Engine`: no module
+    imports a backend's own module, nor a backend class from anywhere, so every caller (validation
+    included) runs an engine the way the runtime opens it. convert/trt.py builds plans with
+    engines/trt_engine.py's helpers, which open no engine."""
+    backend_modules = {"loopspec.engines.torch_engine", "loopspec.engines.cuda_graphs",
+                       "loopspec.engines.artifact_engine", "loopspec.engines.ort_engine"}
+    backend_classes = {"TorchEngine", "OrtEngine", "TrtEngine", "ArtifactEngine", "EngineSession"}
+    problems = []
+    for path in python_files():
+        if layer_of(path) == "engines":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules, names = [alias.name for alias in node.names], []
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [alias.name for alias in node.names]
+                modules = [node.module] + [f"{node.module}.{name}" for name in names]  # `from pkg import module`
+            else:
+                continue
+            hits = {m for m in backend_modules for x in modules if x == m or x.startswith(m + ".")}
+            for backend in sorted(hits):
+                problems.append(f"{path}:{node.lineno}: imports {backend} (open engines through "
+                                f"loopspec.engines.backends, hold them as Engine)")
+            for name in names:
+                if name in backend_classes:
+                    problems.append(f"{path}:{node.lineno}: imports {name} (hold engines as "
+                                    f"loopspec.engines.protocol.Engine)")
+    assert not problems, "\n".join(problems)
