@@ -132,9 +132,10 @@ def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size:
     # the reference block on the context the engine holds: the block engine's own error
     drafts, logprobs, hidden, confidence = ref.block(prompt[-1], n, block_size, got_k, got_v)
     stage = engine.draft([0], [prompt[-1]], [n], block_size)
-    out[DRAFTER_BLOCK] = {"draft_ids": relative_error(stage[0][0], drafts),
-                          "draft_logprobs": relative_error(stage[1][0], logprobs),
-                          "hidden": relative_error(stage[2][0], hidden)}
+    got_drafts, got_logprobs, got_hidden = stage
+    out[DRAFTER_BLOCK] = {"draft_ids": relative_error(got_drafts[0], drafts),
+                          "draft_logprobs": relative_error(got_logprobs[0], logprobs),
+                          "hidden": relative_error(got_hidden[0], hidden)}
     if confidence is not None:  # a DSpark drafter's acceptance estimates
         out[DRAFTER_BLOCK]["confidence"] = relative_error(stage.confidence[0], confidence)
     pseudo_k, pseudo_v = ref.context(hidden[None, 1:], n, from_taps=False)
