@@ -5,13 +5,13 @@ code `loopspec generate --onnx-dir` runs, so what passes here is what decodes th
 
 1. Per engine and output: the largest absolute error relative to the output's scale
    (max |engine - ref| / max |ref|) on real inputs, against a tolerance per precision. target_verify:
-   a prefill, then a draft-tree verification over the prefix the engine stored (its logits and taps as
-   `verify` returns them, its new K/V as the engine stored them in its KV cache). The drafter's
-   engines get the reference's features (`append_context` of the reference taps,
-   `append_pseudo_context` of the reference block's hidden states) and are read back from the
-   engine's context cache; the block engine (`draft`, a DSpark drafter's Markov correction and
-   confidence included) is checked against `draft_stage`, the torch engine's own draft-head step, on
-   the context the engine holds: each drafter figure is its own graph's error.
+   a prefill, then a draft-tree verification (its logits and taps as `verify` returns them, its new
+   K/V as the engine stored them in its KV cache), the reference verifying over the prefix the
+   engine stored. The drafter's engines get the reference's features (`append_context` of the
+   reference taps, `append_pseudo_context` of the reference block's hidden states) and are read back
+   from the engine's context cache; the block engine (`draft`, a DSpark drafter's Markov correction
+   and confidence included) is checked against `draft_stage`, the torch engine's own draft-head
+   step, on the context the engine holds: each figure is its own graph's error.
 2. Greedy decoding of the target on a few prompts, as `ar` drives the engine: the token sequences
    must be identical (fp32), and one verification of them must give them back.
 3. With a drafter: the offline acceptance length τ of both drafters along the reference greedy
@@ -96,18 +96,21 @@ class Reference:
 
 def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size: int) -> dict:
     """{engine: {output: relative error}} on the first prompt, in row 0 of `engine` (a prefill of all
-    but 4 tokens, then a 4-token draft-tree verification, against the reference run the same way;
-    then the drafter's engines on the reference taps)."""
+    but 4 tokens, then a 4-token draft-tree verification, the reference verifying over the same
+    prefix; then the drafter's engines on the reference taps)."""
     target, out = ref.target, {}
     P = max(1, len(prompt) - 4)
-    cache = target.new_cache(len(prompt) + 1)
     T = len(prompt) - P
     tree = torch.ones(1, T, T, dtype=torch.bool).tril()  # the verification checks a draft tree:
     tree[:, 2:, 1] = False  # token 2 is token 1's sibling (both children of token 0), token 3 token 2's child
-    with torch.inference_mode():
-        first = target(torch.tensor([prompt[:P]]), cache, want_taps=ref.drafter is not None)
-        second = target(torch.tensor([prompt[P:]]), cache, want_taps=ref.drafter is not None, tree_mask=tree)
     engine.prefill(0, prompt[:P], want_taps=False)
+    # the reference verifies over the prefix the engine stored: the figures are the verification's own
+    # error, not the prefill's carried along (a quantized target's prefix differs from fp32's)
+    cache = target.new_cache(len(prompt) + 1)
+    cache.append(*stored(engine.cache, 0, P))
+    with torch.inference_mode():
+        first = target(torch.tensor([prompt[:P]]), target.new_cache(P), want_taps=ref.drafter is not None)
+        second = target(torch.tensor([prompt[P:]]), cache, want_taps=ref.drafter is not None, tree_mask=tree)
     logits, taps = engine.verify([prompt[P:]], want_taps=ref.drafter is not None, tree_masks=tree)
     new_key, new_value = stored(engine.cache, P, P + T)
     errors = {"logits": relative_error(logits[:, :T], second.logits),  # a lone token runs with a padding token
@@ -129,9 +132,10 @@ def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size:
     # the reference block on the context the engine holds: the block engine's own error
     drafts, logprobs, hidden, confidence = ref.block(prompt[-1], n, block_size, got_k, got_v)
     stage = engine.draft([0], [prompt[-1]], [n], block_size)
-    out[DRAFTER_BLOCK] = {"draft_ids": relative_error(stage[0][0], drafts),
-                          "draft_logprobs": relative_error(stage[1][0], logprobs),
-                          "hidden": relative_error(stage[2][0], hidden)}
+    got_drafts, got_logprobs, got_hidden = stage
+    out[DRAFTER_BLOCK] = {"draft_ids": relative_error(got_drafts[0], drafts),
+                          "draft_logprobs": relative_error(got_logprobs[0], logprobs),
+                          "hidden": relative_error(got_hidden[0], hidden)}
     if confidence is not None:  # a DSpark drafter's acceptance estimates
         out[DRAFTER_BLOCK]["confidence"] = relative_error(stage.confidence[0], confidence)
     pseudo_k, pseudo_v = ref.context(hidden[None, 1:], n, from_taps=False)
