@@ -1,8 +1,7 @@
 """ONNX Runtime backend of the Engine protocol: the four exported engines on the CPU.
 
 Caches and calls live in engines/artifact_engine.py; this backend opens one InferenceSession per
-engine (`EngineSession`, bound by the names the specs declare; convert/quantize.py opens the same
-sessions to check what it wrote). Tensors cross into ONNX Runtime as numpy arrays of CPU tensors
+engine (`EngineSession`, bound by the names the specs declare). Tensors cross into ONNX Runtime as numpy arrays of CPU tensors
 (a copy only where a cache prefix is not contiguous) and come back as torch views of the arrays it
 returns. onnxruntime is imported lazily: it is the optional `onnx` extra.
 """
