@@ -1,9 +1,9 @@
-"""ONNX Runtime backend of the Engine protocol: the four exported engines on the CPU.
+"""ONNX Runtime backend of the Engine protocol: an artifact's four exported graphs on the CPU.
 
 Caches and calls live in engines/artifact_engine.py; this backend opens one InferenceSession per
-engine (`EngineSession`, bound by the names the specs declare). Tensors cross into ONNX Runtime as numpy arrays of CPU tensors
-(a copy only where a cache prefix is not contiguous) and come back as torch views of the arrays it
-returns. onnxruntime is imported lazily: it is the optional `onnx` extra.
+graph (`EngineSession`, bound by the names the specs declare). Tensors cross into ONNX Runtime as
+numpy arrays of CPU tensors (a copy only where a cache prefix is not contiguous) and come back as
+torch views of the arrays it returns. onnxruntime is imported lazily: it is the optional `onnx` extra.
 """
 
 from __future__ import annotations
