@@ -360,6 +360,32 @@ def test_docs_carry_the_support_matrix():
     assert support_matrix_markdown() in docs
 
 
+
+def test_each_serving_framework_is_one_module_and_one_registry_row():
+    """Every module of convert/bundles but the shared ones holds one framework's record, and the
+    registry lists each under its name; each says why it drafts over the full vocabulary unless it
+    takes a reduced one."""
+    import importlib
+    from pathlib import Path
+
+    from loopspec.convert.bundles import FRAMEWORKS
+    from loopspec.convert.bundles.common import GGUF_TARGET, HF_TARGET, SUPPORT_COLUMNS, ServingFramework
+
+    folder = Path(__file__).resolve().parents[1] / "convert" / "bundles"
+    shared = {"__init__", "common", "hf_checkpoint"}
+    records = {}
+    for path in sorted(folder.glob("*.py")):
+        if path.stem not in shared:
+            module = importlib.import_module(f"loopspec.convert.bundles.{path.stem}")
+            found = [v for v in vars(module).values() if isinstance(v, ServingFramework)]
+            assert len(found) == 1, (path.name, found)
+            records[path.stem] = found[0]
+    assert records == FRAMEWORKS
+    for name, framework in FRAMEWORKS.items():
+        assert framework.target in (HF_TARGET, GGUF_TARGET) and len(framework.support) == len(SUPPORT_COLUMNS)
+        assert (framework.reduced_vocab_line is None) != (framework.full_vocab_reason is None), name
+
+
 def test_cli_convert_bundle(tiny_pair, tmp_path, capsys):
     from loopspec.cli import main
 
