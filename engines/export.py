@@ -420,13 +420,14 @@ def drafter_source(drafter: Drafter, drafter_dir: Path | None) -> dict:
 
 def export_code_sha256() -> str:
     """The wrappers', the specs' and the drafter model's source (the drafter-block graph traces its
-    `draft_stage`): a cached export made by other code (other graphs or other inputs and outputs) is
-    not reused."""
+    `draft_stage` and DSpark heads, and its kind decides the graph's outputs): a cached export made
+    by other code (other graphs or other inputs and outputs) is not reused."""
     from loopspec.engines import specs
-    from loopspec.model import drafter
+    from loopspec.model import draft_head, drafter, drafter_kinds, dspark
 
     h = hashlib.sha256()
-    for source in (Path(__file__), Path(specs.__file__), Path(drafter.__file__)):
+    for source in (Path(__file__), Path(specs.__file__), Path(drafter.__file__), Path(draft_head.__file__),
+                   Path(dspark.__file__), Path(drafter_kinds.__file__)):
         h.update(file_sha256(source).encode())
     return h.hexdigest()
 
