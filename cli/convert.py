@@ -141,7 +141,7 @@ def _add_bundle_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bundle(args) -> int:
-    from loopspec.convert.bundle import ENGINE_NAMES, build_bundle
+    from loopspec.convert.bundles import FRAMEWORKS, build_bundle
 
     # the frameworks go positionally: the command line does not depend on what build_bundle names them
     manifest = build_bundle(args.target, args.drafter, args.out, args.framework, precision=args.precision, tp=args.tp,
@@ -150,7 +150,7 @@ def cmd_bundle(args) -> int:
                             threads=args.threads)
     print(f"serving bundle ({manifest['precision']}, tensor parallel {manifest['tensor_parallel_size']}) in {args.out}")
     for framework in manifest["engines"]:
-        print(f"  {ENGINE_NAMES[framework]}: sh {Path(args.out) / framework / 'launch.sh'}")
+        print(f"  {FRAMEWORKS[framework].title}: sh {Path(args.out) / framework / 'launch.sh'}")
     if args.precision == "nvfp4":
         print("  NVFP4 runs only on Blackwell GPUs (compute capability >= 10.0)")
     return 0

@@ -49,7 +49,7 @@ from loopspec.weights import file_sha256
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MAX_BATCH,
                                     TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.engines.staging import check_out_dir, staged_dir
-from loopspec.model.drafter import ConfidenceHead, Drafter, MarkovHead, draft_head_weight, draft_stage
+from loopspec.model.drafter import DraftHeads, Drafter, draft_head_weight, draft_stage
 from loopspec.model.target import Target
 
 
@@ -276,23 +276,6 @@ class DrafterContext(nn.Module):
         return rope(k, cos, sin, self.rotate), v
 
 
-class DraftHeads(nn.Module):
-    """What `draft_stage` reads of a drafter — its config, Markov head and confidence head — as plain
-    modules: the torch engine swaps a drafter's Linears for oneDNN-packed copies in place, whose
-    product does not export, so the export runs fresh heads holding the same weights."""
-
-    def __init__(self, drafter: Drafter):
-        super().__init__()
-        self.cfg = drafter.cfg
-        self.markov_head = self.confidence_head = None
-        for name, make in (("markov_head", MarkovHead), ("confidence_head", ConfidenceHead)):
-            head = getattr(drafter, name)
-            if head is not None:
-                plain = make(drafter.cfg)  # fp32, as every exported graph
-                plain.load_state_dict(head.state_dict())
-                setattr(self, name, plain.eval())
-
-
 class DrafterBlock(nn.Module):
     """(block_ids [B, k], positions [B, k], context_key/context_value [N, B, kvh, C, hd],
     context_lengths [B]) → draft_ids [B, D, C] (each drafting position's C best drafts as target ids,
@@ -350,7 +333,7 @@ class DrafterBlock(nn.Module):
                            layer.mlp)
         hidden = rms_norm(x, d.norm.weight, d.norm.eps)  # [B, k, H]
         states = hidden
-        if cfg.is_dspark:  # the traced chain is unrolled over max_block positions; the last real one repeats past k
+        if cfg.kind.unrolled_draft_head:  # the traced chain is unrolled over max_block positions; the last real one repeats past k
             states = torch.cat([hidden, hidden[:, -1:].expand(-1, self.max_block, -1)], dim=1)[:, :self.max_block]  # [B, max_block, H]
         drafts, logprobs, confidence = draft_stage(self.heads, states, block_ids[:, 0],
                                                    lambda h: linear(h, self.head), self.draft_to_target)
@@ -437,13 +420,14 @@ def drafter_source(drafter: Drafter, drafter_dir: Path | None) -> dict:
 
 def export_code_sha256() -> str:
     """The wrappers', the specs' and the drafter model's source (the drafter-block graph traces its
-    `draft_stage`): a cached export made by other code (other graphs or other inputs and outputs) is
-    not reused."""
+    `draft_stage` and DSpark heads, and its kind decides the graph's outputs): a cached export made
+    by other code (other graphs or other inputs and outputs) is not reused."""
     from loopspec.engines import specs
-    from loopspec.model import drafter
+    from loopspec.model import draft_head, drafter, drafter_kinds, dspark
 
     h = hashlib.sha256()
-    for source in (Path(__file__), Path(specs.__file__), Path(drafter.__file__)):
+    for source in (Path(__file__), Path(specs.__file__), Path(drafter.__file__), Path(draft_head.__file__),
+                   Path(dspark.__file__), Path(drafter_kinds.__file__)):
         h.update(file_sha256(source).encode())
     return h.hexdigest()
 

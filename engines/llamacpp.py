@@ -60,25 +60,7 @@ SPEC_TYPES = {False: "draft-dflash", True: "draft-dspark"}  # by: the drafter ha
 
 def spec_type(cfg) -> str:
     """llama-server's --spec-type for a drafter: draft-dspark runs the Markov head, draft-dflash not."""
-    return SPEC_TYPES[bool(cfg.markov_rank)]
-
-
-def unsupported_in_llamacpp(cfg) -> str | None:
-    """Why llama.cpp cannot run this drafter as written (None: it can)."""
-    if not cfg.is_dspark:
-        if cfg.anchor_predicts:  # draft-dflash drafts from block position 1; only draft-dspark from 0
-            return ("llama.cpp drafts from the anchor's own block position (DeepSpec's block convention) only "
-                    "with a Markov head (draft-dspark); this DeepSpec DFlash drafter has none")
-        return None
-    if not cfg.markov_rank:
-        return "llama.cpp runs a DSpark confidence head only beside a Markov head (markov_rank > 0)"
-    if cfg.markov_head_type != "vanilla":
-        return (f"llama.cpp's DSpark implements the vanilla Markov head only (bias = W2 · W1[prev]), not this "
-                f"drafter's {cfg.markov_head_type} head")
-    if cfg.confidence_head and not cfg.confidence_with_markov:
-        return ("llama.cpp's DSpark confidence head reads [h ; W1[prev]] (n_embd + rank inputs); this drafter's "
-                "reads h alone (confidence_head_with_markov false)")
-    return None
+    return SPEC_TYPES[cfg.kind.markov is not None]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -225,9 +207,10 @@ def _write_hparams(writer, cfg, name: str, file_type: int) -> None:
     # llama.cpp taps HF hidden_states indices: the output of layer i is hidden_states[i + 1]
     writer.add_array(p + "target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
     writer.add_uint32(MASK_KEY, int(cfg.mask_token_id))
-    if cfg.markov_rank:  # read by draft-dspark only
-        writer.add_bool(p + "sample_from_anchor", cfg.anchor_predicts)
-        writer.add_bool(p + "has_confidence_head", cfg.confidence_head)
+    kind = cfg.kind
+    if kind.markov is not None:  # read by draft-dspark only
+        writer.add_bool(p + "sample_from_anchor", kind.convention.first_draft == 0)
+        writer.add_bool(p + "has_confidence_head", kind.confidence is not None)
 
 
 def write_dflash_gguf(drafter, target_gguf: str | Path, out_path: str | Path, *, dtype: str = "f32") -> Path:
@@ -237,7 +220,8 @@ def write_dflash_gguf(drafter, target_gguf: str | Path, out_path: str | Path, *,
     sibling and renamed, so a failure leaves no file behind."""
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
-    problem = unsupported_in_llamacpp(drafter.cfg)
+    # which kinds llama.cpp runs (the facts above) is decided with the other frameworks' in drafter_kinds.py
+    problem = drafter.cfg.kind.unsupported_in("llamacpp", "llama.cpp")
     if problem:
         raise LoopspecError(f"cannot write this drafter as a llama.cpp GGUF: {problem}")
     if dtype not in DTYPES:
@@ -262,8 +246,8 @@ def write_dflash_gguf(drafter, target_gguf: str | Path, out_path: str | Path, *,
     tmp = out_path.with_name(f".{out_path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         writer = GGUFWriter(str(tmp), ARCH)
-        kind = "DSpark" if cfg.markov_rank else "DFlash"
-        _write_hparams(writer, cfg, f"{target_gguf.stem} {kind} drafter", int(file_type))
+        # a refused kind never gets here: a Markov head is what makes it DSpark
+        _write_hparams(writer, cfg, f"{target_gguf.stem} {cfg.kind.family} drafter", int(file_type))
         _copy_tokenizer(reader, writer)
         for name, w in tensors.items():
             # norms (1-D) stay f32: llama.cpp computes them in f32 and its own converter keeps them so

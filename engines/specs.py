@@ -252,8 +252,7 @@ def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
     outputs = (TensorSpec("draft_ids", "int64", ("batch", "drafts", candidates)),
                TensorSpec("draft_logprobs", "float32", ("batch", "drafts", candidates)),
                TensorSpec("hidden", "float32", ("batch", "block", drafter.hidden_size)))
-    if drafter.confidence_head:
-        outputs += (TensorSpec("confidence", "float32", ("batch", "drafts")),)
+    outputs += tuple(TensorSpec(name, "float32", ("batch", "drafts")) for name in drafter.kind.added_graph_outputs)
     ranges = {"batch": batch_range(max_batch), "block": (2, block_size, max_block),
               "context": (2, max_context // 2, max_context + max_block)}  # room for the block: >= length + k
     return EngineSpec(DRAFTER_BLOCK, inputs, outputs, ranges)

@@ -216,7 +216,7 @@ def check_engine_runs(engine: Engine, settings: DecodingSettings) -> None:
         raise LoopspecError("this engine verifies chains exactly, not trees (its arithmetic is not order-exact: "
                             f"{engine.precision}): "
                             "use --tree-budget 0 --no-suffix, or --method suffix")
-    if settings.gate == "confidence" and not (engine.has_drafter and engine.drafter_cfg.confidence_head):
+    if settings.gate == "confidence" and not (engine.has_drafter and engine.drafter_cfg.kind.estimates_acceptance):
         raise LoopspecError("the confidence gate needs a drafter with a confidence head (a DSpark drafter); "
                             "use --gate logprob")
     if settings.draft_sampling == "drafter" and not engine.samples_drafts:

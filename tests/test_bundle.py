@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import save_tiny_target, save_tiny_tokenizer
-from loopspec.convert.bundle import build_bundle, parse_engines
+from loopspec.convert.bundles import build_bundle, parse_frameworks
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter
 from loopspec.weights import file_sha256, load_target_dir, read_safetensors, write_safetensors
@@ -220,7 +220,7 @@ def test_reduced_vocab_without_vllm_is_stripped_with_its_reason(tiny_pair, tmp_p
 
 
 def test_untied_target_lm_head_rows(tiny_targets):
-    from loopspec.convert.bundle import target_lm_head
+    from loopspec.convert.bundles.vllm import target_lm_head
 
     qwen3 = tiny_targets["qwen3"]  # untied: its own lm_head.weight
     assert torch.equal(target_lm_head(qwen3, tied=False), read_safetensors(qwen3 / "model.safetensors")["lm_head.weight"])
@@ -282,7 +282,7 @@ def test_tp_sets_every_launch(tiny_pair, tmp_path):
 def test_bad_inputs(tiny_pair, tmp_path):
     target_dir, drafter_dir = tiny_pair
     with pytest.raises(LoopspecError, match="unknown engine"):
-        parse_engines("trtllm,tgi")
+        parse_frameworks("trtllm,tgi")
     with pytest.raises(LoopspecError, match="unknown engine"):
         build_bundle(str(target_dir), str(drafter_dir), tmp_path / "x", "")
     for tp in (0, 3):
@@ -354,10 +354,36 @@ def test_a_failed_rebuild_keeps_the_previous_bundle(tiny_pair, tmp_path):
 def test_docs_carry_the_support_matrix():
     from pathlib import Path
 
-    from loopspec.convert.bundle import support_matrix_markdown
+    from loopspec.convert.bundles import support_matrix_markdown
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
     assert support_matrix_markdown() in docs
+
+
+
+def test_each_serving_framework_is_one_module_and_one_registry_row():
+    """Every module of convert/bundles but the shared ones holds one framework's record, and the
+    registry lists each under its name; each says why it drafts over the full vocabulary unless it
+    takes a reduced one."""
+    import importlib
+    from pathlib import Path
+
+    from loopspec.convert.bundles import FRAMEWORKS
+    from loopspec.convert.bundles.common import GGUF_TARGET, HF_TARGET, SUPPORT_COLUMNS, ServingFramework
+
+    folder = Path(__file__).resolve().parents[1] / "convert" / "bundles"
+    shared = {"__init__", "common", "hf_checkpoint"}
+    records = {}
+    for path in sorted(folder.glob("*.py")):
+        if path.stem not in shared:
+            module = importlib.import_module(f"loopspec.convert.bundles.{path.stem}")
+            found = [v for v in vars(module).values() if isinstance(v, ServingFramework)]
+            assert len(found) == 1, (path.name, found)
+            records[path.stem] = found[0]
+    assert records == FRAMEWORKS
+    for name, framework in FRAMEWORKS.items():
+        assert framework.target in (HF_TARGET, GGUF_TARGET) and len(framework.support) == len(SUPPORT_COLUMNS)
+        assert (framework.reduced_vocab_line is None) != (framework.full_vocab_reason is None), name
 
 
 def test_cli_convert_bundle(tiny_pair, tmp_path, capsys):

@@ -226,6 +226,56 @@ def test_deepspec_dflash_checkpoint_has_the_anchor_convention_and_no_heads(targe
         require_zlab_block(d.cfg, "quantization")
 
 
+
+KIND_CASES = {  # (config changes) → (name, title, block convention, drafts of a block of 8, heads, graph outputs)
+    "z-lab dflash": ({}, ("dflash", "z-lab DFlash", "z-lab", 7, (), ())),
+    "deepspec dflash": ({"anchor_predicts": True},
+                        ("dflash", "DeepSpec DFlash", "deepspec", 8, (), ())),
+    "deepspec dspark": ({"anchor_predicts": True, "markov_rank": 4, "confidence_head": True,
+                         "confidence_with_markov": True},
+                        ("dspark", "DSpark (vanilla Markov head of rank 4, confidence head; DeepSpec's block convention)",
+                         "deepspec", 8, ("markov_head", "confidence_head"), ("confidence",))),
+    "z-lab gated": ({"markov_rank": 2, "markov_head_type": "gated"},
+                    ("dspark", "DSpark (gated Markov head of rank 2; z-lab's block convention)", "z-lab", 7,
+                     ("markov_head",), ())),
+    "confidence only": ({"anchor_predicts": True, "confidence_head": True},
+                        ("dspark", "DSpark (confidence head; DeepSpec's block convention)", "deepspec", 8,
+                         ("confidence_head",), ("confidence",))),
+}
+# which serving framework takes which kind (a refusal's words), as the frameworks' sources say
+SERVED = {
+    "z-lab dflash": {"trtllm": None, "vllm": None, "sglang": None, "llamacpp": None},
+    "deepspec dflash": {"trtllm": "z-lab DFlash drafters only", "vllm": "always builds a Markov head",
+                        "sglang": "z-lab DFlash drafters only", "llamacpp": "only with a Markov head"},
+    "deepspec dspark": {"trtllm": "z-lab DFlash drafters only", "vllm": None, "sglang": "z-lab DFlash drafters only",
+                        "llamacpp": None},
+    "z-lab gated": {"trtllm": "z-lab DFlash drafters only", "vllm": "one position off",
+                    "sglang": "z-lab DFlash drafters only", "llamacpp": "vanilla Markov head only"},
+    "confidence only": {"trtllm": "z-lab DFlash drafters only", "vllm": "always builds a Markov head",
+                        "sglang": "z-lab DFlash drafters only", "llamacpp": "only beside a Markov head"},
+}
+
+
+@pytest.mark.parametrize("case", KIND_CASES)
+def test_a_drafters_kind_states_what_other_layers_ask(case, target):
+    from loopspec.model.drafter_kinds import DRAFTER_KINDS
+
+    changes, (name, title, convention, drafts, heads, outputs) = KIND_CASES[case]
+    cfg = replace(DrafterConfig.for_target(target.cfg, block_size=8, mask_token_id=MASK), **changes)
+    kind = cfg.kind
+    assert (kind.name, kind.title, kind.convention.name, kind.drafts_per_block(8)) == (name, title, convention, drafts)
+    assert kind.family == DRAFTER_KINDS[name].family and cfg.drafts_per_block(8) == drafts
+    assert cfg.first_draft == kind.convention.first_draft == 8 - drafts
+    assert kind.heads == heads and kind.unrolled_draft_head == bool(heads)
+    assert {n for n, _ in Drafter(cfg).named_children()} >= set(heads)  # the heads are the modules it carries
+    assert kind.added_graph_outputs == outputs and kind.estimates_acceptance == bool(outputs)
+    assert kind.trains_loop_aware == ("markov_head" not in heads)
+    assert kind.plain == (case == "z-lab dflash")
+    for framework, words in SERVED[case].items():
+        why = kind.unsupported_in(framework, framework)
+        assert (why is None) if words is None else (words in why), (framework, why)
+
+
 def bad_checkpoints(root, target_dir):
     """name → (directory, what its one error line must say)."""
     cases = {

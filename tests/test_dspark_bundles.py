@@ -21,7 +21,7 @@ from test_dspark import BLOCK, MASK, RANK, dspark_config, liven_heads  # noqa: E
 from test_llamacpp import NO_SERVER, write_tiny_target_gguf  # noqa: E402
 
 from loopspec.cli import main  # noqa: E402
-from loopspec.convert.bundle import build_bundle  # noqa: E402
+from loopspec.convert.bundles import build_bundle  # noqa: E402
 from loopspec.engines.llamacpp import write_dflash_gguf  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.model.drafter import Drafter  # noqa: E402

@@ -166,3 +166,61 @@ def test_engines_are_reached_through_backends():
                     problems.append(f"{path}:{node.lineno}: imports {name} (hold engines as "
                                     f"loopspec.engines.protocol.Engine)")
     assert not problems, "\n".join(problems)
+
+
+SOURCE_FOLDERS = tuple(FOLDERS.values()) + (ROOT / "scripts",)  # every non-test Python file lives under these
+MAX_LINES = 600
+MODEL = ROOT / "loopspec" / "model"
+
+
+def source_files():
+    for folder in SOURCE_FOLDERS:
+        yield from sorted(folder.rglob("*.py"))
+
+
+def kind_field_uses(path: Path, names) -> list[str]:
+    """Where `path` reads (or writes) one of `names` as an attribute, or through getattr / setattr /
+    hasattr with the name spelled out. An argparse namespace (`args`) is exempt: a flag spelled like a
+    field (--markov-rank) is the user's request, not a drafter's kind."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        name = None
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            if not (isinstance(node.value, ast.Name) and node.value.id == "args"):
+                name = node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
+            name = node.args[1].value
+        if name is not None:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{name}")
+    return found
+
+
+def test_only_the_model_reads_a_drafter_kinds_fields():
+    """Outside loopspec/model a drafter's kind is asked (DrafterConfig.kind), never read off its fields."""
+    import dataclasses
+    import inspect
+    import textwrap
+
+    from loopspec.model import drafter_kinds
+    from loopspec.model.drafter import DrafterConfig
+
+    names = set(drafter_kinds.KIND_FIELDS)
+    config_names = {f.name for f in dataclasses.fields(DrafterConfig)} | set(vars(DrafterConfig))
+    assert names <= config_names, f"KIND_FIELDS names what DrafterConfig lacks: {sorted(names - config_names)}"
+    # the list covers every field the kind lookup reads, so a field added to a kind is guarded at once
+    lookup = ast.parse(textwrap.dedent(inspect.getsource(drafter_kinds.drafter_kind)))
+    param = lookup.body[0].args.args[0].arg
+    read = {n.attr for n in ast.walk(lookup) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == param}
+    assert read and read <= names, f"drafter_kind reads fields KIND_FIELDS lacks: {sorted(read - names)}"
+    problems = sorted(use for path in source_files() if not path.is_relative_to(MODEL)
+                      for use in kind_field_uses(path, names))
+    assert not problems, "ask DrafterConfig.kind instead of reading its fields:\n" + "\n".join(problems)
+
+
+def test_no_source_file_is_over_the_line_limit():
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for path in source_files()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"split these by topic (at most {MAX_LINES} lines a file):\n" + "\n".join(long)

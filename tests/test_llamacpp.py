@@ -14,7 +14,7 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="needs gguf: pip install gguf (a core dependency)")
 
-from loopspec.convert.bundle import build_bundle  # noqa: E402
+from loopspec.convert.bundles import build_bundle  # noqa: E402
 from loopspec.engines.llamacpp import (find_llama_server, llama_server_command, read_dflash_gguf,  # noqa: E402
                                        write_dflash_gguf)
 from loopspec.errors import LoopspecError  # noqa: E402

@@ -157,7 +157,7 @@ def test_train_cli_adds_dspark_heads(tiny_pair, tmp_path, capsys):
     heads = config["dflash_config"]
     assert heads["markov_rank"] == 4 and heads["markov_head_type"] == "rnn" and heads["enable_confidence_head"]
     drafter = Drafter.load(out)
-    assert not drafter.cfg.anchor_predicts and drafter.markov_head.kind == "rnn" and drafter.confidence_head is not None
+    assert not drafter.cfg.anchor_predicts and drafter.markov_head.head_type == "rnn" and drafter.confidence_head is not None
     misplaced = dict(config, markov_rank=heads["markov_rank"])  # DeepSpec's place on a z-lab architecture: refused
     with pytest.raises(LoopspecError, match="markov_rank of a \\['DFlashDraftModel'\\] drafter belong inside dflash_config"):
         DrafterConfig.from_zlab(misplaced)

@@ -10,13 +10,9 @@ Which block outputs are drafts is the drafter's block convention (`DrafterConfig
 z-lab's output at block position i (1..k-1) predicts the token AT position a+i (k-1 drafts);
 DeepSpec's output at every position i (0..k-1) predicts the token at a+i+1 (k drafts).
 
-A DSpark drafter adds two small heads on the final-norm states h_i (`draft_stage` runs them):
-- a low-rank Markov head that corrects each position's logits by the token before it,
-  z_i = lm_head(h_i) + W2·u_i, left to right, where prev_0 is the anchor and prev_{i+1} the argmax of
-  z_i; u_i = W1[prev_i] (vanilla), σ(gate([h_i ; W1[prev_i]])) ⊙ W1[prev_i] (gated), or a GRU-like
-  state s_i over joint([s_{i-1} ; W1[prev_i] ; h_i]) → (g, c, o) with u_i = tanh(o) (rnn);
-- a confidence head σ(proj([h_i ; W1[prev_i]])) (or of h_i alone): the estimated probability that
-  draft i is accepted given that the drafts before it were.
+A DSpark drafter adds a Markov head and / or a confidence head after the lm_head (dspark.py); the
+draft-head step runs them (draft_head.py). What kind a drafter is (drafter_kinds.py) is what every
+other layer asks of it: `DrafterConfig.kind`.
 """
 
 from __future__ import annotations
@@ -31,12 +27,16 @@ from torch import nn
 
 from loopspec.errors import LoopspecError
 from loopspec.files import one_line, read_json, read_safetensors, refuse_quantized, write_safetensors
+# the draft-head step, the DSpark heads and the kinds are imported from here too
+from loopspec.model.draft_head import (DRAFT_CANDIDATES, StageDrafts, corrected_logits,  # noqa: F401
+                                       draft_candidates, draft_head_weight, draft_stage, sample_stage,
+                                       stage_confidence)
+from loopspec.model.drafter_kinds import (ARCHITECTURE, DEEPSPEC_ARCHITECTURE, MARKOV_HEAD_TYPES,  # noqa: F401
+                                          DrafterKind, drafter_kind, require_zlab_block)
+from loopspec.model.dspark import ConfidenceHead, DraftHeads, DSparkHeads, MarkovHead  # noqa: F401
 from loopspec.model.target import (MLP, KVCache, RMSNorm, RotaryTable, TargetConfig, apply_rope,
                                    default_target_layer_ids)
 
-ARCHITECTURE = "DFlashDraftModel"
-DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"  # DeepSpec's DSpark drafters, and its DFlash ones (markov_rank 0)
-MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 D2T_FILE = "d2t.safetensors"
 
 
@@ -77,18 +77,23 @@ class DrafterConfig:
                                 "(markov_rank > 0)")
 
     @property
+    def kind(self) -> DrafterKind:
+        """What this drafter is (its family, block convention and heads): what other layers ask."""
+        return drafter_kind(self)
+
+    @property
     def first_draft(self) -> int:
         """The first block position whose output is a draft (0: the anchor's own, DeepSpec's convention)."""
-        return 0 if self.anchor_predicts else 1
+        return self.kind.convention.first_draft
 
     def drafts_per_block(self, block_size: int) -> int:
         """How many drafts one stage of `block_size` positions yields."""
-        return block_size - self.first_draft
+        return self.kind.drafts_per_block(block_size)
 
     @property
     def is_dspark(self) -> bool:
         """Carries a head that runs after the lm_head (the Markov or confidence head)."""
-        return bool(self.markov_rank or self.confidence_head)
+        return bool(self.kind.heads)
 
     @classmethod
     def for_target(cls, target: TargetConfig, num_layers: int = 1, block_size: int = 16,
@@ -252,26 +257,6 @@ def check_fits(drafter: DrafterConfig, target: TargetConfig) -> None:
         raise LoopspecError("drafter does not fit the target: " + "; ".join(problems))
 
 
-def drafter_kind(cfg: DrafterConfig) -> str:
-    """What a drafter is, in a few words: its heads and its block convention."""
-    if not cfg.is_dspark:
-        return "DeepSpec DFlash" if cfg.anchor_predicts else "z-lab DFlash"
-    heads = [f"{cfg.markov_head_type} Markov head of rank {cfg.markov_rank}"] if cfg.markov_rank else []
-    heads += ["confidence head"] if cfg.confidence_head else []
-    convention = "DeepSpec's block convention" if cfg.anchor_predicts else "z-lab's block convention"
-    return f"DSpark ({', '.join(heads)}; {convention})"
-
-
-def require_zlab_block(cfg: DrafterConfig, what: str) -> None:
-    """Refuse a drafter of DeepSpec's block convention or with DSpark heads where only the z-lab
-    block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented (quantized
-    drafter graphs, the llama.cpp GGUF, serving bundles). The torch engine, the fp32 ONNX / TensorRT
-    drafter graphs and training run both conventions and the DSpark heads."""
-    if cfg.anchor_predicts or cfg.is_dspark:
-        raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {drafter_kind(cfg)} drafter; "
-                            "decode it with --backend torch or onnxruntime")
-
-
 def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, vocab_size: int) -> int:
     """The checkpoint's mask id; else the first unused embedding row; else a clear error."""
     if configured is not None:
@@ -280,180 +265,6 @@ def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, voc
         return tokenizer_len
     raise LoopspecError("the drafter has no mask_token_id and the target's vocabulary has no unused row; "
                         "pass --mask-token-id")
-
-
-def draft_head_weight(lm_head_weight: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
-    """The rows of the target's lm_head a drafter drafts over: all of them, or its reduced draft
-    vocabulary's (target ids `draft_ids`, the d2t map) → [V or Vd, H]."""
-    return lm_head_weight if draft_ids is None else lm_head_weight[draft_ids]
-
-
-DRAFT_CANDIDATES = 8  # ranked candidates the draft head returns per block position (draft trees branch over them)
-
-
-def draft_candidates(logits: torch.Tensor, draft_ids: torch.Tensor | None,
-                     top_k: int = DRAFT_CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft-head step: logits [..., V or Vd] over the draft head's rows → each position's `top_k`
-    best drafts, rank-ordered, as target ids, and their log-probabilities, both [..., top_k]; rank 0
-    is the argmax (the chain). Written in plain ops so that the exported drafter graph runs exactly
-    this too."""
-    best, index = logits.topk(min(top_k, logits.shape[-1]), dim=-1)  # [..., K] descending
-    top = best[..., :1]
-    logprobs = best - top - torch.log(torch.exp(logits - top).sum(-1, keepdim=True))  # log softmax at each
-    return (draft_ids[index] if draft_ids is not None else index), logprobs
-
-
-@dataclass(frozen=True)
-class DSparkHeads:
-    """The DSpark heads a drafter is given for training: a Markov head of `markov_rank` (0: none) and
-    `markov_head_type`, and a confidence head (reading W1[prev] too when there is a Markov head)."""
-
-    markov_rank: int = 0
-    markov_head_type: str = "vanilla"
-    confidence_head: bool = False
-
-    def __post_init__(self):
-        if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise LoopspecError(f"unknown Markov head type {self.markov_head_type!r} "
-                                f"(choose from {', '.join(MARKOV_HEAD_TYPES)})")
-        if not isinstance(self.markov_rank, int) or self.markov_rank < 0:
-            raise LoopspecError(f"Markov rank must be an integer >= 0, got {self.markov_rank!r}")
-        if not (self.markov_rank or self.confidence_head):
-            raise LoopspecError("a DSpark drafter needs a Markov head (rank > 0) or a confidence head")
-
-
-class MarkovHead(nn.Module):
-    """DSpark's low-rank Markov correction: a bias W2·u over the vocabulary from the token before a
-    position (`markov_w1`, an embedding [V, r]), gated by the position's state or carried through a
-    recurrent state (see the module docstring). Parameter names are DeepSpec's."""
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        r, H = cfg.markov_rank, cfg.hidden_size
-        self.kind = cfg.markov_head_type
-        self.markov_w1 = nn.Embedding(cfg.vocab_size, r)
-        self.markov_w2 = nn.Linear(r, cfg.vocab_size, bias=False)
-        if self.kind == "gated":
-            self.gate_proj = nn.Linear(H + r, r)
-        elif self.kind == "rnn":
-            self.joint_proj = nn.Linear(2 * r + H, 3 * r)  # rows: gate | candidate | output
-
-    def latent(self, prev: torch.Tensor, h: torch.Tensor,
-               state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One position: previous tokens prev [R] (target ids) and final-norm states h [R, H] → the
-        rank-r latent u [R, r] whose W2 product is the bias, and the recurrent state after it (rnn)."""
-        e = self.markov_w1(prev).to(h.dtype)  # [R, r]
-        if self.kind == "vanilla":
-            return e, state
-        if self.kind == "gated":
-            return torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1))) * e, state
-        if state is None:  # the state starts at zero at every block's first drafting position
-            state = torch.zeros_like(e)
-        gate, candidate, output = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)  # [R, r] each
-        gate = torch.sigmoid(gate)
-        return torch.tanh(output), gate * state + (1 - gate) * torch.tanh(candidate)
-
-
-class ConfidenceHead(nn.Module):
-    """DSpark's per-position acceptance estimate σ(proj(features)), features [h ; W1[prev]] or h."""
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.proj = nn.Linear(cfg.hidden_size + (cfg.markov_rank if cfg.confidence_with_markov else 0), 1)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.proj(features).squeeze(-1).float())
-
-
-class StageDrafts(tuple):
-    """What an engine's `draft` returns: the tuple (drafts [R, D, C], log-probs [R, D, C], hidden
-    [R, k, H]) of the Engine protocol, which callers unpack as three, and the confidence head's
-    per-position estimates [R, D] as `.confidence` (None without a confidence head); with drafts
-    sampled from the drafter (`sample_stage`), the distribution q [R, D, V] each was drawn from as
-    `.q` (None otherwise)."""
-
-    confidence: torch.Tensor | None
-    q: torch.Tensor | None
-
-    def __new__(cls, drafts: torch.Tensor, logprobs: torch.Tensor, hidden: torch.Tensor,
-                confidence: torch.Tensor | None = None, q: torch.Tensor | None = None):
-        out = super().__new__(cls, (drafts, logprobs, hidden))
-        out.confidence, out.q = confidence, q
-        return out
-
-
-def draft_stage(drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor, head,
-                draft_ids: torch.Tensor | None, top_k: int = DRAFT_CANDIDATES
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The draft-head step of one stage: the final-norm states of blocks hidden [R, k, H] whose
-    anchors are `anchors` [R] → each drafting position's `top_k` candidates [R, D, C] (target ids,
-    rank 0 the argmax chain), their log-probabilities [R, D, C], and the confidence head's estimates
-    [R, D] (None without one). D is k-1 or k, by the drafter's block convention. `head` maps states
-    [..., H] to logits over the draft rows [..., V or Vd] (the target's lm_head, or its draft rows).
-
-    A DSpark head runs left to right: position i's logits are corrected by the token before it —
-    the anchor at the first drafting position, then the previous position's corrected argmax — so
-    the chain is the greedy Markov chain and a tree's other ranks come from the same corrected
-    logits. Written in plain ops, as `draft_candidates`."""
-    cfg = drafter.cfg
-    h = hidden[:, cfg.first_draft:]  # [R, D, H]
-    logits = head(h)  # [R, D, V or Vd]
-    if not cfg.is_dspark:
-        drafts, logprobs = draft_candidates(logits, draft_ids, top_k)
-        return drafts, logprobs, None
-    corrected, prevs = corrected_logits(drafter, h, logits, anchors, draft_ids, lambda z: z.argmax(-1))
-    drafts, logprobs = draft_candidates(corrected, draft_ids, top_k)  # [R, D, C] each
-    return drafts, logprobs, stage_confidence(drafter, h, prevs)
-
-
-def sample_stage(drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor, head,
-                 draft_ids: torch.Tensor | None, sampler
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The draft-head step of one stage with drafts sampled from the drafter's distribution q
-    (`sampler`: a loopspec.decoding.DraftSampler over the stage's rows) instead of its argmax →
-    the drafts [R, D, 1] (target ids), their log q [R, D, 1], the confidence head's estimates [R, D]
-    (or None) and q [R, D, V] over the target's vocabulary (on the CPU). A DSpark drafter's q at
-    position i is its Markov-corrected distribution given the token sampled at i - 1."""
-    h = hidden[:, drafter.cfg.first_draft:]  # [R, D, H]
-    _, prevs = corrected_logits(drafter, h, head(h), anchors, draft_ids, sampler.choose)
-    drafts, logq, q = sampler.drafts()
-    return drafts, logq, stage_confidence(drafter, h, prevs), q
-
-
-def corrected_logits(drafter: "Drafter", h: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
-                     draft_ids: torch.Tensor | None, choose) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left to right over the drafting positions' states h [R, D, H] and logits [R, D, V or Vd]:
-    each position's logits plus the Markov head's bias from the token before it (none without a
-    Markov head), and the token `choose(corrected logits [R, V or Vd])` picks there (a draft-row
-    index [R]) as the next position's predecessor → corrected logits [R, D, V or Vd] and each
-    position's predecessor [R, D] (target ids; the anchor first)."""
-    markov = drafter.markov_head
-    w2 = None
-    if markov is not None and draft_ids is not None:  # the bias over the draft rows only
-        w2 = draft_head_weight(markov.markov_w2.weight, draft_ids)  # [Vd, r]
-    prev, state = anchors, None  # [R]
-    prevs, corrected = [], []
-    for i in range(h.shape[1]):
-        prevs.append(prev)
-        z = logits[:, i]  # [R, V or Vd]
-        if markov is not None:
-            u, state = markov.latent(prev, h[:, i], state)  # [R, r]
-            z = z + (markov.markov_w2(u) if w2 is None else F.linear(u, w2)).to(z.dtype)
-        corrected.append(z)
-        chosen = choose(z).to(z.device)  # [R]: the draft here is the next position's predecessor
-        prev = draft_ids[chosen] if draft_ids is not None else chosen
-    return torch.stack(corrected, dim=1), torch.stack(prevs, dim=1)
-
-
-def stage_confidence(drafter: "Drafter", h: torch.Tensor, prevs: torch.Tensor) -> torch.Tensor | None:
-    """The confidence head's estimates [R, D] at states h [R, D, H] with predecessors prevs [R, D]
-    (None without a confidence head)."""
-    if drafter.confidence_head is None:
-        return None
-    features = h
-    if drafter.cfg.confidence_with_markov:
-        features = torch.cat([h, drafter.markov_head.markov_w1(prevs).to(h.dtype)], dim=-1)  # [R, D, H + r]
-    return drafter.confidence_head(features)  # [R, D]
 
 
 class DrafterAttention(nn.Module):

@@ -168,10 +168,11 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
     taps = TapSource(data_dir, trainer, need_logits=cfg.kl_weight > 0,
                      tap_cache=Path(tap_cache) if tap_cache is not None else None)
     if cfg.heads_only:
-        if not drafter.cfg.is_dspark:
+        heads = drafter.cfg.kind.heads
+        if not heads:
             raise LoopspecError("--heads-only trains the DSpark heads: give --markov-rank or --confidence-head")
         for name, p in drafter.named_parameters():  # the backbone's drafts stay the init's
-            p.requires_grad_(name.startswith(("markov_head.", "confidence_head.")))
+            p.requires_grad_(name.split(".")[0] in heads)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     state_path = out_dir / "checkpoint" / "train_state.pt"

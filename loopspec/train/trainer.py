@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from loopspec.errors import LoopspecError
+from loopspec.model.draft_head import confidence_logits
 from loopspec.model.drafter import Drafter
 from loopspec.model.target import Target
 
@@ -147,7 +148,7 @@ class DrafterTrainer:
         if cfg.gamma is not None and not (math.isfinite(cfg.gamma) and cfg.gamma > 0):
             # 0 once fell back to the default silently; a decay length must be a positive number
             raise LoopspecError(f"gamma must be a finite number > 0 (or None for the default), got {cfg.gamma}")
-        if cfg.loop_stages and drafter.cfg.markov_rank:
+        if cfg.loop_stages and not drafter.cfg.kind.trains_loop_aware:
             # a later stage's Markov chain starts from a drafted anchor the data does not hold
             raise LoopspecError("loop-aware training (--loop-stages) of a drafter with a Markov head is not "
                                 "implemented; train it with --loop-stages 0")
@@ -225,12 +226,8 @@ class DrafterTrainer:
             loss = loss + self.cfg.kl_weight * (w * kl).sum()
         hit = logp.argmax(-1) == y  # [R]
         stats = {"correct": int(hit.sum()), "labels": int(y.numel())}
-        head = self.drafter.confidence_head
-        if head is not None:
-            features = hidden[rows]
-            if self.drafter.cfg.confidence_with_markov:
-                features = torch.cat([features, self.drafter.markov_head.markov_w1(prev[rows]).to(features.dtype)], dim=-1)
-            confidence_logit = head.proj(features).squeeze(-1).float()  # [R]
+        confidence_logit = confidence_logits(self.drafter, hidden[rows], prev[rows])  # [R], None without the head
+        if confidence_logit is not None:
             bce = F.binary_cross_entropy_with_logits(confidence_logit, hit.float(), reduction="none")
             loss = loss + self.cfg.confidence_weight * (w * bce).sum()
             # squared error of the estimate against the outcome (Brier score, summed over rows)

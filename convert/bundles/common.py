@@ -1,0 +1,241 @@
+"""What every serving framework's part of a bundle shares: the framework record, the launch settings,
+launch scripts, the README and the manifest."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK, DrafterKind
+from loopspec.model.target import TargetConfig
+from loopspec.weights import TargetSource, file_sha256
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+HF_TARGET, GGUF_TARGET = "hf", "gguf"  # what a framework serves: the HF checkpoint in target/, or the GGUF file
+
+
+@dataclass
+class LaunchSettings:
+    """What every framework's launch needs to know about the pair."""
+
+    name: str  # served model name
+    tp: int
+    block_size: int
+    drafts: int  # drafts per verification: block_size - 1 (z-lab's convention) or block_size (DeepSpec's)
+    mask_token_id: int
+    target_layer_ids: list[int]
+    precision: str | None
+    max_batch_size: int  # requests decoding at once
+    max_context: int  # tokens per request, prompt + output
+    drafter: DrafterConfig
+    draft_vocab: int | None = None  # the drafter's reduced draft vocabulary (d2t), None: it drafts over all
+    threads: int | None = None  # a CPU framework's default threads in its launch script (None: all cores)
+
+    @property
+    def kind(self) -> DrafterKind:
+        return self.drafter.kind
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens one forward may carry: a whole prompt of max_context, or every request's block."""
+        return max(self.max_context, self.max_batch_size * self.block_size)
+
+
+@dataclass
+class BundleParts:
+    """What the frameworks' files are written from, resolved once."""
+
+    drafter: Drafter  # as loaded: with its reduced draft vocabulary (d2t) when it has one
+    drafter_dir: Path
+    source: TargetSource
+    target_dir: Path | None  # the HF checkpoint (None when only GGUF frameworks are asked for)
+    target_cfg: TargetConfig | None
+    dtype: str  # of the unquantized weights written
+    precision: str | None
+    calib_prompts: str | None
+    calib_size: int | None
+
+
+@dataclass(frozen=True)
+class ServingFramework:
+    """One serving framework a bundle targets."""
+
+    name: str  # its --engine word and its folder in the bundle
+    title: str  # in prose
+    target: str  # HF_TARGET (the checkpoint in target/ with the z-lab drafter/) or GGUF_TARGET (the target GGUF)
+    support: tuple[str, ...]  # its row of the support matrix (SUPPORT_COLUMNS)
+    launch_files: Callable[[LaunchSettings], dict[str, str]]  # {path in the bundle: text}
+    # its own files beside the launch files and the shared drafter/ and target/
+    write_parts: Callable[[BundleParts, Path], None] | None = None
+    readme_launch: Callable[[LaunchSettings], list[str]] | None = None  # what the README's launch section adds
+    readme_uses: Callable[[LaunchSettings], list[str]] | None = None  # its files under "What each engine uses"
+    # the README line of the reduced draft vocabulary it drafts over (None: it drafts over the full one, and
+    # full_vocab_reason says why)
+    reduced_vocab_line: Callable[[int], str] | None = None
+    full_vocab_reason: str | None = None
+    manifest_entry: Callable[[LaunchSettings], dict] | None = None  # its own key in manifest.json
+    manifest_entry_with_drafting: bool = False  # that key sits beside drafts_per_block, else after files
+
+    def refuses(self, kind: DrafterKind) -> str | None:
+        """Why it cannot serve a drafter of this kind (None: it can)."""
+        return kind.unsupported_in(self.name, self.title)
+
+
+# --------------------------------------------------------------------------------------------------
+# launch scripts
+
+
+def _quote(word: str) -> str:
+    """A shell word: a script variable ("$PORT") expanded in double quotes, anything else quoted as is."""
+    if len(word) > 1 and word[0] == "$" and word[1:].replace("_", "").isalnum():
+        return f'"{word}"'
+    return shlex.quote(word)
+
+
+def _command(argv: list[str]) -> str:
+    """A shell command: the program and its positional words on the first line, then one flag (and its
+    value) per line, every argument quoted; extra flags given to the script pass through ("$@")."""
+    i = 0
+    while i < len(argv) and not argv[i].startswith("--"):
+        i += 1
+    lines = [" ".join(_quote(a) for a in argv[:i])]
+    while i < len(argv):
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            lines.append(f"{argv[i]} {_quote(argv[i + 1])}")
+            i += 2
+        else:
+            lines.append(_quote(argv[i]))
+            i += 1
+    return "exec " + " \\\n    ".join(lines + ['"$@"']) + "\n"
+
+
+def launch_script(title: str, argv: list[str], settings: str = "") -> str:
+    return ("#!/bin/sh\n"
+            f"# Serve this bundle with {title}: target + drafter. Extra flags are passed on.\n"
+            "set -eu\n"
+            'cd "$(dirname "$0")/.."  # paths below are relative to the bundle root\n'
+            + settings + _command(argv))
+
+
+# --------------------------------------------------------------------------------------------------
+# README and manifest
+
+# Which framework supports what, declared once (README and docs/serving.md print it): loopspec's own
+# runtime, then each framework's row (ServingFramework.support)
+SUPPORT_COLUMNS = ("DFlash", "DLoop", "d2t reduced vocab", "FP8", "NVFP4", "tensor parallel")
+RUNTIME_SUPPORT = ("loopspec runtime", ("yes", "yes", "yes", "drafter (ONNX Runtime / TensorRT)",
+                                        "TensorRT on Blackwell", "no (one device)"))
+
+
+def support_matrix_markdown(frameworks: list[ServingFramework]) -> str:
+    rows = [RUNTIME_SUPPORT] + [(f.title, f.support) for f in frameworks]
+    lines = ["| engine | " + " | ".join(SUPPORT_COLUMNS) + " |", "|---" * (len(SUPPORT_COLUMNS) + 1) + "|"]
+    lines += [f"| {title} | " + " | ".join(row) + " |" for title, row in rows]
+    return "\n".join(lines)
+
+
+def draft_vocab_per_framework(frameworks: list[ServingFramework], draft_vocab_size: int | None) -> dict:
+    """{framework: draft vocabulary it drafts over}: the reduced size where the bundle carries it, else "full"."""
+    return {f.name: draft_vocab_size if draft_vocab_size and f.reduced_vocab_line else "full" for f in frameworks}
+
+
+def _draft_vocab_lines(frameworks: list[ServingFramework], vocab: int | None) -> list[str]:
+    if not vocab:
+        return ["- Draft vocabulary: full (the drafter was trained on the whole vocabulary)."]
+    lines = [f"- Draft vocabulary: the drafter was trained with a reduced draft vocabulary of {vocab} tokens "
+             "(`d2t`). Drafting over the full vocabulary instead keeps the output exact (verification "
+             "decides) but can lower τ a little."]
+    lines += [f.reduced_vocab_line(vocab) for f in frameworks if f.reduced_vocab_line]
+    lines += [f"  - {f.title}: full, from `drafter/`. {f.full_vocab_reason}" for f in frameworks if f.full_vocab_reason]
+    return lines
+
+
+def _convention_lines(s: LaunchSettings) -> list[str]:
+    """The block convention, stated: which block outputs are drafts decides how a framework must run it."""
+    if s.kind.convention is DEEPSPEC_BLOCK:
+        return [f"Block convention: DeepSpec's. The block is [anchor, mask x {s.block_size - 1}] and every block "
+                f"position i drafts the token at anchor+i+1, so one block gives {s.drafts} drafts (vLLM "
+                f"`num_speculative_tokens` {s.drafts}, llama.cpp `--spec-draft-n-max` {s.drafts}); the Markov "
+                "head's first predecessor is the anchor. A z-lab DFlash reader (drafts from positions 1.., the "
+                "token at anchor+i) would draft one position off, so the drafter is written for DSpark readers "
+                "only (`Qwen3DSparkModel`, `dflash.sample_from_anchor` true).", ""]
+    if s.kind.heads:
+        return [f"Block convention: z-lab's. The block is [anchor, mask x {s.block_size - 1}] and block positions "
+                f"1..{s.block_size - 1} draft the token at their own position ({s.drafts} drafts); the Markov head's "
+                "first predecessor is the anchor (`dflash.sample_from_anchor` false).", ""]
+    return []
+
+
+def readme(frameworks: list[ServingFramework], s: LaunchSettings, dtype: str, sources: dict, matrix: str) -> str:
+    precision = s.precision or dtype
+    hf = any(f.target == HF_TARGET for f in frameworks)
+    lines = [f"# Serving bundle: {s.name}", "",
+             f"Target `{s.name}` ({precision}, from `{sources['target']}`) with the {s.kind.title} drafter "
+             f"`{sources['drafter']}` "
+             f"(block size {s.block_size}, {s.drafts} drafts per block, taps {s.target_layer_ids}, mask token "
+             f"{s.mask_token_id}), "
+             f"tensor parallel size {s.tp}, up to {s.max_batch_size} requests at once of up to "
+             f"{s.max_context} tokens each (prompt + output). Every engine serves it as `{s.name}`.", "",
+             *_convention_lines(s), "## Launch", ""]
+    lines += [f"- {f.title}: `sh {f.name}/launch.sh [extra engine flags]`" for f in frameworks]
+    for f in frameworks:
+        lines += f.readme_launch(s) if f.readme_launch else []
+    lines += ["", "Every launch script changes into the bundle root first: the paths below are relative to it.",
+              "", "## What each engine uses", ""]
+    if hf and s.kind.convention is DEEPSPEC_BLOCK:
+        lines.append("- `drafter/`: DeepSpec's DSpark format (`config.json` with `architectures: [\"Qwen3DSparkModel\"]`, "
+                     "`block_size`, `mask_token_id`, `target_layer_ids`, `markov_rank`, `markov_head_type`, "
+                     "`enable_confidence_head`, `confidence_head_with_markov` at the top level, mask and taps also in "
+                     "`dflash_config`; `model.safetensors` under DeepSpec's key names `markov_head.markov_w1/w2`, "
+                     "`confidence_head.proj`, without the `embed_tokens` / `lm_head` copies: vLLM shares the "
+                     "target's), read by vLLM (`method: dspark`).")
+    elif hf:
+        lines.append("- `drafter/`: z-lab DFlash format (`config.json` with `dflash_config.mask_token_id` and "
+                     "`target_layer_ids`, `model.safetensors`), read by TensorRT-LLM, vLLM and SGLang.")
+    for f in frameworks:
+        lines += f.readme_uses(s) if f.readme_uses else []
+    lines += [*_draft_vocab_lines(frameworks, s.draft_vocab),
+              "- DLoop (several draft stages per verification) runs only in loopspec's own runtime; the "
+              "engines run one draft stage per verification."]
+    if hf:
+        lines.append("- `target/`: Hugging Face checkpoint" + (f", modelopt {s.precision.upper()}-quantized."
+                                                                if s.precision else f" in {dtype}.")
+                     + " Its config.json carries `rope_theta` beside `rope_parameters` for transformers-4 readers.")
+    if s.precision == "nvfp4":
+        lines.append("- NVFP4 kernels need a Blackwell GPU (compute capability >= 10.0); other GPUs refuse it.")
+    lines += ["", "## Support matrix", "", matrix, "",
+              "`manifest.json` lists the sha256 of every file, the sources' hashes and the tool versions.", ""]
+    return "\n".join(lines)
+
+
+def manifest(out: Path, frameworks: list[ServingFramework], s: LaunchSettings, dtype: str, sources: dict) -> dict:
+    import importlib.metadata as md
+
+    import loopspec
+
+    tools = {"loopspec": loopspec.__version__, "torch": torch.__version__}
+    for package in ("transformers", "safetensors", "nvidia-modelopt", "gguf"):
+        try:
+            tools[package] = md.version(package)
+        except md.PackageNotFoundError:
+            pass
+    files = {str(p.relative_to(out)): file_sha256(p) for p in sorted(out.rglob("*")) if p.is_file()}
+    vocab = s.draft_vocab
+    reasons = {f.name: f.full_vocab_reason for f in frameworks if vocab and f.full_vocab_reason}
+    entries = [f for f in frameworks if f.manifest_entry]
+    # the manifest names its frameworks "engines", as bundles always have (scripts and users read it)
+    return {"kind": "serving-bundle", "engines": [f.name for f in frameworks], "served_model_name": s.name,
+            "tensor_parallel_size": s.tp, "max_batch_size": s.max_batch_size, "max_context": s.max_context,
+            "precision": s.precision or dtype, "block_size": s.block_size, "mask_token_id": s.mask_token_id,
+            "drafter_kind": s.kind.title, "block_convention": s.kind.convention.name,
+            "drafts_per_block": s.drafts,
+            **{f.name: f.manifest_entry(s) for f in entries if f.manifest_entry_with_drafting},
+            "target_layer_ids": s.target_layer_ids, "trained_draft_vocab_size": vocab,
+            "draft_vocab": draft_vocab_per_framework(frameworks, vocab),
+            "full_draft_vocab_reasons": reasons, "sources": sources, "tools": tools, "files": files,
+            **{f.name: f.manifest_entry(s) for f in entries if not f.manifest_entry_with_drafting}}

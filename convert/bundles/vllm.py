@@ -1,0 +1,117 @@
+"""vLLM: `vllm serve` on the HF checkpoint with the z-lab drafter (method dflash), or a DSpark drafter
+of DeepSpec's block convention (method dspark).
+
+Facts this module relies on (re-check on upgrades):
+- DFlash (speculative decoding docs; z-lab/dflash README; vllm/model_executor/models/qwen3_dflash.py):
+  `vllm serve TARGET --speculative-config '{"method": "dflash", "model": DRAFTER,
+  "num_speculative_tokens": k - 1}'`, `--tensor-parallel-size N`, `--max-model-len`,
+  `--max-num-seqs`, `--served-model-name`; the mask token and tap layers come from the drafter's
+  config.json (`dflash_config`). A reduced draft vocabulary is read as `draft_vocab_size` (config.json),
+  a `d2t` tensor (target id = draft id + d2t) and the drafter's own `lm_head.weight` of
+  draft_vocab_size rows, from any *.safetensors file in the drafter directory. A modelopt
+  checkpoint's quantization is read from the target's config.
+- DSpark (vllm/config/speculative.py, vllm/model_executor/models/qwen3_dspark.py): the method is
+  `dspark`, detected from `architectures: ["Qwen3DSparkModel"]` and also given explicitly here;
+  `num_speculative_tokens` is the block size, since the block [anchor, mask x (k-1)] yields k drafts
+  (every position drafts the token after it: DeepSpec's convention). The mask token and taps are read
+  from `dflash_config`, else the top level. Its Markov head has `markov_w1` / `markov_w2` only (the
+  vanilla head; `markov_head_type` is not read, so another head would be run as vanilla), the
+  confidence head is `confidence_head.proj` (with bias) over [h ; W1[prev]] or h by
+  `confidence_head_with_markov`. `load_weights` prefixes `model.` to DeepSpec's bare names; the
+  `embed_tokens` / `lm_head` copies DeepSpec saves are optional (the target's are shared when absent),
+  so drafter/ leaves them out. A reduced draft vocabulary is `draft_vocab_size`, `d2t`, an `lm_head` of
+  the draft rows and a `markov_w2` of the draft rows (its bias is computed over the draft vocabulary).
+Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from loopspec.convert.bundles.common import (DTYPES, HF_TARGET, BundleParts, LaunchSettings, ServingFramework,
+                                             launch_script)
+from loopspec.convert.bundles.hf_checkpoint import full_vocab_drafter
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import Drafter
+from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK
+from loopspec.weights import read_json, read_safetensors, write_safetensors
+
+TITLE = "vLLM"
+VLLM_DRAFTER = "vllm/drafter"  # the reduced-vocabulary drafter, for vLLM
+
+
+def vllm_method(s: LaunchSettings) -> str:
+    """dspark for a drafter written in DeepSpec's layout (its block convention), else dflash."""
+    return "dspark" if s.kind.convention is DEEPSPEC_BLOCK else "dflash"
+
+
+def vllm_speculative_config(s: LaunchSettings) -> dict:
+    drafter = f"./{VLLM_DRAFTER}" if s.draft_vocab is not None else "./drafter"
+    return {"method": vllm_method(s), "model": drafter, "num_speculative_tokens": s.drafts}
+
+
+def vllm_files(s: LaunchSettings) -> dict[str, str]:
+    argv = ["vllm", "serve", "./target", "--served-model-name", s.name, "--tensor-parallel-size", str(s.tp),
+            "--max-model-len", str(s.max_context), "--max-num-seqs", str(s.max_batch_size),
+            "--speculative-config", json.dumps(vllm_speculative_config(s))]
+    return {"vllm/launch.sh": launch_script(TITLE, argv)}
+
+
+def _write_parts(parts: BundleParts, tmp: Path) -> None:
+    """vllm/drafter/ when the drafter has a reduced draft vocabulary."""
+    draft_ids = parts.drafter.draft_ids
+    if draft_ids is None:
+        return
+    lm_head = target_lm_head(parts.target_dir, parts.target_cfg.tie_word_embeddings)
+    write_vllm_drafter(full_vocab_drafter(parts.drafter), draft_ids, lm_head, tmp / VLLM_DRAFTER, DTYPES[parts.dtype])
+
+
+def target_lm_head(target_dir: Path, tied: bool) -> torch.Tensor:
+    """The target's output projection [V, H] (its embedding when tied), read from the one shard holding it."""
+    from safetensors import safe_open
+
+    names = ("model.embed_tokens.weight", "embed_tokens.weight") if tied else ("lm_head.weight",)
+    for shard in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in names:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    raise LoopspecError(f"the target {target_dir} has no {names[0]} tensor")
+
+
+def write_vllm_drafter(model: Drafter, draft_ids: torch.Tensor, lm_head: torch.Tensor, dst: Path,
+                       dtype: torch.dtype) -> None:
+    """The drafter as vLLM's DFlash model reads a reduced draft vocabulary: `draft_vocab_size` in
+    config.json, `d2t` (target id = draft id + d2t) and its own lm_head of the draft rows."""
+    model.save(dst, dtype=dtype)
+    cfg = read_json(dst / "config.json", "drafter config")
+    cfg["draft_vocab_size"] = int(draft_ids.numel())
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_safetensors({"d2t": (draft_ids - torch.arange(draft_ids.numel())).to(torch.int64)}, dst / "d2t.safetensors")
+    write_safetensors({"lm_head.weight": lm_head[draft_ids].to(dtype).contiguous()}, dst / "lm_head.safetensors")
+    if model.markov_head is not None:  # vLLM's DSpark adds the Markov bias over the draft rows: W2 of those rows
+        state = read_safetensors(dst / "model.safetensors")
+        name = "markov_head.markov_w2.weight"
+        state[name] = state[name][draft_ids].contiguous()
+        write_safetensors(state, dst / "model.safetensors")
+
+
+def _reduced_vocab_line(vocab: int) -> str:
+    return (f"  - vLLM: reduced, from `{VLLM_DRAFTER}/` (`draft_vocab_size: {vocab}` in config.json, "
+            "`d2t.safetensors`, and `lm_head.safetensors` with the target's lm_head rows of the draft "
+            "tokens, since vLLM's DFlash model computes draft logits with its own head of that size).")
+
+
+def _manifest_entry(s: LaunchSettings) -> dict:
+    return {"method": vllm_method(s), "num_speculative_tokens": s.drafts}
+
+
+VLLM = ServingFramework(
+    name="vllm", title=TITLE, target=HF_TARGET,
+    support=("yes (`method: dflash`)", "no", "yes (`draft_vocab_size` + `d2t`)", "yes (modelopt checkpoint)",
+             "Blackwell only", "yes (`--tensor-parallel-size`)"),
+    launch_files=vllm_files, write_parts=_write_parts, reduced_vocab_line=_reduced_vocab_line,
+    manifest_entry=_manifest_entry, manifest_entry_with_drafting=True)

@@ -1,0 +1,195 @@
+"""Drafter kinds: what a drafter is, stated once, for every layer that must treat kinds differently.
+
+A drafter's kind is its family (DFlash, or DSpark: a DFlash drafter with heads after the lm_head),
+its block convention (which block outputs are drafts) and its heads. `DrafterConfig.kind` looks it up
+(`drafter_kind`); the config fields it is read from (`KIND_FIELDS`) are read inside loopspec/model
+only, and every other layer asks the kind record: how many drafts a block gives, what the exported
+block graph adds, whether loop-aware training runs it, and which serving framework takes it
+(`unsupported_in`, with the one-line reason of one that does not).
+
+Runtime backends: the torch engine, the fp32 ONNX Runtime / TensorRT drafter graphs and training run
+every kind; a quantized drafter graph (FP8 / NVFP4), whose calibration and export run z-lab's block,
+takes the plain z-lab DFlash kind only (`require_zlab_block`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from loopspec.errors import LoopspecError
+
+ARCHITECTURE = "DFlashDraftModel"
+DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"  # DeepSpec's DSpark drafters, and its DFlash ones (markov_rank 0)
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+# DrafterConfig's fields (and the property) that decide a drafter's kind: only loopspec/model reads
+# them; every other layer asks `DrafterConfig.kind` (tests/test_layout.py holds it to that)
+KIND_FIELDS = ("anchor_predicts", "markov_rank", "markov_head_type", "confidence_head", "confidence_with_markov",
+               "is_dspark")
+
+
+@dataclass(frozen=True)
+class BlockConvention:
+    """Which outputs of a block [anchor, MASK × (k-1)] at positions a .. a+k-1 are drafts."""
+
+    name: str  # "z-lab" | "deepspec": a serving bundle's manifest names it so
+    owner: str  # whose convention, in prose
+    first_draft: int  # the first block position whose output is a draft (it drafts the token at a+1)
+    architecture: str  # the config.json architecture a drafter of this convention is written with
+
+    def drafts_per_block(self, block_size: int) -> int:
+        """How many drafts one stage of `block_size` positions yields."""
+        return block_size - self.first_draft
+
+
+# z-lab's: block position i (1..k-1) drafts the token at a+i (k-1 drafts)
+ZLAB_BLOCK = BlockConvention("z-lab", "z-lab's", 1, ARCHITECTURE)
+# DeepSpec's: every block position i (0..k-1) drafts the token at a+i+1 (k drafts)
+DEEPSPEC_BLOCK = BlockConvention("deepspec", "DeepSpec's", 0, DEEPSPEC_ARCHITECTURE)
+
+
+@dataclass(frozen=True)
+class MarkovHeadKind:
+    """A DSpark drafter's low-rank Markov head: each position's logits corrected by the token before it."""
+
+    head_type: str  # one of MARKOV_HEAD_TYPES
+    rank: int
+
+
+@dataclass(frozen=True)
+class ConfidenceHeadKind:
+    """A DSpark drafter's confidence head: each draft's estimated acceptance probability."""
+
+    reads_markov: bool  # it reads [h ; W1[prev]] (the Markov head's embedding of the token before), else h
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One drafter kind. The registry (`DRAFTER_KINDS`) holds each family with its defaults; the
+    lookup fills in the drafter's block convention and heads."""
+
+    name: str  # "dflash" | "dspark"
+    family: str  # its name in prose
+    convention: BlockConvention = ZLAB_BLOCK
+    markov: MarkovHeadKind | None = None
+    confidence: ConfidenceHeadKind | None = None
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        """The heads it runs after the lm_head, as its modules (and their parameters) are named."""
+        return (("markov_head",) if self.markov else ()) + (("confidence_head",) if self.confidence else ())
+
+    @property
+    def plain(self) -> bool:
+        """z-lab DFlash: z-lab's block and no head after the lm_head, what every z-lab reader runs."""
+        return self.convention is ZLAB_BLOCK and not self.heads
+
+    @property
+    def title(self) -> str:
+        """What it is, in a few words: its heads and its block convention."""
+        if not self.heads:
+            return "DeepSpec DFlash" if self.convention is DEEPSPEC_BLOCK else "z-lab DFlash"
+        heads = [f"{self.markov.head_type} Markov head of rank {self.markov.rank}"] if self.markov else []
+        heads += ["confidence head"] if self.confidence else []
+        return f"{self.family} ({', '.join(heads)}; {self.convention.owner} block convention)"
+
+    def drafts_per_block(self, block_size: int) -> int:
+        return self.convention.drafts_per_block(block_size)
+
+    @property
+    def unrolled_draft_head(self) -> bool:
+        """Its draft-head step runs left to right (a head after the lm_head reads the token drafted
+        before), so an exported block graph unrolls it over a fixed number of positions."""
+        return bool(self.heads)
+
+    @property
+    def added_graph_outputs(self) -> tuple[str, ...]:
+        """What its exported block graph outputs beside draft_ids, draft_logprobs and hidden: a
+        confidence head's estimate per drafting position."""
+        return ("confidence",) if self.confidence else ()
+
+    @property
+    def estimates_acceptance(self) -> bool:
+        """Its stages return each draft's estimated acceptance probability (the confidence gate reads it)."""
+        return self.confidence is not None
+
+    @property
+    def trains_loop_aware(self) -> bool:
+        """Loop-aware training (DLoop's later stages) runs it: a Markov chain's later stage would start
+        from a drafted anchor the training data does not hold, so a Markov head rules it out."""
+        return self.markov is None
+
+    def unsupported_in(self, framework: str, title: str) -> str | None:
+        """Why the serving framework `framework` (`title` in prose) cannot serve this kind (None: it can)."""
+        rule = SERVING_RULES.get(framework)
+        if rule is not None:
+            return rule(self)
+        if self.plain:
+            return None
+        return (f"the {title} bundle carries z-lab DFlash drafters only (block_size - 1 drafts from block "
+                "positions 1.., no head after the lm_head)")
+
+
+DRAFTER_KINDS = {kind.name: kind for kind in (DrafterKind("dflash", "DFlash"), DrafterKind("dspark", "DSpark"))}
+
+
+def drafter_kind(cfg) -> DrafterKind:
+    """The kind of the drafter a DrafterConfig describes (`DrafterConfig.kind` returns it)."""
+    markov = MarkovHeadKind(cfg.markov_head_type, cfg.markov_rank) if cfg.markov_rank else None
+    confidence = ConfidenceHeadKind(cfg.confidence_with_markov) if cfg.confidence_head else None
+    family = DRAFTER_KINDS["dspark" if markov or confidence else "dflash"]
+    return replace(family, convention=DEEPSPEC_BLOCK if cfg.anchor_predicts else ZLAB_BLOCK, markov=markov,
+                   confidence=confidence)
+
+
+def require_zlab_block(cfg, what: str) -> None:
+    """Refuse a drafter of DeepSpec's block convention or with DSpark heads where only the z-lab
+    block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented (quantized
+    drafter graphs). The torch engine, the fp32 ONNX / TensorRT drafter graphs and training run both
+    conventions and the DSpark heads."""
+    kind = drafter_kind(cfg)
+    if not kind.plain:
+        raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {kind.title} drafter; "
+                            "decode it with --backend torch or onnxruntime")
+
+
+# --------------------------------------------------------------------------------------------------
+# serving frameworks that run more than the plain kind: why they refuse the rest (each framework's
+# facts are in its convert/bundles module, and llama.cpp's in engines/llamacpp.py)
+
+
+def _vllm_refusal(kind: DrafterKind) -> str | None:
+    if kind.plain:
+        return None  # z-lab DFlash: method dflash
+    if kind.convention is not DEEPSPEC_BLOCK:
+        return ("vLLM's DSpark drafts from the anchor's own block position (DeepSpec's block convention: position "
+                "i drafts the token at anchor+i+1), and this drafter's heads were trained in z-lab's (position i "
+                "drafts the token at anchor+i): vLLM would draft one position off")
+    if kind.markov is None:
+        return ("vLLM's Qwen3 DSpark model always builds a Markov head, and this drafter has none (markov_rank 0) "
+                "to load into it")
+    if kind.markov.head_type != "vanilla":
+        return (f"vLLM's DSpark Markov head is the vanilla one only (markov_w1, markov_w2), not this drafter's "
+                f"{kind.markov.head_type} head")
+    return None
+
+
+def _llamacpp_refusal(kind: DrafterKind) -> str | None:
+    if not kind.heads:
+        if kind.convention is DEEPSPEC_BLOCK:  # draft-dflash drafts from block position 1; only draft-dspark from 0
+            return ("llama.cpp drafts from the anchor's own block position (DeepSpec's block convention) only "
+                    "with a Markov head (draft-dspark); this DeepSpec DFlash drafter has none")
+        return None
+    if kind.markov is None:
+        return "llama.cpp runs a DSpark confidence head only beside a Markov head (markov_rank > 0)"
+    if kind.markov.head_type != "vanilla":
+        return (f"llama.cpp's DSpark implements the vanilla Markov head only (bias = W2 · W1[prev]), not this "
+                f"drafter's {kind.markov.head_type} head")
+    if kind.confidence and not kind.confidence.reads_markov:
+        return ("llama.cpp's DSpark confidence head reads [h ; W1[prev]] (n_embd + rank inputs); this drafter's "
+                "reads h alone (confidence_head_with_markov false)")
+    return None
+
+
+# {framework: why it refuses a kind (None: it serves it)}; a framework not named here serves the plain kind only
+SERVING_RULES = {"vllm": _vllm_refusal, "llamacpp": _llamacpp_refusal}
