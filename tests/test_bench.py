@@ -123,9 +123,10 @@ def test_timing_columns_from_known_run_times():
         if method == "ar":  # 8 plain rounds; a tenth of the time prefilling, half verifying
             stats = GenerationStats(accepted_per_round=[0] * 8, stages_per_round=[0] * 8,
                                     prefill_s=0.1 * seconds, verify_s=0.5 * seconds)
-        else:  # rounds accepting 3, 2 and 0 drafts commit 4 + 3 + 1 = 8 tokens; drafting a fifth of the time
-            stats = GenerationStats(drafting=True, accepted_per_round=[3, 2, 0], stages_per_round=[1, 1, 1],
-                                    nodes_per_round=[5, 5, 5], prefill_s=0.1 * seconds, draft_s=0.2 * seconds,
+        else:  # drafting rounds accepting 3, 1 and 0 drafts and one plain round commit 4 + 2 + 1 + 1 = 8 tokens;
+            # drafting a fifth of the time
+            stats = GenerationStats(drafting=True, accepted_per_round=[3, 1, 0, 0], stages_per_round=[1, 1, 1, 0],
+                                    nodes_per_round=[5, 5, 5, 0], prefill_s=0.1 * seconds, draft_s=0.2 * seconds,
                                     verify_s=0.5 * seconds)
         return list(tokens), seconds, stats
 
@@ -139,11 +140,27 @@ def test_timing_columns_from_known_run_times():
     # ar: 2.0 + 2.0 = 4 s for 16 tokens; prefill 0.2 + 0.2, verify 1.0 + 1.0, the rest 1.6
     assert (ar.seconds, ar.new_tokens, ar.tokens_per_s) == pytest.approx((4.0, 16, 4.0))
     assert (ar.prefill_s, ar.draft_s, ar.verify_s, ar.other_s) == pytest.approx((0.4, 0.0, 2.0, 1.6))
-    # dflash: 1.0 + 0.6 = 1.6 s for 16 tokens = 10 tok/s, 2.5x ar's 4; τ = 16 tokens / 6 verifications
+    # dflash: 1.0 + 0.6 = 1.6 s for 16 tokens = 10 tok/s, 2.5x ar's 4; τ = 14 tokens / 6 drafting verifications,
+    # 16 tokens / 8 verifications over all rounds
     assert (dflash.seconds, dflash.tokens_per_s, dflash.speedup_vs_ar) == pytest.approx((1.6, 10.0, 2.5))
     assert (dflash.prefill_s, dflash.draft_s, dflash.verify_s, dflash.other_s) == pytest.approx((0.16, 0.32, 0.8, 0.32))
-    assert dflash.tau == pytest.approx(16 / 6) and dflash.nodes_per_verification == 5
+    assert dflash.tau == pytest.approx(14 / 6) and dflash.nodes_per_verification == 5
+    assert dflash.tokens_per_verification == pytest.approx(2.0) and ar.tokens_per_verification == 1.0
+    assert (dflash.verifications, dflash.drafting_verifications) == (8, 6)
     assert dflash.identical_to_ar is True and dflash.same_across_repeats is True
+
+
+def test_the_stats_line_counts_plain_rounds_beside_tau():
+    """τ is over the rounds that drafted; the line also gives tokens per verification over every round
+    and how many were plain, so a fallback-heavy request cannot pass for a fast one."""
+    from loopspec.stats import GenerationStats
+
+    drafting = GenerationStats(new_tokens=10, drafting=True, accepted_per_round=[3, 0, 2, 0, 0],
+                               stages_per_round=[1, 0, 1, 1, 0])
+    assert drafting.acceptance_length == pytest.approx(8 / 3) and drafting.tokens_per_verification == pytest.approx(10 / 5)
+    assert "tau 2.67 over 3 drafting verifications, 2.00 tokens/verification over all 5 (2 plain)" in drafting.summary()
+    plain = GenerationStats(new_tokens=4, accepted_per_round=[0, 0, 0], stages_per_round=[0, 0, 0])
+    assert plain.plain_rounds == 0 and "tau 1.00 over 3 verifications |" in plain.summary()
 
 
 def test_acceptance_stats_curve_and_histogram():

@@ -86,7 +86,7 @@ def results_table(results: list[dict]) -> str:
     """The table `loopspec bench` prints: one line per (dataset, method, engine) row of bench.json."""
     width = max([11] + [len(r["method"]) + 2 for r in results])  # variants (dloop+tree16+suffix) are long
     engine = max([9] + [len(r["backend"]) + 2 for r in results])  # "onnxruntime gguf-int8act"
-    head = (f"{'dataset':<14}{'method':<{width}}{'engine':<{engine}}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/s':>8}"
+    head = (f"{'dataset':<14}{'method':<{width}}{'engine':<{engine}}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/ver':>8}{'tok/s':>8}"
             f"{'speedup':>9}{'bound':>8}{'same as ar':>12}{'= fp32':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
@@ -95,8 +95,9 @@ def results_table(results: list[dict]) -> str:
         same = "-" if r["identical_to_ar"] is None else ("yes" if r["identical_to_ar"] else "NO")
         agree = "-" if r["agreement_with_fp32"] is None else f"{r['agreement_with_fp32']:.0%}"
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        per_verification = _num(r.get("tokens_per_verification"), ".2f").replace("–", "-")
         lines.append(f"{r['dataset']:<14}{r['method']:<{width}}{r['backend']:<{engine}}{r['prompts']:>8}"
-                     f"{r['new_tokens']:>8}{tau:>7}{r['tokens_per_s']:>8.1f}{speed:>9}{bound:>8}{same:>12}{agree:>8}")
+                     f"{r['new_tokens']:>8}{tau:>7}{per_verification:>8}{r['tokens_per_s']:>8.1f}{speed:>9}{bound:>8}{same:>12}{agree:>8}")
     return "\n".join(lines)
 
 
@@ -151,13 +152,14 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
         rows = [r for r in results if r["dataset"] == d]
         count = rows[0]["prompts"]
         lines += [f"## {d} ({count} prompt{'' if count == 1 else 's'})", "",
-                  "| method | engine | τ | tok/s | speedup vs `ar` | bound: drafting / as run | identical to `ar` "
+                  "| method | engine | τ | tokens / verification, all rounds | tok/s | speedup vs `ar` | bound: drafting / as run | identical to `ar` "
                   "| greedy output = fp32 `ar` | nodes / verification | tokens only the suffix proposed | stages / verification "
                   "| tokens from stages > 1 | verifications saved | prefill / draft / verify / other, ms per token |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(
-                f"| {r['method']} | {r['backend']} | {_num(r['tau'], '.2f')} | {r['tokens_per_s']:.1f} "
+                f"| {r['method']} | {r['backend']} | {_num(r['tau'], '.2f')} | {_num(r.get('tokens_per_verification'), '.2f')} "
+                f"| {r['tokens_per_s']:.1f} "
                 f"| {_num(r['speedup_vs_ar'], '.2f', '×')} | {_bound(r)} "
                 f"| {_same(r['identical_to_ar'])}{'' if r.get('same_across_repeats', True) else ' (repeats differ!)'} "
                 f"| {_num(r.get('agreement_with_fp32') and 100 * r['agreement_with_fp32'], '.0f', ' %')} "
@@ -178,7 +180,8 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
         lines.append("")
 
     lines += ["Speed is generated tokens per wall-clock second, prefill included. τ counts the tokens committed "
-              "per verification that checked drafts. Verifications saved (DLoop) = Σ over its verifications of "
+              "per verification that checked drafts; tokens per verification counts every round, the plain ones (adaptive "
+              "fallback, a request's last tokens) included, and is what the speed sees. Verifications saved (DLoop) = Σ over its verifications of "
               "ceil(committed / k) − 1: how many more verifications a one-stage DFlash round of block k would have "
               "needed for the same committed tokens.", ""]
     if plot_files:

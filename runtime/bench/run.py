@@ -24,7 +24,7 @@ from loopspec.runtime.bench.peers import (HF_METHODS, LLAMACPP_METHODS, PEER_BAC
 from loopspec.runtime.bench.plan import BenchOutput, BenchPlan
 from loopspec.runtime.bench.report import results_table
 from loopspec.settings import DRAFTER_METHODS, DecodingSettings
-from loopspec.stats import acceptance_length
+from loopspec.stats import acceptance_length, tokens_per_verification
 
 
 @dataclass
@@ -52,6 +52,7 @@ class BenchResult:
     prefill_s: float = 0.0
     other_s: float = 0.0  # wall time outside prefill, draft and verify (all of it for the peers)
     drafting_verifications: int = 0  # verifications that checked drafts: τ, histogram and curve are over these
+    tokens_per_verification: float | None = None  # committed tokens per verification over all rounds, plain included
     accepted_histogram: list[int] = field(default_factory=list)  # [i]: drafting verifications that accepted i drafts
     acceptance_curve: list[float] = field(default_factory=list)  # [i-1]: P(the draft at position i is accepted)
     stages_histogram: list[int] = field(default_factory=list)  # [s]: verifications after s draft stages (0: plain)
@@ -298,11 +299,13 @@ def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backen
             accepted = sum(s.accepted for s in counted)
             row.verifications = after_prefill - accepted
             row.tau = after_prefill / row.verifications if row.verifications > 0 else None
+        row.tokens_per_verification = row.tau  # a peer's every verification is counted in its τ
         return row
     stats = [s for _, _, s in runs]
     accepted = [n - 1 for s in stats for n in s.counted_rounds()]  # the verifications τ counts
     row.drafting_verifications = len(accepted)
     row.tau = acceptance_length(stats)  # None: nothing was ever drafted
+    row.tokens_per_verification = tokens_per_verification(stats)
     row.accepted_histogram, row.acceptance_curve = acceptance_stats(accepted, decoding.max_drafts)
     row.verifications = sum(s.verifications for s in stats)
     row.prefill_s = sum(s.prefill_s for s in stats)

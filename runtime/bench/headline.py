@@ -1,0 +1,84 @@
+"""The headline table of a bench.json: one line per engine and method, each figure a range over the
+run's datasets (what the README quotes, regenerated from the committed report by
+`scripts/headline_table.py`, so every number in it can be traced to that file).
+
+Speed is against the same engine's `ar` (the first engine's `ar` against the other engine's), and
+for llama.cpp's rows against its plain decoding; τ counts the verifications that checked drafts,
+tokens per verification every round (the adaptive fallback's plain rounds included)."""
+
+from __future__ import annotations
+
+from loopspec.errors import LoopspecError
+from loopspec.settings import DecodingSettings
+
+PLAIN_PEER, DRAFTING_PEER = "llamacpp", "llamacpp-dflash"
+
+
+def _span(values: list[float], fmt: str, suffix: str = "") -> str:
+    low, high = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
+    return f"{low}{suffix}" if low == high else f"{low}–{high}{suffix}"
+
+
+def _by_dataset(results: list[dict], method: str, backend: str) -> dict[str, dict]:
+    return {r["dataset"]: r for r in results if r["method"] == method and r["backend"] == backend}
+
+
+def _identical(rows: dict[str, dict]) -> str:
+    same = sum(1 for r in rows.values() if r["identical_to_ar"])
+    return f"{same} of {len(rows)} sets"
+
+
+def headline_table(report: dict) -> str:
+    """Markdown table of `report` (a bench.json): engines in the order they ran, `ar` first."""
+    results, settings = report["results"], report.get("settings", {})
+    engines = list(settings.get("engines", {}))
+    if not engines:
+        raise LoopspecError("bench.json names no engine (settings.engines): not a loopspec bench report")
+    datasets = list(dict.fromkeys(r["dataset"] for r in results))
+    reference = _by_dataset(results, "ar", engines[0])
+    lines = [f"| what decodes ({len(datasets)} sets: {', '.join(datasets)}) | tok/s | speed | τ, drafting rounds "
+             "| tokens / verification, all rounds | output = its `ar` |", "|---|---|---|---|---|---|"]
+    best = {d: 0.0 for d in datasets}  # the first engine's fastest method per set, against llama.cpp
+    for engine in engines:
+        engine_ar = _by_dataset(results, "ar", engine)
+        for method, decoding in settings["engines"][engine]["decoding"].items():
+            rows = _by_dataset(results, method, engine)
+            if not rows:
+                continue
+            speeds = [rows[d]["tokens_per_s"] for d in rows]
+            if engine == engines[0]:
+                for d in rows:
+                    best[d] = max(best[d], rows[d]["tokens_per_s"])
+            setting = DecodingSettings(**decoding).describe().split(", ", 1)  # "dloop, k=4, ..." → the rest
+            label = f"`{engine}`, `{method}`" + (f": {setting[1]}" if method != "ar" and len(setting) > 1 else "")
+            if method == "ar":
+                speed = ("1×" if engine == engines[0] else
+                         _span([rows[d]["tokens_per_s"] / reference[d]["tokens_per_s"] for d in rows], ".2f",
+                               f"× `{engines[0]}`'s `ar`"))
+                lines.append(f"| {label} | {_span(speeds, '.1f')} | {speed} | 1 | 1 | – |")
+                continue
+            ratio = _span([rows[d]["tokens_per_s"] / engine_ar[d]["tokens_per_s"] for d in rows], ".2f", "× its `ar`")
+            taus = [rows[d]["tau"] for d in rows if rows[d]["tau"] is not None]
+            per_verification = [rows[d]["tokens_per_verification"] if rows[d].get("tokens_per_verification")
+                                is not None else _tokens_per_verification(rows[d]) for d in rows]
+            lines.append(f"| {label} | {_span(speeds, '.1f')} | {ratio} | {_span(taus, '.2f')} "
+                         f"| {_span(per_verification, '.2f')} | {_identical(rows)} |")
+    plain = _by_dataset(results, PLAIN_PEER, "llama.cpp")
+    if plain:
+        reach = _span([best[d] / plain[d]["tokens_per_s"] for d in plain], ".2f", "×")
+        lines.append(f"| llama.cpp `llama-server`, same GGUF, plain | {_span([r['tokens_per_s'] for r in plain.values()], '.1f')} "
+                     f"| `{engines[0]}`'s fastest method per set reaches {reach} of it | 1 | 1 | – |")
+        drafting = _by_dataset(results, DRAFTING_PEER, "llama.cpp")
+        if drafting:
+            lines.append(f"| llama.cpp's own DFlash, same drafter | {_span([r['tokens_per_s'] for r in drafting.values()], '.1f')} "
+                         f"| {_span([drafting[d]['tokens_per_s'] / plain[d]['tokens_per_s'] for d in drafting], '.2f', '× its plain')} "
+                         f"| {_span([r['tau'] for r in drafting.values()], '.2f')} "
+                         f"| {_span([r['tau'] for r in drafting.values()], '.2f')} "
+                         f"| {_identical(drafting)} (its plain output) |")
+    return "\n".join(lines)
+
+
+def _tokens_per_verification(row: dict) -> float:
+    """For reports written before the field existed: every token but each request's first (sampled at
+    prefill) came from a verification."""
+    return (row["new_tokens"] - row["prompts"]) / row["verifications"]

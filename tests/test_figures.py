@@ -1,0 +1,64 @@
+"""The README's figures are the committed bench report's, and every repository path the docs name
+exists: a number or a path that drifts from its source fails here."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from loopspec.runtime.bench.headline import headline_table
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+HEADLINE_REPORT = "docs/bench-engines/bench.json"
+DOCS = [README] + sorted((ROOT / "docs").glob("*.md"))
+
+
+def test_the_readme_table_is_the_committed_reports():
+    """The README quotes `scripts/headline_table.py` of the report it names, verbatim."""
+    readme = README.read_text(encoding="utf-8")
+    assert f"python scripts/headline_table.py {HEADLINE_REPORT}" in readme
+    table = headline_table(json.loads((ROOT / HEADLINE_REPORT).read_text(encoding="utf-8")))
+    assert table in readme
+
+
+def _row(dataset, method, backend, tokens_per_s, tau=None, new_tokens=0, verifications=0, identical=True, **kw):
+    return dict(dataset=dataset, method=method, backend=backend, tokens_per_s=tokens_per_s, tau=tau, prompts=2,
+                new_tokens=new_tokens, verifications=verifications, identical_to_ar=identical, **kw)
+
+
+def test_the_headline_ranges_are_computed_per_set():
+    """Two sets, two engines and llama.cpp, every figure worked out by hand: speeds against the same
+    set's `ar`, tokens per verification from the field or, in older reports, from the counts."""
+    plain = {"method": "ar", "block_size": 1}
+    chain = {"method": "dflash", "block_size": 4}
+    report = {"settings": {"engines": {"int8": {"decoding": {"ar": plain, "dflash": chain}},
+                                       "fp32": {"decoding": {"ar": plain}}}},
+              "results": [_row("a", "ar", "int8", 10.0, 1.0), _row("b", "ar", "int8", 20.0, 1.0),
+                          _row("a", "dflash", "int8", 15.0, 2.5, tokens_per_verification=1.5),
+                          _row("b", "dflash", "int8", 22.0, 3.0, new_tokens=42, verifications=20, identical=False),
+                          _row("a", "ar", "fp32", 5.0, 1.0), _row("b", "ar", "fp32", 5.0, 1.0),
+                          _row("a", "llamacpp", "llama.cpp", 30.0, 1.0), _row("b", "llamacpp", "llama.cpp", 22.0, 1.0)]}
+    lines = headline_table(report).splitlines()
+    assert lines[3] == "| `int8`, `dflash`: k=4 | 15.0–22.0 | 1.10–1.50× its `ar` | 2.50–3.00 | 1.50–2.00 | 1 of 2 sets |"
+    assert lines[4] == "| `fp32`, `ar` | 5.0 | 0.25–0.50× `int8`'s `ar` | 1 | 1 | – |"
+    assert "reaches 0.50–1.00× of it" in lines[5]  # dflash's 15 of 30 on a, its 22 of 22 on b
+
+
+PATH = re.compile(r"(?<![\w./~-])((?:loopspec|engines|runtime|convert|cli|scripts|tests|docs|data)/[\w./*-]*[\w*])")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_repository_path_in_the_docs_exists(doc):
+    """Module paths, scripts, committed outputs and relative links (a glob matches at least one file)."""
+    text = doc.read_text(encoding="utf-8")
+    missing = []
+    for path in [m.group(1) for m in PATH.finditer(text)] + [m.group(1) for m in LINK.finditer(text)
+                                                              if not m.group(1).startswith(("http:", "https:", "mailto:"))]:
+        bases = (ROOT, doc.parent)
+        found = any(any(base.glob(path)) if "*" in path else (base / path).exists() for base in bases)
+        if not found:
+            missing.append(path)
+    assert not missing, f"{doc.name} names paths that do not exist: {missing}"
