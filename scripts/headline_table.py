@@ -1,15 +1,19 @@
-"""Print the headline table of a bench.json (the README's results table is this output).
+"""Print the tables of a bench.json that the README and docs/benchmarks.md quote: the headline (one
+line per engine and method, ranges over the sets) or, with --per-set, one column per set.
 
-    python scripts/headline_table.py docs/bench-engines/bench.json
+    python scripts/headline_table.py docs/bench-engines/bench.json [--per-set]
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
-from loopspec.runtime.bench.headline import headline_table
+from loopspec.runtime.bench.headline import headline_table, per_set_table
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python scripts/headline_table.py BENCH_JSON")
-    print(headline_table(json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))))
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("report", type=Path)
+    parser.add_argument("--per-set", action="store_true")
+    args = parser.parse_args()
+    report = json.loads(args.report.read_text(encoding="utf-8"))
+    print(per_set_table(report) if args.per_set else headline_table(report))

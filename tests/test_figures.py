@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loopspec.runtime.bench.headline import headline_table
+from loopspec.runtime.bench.headline import headline_table, per_set_table
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -21,6 +21,12 @@ def test_the_readme_table_is_the_committed_reports():
     assert f"python scripts/headline_table.py {HEADLINE_REPORT}" in readme
     table = headline_table(json.loads((ROOT / HEADLINE_REPORT).read_text(encoding="utf-8")))
     assert table in readme
+
+
+def test_the_benchmarks_page_quotes_the_same_report_per_set():
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert f"python scripts/headline_table.py {HEADLINE_REPORT} --per-set" in page
+    assert per_set_table(json.loads((ROOT / HEADLINE_REPORT).read_text(encoding="utf-8"))) in page
 
 
 def _row(dataset, method, backend, tokens_per_s, tau=None, new_tokens=0, verifications=0, identical=True, **kw):
@@ -44,6 +50,8 @@ def test_the_headline_ranges_are_computed_per_set():
     assert lines[3] == "| `int8`, `dflash`: k=4 | 15.0–22.0 | 1.10–1.50× its `ar` | 2.50–3.00 | 1.50–2.00 | 1 of 2 sets |"
     assert lines[4] == "| `fp32`, `ar` | 5.0 | 0.25–0.50× `int8`'s `ar` | 1 | 1 | – |"
     assert "reaches 0.50–1.00× of it" in lines[5]  # dflash's 15 of 30 on a, its 22 of 22 on b
+    cells = per_set_table(report).splitlines()
+    assert cells[3] == "| `dflash`, int8 | 15.0 (2.50 / 1.50, 1.50×) | 22.0 (3.00 / 2.00, 1.10×) |"
 
 
 PATH = re.compile(r"(?<![\w./~-])((?:loopspec|engines|runtime|convert|cli|scripts|tests|docs|data)/[\w./*-]*[\w*])")

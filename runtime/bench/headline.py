@@ -82,3 +82,30 @@ def _tokens_per_verification(row: dict) -> float:
     """For reports written before the field existed: every token but each request's first (sampled at
     prefill) came from a verification."""
     return (row["new_tokens"] - row["prompts"]) / row["verifications"]
+
+
+def per_set_table(report: dict) -> str:
+    """Markdown table of `report`: one line per engine and method, one column per dataset; a cell is
+    tok/s (τ / tokens per verification, speed against the same engine's `ar`, or llama.cpp's plain)."""
+    results, engines = report["results"], list(report.get("settings", {}).get("engines", {}))
+    datasets = list(dict.fromkeys(r["dataset"] for r in results))
+    lines = ["| method, engine | " + " | ".join(datasets) + " |", "|---|" + "---|" * len(datasets)]
+    order = list(dict.fromkeys((r["method"], r["backend"]) for r in results))
+    order.sort(key=lambda mb: (mb[1] not in engines, engines.index(mb[1]) if mb[1] in engines else 0))
+    for method, backend in order:
+        rows = _by_dataset(results, method, backend)
+        reference = _by_dataset(results, "ar" if backend in engines else PLAIN_PEER, backend)
+        cells = []
+        for d in datasets:
+            r = rows.get(d)
+            if r is None:
+                cells.append("–")
+            elif r["tau"] in (None, 1.0) and method in ("ar", PLAIN_PEER):
+                cells.append(f"{r['tokens_per_s']:.1f}")
+            else:
+                per_verification = (r["tokens_per_verification"] if r.get("tokens_per_verification") is not None
+                                    else _tokens_per_verification(r))
+                cells.append(f"{r['tokens_per_s']:.1f} ({r['tau']:.2f} / {per_verification:.2f}, "
+                             f"{r['tokens_per_s'] / reference[d]['tokens_per_s']:.2f}×)")
+        lines.append(f"| `{method}`, {backend} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
