@@ -1,8 +1,14 @@
-"""The target's step on an engine, in ms: one token a row at 1 / 4 / 8 / 16 rows, a chain of 4 and of
-8 tokens on one row, and the prefill of a long prompt (tokens/s). Median of repeated calls, each
-rolled back, so every call sees the same context. Run it with nothing else on the machine.
+"""The target's step on an engine, in ms, over a grid: k new tokens on one row (k = 1, 2, 4, 8, 16)
+and one token on each of 1 / 4 / 8 / 16 rows, at each context length (256 and 1024 positions by
+default), then the prefill of a long prompt (tokens/s). Median of repeated calls, each rolled back,
+so every call sees the same context. Run it with nothing else on the machine.
 
-    python scripts/step_times.py [--precision gguf-int8act] [--threads 2] [--calls 60] [--json FILE]
+    python scripts/step_times.py [--precision gguf-int8act] [--threads 2] [--calls 40] \
+        [--contexts 256,1024] [--chains 1,2,4,8,16] [--rows 1,4,8,16] [--json FILE]
+
+The JSON holds one record per measured point: {"k": new tokens per row, "rows": rows, "context":
+positions already in each row's cache, "ms": median step}; rows of a multi-row point sit at contexts
+spread over the 10 % below the nominal one, as a server's rows do.
 """
 
 import argparse
@@ -13,11 +19,11 @@ import statistics
 import time
 
 import torch
+from tqdm import tqdm
 
 from loopspec.runtime.pipeline import load_pipeline
 
-ROWS = (1, 4, 8, 16)
-CHAINS = (4, 8)
+VOCAB = 49152
 
 
 def cpu_name() -> str:
@@ -39,47 +45,62 @@ def median_ms(call, calls: int) -> float:
     return statistics.median(times)
 
 
+def integers(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--precision", default="gguf-int8act")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--calls", type=int, default=60)
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--contexts", type=integers, default=[256, 1024])
+    p.add_argument("--chains", type=integers, default=[1, 2, 4, 8, 16])
+    p.add_argument("--rows", type=integers, default=[1, 4, 8, 16])
     p.add_argument("--prefill-tokens", type=int, default=2000)
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.json:
+        open(args.json, "a").close()  # an unwritable path fails now, not after the run
     pipe = load_pipeline("default", "default", backend="onnxruntime", precision=args.precision,
-                         num_threads=args.threads, max_context=4096)
-    engine = pipe.engine.with_rows(max(ROWS))
+                         num_threads=args.threads, max_context=max(args.contexts + [args.prefill_tokens]) + 32)
+    engine = pipe.engine.with_rows(max(args.rows))
     g = torch.Generator().manual_seed(0)
-    # rows of different context lengths (100 .. 250), as a server's rows are
-    lengths = torch.linspace(100, 250, max(ROWS)).long().tolist()
-    for row, n in enumerate(lengths):
-        engine.prefill(row, torch.randint(0, 49152, (n,), generator=g).tolist(), want_taps=False)
-    result = {"engine": pipe.engine_name, "cpu": cpu_name(), "calls": args.calls}
+    result = {"engine": pipe.engine_name, "cpu": cpu_name(), "threads": args.threads, "calls": args.calls,
+              "steps": []}
+    points = len(args.contexts) * (len(args.chains) + len(args.rows))
+    progress = tqdm(total=points, desc="step times", unit="point")
+    for context in args.contexts:
+        lengths = torch.linspace(int(context * 0.9), context, max(args.rows)).long().tolist()[::-1]
+        for row, n in enumerate(lengths):  # row 0 at the nominal context
+            engine.prefill(row, torch.randint(0, VOCAB, (n,), generator=g).tolist(), want_taps=False)
 
-    def one_token(rows: int):
-        def call():
-            engine.verify([[1]] * rows, want_taps=False)
-            engine.target_rollback(lengths[:rows])
-        return call
+        def step(tokens: list[list[int]]):
+            def call():
+                engine.verify(tokens, want_taps=False)
+                engine.target_rollback(lengths[:len(tokens)])
+            return call
 
-    def chain(width: int):
-        def call():
-            engine.verify([list(range(1, width + 1))], want_taps=False)
-            engine.target_rollback(lengths[:1])
-        return call
-
-    for rows in ROWS:
-        result[f"1 token x {rows} rows"] = round(median_ms(one_token(rows), args.calls), 2)
-        print(f"1 token x {rows:2d} rows: {result[f'1 token x {rows} rows']:.2f} ms", flush=True)
-    for width in CHAINS:
-        result[f"{width}-token chain x 1 row"] = round(median_ms(chain(width), args.calls), 2)
-        print(f"{width}-token chain x 1 row: {result[f'{width}-token chain x 1 row']:.2f} ms", flush=True)
-    prompt = torch.randint(0, 49152, (args.prefill_tokens,), generator=g).tolist()
+        for k in args.chains:
+            ms = median_ms(step([list(range(1, k + 1))]), args.calls)
+            result["steps"].append({"k": k, "rows": 1, "context": lengths[0], "ms": round(ms, 2)})
+            progress.update()
+        for rows in args.rows:
+            if rows == 1 and 1 in args.chains:  # the one-token, one-row point is measured above
+                progress.update()
+                continue
+            ms = median_ms(step([[1]] * rows), args.calls)
+            result["steps"].append({"k": 1, "rows": rows, "context": lengths[0], "ms": round(ms, 2)})
+            progress.update()
+    progress.close()
+    prompt = torch.randint(0, VOCAB, (args.prefill_tokens,), generator=g).tolist()
     start = time.perf_counter()
     engine.prefill(0, prompt, want_taps=False)
-    result["prefill tokens/s"] = round(args.prefill_tokens / (time.perf_counter() - start), 1)
-    print(f"prefill of {args.prefill_tokens} tokens: {result['prefill tokens/s']} tokens/s")
+    result["prefill"] = {"tokens": args.prefill_tokens,
+                         "tokens_per_s": round(args.prefill_tokens / (time.perf_counter() - start), 1)}
+    for s in result["steps"]:
+        print(f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: {s['ms']:7.2f} ms")
+    print(f"prefill of {args.prefill_tokens} tokens: {result['prefill']['tokens_per_s']} tokens/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
