@@ -13,27 +13,17 @@ spread over the 10 % below the nominal one, as a server's rows do.
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
+from datetime import datetime, timezone
 
 import torch
 from tqdm import tqdm
 
+from loopspec.runtime.bench.run import cpu_description
 from loopspec.runtime.pipeline import load_pipeline
 
 VOCAB = 49152
-
-
-def cpu_name() -> str:
-    """The CPU's model name and its wide-vector features (the figures depend on them)."""
-    info = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
-    model = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")),
-                 platform.processor() or platform.machine())
-    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
-    features = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8") if f in flags]
-    return f"{model} ({', '.join(features) or 'no AVX2'}, {os.cpu_count()} cores)"
 
 
 def median_ms(call, calls: int) -> float:
@@ -66,7 +56,8 @@ def main() -> int:
                          num_threads=args.threads, max_context=max(args.contexts + [args.prefill_tokens]) + 32)
     engine = pipe.engine.with_rows(max(args.rows))
     g = torch.Generator().manual_seed(0)
-    result = {"engine": pipe.engine_name, "cpu": cpu_name(), "threads": args.threads, "calls": args.calls,
+    result = {"engine": pipe.engine_name, "cpu": cpu_description(),
+              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "threads": args.threads, "calls": args.calls,
               "steps": []}
     points = len(args.contexts) * (len(args.chains) + len(args.rows))
     progress = tqdm(total=points, desc="step times", unit="point")

@@ -120,7 +120,8 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
             f"{'on' if settings.get('adaptive') else 'off'}, block size "
             + ", ".join(f"{m} {k}" for m, k in (settings.get("block_size") or {}).items())
             + (f", DLoop gate {loop['gate_threshold']}, max stages {loop['max_stages']}" if loop else ""),
-            f"- {machine.get('processor')}, {machine.get('platform')}, torch {machine.get('torch')} "
+            f"- {machine.get('cpu') or machine.get('processor')}, {machine.get('platform')}"
+            f"{', ' + settings['date'] if settings.get('date') else ''}, torch {machine.get('torch')} "
             f"({machine.get('torch_threads')} threads), transformers {machine.get('transformers')}",
             "",
         ]

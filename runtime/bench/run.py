@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from loopspec.errors import LoopspecError
@@ -326,6 +328,20 @@ def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backen
     return row
 
 
+def cpu_description() -> str:
+    """The CPU's model name, the wide-vector features the figures depend on, and the core count
+    ("AMD EPYC (avx2, avx512f, avx512_vnni, avx512_bf16, 2 cores)")."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    field_of = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info.split("\n\n")[0].splitlines())}
+    if "cpu family" in field_of:  # a model name such as "AMD EPYC" names no generation: family and model do
+        model += f", family {field_of['cpu family']} model {field_of.get('model', '?')}"
+    features = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8") if f in flags]
+    return f"{model} ({', '.join(features + [f'{os.cpu_count()} cores'])})"
+
+
 def run_description(plan: BenchPlan, command: str | None, pipe, backend: str, datasets: dict,
                     decoding: dict[str, DecodingSettings]) -> dict:
     """What produced the numbers (the report's "settings"): the command, the pair, the prompts, each
@@ -349,7 +365,9 @@ def run_description(plan: BenchPlan, command: str | None, pipe, backend: str, da
         "dloop": ({"gate_threshold": decoding["dloop"].gate_threshold, "max_stages": decoding["dloop"].max_stages}
                   if "dloop" in decoding else None),
         "adaptive": any(d.adaptive for d in decoding.values()),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": {"cpu": cpu_description(), "platform": platform.platform(),
+                    "processor": platform.processor() or platform.machine(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": platform.python_version()},
     }
