@@ -22,10 +22,13 @@ class ServerThread:
     """A uvicorn server for `app` on a free loopback port, in a background thread."""
 
     def __init__(self, app):
+        from loopspec.runtime.server import http_server
+
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.address = self.sock.getsockname()
+        self.url = f"http://127.0.0.1:{self.address[1]}"
+        self.server = http_server(app, log_level="warning")  # what `loopspec serve` runs
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):
