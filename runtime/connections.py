@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -193,6 +194,11 @@ def guarded_protocol(guard: ConnectionGuard) -> type:
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
             self.h11, self.request_bytes_arrived = h11, False
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                # uvicorn writes a response's head and body (and each streamed event) separately: with
+                # Nagle's algorithm on, each write after the first waits for the client's delayed ACK (~40 ms)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             super().connection_made(transport)
             if not guard.opened(self):
                 self.connections.discard(self)
