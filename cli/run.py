@@ -103,6 +103,7 @@ def add_serve(sub) -> None:
 
 
 def cmd_serve(args) -> int:
+    from loopspec.runtime.connections import connection_limit, raise_open_file_limit
     from loopspec.runtime.pipeline import open_pipeline
     from loopspec.runtime.server import ServeConfig, serve
     from loopspec.settings import check_method
@@ -110,6 +111,7 @@ def cmd_serve(args) -> int:
     if not args.request_timeout > 0:
         raise LoopspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
     check_method(args.method, names_a_drafter(args))
+    connection_limit(args.max_connections, raise_open_file_limit())  # refused before the model loads
     choice = engine_choice(args)
     pipe = open_pipeline(choice)
     settings = pipe.settings(args.method, **decoding_knobs(args))

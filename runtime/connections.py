@@ -111,6 +111,21 @@ def _response(status: int, reason: str, message: str, code: str) -> bytes:
     return head.encode() + body
 
 
+LINGER_S = 1.0  # how long a connection answered and closed still reads (and drops) what its client sends
+
+
+def _answer_and_close(protocol, response: bytes) -> None:
+    """Write `response`, end our side, and close when the client ends its own, LINGER_S at most: closing
+    at once while the client's request is still arriving resets the connection, and a reset can
+    destroy the answer before the client reads it."""
+    protocol.answered_and_closing = True
+    transport = protocol.transport
+    transport.write(response)
+    if transport.can_write_eof():
+        transport.write_eof()
+    protocol.loop.call_later(LINGER_S, transport.close)
+
+
 class ConnectionGuard:
     """The open connections of one server, and which of them wait for their request (oldest first)."""
 
@@ -131,10 +146,9 @@ class ConnectionGuard:
         """A new connection: held (True), or answered 503 and closed (False)."""
         if len(self.open) >= self.max_connections:
             if not self.waiting:
-                protocol.transport.write(_response(503, "Service Unavailable", f"the server holds its limit of "
-                                                   f"{self.max_connections} connections, all busy; retry later",
-                                                   "too_many_connections"))
-                protocol.transport.close()
+                _answer_and_close(protocol, _response(503, "Service Unavailable", f"the server holds its limit of "
+                                                      f"{self.max_connections} connections, all busy; retry later",
+                                                      "too_many_connections"))
                 log.warning("connection limit of %d reached with every connection busy: a new one was refused",
                             self.max_connections)
                 self._count("refused")
@@ -178,9 +192,10 @@ class ConnectionGuard:
         if protocol.request_bytes_arrived and protocol.conn.our_state in (protocol.h11.IDLE, protocol.h11.SEND_RESPONSE):
             if protocol.cycle is not None and not protocol.cycle.response_complete:  # the app awaits its body
                 protocol.cycle.scope["loopspec.read_timed_out"] = True
-            protocol.transport.write(_response(408, "Request Timeout", f"the request did not arrive whole within "
-                                               f"{self.read_timeout_s:g} s", "request_timeout"))
-        protocol.transport.close()
+            _answer_and_close(protocol, _response(408, "Request Timeout", f"the request did not arrive whole "
+                                                  f"within {self.read_timeout_s:g} s", "request_timeout"))
+        else:
+            protocol.transport.close()
         log.warning("closed a connection whose request did not arrive whole within %g s", self.read_timeout_s)
         self._count("read_timeout")
 
@@ -193,7 +208,7 @@ def guarded_protocol(guard: ConnectionGuard) -> type:
 
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
-            self.h11, self.request_bytes_arrived = h11, False
+            self.h11, self.request_bytes_arrived, self.answered_and_closing = h11, False, False
             sock = transport.get_extra_info("socket")
             if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
                 # uvicorn writes a response's head and body (and each streamed event) separately: with
@@ -204,6 +219,8 @@ def guarded_protocol(guard: ConnectionGuard) -> type:
                 self.connections.discard(self)
 
         def data_received(self, data: bytes) -> None:
+            if self.answered_and_closing:  # answered 408 or 503 already: what still comes is dropped
+                return
             self.request_bytes_arrived = True
             super().data_received(data)
             guard.track(self)
