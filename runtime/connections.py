@@ -186,10 +186,12 @@ class ConnectionGuard:
     def expired(self, protocol) -> None:
         """The request did not arrive whole in time: a 408 when part of it came (and nothing has been
         answered to it), then the connection closes."""
+        import h11
+
         self.waiting.pop(protocol, None)
         if protocol.transport.is_closing():
             return
-        if protocol.request_bytes_arrived and protocol.conn.our_state in (protocol.h11.IDLE, protocol.h11.SEND_RESPONSE):
+        if protocol.request_bytes_arrived and protocol.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             if protocol.cycle is not None and not protocol.cycle.response_complete:  # the app awaits its body
                 protocol.cycle.scope["loopspec.read_timed_out"] = True
             _answer_and_close(protocol, _response(408, "Request Timeout", f"the request did not arrive whole "
@@ -203,12 +205,11 @@ class ConnectionGuard:
 def guarded_protocol(guard: ConnectionGuard) -> type:
     """uvicorn's h11 protocol, its connections kept by `guard` (a class per server: uvicorn makes
     one instance per connection, from the class alone)."""
-    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
-            self.h11, self.request_bytes_arrived, self.answered_and_closing = h11, False, False
+            self.request_bytes_arrived, self.answered_and_closing = False, False
             sock = transport.get_extra_info("socket")
             if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
                 # uvicorn writes a response's head and body (and each streamed event) separately: with

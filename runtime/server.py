@@ -389,7 +389,8 @@ def http_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str =
     state: ServerState = app.state.server
     limit = connection_limit(state.config.max_connections, raise_open_file_limit())
     guard = ConnectionGuard(limit, state.config.read_timeout_s, state.metrics)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded_protocol(guard),
+    # ws="none": no WebSocket routes here, and an upgraded connection would leave the guard's keeping
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded_protocol(guard), ws="none",
                             timeout_graceful_shutdown=5)
     install_log_filter()  # after uvicorn.Config, which configures logging
     return uvicorn.Server(config)

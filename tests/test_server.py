@@ -642,6 +642,23 @@ def test_neutral_and_ignored_fields_leave_the_reply_as_it_is(server, http, endpo
     assert replies["null"] == replies["neutral"] == replies["ignored"] == replies["none"]
 
 
+@pytest.mark.parametrize("endpoint, field, value", [
+    (COMPLETIONS, "guided_json", {"type": "object", "properties": {"a": {"type": "integer"}}}),
+    (COMPLETIONS, "guided_regex", "[0-9]+"), (CHAT, "guided_choice", ["yes", "no"]),
+    (CHAT, "guided_grammar", 'root ::= "a"+'), (CHAT, "structured_outputs", {"regex": "[0-9]+"}),
+    (CHAT, "response_format", {"type": "json_object"}),
+    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    (COMPLETIONS, "grammar", 'root ::= "a"+'), (COMPLETIONS, "json_schema", {"type": "object"}),
+    (CHAT, "chat_template_kwargs", {"enable_thinking": False}), (CHAT, "skip_special_tokens", True),
+    (COMPLETIONS, "include_stop_str_in_output", True), (COMPLETIONS, "typical_p", 0.9),
+    (COMPLETIONS, "mirostat", 2), (COMPLETIONS, "max_new_tokens", 16),
+])
+def test_constrained_and_output_changing_extensions_are_refused(server, http, endpoint, field, value):
+    """What vLLM and llama.cpp clients send to constrain or change the output is refused, never ignored."""
+    response = http.post(server.url + ENDPOINT_PATHS[endpoint], json={**FIELD_BASE[endpoint], field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
 def test_the_docs_list_every_field_as_the_table_does():
     """docs/serving.md's table of request fields is FIELDS, row for row."""
     from pathlib import Path
