@@ -773,8 +773,8 @@ def test_when_every_connection_is_busy_a_new_one_gets_503(pipe):
 
 
 def test_requests_that_do_not_arrive_whole_in_time_are_closed(pipe, caplog):
-    """With a 0.3 s read timeout: nothing sent, half a header, and a body cut short are closed (408
-    where part of a request came); a request that arrived whole is answered however long it waits,
+    """With a 0.3 s read timeout: nothing sent, half a header, a header trickling in byte by byte and a
+    body cut short are closed (408 where part of a request came); a request that arrived whole is answered however long it waits,
     and a keep-alive connection idle after its response is closed quietly."""
     import logging
 
@@ -793,7 +793,15 @@ def test_requests_that_do_not_arrive_whole_in_time_are_closed(pipe, caplog):
                 assert next(line for line in lines if line).startswith("data: ")  # it holds the only row
                 queued = pool.submit(httpx.post, s.url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30)
                 s.wait_metric("loopspec_queue_depth", 1)  # arrived whole; now it waits for the row
-                time.sleep(0.6)
+                trickle = socket.create_connection(s.address)  # a byte of header every 0.1 s: never whole
+                for byte in HALF_HEADER[:8]:
+                    try:
+                        trickle.sendall(bytes([byte]))
+                    except OSError:  # closed by now
+                        break
+                    time.sleep(0.1)
+                trickle.setblocking(False)  # answered already: its time ran from the first byte, not the last
+                assert trickle.recv(65536).startswith(b"HTTP/1.1 408 ")
                 assert not queued.done()  # waited past the read timeout, its connection still open
             assert queued.result().json()["usage"]["completion_tokens"] == 2  # answered once the row was free
             assert read_until_closed(silent) == b""
@@ -803,13 +811,13 @@ def test_requests_that_do_not_arrive_whole_in_time_are_closed(pipe, caplog):
                 assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
             answer = read_until_closed(kept_alive)  # one response, then closed without a 408
             assert answer.startswith(b"HTTP/1.1 200 ") and answer.count(b"HTTP/1.1") == 1, answer
-            for sock in (silent, half, short_body, kept_alive):
+            for sock in (silent, half, short_body, kept_alive, trickle):
                 sock.close()
             metric_at_least(s, 'loopspec_requests_total{outcome="invalid"}', invalid + 1)  # the cut body
         assert s.metric('loopspec_requests_total{outcome="cancelled"}') == cancelled + 1  # only the closed stream
-        assert s.metric('loopspec_connections_closed_total{reason="read_timeout"}') >= 4
+        assert s.metric('loopspec_connections_closed_total{reason="read_timeout"}') >= 5
         timeouts = [r for r in caplog.records if "did not arrive whole" in r.getMessage()]
-        assert len(timeouts) <= 1, timeouts  # four of a kind within 10 s: one line
+        assert len(timeouts) <= 1, timeouts  # five of a kind within 10 s: one line
         assert not any("before sending all of its request body" in r.getMessage() for r in caplog.records)
 
 
