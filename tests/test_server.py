@@ -425,6 +425,8 @@ REFUSED = [
     ("completions", {"stream_options": []}, "stream_options"),
     ("completions", {"stream_options": 0}, "stream_options"),
     ("chat", {"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": True, "include_usage_stats": True}}, "stream_options"),
+    ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": 0}}, "stream_options"),
     ("chat", {"max_completion_tokens": 3, "max_tokens": "ten"}, "max_tokens"),
     ("completions", {"user": 42}, "user"),
     ("chat", {"user": {"id": "u1"}}, "user"),
