@@ -112,9 +112,11 @@ class Metrics:
             lines += ["# HELP loopspec_request_duration_seconds From arrival to the end of a completed request.",
                       "# TYPE loopspec_request_duration_seconds histogram"]
             lines += self.latency.lines("loopspec_request_duration_seconds")
-            lines += ["# HELP loopspec_open_connections HTTP connections open.", "# TYPE loopspec_open_connections gauge",
+            lines += ["# HELP loopspec_open_connections HTTP connections open.",
+                      "# TYPE loopspec_open_connections gauge",
                       f"loopspec_open_connections {self.open_connections}",
                       "# HELP loopspec_connections_closed_total Connections the server closed itself, by reason.",
                       "# TYPE loopspec_connections_closed_total counter"]
-            lines += [f'loopspec_connections_closed_total{{reason="{k}"}} {v}' for k, v in self.connections_closed.items()]
+            lines += [f'loopspec_connections_closed_total{{reason="{k}"}} {v}'
+                      for k, v in self.connections_closed.items()]
         return "\n".join(lines) + "\n"

@@ -16,8 +16,8 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed tak
 
 class APIError(Exception):
     TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-             408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error",
-             504: "timeout_error"}
+             408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+             503: "server_error", 504: "timeout_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  counted: bool = False):

@@ -3,11 +3,12 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad request,
-404 unknown model or path, 405 wrong method (with `Allow`), 413 body too large, 429 queue full,
-500 failure (a generic message; the traceback goes to the server's log), 503 shutting down, 504
-timeout. Request bodies are parsed and checked by runtime/openai_api.py, not by pydantic, so every bad
-input gets a clear message naming the parameter; the OpenAPI document (/openapi.json) describes the
-same bodies.
+404 unknown model or path, 405 wrong method (with `Allow`), 408 a request not whole within the read
+timeout, 413 body too large, 429 queue full, 500 failure (a generic message; the traceback goes to the
+server's log), 503 shutting down or every connection busy, 504 timeout. Request bodies are parsed
+and checked by runtime/openai_api.py, not by pydantic, so every bad input gets a clear message naming
+the parameter; the OpenAPI document (/openapi.json) describes the same bodies. What a connection may
+hold (read timeout, connection limit) is runtime/connections.py's.
 
 The handlers are plain functions of the HTTP request; what they serve (pipeline, scheduler, config)
 is the app's `ServerState` (`app.state.server`).

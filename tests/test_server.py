@@ -776,8 +776,9 @@ def test_when_every_connection_is_busy_a_new_one_gets_503(pipe):
 
 def test_requests_that_do_not_arrive_whole_in_time_are_closed(pipe, caplog):
     """With a 0.3 s read timeout: nothing sent, half a header, a header trickling in byte by byte and a
-    body cut short are closed (408 where part of a request came); a request that arrived whole is answered however long it waits,
-    and a keep-alive connection idle after its response is closed quietly."""
+    body cut short are closed (408 where part of a request came); a request that arrived whole is
+    answered however long it waits, and a keep-alive connection idle after its response is closed
+    quietly."""
     import logging
 
     app = make_app(pipe, read_timeout_s=0.3, max_batch_size=1, gate_threshold=-1e9, max_stages=4)

@@ -116,8 +116,8 @@ KNOWN = {f.name for f in FIELDS}
 
 
 @FUZZ
-@given(endpoint=st.sampled_from([CHAT, COMPLETIONS]), name=st.text(min_size=1, max_size=12).filter(lambda n: n not in KNOWN),
-       value=JUNK)
+@given(endpoint=st.sampled_from([CHAT, COMPLETIONS]),
+       name=st.text(min_size=1, max_size=12).filter(lambda n: n not in KNOWN), value=JUNK)
 def test_a_field_the_table_does_not_know_gets_a_400_naming_it(client, endpoint, name, value):
     response = post(client, ENDPOINT_PATHS[endpoint], {**OK_BODIES[endpoint], name: value})
     assert response.status_code == 400, response.text
