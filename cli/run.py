@@ -8,7 +8,7 @@ import sys
 
 from loopspec.cli.flags import (add_backend_flags, add_decoding_flags, add_max_new_tokens_flag, add_pair_flags,
                                 add_sampling_flags, add_target_flag, add_threads_flag, decoding_knobs,
-                                engine_choice, int_at_least, names_a_drafter, positive_int, sampling)
+                                engine_choice, finite_float, int_at_least, names_a_drafter, positive_int, sampling)
 from loopspec.errors import LoopspecError
 
 METHOD_HELP = "ar | dflash | dloop | suffix"
@@ -94,11 +94,16 @@ def add_serve(sub) -> None:
     v.add_argument("--max-body-bytes", type=positive_int("--max-body-bytes"), default=1 << 20)
     v.add_argument("--max-tokens-limit", type=positive_int("--max-tokens-limit"), default=4096,
                    help="the most max_tokens one request may ask for")
+    v.add_argument("--read-timeout", type=finite_float("--read-timeout"), default=30.0,
+                   help="seconds a request (header and body) has to arrive whole; then 408 and the connection closes")
+    v.add_argument("--max-connections", type=positive_int("--max-connections"), default=None,
+                   help="open connections (default: as many as the open-file limit allows, up to 4096)")
     v.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's log level")
 
 
 def cmd_serve(args) -> int:
+    from loopspec.runtime.connections import connection_limit, raise_open_file_limit
     from loopspec.runtime.pipeline import open_pipeline
     from loopspec.runtime.server import ServeConfig, serve
     from loopspec.settings import check_method
@@ -106,13 +111,15 @@ def cmd_serve(args) -> int:
     if not args.request_timeout > 0:
         raise LoopspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
     check_method(args.method, names_a_drafter(args))
+    connection_limit(args.max_connections, raise_open_file_limit())  # refused before the model loads
     choice = engine_choice(args)
     pipe = open_pipeline(choice)
     settings = pipe.settings(args.method, **decoding_knobs(args))
     config = ServeConfig(settings=settings, model_name=args.model_name or choice.display_name,
                          max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                         max_tokens_limit=args.max_tokens_limit, prefill_chunk=args.prefill_chunk)
+                         max_tokens_limit=args.max_tokens_limit, prefill_chunk=args.prefill_chunk,
+                         read_timeout_s=args.read_timeout, max_connections=args.max_connections)
     serve(pipe, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0
 

@@ -13,6 +13,9 @@ from collections import deque
 TAU_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 OUTCOMES = ("completed", "cancelled", "timeout", "error", "rejected", "invalid")
+# why the server closed a connection itself: its request did not arrive whole in time, it waited longest
+# when the connection limit was reached, or it came when every connection was busy (503)
+CONNECTION_CLOSES = ("read_timeout", "evicted", "refused")
 
 
 class Histogram:
@@ -53,10 +56,16 @@ class Metrics:
         self.running = 0
         self.window_s = window_s
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) within the window
+        self.open_connections = 0  # set by the server's connection guard
+        self.connections_closed = dict.fromkeys(CONNECTION_CLOSES, 0)
 
     def count_request(self, outcome: str) -> None:
         with self.lock:
             self.requests[outcome] += 1
+
+    def count_connection_closed(self, reason: str) -> None:
+        with self.lock:
+            self.connections_closed[reason] += 1
 
     def add_tokens(self, n: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -103,4 +112,11 @@ class Metrics:
             lines += ["# HELP loopspec_request_duration_seconds From arrival to the end of a completed request.",
                       "# TYPE loopspec_request_duration_seconds histogram"]
             lines += self.latency.lines("loopspec_request_duration_seconds")
+            lines += ["# HELP loopspec_open_connections HTTP connections open.",
+                      "# TYPE loopspec_open_connections gauge",
+                      f"loopspec_open_connections {self.open_connections}",
+                      "# HELP loopspec_connections_closed_total Connections the server closed itself, by reason.",
+                      "# TYPE loopspec_connections_closed_total counter"]
+            lines += [f'loopspec_connections_closed_total{{reason="{k}"}} {v}'
+                      for k, v in self.connections_closed.items()]
         return "\n".join(lines) + "\n"

@@ -16,8 +16,8 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed tak
 
 class APIError(Exception):
     TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error",
-             504: "timeout_error"}
+             408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+             503: "server_error", 504: "timeout_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  counted: bool = False):
@@ -81,21 +81,150 @@ class RequestOptions:
     include_usage: bool
 
 
-# Options this server does not implement, each with the one value (beside null) that leaves the
-# output as it is: any other value would change the output, so it is refused rather than ignored.
-# The JSON type is part of the value: Python's == would let `true` pass for 1, `1.0` for 1 and `0`
-# for false. An int here takes an integer only; a float takes any number (0 or 0.0 for a penalty).
-UNSUPPORTED = {
-    "n": 1, "best_of": 1, "echo": False, "top_logprobs": 0, "suffix": "",
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-    "ignore_eos": False, "min_tokens": 0, "stop_token_ids": [], "logit_bias": {},
-    "tools": [], "functions": [], "function_call": None, "tool_choice": None,
-    "response_format": {"type": "text"},
-}
+# Every request field this server knows, one row each (a name whose handling differs between the two
+# endpoints has one row per endpoint). Each is
+#   HONOURED      parsed and obeyed (parse_options, completion_prompt, chat_prompt, read_body);
+#   NEUTRAL_ONLY  not implemented: accepted only as null or its one neutral value, the value that leaves
+#                 the output as it is; any other value would change the output, so it gets a 400;
+#   IGNORED       accepted (of its JSON type) and unused, because no value of it can change the output.
+# A field in no row gets a 400 naming it, as OpenAI's API answers: an unknown field may be one that
+# changes the output, and silently ignoring it would answer a different question than was asked.
+
+HONOURED, NEUTRAL_ONLY, IGNORED = "honoured", "neutral only", "ignored"
+CHAT, COMPLETIONS = "chat", "completions"
+BOTH = (CHAT, COMPLETIONS)
+ENDPOINT_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    use: str  # HONOURED, NEUTRAL_ONLY or IGNORED
+    schema: dict  # the OpenAPI schema of the values it takes
+    endpoints: tuple[str, ...] = BOTH
+    neutral: object = None  # NEUTRAL_ONLY: the value beside null that is accepted (None: null only)
+    note: str = ""  # NEUTRAL_ONLY: what it would do; IGNORED: why it cannot change the output
+
+
+def _honoured(name: str, schema: dict, endpoints=BOTH) -> Field:
+    return Field(name, HONOURED, schema, endpoints)
+
+
+def _neutral_only(name: str, neutral, note: str, endpoints=BOTH) -> Field:
+    # The JSON type is part of the value: Python's == would let `true` pass for 1, `1.0` for 1 and `0`
+    # for false. An int here takes an integer only; a float takes any number (0 or 0.0 for a penalty).
+    schema = {"enum": [None] if neutral is None else [None, neutral], "description": f"not supported: {note}"}
+    return Field(name, NEUTRAL_ONLY, schema, endpoints, neutral, note)
+
+
+def _ignored(name: str, json_type: str, note: str) -> Field:
+    return Field(name, IGNORED, {"type": json_type, "description": f"accepted, unused: {note}"}, note=note)
+
+
+FIELDS = (
+    _honoured("model", {"type": "string"}),
+    _honoured("prompt", {"oneOf": [{"type": "string", "minLength": 1},
+                                   {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]},
+              (COMPLETIONS,)),
+    _honoured("messages", {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
+                       "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+                           "type": "object", "required": ["type", "text"],
+                           "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}}]}}}}, (CHAT,)),
+    _honoured("max_tokens", {"type": "integer", "minimum": 1}),
+    _honoured("max_completion_tokens", {"type": "integer", "minimum": 1}, (CHAT,)),
+    _honoured("temperature", {"type": "number", "minimum": 0, "maximum": 2}),
+    _honoured("top_p", {"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    _honoured("top_k", {"type": "integer", "minimum": 0}),
+    _honoured("seed", {"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]}),
+    _honoured("stop", {"oneOf": [{"type": "string", "minLength": 1},
+                                 {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]}),
+    _honoured("stream", {"type": "boolean"}),
+    _honoured("stream_options", {"type": "object", "additionalProperties": False, "properties": {
+        "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"enum": [None, False]},
+        "include_obfuscation": {"type": "boolean"}}}),
+    # OpenAI's own
+    _neutral_only("n", 1, "more than one choice per request"),
+    _neutral_only("best_of", 1, "the best of several completions"),
+    _neutral_only("echo", False, "the prompt repeated in the reply"),
+    _neutral_only("logprobs", False, "log-probabilities of the reply's tokens", (CHAT,)),
+    _neutral_only("logprobs", None, "log-probabilities (even 0 returns the sampled token's)", (COMPLETIONS,)),
+    _neutral_only("top_logprobs", 0, "the most likely alternatives of each token"),
+    _neutral_only("suffix", "", "text after the completion (fill in the middle)"),
+    _neutral_only("presence_penalty", 0.0, "a penalty on tokens already present"),
+    _neutral_only("frequency_penalty", 0.0, "a penalty growing with a token's count"),
+    _neutral_only("logit_bias", {}, "biases added to chosen tokens' logits"),
+    _neutral_only("tools", [], "tool calls"),
+    _neutral_only("functions", [], "function calls"),
+    _neutral_only("function_call", None, "a forced function call"),
+    _neutral_only("tool_choice", None, "a forced tool call"),
+    _neutral_only("response_format", {"type": "text"}, "JSON or schema-constrained output"),
+    _neutral_only("reasoning_effort", None, "a reasoning model's effort"),
+    _neutral_only("verbosity", None, "a longer or shorter answer"),
+    _neutral_only("modalities", ["text"], "output other than text"),
+    _neutral_only("audio", None, "audio output"),
+    _neutral_only("web_search_options", None, "web search"),
+    # vLLM's and llama.cpp's extensions
+    _neutral_only("guided_json", None, "output constrained to a JSON schema"),
+    _neutral_only("guided_regex", None, "output constrained to a regular expression"),
+    _neutral_only("guided_choice", None, "output constrained to one of given strings"),
+    _neutral_only("guided_grammar", None, "output constrained to a grammar"),
+    _neutral_only("guided_decoding_backend", None, "the engine of guided decoding"),
+    _neutral_only("guided_whitespace_pattern", None, "whitespace allowed in guided JSON"),
+    _neutral_only("structured_outputs", None, "constrained output"),
+    _neutral_only("grammar", None, "output constrained to a grammar"),
+    _neutral_only("json_schema", None, "output constrained to a JSON schema"),
+    _neutral_only("repetition_penalty", 1.0, "a penalty on repeated tokens"),
+    _neutral_only("repeat_penalty", 1.0, "a penalty on repeated tokens"),
+    _neutral_only("min_p", 0.0, "min-p sampling"),
+    _neutral_only("typical_p", 1.0, "locally typical sampling"),
+    _neutral_only("top_a", 0.0, "top-a sampling"),
+    _neutral_only("tfs_z", 1.0, "tail-free sampling"),
+    _neutral_only("mirostat", 0, "mirostat sampling"),
+    _neutral_only("use_beam_search", False, "beam search"),
+    _neutral_only("length_penalty", 1.0, "beam search's length penalty"),
+    _neutral_only("ignore_eos", False, "decoding past the end of sequence"),
+    _neutral_only("min_tokens", 0, "a minimum length"),
+    _neutral_only("max_new_tokens", None, "a token budget under another name (send max_tokens)"),
+    _neutral_only("stop_token_ids", [], "more stop tokens"),
+    _neutral_only("bad_words", [], "banned words"),
+    _neutral_only("allowed_token_ids", None, "a restricted vocabulary"),
+    _neutral_only("n_probs", 0, "the most likely alternatives of each token"),
+    _neutral_only("prompt_logprobs", None, "log-probabilities of the prompt's tokens"),
+    _neutral_only("include_stop_str_in_output", False, "the stop string kept in the text"),
+    _neutral_only("skip_special_tokens", False, "special tokens left out of the text (they are kept here)"),
+    _neutral_only("add_special_tokens", True, "the prompt without the tokenizer's special tokens", (COMPLETIONS,)),
+    _neutral_only("add_special_tokens", False, "the tokenizer's special tokens added to the rendered chat", (CHAT,)),
+    _neutral_only("add_generation_prompt", True, "the chat rendered without the assistant's turn opened", (CHAT,)),
+    _neutral_only("continue_final_message", False, "the last message continued instead of answered", (CHAT,)),
+    _neutral_only("chat_template", None, "another chat template", (CHAT,)),
+    _neutral_only("chat_template_kwargs", {}, "arguments of the chat template", (CHAT,)),
+    _neutral_only("truncate_prompt_tokens", None, "a truncated prompt"),
+    # no value of these changes the output
+    _ignored("user", "string", "an end-user id for abuse monitoring"),
+    _ignored("safety_identifier", "string", "an end-user id for abuse monitoring"),
+    _ignored("metadata", "object", "tags for stored completions; nothing is stored"),
+    _ignored("store", "boolean", "whether the provider stores the completion; nothing is stored"),
+    _ignored("service_tier", "string", "a provider's latency and price tier"),
+    _ignored("prompt_cache_key", "string", "a hint for a provider's prompt cache"),
+    _ignored("cache_prompt", "boolean", "a hint for a prompt cache (llama.cpp)"),
+    _ignored("cache_salt", "string", "isolates a prompt cache (vLLM)"),
+    _ignored("prediction", "object", "text the reply is expected to contain, a latency hint only"),
+    _ignored("parallel_tool_calls", "boolean", "applies to tools, which are refused"),
+)
+
+
+def endpoint_fields(endpoint: str) -> dict[str, Field]:
+    """The fields a body sent to this endpoint (CHAT or COMPLETIONS) may carry, by name."""
+    return {f.name: f for f in FIELDS if endpoint in f.endpoints}
+
+
+_JSON_TYPES = {"string": str, "boolean": bool, "object": dict, "array": list}
 
 
 def _is_neutral(value, neutral) -> bool:
-    """`value` is `neutral` in JSON terms: equal, and of its JSON type (see UNSUPPORTED)."""
+    """`value` is `neutral` in JSON terms: equal, and of its JSON type (see _neutral_only)."""
     if isinstance(neutral, float):
         return isinstance(value, (int, float)) and not isinstance(value, bool) and value == neutral
     return type(value) is type(neutral) and value == neutral
@@ -105,28 +234,33 @@ def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else json.dumps(value)
 
 
-def _check_unsupported(body: dict, chat: bool) -> None:
-    for name, neutral in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and not _is_neutral(value, neutral):
-            supported = "null" if neutral is None else f"null or {_shown(neutral)}"
-            raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported (supported: {supported})", name)
-    # logprobs: a boolean in chat, a count in completions, where even 0 returns the sampled
-    # token's log-probability; neither is produced here
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not (chat and logprobs is False):
-        supported = "null or false" if chat else "null"
-        raise APIError(400, f"logprobs={json.dumps(logprobs)[:80]} is not supported (supported: {supported})",
-                       "logprobs")
-    user = body.get("user")  # an end-user id for abuse monitoring: accepted, unused, but a string
-    if user is not None and not isinstance(user, str):
-        raise APIError(400, f"user must be a string, got {json.dumps(user)[:80]}", "user")
+def check_fields(body: dict, endpoint: str) -> None:
+    """Every field of `body` is one this endpoint knows; a NEUTRAL_ONLY one is null or neutral; an
+    IGNORED one is of its JSON type. The first field that is not gets a 400 naming it."""
+    known = endpoint_fields(endpoint)
+    for name, value in body.items():
+        field = known.get(name)
+        if field is None:
+            _text(name, "a field name")
+            others = [e for e in BOTH if e != endpoint and name in endpoint_fields(e)]
+            where = f"; it is a field of {ENDPOINT_PATHS[others[0]]}" if others else ""
+            raise APIError(400, f"unrecognized request field {name!r} for {ENDPOINT_PATHS[endpoint]}{where} (fields "
+                                f"this server does not know are refused rather than ignored)", name)
+        if value is None or field.use == HONOURED:
+            continue
+        if field.use == NEUTRAL_ONLY and not (field.neutral is not None and _is_neutral(value, field.neutral)):
+            supported = "null" if field.neutral is None else f"null or {_shown(field.neutral)}"
+            raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported: {field.note} (supported: "
+                                f"{supported})", name)
+        if field.use == IGNORED and type(value) is not _JSON_TYPES[field.schema["type"]]:
+            raise APIError(400, f"{name} must be of JSON type {field.schema['type']}, got {json.dumps(value)[:80]}",
+                           name)
 
 
 def parse_options(body: dict, config, chat: bool) -> RequestOptions:
     """A request body's options, checked against the server's limits (`config`: a ServeConfig, of which
     max_tokens_limit and max_stop_strings are read)."""
-    _check_unsupported(body, chat)
+    check_fields(body, CHAT if chat else COMPLETIONS)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     top_k = _integer(body, "top_k", low=0) or 0  # an extension (vLLM has it too)
@@ -153,10 +287,20 @@ def parse_options(body: dict, config, chat: bool) -> RequestOptions:
         options = {}
     if not isinstance(options, dict):
         raise APIError(400, f"stream_options must be an object, got {json.dumps(options)[:80]}", "stream_options")
+    for key, value in options.items():  # include_usage honoured; the others are neutral here
+        if key == "include_usage" or key == "include_obfuscation":  # obfuscation pads chunks; text unchanged
+            if value is not None and not isinstance(value, bool):
+                raise APIError(400, f"stream_options.{key} must be a boolean, got {json.dumps(value)[:80]}",
+                               "stream_options")
+        elif key == "continuous_usage_stats":
+            if not (value is None or value is False):
+                raise APIError(400, "stream_options.continuous_usage_stats (usage in every chunk) is not supported "
+                                    "(supported: null or false)", "stream_options")
+        else:
+            _text(key, "stream_options")
+            raise APIError(400, f"unrecognized field stream_options.{key} (supported: include_usage, "
+                                "include_obfuscation, continuous_usage_stats)", "stream_options")
     include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise APIError(400, f"stream_options.include_usage must be a boolean, got {json.dumps(include_usage)[:80]}",
-                       "stream_options")
     return RequestOptions(params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
                     max_tokens=max_tokens, stop=tuple(_text(s, "stop") for s in stop), stream=bool(stream),
                     include_usage=bool(include_usage))
@@ -227,32 +371,16 @@ ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error":
     "type": "object", "required": ["message", "type"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
-_SAMPLING = {
-    "model": {"type": "string"},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0},
-    "seed": {"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
-    "max_tokens": {"type": "integer", "minimum": 1},
-    "stop": {"oneOf": [{"type": "string", "minLength": 1},
-                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]},
-    "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "user": {"type": "string"},
-}
-COMPLETION_BODY = {"type": "object", "required": ["prompt"], "properties": {
-    **_SAMPLING,
-    "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}}}
-CHAT_BODY = {"type": "object", "required": ["messages"], "properties": {
-    **_SAMPLING,
-    "max_completion_tokens": {"type": "integer", "minimum": 1},
-    "messages": {"type": "array", "minItems": 1, "items": {
-        "type": "object", "required": ["role", "content"],
-        "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
-                       "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-                           "type": "object", "required": ["type", "text"],
-                           "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}}]}}}}}}
+
+
+def _body_schema(endpoint: str, required: str) -> dict:
+    """The OpenAPI schema of a body sent to `endpoint`: each of its FIELDS, nothing else."""
+    return {"type": "object", "required": [required], "additionalProperties": False,
+            "properties": {name: field.schema for name, field in endpoint_fields(endpoint).items()}}
+
+
+COMPLETION_BODY = _body_schema(COMPLETIONS, "prompt")
+CHAT_BODY = _body_schema(CHAT, "messages")
 REPLY_SCHEMA = {"type": "object", "required": ["id", "object", "choices"],
             "properties": {"id": {"type": "string"}, "object": {"type": "string"},
                            "choices": {"type": "array"}, "usage": {"type": ["object", "null"]}}}

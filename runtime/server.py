@@ -3,11 +3,12 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad request,
-404 unknown model or path, 405 wrong method (with `Allow`), 413 body too large, 429 queue full,
-500 failure (a generic message; the traceback goes to the server's log), 503 shutting down, 504
-timeout. Request bodies are parsed and checked by runtime/openai_api.py, not by pydantic, so every bad
-input gets a clear message naming the parameter; the OpenAPI document (/openapi.json) describes the
-same bodies.
+404 unknown model or path, 405 wrong method (with `Allow`), 408 a request not whole within the read
+timeout, 413 body too large, 429 queue full, 500 failure (a generic message; the traceback goes to the
+server's log), 503 shutting down or every connection busy, 504 timeout. Request bodies are parsed
+and checked by runtime/openai_api.py, not by pydantic, so every bad input gets a clear message naming
+the parameter; the OpenAPI document (/openapi.json) describes the same bodies. What a connection may
+hold (read timeout, connection limit) is runtime/connections.py's.
 
 The handlers are plain functions of the HTTP request; what they serve (pipeline, scheduler, config)
 is the app's `ServerState` (`app.state.server`).
@@ -54,6 +55,8 @@ class ServeConfig:
     max_tokens_limit: int = 4096  # the most `max_tokens` one request may ask for
     default_max_tokens: int = 256  # when a request sets none (bounded by the context)
     max_stop_strings: int = 4
+    read_timeout_s: float = 30.0  # a request (header and body) must arrive whole within this, else 408 and closed
+    max_connections: int | None = None  # open connections (None: as many as the open-file limit allows, <= 4096)
 
 
 class ClientGone(Exception):
@@ -257,9 +260,13 @@ async def http_error(http, e):
 
 
 async def client_gone(http, e: ClientGone):
-    """A client that left mid-body cancelled its own request: no failure of ours, no traceback."""
-    log.info("client left before sending all of its request body: %s %s", http.method, http.url.path)
-    _state(http).metrics.count_request("cancelled")
+    """A client that left mid-body cancelled its own request: no failure of ours, no traceback. A body
+    cut off by the read timeout was already answered 408 by the connection guard (runtime/connections.py)."""
+    if http.scope.get("loopspec.read_timed_out"):
+        _state(http).metrics.count_request("invalid")
+    else:
+        log.info("client left before sending all of its request body: %s %s", http.method, http.url.path)
+        _state(http).metrics.count_request("cancelled")
     return PlainTextResponse("", status_code=499)  # what nginx logs for it; nobody reads it
 
 
@@ -369,11 +376,28 @@ async def _stream(queue: asyncio.Queue, rid: str, kind: str, chat: bool, include
     yield "data: [DONE]\n\n"
 
 
-def serve(pipeline, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None,
-          log_level: str = "info") -> None:
-    """Serve until interrupted."""
+def http_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
+    """The uvicorn server for `app` (from create_app), its connections kept by a ConnectionGuard
+    (runtime/connections.py): the app's read timeout and connection limit, the open-file limit raised
+    to the hard limit first, repeated warnings logged once per 10 s with a count. Refuses a connection
+    limit the open-file limit cannot hold."""
     _require_fastapi()
     import uvicorn
 
-    uvicorn.run(create_app(pipeline, config), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+    from loopspec.runtime.connections import (ConnectionGuard, connection_limit, guarded_protocol,
+                                              install_log_filter, raise_open_file_limit)
+
+    state: ServerState = app.state.server
+    limit = connection_limit(state.config.max_connections, raise_open_file_limit())
+    guard = ConnectionGuard(limit, state.config.read_timeout_s, state.metrics)
+    # ws="none": no WebSocket routes here, and an upgraded connection would leave the guard's keeping
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded_protocol(guard), ws="none",
+                            timeout_graceful_shutdown=5)
+    install_log_filter()  # after uvicorn.Config, which configures logging
+    return uvicorn.Server(config)
+
+
+def serve(pipeline, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None,
+          log_level: str = "info") -> None:
+    """Serve until interrupted."""
+    http_server(create_app(pipeline, config), host=host, port=port, log_level=log_level).run()

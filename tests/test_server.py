@@ -22,10 +22,13 @@ class ServerThread:
     """A uvicorn server for `app` on a free loopback port, in a background thread."""
 
     def __init__(self, app):
+        from loopspec.runtime.server import http_server
+
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.address = self.sock.getsockname()
+        self.url = f"http://127.0.0.1:{self.address[1]}"
+        self.server = http_server(app, log_level="warning")  # what `loopspec serve` runs
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):
@@ -422,6 +425,8 @@ REFUSED = [
     ("completions", {"stream_options": []}, "stream_options"),
     ("completions", {"stream_options": 0}, "stream_options"),
     ("chat", {"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": True, "include_usage_stats": True}}, "stream_options"),
+    ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": 0}}, "stream_options"),
     ("chat", {"max_completion_tokens": 3, "max_tokens": "ten"}, "max_tokens"),
     ("completions", {"user": 42}, "user"),
     ("chat", {"user": {"id": "u1"}}, "user"),
@@ -545,3 +550,330 @@ def test_stop_strings_are_matched_in_decoded_text_only():
         assert ("".join(released), stopped) == (expected, stop in text)
 
     check()
+
+
+# --------------------------------------------------------------------------------------------------
+# Every request field: honoured, refused unless neutral, or ignored, as runtime/openai_api.py's table says
+
+from loopspec.runtime.openai_api import (CHAT, COMPLETIONS, ENDPOINT_PATHS, FIELDS, HONOURED,  # noqa: E402
+                                         NEUTRAL_ONLY)
+
+FIELD_BASE = {COMPLETIONS: {"model": "tiny", "prompt": PROMPTS[4], "max_tokens": 8, "temperature": 0},
+              CHAT: {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[4]}], "max_tokens": 8,
+                     "temperature": 0}}
+# an honoured field: a value it takes, and one it refuses naming itself
+HONOURED_CASES = {
+    "model": ("tiny", "gpt-17"), "prompt": ("abc", ""), "messages": ([{"role": "user", "content": "abc"}], []),
+    "max_tokens": (2, 0), "max_completion_tokens": (2, "2"), "temperature": (0.5, 3), "top_p": (0.5, 0),
+    "top_k": (5, -1), "seed": (3, 2 ** 70), "stop": ("zz", [""]), "stream": (True, "yes"),
+    "stream_options": ({"include_usage": True}, {"continuous_usage_stats": True}),
+}
+IGNORED_EXAMPLES = {"string": ("anything", 7), "boolean": (True, "yes"), "object": ({"k": "v"}, ["k"])}
+
+
+def other_values(neutral) -> list:
+    """Values that are not `neutral` in JSON terms, the ones of another JSON type that Python's ==
+    would take for it included."""
+    if neutral is None:
+        return [True, "text", {"type": "object"}]
+    if isinstance(neutral, bool):
+        return [not neutral, int(neutral)]
+    if isinstance(neutral, int):
+        return [neutral + 1, float(neutral), bool(neutral)]
+    if isinstance(neutral, float):
+        return [neutral + 0.5, bool(neutral)]
+    if isinstance(neutral, str):
+        return [neutral + "x"]
+    if isinstance(neutral, list):
+        return [neutral + [1]]
+    return [{**neutral, "extra": 1}]
+
+
+FIELD_CASES = [(field, endpoint) for field in FIELDS for endpoint in field.endpoints]
+
+
+@pytest.fixture(scope="module")
+def http():
+    """One client for many small requests (each httpx.post would build its own, SSL context included)."""
+    with httpx.Client(timeout=30) as client:
+        yield client
+
+
+@pytest.mark.parametrize("field, endpoint", FIELD_CASES, ids=[f"{e}-{f.name}" for f, e in FIELD_CASES])
+def test_every_field_is_honoured_or_refused_naming_it_as_its_row_says(server, http, field, endpoint):
+    """An honoured field takes a good value and refuses a bad one; a neutral-only field refuses every
+    other value (of another JSON type too); an ignored field refuses a value of another JSON type. What
+    they accept is checked below, all at once per endpoint (a decode each)."""
+    assert set(HONOURED_CASES) == {f.name for f in FIELDS if f.use == HONOURED}
+
+    def send(value):
+        return http.post(server.url + ENDPOINT_PATHS[endpoint], json={**FIELD_BASE[endpoint], field.name: value})
+
+    def refused(value, status=400):
+        response = send(value)
+        assert response.status_code == status, (value, response.text)
+        error = response.json()["error"]
+        assert error["param"] == field.name and field.name in error["message"], (value, error)
+
+    if field.use == HONOURED:
+        good, bad = HONOURED_CASES[field.name]
+        assert send(good).status_code == 200
+        refused(bad, 404 if field.name == "model" else 400)
+    elif field.use == NEUTRAL_ONLY:
+        for value in other_values(field.neutral):
+            refused(value)
+    else:
+        refused(IGNORED_EXAMPLES[field.schema["type"]][1])
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_neutral_and_ignored_fields_leave_the_reply_as_it_is(server, http, endpoint):
+    """The reply to a request is the same with every neutral-only field null, with each at its
+    neutral value, and with every ignored field set: none of them changes the output."""
+    fields = [f for f in FIELDS if endpoint in f.endpoints and f.use != HONOURED]
+    bodies = {"none": {},
+              "null": {f.name: None for f in fields},
+              "neutral": {f.name: f.neutral for f in fields if f.use == NEUTRAL_ONLY},
+              "ignored": {f.name: IGNORED_EXAMPLES[f.schema["type"]][0] for f in fields if f.use != NEUTRAL_ONLY}}
+    replies = {}
+    for name, extra in bodies.items():
+        response = http.post(server.url + ENDPOINT_PATHS[endpoint], json={**FIELD_BASE[endpoint], **extra})
+        assert response.status_code == 200, (name, response.text)
+        replies[name] = response.json()["choices"][0]
+    assert replies["none"]["finish_reason"] == "length"
+    assert replies["null"] == replies["neutral"] == replies["ignored"] == replies["none"]
+
+
+@pytest.mark.parametrize("endpoint, field, value", [
+    (COMPLETIONS, "guided_json", {"type": "object", "properties": {"a": {"type": "integer"}}}),
+    (COMPLETIONS, "guided_regex", "[0-9]+"), (CHAT, "guided_choice", ["yes", "no"]),
+    (CHAT, "guided_grammar", 'root ::= "a"+'), (CHAT, "structured_outputs", {"regex": "[0-9]+"}),
+    (CHAT, "response_format", {"type": "json_object"}),
+    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    (COMPLETIONS, "grammar", 'root ::= "a"+'), (COMPLETIONS, "json_schema", {"type": "object"}),
+    (CHAT, "chat_template_kwargs", {"enable_thinking": False}), (CHAT, "skip_special_tokens", True),
+    (COMPLETIONS, "include_stop_str_in_output", True), (COMPLETIONS, "typical_p", 0.9),
+    (COMPLETIONS, "mirostat", 2), (COMPLETIONS, "max_new_tokens", 16),
+])
+def test_constrained_and_output_changing_extensions_are_refused(server, http, endpoint, field, value):
+    """What vLLM and llama.cpp clients send to constrain or change the output is refused, never ignored."""
+    response = http.post(server.url + ENDPOINT_PATHS[endpoint], json={**FIELD_BASE[endpoint], field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
+def test_the_docs_list_every_field_as_the_table_does():
+    """docs/serving.md's table of request fields is FIELDS, row for row."""
+    from pathlib import Path
+
+    from loopspec.runtime.openai_api import BOTH
+
+    def row(field) -> str:
+        where = "both" if field.endpoints == BOTH else ENDPOINT_PATHS[field.endpoints[0]]
+        if field.use == HONOURED:
+            use = "honoured"
+        elif field.use == NEUTRAL_ONLY:
+            neutral = "" if field.neutral is None else f" or `{json.dumps(field.neutral)}`"
+            use = f"refused unless null{neutral}: {field.note}"
+        else:
+            use = f"ignored (any {field.schema['type']}): {field.note}"
+        return f"| `{field.name}` | {where} | {use} |"
+
+    docs = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    table = docs[docs.index("| field | endpoint | handling |"):].split("\n\n")[0].splitlines()[2:]
+    assert table == [row(f) for f in FIELDS]
+
+
+# --------------------------------------------------------------------------------------------------
+# Connections: incomplete requests time out, idle connections cannot lock anyone out
+
+
+HALF_HEADER = b"GET /health HTTP/1.1\r\nHost: x\r\n"  # the blank line that ends a header never comes
+
+
+def read_until_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """Everything the server sends until it closes the connection (a timeout if it never does)."""
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def still_open(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1, socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    finally:
+        sock.setblocking(True)
+
+
+def metric_at_least(s: ServerThread, name: str, value: float, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while s.metric(name) < value:
+        assert time.monotonic() < deadline, f"{name} never reached {value} (now {s.metric(name)})"
+        time.sleep(0.05)
+
+
+def test_health_is_answered_beside_2000_idle_connections(pipe):
+    """2000 connections that send half a header or nothing are all held open (none closed, none
+    evicted), and /health still answers at once."""
+    from loopspec.runtime.connections import raise_open_file_limit
+
+    open_files = raise_open_file_limit()
+    if open_files is not None and open_files < 4500:  # both ends of every connection are in this process
+        pytest.skip(f"needs 4500 open files, the hard limit allows {open_files}")
+    with ServerThread(make_app(pipe, read_timeout_s=60)) as s:
+        idle = []
+        try:
+            for i in range(2000):
+                idle.append(socket.create_connection(s.address))
+                if i % 2:
+                    idle[-1].sendall(HALF_HEADER)
+            metric_at_least(s, "loopspec_open_connections", 2000)
+            health = httpx.get(s.url + "/health", timeout=5)
+            assert health.status_code == 200 and health.json()["status"] == "ok"
+            for reason in ("evicted", "read_timeout", "refused"):
+                assert s.metric(f'loopspec_connections_closed_total{{reason="{reason}"}}') == 0
+            assert still_open(idle[0]) and still_open(idle[-1])
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_at_the_connection_limit_the_connection_waiting_longest_makes_room(pipe):
+    with ServerThread(make_app(pipe, max_connections=8)) as s:
+        idle = [socket.create_connection(s.address) for _ in range(8)]
+        try:
+            for sock in idle:
+                sock.sendall(HALF_HEADER)
+            # accepted in the order they connected, after the 8: the limit is reached, idle[0] waited longest
+            assert httpx.get(s.url + "/health", timeout=5).status_code == 200
+            assert read_until_closed(idle[0]) == b""  # closed without an answer
+            assert all(still_open(sock) for sock in idle[1:])
+            assert s.metric('loopspec_connections_closed_total{reason="evicted"}') >= 1
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_when_every_connection_is_busy_a_new_one_gets_503(pipe):
+    with ServerThread(make_app(pipe, max_batch_size=1, gate_threshold=-1e9, max_stages=4, max_connections=1)) as s:
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", s.url + "/v1/completions", json={**LONG, "stream": True}) as running:
+                lines = running.iter_lines()
+                assert next(line for line in lines if line).startswith("data: ")  # its connection is busy
+                refused = httpx.get(s.url + "/health", timeout=5)
+                assert refused.status_code == 503, refused.text
+                assert refused.json()["error"]["code"] == "too_many_connections"
+        deadline = time.monotonic() + 10  # the stream's connection closes: room again
+        while (health := httpx.get(s.url + "/health", timeout=5)).status_code != 200:
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.05)
+        assert s.metric('loopspec_connections_closed_total{reason="refused"}') >= 1
+
+
+def test_requests_that_do_not_arrive_whole_in_time_are_closed(pipe, caplog):
+    """With a 0.3 s read timeout: nothing sent, half a header, a header trickling in byte by byte and a
+    body cut short are closed (408 where part of a request came); a request that arrived whole is
+    answered however long it waits, and a keep-alive connection idle after its response is closed
+    quietly."""
+    import logging
+
+    app = make_app(pipe, read_timeout_s=0.3, max_batch_size=1, gate_threshold=-1e9, max_stages=4)
+    with ServerThread(app) as s, httpx.Client(timeout=30) as http, ThreadPoolExecutor(1) as pool:
+        invalid = s.metric('loopspec_requests_total{outcome="invalid"}')
+        cancelled = s.metric('loopspec_requests_total{outcome="cancelled"}')
+        silent, half, short_body, kept_alive = (socket.create_connection(s.address) for _ in range(4))
+        half.sendall(HALF_HEADER)
+        short_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 200\r\n\r\n" + b'{"prompt": "hel')
+        kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        with caplog.at_level(logging.INFO, logger="loopspec.server"):
+            with http.stream("POST", s.url + "/v1/completions", json={**LONG, "stream": True}) as running:
+                lines = running.iter_lines()
+                assert next(line for line in lines if line).startswith("data: ")  # it holds the only row
+                queued = pool.submit(httpx.post, s.url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30)
+                s.wait_metric("loopspec_queue_depth", 1)  # arrived whole; now it waits for the row
+                trickle = socket.create_connection(s.address)  # a byte of header every 0.1 s: never whole
+                for byte in HALF_HEADER[:8]:
+                    try:
+                        trickle.sendall(bytes([byte]))
+                    except OSError:  # closed by now
+                        break
+                    time.sleep(0.1)
+                trickle.setblocking(False)  # answered already: its time ran from the first byte, not the last
+                assert trickle.recv(65536).startswith(b"HTTP/1.1 408 ")
+                assert not queued.done()  # waited past the read timeout, its connection still open
+            assert queued.result().json()["usage"]["completion_tokens"] == 2  # answered once the row was free
+            assert read_until_closed(silent) == b""
+            for sock in (half, short_body):
+                answer = read_until_closed(sock)
+                assert answer.startswith(b"HTTP/1.1 408 "), answer
+                assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+            answer = read_until_closed(kept_alive)  # one response, then closed without a 408
+            assert answer.startswith(b"HTTP/1.1 200 ") and answer.count(b"HTTP/1.1") == 1, answer
+            for sock in (silent, half, short_body, kept_alive, trickle):
+                sock.close()
+            metric_at_least(s, 'loopspec_requests_total{outcome="invalid"}', invalid + 1)  # the cut body
+        assert s.metric('loopspec_requests_total{outcome="cancelled"}') == cancelled + 1  # only the closed stream
+        assert s.metric('loopspec_connections_closed_total{reason="read_timeout"}') >= 5
+        timeouts = [r for r in caplog.records if "did not arrive whole" in r.getMessage()]
+        assert len(timeouts) <= 1, timeouts  # five of a kind within 10 s: one line
+        assert not any("before sending all of its request body" in r.getMessage() for r in caplog.records)
+
+
+def test_repeated_warnings_are_logged_once_per_interval_with_a_count(caplog):
+    import logging
+
+    from loopspec.runtime.connections import RepeatedLogFilter
+
+    logger = logging.getLogger("loopspec.test_repeats")
+    repeats = RepeatedLogFilter(interval_s=0.3)
+    logger.addFilter(repeats)
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            for i in range(1000):
+                logger.warning("accept failed: %s", "Too many open files")
+            logger.warning("another kind")
+            logger.info("info passes untouched")
+            logger.info("info passes untouched")
+            time.sleep(0.35)
+            logger.warning("accept failed: %s", "Too many open files")
+        messages = [r.getMessage() for r in caplog.records]
+        assert messages[:4] == ["accept failed: Too many open files", "another kind", "info passes untouched",
+                                "info passes untouched"]
+        assert len(messages) == 5 and messages[4].startswith("accept failed: Too many open files [999 more like this")
+    finally:
+        logger.removeFilter(repeats)
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_limit(pipe):
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard < 2048:
+        pytest.skip(f"hard open-file limit {hard}")
+    from loopspec.runtime.server import http_server
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        http_server(make_app(pipe))
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_serve_refuses_connection_settings_that_cannot_apply(tiny_pair, capsys):
+    from loopspec.cli import main
+
+    target_dir, drafter_dir = tiny_pair
+    base = ["serve", "--target", str(target_dir), "--drafter", str(drafter_dir), "--max-context", "128"]
+    assert main(base + ["--max-connections", str(1 << 40)]) == 2  # beyond any open-file limit
+    err = capsys.readouterr().err.strip()
+    assert "--max-connections" in err and "open files" in err and len(err.splitlines()) == 1
+    for flag, value in (("--read-timeout", "0"), ("--read-timeout", "nan"), ("--max-connections", "0")):
+        with pytest.raises(SystemExit) as e:
+            main(base + [flag, value])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and flag in err and len(err.splitlines()) == 1

@@ -1,5 +1,6 @@
-"""Fuzzing the server against its own OpenAPI document: no input gets a 5xx, and every answer has the
-shape the document promises (bounded: a tiny pair, at most 4 new tokens, a fixed number of examples)."""
+"""Fuzzing the server, over real HTTP, against its own OpenAPI document and its table of request fields:
+no input gets a 5xx, every answer has the shape the document promises, and a field the table does not
+know gets a 400 naming it (bounded: a tiny pair, at most 4 new tokens, a fixed number of examples)."""
 
 import json
 
@@ -11,7 +12,9 @@ pytest.importorskip("fastapi", reason="needs fastapi: pip install 'loopspec[serv
 
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from loopspec.runtime.openai_api import CHAT_BODY, COMPLETION_BODY  # noqa: E402
+from loopspec.runtime.openai_api import (CHAT, CHAT_BODY, COMPLETION_BODY, COMPLETIONS, ENDPOINT_PATHS,  # noqa: E402
+                                         FIELDS, endpoint_fields)
+from test_server import ServerThread, httpx  # noqa: E402
 
 # any JSON value, nested a little: what a careless or hostile client may send in any field
 JUNK = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
@@ -55,8 +58,6 @@ def post(client, path: str, body):
 
 @pytest.fixture(scope="module")
 def client(tiny_pair):
-    from fastapi.testclient import TestClient
-
     from loopspec.runtime.pipeline import load_pipeline
     from loopspec.runtime.server import ServeConfig, create_app
 
@@ -64,7 +65,7 @@ def client(tiny_pair):
     pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=96, backend="torch")
     config = ServeConfig(settings=pipe.settings("dloop", adaptive=False), model_name="tiny", max_batch_size=2,
                          max_tokens_limit=4, default_max_tokens=4, max_body_bytes=4096)
-    with TestClient(create_app(pipe, config)) as c:
+    with ServerThread(create_app(pipe, config)) as server, httpx.Client(base_url=server.url, timeout=30) as c:
         yield c
 
 
@@ -107,3 +108,41 @@ def test_chat_completions_never_5xx(client, spec, body):
 def test_raw_bytes_never_5xx(client, spec, raw):
     response = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     check_answer(response, spec, "/v1/completions")
+
+
+OK_BODIES = {COMPLETIONS: {"prompt": "hello", "max_tokens": 2}, CHAT: {"messages": [{"role": "user", "content": "hi"}],
+                                                                     "max_tokens": 2}}
+KNOWN = {f.name for f in FIELDS}
+
+
+@FUZZ
+@given(endpoint=st.sampled_from([CHAT, COMPLETIONS]),
+       name=st.text(min_size=1, max_size=12).filter(lambda n: n not in KNOWN), value=JUNK)
+def test_a_field_the_table_does_not_know_gets_a_400_naming_it(client, endpoint, name, value):
+    response = post(client, ENDPOINT_PATHS[endpoint], {**OK_BODIES[endpoint], name: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == name and repr(name) in error["message"], error
+
+
+@FUZZ
+@given(endpoint=st.sampled_from([CHAT, COMPLETIONS]), data=st.data())
+def test_any_value_of_a_known_field_is_answered_or_refused_naming_it(client, spec, endpoint, data):
+    """A field the table knows, with anything in it: a 200, or a 4xx whose param names that field."""
+    fields = sorted(endpoint_fields(endpoint))
+    name = data.draw(st.sampled_from(fields))
+    value = data.draw(JUNK)
+    path = ENDPOINT_PATHS[endpoint]
+    response = post(client, path, {**OK_BODIES[endpoint], name: value})
+    check_answer(response, spec, path)
+    if response.status_code != 200:  # (a prompt too long for the context is "messages/prompt")
+        assert response.json()["error"]["param"] in (name, "messages/prompt"), response.text
+
+
+def test_a_field_of_the_other_endpoint_is_refused_with_where_it_belongs(client):
+    for endpoint, field in ((CHAT, "prompt"), (COMPLETIONS, "messages"), (COMPLETIONS, "max_completion_tokens")):
+        response = post(client, ENDPOINT_PATHS[endpoint], {**OK_BODIES[endpoint], field: "x"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+        other = CHAT if endpoint == COMPLETIONS else COMPLETIONS
+        assert ENDPOINT_PATHS[other] in response.json()["error"]["message"]
+
