@@ -11,7 +11,10 @@ torch and transformers for its builder):
     python scripts/genai_step.py --model genai-int4 --ids ids.json --max-new-tokens 128
 
 Greedy, 2 threads' worth of whatever GenAI picks; one uncounted warm-up prompt; the median of every
-decode step (the first token after the prompt excluded) and the median prefill.
+decode step (the first token after the prompt excluded) and the median prefill. With `--curve`, the
+step curve as `scripts/step_times.py` measures ours: k tokens appended to one sequence at each
+context length, their logits read, then rewound (`append_tokens` + `get_output("logits")` +
+`rewind_to`), median of `--calls`. `--json FILE` writes every figure.
 """
 
 import argparse
@@ -32,7 +35,31 @@ def write_ids(path: str, prompts: list[str], limit: int) -> None:
     print(f"{len(ids)} prompts → {path}; the target's checkpoint: {pipe.target_dir}")
 
 
-def time_genai(model_dir: str, ids_path: str, max_new_tokens: int) -> None:
+def step_curve(model, contexts: list[int], chains: list[int], calls: int) -> list[dict]:
+    """[{k, rows: 1, context, ms}]: the median time of appending k tokens at `context` positions and
+    reading their logits, rewound after each call so every call sees the same context."""
+    import onnxruntime_genai as og
+
+    records = []
+    for context in contexts:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=context + max(chains) + 1, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens([(7 * i) % 40000 + 100 for i in range(context)])
+        for k in chains:
+            times = []
+            for _ in range(calls + 1):  # the first call uncounted: warm-up
+                start = time.perf_counter()
+                generator.append_tokens(list(range(200, 200 + k)))
+                generator.get_output("logits")
+                times.append((time.perf_counter() - start) * 1e3)
+                generator.rewind_to(context)
+            records.append({"k": k, "rows": 1, "context": context, "ms": round(statistics.median(times[1:]), 2)})
+            print(f"onnxruntime-genai: k {k:2d} at {context:5d} positions: {records[-1]['ms']:.2f} ms", flush=True)
+    return records
+
+
+def time_genai(model_dir: str, ids_path: str, max_new_tokens: int) -> dict:
     import onnxruntime_genai as og
 
     model = og.Model(model_dir)
@@ -55,21 +82,42 @@ def time_genai(model_dir: str, ids_path: str, max_new_tokens: int) -> None:
             prefills.append(prefill)
     print(f"onnxruntime-genai {getattr(og, '__version__', '?')}: decode step median {statistics.median(steps):.2f} ms "
           f"({len(steps)} steps, {len(prompts)} prompts), prefill median {statistics.median(prefills) * 1e3:.0f} ms")
+    return {"version": getattr(og, "__version__", "?"), "decode_step_ms": round(statistics.median(steps), 2),
+            "decode_steps": len(steps), "prompts": len(prompts), "prefill_ms": round(statistics.median(prefills) * 1e3, 1),
+            "model": model}
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--write-ids", metavar="FILE", help="write the prompts' token ids (loopspec's environment)")
     p.add_argument("--prompts", nargs="+", default=["humaneval"])
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--model", help="a GenAI model directory (its builder's output)")
     p.add_argument("--ids", help="the token ids --write-ids wrote")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--curve", action="store_true", help="also the step curve (k tokens at each context)")
+    p.add_argument("--contexts", default="256,1024")
+    p.add_argument("--chains", default="1,2,4,8,16")
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--json", metavar="FILE", help="write the figures here")
     args = p.parse_args()
+    if args.json:
+        open(args.json, "a").close()  # an unwritable path fails now, not after the run
     if args.write_ids:
         write_ids(args.write_ids, args.prompts, args.limit)
     elif args.model and args.ids:
-        time_genai(args.model, args.ids, args.max_new_tokens)
+        result = time_genai(args.model, args.ids, args.max_new_tokens)
+        model = result.pop("model")
+        if args.curve:
+            result["steps"] = step_curve(model, [int(c) for c in args.contexts.split(",")],
+                                         [int(k) for k in args.chains.split(",")], args.calls)
+        if args.json:
+            from loopspec.runtime.bench.run import cpu_description  # loopspec on the path: the CPU, named
+            from datetime import datetime, timezone
+
+            result.update(cpu=cpu_description(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
     else:
         p.error("give --write-ids FILE, or --model DIR and --ids FILE")
     return 0
