@@ -134,7 +134,7 @@ def output_dir(path: str | Path | None, flag: str):
         return
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise LoopspecError(f"{flag} {path} is a file; name a directory")
+        raise LoopspecError(f"{flag} is not a directory: {path}")
     created = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
 
     def remove_empty():

@@ -38,11 +38,14 @@ class Knob:
     lower bound; `choices`), and `unset`: what resolve_settings takes when the user gives nothing
     (None: resolved from the drafter's tuned setting, else the defaults). `tuned`: `loopspec tune`
     stores it with the drafter (loopspec/tuned.py). `methods`: the methods it applies to; given
-    with any other it is refused, never dropped."""
+    with any other it is refused, never dropped — unless `neutral` and given as its field's default,
+    which asks for nothing (0 tree nodes, no suffix, one stage, the walk, the fallback off).
+    A gate threshold or a gate type describes a gate, so only dloop takes one."""
 
     flag: str
     help: str
     methods: tuple[str, ...] = DRAFTING_METHODS
+    neutral: bool = True
     kind: type = int
     least: int | None = None
     choices: tuple[str, ...] | None = None
@@ -94,12 +97,12 @@ class DecodingSettings:
     gate_threshold: float = _knob(
         DLOOP_DEFAULTS["gate_threshold"], "--gate-threshold",
         "dloop: add a stage while the last one's summed draft log-prob is >= this (default -0.5)",
-        kind=float, tuned=True, methods=("dloop",))
+        kind=float, tuned=True, methods=("dloop",), neutral=False)
     gate: str = _knob(
         DLOOP_DEFAULTS["gate"], "--gate",
         "dloop: what the gate scores a stage by: logprob (its drafts' summed log-probs; default) "
         "or confidence (a DSpark drafter's confidence head: the summed log of its estimates)",
-        kind=str, metavar="SCORE", tuned=True, methods=("dloop",))
+        kind=str, metavar="SCORE", tuned=True, methods=("dloop",), neutral=False)
     adaptive: bool = _knob(False, "--adaptive", "decode plainly while drafting does not pay (output unchanged; "
                                                 "default on)", kind=bool)
     tree_budget: int = _knob(
@@ -134,9 +137,8 @@ class DecodingSettings:
     def __post_init__(self):
         if self.method not in METHODS:
             raise LoopspecError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
-        defaults = {f.name: f.default for f in fields(self)}
         for name, knob in KNOBS.items():  # a knob set for a method it does not apply to
-            if self.method not in knob.methods and getattr(self, name) != defaults[name]:
+            if not applies(name, getattr(self, name), self.method) and getattr(self, name) != KNOB_DEFAULTS[name]:
                 raise LoopspecError(not_applicable(knob, self.method))
         self._check()
 
@@ -256,6 +258,14 @@ def knobs_of(settings_class: type) -> dict[str, Knob]:
 # the decoding knobs, in declaration order: the command line's decoding flags and resolve_settings'
 # keywords are made from this
 KNOBS = knobs_of(DecodingSettings)
+KNOB_DEFAULTS = {f.name: f.default for f in fields(DecodingSettings)}
+
+
+def applies(name: str, value, method: str) -> bool:
+    """Whether the knob `name` given as `value` (None: not given) applies to `method` (Knob.methods,
+    Knob.neutral)."""
+    knob = KNOBS[name]
+    return value is None or method in knob.methods or (knob.neutral and value == KNOB_DEFAULTS[name])
 
 
 def not_applicable(knob: Knob, *methods: str) -> str:
@@ -268,13 +278,13 @@ def knobs_for(method: str, knobs: dict) -> dict:
     """The given knobs (not None) that apply to `method`: what a command that runs several methods
     with one set of flags (bench) passes to each (check_knobs_apply refuses one that applies to none)."""
     return {name: value for name, value in knobs.items()
-            if value is not None and method in KNOBS[name].methods}
+            if value is not None and method in KNOBS[name].methods}  # (a neutral value is the default anyway)
 
 
 def check_knobs_apply(methods, knobs: dict) -> None:
     """Refuse a knob given (not None) that applies to none of `methods`."""
     for name, value in knobs.items():
-        if value is not None and not set(methods) & set(KNOBS[name].methods):
+        if not any(applies(name, value, method) for method in methods):
             raise LoopspecError(not_applicable(KNOBS[name], *dict.fromkeys(methods)))
 
 
@@ -317,7 +327,7 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str 
     given = {name: knobs.get(name, knob.unset) for name, knob in KNOBS.items()}
     check_method(method, drafter is not None)
     for name, value in given.items():
-        if value is not None and method not in KNOBS[name].methods:
+        if not applies(name, value, method):
             raise LoopspecError(not_applicable(KNOBS[name], method))
     if given["adaptive"] is None:
         given["adaptive"] = True  # on unless turned off: it changes speed only, never the output

@@ -66,9 +66,12 @@ def test_bench_json(capsys, tiny_pair, tmp_path):
     out_json = tmp_path / "r.json"
     code, out, err = run(capsys, "bench", "--prompts", str(prompts), "--target", str(target), "--drafter",
                          str(drafter), "--max-new-tokens", "12", "--json", str(out_json), "--all-turns",
-                         "--methods", "ar,dflash,dloop", "--cost-model")
+                         "--methods", "ar,dflash,dloop", "--cost-model", "--gate-threshold=-3")
     assert code == 0
     report = json.loads(out_json.read_text())
+    # one set of flags: each method takes the knobs that apply to it (the gate is dloop's alone)
+    (engine,) = report["settings"]["engines"].values()
+    assert engine["decoding"]["dloop"]["gate_threshold"] == -3 and engine["decoding"]["dflash"]["gate_threshold"] == -0.5
     results = report["results"]
     assert [r["method"] for r in results] == ["ar", "dflash", "dloop"]
     cm = report["cost_model"]

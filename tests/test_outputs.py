@@ -62,6 +62,6 @@ def test_an_output_dir_is_created_before_the_run_and_removed_when_it_fails_empty
     with pytest.raises(LoopspecError, match="^--out /proc/x: cannot write there"):
         with output_dir("/proc/x", "--out"):
             pytest.fail("the run must not start")
-    with pytest.raises(LoopspecError, match="is a file; name a directory"):
+    with pytest.raises(LoopspecError, match="^--out is not a directory: "):
         with output_dir(out / "checkpoint", "--out"):
             pytest.fail("the run must not start")

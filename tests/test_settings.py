@@ -54,6 +54,15 @@ def test_knobs_that_apply_are_taken():
     assert resolve_settings("suffix", None, block_size=5, adaptive=False).block_size == 5
     assert resolve_settings("ar", None) == DecodingSettings()
     assert resolve_settings("ar", None, **{name: None for name in KNOBS}) == DecodingSettings()
+    # a knob given as its off value asks for nothing, so any method takes it ...
+    off = dict(block_size=1, max_stages=1, adaptive=False, tree_budget=0, suffix=False, suffix_first=0,
+               suffix_then_draft=False, draft_sampling="walk")
+    assert resolve_settings("ar", None, **off) == DecodingSettings()
+    assert resolve_settings("suffix", None, **(off | {"block_size": 6})).tree_budget == 0
+    # ... but a gate threshold or a gate type describes a gate, whatever its value
+    for name, value in (("gate_threshold", -0.5), ("gate", "logprob")):
+        with pytest.raises(LoopspecError, match=f"^{KNOBS[name].flag} does not apply to method dflash"):
+            resolve_settings("dflash", drafter(), **{name: value})
 
 
 def test_bench_gives_each_method_what_applies_and_refuses_what_applies_to_none():

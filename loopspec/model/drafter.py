@@ -475,7 +475,7 @@ class Drafter(nn.Module):
             shapes = {name: tuple(t.shape) for name, t in cls(cfg).state_dict().items()}
         for name, shape in shapes.items():
             if name in state and tuple(state[name].shape) != shape:
-                raise LoopspecError(f"drafter weights do not match its config.json: {name} is "
+                raise LoopspecError(f"drafter weights do not match its config.json: size mismatch for {name}: "
                                     f"{list(state[name].shape)} in the file, the config makes it {list(shape)}")
         model = cls(cfg)
         for name, t in state.items():
