@@ -72,8 +72,9 @@ class DecodingSettings:
     committed text's suffix matched an earlier occurrence of at least this many tokens, verify
     that occurrence's continuation (max_drafts tokens) as the chain and skip the drafter; else
     draft as set, the suffix branch included only with `suffix` (`suffix_branch`: the two are
-    independent, and the policy alone verifies chains). A long match foretells a copy (code, quoted text, a repeated step), where the
-    continuation is accepted far more often than the drafter's later positions, at no drafting cost.
+    independent, and the policy alone verifies chains). A long match foretells a copy (code,
+    quoted text, a repeated step), where the continuation is accepted far more often than the
+    drafter's later positions, at no drafting cost.
     `suffix_then_draft` (the chain policy's second variant; needs suffix_first): in a copying round
     the drafter still runs one stage, anchored at the copy's last token, and its chain extends the
     copy — the drafter's context has no features for the copied positions (no drafter stage
@@ -137,7 +138,8 @@ class DecodingSettings:
     def __post_init__(self):
         if self.method not in METHODS:
             raise LoopspecError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
-        for name, knob in KNOBS.items():  # a knob set for a method it does not apply to
+        for name, knob in KNOBS.items():  # a knob set for a method it does not apply to (a value built
+            # equal to its field's default cannot be told from one not given: resolve_settings refuses that)
             if not applies(name, getattr(self, name), self.method) and getattr(self, name) != KNOB_DEFAULTS[name]:
                 raise LoopspecError(not_applicable(knob, self.method))
         self._check()

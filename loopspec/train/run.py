@@ -30,7 +30,8 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
                     target_layer_ids: list[int] | None = None, num_taps: int | None = None,
                     mask_token: int | None = None, draft_vocab_size: int | None = None,
                     data_dir: str | Path | None = None, seed: int = 0,
-                    heads: DSparkHeads | None = None, train: TrainConfig | None = None) -> tuple[Drafter, DraftVocab | None]:
+                    heads: DSparkHeads | None = None,
+                    train: TrainConfig | None = None) -> tuple[Drafter, DraftVocab | None]:
     """The drafter a run trains: the pair's (--init) one, deepened to num_layers and set to block_size
     where given, else a fresh one for the pair's target (its tap layers, its mask token), with DSpark
     heads added where `heads` asks for them; and its draft vocabulary: the init drafter's d2t, else
