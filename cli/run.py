@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from loopspec.cli.flags import (add_backend_flags, add_decoding_flags, add_max_new_tokens_flag, add_pair_flags,
                                 add_sampling_flags, add_target_flag, add_threads_flag, decoding_knobs,
                                 engine_choice, finite_float, int_at_least, names_a_drafter, positive_int,
                                 sampling)
 from loopspec.errors import LoopspecError
-from loopspec.files import output_file
+from loopspec.files import output_dir, output_file
 
 METHOD_HELP = "ar | dflash | dloop | suffix"
 
@@ -161,7 +162,8 @@ def cmd_prompts(args) -> int:
     from loopspec.train.data import write_prompts
 
     params = sampling(args)
-    with output_file(args.out, "--out"):
+    # the prompt file's folder is made where missing (and removed again if the run fails leaving it empty)
+    with output_dir(Path(args.out).parent, "--out"), output_file(args.out, "--out"):
         if args.threads:
             torch.set_num_threads(args.threads)
         pair = load_pair(args.target, "none")

@@ -104,7 +104,7 @@ def output_file(path: str | Path | None, flag: str):
         return
     path = Path(path)
     if path.is_dir():
-        raise LoopspecError(f"{flag} {path} is a directory; name a file to write")
+        raise LoopspecError(f"{flag} {path} is a directory, which is not a file: name the file to write")
     if not path.parent.is_dir():
         raise LoopspecError(f"{flag} {path}: the folder {path.parent} does not exist")
     existed = path.exists()

@@ -262,7 +262,9 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
         "bench --out under /proc": (["bench", "--prompts", str(good), "--target", never, "--out", "/proc/x"],
                                     "--out /proc/x: cannot write there"),
         "prompts --out under /proc": (["prompts", "--out", "/proc/x.jsonl", "--count", "1", "--target", never],
-                                      "--out /proc/x.jsonl: cannot write there"),
+                                      "--out /proc: cannot write there"),  # (its folder, made where missing)
+        "prompts --out in a new folder left out when the run fails": (
+            ["prompts", "--out", str(tmp_path / "new" / "p.jsonl"), "--count", "1", "--target", never], "does not exist"),
         "train --out under /proc": (["train", "--data", str(tmp_path), "--target", never, "--out", "/proc/x"],
                                     "--out /proc/x: cannot write there"),
         "convert --out under /proc": (["convert", "onnx", "--target", never, "--out", "/proc/x"],
@@ -304,7 +306,8 @@ CASES = ["weights wider than config", "empty target dir", "unknown path", "corru
          "serve request timeout negative", "serve on a port in use", "train heads only without init",
          "train gated Markov head without a rank", "train confidence weight without the head", "train loop stages -2",
          "train draft vocabulary over the target's", "prompt not UTF-8 in argv", "bench --json under /proc",
-         "tune --json under /proc", "bench --out under /proc", "prompts --out under /proc", "train --out under /proc",
+         "tune --json under /proc", "bench --out under /proc", "prompts --out under /proc",
+         "prompts --out in a new folder left out when the run fails", "train --out under /proc",
          "convert --out under /proc", "bench --json left out when the run fails",
          "bench --out left out when the run fails", "prompt line nested 100,000 deep", "drafter markov rank 2^40",
          "drafter config size beyond its weights", "abbreviated flag", "abbreviated prompt flag"]
