@@ -32,7 +32,13 @@ COMMANDS = {
 
 class _Parser(argparse.ArgumentParser):
     """Every parser of the command line (subcommands are made of this class too): a malformed flag
-    gets the one line every other bad input gets, `loopspec: error: ...`, naming the subcommand."""
+    gets the one line every other bad input gets, `loopspec: error: ...`, naming the subcommand.
+    Flags are taken only by their full names: an abbreviation (`--prom` for `--prompt`) would change
+    meaning the day a second flag shares its prefix."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message):  # one line, not argparse's usage dump
         command = self.prog.removeprefix("loopspec").strip()
@@ -48,10 +54,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_utf8(argv: list[str]) -> None:
+    """Refuse an argument that is not valid UTF-8 (Python keeps its bytes as lone surrogates, which
+    would fail only where the text is first encoded: a tokenizer, a JSON report), naming its flag."""
+    for i, arg in enumerate(argv):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as e:
+            byte = ord(arg[e.start]) - 0xDC00 if 0xDC80 <= ord(arg[e.start]) <= 0xDCFF else None
+            flag = argv[i - 1] if i and argv[i - 1].startswith("--") and not arg.startswith("--") else None
+            where = f"the value of {flag}" if flag else f"argument {arg!r}"
+            what = f" (byte 0x{byte:02x})" if byte is not None else ""
+            raise LoopspecError(f"{where} is not valid UTF-8{what}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        check_utf8(argv)
+    except LoopspecError as e:
+        print(f"loopspec: error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)  # argparse itself exits 2 with one line for malformed flags
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # reports record the exact command
+    args.argv = argv  # reports record the exact command
     try:
         return COMMANDS[args.command][1](args)
     except LoopspecError as e:

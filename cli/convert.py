@@ -8,6 +8,7 @@ from pathlib import Path
 from loopspec.cli.flags import (DeprecatedSpelling, add_mask_token_flag, add_target_flag, add_threads_flag,
                                 positive_int)
 from loopspec.errors import LoopspecError
+from loopspec.files import output_dir
 from loopspec.precisions import precision_names
 
 # what `convert onnx` exports a pair in (loopspec/precisions.py), and what `convert quantize` makes
@@ -179,4 +180,5 @@ def add_convert(sub) -> None:
 
 
 def cmd_convert(args) -> int:
-    return STAGES[args.stage][2](args)
+    with output_dir(args.out, "--out"):  # writable before any work; left as it was if the stage fails
+        return STAGES[args.stage][2](args)

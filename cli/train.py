@@ -8,6 +8,7 @@ from pathlib import Path
 from loopspec.cli.flags import (add_mask_token_flag, add_max_new_tokens_flag, add_sampling_flags, add_target_flag,
                                 add_threads_flag, finite_float, int_list, positive_int, sampling, seed)
 from loopspec.errors import LoopspecError
+from loopspec.files import output_dir
 
 
 def add_data(sub) -> None:
@@ -47,7 +48,8 @@ def cmd_data(args) -> int:
     from loopspec.weights import target_fingerprint
 
     if args.pack:
-        manifest = pack_kept(args.out, args.pack)
+        with output_dir(args.pack, "--pack"):
+            manifest = pack_kept(args.out, args.pack)
         size = (Path(args.pack) / "samples.jsonl.xz").stat().st_size
         print(f"{manifest['samples']} samples kept in {args.pack} ({size / 1e6:.2f} MB)")
         return 0
@@ -56,19 +58,21 @@ def cmd_data(args) -> int:
     for path in args.prompts:  # a missing, malformed or non-UTF-8 file fails before the target loads
         read_conversations(path, args.limit)
     params = sampling(args)
+    tap_layers = int_list(args.tap_layers, "--tap-layers")
     if args.threads:
         torch.set_num_threads(args.threads)
-    pair = load_pair(args.target, "none")
-    target = pair.target
-    taps = int_list(args.tap_layers, "--tap-layers") or default_target_layer_ids(target.cfg.num_layers)
-    target.set_taps(taps)
-    manifest = build_data(prompt_files=args.prompts, target_dir=pair.target_dir, target=target,
-                          tokenizer=pair.tokenizer, out_dir=args.out, stop_ids=set(pair.stop_token_ids),
-                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
-                          max_prompt_tokens=args.max_prompt_tokens, params=params, seed=args.seed,
-                          cache_taps=args.cache_taps, tap_layer_ids=taps,
-                          target_hash=target_fingerprint(pair.target_dir), kept_dir=args.kept,
-                          respond=decoder.regenerate_responses)  # the runtime's decoder, one row per prompt
+    with output_dir(args.out, "--out"):
+        pair = load_pair(args.target, "none")
+        target = pair.target
+        taps = tap_layers or default_target_layer_ids(target.cfg.num_layers)
+        target.set_taps(taps)
+        manifest = build_data(prompt_files=args.prompts, target_dir=pair.target_dir, target=target,
+                              tokenizer=pair.tokenizer, out_dir=args.out, stop_ids=set(pair.stop_token_ids),
+                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
+                              max_prompt_tokens=args.max_prompt_tokens, params=params, seed=args.seed,
+                              cache_taps=args.cache_taps, tap_layer_ids=taps,
+                              target_hash=target_fingerprint(pair.target_dir), kept_dir=args.kept,
+                              respond=decoder.regenerate_responses)  # the runtime's decoder, one row per prompt
     print(f"{manifest['samples']} samples in {args.out}")
     return 0
 
@@ -101,22 +105,23 @@ def add_train(sub) -> None:
     t.add_argument("--dpace", action="store_true", help="D-PACE position weighting")
     t.add_argument("--kl-weight", type=finite_float("--kl-weight", positive=False), default=0.0, help="forward KL to the target (online taps)")
     t.add_argument("--causal-in-block", action="store_true")
-    t.add_argument("--loop-stages", type=int, nargs="?", const=3, default=0,
+    t.add_argument("--loop-stages", type=int, nargs="?", const=3, default=0, metavar="N",
                    help="DLoop loop-aware training: per anchor S-1 ~ U{1..N} extra stages (e.g. 3; 0 = DFlash)")
     t.add_argument("--draft-vocab-size", type=positive_int("--draft-vocab-size"), default=None,
                    help="reduced draft vocabulary (most frequent response tokens) + d2t map")
     t.add_argument("--markov-rank", type=positive_int("--markov-rank"), default=None,
                    help="DSpark: add a low-rank Markov head of this rank (its bias starts at zero, so training "
                         "starts from the --init drafter's drafts)")
-    t.add_argument("--markov-head", default="vanilla", metavar="TYPE",
+    t.add_argument("--markov-head", default=None, metavar="TYPE",
                    help="DSpark: the Markov head's type, vanilla | gated | rnn (vanilla is the one vLLM and "
                         "llama.cpp run)")
     t.add_argument("--confidence-head", action="store_true",
                    help="DSpark: add a confidence head, trained to predict whether each draft is accepted")
     t.add_argument("--heads-only", action="store_true",
                    help="DSpark: train only the new heads; the --init drafter's backbone stays as it is")
-    t.add_argument("--confidence-weight", type=finite_float("--confidence-weight", positive=False), default=1.0,
-                   help="weight of the confidence head's loss beside the drafts' cross-entropy")
+    t.add_argument("--confidence-weight", type=finite_float("--confidence-weight", positive=False), default=None,
+                   help="weight of the confidence head's loss beside the drafts' cross-entropy (default 1; "
+                        "needs a confidence head)")
     t.add_argument("--eval-every", type=positive_int("--eval-every"), default=100)
     t.add_argument("--save-every", type=positive_int("--save-every"), default=200)
     t.add_argument("--eval-samples", type=positive_int("--eval-samples"), default=16,
@@ -139,28 +144,32 @@ def cmd_train(args) -> int:
     from loopspec.train.run import prepare_drafter, train_drafter
     from loopspec.train.trainer import TrainConfig
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    heads = (DSparkHeads(markov_rank=args.markov_rank or 0, markov_head_type=args.markov_head,
-                         confidence_head=args.confidence_head)
-             if args.markov_rank or args.confidence_head else None)
-    if args.loop_stages and args.markov_rank:
-        raise LoopspecError("--loop-stages with --markov-rank is not implemented (a later stage's Markov chain "
-                            "starts from a drafted anchor); train the Markov head with --loop-stages 0")
-    pair = load_pair(args.target, args.init or "none", mask_token=args.mask_token_id)
-    drafter, draft_vocab = prepare_drafter(
-        pair, args.target, num_layers=args.num_layers, block_size=args.block_size,
-        target_layer_ids=int_list(args.tap_layers, "--tap-layers"), num_taps=args.num_taps,
-        mask_token=args.mask_token_id, draft_vocab_size=args.draft_vocab_size, data_dir=args.data, seed=args.seed,
-        heads=heads)
+    # what the flags alone decide is checked before the target loads
     cfg = TrainConfig(anchors=args.anchors, gamma=args.gamma, lr=args.lr, epochs=args.epochs,
                       batch_sequences=args.batch_sequences, dpace=args.dpace, kl_weight=args.kl_weight,
                       confidence_weight=args.confidence_weight, heads_only=args.heads_only,
                       causal_in_block=args.causal_in_block, loop_stages=args.loop_stages, eval_every=args.eval_every,
                       eval_samples=args.eval_samples, save_every=args.save_every, seed=args.seed, compute_dtype=args.compute_dtype)
-    last = train_drafter(data_dir=args.data, target=pair.target, drafter=drafter, out_dir=args.out, cfg=cfg,
-                         draft_vocab=draft_vocab, max_steps=args.max_steps,
-                         max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                         stop_after_steps=args.stop_after_steps, tap_cache=args.tap_cache)
+    heads = (DSparkHeads(markov_rank=args.markov_rank or 0, markov_head_type=args.markov_head,
+                         confidence_head=args.confidence_head)
+             if args.markov_rank or args.confidence_head or args.markov_head else None)
+    if args.loop_stages and args.markov_rank:
+        raise LoopspecError("--loop-stages with --markov-rank is not implemented (a later stage's Markov chain "
+                            "starts from a drafted anchor); train the Markov head with --loop-stages 0")
+    cfg.check_init(args.init is not None)
+    tap_layers = int_list(args.tap_layers, "--tap-layers")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with output_dir(args.out, "--out"), output_dir(args.tap_cache, "--tap-cache"):
+        # the mask token is the --init drafter's (given where its config has none), else the fresh one's
+        pair = load_pair(args.target, args.init or "none", mask_token=args.mask_token_id if args.init else None)
+        drafter, draft_vocab = prepare_drafter(
+            pair, args.target, num_layers=args.num_layers, block_size=args.block_size, target_layer_ids=tap_layers,
+            num_taps=args.num_taps, mask_token=args.mask_token_id, draft_vocab_size=args.draft_vocab_size,
+            data_dir=args.data, seed=args.seed, heads=heads, train=cfg)
+        last = train_drafter(data_dir=args.data, target=pair.target, drafter=drafter, out_dir=args.out, cfg=cfg,
+                             draft_vocab=draft_vocab, max_steps=args.max_steps,
+                             max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+                             stop_after_steps=args.stop_after_steps, tap_cache=args.tap_cache)
     print(json.dumps(last))
     return 0

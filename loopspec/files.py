@@ -3,6 +3,7 @@ folder — with their failures as one clear line. No model code: the models impo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -90,3 +91,67 @@ def one_line(error: Exception) -> str:
     text = lines[0].rstrip(":") + (f": {detail}" if detail else "")
     rest = len(lines) - (2 if detail else 1)
     return text + (f" (and {rest} more lines)" if rest > 0 else "")
+
+
+@contextlib.contextmanager
+def output_file(path: str | Path | None, flag: str):
+    """Reserve an output file for the run inside the `with`: refused in one line before any work if it
+    cannot be written (a directory, a missing folder, or a place the file cannot be created: the file
+    is opened for appending, which for root is the only honest check), and removed again when the run
+    fails having written nothing into the file it created. None: no output."""
+    if path is None:
+        yield None
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise LoopspecError(f"{flag} {path} is a directory, which is not a file: name the file to write")
+    if not path.parent.is_dir():
+        raise LoopspecError(f"{flag} {path}: the folder {path.parent} does not exist")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise LoopspecError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    try:
+        yield path
+    except BaseException:
+        if not existed:
+            with contextlib.suppress(OSError):
+                if path.stat().st_size == 0:
+                    path.unlink()
+        raise
+
+
+@contextlib.contextmanager
+def output_dir(path: str | Path | None, flag: str):
+    """Reserve an output directory for the run inside the `with`: created (with its missing parents)
+    and a probe file written and removed in it before any work, refused in one line where that fails;
+    the directories it created are removed again when the run fails leaving them empty (what a
+    resumable run saved stays). None: no output."""
+    if path is None:
+        yield None
+        return
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise LoopspecError(f"{flag} is not a directory: {path}")
+    created = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+
+    def remove_empty():
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only an empty one
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".loopspec-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        remove_empty()
+        raise LoopspecError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    try:
+        yield path
+    except BaseException:
+        remove_empty()
+        raise

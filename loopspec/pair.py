@@ -81,11 +81,17 @@ def load_pair(target: str | Path | TargetSource = "default", drafter: str | Path
     tokenizer = load_tokenizer(target_dir)
     if drafter_dir is not None:
         draft = Drafter.load(drafter_dir)
+        if mask_token is not None and draft.cfg.mask_token_id is not None:
+            raise LoopspecError(f"--mask-token-id {mask_token} is for a drafter whose config has no mask token; "
+                                f"{drafter_dir} has its own ({draft.cfg.mask_token_id})")
         if draft.cfg.mask_token_id is None:
             draft.cfg.mask_token_id = mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size)
         description = (f"shipped ({drafter_dir.name})" if drafter_dir == DEFAULT_DRAFTER_DIR and str(drafter) == "default"
                        else str(drafter))
     elif drafter in (None, "none"):
+        if mask_token is not None:
+            raise LoopspecError(f"--mask-token-id {mask_token} is a drafter's mask token: there is no drafter "
+                                "(--drafter none)")
         draft, description = None, "none"
     else:  # 'default' for a target we ship no drafter for
         draft = fresh_drafter(model, mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size))

@@ -31,6 +31,9 @@ def read_conversations(path: str | Path, limit: int | None = None,
             turns = json.loads(line)["turns"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise LoopspecError(f"{path}:{number}: expected a JSON object with a 'turns' list") from None
+        except RecursionError:  # the decoder recurses once per nesting level
+            raise LoopspecError(f"{path}:{number}: JSON nested too deeply (expected a JSON object with a "
+                                "'turns' list)") from None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise LoopspecError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
         conversations.append((number, turns))

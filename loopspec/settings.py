@@ -25,6 +25,7 @@ DLOOP_DEFAULTS = {"gate_threshold": -0.5, "max_stages": 4, "gate": "logprob"}
 # that all are right), or the log of the product of a DSpark confidence head's per-draft estimates
 # (trained to predict acceptance); either is an estimated log-probability that the whole stage holds
 GATES = ("logprob", "confidence")
+DRAFTING_METHODS = ("dflash", "dloop", "suffix")
 # how drafts are made and accepted at T > 0 (DecodingSettings.draft_sampling)
 DRAFT_SAMPLINGS = ("walk", "drafter")
 
@@ -36,10 +37,15 @@ class Knob:
     its text parses to (`kind`: int, float, str, or bool for a --x / --no-x switch; `least`: an int's
     lower bound; `choices`), and `unset`: what resolve_settings takes when the user gives nothing
     (None: resolved from the drafter's tuned setting, else the defaults). `tuned`: `loopspec tune`
-    stores it with the drafter (loopspec/tuned.py)."""
+    stores it with the drafter (loopspec/tuned.py). `methods`: the methods it applies to; given
+    with any other it is refused, never dropped — unless `neutral` and given as its field's default,
+    which asks for nothing (0 tree nodes, no suffix, one stage, the walk, the fallback off).
+    A gate threshold or a gate type describes a gate, so only dloop takes one."""
 
     flag: str
     help: str
+    methods: tuple[str, ...] = DRAFTING_METHODS
+    neutral: bool = True
     kind: type = int
     least: int | None = None
     choices: tuple[str, ...] | None = None
@@ -65,8 +71,10 @@ class DecodingSettings:
     `suffix_first` (the chain policy; 0 = off): dflash/dloop, per row and round — when the
     committed text's suffix matched an earlier occurrence of at least this many tokens, verify
     that occurrence's continuation (max_drafts tokens) as the chain and skip the drafter; else
-    draft as set. A long match foretells a copy (code, quoted text, a repeated step), where the
-    continuation is accepted far more often than the drafter's later positions, at no drafting cost.
+    draft as set, the suffix branch included only with `suffix` (`suffix_branch`: the two are
+    independent, and the policy alone verifies chains). A long match foretells a copy (code,
+    quoted text, a repeated step), where the continuation is accepted far more often than the
+    drafter's later positions, at no drafting cost.
     `suffix_then_draft` (the chain policy's second variant; needs suffix_first): in a copying round
     the drafter still runs one stage, anchored at the copy's last token, and its chain extends the
     copy — the drafter's context has no features for the copied positions (no drafter stage
@@ -86,38 +94,39 @@ class DecodingSettings:
     block_size: int = _knob(1, "--block-size", "draft block size k (default: the drafter's; suffix: 8)",
                             least=1, tuned=True)
     max_stages: int = _knob(1, "--max-stages", "dloop: draft stages per verification (default 4)", least=1,
-                            tuned=True)
+                            tuned=True, methods=("dloop",))
     gate_threshold: float = _knob(
         DLOOP_DEFAULTS["gate_threshold"], "--gate-threshold",
         "dloop: add a stage while the last one's summed draft log-prob is >= this (default -0.5)",
-        kind=float, tuned=True)
+        kind=float, tuned=True, methods=("dloop",), neutral=False)
     gate: str = _knob(
         DLOOP_DEFAULTS["gate"], "--gate",
         "dloop: what the gate scores a stage by: logprob (its drafts' summed log-probs; default) "
         "or confidence (a DSpark drafter's confidence head: the summed log of its estimates)",
-        kind=str, metavar="SCORE", tuned=True)
-    adaptive: bool = _knob(False, "--adaptive", "decode plainly while drafting does not pay (output unchanged)",
-                           kind=bool, unset=True)
+        kind=str, metavar="SCORE", tuned=True, methods=("dloop",), neutral=False)
+    adaptive: bool = _knob(False, "--adaptive", "decode plainly while drafting does not pay (output unchanged; "
+                                                "default on)", kind=bool)
     tree_budget: int = _knob(
         0, "--tree-budget",
         "dflash/dloop: draft-tree nodes per verification, best first over the drafter's "
         "candidates (0 = the argmax chain; default: the tuned setting, else 0)",
-        least=0, tuned=True)
+        least=0, tuned=True, methods=DRAFTER_METHODS)
     suffix: bool = _knob(
         False, "--suffix",
         "dflash/dloop: also verify the continuation of the text's longest repeated suffix "
-        "as a tree branch (default: the tuned setting, else off)",
-        kind=bool, tuned=True)
+        "as a tree branch, in every round the drafter drafts (default: the tuned setting, else off)",
+        kind=bool, tuned=True, methods=DRAFTER_METHODS)
     suffix_first: int = _knob(
         0, "--suffix-first",
         "dflash/dloop chain policy: after the text repeats an earlier N-gram (N = 2..6), verify "
-        "what followed it instead of drafting (0 = off; default: the tuned setting, else off)",
-        least=0, metavar="N", tuned=True)
+        "what followed it instead of drafting (0 = off; default: the tuned setting, else off); "
+        "the other rounds draft as set, with the suffix branch only under --suffix",
+        least=0, metavar="N", tuned=True, methods=DRAFTER_METHODS)
     suffix_then_draft: bool = _knob(
         False, "--suffix-then-draft",
         "with --suffix-first: after the copy, the drafter's stage drafts on from its last token "
         "(default: the tuned setting, else off)",
-        kind=bool, tuned=True)
+        kind=bool, tuned=True, methods=DRAFTER_METHODS)
     draft_sampling: str = _knob(
         "walk", "--draft-sampling",
         "at temperature > 0: walk (default; the drafter's argmax drafts, and a seeded run commits "
@@ -129,30 +138,27 @@ class DecodingSettings:
     def __post_init__(self):
         if self.method not in METHODS:
             raise LoopspecError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
+        for name, knob in KNOBS.items():  # a knob set for a method it does not apply to (a value built
+            # equal to its field's default cannot be told from one not given: resolve_settings refuses that)
+            if not applies(name, getattr(self, name), self.method) and getattr(self, name) != KNOB_DEFAULTS[name]:
+                raise LoopspecError(not_applicable(knob, self.method))
+        self._check()
+
+    def _check(self):
         if self.block_size < 1:
             raise LoopspecError(f"block size must be >= 1, got {self.block_size}")
-        if self.method == "ar" and self.block_size != 1:
-            raise LoopspecError("ar drafts nothing: its block size is 1")
         if self.method != "ar" and self.block_size < 2:
             raise LoopspecError(f"{self.method} needs a block size >= 2, got {self.block_size}")
         if self.max_stages < 1:
             raise LoopspecError(f"max stages must be >= 1, got {self.max_stages}")
-        if self.method != "dloop" and self.max_stages != 1:
-            raise LoopspecError(f"{self.method} runs one stage; max stages {self.max_stages} needs dloop")
-        if math.isnan(self.gate_threshold):
-            raise LoopspecError("the gate threshold must be a number, got nan")
+        if not math.isfinite(self.gate_threshold):
+            # inf never adds a stage and -inf always does: either is a max-stages setting, said as one
+            raise LoopspecError(f"the gate threshold (--gate-threshold) must be a finite number, got "
+                                f"{self.gate_threshold}; use --max-stages to fix the stages")
         if self.gate not in GATES:
             raise LoopspecError(f"unknown gate {self.gate!r} (choose from {', '.join(GATES)})")
-        if self.method != "dloop" and self.gate != DLOOP_DEFAULTS["gate"]:
-            raise LoopspecError(f"{self.method} runs one stage: the {self.gate} gate needs dloop")
         if self.tree_budget < 0:
             raise LoopspecError(f"tree budget must be >= 0, got {self.tree_budget}")
-        if self.method not in DRAFTER_METHODS and self.tree_budget:
-            raise LoopspecError(f"{self.method} has no drafter tree; --tree-budget needs dflash or dloop")
-        if self.method == "ar" and self.suffix:
-            raise LoopspecError("ar drafts nothing: use method suffix for suffix drafting alone")
-        if self.suffix_first and self.method not in DRAFTER_METHODS:
-            raise LoopspecError(f"{self.method} has no drafter to skip; suffix-first needs dflash or dloop")
         from loopspec.tree import SUFFIX_MAX_MATCH, SUFFIX_MIN_MATCH
 
         if self.suffix_first and not SUFFIX_MIN_MATCH <= self.suffix_first <= SUFFIX_MAX_MATCH:
@@ -180,7 +186,28 @@ class DecodingSettings:
 
     @property
     def uses_suffix(self) -> bool:
+        """The rows keep a suffix index: for the method, the branch or the chain policy."""
         return self.method == "suffix" or self.suffix or bool(self.suffix_first)
+
+    @property
+    def suffix_branch(self) -> bool:
+        """A round without the chain policy's copy verifies the suffix index's continuation: the
+        method suffix's whole proposal, or with `suffix` a branch of the drafter's tree. The chain
+        policy (suffix_first) does not add it: its copy is a chain, and its other rounds draft as set."""
+        return self.method == "suffix" or self.suffix
+
+    @property
+    def verifies_trees(self) -> bool:
+        """Some round may verify a tree rather than a chain: a tree budget, or the suffix branch
+        beside the drafter's chain (the method suffix's continuation alone is a chain)."""
+        return bool(self.tree_budget) or (self.suffix_branch and self.uses_drafter)
+
+    def check_sampling(self, greedy: bool) -> None:
+        """Refuse a setting that cannot apply to a run's sampling: drafts sampled from the drafter
+        apply only to rows sampling at temperature > 0 (a greedy row drafts the argmax either way)."""
+        if self.draft_sampling == "drafter" and greedy:
+            raise LoopspecError("--draft-sampling drafter samples drafts at temperature > 0; this run is greedy "
+                                "(temperature 0): use --draft-sampling walk, or a temperature > 0")
 
     @property
     def max_drafts(self) -> int:
@@ -233,6 +260,34 @@ def knobs_of(settings_class: type) -> dict[str, Knob]:
 # the decoding knobs, in declaration order: the command line's decoding flags and resolve_settings'
 # keywords are made from this
 KNOBS = knobs_of(DecodingSettings)
+KNOB_DEFAULTS = {f.name: f.default for f in fields(DecodingSettings)}
+
+
+def applies(name: str, value, method: str) -> bool:
+    """Whether the knob `name` given as `value` (None: not given) applies to `method` (Knob.methods,
+    Knob.neutral)."""
+    knob = KNOBS[name]
+    return value is None or method in knob.methods or (knob.neutral and value == KNOB_DEFAULTS[name])
+
+
+def not_applicable(knob: Knob, *methods: str) -> str:
+    """The one line that refuses a knob given for a method (or methods) it does not apply to."""
+    named = f"method{'s' if len(methods) > 1 else ''} {', '.join(methods)}"
+    return f"{knob.flag} does not apply to {named}: it needs {' or '.join(knob.methods)}"
+
+
+def knobs_for(method: str, knobs: dict) -> dict:
+    """The given knobs (not None) that apply to `method`: what a command that runs several methods
+    with one set of flags (bench) passes to each (check_knobs_apply refuses one that applies to none)."""
+    return {name: value for name, value in knobs.items()
+            if value is not None and method in KNOBS[name].methods}  # (a neutral value is the default anyway)
+
+
+def check_knobs_apply(methods, knobs: dict) -> None:
+    """Refuse a knob given (not None) that applies to none of `methods`."""
+    for name, value in knobs.items():
+        if not any(applies(name, value, method) for method in methods):
+            raise LoopspecError(not_applicable(KNOBS[name], *dict.fromkeys(methods)))
 
 
 def check_method(method: str, has_drafter: bool) -> None:
@@ -272,23 +327,24 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str 
     if unknown:
         raise TypeError(f"resolve_settings() got an unexpected keyword argument {unknown[0]!r}")
     given = {name: knobs.get(name, knob.unset) for name, knob in KNOBS.items()}
+    check_method(method, drafter is not None)
+    for name, value in given.items():
+        if not applies(name, value, method):
+            raise LoopspecError(not_applicable(KNOBS[name], method))
+    if given["adaptive"] is None:
+        given["adaptive"] = True  # on unless turned off: it changes speed only, never the output
     block_size, max_stages, gate_threshold, gate = (given[n] for n in ("block_size", "max_stages", "gate_threshold", "gate"))
     adaptive, tree_budget, suffix, suffix_first = (given[n] for n in ("adaptive", "tree_budget", "suffix", "suffix_first"))
     suffix_then_draft, draft_sampling = given["suffix_then_draft"], given["draft_sampling"]
-    check_method(method, drafter is not None)
     if block_size is not None and block_size < 1:
         raise LoopspecError(f"block size must be >= 1, got {block_size}")
     if max_stages is not None and max_stages < 1:
         raise LoopspecError(f"max stages must be >= 1, got {max_stages}")
-    if gate is not None and gate != DLOOP_DEFAULTS["gate"] and method != "dloop":
-        raise LoopspecError(f"{method} runs one stage: the {gate} gate needs dloop")
     if method == "ar":
-        return DecodingSettings()  # drafts nothing: the drafting knobs do not apply
+        return DecodingSettings()  # drafts nothing (a drafting knob given is refused above)
     if method == "suffix":
         return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
-                                tree_budget=tree_budget or 0,  # (a tree budget is refused with its reason)
-                                suffix_first=suffix_first or 0, suffix_then_draft=bool(suffix_then_draft),
-                                draft_sampling=draft_sampling or "walk")  # ("drafter" is refused with its reason)
+                                draft_sampling=draft_sampling or "walk")
     sampling = {"draft_sampling": draft_sampling or "walk"}
     stored = dict(tuned) if tuned is not None else tuned_setting(drafter, engine)
     if sampling["draft_sampling"] == "drafter":  # it verifies the drafter's chain: no stored tree or suffix use

@@ -137,6 +137,7 @@ class Pipeline:
             params: SamplingParams = SamplingParams(), seed: int = 0,
             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         """Decode one prompt with `settings` (from `settings()`)."""
+        settings.check_sampling(params.greedy)
         return generate(self.engine, prompt_ids, settings, max_new_tokens=max_new_tokens, params=params, seed=seed,
                         stop_token_ids=self.stop_token_ids, on_tokens=on_tokens)
 
@@ -228,6 +229,9 @@ class EngineChoice:
                                 "and --trt-dir needs --backend tensorrt")
         if self.precision not in PRECISIONS and not (self.from_artifacts and self.precision in ARTIFACT_PRECISIONS):
             raise LoopspecError(f"unknown precision {self.precision!r} (choose from {', '.join(PRECISIONS)})")
+        if self.from_artifacts and self.mask_token_id is not None:
+            raise LoopspecError("--mask-token-id is for a drafter loaded from its checkpoint; an exported engine "
+                                "directory carries its mask token")
         if not self.from_artifacts:
             object.__setattr__(self, "target", TargetSource.of(self.target))
 

@@ -212,7 +212,7 @@ def check_engine_runs(engine: Engine, settings: DecodingSettings) -> None:
     """Refuse, in one line, settings whose proposals this engine cannot draft or verify exactly."""
     if settings.uses_drafter and not engine.has_drafter:
         raise LoopspecError(f"{settings.method} needs a drafter")
-    if engine.chains_only and (settings.tree_budget or settings.suffix):
+    if engine.chains_only and settings.verifies_trees:
         raise LoopspecError("this engine verifies chains exactly, not trees (its arithmetic is not order-exact: "
                             f"{engine.precision}): "
                             "use --tree-budget 0 --no-suffix, or --method suffix")
@@ -251,7 +251,7 @@ def plan_row(row, settings: DecodingSettings, engine: Engine, max_drafts: int, p
     return RowPlan(root=row.tokens[-1], root_position=row.position, room=room, wanted=wanted, depth=depth,
                    copy=copy, extends=extends, stage_anchor=copy[-1] if extends else row.tokens[-1],
                    stage_position=row.position + (len(copy) if extends else 0), drafter_budget=budget,
-                   suffix=index.continuation(depth) if copy is None and index is not None and depth else [],
+                   suffix=index.continuation(depth) if copy is None and settings.suffix_branch and depth else [],
                    uses_drafter=settings.uses_drafter, stage_drafts=stage_drafts)
 
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 from loopspec.errors import LoopspecError
+from loopspec.settings import DecodingSettings
 from loopspec.stats import acceptance_length
 from loopspec.tuned import store_setting  # noqa: F401 (where a result is stored: loopspec/tuned.py)
 
@@ -37,6 +38,27 @@ def measure(pipe, prompts: list[list[int]], settings, reference: list[list[int]]
             "lossless": [o.tokens for o in outs] == reference}
 
 
+# each grid's flag and the DecodingSettings knob its values set
+GRID = {"thresholds": ("--thresholds", "gate_threshold"), "stages": ("--stages", "max_stages"),
+        "block_sizes": ("--block-sizes", "block_size"), "tree_budgets": ("--tree-budgets", "tree_budget"),
+        "suffix_firsts": ("--suffix-firsts", "suffix_first")}
+
+
+def check_grid(**grids) -> None:
+    """Refuse, before anything runs, a grid value (GRID: thresholds, stages, block_sizes,
+    tree_budgets, suffix_firsts) that the decoding settings would refuse: each is tried as a DLoop
+    setting, so the rule is the settings' own (loopspec/settings.py), said under tune's flag."""
+    for name, values in grids.items():
+        flag, knob = GRID[name]
+        if values is not None and not values:
+            raise LoopspecError(f"{flag} needs at least one value")
+        for value in values or ():
+            try:
+                DecodingSettings("dloop", **({"block_size": 2} | {knob: value}))
+            except LoopspecError as e:
+                raise LoopspecError(f"{flag} {value}: {e}") from None
+
+
 def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, max_new_tokens: int,
           tree_budgets=(0,), suffix_options=(False,), suffix_firsts=(0,), progress: bool = True) -> list[dict]:
     """Tokens/s of every setting on the same prompts, with losslessness checked: the DLoop grid with
@@ -45,6 +67,8 @@ def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, ma
     the best tree setting."""
     from tqdm import tqdm
 
+    check_grid(thresholds=thresholds, stages=stages, block_sizes=block_sizes, tree_budgets=tree_budgets,
+               suffix_firsts=suffix_firsts)
     ar = pipe.settings("ar")
     reference = [pipe.run(p, ar, max_new_tokens=max_new_tokens).tokens for p in prompts]
     t0 = time.perf_counter()

@@ -1,6 +1,8 @@
 """The command line: output on good input; one clear stderr line and exit code 2 on bad input."""
 
 import json
+import shutil
+import socket
 import subprocess
 import sys
 
@@ -64,9 +66,12 @@ def test_bench_json(capsys, tiny_pair, tmp_path):
     out_json = tmp_path / "r.json"
     code, out, err = run(capsys, "bench", "--prompts", str(prompts), "--target", str(target), "--drafter",
                          str(drafter), "--max-new-tokens", "12", "--json", str(out_json), "--all-turns",
-                         "--methods", "ar,dflash,dloop", "--cost-model")
+                         "--methods", "ar,dflash,dloop", "--cost-model", "--gate-threshold=-3")
     assert code == 0
     report = json.loads(out_json.read_text())
+    # one set of flags: each method takes the knobs that apply to it (the gate is dloop's alone)
+    (engine,) = report["settings"]["engines"].values()
+    assert engine["decoding"]["dloop"]["gate_threshold"] == -3 and engine["decoding"]["dflash"]["gate_threshold"] == -0.5
     results = report["results"]
     assert [r["method"] for r in results] == ["ar", "dflash", "dloop"]
     cm = report["cost_model"]
@@ -120,7 +125,24 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
     train = ["train", "--data", str(tmp_path / "data"), "--target", never, "--out", str(tmp_path / "drafter-out")]
     serve = ["serve", "--target", never]
     not_utf8 = "latin1.jsonl:2: prompt file is not UTF-8"
-    return {
+    deep = tmp_path / "deep.jsonl"  # a prompt line nested 100,000 deep: the JSON decoder's recursion
+    deep.write_text('{"turns": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    huge_rank = tmp_path / "huge-rank"  # a Markov head of rank 2^40 would allocate 2^57 bytes
+    shutil.copytree(drafter, huge_rank)
+    config = json.loads((huge_rank / "config.json").read_text())
+    config["dflash_config"]["markov_rank"] = 2 ** 40
+    (huge_rank / "config.json").write_text(json.dumps(config))
+    huge_layer = tmp_path / "huge-layer"  # a config size its weights do not have: refused before allocating
+    shutil.copytree(drafter, huge_layer)
+    config = json.loads((huge_layer / "config.json").read_text())
+    (huge_layer / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 ** 40}))
+    pair = ["--target", str(target), "--mask-token-id", "127"]  # a tiny target whose vocabulary has no unused row
+    real_train = ["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "drafter-out"), *pair]
+    listening = socket.socket()  # holds a port, as another server would
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    taken = str(listening.getsockname()[1])
+    yield {
         "weights wider than config": (["generate", "--prompt", "x", "--target", str(wider), "--drafter", "none",
                                        "--method", "ar"], "does not match its config.json"),
         "empty target dir": (["generate", "--prompt", "x", "--target", str(empty)], "config.json"),
@@ -186,7 +208,83 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
         "convert onnx unknown precision": (["convert", "onnx", "--out", str(tmp_path / "o"), "--precision", "int3"],
                                            "convert onnx: argument --precision: invalid choice"),
         "prompts count 0": (["prompts", "--out", str(tmp_path / "p.jsonl"), "--count", "0"], "argument --count"),
+        # settings that cannot apply: refused, never ignored
+        "gate threshold with dflash": (base + ["--prompt", "x", "--method", "dflash", "--gate-threshold", "-1"],
+                                       "--gate-threshold does not apply to method dflash: it needs dloop"),
+        "gate threshold with suffix": (base + ["--prompt", "x", "--method", "suffix", "--drafter", "none",
+                                               "--gate-threshold", "-1"], "--gate-threshold does not apply to method suffix"),
+        "max stages with dflash": (base + ["--prompt", "x", "--method", "dflash", "--max-stages", "3"],
+                                   "--max-stages does not apply to method dflash"),
+        "block size with ar": (base + ["--prompt", "x", "--method", "ar", "--block-size", "4"],
+                               "--block-size does not apply to method ar"),
+        "draft sampling drafter with ar": (base + ["--prompt", "x", "--method", "ar", "--draft-sampling", "drafter"],
+                                           "--draft-sampling does not apply to method ar"),
+        "draft sampling drafter greedy": (base + ["--prompt", "x", "--method", "dflash", "--draft-sampling", "drafter"],
+                                          "--draft-sampling drafter samples drafts at temperature > 0"),
+        "gate threshold inf": (base + ["--prompt", "x", "--method", "dloop", "--gate-threshold", "inf"],
+                               "(--gate-threshold) must be a finite number, got inf"),
+        "gate threshold nan": (base + ["--prompt", "x", "--method", "dloop", "--gate-threshold", "nan"],
+                               "(--gate-threshold) must be a finite number, got nan"),
+        "bench knob for none of its methods": (["bench", "--prompts", str(good), "--target", never, "--methods",
+                                                "ar,dflash", "--gate-threshold", "-1"],
+                                               "--gate-threshold does not apply to methods ar, dflash"),
+        "tune thresholds inf": (["tune", "--prompts", str(good), "--target", never, "--thresholds=-1,inf"],
+                                "--thresholds inf: the gate threshold (--gate-threshold) must be a finite number"),
+        "tune suffix first 7": (["tune", "--prompts", str(good), "--target", never, "--suffix-firsts", "0,7"],
+                                "--suffix-firsts 7: suffix-first match length must be 2..6"),
+        "tune block size 1": (["tune", "--prompts", str(good), "--target", never, "--block-sizes", "1"],
+                              "--block-sizes 1: dloop needs a block size >= 2"),
+        "mask token id -1": (gen + ["--mask-token-id", "-1"], "argument --mask-token-id: --mask-token-id must be >= 0"),
+        "mask token id with --drafter none": (base + ["--prompt", "x", "--method", "ar", "--drafter", "none",
+                                                      "--mask-token-id", "5"], "--mask-token-id 5 is a drafter's mask"),
+        "mask token id over the drafter's own": (base + ["--prompt", "x", "--mask-token-id", "5"],
+                                                 "has its own (127)"),
+        "serve request timeout inf": (serve + ["--request-timeout", "inf"], "argument --request-timeout"),
+        "serve request timeout nan": (serve + ["--request-timeout", "nan"], "argument --request-timeout"),
+        "serve request timeout 0": (serve + ["--request-timeout", "0"], "argument --request-timeout"),
+        "serve request timeout negative": (serve + ["--request-timeout", "-5"], "argument --request-timeout"),
+        "serve on a port in use": (serve + ["--port", taken], f"--port {taken}: cannot listen on 127.0.0.1:{taken}"),
+        "train heads only without init": (train + ["--heads-only", "--confidence-head"], "--heads-only"),
+        "train gated Markov head without a rank": (train + ["--markov-head", "gated"],
+                                                   "a gated Markov head (--markov-head) needs its rank"),
+        "train confidence weight without the head": (real_train + ["--confidence-weight", "2"],
+                                                     "--confidence-weight weighs a confidence head's loss"),
+        "train loop stages -2": (train + ["--loop-stages", "-2"], "(--loop-stages) must be an integer >= 0"),
+        "train draft vocabulary over the target's": (real_train + ["--draft-vocab-size", str(10 ** 8)],
+                                                     "(--draft-vocab-size) is larger than the target's vocabulary"),
+        # tracebacks that became one line
+        "prompt not UTF-8 in argv": (["generate", "--prompt", "hi \udcff", "--target", never],
+                                     "the value of --prompt is not valid UTF-8 (byte 0xff)"),
+        "bench --json under /proc": (["bench", "--prompts", str(good), "--target", never, "--json", "/proc/x.json"],
+                                     "--json /proc/x.json: cannot write there"),
+        "tune --json under /proc": (["tune", "--prompts", str(good), "--target", never, "--json", "/proc/x.json"],
+                                    "--json /proc/x.json: cannot write there"),
+        "bench --out under /proc": (["bench", "--prompts", str(good), "--target", never, "--out", "/proc/x"],
+                                    "--out /proc/x: cannot write there"),
+        "prompts --out under /proc": (["prompts", "--out", "/proc/x.jsonl", "--count", "1", "--target", never],
+                                      "--out /proc: cannot write there"),  # (its folder, made where missing)
+        "prompts --out in a new folder left out when the run fails": (
+            ["prompts", "--out", str(tmp_path / "new" / "p.jsonl"), "--count", "1", "--target", never], "does not exist"),
+        "train --out under /proc": (["train", "--data", str(tmp_path), "--target", never, "--out", "/proc/x"],
+                                    "--out /proc/x: cannot write there"),
+        "convert --out under /proc": (["convert", "onnx", "--target", never, "--out", "/proc/x"],
+                                      "--out /proc/x: cannot write there"),
+        "bench --json left out when the run fails": (["bench", "--prompts", str(good), "--target", never,
+                                                      "--json", str(tmp_path / "b.json")],
+                                                     "does not exist"),
+        "bench --out left out when the run fails": (["bench", "--prompts", str(good), "--target", never,
+                                                     "--out", str(tmp_path / "report" / "deeper")], "does not exist"),
+        "prompt line nested 100,000 deep": (["bench", "--prompts", str(deep), "--target", never],
+                                            "deep.jsonl:1: JSON nested too deeply"),
+        "drafter markov rank 2^40": (base + ["--prompt", "x", "--drafter", str(huge_rank)],
+                                     "markov_rank 1099511627776 is larger than the vocabulary of"),
+        "drafter config size beyond its weights": (base + ["--prompt", "x", "--drafter", str(huge_layer)],
+                                                   "the config makes it"),
+        "abbreviated flag": (gen + ["--max-new", "4"], "unrecognized arguments: --max-new 4"),
+        "abbreviated prompt flag": (["generate", "--target", never, "--prompt", "x", "--prom", "y"],
+                                    "unrecognized arguments: --prom y"),
     }
+    listening.close()
 
 
 CASES = ["weights wider than config", "empty target dir", "unknown path", "corrupt safetensors", "mismatched drafter",
@@ -199,7 +297,20 @@ CASES = ["weights wider than config", "empty target dir", "unknown path", "corru
          "serve port not a number", "serve log level bogus", "train epochs inf", "train epochs nan", "train epochs 0",
          "train epochs negative", "train gamma 0", "train gamma negative", "train lr nan", "train max minutes inf",
          "train kl weight negative", "generate without --prompt", "generate unknown flag", "max new tokens 0",
-         "unknown command", "convert onnx unknown precision", "prompts count 0"]
+         "unknown command", "convert onnx unknown precision", "prompts count 0",
+         "gate threshold with dflash", "gate threshold with suffix", "max stages with dflash", "block size with ar",
+         "draft sampling drafter with ar", "draft sampling drafter greedy", "gate threshold inf", "gate threshold nan",
+         "bench knob for none of its methods", "tune thresholds inf", "tune suffix first 7", "tune block size 1",
+         "mask token id -1", "mask token id with --drafter none", "mask token id over the drafter's own",
+         "serve request timeout inf", "serve request timeout nan", "serve request timeout 0",
+         "serve request timeout negative", "serve on a port in use", "train heads only without init",
+         "train gated Markov head without a rank", "train confidence weight without the head", "train loop stages -2",
+         "train draft vocabulary over the target's", "prompt not UTF-8 in argv", "bench --json under /proc",
+         "tune --json under /proc", "bench --out under /proc", "prompts --out under /proc",
+         "prompts --out in a new folder left out when the run fails", "train --out under /proc",
+         "convert --out under /proc", "bench --json left out when the run fails",
+         "bench --out left out when the run fails", "prompt line nested 100,000 deep", "drafter markov rank 2^40",
+         "drafter config size beyond its weights", "abbreviated flag", "abbreviated prompt flag"]
 
 
 def _files_under(folder):

@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from loopspec.decoding import SamplingParams
@@ -51,7 +52,38 @@ def test_the_chain_policy_copies_after_a_long_match_and_drafts_otherwise():
     longer = DecodingSettings("dflash", 8, suffix_first=4)  # a 3-token match is not long enough
     plan = plan_row(row(text[:-1], text[-1:]), longer, engine(), 7, plain=False)
     assert plan.copy is None and plan.drafter_budget == 7
-    assert plan.suffix == [8, 9, 10, 5, 6, 7, 8]  # the shorter match still joins the drafter's tree as a branch
+    assert plan.suffix == []  # the round drafts as set: the policy alone adds no suffix branch
+    branch = DecodingSettings("dflash", 8, suffix=True, suffix_first=4)
+    plan = plan_row(row(text[:-1], text[-1:]), branch, engine(), 7, plain=False)
+    assert plan.copy is None and plan.suffix == [8, 9, 10, 5, 6, 7, 8]  # with --suffix the match joins as a branch
+
+
+def test_the_suffix_branch_is_what_the_settings_say_and_the_chains_only_guard_sees_it():
+    """One rule: the suffix branch is verified with `suffix` (or as the method suffix's chain),
+    never because the chain policy is on; an engine that verifies chains only exactly runs the
+    policy alone and refuses the branch."""
+    from loopspec.errors import LoopspecError
+    from loopspec.runtime.proposal import check_engine_runs
+
+    text = [5, 6, 7, 8, 9, 10, 5, 6, 7]
+    chains_only = SimpleNamespace(has_drafter=True, chains_only=True, precision="int8", samples_drafts=True,
+                                  drafter_cfg=ZLAB, max_context=100)
+    policy_alone = DecodingSettings("dflash", 8, suffix_first=4)
+    check_engine_runs(chains_only, policy_alone)  # chains only: accepted
+    assert not policy_alone.verifies_trees and not policy_alone.suffix_branch
+    # the branch the guard sees is the branch the plan verifies: none here, in any round
+    for tokens in (text, [1, 2, 3, 4], [5, 6, 7, 5, 6]):
+        plan = plan_row(row(tokens[:-1], tokens[-1:]), policy_alone, chains_only, 7, plain=False)
+        assert plan.suffix == []
+    for settings in (DecodingSettings("dflash", 8, suffix=True), DecodingSettings("dflash", 8, suffix=True, suffix_first=4),
+                     DecodingSettings("dloop", 4, 2, tree_budget=4)):
+        assert settings.verifies_trees
+        with pytest.raises(LoopspecError, match="verifies chains exactly"):
+            check_engine_runs(chains_only, settings)
+    alone = DecodingSettings("suffix", 8)  # the method's continuation alone is a chain
+    check_engine_runs(SimpleNamespace(chains_only=True, has_drafter=False), alone)
+    assert alone.suffix_branch and not alone.verifies_trees
+    assert plan_row(row(text[:-1], text[-1:]), alone, chains_only, 7, plain=False).suffix == [8, 9, 10, 5, 6, 7, 8]
 
 
 def test_the_drafter_extends_a_copy_from_its_last_token_in_the_room_it_leaves():

@@ -234,11 +234,11 @@ def test_cli_flag(capsys, tiny_pair):
     target, drafter = tiny_pair
     base = ["generate", "--prompt", "hello world", "--target", str(target), "--drafter", str(drafter),
             "--backend", "torch", "--max-new-tokens", "12", "--tree-budget", "0", "--no-suffix"]
-    texts = []
-    for extra in (["--method", "ar"], ["--method", "dflash", "--draft-sampling", "drafter"]):
-        assert main(base + extra) == 0
-        texts.append(capsys.readouterr().out)
-    assert texts[0].split("\n")[0] == texts[1].split("\n")[0]  # greedy: the same text
-    assert main(base[:-3] + ["--method", "dflash", "--draft-sampling", "drafter", "--tree-budget", "4"]) == 2
-    line = capsys.readouterr().err.strip()
-    assert line.startswith("loopspec: error: ") and "chain only" in line and "\n" not in line
+    sampled = ["--temperature", "0.8", "--seed", "3"]
+    assert main(base + ["--method", "dflash", "--draft-sampling", "drafter", *sampled]) == 0
+    assert capsys.readouterr().out.strip()
+    for extra, needle in ((["--draft-sampling", "drafter", "--tree-budget", "4", *sampled], "chain only"),
+                          (["--draft-sampling", "drafter"], "temperature > 0")):  # greedy: it cannot apply
+        assert main(base[:-3] + ["--method", "dflash", *extra]) == 2
+        line = capsys.readouterr().err.strip()
+        assert line.startswith("loopspec: error: ") and needle in line and "\n" not in line

@@ -347,14 +347,15 @@ def test_serve_cli_rejects_bad_settings_with_one_line(tiny_pair, capsys):
 
     target_dir, drafter_dir = tiny_pair
     base = ["serve", "--target", str(target_dir), "--drafter", str(drafter_dir), "--max-context", "128"]
-    for extra, message in ((["--method", "beam"], "unknown method"), (["--request-timeout", "0"], "request-timeout"),
+    for extra, message in ((["--method", "beam"], "unknown method"),
                            (["--backend", "tpu"], "unknown backend"), (["--drafter", "none", "--method", "dloop"], "drafter")):
         assert main(base + extra) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1
-    with pytest.raises(SystemExit) as e:  # argparse's own check, one line too
-        main(base + ["--max-batch-size", "0"])
-    assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    for extra in (["--max-batch-size", "0"], ["--request-timeout", "0"]):
+        with pytest.raises(SystemExit) as e:  # argparse's own check, one line too
+            main(base + extra)
+        assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_inputs_that_once_broke_the_server_get_a_4xx(server):

@@ -186,3 +186,39 @@ def test_train_cli_adds_dspark_heads(tiny_pair, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("loopspec: error:") and "--loop-stages" in err and "\n" not in err
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_train_config_refuses_what_cannot_apply(tiny_targets):
+    """One place (TrainConfig, DSparkHeads): a negative stage count, --heads-only without a trained
+    backbone, a confidence weight without the head, a Markov head type without a rank."""
+    import math
+
+    from loopspec.train.trainer import TrainConfig
+    from loopspec.weights import load_target_dir
+
+    for bad, says in ((dict(loop_stages=-2), r"\(--loop-stages\) must be an integer >= 0"),
+                      (dict(loop_stages=True), "--loop-stages"),
+                      (dict(confidence_weight=math.nan), r"\(--confidence-weight\) must be a finite number >= 0"),
+                      (dict(confidence_weight=-1.0), "--confidence-weight")):
+        with pytest.raises(LoopspecError, match=says):
+            TrainConfig(**bad)
+    with pytest.raises(LoopspecError, match="--heads-only .* needs --init"):
+        TrainConfig(heads_only=True).check_init(from_init=False)
+    TrainConfig(heads_only=True).check_init(from_init=True)
+    TrainConfig().check_init(from_init=False)
+    cfg = DrafterConfig.for_target(load_target_dir(tiny_targets["qwen3"]).cfg, num_layers=1, block_size=4,
+                                   mask_token_id=127)
+    plain, confident = cfg, replace(cfg, confidence_head=True)
+    with pytest.raises(LoopspecError, match="--confidence-weight weighs a confidence head's loss"):
+        TrainConfig(confidence_weight=0.5).check_drafter(plain)
+    TrainConfig(confidence_weight=0.5).check_drafter(confident)
+    assert (TrainConfig().confidence_loss_weight, TrainConfig(confidence_weight=0.5).confidence_loss_weight) == (1.0, 0.5)
+    with pytest.raises(LoopspecError, match="--heads-only trains the DSpark heads"):
+        TrainConfig(heads_only=True).check_drafter(plain)
+    with pytest.raises(LoopspecError, match="loop-aware training"):
+        TrainConfig(loop_stages=2).check_drafter(replace(cfg, markov_rank=4))
+    with pytest.raises(LoopspecError, match=r"a gated Markov head \(--markov-head\) needs its rank"):
+        DSparkHeads(markov_head_type="gated", confidence_head=True)
+    assert DSparkHeads(markov_rank=4).markov_head_type == "vanilla"
+    with pytest.raises(LoopspecError, match="markov_rank 1099511627776 is larger than the vocabulary"):
+        replace(cfg, markov_rank=2 ** 40)

@@ -72,6 +72,9 @@ class DrafterConfig:
                                 f"(choose from {', '.join(MARKOV_HEAD_TYPES)})")
         if self.markov_rank < 0:
             raise LoopspecError(f"markov_rank must be >= 0, got {self.markov_rank}")
+        if self.markov_rank > self.vocab_size:  # W1 [V, r] and W2 [r, V]: a larger rank adds nothing but memory
+            raise LoopspecError(f"markov_rank {self.markov_rank} is larger than the vocabulary of {self.vocab_size}: "
+                                "a low-rank head's rank is at most the vocabulary size")
         if self.confidence_with_markov and not (self.confidence_head and self.markov_rank):
             raise LoopspecError("confidence_head_with_markov needs both a confidence head and a Markov head "
                                 "(markov_rank > 0)")
@@ -466,6 +469,14 @@ class Drafter(nn.Module):
             if m + "gate_proj.weight" in src and m + "up_proj.weight" in src:
                 state[m + "gate_up_proj.weight"] = torch.cat([src.pop(m + "gate_proj.weight"), src.pop(m + "up_proj.weight")])
         state.update(src)
+        # the config's sizes are checked against the file's tensors on the meta device (no memory)
+        # before any is allocated: a size no file could hold (a rank of 2^40) is refused, not attempted
+        with torch.device("meta"):
+            shapes = {name: tuple(t.shape) for name, t in cls(cfg).state_dict().items()}
+        for name, shape in shapes.items():
+            if name in state and tuple(state[name].shape) != shape:
+                raise LoopspecError(f"drafter weights do not match its config.json: size mismatch for {name}: "
+                                    f"{list(state[name].shape)} in the file, the config makes it {list(shape)}")
         model = cls(cfg)
         for name, t in state.items():
             if not torch.is_floating_point(t):

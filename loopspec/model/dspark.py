@@ -22,13 +22,19 @@ from loopspec.model.drafter_kinds import MARKOV_HEAD_TYPES
 @dataclass(frozen=True)
 class DSparkHeads:
     """The DSpark heads a drafter is given for training: a Markov head of `markov_rank` (0: none) and
-    `markov_head_type`, and a confidence head (reading W1[prev] too when there is a Markov head)."""
+    `markov_head_type` (None: vanilla; a type is refused without a rank), and a confidence head
+    (reading W1[prev] too when there is a Markov head)."""
 
     markov_rank: int = 0
-    markov_head_type: str = "vanilla"
+    markov_head_type: str | None = None
     confidence_head: bool = False
 
     def __post_init__(self):
+        if self.markov_head_type is not None and not self.markov_rank:
+            raise LoopspecError(f"a {self.markov_head_type} Markov head (--markov-head) needs its rank: give "
+                                "--markov-rank")
+        if self.markov_head_type is None:
+            object.__setattr__(self, "markov_head_type", "vanilla")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise LoopspecError(f"unknown Markov head type {self.markov_head_type!r} "
                                 f"(choose from {', '.join(MARKOV_HEAD_TYPES)})")

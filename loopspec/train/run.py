@@ -30,12 +30,19 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
                     target_layer_ids: list[int] | None = None, num_taps: int | None = None,
                     mask_token: int | None = None, draft_vocab_size: int | None = None,
                     data_dir: str | Path | None = None, seed: int = 0,
-                    heads: DSparkHeads | None = None) -> tuple[Drafter, DraftVocab | None]:
+                    heads: DSparkHeads | None = None,
+                    train: TrainConfig | None = None) -> tuple[Drafter, DraftVocab | None]:
     """The drafter a run trains: the pair's (--init) one, deepened to num_layers and set to block_size
     where given, else a fresh one for the pair's target (its tap layers, its mask token), with DSpark
     heads added where `heads` asks for them; and its draft vocabulary: the init drafter's d2t, else
-    the draft_vocab_size most frequent tokens of data_dir."""
+    the draft_vocab_size most frequent tokens of data_dir. `train`: the training run's settings, checked
+    against the drafter before anything is counted."""
     target = pair.target
+    if train is not None:
+        train.check_init(pair.drafter is not None)
+    if draft_vocab_size is not None and draft_vocab_size > target.cfg.vocab_size:
+        raise LoopspecError(f"a draft vocabulary of {draft_vocab_size} tokens (--draft-vocab-size) is larger than "
+                            f"the target's vocabulary of {target.cfg.vocab_size}")
     if block_size is not None and block_size < 2:
         raise LoopspecError(f"block size must be at least 2, got {block_size}")
     if pair.drafter is not None:
@@ -59,7 +66,12 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
         torch.manual_seed(seed)
         drafter = drafter.with_heads(heads)
     check_fits(drafter.cfg, target.cfg)
+    if train is not None:
+        train.check_drafter(drafter.cfg)
     draft_vocab = DraftVocab(drafter.draft_ids) if drafter.draft_ids is not None else None
+    if draft_vocab_size is not None and draft_vocab is not None:
+        raise LoopspecError(f"the --init drafter has its own draft vocabulary of {draft_vocab.ids.numel()} tokens "
+                            "(its d2t map): --draft-vocab-size cannot change it")
     if draft_vocab_size and draft_vocab is None:
         if data_dir is None:
             raise LoopspecError("a draft vocabulary size needs the training data to count tokens in")
@@ -167,10 +179,8 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
     trainer = DrafterTrainer(target, drafter, cfg, draft_vocab)
     taps = TapSource(data_dir, trainer, need_logits=cfg.kl_weight > 0,
                      tap_cache=Path(tap_cache) if tap_cache is not None else None)
-    if cfg.heads_only:
+    if cfg.heads_only:  # (a drafter without heads is refused by the trainer: TrainConfig.check_drafter)
         heads = drafter.cfg.kind.heads
-        if not heads:
-            raise LoopspecError("--heads-only trains the DSpark heads: give --markov-rank or --confidence-head")
         for name, p in drafter.named_parameters():  # the backbone's drafts stay the init's
             p.requires_grad_(name.split(".")[0] in heads)
     params = [p for p in drafter.parameters() if p.requires_grad]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from loopspec.errors import LoopspecError
 from loopspec.model.draft_head import confidence_logits
-from loopspec.model.drafter import Drafter
+from loopspec.model.drafter import Drafter, DrafterConfig
 from loopspec.model.target import Target
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -90,7 +90,7 @@ class TrainConfig:
     batch_sequences: int = 4  # sequences per optimizer step
     dpace: bool = False
     kl_weight: float = 0.0  # forward KL to the target's distribution (needs online taps)
-    confidence_weight: float = 1.0  # the confidence head's BCE beside the CE (DSpark drafters)
+    confidence_weight: float | None = None  # the confidence head's BCE beside the CE (None: 1; set, it needs the head)
     heads_only: bool = False  # train the DSpark heads alone: the drafter's own drafts stay as they were
     causal_in_block: bool = False
     loop_stages: int = 0  # DLoop loop-aware training: S-1 ~ U{1..N} extra stages per anchor (0 = DFlash)
@@ -101,6 +101,38 @@ class TrainConfig:
     max_len: int = 1024
     compute_dtype: str = "float32"  # "bfloat16": the drafter's forward and backward under CPU autocast
     #                                 (fp32 master weights; ~1.8x faster matmuls where the CPU has AVX512-BF16)
+
+    def __post_init__(self):
+        if isinstance(self.loop_stages, bool) or not isinstance(self.loop_stages, int) or self.loop_stages < 0:
+            raise LoopspecError(f"loop stages (--loop-stages) must be an integer >= 0 (0: DFlash training), "
+                                f"got {self.loop_stages!r}")
+        if self.confidence_weight is not None and not (math.isfinite(self.confidence_weight)
+                                                       and self.confidence_weight >= 0):
+            raise LoopspecError(f"the confidence weight (--confidence-weight) must be a finite number >= 0, "
+                                f"got {self.confidence_weight}")
+
+    @property
+    def confidence_loss_weight(self) -> float:
+        return 1.0 if self.confidence_weight is None else self.confidence_weight
+
+    def check_init(self, from_init: bool) -> None:
+        """Refuse what needs a trained drafter to start from when there is none (`from_init`: --init)."""
+        if self.heads_only and not from_init:
+            raise LoopspecError("--heads-only trains the DSpark heads over a trained drafter's frozen backbone: "
+                                "it needs --init DIR (without one the backbone is random and stays so)")
+
+    def check_drafter(self, drafter: DrafterConfig) -> None:
+        """Refuse what this config asks of a drafter that cannot take it."""
+        kind = drafter.kind
+        if self.loop_stages and not kind.trains_loop_aware:
+            # a later stage's Markov chain starts from a drafted anchor the data does not hold
+            raise LoopspecError("loop-aware training (--loop-stages) of a drafter with a Markov head is not "
+                                "implemented; train it with --loop-stages 0")
+        if self.heads_only and not kind.heads:
+            raise LoopspecError("--heads-only trains the DSpark heads: give --markov-rank or --confidence-head")
+        if self.confidence_weight is not None and not kind.estimates_acceptance:
+            raise LoopspecError("--confidence-weight weighs a confidence head's loss: this drafter has no confidence "
+                                "head (add --confidence-head)")
 
 
 COMPUTE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
@@ -148,10 +180,7 @@ class DrafterTrainer:
         if cfg.gamma is not None and not (math.isfinite(cfg.gamma) and cfg.gamma > 0):
             # 0 once fell back to the default silently; a decay length must be a positive number
             raise LoopspecError(f"gamma must be a finite number > 0 (or None for the default), got {cfg.gamma}")
-        if cfg.loop_stages and not drafter.cfg.kind.trains_loop_aware:
-            # a later stage's Markov chain starts from a drafted anchor the data does not hold
-            raise LoopspecError("loop-aware training (--loop-stages) of a drafter with a Markov head is not "
-                                "implemented; train it with --loop-stages 0")
+        cfg.check_drafter(drafter.cfg)
         gamma = default_gamma(drafter.cfg.block_size) if cfg.gamma is None else cfg.gamma
         self.first = drafter.cfg.first_draft  # block positions before the first draft (0 or 1)
         self.weights = position_weights(drafter.cfg.drafts_per_block(drafter.cfg.block_size), gamma)
@@ -229,7 +258,7 @@ class DrafterTrainer:
         confidence_logit = confidence_logits(self.drafter, hidden[rows], prev[rows])  # [R], None without the head
         if confidence_logit is not None:
             bce = F.binary_cross_entropy_with_logits(confidence_logit, hit.float(), reduction="none")
-            loss = loss + self.cfg.confidence_weight * (w * bce).sum()
+            loss = loss + self.cfg.confidence_loss_weight * (w * bce).sum()
             # squared error of the estimate against the outcome (Brier score, summed over rows)
             stats["confidence_brier"] = float(((torch.sigmoid(confidence_logit.detach()) - hit.float()) ** 2).sum())
         return loss, float(w.sum()), stats

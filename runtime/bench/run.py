@@ -25,7 +25,7 @@ from loopspec.runtime.bench.peers import (HF_METHODS, LLAMACPP_METHODS, PEER_BAC
                                           llamacpp_peer)
 from loopspec.runtime.bench.plan import BenchOutput, BenchPlan
 from loopspec.runtime.bench.report import results_table
-from loopspec.settings import DRAFTER_METHODS, DecodingSettings
+from loopspec.settings import DRAFTER_METHODS, DecodingSettings, check_knobs_apply, knobs_for
 from loopspec.stats import acceptance_length, tokens_per_verification
 
 
@@ -164,6 +164,9 @@ def run_bench(plan: BenchPlan, choices, knobs: dict | None = None,
     if not choices:
         raise LoopspecError("no engine to bench")
     methods, variants, knobs = plan.methods, plan.variants, dict(knobs or {})
+    # one set of flags for every method: each takes the knobs that apply to it, and a knob that
+    # applies to none of them is refused
+    check_knobs_apply([method for method, _ in variants.values()], knobs)
     datasets = plan.datasets  # everything checked before the long run
     if output.json_out is not None and not Path(output.json_out).resolve().parent.is_dir():
         raise LoopspecError(f"directory for --json does not exist: {Path(output.json_out).parent}")
@@ -183,9 +186,11 @@ def run_bench(plan: BenchPlan, choices, knobs: dict | None = None,
                             "run without --onnx-dir")
     # each engine's decoding settings per method, resolved once (tuned settings are per engine);
     # `ar` always runs: each engine's own plain decoding is what its methods must reproduce
-    decoding = {name: {"ar": p.settings("ar")} | {m: p.settings(method, **(knobs | overrides))
+    decoding = {name: {"ar": p.settings("ar")} | {m: p.settings(method, **knobs_for(method, knobs | overrides))
                                                   for m, (method, overrides) in variants.items()}
                 for name, p in pipes.items()}
+    for settings in decoding[pipe.engine_name].values():
+        settings.check_sampling(plan.params.greedy)
     encoded_sets = {name: [pipe.encode(p, chat=plan.chat) for p in prompts] for name, prompts in datasets.items()}
     for name, encoded in encoded_sets.items():
         too_long = [len(ids) for ids in encoded if len(ids) >= pipe.engine.max_context]
