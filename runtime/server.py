@@ -19,6 +19,7 @@ is the app's `ServerState` (`app.state.server`).
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -57,6 +58,21 @@ class ServeConfig:
     max_stop_strings: int = 4
     read_timeout_s: float = 30.0  # a request (header and body) must arrive whole within this, else 408 and closed
     max_connections: int | None = None  # open connections (None: as many as the open-file limit allows, <= 4096)
+
+    def __post_init__(self):
+        # the CLI's flags refuse the same values; a Python caller gets the same one line
+        for name in ("request_timeout_s", "read_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise LoopspecError(f"ServeConfig.{name} must be a finite number of seconds > 0, got {value!r}")
+        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_json_depth", "max_tokens_limit",
+                     "default_max_tokens", "max_stop_strings"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= (0 if name == "max_stop_strings" else 1)):
+                raise LoopspecError(f"ServeConfig.{name} must be an integer >= "
+                                    f"{0 if name == 'max_stop_strings' else 1}, got {value!r}")
+        if self.prefill_chunk is not None and not (isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 1):
+            raise LoopspecError(f"ServeConfig.prefill_chunk must be an integer >= 1 or None, got {self.prefill_chunk!r}")
 
 
 class ClientGone(Exception):

@@ -878,3 +878,16 @@ def test_serve_refuses_connection_settings_that_cannot_apply(tiny_pair, capsys):
             main(base + [flag, value])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and flag in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("field, value", [("request_timeout_s", float("inf")), ("request_timeout_s", 0),
+                                          ("read_timeout_s", float("nan")), ("max_batch_size", 0),
+                                          ("max_queue", 2.5), ("prefill_chunk", 0), ("max_stop_strings", -1)])
+def test_a_serve_config_that_cannot_serve_is_refused_in_one_line(field, value):
+    """The Python API refuses what the serve flags refuse, naming the field, before any app exists."""
+    from loopspec.errors import LoopspecError
+    from loopspec.runtime.server import ServeConfig
+    from loopspec.settings import DecodingSettings
+
+    with pytest.raises(LoopspecError, match=rf"^ServeConfig\.{field} must be"):
+        ServeConfig(settings=DecodingSettings(), **{field: value})
