@@ -158,3 +158,59 @@ def generated_texts_on_both_backends(target_dir, drafter_dir, onnx_dir, capsys, 
             assert main(argv + backend) == 0
             texts.setdefault(method, []).append(capsys.readouterr().out)
     return texts
+
+
+def greedy_continuations(engine, prompt_list, new_tokens: int) -> list[list[int]]:
+    """What `engine`'s target continues each prompt with in plain decoding: prompt + new tokens."""
+    from loopspec.runtime.decoder import generate
+
+    return [list(p) + generate(engine, list(p), max_new_tokens=new_tokens).tokens for p in prompt_list]
+
+
+def agreeing_drafter(target, prompt_list, *, block_size: int, mask_token_id: int, new_tokens: int = 40,
+                     steps: int = 80, seed: int = 0, also_engines=(), **drafter_options):
+    """A tiny drafter trained in-test until it drafts what `target` continues `prompt_list` with
+    greedily — in PyTorch, and on each of `also_engines` (e.g. an int8 export, whose roundings take
+    other tokens at places, and differently on other CPUs): it overfits those continuations. An
+    identity or batch-invariance test of speculative decoding needs drafts that are accepted: a
+    random drafter's never are, and then every method commits only plain decoding's bonus tokens.
+    `drafter_options`: DrafterConfig's (num_layers 1 unless given)."""
+    import copy
+    import random
+
+    from loopspec.engines.backends import torch_engine
+    from loopspec.model.drafter import Drafter, DrafterConfig
+    from loopspec.train.trainer import DrafterTrainer, TrainConfig
+
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(target.cfg, block_size=block_size, mask_token_id=mask_token_id,
+                                   **{"num_layers": 1, **drafter_options})
+    drafter = Drafter(cfg)
+    # the PyTorch engine packs its modules' linears in place: it gets copies (the drafter is not asked)
+    plain = torch_engine(copy.deepcopy(target), Drafter(DrafterConfig.for_target(target.cfg, block_size=2)))
+    sequences = {}
+    for engine in (plain, *also_engines):
+        for prompt, sequence in zip(prompt_list, greedy_continuations(engine, prompt_list, new_tokens)):
+            sequences[tuple(sequence)] = len(prompt)
+    trainer = DrafterTrainer(target, drafter, TrainConfig(anchors=512))
+    data = []
+    for sequence, prompt_length in sequences.items():
+        tokens = torch.tensor(sequence)
+        # anchors from the prompt's last token on: every round's block, the first one included
+        loss_mask = torch.arange(len(sequence)) >= prompt_length - 1
+        data.append((tokens, loss_mask, trainer.target_pass(tokens, False)[0]))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for tokens, loss_mask, taps in data:
+            loss, _ = trainer.sequence_loss(tokens, loss_mask, taps, rng)
+            (loss / len(data)).backward()
+        optimizer.step()
+    return drafter.eval()
+
+
+def accepted_drafts(results) -> int:
+    """The drafts the target accepted over GenerationResults (or decoder rows): Σ of their stats'
+    accepted_per_round."""
+    return sum(sum(r.stats.accepted_per_round) for r in results)
