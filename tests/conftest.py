@@ -167,14 +167,14 @@ def greedy_continuations(engine, prompt_list, new_tokens: int) -> list[list[int]
     return [list(p) + generate(engine, list(p), max_new_tokens=new_tokens).tokens for p in prompt_list]
 
 
-def agreeing_drafter(target, prompt_list, *, block_size: int, mask_token_id: int, new_tokens: int = 40,
-                     steps: int = 80, seed: int = 0, also_engines=(), **drafter_options):
-    """A tiny drafter trained in-test until it drafts what `target` continues `prompt_list` with
-    greedily — in PyTorch, and on each of `also_engines` (e.g. an int8 export, whose roundings take
-    other tokens at places, and differently on other CPUs): it overfits those continuations. An
-    identity or batch-invariance test of speculative decoding needs drafts that are accepted: a
-    random drafter's never are, and then every method commits only plain decoding's bonus tokens.
-    `drafter_options`: DrafterConfig's (num_layers 1 unless given)."""
+def agreeing_drafter(target, prompt_list, cfg, *, new_tokens: int = 40, steps: int = 80, seed: int = 0,
+                     also_engines=()):
+    """A tiny drafter of `cfg` (a DrafterConfig) trained in-test until it drafts what `target`
+    continues `prompt_list` with greedily — in PyTorch, and on each of `also_engines` (e.g. an int8
+    export, whose roundings take other tokens at places, and differently on other CPUs): it overfits
+    those continuations. An identity or batch-invariance test of speculative decoding needs drafts
+    that are accepted: a random drafter's never are, and then every method commits only plain
+    decoding's bonus tokens."""
     import copy
     import random
 
@@ -183,8 +183,6 @@ def agreeing_drafter(target, prompt_list, *, block_size: int, mask_token_id: int
     from loopspec.train.trainer import DrafterTrainer, TrainConfig
 
     torch.manual_seed(seed)
-    cfg = DrafterConfig.for_target(target.cfg, block_size=block_size, mask_token_id=mask_token_id,
-                                   **{"num_layers": 1, **drafter_options})
     drafter = Drafter(cfg)
     # the PyTorch engine packs its modules' linears in place: it gets copies (the drafter is not asked)
     plain = torch_engine(copy.deepcopy(target), Drafter(DrafterConfig.for_target(target.cfg, block_size=2)))
