@@ -167,27 +167,38 @@ def greedy_continuations(engine, prompt_list, new_tokens: int) -> list[list[int]
     return [list(p) + generate(engine, list(p), max_new_tokens=new_tokens).tokens for p in prompt_list]
 
 
+@torch.no_grad()
+def target_greedy(target, prompt, new_tokens: int) -> list[int]:
+    """prompt + what `target`'s own forward continues it with greedily (the module itself: an engine
+    would pack its linears in place)."""
+    cache = target.new_cache(len(prompt) + new_tokens)
+    tokens = list(prompt)
+    step = torch.tensor([tokens])
+    for _ in range(new_tokens):
+        tokens.append(int(target(step, cache, last_logits_only=True).logits[0, -1].argmax()))
+        step = torch.tensor([tokens[-1:]])
+    return tokens
+
+
 def agreeing_drafter(target, prompt_list, cfg, *, new_tokens: int = 40, steps: int = 80, seed: int = 0,
                      also_engines=()):
     """A tiny drafter of `cfg` (a DrafterConfig) trained in-test until it drafts what `target`
-    continues `prompt_list` with greedily — in PyTorch, and on each of `also_engines` (e.g. an int8
+    continues `prompt_list` with greedily — the module itself, and each of `also_engines` (e.g. an int8
     export, whose roundings take other tokens at places, and differently on other CPUs): it overfits
     those continuations. An identity or batch-invariance test of speculative decoding needs drafts
     that are accepted: a random drafter's never are, and then every method commits only plain
     decoding's bonus tokens."""
-    import copy
     import random
 
-    from loopspec.engines.backends import torch_engine
-    from loopspec.model.drafter import Drafter, DrafterConfig
+    from loopspec.model.drafter import Drafter
     from loopspec.train.trainer import DrafterTrainer, TrainConfig
 
     torch.manual_seed(seed)
     drafter = Drafter(cfg)
-    # the PyTorch engine packs its modules' linears in place: it gets copies (the drafter is not asked)
-    plain = torch_engine(copy.deepcopy(target), Drafter(DrafterConfig.for_target(target.cfg, block_size=2)))
     sequences = {}
-    for engine in (plain, *also_engines):
+    for prompt in prompt_list:
+        sequences[tuple(target_greedy(target, prompt, new_tokens))] = len(prompt)
+    for engine in also_engines:
         for prompt, sequence in zip(prompt_list, greedy_continuations(engine, prompt_list, new_tokens)):
             sequences[tuple(sequence)] = len(prompt)
     trainer = DrafterTrainer(target, drafter, TrainConfig(anchors=512))
