@@ -158,3 +158,68 @@ def generated_texts_on_both_backends(target_dir, drafter_dir, onnx_dir, capsys, 
             assert main(argv + backend) == 0
             texts.setdefault(method, []).append(capsys.readouterr().out)
     return texts
+
+
+def greedy_continuations(engine, prompt_list, new_tokens: int) -> list[list[int]]:
+    """What `engine`'s target continues each prompt with in plain decoding: prompt + new tokens."""
+    from loopspec.runtime.decoder import generate
+
+    return [list(p) + generate(engine, list(p), max_new_tokens=new_tokens).tokens for p in prompt_list]
+
+
+@torch.no_grad()
+def target_greedy(target, prompt, new_tokens: int) -> list[int]:
+    """prompt + what `target`'s own forward continues it with greedily (the module itself: an engine
+    would pack its linears in place)."""
+    cache = target.new_cache(len(prompt) + new_tokens)
+    tokens = list(prompt)
+    step = torch.tensor([tokens])
+    for _ in range(new_tokens):
+        tokens.append(int(target(step, cache, last_logits_only=True).logits[0, -1].argmax()))
+        step = torch.tensor([tokens[-1:]])
+    return tokens
+
+
+def agreeing_drafter(target, prompt_list, cfg, *, new_tokens: int = 40, steps: int = 80, seed: int = 0,
+                     also_engines=()):
+    """A tiny drafter of `cfg` (a DrafterConfig) trained in-test until it drafts what `target`
+    continues `prompt_list` with greedily — the module itself, and each of `also_engines` (e.g. an int8
+    export, whose roundings take other tokens at places, and differently on other CPUs): it overfits
+    those continuations. An identity or batch-invariance test of speculative decoding needs drafts
+    that are accepted: a random drafter's never are, and then every method commits only plain
+    decoding's bonus tokens."""
+    import random
+
+    from loopspec.model.drafter import Drafter
+    from loopspec.train.trainer import DrafterTrainer, TrainConfig
+
+    torch.manual_seed(seed)
+    drafter = Drafter(cfg)
+    sequences = {}
+    for prompt in prompt_list:
+        sequences[tuple(target_greedy(target, prompt, new_tokens))] = len(prompt)
+    for engine in also_engines:
+        for prompt, sequence in zip(prompt_list, greedy_continuations(engine, prompt_list, new_tokens)):
+            sequences[tuple(sequence)] = len(prompt)
+    trainer = DrafterTrainer(target, drafter, TrainConfig(anchors=512))
+    data = []
+    for sequence, prompt_length in sequences.items():
+        tokens = torch.tensor(sequence)
+        # anchors from the prompt's last token on: every round's block, the first one included
+        loss_mask = torch.arange(len(sequence)) >= prompt_length - 1
+        data.append((tokens, loss_mask, trainer.target_pass(tokens, False)[0]))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for tokens, loss_mask, taps in data:
+            loss, _ = trainer.sequence_loss(tokens, loss_mask, taps, rng)
+            (loss / len(data)).backward()
+        optimizer.step()
+    return drafter.eval()
+
+
+def accepted_drafts(results) -> int:
+    """The drafts the target accepted over GenerationResults (or decoder rows): Σ of their stats'
+    accepted_per_round."""
+    return sum(sum(r.stats.accepted_per_round) for r in results)

@@ -12,7 +12,7 @@ from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings as Method
 from loopspec.weights import load_target_dir
 
-from conftest import FAMILIES, lively
+from conftest import FAMILIES, accepted_drafts, agreeing_drafter, lively
 
 METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
            "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
@@ -21,10 +21,9 @@ METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
            "suffix": Method("suffix", block_size=6)}
 
 
-def random_drafter(target, block_size=5, seed=0):
-    torch.manual_seed(seed)
-    cfg = DrafterConfig.for_target(target.cfg, num_layers=2, block_size=block_size, mask_token_id=127)
-    return Drafter(cfg).eval()
+# the fewest drafts the batched rows must have accepted, of their 200 tokens: measured 142 to 168 for the
+# drafter's methods; the suffix index alone copies 3 to 36 (a lively target seldom repeats itself)
+MIN_ACCEPTED = {"ar": 0, "dflash": 80, "dloop": 80, "tree": 80, "dloop-tree": 80, "suffix": 1}
 
 
 def prompts(n, seed=0):
@@ -38,12 +37,17 @@ def alone(engine, prompt, method: Method, max_new_tokens, params=SamplingParams(
                     generator=torch.Generator().manual_seed(seed))
 
 
+GREEDY_PROMPTS = prompts(5, seed=2)
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_targets):
+    """{family: a lively tiny target with a drafter trained to draft its continuations of GREEDY_PROMPTS}."""
     out = {}
     for family in FAMILIES:
         target = lively(load_target_dir(tiny_targets[family]))
-        out[family] = TorchEngine(target, random_drafter(target), max_context=160)
+        cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=5, mask_token_id=127)
+        out[family] = TorchEngine(target, agreeing_drafter(target, GREEDY_PROMPTS, cfg), max_context=160)
     return out
 
 
@@ -78,16 +82,18 @@ def test_ragged_forward_equals_rows_alone(engines):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_batched_greedy_equals_alone(family, name, engines):
     engine, method = engines[family], METHODS[name]
-    ps = prompts(5, seed=2)
+    ps = GREEDY_PROMPTS
     refs = [alone(engine, p, Method(), 40).tokens for p in ps]  # plain autoregressive decoding
     assert len({tuple(r) for r in refs}) == 5 and min(len(set(r)) for r in refs) >= 3
     decoder = Decoder(engine.with_rows(5), method)
     done = decode_all(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)])
     assert [done[i].tokens for i in range(5)] == refs
+    assert accepted_drafts(done.values()) >= MIN_ACCEPTED[name]  # most of it accepted drafts
     if name.startswith("dloop"):
         assert max(max(done[i].stats.stages_per_round) for i in range(5)) == 3
-    if method.tree_budget:  # the trees really branched
-        assert max(max(done[i].stats.nodes_per_round) for i in range(5)) > method.max_drafts
+    if method.tree_budget:  # the trees really branched: a round verified more nodes than its stages' chain
+        assert any(nodes > stages * (method.block_size - 1) for i in range(5)
+                   for nodes, stages in zip(done[i].stats.nodes_per_round, done[i].stats.stages_per_round))
 
 
 def test_admit_and_retire_between_steps(engines):
@@ -223,7 +229,8 @@ def test_batch_level_adaptive_fallback_changes_speed_not_output(engines):
     assert decoder.fallback.switches >= 1
     stages = done[0].stats.stages_per_round
     assert 0 in stages[1:] and max(stages) == 2  # plain rounds (0 stages) between drafted ones
-    assert Decoder(engine.with_rows(1), Method(adaptive=True)).fallback is None  # ar: nothing to adapt
+    with pytest.raises(LoopspecError, match="--adaptive does not apply to method ar"):
+        Method(adaptive=True)  # ar: nothing to adapt, so the setting is refused
 
 
 def test_onnxruntime_engine_batches_its_rows(engines, tiny_targets, tmp_path):

@@ -30,7 +30,7 @@ from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
 from loopspec.settings import DecodingSettings  # noqa: E402
 from loopspec.weights import load_target_dir, read_safetensors_dir, write_safetensors  # noqa: E402
 
-from conftest import save_tiny_target, save_tiny_tokenizer  # noqa: E402
+from conftest import accepted_drafts, agreeing_drafter, save_tiny_target, save_tiny_tokenizer  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 PRECISIONS = ("gguf-fp32act", "gguf-int8act")
@@ -86,16 +86,19 @@ def write_tiny_gguf(target_dir, path, bad_type=None):
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    """(target dir holding the expansion, its GGUF, a random drafter dir) for a tiny llama."""
+    """(target dir holding the expansion, its GGUF, a drafter dir) for a tiny llama; the drafter is
+    trained to draft the target's continuation of IDENTITY_PROMPT (its drafts are accepted)."""
     root = tmp_path_factory.mktemp("gguf")
     target_dir = save_tiny_target("llama", root / "target", seed=3)
     save_tiny_tokenizer(target_dir)
     path = write_tiny_gguf(target_dir, root / "tiny.Q4_1.gguf")
     target = load_target_dir(target_dir)
-    torch.manual_seed(0)
-    Drafter(DrafterConfig.for_target(target.cfg, num_layers=1, block_size=5, mask_token_id=127)).save(
-        root / "drafter", dtype=torch.float32)
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=5, mask_token_id=127)
+    agreeing_drafter(target, [IDENTITY_PROMPT], cfg).save(root / "drafter", dtype=torch.float32)
     return target_dir, path, root / "drafter"
+
+
+IDENTITY_PROMPT = torch.randint(3, 120, (9,), generator=torch.Generator().manual_seed(7)).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -260,17 +263,18 @@ def test_fp32_activations_match_the_fp32_reference(exported):
 def test_ar_dflash_dloop_identical_on_the_block_engines(exported, precision):
     onnx_dir, _ = exported[precision]
     engine = OrtEngine(onnx_dir, 160, num_threads=1)
-    prompt = torch.randint(3, 120, (9,), generator=torch.Generator().manual_seed(7)).tolist()
+    prompt = IDENTITY_PROMPT
     ar = generate(engine, prompt, max_new_tokens=40)
-    dflash = generate(engine, prompt, DecodingSettings("dflash", 5), max_new_tokens=40)
-    dloop = generate(engine, prompt, DecodingSettings("dloop", 5, 3, -1e9), max_new_tokens=40)
-    assert len(ar.tokens) == 40 and dflash.tokens == ar.tokens and dloop.tokens == ar.tokens
-    assert max(dloop.stats.stages_per_round) == 3
-    assert generate(engine, prompt, DecodingSettings("suffix", 6), max_new_tokens=40).tokens == ar.tokens
+    assert len(ar.tokens) == 40
     # draft trees too, on int8 activations included (the order-free softmax: tests/test_invariance.py)
-    tree = DecodingSettings("dflash", 5, tree_budget=8, suffix=True)
     assert not engine.chains_only
-    assert generate(engine, prompt, tree, max_new_tokens=40).tokens == ar.tokens
+    for settings in (DecodingSettings("dflash", 5), DecodingSettings("dloop", 5, 3, -1e9), DecodingSettings("suffix", 6),
+                     DecodingSettings("dflash", 5, tree_budget=8, suffix=True)):
+        result = generate(engine, prompt, settings, max_new_tokens=40)
+        assert result.tokens == ar.tokens, settings
+        assert accepted_drafts([result]) >= 20, (settings, accepted_drafts([result]))  # measured 31 to 36 of 40
+        if settings.method == "dloop":
+            assert max(result.stats.stages_per_round) == 3
 
 
 def test_block_target_leaves_the_reference_alone(tiny_gguf):

@@ -7,13 +7,14 @@ left out of q while the drafts come from the corrected logits) rejected by the s
 tokens independent of its batch; greedy output equal to `ar`'s; bad combinations refused.
 """
 
+import re
 from dataclasses import replace
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from loopspec.decoding import SamplingParams, probabilities, speculative_accept
+from loopspec.decoding import SamplingParams, probabilities, sample, speculative_accept
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig
 from loopspec.runtime.decoder import Decoder, decode_all, generate
@@ -21,10 +22,10 @@ from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings, resolve_settings
 from loopspec.weights import load_target_dir
 
-from conftest import lively
+from conftest import accepted_drafts, agreeing_drafter, lively
 from test_distribution import MASK, P_FAIL, P_PASS, PROMPT, RUNS, T1, V, distribution_target, exact_distribution, \
     gof_pvalue, seeds
-from test_dspark import dspark_drafter, liven_heads
+from test_dspark import dspark_config, liven_heads
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,23 +148,56 @@ def test_negative_control_q_without_the_markov_bias_is_rejected(target, monkeypa
     assert gof_pvalue(counts, exact_distribution(target, PROMPT, N, T1), min_cells=60) < P_FAIL
 
 
+def bonus_from_p(drafts, q, target_logits, params, generator):
+    """The mutant rule: at the first rejection the bonus is drawn from p, not from normalize(max(0, p - q))."""
+    accepted, bonus = speculative_accept(drafts, q, target_logits, params, generator)
+    if accepted < len(drafts):
+        bonus = int(sample(probabilities(target_logits[accepted:accepted + 1], params)[0], generator))
+    return accepted, bonus
+
+
+def q_ignored(drafts, q, target_logits, params, generator):
+    """The mutant rule: a draft accepted with probability p(x), as if q were 1 everywhere (the residual
+    then empty: the bonus from p). Its law is p·(q + 1 - Σ q·p): wrong where q is far from uniform."""
+    return speculative_accept(drafts, torch.ones_like(q), target_logits, params, generator)
+
+
+@pytest.mark.parametrize("mutant", [bonus_from_p, q_ignored])
+def test_a_wrong_real_q_rule_is_rejected(mutant, target, monkeypatch):
+    """Mutation check of the chi-square test above: the decoder's real-q rule replaced by a wrong one
+    (the residual's bonus drawn from p; q ignored) commits tokens the test rejects."""
+    from loopspec.runtime import decoder
+
+    monkeypatch.setattr(decoder, "speculative_accept", mutant)
+    engine = TorchEngine(target, markov_drafter(target), max_context=16)  # its q is far from uniform
+    counts, _ = committed_counts(engine, N, REAL_Q, seeds(21))
+    assert gof_pvalue(counts, exact_distribution(target, PROMPT, N, T1), min_cells=60) < P_FAIL
+
+
 # --------------------------------------------------------------------------------------------------
 # batches, greedy, refusals
-
-
-@pytest.fixture(scope="module")
-def lively_engines(tiny_targets):
-    target = lively(load_target_dir(tiny_targets["qwen3"]))
-    torch.manual_seed(0)
-    plain = Drafter(DrafterConfig.for_target(target.cfg, num_layers=2, block_size=5, mask_token_id=127)).eval()
-    return {"dspark": TorchEngine(target, dspark_drafter(target, head_type="rnn"), max_context=160),
-            "dflash": TorchEngine(target, plain, max_context=160)}
 
 
 def prompts(n, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 120, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
+
+
+BATCH_PROMPTS, GREEDY_PROMPTS = prompts(4, seed=3), prompts(3, seed=5)
+
+
+@pytest.fixture(scope="module")
+def lively_engines(tiny_targets):
+    """A lively tiny target with a DSpark drafter (an RNN Markov head) and a plain DFlash drafter, both
+    trained to draft what the target continues the tests' prompts with (their drafts are accepted).
+    Both have two layers: the engines share the target, whose taps the last engine made sets."""
+    target = lively(load_target_dir(tiny_targets["qwen3"]))
+    taught = BATCH_PROMPTS + GREEDY_PROMPTS
+    plain_cfg = DrafterConfig.for_target(target.cfg, num_layers=2, block_size=5, mask_token_id=127)
+    dspark = agreeing_drafter(target, taught, dspark_config(target.cfg, head_type="rnn"))
+    plain = agreeing_drafter(target, taught, plain_cfg)
+    return {"dspark": TorchEngine(target, dspark, max_context=160), "dflash": TorchEngine(target, plain, max_context=160)}
 
 
 BATCH_SETTINGS = {"dspark": DecodingSettings("dflash", block_size=5, draft_sampling="drafter"),
@@ -176,7 +210,7 @@ def test_a_row_commits_what_it_commits_alone(kind, lively_engines):
     """Rows of different lengths and sampling parameters (a greedy one among them) in one batch:
     each commits, seeded, exactly what the same request commits alone."""
     engine, settings = lively_engines[kind], BATCH_SETTINGS[kind]
-    ps = prompts(4, seed=3)
+    ps = BATCH_PROMPTS
     params = [T1, SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(), SamplingParams(temperature=1.3, top_k=20)]
     alone = [generate(engine, p, settings, max_new_tokens=30, params=q, seed=s)
              for p, q, s in zip(ps, params, (11, 12, 13, 14))]
@@ -193,13 +227,32 @@ def test_a_row_commits_what_it_commits_alone(kind, lively_engines):
                for p, q, s, r in zip(ps, params, (11, 12, 13, 14), alone) if not q.greedy)
 
 
+# so cold that the target's and the drafter's laws are one-hot at their argmax (a logit 1e-3 below the
+# top one has probability e^-100): the real-q rule then commits plain decoding's tokens
+NEAR_GREEDY = SamplingParams(temperature=1e-5)
+
+
 @pytest.mark.parametrize("kind", list(BATCH_SETTINGS))
-def test_greedy_output_equals_ar(kind, lively_engines):
+def test_near_greedy_real_q_commits_what_ar_commits(kind, lively_engines, monkeypatch):
+    """Sampled (not greedy) rows are accepted by the real-q rule, speculative sampling against the
+    drafter's q: at a temperature near 0 both laws are one-hot, a draft is accepted exactly where it
+    is the target's argmax and the residual's bonus is the target's argmax — plain decoding's text,
+    with most of it accepted drafts."""
+    from loopspec.runtime import decoder
+
     engine, settings = lively_engines[kind], BATCH_SETTINGS[kind]
-    for p in prompts(3, seed=5):
+    rounds_by_real_q = []
+    real_rule = decoder.speculative_accept
+    monkeypatch.setattr(decoder, "speculative_accept",
+                        lambda *args: rounds_by_real_q.append(1) or real_rule(*args))  # a spy: counts, changes nothing
+    results = []
+    for p in GREEDY_PROMPTS:
         ref = generate(engine, p, DecodingSettings(), max_new_tokens=40).tokens
-        out = generate(engine, p, settings, max_new_tokens=40)
-        assert out.tokens == ref and sum(out.stats.accepted_per_round) >= 0
+        results.append(generate(engine, p, settings, max_new_tokens=40, params=NEAR_GREEDY, seed=1))
+        assert results[-1].tokens == ref
+    drafting_rounds = sum(nodes > 0 for r in results for nodes in r.stats.nodes_per_round)
+    assert len(rounds_by_real_q) == drafting_rounds > 0  # every round that verified drafts, by the real-q rule
+    assert accepted_drafts(results) >= 50, accepted_drafts(results)
 
 
 def test_bad_combinations_are_refused(lively_engines):
@@ -228,17 +281,48 @@ def test_bad_combinations_are_refused(lively_engines):
         Decoder(other, BATCH_SETTINGS["dspark"])
 
 
-def test_cli_flag(capsys, tiny_pair):
-    from loopspec.cli import main
+@pytest.fixture(scope="module")
+def agreeing_pair(tiny_pair, tmp_path_factory):
+    """tiny_pair's target with a drafter trained to draft its continuation of the CLI test's prompt."""
+    from loopspec.prompts import prompt_ids
+    from loopspec.weights import load_tokenizer
 
-    target, drafter = tiny_pair
-    base = ["generate", "--prompt", "hello world", "--target", str(target), "--drafter", str(drafter),
+    target_dir, _ = tiny_pair
+    target = load_target_dir(target_dir)
+    ids = prompt_ids(load_tokenizer(target_dir), CLI_PROMPT)
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=6, mask_token_id=127)
+    out = tmp_path_factory.mktemp("agreeing") / "drafter"
+    agreeing_drafter(target, [ids], cfg, new_tokens=16).save(out, dtype=torch.float32)
+    return target_dir, out
+
+
+CLI_PROMPT = "hello world"
+
+
+def test_cli_flag(capsys, agreeing_pair, monkeypatch):
+    """`--draft-sampling drafter` from the command line: at a temperature near 0 the real-q rule
+    commits plain decoding's text, most of it accepted drafts (τ over its verifications)."""
+    from loopspec.cli import main
+    from loopspec.runtime import decoder
+
+    target, drafter = agreeing_pair
+    rounds_by_real_q, real_rule = [], decoder.speculative_accept
+    monkeypatch.setattr(decoder, "speculative_accept",
+                        lambda *args: rounds_by_real_q.append(1) or real_rule(*args))  # a spy: counts, changes nothing
+    base = ["generate", "--prompt", CLI_PROMPT, "--target", str(target), "--drafter", str(drafter),
             "--backend", "torch", "--max-new-tokens", "12", "--tree-budget", "0", "--no-suffix"]
-    sampled = ["--temperature", "0.8", "--seed", "3"]
-    assert main(base + ["--method", "dflash", "--draft-sampling", "drafter", *sampled]) == 0
-    assert capsys.readouterr().out.strip()
-    for extra, needle in ((["--draft-sampling", "drafter", "--tree-budget", "4", *sampled], "chain only"),
-                          (["--draft-sampling", "drafter"], "temperature > 0")):  # greedy: it cannot apply
-        assert main(base[:-3] + ["--method", "dflash", *extra]) == 2
+    texts, taus = [], []
+    for extra in (["--method", "ar"], ["--method", "dflash", "--draft-sampling", "drafter",
+                                       "--temperature", str(NEAR_GREEDY.temperature)]):
+        assert main(base + extra) == 0
+        captured = capsys.readouterr()
+        texts.append(captured.out)
+        taus.append(re.search(r"\| tau (\S+) over", captured.err).group(1))
+    assert texts[0].split("\n")[0] == texts[1].split("\n")[0]  # plain decoding's text
+    assert float(taus[0]) == 1.0 and float(taus[1]) >= 3.0, taus  # drafts accepted (a block drafts 5)
+    assert rounds_by_real_q  # by the real-q rule
+    for extra, needle in ((["--tree-budget", "4", "--temperature", "0.8"], "chain only"),
+                          ([], "temperature > 0")):  # greedy: it cannot apply
+        assert main(base[:-3] + ["--method", "dflash", "--draft-sampling", "drafter", *extra]) == 2
         line = capsys.readouterr().err.strip()
         assert line.startswith("loopspec: error: ") and needle in line and "\n" not in line
