@@ -109,3 +109,34 @@ def per_set_table(report: dict) -> str:
                              f"{r['tokens_per_s'] / reference[d]['tokens_per_s']:.2f}×)")
         lines.append(f"| `{method}`, {backend} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def step_table(ours: dict, genai_runs: list[dict]) -> str:
+    """Markdown table of a step grid (`scripts/step_times.py --json`) beside ONNX Runtime GenAI's curve
+    (`scripts/genai_step.py --curve --json`, one or more runs, shown as `a / b`): one line per k new
+    tokens on one row, one column per context; then one line per rows of one token (ours only)."""
+    def at(records: list[dict], k: int, rows: int, context: int) -> float | None:
+        # a multi-row point sits at contexts spread below the nominal one: the nearest nominal context
+        hits = [r["ms"] for r in records if r["k"] == k and r["rows"] == rows
+                and min(contexts, key=lambda c: abs(c - r["context"])) == context]
+        return hits[0] if hits else None
+
+    steps = ours["steps"]
+    contexts = sorted({r["context"] for r in steps if r["rows"] == 1})  # the nominal contexts
+    chains = sorted({r["k"] for r in steps if r["rows"] == 1})
+    rows = sorted({r["rows"] for r in steps if r["k"] == 1})
+    genai_contexts = [c for c in contexts if any(at(run["steps"], 1, 1, c) is not None for run in genai_runs)]
+    header = [f"ours, {c}" for c in contexts] + [f"GenAI int4, {c}" for c in genai_contexts]
+    lines = ["| k new tokens, one row (ms) | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    for k in chains:
+        cells = [_ms(at(steps, k, 1, c)) for c in contexts]
+        cells += [" / ".join(_ms(at(run["steps"], k, 1, c)) for run in genai_runs) for c in genai_contexts]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines += ["", "| rows of one token (ms) | " + " | ".join(f"ours, {c}" for c in contexts) + " |",
+              "|---" * (len(contexts) + 1) + "|"]
+    lines += [f"| {n} | " + " | ".join(_ms(at(steps, 1, n, c)) for c in contexts) + " |" for n in rows]
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
