@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loopspec.runtime.bench.headline import headline_table, per_set_table
+from loopspec.runtime.bench.headline import headline_table, per_set_table, step_table
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -52,6 +52,30 @@ def test_the_headline_ranges_are_computed_per_set():
     assert "reaches 0.50–1.00× of it" in lines[5]  # dflash's 15 of 30 on a, its 22 of 22 on b
     cells = per_set_table(report).splitlines()
     assert cells[3] == "| `dflash`, int8 | 15.0 (2.50 / 1.50, 1.50×) | 22.0 (3.00 / 2.00, 1.10×) |"
+
+
+STEP_RUNS = ["docs/runs/2026-12-05/steps-gguf-int8act.json", "docs/runs/2026-12-05/genai-int4-a.json",
+             "docs/runs/2026-12-05/genai-int4-b.json"]
+
+
+def test_the_benchmarks_page_quotes_the_committed_step_runs():
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert "python scripts/step_table.py " + " ".join(STEP_RUNS) in " ".join(page.split())
+    ours, *genai = [json.loads((ROOT / path).read_text(encoding="utf-8")) for path in STEP_RUNS]
+    assert step_table(ours, genai) in page
+
+
+def test_the_step_table_reads_each_point_once():
+    """Two contexts, chains of 1 and 4, two rows; GenAI's two runs side by side, one context missing."""
+    ours = {"steps": [{"k": 1, "rows": 1, "context": 256, "ms": 10.04}, {"k": 4, "rows": 1, "context": 256, "ms": 12.0},
+                      {"k": 1, "rows": 1, "context": 1024, "ms": 11.0}, {"k": 4, "rows": 1, "context": 1024, "ms": 14.5},
+                      {"k": 1, "rows": 2, "context": 250, "ms": 17.0}, {"k": 1, "rows": 2, "context": 1000, "ms": 19.0}]}
+    genai = [{"steps": [{"k": 1, "rows": 1, "context": 256, "ms": 7.0}, {"k": 4, "rows": 1, "context": 256, "ms": 9.0}]},
+             {"steps": [{"k": 1, "rows": 1, "context": 256, "ms": 7.5}]}]
+    assert step_table(ours, genai).splitlines() == [
+        "| k new tokens, one row (ms) | ours, 256 | ours, 1024 | GenAI int4, 256 |", "|---|---|---|---|",
+        "| 1 | 10.0 | 11.0 | 7.0 / 7.5 |", "| 4 | 12.0 | 14.5 | 9.0 / – |", "",
+        "| rows of one token (ms) | ours, 256 | ours, 1024 |", "|---|---|---|", "| 1 | 10.0 | 11.0 |", "| 2 | 17.0 | 19.0 |"]
 
 
 PATH = re.compile(r"(?<![\w./~-])((?:loopspec|engines|runtime|convert|cli|scripts|tests|docs|data)/[\w./*-]*[\w*])")
