@@ -2,11 +2,12 @@
 (engines/protocol.py) over the exported graphs, bound by the names their EngineSpecs declare.
 
 The engine owns the target's K/V and the drafter's context K/V as `KVCache`s of `max_rows` rows
-with one length per row. Each call passes its rows' prefix as wide as the longest row plus the call's
-tokens (room for the new K/V, which the graph writes after each row's own length) and every row's
-length (the graphs mask the rest; they take dense inputs, so the prefix is copied once per call) and
-writes the K/V the graph returns for the new positions back at each row's own length;
-rollback moves the lengths. A backend supplies `_open` (one runner per engine:
+with one length per row, whose buffers are as wide as the rows need (`SlotGrowth`). Each call passes
+its rows' past at least as wide as the longest row plus the call's tokens (room for the new K/V, which
+the graph writes after each row's own length) and every row's length (the graphs mask the rest). The
+graphs take dense inputs: the past of rows 0..R-1 is the buffer itself, each layer one block, so
+nothing is copied; other rows are copied once per call. The K/V the graph returns for the new
+positions are written back at each row's own length; rollback moves the lengths. A backend supplies `_open` (one runner per engine:
 `run(**tensors) → {output: tensor}`), the buffers' dtype and device; everything else is here.
 """
 
@@ -23,8 +24,12 @@ from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONT
                                     TARGET_VERIFY, EngineSpec, past_feeds, past_width)
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import DrafterConfig, StageDrafts
-from loopspec.model.target import KVCache, TargetConfig
+from loopspec.model.target import KVCache, SlotGrowth, TargetConfig
 from loopspec.weights import read_json
+
+# slots a cache buffer grows by: a call reads at most this many - 1 slots past its rows' need, and the
+# buffers are copied once per this many positions of the longest row
+CACHE_SLOT_STEP = 32
 
 
 def verifies_chains_only(settings: dict) -> bool:
@@ -75,14 +80,24 @@ class ArtifactEngine:
         self.max_rows = max_rows
         self._staging: dict[str, torch.Tensor] = {}  # dense copies of the prefixes a call passes (`_dense`)
         self.cache = KVCache(t.num_layers, max_rows, t.num_kv_heads, self.max_context, t.head_dim,
-                             self._dtype(TARGET_VERIFY, "past_key_0"), self.device)
+                             self._dtype(TARGET_VERIFY, "past_key_0"), self.device, self._growth(TARGET_VERIFY, "past"))
         self.context = (KVCache(d.num_layers, max_rows, d.num_kv_heads, self.max_context, d.head_dim,
-                                self._dtype(DRAFTER_BLOCK, "context_key"), self.device) if d is not None else None)
+                                self._dtype(DRAFTER_BLOCK, "context_key"), self.device,
+                                self._growth(DRAFTER_BLOCK, "context")) if d is not None else None)
 
-    def _dense(self, name: str, view: torch.Tensor) -> torch.Tensor:
-        """`view` (a cache prefix, strided) copied into a dense buffer kept across calls: a fresh
-        allocation every call costs more than the copy (new pages are faulted in and zeroed; measured
-        on the default engine at 16 rows: 16.5 ms a K/V prefix against 7.5 ms into a kept buffer)."""
+    def _growth(self, engine: str, past_dim: str) -> SlotGrowth:
+        # the widest past the engine takes (its spec's range): a TensorRT profile refuses a wider one
+        return SlotGrowth(CACHE_SLOT_STEP, self.manifest.spec(engine).ranges[past_dim][2])
+
+    def _dense(self, name: str, view: torch.Tensor, per_layer: bool) -> torch.Tensor:
+        """`view` (a cache prefix [layers, R, ...]) dense as the graph takes it, each layer on its own
+        (`per_layer`: the target's past) or as a whole: itself when it already is (rows that follow
+        each other, `KVCache.dense_prefix`), else copied into a dense buffer kept
+        across calls: a fresh allocation every call costs more than the copy (new pages are faulted in
+        and zeroed; measured on the default engine at 16 rows: 16.5 ms a K/V prefix against 7.5 ms
+        into a kept buffer)."""
+        if all(layer.is_contiguous() for layer in view) if per_layer else view.is_contiguous():
+            return view
         n, buffer = view.numel(), self._staging.get(name)
         if buffer is None or buffer.numel() < n:
             grown = max(n, 2 * buffer.numel()) if buffer is not None else n
@@ -131,7 +146,7 @@ class ArtifactEngine:
         starts = self.cache.lengths[rows]
         if int((starts + counts).max()) > self.max_context:
             raise LoopspecError(f"sequence of {int((starts + counts).max())} tokens exceeds the context of {self.max_context}")
-        past_key, past_value = self.cache.prefix(rows, past_width(starts, width))  # [L, R, kvh, W, hd], with room
+        past_key, past_value = self.cache.dense_prefix(rows, past_width(starts, width))  # [L, R, kvh, W, hd], with room
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         if tree_masks is None:
             tree_masks = causal.expand(len(tokens), -1, -1)
@@ -144,7 +159,8 @@ class ArtifactEngine:
             input_ids=ids, positions=(starts[:, None] + depths).clamp_max(self.max_context - 1),
             logit_index=torch.arange(width) if all_logits else torch.tensor([max(len(t) for t in tokens) - 1]),
             past_lengths=starts, tree_mask=tree_masks.contiguous(),
-            **past_feeds(self._dense("past_key", past_key), self._dense("past_value", past_value)))
+            **past_feeds(self._dense("past_key", past_key, per_layer=True),
+                         self._dense("past_value", past_value, per_layer=True)))
         self.cache.append(out["new_key"], out["new_value"], rows, counts)
         return out
 
@@ -192,8 +208,9 @@ class ArtifactEngine:
               block_size: int) -> StageDrafts:
         R, k = len(rows), block_size
         lengths = self.context.lengths[rows]  # [R]
-        context_key, context_value = self.context.prefix(rows, past_width(lengths, k))  # with room for the block
-        context_key, context_value = self._dense("context_key", context_key), self._dense("context_value", context_value)
+        context_key, context_value = self.context.dense_prefix(rows, past_width(lengths, k))  # with room for the block
+        context_key = self._dense("context_key", context_key, per_layer=False)
+        context_value = self._dense("context_value", context_value, per_layer=False)
         ids = torch.full((R, k), self.drafter_cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor(anchors)
         out = self.runners[DRAFTER_BLOCK].run(block_ids=ids, positions=torch.tensor(positions)[:, None] + torch.arange(k),

@@ -14,8 +14,8 @@ KV cache layout. The target graph takes the cache's past K/V, one input per laye
 `past_value_i` [B, kvh, W, hd]: a stacked input would be cut into layers, a copy of the whole past
 every call), of dynamic width W with room for the call's new tokens (W >= every row's length + T),
 and returns only the NEW tokens' `new_key`/`new_value` [L, B, kvh, T, hd].
-The runtime keeps ONE static buffer of the maximum length and writes the new K/V at the current
-length; rollback is moving the length, nothing is copied back. Returning the full `present` cache
+The runtime keeps ONE buffer (as wide as its rows need: engines/artifact_engine.py) and writes the
+new K/V at each row's current length; rollback is moving the length, nothing is copied back. Returning the full `present` cache
 instead would make the graph copy the whole cache every step (past + new) and the runtime swap
 buffers, and a graph over the static buffer itself would attend over the full maximum length every
 step. The drafter's context K/V follows the same rule: `drafter_context*` return the new positions'

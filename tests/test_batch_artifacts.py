@@ -121,6 +121,8 @@ def test_batched_calls_match_the_torch_batch_engine(pairs):
         e.target_rollback(kept)
         e.append_context(taps, [2, 1, 4])
     assert ob.cache.lengths[:3].tolist() == ob.context.lengths[:3].tolist() == kept
+    # the past of rows 0..R-1 is passed as the cache buffer itself, never copied
+    assert "past_key" not in ob._staging and ob.cache.slots % 32 == 0 and ob.cache.slots >= max(kept)
     n = kept[1]
     assert torch.allclose(ob.cache.k[:, 1, :, :n], tb.cache.k[:, 1, :, :n], atol=1e-4)
     assert torch.allclose(ob.context.v[:, 2, :, :kept[2]], tb.context.v[:, 2, :, :kept[2]], atol=1e-4)

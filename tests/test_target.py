@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.target import default_target_layer_ids
+from loopspec.model.target import KVCache, SlotGrowth, default_target_layer_ids
 from loopspec.weights import load_target_dir
 
 from conftest import FAMILIES, save_tiny_target
@@ -82,3 +82,46 @@ def test_bad_checkpoints(tmp_path, tiny_targets):
     (tmp_path / "gpt" / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(LoopspecError, match="unsupported architecture"):
         load_target_dir(tmp_path / "gpt")
+
+
+def test_a_growing_cache_holds_what_a_static_one_holds():
+    """Appends, rollbacks, a tree commit and a row swap, crossing several steps of a SlotGrowth both
+    ways: every row's valid slots equal a static cache's; the buffer follows the rows' need."""
+    growth = SlotGrowth(step=8, limit=70, shrink_after=2)
+    static, grown = KVCache(2, 3, 2, 64, 4), KVCache(2, 3, 2, 64, 4, growth=growth)
+    assert grown.slots == 8 and static.slots == 64
+    g = torch.Generator().manual_seed(0)
+
+    def both(op, *args):
+        for cache in (static, grown):
+            getattr(cache, op)(*args)
+
+    for step, (rows, counts) in enumerate([([0, 1, 2], [5, 3, 7]), ([0, 1], [9, 9]), ([2], [20]), ([0, 1, 2], [4, 6, 1])]):
+        T = max(counts)
+        k, v = torch.randn(2, len(rows), 2, T, 4, generator=g), torch.randn(2, len(rows), 2, T, 4, generator=g)
+        both("append", k, v, rows, counts)
+        assert grown.slots % 8 == 0 and grown.slots >= int(grown.lengths.max())
+    both("commit", [10, 10], [[0, 2, 3], [0, 1]])
+    both("swap_rows", 0, 2)
+    assert grown.lengths.tolist() == static.lengths.tolist()
+    for row, n in enumerate(grown.lengths.tolist()):
+        assert torch.equal(grown.k[:, row, :, :n], static.k[:, row, :, :n])
+        assert torch.equal(grown.v[:, row, :, :n], static.v[:, row, :, :n])
+    key, value = grown.dense_prefix([0, 1], int(grown.lengths[:2].max()) + 3)
+    assert all(layer.is_contiguous() and layer.data_ptr() == grown.k[i].data_ptr() for i, layer in enumerate(key))
+    assert key.shape[3] == grown.slots and value.shape[3] == grown.slots
+    wide = grown.slots
+    both("rollback", [2, 1, 0])  # the long rows ended: the buffer narrows on the next call, keeping what is valid
+    kept = grown.k[:, 0, :, :2].clone()
+    grown.dense_prefix([0], 4)
+    assert grown.slots == 8 < wide and torch.equal(grown.k[:, 0, :, :2], kept)
+    with pytest.raises(LoopspecError, match="widest"):
+        grown.dense_prefix([0], 71)
+
+
+def test_slot_growth_rounds_up_to_its_step_and_narrows_only_by_a_margin():
+    growth = SlotGrowth(step=32, limit=1040)
+    assert growth.fit(258, 32) == 288 and growth.fit(288, 288) == 288 and growth.fit(289, 288) == 320
+    assert growth.fit(1030, 1024) == 1040  # never past the engines' widest past
+    assert growth.fit(200, 320) == 320  # within shrink_after steps: kept
+    assert growth.fit(20, 320) == 32
