@@ -46,6 +46,7 @@ class ArtifactEngine:
     backend = ""
     device = torch.device("cpu")
     tree_span = 0  # see engines/protocol.py; a backend that measures its products sets it
+    lone_step_width = MIN_PRODUCT_ROWS  # until measured (_measure_lone_step_width)
     # the exported drafter graph returns its top candidates, not the distribution they come from
     samples_drafts = False
 
@@ -69,6 +70,7 @@ class ArtifactEngine:
         names = [TARGET_VERIFY] + ([DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK] if self.has_drafter else [])
         self.runners = {n: self._open(self.manifest.path(n), self.manifest.spec(n)) for n in names}
         self._new_caches(max_rows)
+        self.lone_step_width = self._measure_lone_step_width()
 
     def _new_caches(self, max_rows: int) -> None:
         if max_rows < 1:
@@ -133,12 +135,41 @@ class ArtifactEngine:
         # [R, width]: each row from its own length; right padding may run past the end (clamped, never stored)
         return (starts[:, None] + torch.arange(width)[None, :]).clamp_max(self.max_context - 1)
 
+    def _measure_lone_step_width(self, probes: int = 2) -> int:
+        """How wide a lone one-token step's call is on this machine: 1 when the target computes, bit
+        for bit, the same logits, K/V and taps for a token alone as for the same token followed by a
+        padding token, on `probes` random contexts; else MIN_PRODUCT_ROWS (a one-row product takes
+        another kernel than a batch's rows: 4-bit MatMulNBits on AVX2 differs in the last bits; on
+        AVX-512 it does not, and the padding token costs 13 % of the step). Measured, not assumed,
+        like tree_span; the cache is left empty."""
+        generator = torch.Generator().manual_seed(0)
+        vocab, same = self.target_cfg.vocab_size, True
+        for probe in range(probes):
+            context = torch.randint(0, vocab, (16 + 8 * probe,), generator=generator).tolist()
+            self.cache.lengths[0] = 0
+            self._target([0], [context], all_logits=False)
+            token = [torch.randint(0, vocab, (1,), generator=generator).tolist()]
+            alone, padded = (self._run_target([0], token, width, all_logits=True) for width in (1, MIN_PRODUCT_ROWS))
+            same = same and all(torch.equal(alone[name][..., :1, :], padded[name][..., :1, :])
+                                for name in ("new_key", "new_value")) and all(
+                torch.equal(alone[name][:, :1], padded[name][:, :1]) for name in ("logits", "taps") if name in alone)
+        self.cache.lengths[0] = 0
+        return 1 if same else MIN_PRODUCT_ROWS
+
     def _target(self, rows: list[int], tokens: list[list[int]], all_logits: bool,
                 tree_masks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """`rows` run their tokens (right-padded) after their own KV — a chain, or the draft trees of
         `tree_masks` [R, T, T] — and the first len(tokens[b]) new K/V of row b are stored at its length."""
-        # a lone one-token step gets a padding token (never stored, never seen): see MIN_PRODUCT_ROWS
-        width = max(max(len(t) for t in tokens), MIN_PRODUCT_ROWS if len(tokens) == 1 else 1)
+        # a lone one-token step gets a padding token (never stored, never seen) where this machine
+        # needs it: see MIN_PRODUCT_ROWS and _measure_lone_step_width
+        width = max(max(len(t) for t in tokens), self.lone_step_width if len(tokens) == 1 else 1)
+        out = self._run_target(rows, tokens, width, all_logits, tree_masks)
+        self.cache.append(out["new_key"], out["new_value"], rows, torch.tensor([len(t) for t in tokens]))
+        return out
+
+    def _run_target(self, rows: list[int], tokens: list[list[int]], width: int, all_logits: bool,
+                    tree_masks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """One target call over `rows`, their tokens right-padded to `width`; nothing is stored."""
         ids = torch.zeros(len(tokens), width, dtype=torch.long)  # [R, T]
         for b, t in enumerate(tokens):
             ids[b, :len(t)] = torch.tensor(t)
@@ -161,7 +192,6 @@ class ArtifactEngine:
             past_lengths=starts, tree_mask=tree_masks.contiguous(),
             **past_feeds(self._dense("past_key", past_key, per_layer=True),
                          self._dense("past_value", past_value, per_layer=True)))
-        self.cache.append(out["new_key"], out["new_value"], rows, counts)
         return out
 
     def prefill(self, row: int, prompt_ids: list[int], want_taps: bool, start: int = 0) -> torch.Tensor:

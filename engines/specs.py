@@ -33,8 +33,9 @@ PAST_KINDS = ("past_key", "past_value")  # target_verify's per-layer past inputs
 MAX_BATCH = 16  # rows per engine call, by default (the server's --max-batch-size must fit)
 # rows × tokens of every target_verify call that continues a sequence: a one-row product takes
 # another kernel than a batch's rows do (measured on AVX2: ONNX Runtime's 4-bit MatMulNBits differs
-# in the last bits between 1 row and ≥ 2, and not among ≥ 2), so a lone one-token step carries one
-# padding token and computes what the same row computes in any batch or verification
+# in the last bits between 1 row and ≥ 2, and not among ≥ 2), so where an engine measures that
+# (ArtifactEngine._measure_lone_step_width), a lone one-token step carries one padding token and
+# computes what the same row computes in any batch or verification
 MIN_PRODUCT_ROWS = 2
 # the batch TensorRT tunes its kernels for: one sequence, the latency path of `generate` and `bench`
 OPT_BATCH = 1

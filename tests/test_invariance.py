@@ -315,21 +315,45 @@ def smallest_target_product(engine, monkeypatch) -> int:
     return min(b * t for b, t in shapes)
 
 
-def test_no_target_product_has_a_single_row(engines, monkeypatch):
-    """A one-row product takes another kernel than a batch's rows (4-bit MatMulNBits on AVX2
-    differs in the last bits), so the engine never sends the target a call of one token and one row:
-    a lone plain-decoding step carries a padding token, and its logits are those of the real token."""
-    assert smallest_target_product(engines["gguf-int8act"], monkeypatch) >= 2
+def lone_token_agrees_with_padded(engine, contexts: int = 4) -> bool:
+    """An oracle for the engine's own measurement, on other contexts and tokens: the target's logits
+    and K/V of a lone token, computed alone and followed by a padding token, are the same bits."""
+    single = engine.with_rows(1)
+    for i, prompt in enumerate(prompts(contexts, seed=31, low=5, high=90)):
+        single.prefill(0, prompt, want_taps=False)
+        alone, padded = (single._run_target([0], [[3 + i]], width, all_logits=True) for width in (1, 2))
+        if not (torch.equal(alone["logits"][:, :1], padded["logits"][:, :1])
+                and torch.equal(alone["new_key"][..., :1, :], padded["new_key"][..., :1, :])):
+            return False
+    return True
 
 
-def test_without_the_padding_token_a_product_has_a_single_row(engines, monkeypatch):
-    """Mutation check of the test above, on any CPU (AVX-512's one-row kernel computes the same bits
-    as a batch's, so there only the calls' shapes show it): with no padding token, lone steps are
-    one-row products."""
-    import loopspec.engines.artifact_engine as artifact_engine
+def test_a_lone_step_is_a_one_row_product_only_where_this_cpu_computes_the_same_bits(engines, monkeypatch):
+    """A one-row product may take another kernel than a batch's rows (4-bit MatMulNBits on AVX2
+    differs in the last bits; on AVX-512 it does not): the engine measures which at load and pads
+    a lone plain-decoding step with one token only where it must; its logits are the real token's."""
+    engine = engines["gguf-int8act"]
+    assert engine.lone_step_width == (1 if lone_token_agrees_with_padded(engine) else 2)
+    assert smallest_target_product(engine, monkeypatch) == engine.lone_step_width
 
-    monkeypatch.setattr(artifact_engine, "MIN_PRODUCT_ROWS", 1)
-    assert smallest_target_product(engines["gguf-int8act"], monkeypatch) == 1
+
+def test_a_lone_step_keeps_its_padding_token_where_a_one_row_product_differs(engines, monkeypatch):
+    """Mutation check of the test above, on any CPU: a target whose one-token, one-row call returns
+    other last bits (as AVX2's one-row kernel does) makes the engine pad every lone step."""
+    engine = engines["gguf-int8act"].with_rows(1)
+    runner = engine.runners["target_verify"]
+    run = runner.run
+
+    def one_row_kernel(**inputs):
+        out = run(**inputs)
+        if tuple(inputs["input_ids"].shape) == (1, 1):
+            out = dict(out, logits=torch.nextafter(out["logits"], torch.full_like(out["logits"], float("inf"))))
+        return out
+
+    monkeypatch.setattr(runner, "run", one_row_kernel)
+    engine.lone_step_width = engine._measure_lone_step_width()
+    assert engine.lone_step_width == 2
+    assert smallest_target_product(engine, monkeypatch) == 2
 
 
 def test_an_int8_export_without_the_order_free_softmax_verifies_chains_only(engines, tmp_path):
