@@ -145,7 +145,10 @@ class ArtifactEngine:
         generator = torch.Generator().manual_seed(0)
         vocab, same = self.target_cfg.vocab_size, True
         for probe in range(probes):
-            context = torch.randint(0, vocab, (16 + 8 * probe,), generator=generator).tolist()
+            length = min(16 + 8 * probe, self.max_context - MIN_PRODUCT_ROWS)  # room for the padded call
+            if length < 1:
+                return MIN_PRODUCT_ROWS
+            context = torch.randint(0, vocab, (length,), generator=generator).tolist()
             self.cache.lengths[0] = 0
             self._target([0], [context], all_logits=False)
             token = [torch.randint(0, vocab, (1,), generator=generator).tolist()]

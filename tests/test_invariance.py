@@ -356,6 +356,16 @@ def test_a_lone_step_keeps_its_padding_token_where_a_one_row_product_differs(eng
     assert smallest_target_product(engine, monkeypatch) == 2
 
 
+def test_an_engine_of_a_short_context_measures_its_lone_step_within_it(engines):
+    """The load-time measurement fits its contexts into the engine's: an engine opened for 6
+    positions loads and decodes what the full one decodes."""
+    full = engines["gguf-int8act"].with_rows(1)
+    short = OrtEngine(full.artifact_dir, 6)
+    assert short.lone_step_width in (1, 2) and int(short.cache.lengths.max()) == 0
+    prompt = prompts(1, 12, 2, 3)[0]
+    assert generate(short, prompt, Method(), max_new_tokens=3).tokens == generate(full, prompt, Method(), max_new_tokens=3).tokens
+
+
 def test_an_int8_export_without_the_order_free_softmax_verifies_chains_only(engines, tmp_path):
     """An int8 export made before the order-free softmax (its manifest does not name it) keeps
     verifying chains only: a draft tree there is refused with the reason, chains still run."""
