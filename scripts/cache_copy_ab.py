@@ -10,23 +10,17 @@ The JSON holds one record per point: {"k", "rows", "context", "copied_ms", "grow
 """
 
 import argparse
-import json
 import statistics
 import time
-from datetime import datetime, timezone
 
 import torch
 from tqdm import tqdm
 
 from loopspec.model.target import KVCache
-from loopspec.runtime.bench.run import cpu_description
+from loopspec.runtime.bench.step_runs import integers, reserve_json, run_record, write_json
 from loopspec.runtime.pipeline import load_pipeline
 
 VOCAB = 49152
-
-
-def integers(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def static_twin(engine, rows: int):
@@ -47,16 +41,13 @@ def main() -> int:
     p.add_argument("--rows", type=integers, default=[4, 8, 16])
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.json:
-        open(args.json, "a").close()  # an unwritable path fails now, not after the run
+    reserve_json(args.json)
     pipe = load_pipeline("default", "default", backend="onnxruntime", precision="gguf-int8act",
                          num_threads=args.threads, max_context=max(args.contexts) + 32)
     most = max(args.rows + [1])
     engines = {"copied": static_twin(pipe.engine, most), "grown": pipe.engine.with_rows(most)}
     g = torch.Generator().manual_seed(0)
-    result = {"engine": pipe.engine_name, "cpu": cpu_description(),
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "threads": args.threads,
-              "calls": args.calls, "max_context": engines["grown"].max_context, "steps": []}
+    result = run_record(pipe.engine_name, args.threads, args.calls, max_context=engines["grown"].max_context)
     points = [(k, 1) for k in args.chains] + [(1, r) for r in args.rows]
     progress = tqdm(total=len(args.contexts) * len(points), desc="cache copy A/B", unit="point")
     for context in args.contexts:
@@ -84,9 +75,7 @@ def main() -> int:
     for s in result["steps"]:
         print(f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: copied {s['copied_ms']:7.2f} ms, "
               f"grown {s['grown_ms']:7.2f} ms ({s['copied_ms'] / s['grown_ms']:.2f}x)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

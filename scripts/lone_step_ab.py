@@ -8,22 +8,16 @@ Run it with nothing else on the machine.
 """
 
 import argparse
-import json
 import statistics
 import time
-from datetime import datetime, timezone
 
 import torch
 
 from loopspec.engines.specs import MIN_PRODUCT_ROWS
-from loopspec.runtime.bench.run import cpu_description
+from loopspec.runtime.bench.step_runs import integers, reserve_json, run_record, write_json
 from loopspec.runtime.pipeline import load_pipeline
 
 VOCAB = 49152
-
-
-def integers(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def main() -> int:
@@ -33,15 +27,12 @@ def main() -> int:
     p.add_argument("--contexts", type=integers, default=[256, 1024])
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.json:
-        open(args.json, "a").close()  # an unwritable path fails now, not after the run
+    reserve_json(args.json)
     pipe = load_pipeline("default", "default", backend="onnxruntime", precision="gguf-int8act",
                          num_threads=args.threads, max_context=max(args.contexts) + 32)
     engine = pipe.engine
     g = torch.Generator().manual_seed(0)
-    result = {"engine": pipe.engine_name, "cpu": cpu_description(),
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "threads": args.threads,
-              "calls": args.calls, "lone_step_width": engine.lone_step_width, "steps": []}
+    result = run_record(pipe.engine_name, args.threads, args.calls, lone_step_width=engine.lone_step_width)
     for context in args.contexts:
         engine.prefill(0, torch.randint(0, VOCAB, (context,), generator=g).tolist(), want_taps=False)
         times, same = {1: [], MIN_PRODUCT_ROWS: []}, True
@@ -61,9 +52,7 @@ def main() -> int:
         print(f"{context:5d} positions: alone {record['alone_ms']:6.2f} ms, with a padding token "
               f"{record['padded_ms']:6.2f} ms, same bits: {same}")
     print(f"the engine's lone step width on this machine: {engine.lone_step_width}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

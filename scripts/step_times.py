@@ -12,15 +12,13 @@ spread over the 10 % below the nominal one, as a server's rows do.
 """
 
 import argparse
-import json
 import statistics
 import time
-from datetime import datetime, timezone
 
 import torch
 from tqdm import tqdm
 
-from loopspec.runtime.bench.run import cpu_description
+from loopspec.runtime.bench.step_runs import integers, reserve_json, run_record, write_json
 from loopspec.runtime.pipeline import load_pipeline
 
 VOCAB = 49152
@@ -35,10 +33,6 @@ def median_ms(call, calls: int) -> float:
     return statistics.median(times)
 
 
-def integers(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--precision", default="gguf-int8act")
@@ -50,15 +44,12 @@ def main() -> int:
     p.add_argument("--prefill-tokens", type=int, default=2000)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.json:
-        open(args.json, "a").close()  # an unwritable path fails now, not after the run
+    reserve_json(args.json)
     pipe = load_pipeline("default", "default", backend="onnxruntime", precision=args.precision,
                          num_threads=args.threads, max_context=max(args.contexts + [args.prefill_tokens]) + 32)
     engine = pipe.engine.with_rows(max(args.rows))
     g = torch.Generator().manual_seed(0)
-    result = {"engine": pipe.engine_name, "cpu": cpu_description(),
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "threads": args.threads, "calls": args.calls,
-              "steps": []}
+    result = run_record(pipe.engine_name, args.threads, args.calls)
     points = len(args.contexts) * (len(args.chains) + len(args.rows))
     progress = tqdm(total=points, desc="step times", unit="point")
     for context in args.contexts:
@@ -92,9 +83,7 @@ def main() -> int:
     for s in result["steps"]:
         print(f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: {s['ms']:7.2f} ms")
     print(f"prefill of {args.prefill_tokens} tokens: {result['prefill']['tokens_per_s']} tokens/s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 
