@@ -38,7 +38,8 @@ from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTE
 from loopspec.errors import LoopspecError
 from loopspec.precisions import REGISTRY
 from loopspec.model.drafter import Drafter, draft_head_weight, draft_stage
-from loopspec.model.target import KVCache, Target
+from loopspec.model.kv_cache import KVCache
+from loopspec.model.target import Target
 
 # per precision: the tolerances of loopspec/precisions.py (those it validates: the ones that have some)
 TOLERANCES = {name: p.tolerance for name, p in REGISTRY.items() if p.tolerance}

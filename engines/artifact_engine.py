@@ -24,7 +24,8 @@ from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONT
                                     TARGET_VERIFY, EngineSpec, past_feeds, past_width)
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import DrafterConfig, StageDrafts
-from loopspec.model.target import KVCache, SlotGrowth, TargetConfig
+from loopspec.model.families import target_config
+from loopspec.model.kv_cache import KVCache, SlotGrowth
 from loopspec.weights import read_json
 
 # slots a cache buffer grows by: a call reads at most this many - 1 slots past its rows' need, and the
@@ -58,7 +59,7 @@ class ArtifactEngine:
         if "tree_mask" not in inputs or "past_key" in inputs:
             raise LoopspecError(f"{self.artifact_dir} was exported by an older loopspec (its target graph takes "
                                 f"{'a stacked past' if 'tree_mask' in inputs else 'no draft-tree mask'}): export it again")
-        self.target_cfg = TargetConfig.from_hf(read_json(self.artifact_dir / "target" / "config.json", "target config"))
+        self.target_cfg = target_config(read_json(self.artifact_dir / "target" / "config.json", "target config"))
         self.drafter_cfg = (DrafterConfig.from_zlab(read_json(self.artifact_dir / "drafter" / "config.json",
                                                               "drafter config"))
                             if self.manifest.has_drafter else None)

@@ -32,7 +32,8 @@ import torch
 
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, StageDrafts, draft_stage
-from loopspec.model.target import KVCache, KVWrite, Target, TargetOutput, attention_mask
+from loopspec.model.kv_cache import KVCache, KVWrite, attention_mask
+from loopspec.model.target import LayerStep, Target, TargetOutput
 
 # verify lengths: 1 (plain decoding) up to a DLoop chain of 4 stages of 16 (61 tokens)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -126,8 +127,8 @@ def target_verify_static(target: Target, cache: KVCache, ids: torch.Tensor, posi
     positions/mask are the eager forward's (as `plan_verify` builds them)."""
     cos, sin = target.rotary(positions)  # [R, T, hd]
     write = KVWrite(slice(0, ids.shape[0]), mask.shape[-1], slots=slots, row_index=row_index, token_index=token_index)
-    return target._stack(target.embed_tokens(ids), cos[:, None], sin[:, None], cache, write, mask[:, None],
-                         want_taps, None)
+    step = LayerStep(cos[:, None], sin[:, None], cache, write, mask[:, None], positions)
+    return target._stack(target.embed_tokens(ids), step, want_taps, None)
 
 
 def drafter_block_static(drafter: Drafter, embed: torch.nn.Module, draft_head: torch.nn.Module,

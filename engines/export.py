@@ -45,11 +45,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopspec.engines.manifest import Manifest, source_hashes, write_manifest
+from loopspec.errors import LoopspecError
 from loopspec.weights import file_sha256
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MAX_BATCH,
                                     TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.model.drafter import DraftHeads, Drafter, draft_head_weight, draft_stage
+from loopspec.model.families import export_refusal
 from loopspec.model.target import Target
 
 
@@ -478,6 +480,9 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     stays `target`'s fp32 one)."""
     import onnx  # noqa: F401  (fail early, with the extra to install)
 
+    refusal = export_refusal(target.cfg, "ONNX")
+    if refusal is not None:
+        raise LoopspecError(refusal)
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     drafter_dir = Path(drafter_dir) if drafter_dir is not None else None
     check_out_dir(out_dir, "manifest.json", "an artifact directory")

@@ -16,6 +16,7 @@ import torch
 from loopspec.errors import LoopspecError
 from loopspec.decoding import DraftSampler
 from loopspec.model.drafter import Drafter, StageDrafts, draft_head_weight, draft_stage, sample_stage
+from loopspec.model.families import target_family
 from loopspec.model.target import Target, inference_linear, pack_linears_for_cpu_
 
 
@@ -29,6 +30,11 @@ class TorchEngine:
                  cuda_graphs: bool = False, max_rows: int = 1):
         if num_threads:
             torch.set_num_threads(num_threads)
+        if cuda_graphs and (target.cfg.experts is not None or target.cfg.linear_attention is not None):
+            raise LoopspecError(f"CUDA graphs replay fixed forwards; a {target.cfg.family} target routes its tokens or "
+                                "steps its recurrent state on the host: run it without --cuda-graphs")
+        # a recurrent state follows one path: draft trees are not verified on such a target (chains are)
+        self.chains_only = not target_family(target.cfg.family).trees
         # inference copies of the weights prepacked for oneDNN (the modules are shared, not copied)
         self.target = pack_linears_for_cpu_(target.eval())
         self.drafter = pack_linears_for_cpu_(drafter.eval()) if drafter is not None else None

@@ -18,6 +18,8 @@ from loopspec.errors import LoopspecError
 # the file helpers, re-exported: callers that load models and read files import both from here
 from loopspec.files import (cache_root, file_sha256, one_line, read_json, read_safetensors,  # noqa: F401
                             read_safetensors_dir, refuse_quantized, write_safetensors)
+from loopspec.model.experts import experts_state
+from loopspec.model.families import new_target, target_config, target_family
 from loopspec.model.target import Target, TargetConfig
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -43,7 +45,8 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
 def hf_to_target_state(hf_state: dict[str, torch.Tensor], cfg: TargetConfig) -> dict[str, torch.Tensor]:
-    """Map HF Llama/Qwen2/Qwen3 tensor names onto `Target`, fusing q/k/v and gate/up."""
+    """Map HF tensor names of `cfg`'s family onto `Target`, fusing q/k/v and gate/up."""
+    layout = target_family(cfg.family).checkpoint
     src = {k.removeprefix("model."): v for k, v in hf_state.items()}
     out: dict[str, torch.Tensor] = {}
 
@@ -60,21 +63,36 @@ def hf_to_target_state(hf_state: dict[str, torch.Tensor], cfg: TargetConfig) -> 
         out["lm_head.weight"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        a = p + "self_attn."
-        out[a + "qkv_proj.weight"] = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"], 0)
-        if cfg.attention_bias:
-            out[a + "qkv_proj.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"], 0)
-            if cfg.family != "qwen2":
-                out[a + "o_proj.bias"] = take(a + "o_proj.bias")
-        out[a + "o_proj.weight"] = take(a + "o_proj.weight")
-        if cfg.qk_norm:
-            out[a + "q_norm.weight"] = take(a + "q_norm.weight")
-            out[a + "k_norm.weight"] = take(a + "k_norm.weight")
+        if cfg.layer_type(i) == "linear_attention":
+            from loopspec.model.qwen3_5 import linear_attention_state
+
+            out.update(linear_attention_state(take, p + "linear_attn.", cfg))
+        else:
+            out.update(attention_state(take, p + "self_attn.", cfg))
         m = p + "mlp."
-        out[m + "gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0)
-        out[m + "down_proj.weight"] = take(m + "down_proj.weight")
+        if cfg.experts is not None and i in cfg.experts.sparse_layers:
+            out.update(experts_state(take, m, cfg.experts, "fused_interleaved" if layout == "gpt_oss" else "per_expert"))
+        else:
+            out[m + "gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0)
+            out[m + "down_proj.weight"] = take(m + "down_proj.weight")
         out[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
         out[p + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    return out
+
+
+def attention_state(take, a: str, cfg: TargetConfig) -> dict[str, torch.Tensor]:
+    """One attention layer's tensors under `a` (`layers.i.self_attn.`), q/k/v fused."""
+    out = {a + "qkv_proj.weight": torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"], 0),
+           a + "o_proj.weight": take(a + "o_proj.weight")}
+    if cfg.attention_bias:
+        out[a + "qkv_proj.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"], 0)
+        if cfg.family != "qwen2":
+            out[a + "o_proj.bias"] = take(a + "o_proj.bias")
+    if cfg.qk_norm:
+        out[a + "q_norm.weight"] = take(a + "q_norm.weight")
+        out[a + "k_norm.weight"] = take(a + "k_norm.weight")
+    if cfg.attention_sinks:
+        out[a + "sinks"] = take(a + "sinks")
     return out
 
 
@@ -87,10 +105,10 @@ def load_target_dir(directory: str | Path, dtype: torch.dtype = torch.float32) -
     refuse_quantized(hf_cfg, directory)
     if hf_cfg.get("mlp_bias"):
         raise LoopspecError("unsupported architecture: mlp_bias=true")
-    cfg = TargetConfig.from_hf(hf_cfg)
+    cfg = target_config(hf_cfg)
     state = hf_to_target_state(read_safetensors_dir(directory), cfg)
     with torch.device("meta"):
-        model = Target(cfg)
+        model = new_target(cfg)
     for name, t in state.items():
         if not torch.is_floating_point(t):
             raise LoopspecError(f"tensor {name} has non-float dtype {t.dtype}")
@@ -186,6 +204,15 @@ class TargetSource:
 
     def __str__(self) -> str:
         return self.name
+
+    def config(self) -> TargetConfig | None:
+        """A checkpoint directory's TargetConfig, read from its config.json before any weight (its
+        family decides which backends run it); None for a GGUF target (read when it is expanded)."""
+        if self.directory is None:
+            return None
+        hf = read_json(self.directory / "config.json", "target config")
+        refuse_quantized(hf, self.directory)
+        return target_config(hf)
 
     @property
     def display_name(self) -> str:

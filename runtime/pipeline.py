@@ -14,6 +14,7 @@ import torch
 from loopspec.decoding import SamplingParams
 from loopspec.errors import InvalidValue, LoopspecError
 from loopspec.model.drafter import Drafter
+from loopspec.model.families import export_refusal
 from loopspec.model.target import Target
 from loopspec.pair import load_pair, stop_token_ids
 from loopspec.precisions import REGISTRY, describe_precision, precision_names
@@ -217,6 +218,7 @@ class EngineChoice:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InvalidValue(f"{name} must be a positive integer (or None for the default), got {value!r}")
         backend = resolve_backend(self.backend, self.device, self.cuda_graphs, self.onnx_dir, self.trt_dir)
+        chosen = self.backend == "auto"
         object.__setattr__(self, "backend", backend)
         if backend not in BACKENDS:
             raise LoopspecError(f"unknown backend {backend!r} (choose from auto, {', '.join(BACKENDS)})")
@@ -234,6 +236,19 @@ class EngineChoice:
                                 "directory carries its mask token")
         if not self.from_artifacts:
             object.__setattr__(self, "target", TargetSource.of(self.target))
+            self._fit_backend_to_target(chosen)
+
+    def _fit_backend_to_target(self, chosen: bool) -> None:
+        """The exported engines build dense full-attention targets only: 'auto' picks PyTorch for the
+        other families; an explicit exported backend is refused in one line (loopspec.model.families)."""
+        cfg = self.target.config()
+        refusal = None if cfg is None or self.backend == "torch" else export_refusal(cfg, self.backend)
+        if refusal is None:
+            return
+        if chosen:  # 'auto' chose it: the family's backend instead
+            object.__setattr__(self, "backend", "torch")
+        else:
+            raise LoopspecError(refusal)
 
     @property
     def from_artifacts(self) -> bool:

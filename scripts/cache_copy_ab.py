@@ -16,7 +16,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from loopspec.model.target import KVCache
+from loopspec.model.kv_cache import KVCache
 from loopspec.runtime.bench.step_runs import integers, reserve_json, run_record, write_json
 from loopspec.runtime.pipeline import load_pipeline
 

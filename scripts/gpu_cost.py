@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from loopspec.model.drafter import Drafter, DrafterConfig, StageDrafts
-from loopspec.model.target import Target, TargetConfig
+from loopspec.model.families import new_target
+from loopspec.model.target import TargetConfig
 from loopspec.engines.cuda_graphs import StaticRunner
 from loopspec.runtime.decoder import Decoder, decode_all
 from loopspec.engines.torch_engine import TorchEngine
@@ -94,7 +95,7 @@ def build(dry_run: bool, device: torch.device, dtype: torch.dtype, block: int, d
     cfg = TargetConfig(**(TINY if dry_run else QWEN3_8B))
     torch.manual_seed(0)
     with torch.device(device):
-        target = Target(cfg).to(dtype).eval()
+        target = new_target(cfg).to(dtype).eval()
         drafter_cfg = DrafterConfig.for_target(cfg, num_layers=drafter_layers, block_size=block,
                                                mask_token_id=cfg.vocab_size - 1)
         drafter = Drafter(drafter_cfg).to(dtype).eval()

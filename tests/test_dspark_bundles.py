@@ -262,12 +262,12 @@ def test_dspark_gguf_drafts_in_llama_server(tmp_path):
     binary = find_llama_server()
     if binary is None:
         pytest.skip(reason=NO_SERVER)
-    from loopspec.model.target import TargetConfig
+    from loopspec.model.families import target_config
     from loopspec.runtime.bench.peers import LlamaServerPeer
     from loopspec.weights import load_tokenizer, resolve_target_dir, target_gguf_path
 
     target_dir = resolve_target_dir("default")
-    tcfg = TargetConfig.from_hf(json.loads((target_dir / "config.json").read_text()))
+    tcfg = target_config(json.loads((target_dir / "config.json").read_text()))
     model = original_for(tcfg)
     drafter_gguf = write_dflash_gguf(model, target_gguf_path("default"), tmp_path / "dspark.gguf")
     peer = LlamaServerPeer(binary, target_gguf_path("default"), drafter_gguf, BLOCK, min(2, os.cpu_count() or 1),

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.target import KVCache, SlotGrowth, default_target_layer_ids
+from loopspec.model.kv_cache import KVCache, SlotGrowth
+from loopspec.model.target import default_target_layer_ids
 from loopspec.weights import load_target_dir
 
 from conftest import FAMILIES, save_tiny_target

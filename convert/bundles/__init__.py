@@ -46,7 +46,7 @@ from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, check_fits, resolve_mask_token_id
 from loopspec.model.drafter_kinds import DrafterKind
-from loopspec.model.target import TargetConfig
+from loopspec.model.families import target_config
 from loopspec.precisions import precision_names
 from loopspec.weights import TargetSource, file_sha256, load_tokenizer, read_json, target_fingerprint
 
@@ -100,7 +100,7 @@ def build_bundle(target: str | Path | TargetSource, drafter: str, out_dir: str |
     target_dir = target_cfg = None
     if hf:
         target_dir = source.checkpoint_dir()
-        target_cfg = TargetConfig.from_hf(read_json(target_dir / "config.json", "target config"))
+        target_cfg = target_config(read_json(target_dir / "config.json", "target config"))
         positions, vocab_size = target_cfg.max_position_embeddings, target_cfg.vocab_size
     else:  # GGUF frameworks alone read nothing but the GGUF
         info = gguf_target_info(source.gguf)

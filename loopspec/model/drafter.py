@@ -34,8 +34,8 @@ from loopspec.model.draft_head import (DRAFT_CANDIDATES, StageDrafts, corrected_
 from loopspec.model.drafter_kinds import (ARCHITECTURE, DEEPSPEC_ARCHITECTURE, MARKOV_HEAD_TYPES,  # noqa: F401
                                           DrafterKind, drafter_kind, require_zlab_block)
 from loopspec.model.dspark import ConfidenceHead, DraftHeads, DSparkHeads, MarkovHead  # noqa: F401
-from loopspec.model.target import (MLP, KVCache, RMSNorm, RotaryTable, TargetConfig, apply_rope,
-                                   default_target_layer_ids)
+from loopspec.model.kv_cache import KVCache
+from loopspec.model.target import MLP, RMSNorm, RotaryTable, TargetConfig, apply_rope, default_target_layer_ids
 
 D2T_FILE = "d2t.safetensors"
 

@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, asdict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loopspec.errors import LoopspecError
+from loopspec.model.kv_cache import KVCache, KVWrite, attention_mask
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 @dataclass
 class TargetConfig:
-    family: str  # llama | qwen2 | qwen3
+    family: str  # the checkpoint's model_type (loopspec.model.families lists them)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -40,49 +41,59 @@ class TargetConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm per head on q and k before RoPE
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    layer_types: list[str] = field(default_factory=list)  # one of LAYER_TYPES per layer; [] = all full attention
+    sliding_window: int | None = None  # a sliding_attention query sees the keys of its last `sliding_window` positions
+    attention_sinks: bool = False  # gpt-oss: one learned logit per head joins every softmax
+    experts: Any = None  # loopspec.model.experts.ExpertsConfig: the MoE feed-forward, or None (dense SwiGLU)
+    linear_attention: Any = None  # a hybrid family's linear-attention layers (loopspec.model.qwen3_5)
 
-    @classmethod
-    def from_hf(cls, hf: dict) -> "TargetConfig":
-        """Build from a Hugging Face `config.json` dict."""
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_FAMILIES:
-            raise LoopspecError(
-                f"unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED_FAMILIES)})"
-            )
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if key not in hf:
-                raise LoopspecError(f"target config.json lacks {key!r}")
-        num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        rope_scaling = None if rope_type == "default" else rope
-        eos = hf.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        default_bias = model_type == "qwen2"
-        return cls(
-            family=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", default_bias) if model_type != "qwen2" else True,
-            qk_norm=model_type == "qwen3",
-            eos_token_ids=eos_ids,
-            bos_token_id=hf.get("bos_token_id"),
-        )
+    def layer_type(self, index: int) -> str:
+        return self.layer_types[index] if self.layer_types else "full_attention"
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def dense_config(hf: dict, **family_fields) -> TargetConfig:
+    """The fields every decoder family shares, read from an HF config dict, plus the family's own."""
+    model_type = hf.get("model_type")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in hf:
+            raise LoopspecError(f"target config.json lacks {key!r}")
+    num_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_scaling = None if rope_type == "default" else rope
+    eos = hf.get("eos_token_id")
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    fields = dict(
+        family=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        attention_bias=hf.get("attention_bias", False),
+        eos_token_ids=eos_ids,
+        bos_token_id=hf.get("bos_token_id"),
+    )
+    fields.update(family_fields)
+    cfg = TargetConfig(**fields)
+    if cfg.layer_types and (len(cfg.layer_types) != cfg.num_layers or set(cfg.layer_types) - set(LAYER_TYPES)):
+        raise LoopspecError(f"target config.json's layer_types must name one of {', '.join(LAYER_TYPES)} for each "
+                            f"of its {cfg.num_layers} layers, got {cfg.layer_types}")
+    if "sliding_attention" in cfg.layer_types and not (cfg.sliding_window or 0) > 0:
+        raise LoopspecError("target config.json has sliding_attention layers but no positive sliding_window")
+    return cfg
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
@@ -134,7 +145,39 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[to
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled), 1.0
-    raise LoopspecError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling)
+    raise LoopspecError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+
+
+def yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: the high frequencies kept, the low ones divided by `factor`, a linear ramp between the
+    dimensions that turn beta_fast and beta_slow times over the original context; cos/sin scaled by
+    0.1·ln(factor) + 1 unless `attention_factor` is given (mscale / mscale_all_dim as their ratio)."""
+    factor = float(scaling["factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def turns_dim(turns: float) -> float:  # the dimension whose wavelength fits `turns` times in old_ctx
+        return head_dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turns_dim(scaling.get("beta_fast") or 32), turns_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (divided by factor)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, float(attention)
 
 
 class RotaryTable(nn.Module):
@@ -220,240 +263,70 @@ def pack_linears_for_cpu_(module: nn.Module) -> nn.Module:
 
 
 # --------------------------------------------------------------------------------------------------
-# KV cache
-
-
-class KVWrite(NamedTuple):
-    """Where one forward's new K/V go in a KVCache, and which key slots its queries see.
-
-    Exactly one form: `start` (every token of every row at slots start.., all rows at one length);
-    `slots` alone (one row, token t at slots[t]: the CUDA-graph replays, whose slots are a static
-    tensor); or `slots` with `row_index`/`token_index` (ragged rows: only real tokens are stored)."""
-
-    rows: slice  # the forward's rows in the cache
-    keys: int  # key slots 0..keys-1 are read (the caller's mask hides what a query must not see)
-    start: int | None = None
-    slots: torch.Tensor | None = None  # [P]
-    row_index: torch.Tensor | None = None  # [P] forward row of each stored (row, token) pair
-    token_index: torch.Tensor | None = None  # [P]
-
-
-def one_block(starts: torch.Tensor, counts: torch.Tensor, width: int) -> int | None:
-    """The common start slot when every row writes all `width` tokens from one length (a dense slice
-    then stores them), else None."""
-    if bool((counts == width).all()) and bool((starts == starts[0]).all()):
-        return int(starts[0])
-    return None
-
-
-def attention_mask(starts: torch.Tensor, width: int, keys: int, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Which of the first `keys` slots each of `width` new tokens sees, its row's new tokens stored
-    from starts[b] [B] on → bool [B, width, keys]: every slot before starts[b] (the committed
-    history) and, among the new tokens, those tree_mask[b, t] marks (default: tokens 0 .. t, the
-    causal chain). Stale slots past a row's tokens are never seen."""
-    rel = torch.arange(keys)[None, :] - starts[:, None]  # [B, keys]: the slot's index among the new tokens
-    if tree_mask is None:
-        new = rel[:, None, :] <= torch.arange(width)[None, :, None]  # [B, T, keys]
-    else:
-        index = rel.clamp(0, width - 1)[:, None, :].expand(-1, width, -1)  # [B, T, keys]
-        new = torch.gather(tree_mask, 2, index) & (rel < width)[:, None, :]
-    return (rel < 0)[:, None, :] | new
-
-
-@dataclass(frozen=True)
-class SlotGrowth:
-    """How a KVCache's buffers follow the rows' lengths: `step` slots at a time, up to `limit` (the
-    widest past a call may pass). Widening copies the valid slots once per `step` new positions of the
-    longest row; every call then reads at most step - 1 slots more than its rows need. A buffer more
-    than `shrink_after` steps wider than the rows need (a long request ended) is narrowed."""
-    step: int
-    limit: int
-    shrink_after: int = 4
-
-    def fit(self, needed: int, slots: int) -> int:
-        if needed > self.limit:
-            raise LoopspecError(f"a past of {needed} slots exceeds the engines' widest ({self.limit})")
-        wanted = min(-(-needed // self.step) * self.step, self.limit)
-        if wanted > slots or slots - wanted >= self.shrink_after * self.step:
-            return wanted
-        return slots
-
-
-class KVCache:
-    """Static K/V buffers [layers, rows, kv_heads, max_length, head_dim] for up to `rows` sequences,
-    each with its own length (`lengths` [rows], on the host). Rolling back is lowering a length.
-
-    The one cache type: the target's KV cache and the drafter's context are both one of these, on
-    every backend. Callers keep their live rows packed at the front (`swap_rows` fills a hole), so
-    a call over rows 0..B-1 reads a view, not a copy."""
-
-    def __init__(self, num_layers: int, rows: int, num_kv_heads: int, max_length: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 growth: "SlotGrowth | None" = None):
-        """growth None: the buffers hold max_length slots from the start, at fixed addresses (what a
-        captured CUDA graph reads). With a SlotGrowth they hold as many slots as the rows need,
-        rounded up to its step, and are reallocated when that changes (`dense_prefix`)."""
-        self.growth = growth
-        slots = max_length if growth is None else growth.step
-        shape = (num_layers, rows, num_kv_heads, slots, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_length = max_length
-        self.lengths = torch.zeros(rows, dtype=torch.long)
-
-    @property
-    def slots(self) -> int:
-        """How many slots the buffers hold per row: max_length, or what the rows need (`growth`)."""
-        return self.k.shape[3]
-
-    def _fit(self, needed: int) -> None:
-        """With `growth`: reallocate the buffers to growth.fit(needed, slots) slots, keeping every
-        row's valid slots; the slots past them start at zero (finite, as a masked slot must be)."""
-        if self.growth is None:
-            return
-        slots = self.growth.fit(max(needed, int(self.lengths.max())), self.slots)
-        if slots == self.slots:
-            return
-        keep = int(self.lengths.max())
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros(old.shape[:3] + (slots,) + old.shape[4:])
-            new[:, :, :, :keep] = old[:, :, :, :keep]
-            setattr(self, name, new)
-
-    @property
-    def rows(self) -> int:
-        return self.k.shape[1]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, rows: list[int] | None = None,
-               counts: torch.Tensor | list[int] | None = None) -> None:
-        """Every layer at once: the first counts[i] entries of k/v [N, R, kvh, T, hd] row i go to cache
-        row rows[i] (default i) at its length, which advances by counts[i] (default T)."""
-        R, T = k.shape[1], k.shape[3]
-        rows = torch.arange(R) if rows is None else torch.as_tensor(rows, dtype=torch.long)
-        counts = torch.full((R,), T) if counts is None else torch.as_tensor(counts, dtype=torch.long)
-        starts = self.lengths[rows]
-        if int((starts + counts).max()) > self.max_length:
-            raise LoopspecError(f"sequence of {int((starts + counts).max())} exceeds the context of {self.max_length}")
-        if int((starts + counts).max()) > self.slots:
-            self._fit(int((starts + counts).max()))
-        first, s = int(rows[0]), one_block(starts, counts, T)
-        if s is not None and rows.tolist() == list(range(first, first + R)):  # one block of slots: a slice
-            self.k[:, first:first + R, :, s:s + T] = k
-            self.v[:, first:first + R, :, s:s + T] = v
-            self.lengths[rows] = starts + counts
-            return
-        i, t = (torch.arange(T)[None, :] < counts[:, None]).nonzero(as_tuple=True)  # valid (row, token) pairs
-        dev = self.k.device
-        slots, dest, i, t = (starts[i] + t).to(dev), rows[i].to(dev), i.to(dev), t.to(dev)
-        self.k[:, dest, :, slots] = k[:, i, :, t].to(self.k.dtype)  # [P, N, kvh, hd] on both sides
-        self.v[:, dest, :, slots] = v[:, i, :, t].to(self.v.dtype)
-        self.lengths[rows] = starts + counts
-
-    def rollback(self, lengths: list[int] | torch.Tensor, rows: list[int] | None = None) -> None:
-        """Rows `rows` (default 0..len(lengths)-1) keep their first lengths[i] slots."""
-        lengths = torch.as_tensor(lengths, dtype=torch.long)
-        rows = torch.arange(lengths.numel()) if rows is None else torch.as_tensor(rows, dtype=torch.long)
-        if bool((lengths < 0).any()) or bool((lengths > self.lengths[rows]).any()):
-            raise ValueError(f"cannot roll a row forward (or below 0): rows {rows.tolist()} of lengths "
-                             f"{self.lengths[rows].tolist()} to {lengths.tolist()}")
-        self.lengths[rows] = lengths
-
-    def commit(self, starts: list[int], kept: list[list[int]]) -> None:
-        """Rows 0..B-1 keep, of the tokens last stored from starts[b] on, those at offsets kept[b]
-        (ascending, from 0: a draft tree's accepted path), moved to slots starts[b], starts[b] + 1, …;
-        the rest is rolled back. A prefix (the chain) moves nothing."""
-        for b, (start, offsets) in enumerate(zip(starts, kept)):
-            if offsets != list(range(len(offsets))):
-                src = torch.tensor(offsets, device=self.k.device) + start
-                dst = torch.arange(len(offsets), device=self.k.device) + start
-                self.k[:, b, :, dst] = self.k[:, b, :, src]  # the gather reads before the scatter writes
-                self.v[:, b, :, dst] = self.v[:, b, :, src]
-        self.rollback([s + len(o) for s, o in zip(starts, kept)])
-
-    def prefix(self, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `width` slots of `rows` → K, V [layers, R, kvh, width, hd] (a view for rows that
-        follow each other); slots past the buffer (room asked for beyond the max length) are zeros."""
-        first = rows[0]
-        if rows == list(range(first, first + len(rows))):
-            k, v = self.k[:, first:first + len(rows), :, :width], self.v[:, first:first + len(rows), :, :width]
-        else:
-            index = torch.tensor(rows, device=self.k.device)
-            k, v = self.k[:, index, :, :width], self.v[:, index, :, :width]
-        if width > self.slots:
-            pad = [0, 0, 0, width - self.slots]  # hd, then the slots
-            k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
-        return k, v
-
-    def dense_prefix(self, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """At least the first `width` slots of `rows`, K, V [layers, R, kvh, W >= width, hd]. With
-        `growth` the buffers are first fitted to the rows and W is all of their slots, so each layer
-        of rows that follow each other is one contiguous block: a call passes the cache itself, not a
-        copy of it (a copy of the whole past every call: 4.6 ms of a 31 ms step at 1024 positions).
-        Slots past a row's length hold anything finite; a call masks them."""
-        if self.growth is None:
-            return self.prefix(rows, width)
-        self._fit(width)
-        return self.prefix(rows, self.slots)
-
-    def swap_rows(self, a: int, b: int) -> None:
-        """Rows a and b exchange their slots and lengths (only the valid slots are copied)."""
-        n, pair = int(self.lengths[[a, b]].max()), [b, a]
-        self.k[:, [a, b], :, :n] = self.k[:, pair, :, :n]  # the gather copies before the write
-        self.v[:, [a, b], :, :n] = self.v[:, pair, :, :n]
-        self.lengths[[a, b]] = self.lengths[pair]
-
-    def plan(self, first_row: int, counts: torch.Tensor, width: int) -> KVWrite:
-        """The write of one forward over rows first_row.. (counts [R] real tokens each, right-padded
-        to `width`): real tokens go at each row's length; padding is never stored."""
-        R = counts.shape[0]
-        rows = slice(first_row, first_row + R)
-        starts = self.lengths[rows]
-        keys = int((starts + counts).max())
-        if keys > self.max_length:
-            raise LoopspecError(f"sequence of {keys} tokens exceeds the context of {self.max_length}")
-        start = one_block(starts, counts, width)
-        if start is not None:
-            return KVWrite(rows, keys, start=start)
-        row_index, token_index = (torch.arange(width)[None, :] < counts[:, None]).nonzero(as_tuple=True)
-        dev = self.k.device
-        return KVWrite(rows, keys, slots=(starts[row_index] + token_index).to(dev), row_index=row_index.to(dev),
-                       token_index=token_index.to(dev))
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, write: KVWrite) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one layer's new k, v [R, kvh, T, hd] as `write` says → the keys/values its queries
-        attend to, [R, kvh, write.keys, hd] (masked per query by the caller)."""
-        cache_k, cache_v = self.k[layer, write.rows], self.v[layer, write.rows]  # views [R, kvh, S, hd]
-        if write.start is not None:
-            cache_k[:, :, write.start:write.start + k.shape[2]] = k
-            cache_v[:, :, write.start:write.start + k.shape[2]] = v
-        elif write.row_index is None:
-            cache_k.index_copy_(2, write.slots, k)
-            cache_v.index_copy_(2, write.slots, v)
-        else:
-            cache_k[write.row_index, :, write.slots] = k[write.row_index, :, write.token_index]  # [P, kvh, hd]
-            cache_v[write.row_index, :, write.slots] = v[write.row_index, :, write.token_index]
-        return cache_k[:, :, :write.keys], cache_v[:, :, :write.keys]
-
-
-# --------------------------------------------------------------------------------------------------
 # Target model
 
 
+class LayerStep:
+    """What every decoder layer of one forward reads besides its input: the rotary cos/sin of the new
+    tokens, the cache and where their K/V go, the attention mask over the first `write.keys` slots and
+    the new tokens' positions. A sliding-window layer asks `mask_for(window)`: the mask with the keys a
+    window drops hidden (built once per forward and window)."""
+
+    def __init__(self, cos, sin, cache: KVCache, write: KVWrite, mask: torch.Tensor | None,
+                 positions: torch.Tensor):
+        self.cos, self.sin = cos, sin  # [B, 1, T, hd]
+        self.cache, self.write = cache, write
+        self.mask = mask  # [B, 1, T, keys] bool, or None: every slot up to the query is seen
+        self.positions = positions  # [B, T] on the models' device
+        self._windowed: dict[int, torch.Tensor] = {}
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer that sees only keys at positions > its query's - window (None: all)."""
+        if window is None:
+            return self.mask
+        if window not in self._windowed:
+            keys = key_positions(self.write, self.positions, self.cache.lengths)  # [B, keys]
+            near = keys[:, None, None, :] > self.positions[:, None, :, None] - window  # [B, 1, T, keys]
+            self._windowed[window] = near if self.mask is None else self.mask & near
+        return self._windowed[window]
+
+
+def key_positions(write: KVWrite, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The position of each of the first `write.keys` slots of the write's rows → [B, keys]: a committed
+    slot's position is its index; a new token's slot holds the new token's position (a tree node sits
+    at its depth, not at its slot)."""
+    B, T = positions.shape
+    keys = torch.arange(write.keys, device=positions.device).expand(B, -1).clone()  # [B, keys]
+    if write.start is not None:
+        width = min(T, write.keys - write.start)
+        keys[:, write.start:write.start + width] = positions[:, :width]
+    elif write.row_index is None:
+        keys[0, write.slots] = positions[0, :write.slots.shape[0]]
+    else:
+        keys[write.row_index, write.slots] = positions[write.row_index, write.token_index]
+    return keys
+
+
 class TargetAttention(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    """Grouped-query attention over the cache; `window` (sliding-window layers) hides keys more than
+    window - 1 positions back; `sinks` (one learned logit per head) joins every softmax as a column
+    whose probability is dropped, so a query may attend to nothing."""
+
+    def __init__(self, cfg: TargetConfig, window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.split = (q_out, kv_out, kv_out)
+        self.window = window
         # q, k and v fused into one matmul (one weight read, one kernel launch)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         # Llama/Qwen3 `attention_bias` also covers o_proj; Qwen2 has bias on q/k/v only
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.attention_bias and cfg.family != "qwen2")
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
 
-    def forward(self, x, cos, sin, cache: KVCache, write: KVWrite, layer: int, mask):
+    def forward(self, x: torch.Tensor, step: LayerStep, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, hd]
@@ -461,23 +334,50 @@ class TargetAttention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.store(layer, k, v, write)  # [B, kvh, S, hd]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        keys, values = step.cache.store(layer, k, v, step.write)  # [B, kvh, S, hd]
+        mask = step.mask_for(self.window)
+        if self.sinks is None:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        else:
+            out = sink_attention(q, keys, values, mask, self.sinks)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
+def sink_attention(q, keys, values, mask, sinks):
+    """softmax([q·k / sqrt(hd) ; sink]) without the sink's column, times V. q [B, h, T, hd],
+    keys/values [B, kvh, S, hd], mask [B, 1, T, S] or None, sinks [h] → [B, h, T, hd]."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [B, h, S, hd]
+    scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, h, T, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)  # [B, h, T, 1]
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return probs @ values
+
+
 class TargetLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    """Pre-norm decoder layer: a token mixer (attention, full or windowed, or a family's linear
+    attention) and a feed-forward (SwiGLU, or a family's mixture of experts), as the family's record
+    builds them (loopspec.model.families.new_target)."""
+
+    def __init__(self, cfg: TargetConfig, index: int, mixer: nn.Module, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = TargetAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = mlp
+        self.mixer_name = mixer_name(cfg, index)
+        setattr(self, self.mixer_name, mixer)
 
-    def forward(self, x, cos, sin, cache, write, layer, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, write, layer, mask)
+    def forward(self, x: torch.Tensor, step: LayerStep, layer: int) -> torch.Tensor:
+        x = x + getattr(self, self.mixer_name)(self.input_layernorm(x), step, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def mixer_name(cfg: TargetConfig, index: int) -> str:
+    """The token mixer's module name in checkpoints: `linear_attn` for linear attention, else `self_attn`."""
+    return "linear_attn" if cfg.layer_type(index) == "linear_attention" else "self_attn"
 
 
 class TargetOutput(NamedTuple):
@@ -486,11 +386,14 @@ class TargetOutput(NamedTuple):
 
 
 class Target(nn.Module):
-    def __init__(self, cfg: TargetConfig, target_layer_ids: list[int] | None = None):
+    """The decoder: embedding, `layers` (TargetLayers, built by the family: loopspec.model.families.new_target),
+    final norm and lm_head."""
+
+    def __init__(self, cfg: TargetConfig, layers: list[TargetLayer], target_layer_ids: list[int] | None = None):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TargetLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -534,25 +437,25 @@ class Target(nn.Module):
         starts = cache.lengths[write.rows]
         offsets = torch.arange(T)[None, :] if tree_mask is None else tree_mask.sum(-1) - 1  # [B or 1, T]
         positions = starts[:, None] + offsets  # [B, T]
-        cos, sin = self.rotary(positions.clamp_max(cache.max_length - 1).to(dev))  # padding may run past the end
+        positions = positions.clamp_max(cache.max_length - 1).to(dev)  # padding may run past the end
+        cos, sin = self.rotary(positions)
         mask = None  # one query per row at one length sees every slot up to itself: no mask needed
         if T > 1 or write.start is None or tree_mask is not None:
             mask = attention_mask(starts, T, write.keys, tree_mask)[:, None].to(dev)  # [B, 1, T, keys]
         last = (counts - 1).to(dev) if last_logits_only else None
-        out = self._stack(self.embed_tokens(input_ids), cos[:, None], sin[:, None], cache, write, mask, want_taps,
-                          last)
+        out = self._stack(self.embed_tokens(input_ids), LayerStep(cos[:, None], sin[:, None], cache, write, mask,
+                                                                  positions), want_taps, last)
         cache.lengths[write.rows] = starts + counts
         return out
 
-    def _stack(self, x, cos, sin, cache: KVCache, write: KVWrite, mask, want_taps: bool,
-               last_index: torch.Tensor | None) -> TargetOutput:
+    def _stack(self, x, step: LayerStep, want_taps: bool, last_index: torch.Tensor | None) -> TargetOutput:
         """The decoder layers, final norm and lm_head over embeddings x [B, T, H]; logits at every
         position, or only at each row's `last_index` [B]."""
         tapped = set(self.target_layer_ids) if want_taps else set()
         taps: dict[int, torch.Tensor] = {}
         last = self.cfg.num_layers - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, write, i, mask)
+            x = layer(x, step, i)
             if i in tapped:
                 taps[i] = x
         x = self.norm(x)
