@@ -72,6 +72,10 @@ def read_json(path: Path, what: str) -> dict:
 def refuse_quantized(config: dict, directory: str | Path) -> None:
     """A modelopt FP8/NVFP4 checkpoint holds packed weights and scales that fp32 modules would misread."""
     quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":  # gpt-oss as published
+        raise LoopspecError(f"{directory} holds MXFP4 expert weights; load it dequantized (transformers: "
+                            "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then "
+                            "save_pretrained) and pass that directory")
     if quant:
         algo = quant.get("quant_algo", "quantized") if isinstance(quant, dict) else "quantized"
         raise LoopspecError(f"{directory} is a {algo} checkpoint for TensorRT-LLM / vLLM / SGLang; here run its "

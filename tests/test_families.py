@@ -234,3 +234,59 @@ def test_bad_family_checkpoints_are_refused_in_one_line(family_dirs, tmp_path):
         (d / "config.json").write_text(json.dumps(config))
         with pytest.raises(LoopspecError, match=match):
             load_target_dir(d)
+
+
+def test_backends_follow_the_family(family_dirs, tmp_path):
+    """'auto' runs a MoE target on PyTorch; naming the ONNX Runtime backend, or exporting it, is
+    refused in one line before anything is written; a published MXFP4 checkpoint is refused with what
+    to do instead."""
+    from loopspec.convert.onnx_export import convert_onnx
+    from loopspec.runtime.pipeline import EngineChoice
+
+    pytest.importorskip("onnx", reason="needs onnx: pip install 'loopspec[onnx]'")
+    directory = family_dirs["qwen3_moe"]
+    assert EngineChoice(target=str(directory), drafter="none").backend == "torch"
+    with pytest.raises(LoopspecError, match="onnxruntime engine is not built for qwen3_moe"):
+        EngineChoice(target=str(directory), drafter="none", backend="onnxruntime")
+    with pytest.raises(LoopspecError, match="ONNX engine is not built for gpt_oss"):
+        convert_onnx(load_target_dir(family_dirs["gpt_oss"]), None, tmp_path / "out", target_dir=family_dirs["gpt_oss"],
+                     max_context=64, validate=False)
+    assert not (tmp_path / "out").exists()
+    mxfp4 = tmp_path / "mxfp4"
+    mxfp4.mkdir()
+    config = json.loads((family_dirs["gpt_oss"] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (mxfp4 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoopspecError, match="MXFP4 expert weights; load it dequantized"):
+        load_target_dir(mxfp4)
+
+
+def test_bundles_name_the_family_for_every_reader(family_dirs, tmp_path):
+    """A serving bundle of a MoE target keeps its config and adds the keys transformers-4 readers take
+    (`num_experts` for Qwen3-MoE, `rope_scaling` for gpt-oss's YaRN) beside transformers 5's, so each
+    engine builds the same model; the llama.cpp bundle, which serves a GGUF, refuses a directory."""
+    from conftest import save_tiny_tokenizer
+    from loopspec.convert.bundles import build_bundle
+    from loopspec.model.drafter import Drafter
+
+    for family in NEW_FAMILIES:
+        target_dir = tmp_path / f"{family}-target"
+        target_dir.mkdir()
+        for f in family_dirs[family].iterdir():
+            (target_dir / f.name).write_bytes(f.read_bytes())
+        save_tiny_tokenizer(target_dir)
+        cfg = DrafterConfig.for_target(load_target_dir(target_dir).cfg, num_layers=1, block_size=4, mask_token_id=127)
+        Drafter(cfg).save(tmp_path / f"{family}-drafter")
+        out = tmp_path / f"{family}-bundle"
+        build_bundle(str(target_dir), str(tmp_path / f"{family}-drafter"), out, "trtllm,vllm,sglang")
+        source = json.loads((target_dir / "config.json").read_text())
+        exported = json.loads((out / "target" / "config.json").read_text())
+        assert exported["model_type"] == family and {k: exported[k] for k in source if k != "dtype"} == \
+            {k: v for k, v in source.items() if k != "dtype"}
+        if family == "qwen3_moe":
+            assert exported["num_experts"] == source["num_local_experts"] == 4
+        else:
+            assert exported["rope_scaling"]["rope_type"] == "yarn" and exported["rope_scaling"]["factor"] == 32.0
+        assert load_target_dir(out / "target").cfg == load_target_dir(target_dir).cfg
+        with pytest.raises(LoopspecError, match="serves a GGUF target"):
+            build_bundle(str(target_dir), str(tmp_path / f"{family}-drafter"), tmp_path / "cpp", "llamacpp")

@@ -68,12 +68,19 @@ def export_target(src: Path, dst: Path, dtype: torch.dtype) -> None:
 
 
 def with_rope_theta(cfg: dict) -> dict:
-    """A transformers-5 config (θ only inside `rope_parameters`) with `rope_theta` beside it: frameworks
-    built on transformers 4 read θ from `rope_theta` and would otherwise fall back to 10000."""
-    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
-    if cfg.get("rope_theta") is None and theta is not None:
-        cfg = {**cfg, "rope_theta": theta}
-    return cfg
+    """A transformers-5 config with the keys readers built on transformers 4 take instead, beside the
+    new ones: `rope_theta` (θ is only inside `rope_parameters`; they would fall back to 10000),
+    `rope_scaling` for a scaled RoPE (llama3, YaRN: they would run plain RoPE), and Qwen3-MoE's
+    `num_experts` (saved as `num_local_experts`: they would build a dense model)."""
+    rope = cfg.get("rope_parameters") or {}
+    extra = {}
+    if cfg.get("rope_theta") is None and rope.get("rope_theta") is not None:
+        extra["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and cfg.get("rope_scaling") is None:
+        extra["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if cfg.get("model_type") == "qwen3_moe" and cfg.get("num_experts") is None and "num_local_experts" in cfg:
+        extra["num_experts"] = cfg["num_local_experts"]
+    return {**cfg, **extra}
 
 
 def add_rope_theta(config_path: Path) -> None:
