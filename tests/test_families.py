@@ -24,11 +24,12 @@ from conftest import accepted_drafts, agreeing_drafter
 WINDOW = 8
 
 
-def tiny_family_config(family: str):
+def tiny_family_config(family: str, **overrides):
     from transformers import GptOssConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, max_position_embeddings=2048, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
+    common.update(overrides)
     if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), the others 4 experts, 2 per token
         return Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=32, num_experts=4,
                               num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
@@ -290,3 +291,56 @@ def test_bundles_name_the_family_for_every_reader(family_dirs, tmp_path):
         assert load_target_dir(out / "target").cfg == load_target_dir(target_dir).cfg
         with pytest.raises(LoopspecError, match="serves a GGUF target"):
             build_bundle(str(target_dir), str(tmp_path / f"{family}-drafter"), tmp_path / "cpp", "llamacpp")
+
+
+@pytest.fixture(scope="module")
+def law_engines(tmp_path_factory):
+    """{family: an engine over a vocabulary-8 target of the family with a random drafter}: the exact
+    law of a short continuation is computable by enumeration."""
+    from test_distribution import MASK, V
+    from transformers import AutoModelForCausalLM
+
+    from loopspec.model.drafter import Drafter
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a vocabulary-8 model runs fastest on one thread
+    out = {}
+    for i, family in enumerate(NEW_FAMILIES):
+        config = tiny_family_config(family, vocab_size=V, hidden_size=32, num_hidden_layers=2, eos_token_id=None)
+        torch.manual_seed(i)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():  # moderate entropies: the context matters, no token dominates
+            for name, p in model.named_parameters():
+                if "embed" in name:
+                    p.normal_(0.0, 1.0)
+                elif "lm_head" in name:
+                    p.normal_(0.0, 0.35)
+                elif "router" in name or "gate.weight" in name:
+                    p.normal_(0.0, 1.0)
+        directory = tmp_path_factory.mktemp(family)
+        model.save_pretrained(str(directory))
+        target = load_target_dir(directory)
+        drafter = Drafter(DrafterConfig.for_target(target.cfg, num_layers=1, block_size=4, mask_token_id=MASK)).eval()
+        out[family] = TorchEngine(target, drafter, max_context=16)
+    yield out
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_sampling_at_temperature_one_follows_the_target_law(family, law_engines):
+    """T = 1: the 3-token continuations that speculative decoding commits (the first round verifies
+    one draft, accepted in some runs and rejected in others) pass a chi-square test against the
+    target's exact law; the same loop sampling at T = 0.7 (the negative control) is rejected."""
+    from test_distribution import P_FAIL, P_PASS, PROMPT, RUNS, T1, exact_distribution, gof_pvalue, sample_counts, seeds
+
+    from loopspec.decoding import SamplingParams
+
+    engine = law_engines[family]
+    exact = exact_distribution(engine.target, PROMPT, 3, T1)
+    assert float(exact.max()) < 0.2  # no continuation dominates: the test has power
+    counts, rounds = sample_counts(engine, 3, T1, block_size=4, seeds=seeds(20))
+    accepted = sum(r[0] for r in rounds)
+    assert 0.1 * RUNS < accepted < 0.9 * RUNS, accepted
+    assert gof_pvalue(counts, exact, min_cells=40) > P_PASS
+    counts, _ = sample_counts(engine, 3, SamplingParams(temperature=0.7), block_size=4, seeds=seeds(21, RUNS // 2))
+    assert gof_pvalue(counts, exact) < P_FAIL
