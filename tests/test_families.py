@@ -344,3 +344,22 @@ def test_sampling_at_temperature_one_follows_the_target_law(family, law_engines)
     assert gof_pvalue(counts, exact, min_cells=40) > P_PASS
     counts, _ = sample_counts(engine, 3, SamplingParams(temperature=0.7), block_size=4, seeds=seeds(21, RUNS // 2))
     assert gof_pvalue(counts, exact) < P_FAIL
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_dense_families_match_transformers_past_the_original_context(family, dtype, tolerance, tiny_targets):
+    """The dense families at the same bounds, over 100 positions: the tiny Llama's RoPE is Llama-3.1's
+    (`rope_type: llama3`, original context 64), so positions past it are compared too."""
+    directory = tiny_targets[family]
+    if family == "llama":
+        rope = json.loads((directory / "config.json").read_text())["rope_parameters"]
+        assert rope["rope_type"] == "llama3" and rope["original_max_position_embeddings"] == 64
+    ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(4))
+    ref_logits, ref_hidden = hf_outputs(directory, ids, dtype)
+    target = load_target_dir(directory, dtype=dtype)
+    target.set_taps([0, 3, 5])
+    out = target(ids, target.new_cache(128))
+    assert (out.logits - ref_logits).abs().max() <= tolerance * ref_logits.abs().max()
+    ref_taps = torch.cat([ref_hidden[i + 1] for i in (0, 3, 5)], dim=-1)
+    assert (out.taps - ref_taps).abs().max() <= tolerance * ref_taps.abs().max()
