@@ -5,7 +5,8 @@
 #
 #   scripts/build_llama_server.sh [PREFIX]        # PREFIX defaults to ./llamacpp
 #
-# Leaves PREFIX/bin/llama-server; point `loopspec bench --llama-server PREFIX/bin/llama-server` at it
+# Leaves PREFIX/bin/llama-server and PREFIX/bin/llama-bench (the step timings beside loopspec's:
+# scripts/step_times.py --llama-bench); point `loopspec bench --llama-server PREFIX/bin/llama-server` at it
 # (or put it on PATH). The sdist's own convert_hf_to_gguf.py and gguf-py are kept under PREFIX/src.
 set -euo pipefail
 
@@ -17,7 +18,7 @@ JOBS=${JOBS:-$(nproc)}
 mkdir -p "$PREFIX/src" "$PREFIX/bin"
 cd "$PREFIX/src"
 if [ ! -d "llama_cpp_python-$VERSION" ]; then
-  "$PYTHON" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d .
+  "$PYTHON" -m pip download --quiet --no-binary llama-cpp-python --no-deps "llama-cpp-python==$VERSION" -d .
   tar xzf "llama_cpp_python-$VERSION.tar.gz"
 fi
 SRC="$PREFIX/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
@@ -26,7 +27,7 @@ SRC="$PREFIX/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 cmake -S "$SRC" -B "$PREFIX/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-cmake --build "$PREFIX/build" --target llama-server -j "$JOBS"
-cp "$PREFIX/build/bin/llama-server" "$PREFIX/bin/llama-server"
+cmake --build "$PREFIX/build" --target llama-server llama-bench -j "$JOBS"
+cp "$PREFIX/build/bin/llama-server" "$PREFIX/build/bin/llama-bench" "$PREFIX/bin/"
 "$PREFIX/bin/llama-server" --version 2>&1 | head -n 2
-echo "built $PREFIX/bin/llama-server"
+echo "built $PREFIX/bin/llama-server and $PREFIX/bin/llama-bench"

@@ -4,16 +4,29 @@ default), then the prefill of a long prompt (tokens/s). Median of repeated calls
 so every call sees the same context. Run it with nothing else on the machine.
 
     python scripts/step_times.py [--precision gguf-int8act] [--threads 2] [--calls 40] \
-        [--contexts 256,1024] [--chains 1,2,4,8,16] [--rows 1,4,8,16] [--json FILE]
+        [--contexts 256,1024] [--chains 1,2,4,8,16] [--rows 1,4,8,16] [--json FILE] \
+        [--llama-bench PATH] [--genai-python PY --genai-model DIR]
 
 The JSON holds one record per measured point: {"k": new tokens per row, "rows": rows, "context":
 positions already in each row's cache, "ms": median step}; rows of a multi-row point sit at contexts
 spread over the 10 % below the nominal one, as a server's rows do.
+
+Peers in the same run, after loopspec's grid (neither is a dependency), each under "peers" in the
+JSON with the same fields for one row: `--llama-bench` (llama.cpp's, built by
+scripts/build_llama_server.sh) on the default GGUF — k = 1 from its token-generation test at each
+depth, k > 1 from its prompt test of k tokens at that depth (-p k -n 0 -d context), with `--no-repack`
+where this CPU has AMX (llama.cpp's AMX repacking crashes at load here); `--genai-python` /
+`--genai-model`: ONNX Runtime GenAI's int4 build (its builder's output directory), timed by
+scripts/genai_step.py --curve in the Python of its own environment.
 """
 
 import argparse
+import json
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -33,6 +46,45 @@ def median_ms(call, calls: int) -> float:
     return statistics.median(times)
 
 
+def cpu_has_amx() -> bool:
+    return " amx_tile" in Path("/proc/cpuinfo").read_text()
+
+
+def llama_bench_curve(binary: str, gguf: str, threads: int, contexts: list[int], chains: list[int],
+                      repetitions: int) -> dict:
+    """llama-bench's step at each context: k = 1 from a 16-token generation test (ms per token), k > 1
+    from a k-token prompt test (ms per batch), both at that depth."""
+    batches = [k for k in chains if k > 1]
+    command = [binary, "-m", gguf, "-t", str(threads), "-r", str(repetitions), "-o", "json",
+               "-d", ",".join(map(str, contexts)), "-p", ",".join(map(str, batches or [0])), "-n", "16"]
+    if cpu_has_amx():
+        command.append("--no-repack")
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    steps = []
+    for test in json.loads(out):
+        n_prompt, n_gen, depth, per_s = test["n_prompt"], test["n_gen"], test["n_depth"], test["avg_ts"]
+        if n_gen == 0 and n_prompt in batches:
+            steps.append({"k": n_prompt, "rows": 1, "context": depth, "ms": round(1000 * n_prompt / per_s, 2)})
+        elif n_prompt == 0 and n_gen > 0 and 1 in chains:
+            steps.append({"k": 1, "rows": 1, "context": depth, "ms": round(1000 / per_s, 2)})
+    build = json.loads(out)[0]
+    return {"command": " ".join(command), "build": f"{build.get('build_commit', '?')} ({build.get('build_number', '?')})",
+            "steps": sorted(steps, key=lambda s: (s["context"], s["k"]))}
+
+
+def genai_curve(python: str, model: str, contexts: list[int], chains: list[int], calls: int) -> dict:
+    """scripts/genai_step.py --curve in GenAI's own environment → its JSON (version, steps)."""
+    script = Path(__file__).with_name("genai_step.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        ids, out = Path(tmp) / "ids.json", Path(tmp) / "genai.json"
+        ids.write_text(json.dumps([[100 + i for i in range(32)]]))  # one short prompt: its warm-up
+        subprocess.run([python, str(script), "--model", model, "--ids", str(ids), "--max-new-tokens", "16", "--curve",
+                        "--contexts", ",".join(map(str, contexts)), "--chains", ",".join(map(str, chains)),
+                        "--calls", str(calls), "--json", str(out)], check=True)
+        result = json.loads(out.read_text())
+    return {"version": result.get("version"), "model": model, "steps": result["steps"]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--precision", default="gguf-int8act")
@@ -43,7 +95,12 @@ def main() -> int:
     p.add_argument("--rows", type=integers, default=[1, 4, 8, 16])
     p.add_argument("--prefill-tokens", type=int, default=2000)
     p.add_argument("--json", default=None)
+    p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench: its step on the default GGUF, after ours")
+    p.add_argument("--genai-python", metavar="PY", help="the Python of an environment with onnxruntime-genai")
+    p.add_argument("--genai-model", metavar="DIR", help="GenAI's int4 build of the default target (its builder's output)")
     args = p.parse_args()
+    if (args.genai_python is None) != (args.genai_model is None):
+        p.error("--genai-python and --genai-model go together")
     reserve_json(args.json)
     pipe = load_pipeline("default", "default", backend="onnxruntime", precision=args.precision,
                          num_threads=args.threads, max_context=max(args.contexts + [args.prefill_tokens]) + 32)
@@ -83,6 +140,18 @@ def main() -> int:
     for s in result["steps"]:
         print(f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: {s['ms']:7.2f} ms")
     print(f"prefill of {args.prefill_tokens} tokens: {result['prefill']['tokens_per_s']} tokens/s")
+    result["peers"] = {}
+    if args.llama_bench:
+        from loopspec.weights import default_gguf_path
+
+        result["peers"]["llama.cpp"] = llama_bench_curve(args.llama_bench, str(default_gguf_path()), args.threads,
+                                                         args.contexts, args.chains, repetitions=5)
+    if args.genai_python:
+        result["peers"]["onnxruntime-genai"] = genai_curve(args.genai_python, args.genai_model, args.contexts,
+                                                           args.chains, args.calls)
+    for name, peer in result["peers"].items():
+        for s in peer["steps"]:
+            print(f"{name}: k {s['k']:2d} at {s['context']:5d} positions: {s['ms']:7.2f} ms")
     write_json(args.json, result)
     return 0
 
