@@ -14,7 +14,7 @@ spread over the 10 % below the nominal one, as a server's rows do.
 Peers in the same run, after loopspec's grid (neither is a dependency), each under "peers" in the
 JSON with the same fields for one row: `--llama-bench` (llama.cpp's, built by
 scripts/build_llama_server.sh) on the default GGUF — k = 1 from its token-generation test at each
-depth, k > 1 from its prompt test of k tokens at that depth (-p k -n 0 -d context), with `--no-repack`
+depth, k > 1 from its prompt test of k tokens at that depth (-p k -n 0 -d context), with `--repack 0`
 where this CPU has AMX (llama.cpp's AMX repacking crashes at load here); `--genai-python` /
 `--genai-model`: ONNX Runtime GenAI's int4 build (its builder's output directory), timed by
 scripts/genai_step.py --curve in the Python of its own environment.
@@ -58,7 +58,7 @@ def llama_bench_curve(binary: str, gguf: str, threads: int, contexts: list[int],
     command = [binary, "-m", gguf, "-t", str(threads), "-r", str(repetitions), "-o", "json",
                "-d", ",".join(map(str, contexts)), "-p", ",".join(map(str, batches or [0])), "-n", "16"]
     if cpu_has_amx():
-        command.append("--no-repack")
+        command += ["--repack", "0"]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     steps = []
     for test in json.loads(out):
