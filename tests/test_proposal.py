@@ -67,7 +67,8 @@ def test_the_suffix_branch_is_what_the_settings_say_and_the_chains_only_guard_se
 
     text = [5, 6, 7, 8, 9, 10, 5, 6, 7]
     chains_only = SimpleNamespace(has_drafter=True, chains_only=True, precision="int8", samples_drafts=True,
-                                  drafter_cfg=ZLAB, max_context=100)
+                                  drafter_cfg=ZLAB, max_context=100,
+                                  target_cfg=SimpleNamespace(family="qwen3", linear_attention=None))
     policy_alone = DecodingSettings("dflash", 8, suffix_first=4)
     check_engine_runs(chains_only, policy_alone)  # chains only: accepted
     assert not policy_alone.verifies_trees and not policy_alone.suffix_branch

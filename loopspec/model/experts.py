@@ -1,8 +1,9 @@
-"""Mixture-of-experts feed-forward of the MoE target families (Qwen3-MoE, gpt-oss).
+"""Mixture-of-experts feed-forward of the MoE target families (Qwen3-MoE, gpt-oss, Qwen3.5-MoE).
 
 A router scores every expert per token; each token runs its top-k experts (SwiGLU each) and sums
-their outputs weighted by the routing probabilities. Routing is per token: a row's tokens pick the
-same experts alone or batched, and only the tokens routed to an expert run it.
+their outputs weighted by the routing probabilities; Qwen3.5-MoE adds a shared expert every token
+runs, scaled by a sigmoid gate of its own. Routing is per token: a row's tokens pick the same
+experts alone or batched, and only the tokens routed to an expert run it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ExpertsConfig:
     bias: bool = False  # gpt-oss: router and experts carry biases
     activation: str = "swiglu"  # silu(gate) * up | gpt-oss: clamped, (up + 1) * gate * sigmoid(1.702 gate)
     swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, |up| <= limit
+    shared_intermediate_size: int = 0  # Qwen3.5-MoE: a shared SwiGLU of this width, × sigmoid(shared gate); 0: none
 
     def __post_init__(self):
         if self.routing not in ROUTINGS or self.activation not in ACTIVATIONS:
@@ -41,7 +43,8 @@ class ExpertsConfig:
 
 class SparseExperts(nn.Module):
     """The experts of one layer: `router` [E, H] (+ bias), `gate_up` [E, 2I, H] (gate rows first),
-    `down` [E, H, I], and with `bias` gate_up_bias [E, 2I], down_bias [E, H]."""
+    `down` [E, H, I], and with `bias` gate_up_bias [E, 2I], down_bias [E, H]; with a shared expert
+    `shared_gate_up` [2Is, H], `shared_down` [H, Is] and `shared_gate` [1, H]."""
 
     def __init__(self, hidden: int, cfg: ExpertsConfig):
         super().__init__()
@@ -52,6 +55,10 @@ class SparseExperts(nn.Module):
         self.down = nn.Parameter(torch.zeros(E, hidden, I))
         self.gate_up_bias = nn.Parameter(torch.zeros(E, 2 * I)) if cfg.bias else None
         self.down_bias = nn.Parameter(torch.zeros(E, hidden)) if cfg.bias else None
+        shared = cfg.shared_intermediate_size
+        self.shared_gate_up = nn.Linear(hidden, 2 * shared, bias=False) if shared else None
+        self.shared_down = nn.Linear(shared, hidden, bias=False) if shared else None
+        self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] → each token's experts [N, k] and their weights [N, k]."""
@@ -75,6 +82,9 @@ class SparseExperts(nn.Module):
             h = F.linear(x[token], self.gate_up[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
             h = F.linear(self.activate(h), self.down[e], None if self.down_bias is None else self.down_bias[e])
             out.index_add_(0, token, h * weights[token, slot, None])
+        if self.shared_down is not None:
+            gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared_down(F.silu(gate) * up)
         return out.view(shape)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -90,7 +100,8 @@ def experts_state(take: Callable[[str], torch.Tensor], prefix: str, cfg: Experts
                   layout: str) -> dict[str, torch.Tensor]:
     """One layer's expert tensors from a checkpoint (`take(name)` refuses a missing one) → SparseExperts'
     names under `prefix` (`layers.i.mlp.`). layout "per_expert": `experts.{e}.{gate,up,down}_proj.weight`
-    and the router `gate.weight` (Qwen3-MoE); "fused_interleaved": `experts.gate_up_proj` [E, H, 2I]
+    and the router `gate.weight` (Qwen3-MoE; Qwen3.5-MoE with `shared_expert.*` and `shared_expert_gate`);
+    "fused_interleaved": `experts.gate_up_proj` [E, H, 2I]
     with gate and up columns interleaved, `experts.down_proj` [E, I, H], biases, `router.*` (gpt-oss)."""
     E, I = cfg.num_experts, cfg.intermediate_size
     out: dict[str, torch.Tensor] = {}
@@ -100,6 +111,12 @@ def experts_state(take: Callable[[str], torch.Tensor], prefix: str, cfg: Experts
             torch.cat([take(prefix + f"experts.{e}.gate_proj.weight"), take(prefix + f"experts.{e}.up_proj.weight")])
             for e in range(E)])  # [E, 2I, H]
         out[prefix + "down"] = torch.stack([take(prefix + f"experts.{e}.down_proj.weight") for e in range(E)])
+        if cfg.shared_intermediate_size:  # Qwen3.5-MoE
+            shared = prefix + "shared_expert."
+            out[prefix + "shared_gate_up.weight"] = torch.cat([take(shared + "gate_proj.weight"),
+                                                               take(shared + "up_proj.weight")])
+            out[prefix + "shared_down.weight"] = take(shared + "down_proj.weight")
+            out[prefix + "shared_gate.weight"] = take(prefix + "shared_expert_gate.weight")
     elif layout == "fused_interleaved":
         out[prefix + "router.weight"] = take(prefix + "router.weight")
         out[prefix + "router.bias"] = take(prefix + "router.bias")

@@ -16,6 +16,7 @@ from torch import nn
 
 from loopspec.errors import LoopspecError
 from loopspec.model.experts import ExpertsConfig, SparseExperts
+from loopspec.model.qwen3_5 import GatedDeltaNet, read_qwen3_5_config
 from loopspec.model.target import MLP, Target, TargetAttention, TargetConfig, TargetLayer, dense_config
 
 
@@ -78,6 +79,12 @@ FAMILIES: dict[str, TargetFamily] = {f.model_type: f for f in (
     TargetFamily("qwen3", _qwen3, "dense", exported=True),
     TargetFamily("qwen3_moe", _qwen3_moe, "qwen3_moe", exported=False),
     TargetFamily("gpt_oss", _gpt_oss, "gpt_oss", exported=False),
+    # Qwen3.5: published as the multimodal model (its decoder under text_config and model.language_model.),
+    # saved text-only as qwen3_5_text; both read as family qwen3_5 (Qwen3.5-MoE: qwen3_5_moe)
+    TargetFamily("qwen3_5", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
+    TargetFamily("qwen3_5_text", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
+    TargetFamily("qwen3_5_moe", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
+    TargetFamily("qwen3_5_moe_text", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
 )}
 
 
@@ -113,8 +120,6 @@ def layer_modules(cfg: TargetConfig, index: int) -> tuple[nn.Module, nn.Module]:
     """Layer `index`'s token mixer and feed-forward, as the config declares them."""
     kind = cfg.layer_type(index)
     if kind == "linear_attention":
-        from loopspec.model.qwen3_5 import GatedDeltaNet  # the hybrid family builds on this file too
-
         mixer = GatedDeltaNet(cfg)
     else:
         mixer = TargetAttention(cfg, window=cfg.sliding_window if kind == "sliding_attention" else None)

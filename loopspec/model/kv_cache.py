@@ -1,5 +1,6 @@
 """The one KV cache type: static K/V buffers with a length per row, the target's and the drafter
-context's on every backend; where one forward's new K/V go (KVWrite) and which slots its queries see."""
+context's on every backend; where one forward's new K/V go (KVWrite) and which slots its queries see.
+A hybrid target's cache (RecurrentCache) is one too, holding its linear-attention layers' states besides."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ from typing import NamedTuple
 import torch
 
 from loopspec.errors import LoopspecError
-
-
 
 
 class KVWrite(NamedTuple):
@@ -224,3 +223,123 @@ class KVCache:
             cache_k[write.row_index, :, write.slots] = k[write.row_index, :, write.token_index]  # [P, kvh, hd]
             cache_v[write.row_index, :, write.slots] = v[write.row_index, :, write.token_index]
         return cache_k[:, :, :write.keys], cache_v[:, :, :write.keys]
+
+
+class RecurrentCache(KVCache):
+    """A hybrid target's cache: K/V buffers for its attention layers only and, for each linear-attention
+    layer, every row's conv state (the last conv_kernel - 1 inputs of its causal conv, in the model's
+    dtype) and recurrent state (fp32, as the delta rule runs), valid at the row's `state_lengths`.
+
+    A state is tied to a length. A forward that starts at a row's length other than its state length
+    first restores the state kept at that length: length 0 is the zero state (a new request), any
+    other must lie inside the row's latest forward, which kept the state before and after each of its
+    tokens (when it `keep_states`: every forward that returns each position's logits, up to
+    `snapshot_window` tokens); else it refuses in one line. So rolling back stays lowering a length,
+    as for the KV cache. A recurrent state follows one path: `commit` keeps chains, not tree paths.
+
+    `dims` is the family's linear-attention config (conv_kernel, conv_dim, num_value_heads,
+    key_head_dim, value_head_dim)."""
+
+    def __init__(self, linear: list[bool], dims, rows: int, num_kv_heads: int, max_length: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", snapshot_window: int = 64):
+        attention = [i for i, is_linear in enumerate(linear) if not is_linear]
+        super().__init__(len(attention), rows, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
+        self.kv_slot = {layer: slot for slot, layer in enumerate(attention)}
+        self.state_slot = {layer: slot for slot, layer in enumerate(i for i, is_linear in enumerate(linear) if is_linear)}
+        n, self.conv_width = len(self.state_slot), dims.conv_kernel - 1
+        self.conv = torch.zeros(n, rows, dims.conv_dim, self.conv_width, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(n, rows, dims.num_value_heads, dims.key_head_dim, dims.value_head_dim,
+                                     dtype=torch.float32, device=device)
+        self.state_lengths = torch.zeros(rows, dtype=torch.long)
+        self.snapshot_window = snapshot_window
+        # what the rows' latest forwards kept: conv inputs [n, rows, conv_dim, conv_width + S - 1] and
+        # states [n, rows, S, Hv, dk, dv], slot j holding length kept_from[r] + j up to kept_to[r];
+        # S grows to the widest forward that kept its states (+ 1)
+        self.conv_kept = self.conv[:, :, :, :0].clone()
+        self.recurrent_kept = self.recurrent[:, :, None][:, :, :0].clone()
+        self.kept_from = torch.zeros(rows, dtype=torch.long)
+        self.kept_to = torch.full((rows,), -1, dtype=torch.long)  # below kept_from: nothing kept
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, write: KVWrite) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().store(self.kv_slot[layer], k, v, write)
+
+    def plan(self, first_row: int, counts: torch.Tensor, width: int) -> KVWrite:
+        write = super().plan(first_row, counts, width)
+        for row in range(first_row, first_row + counts.shape[0]):
+            self._restore(row)
+        return write
+
+    def _restore(self, row: int) -> None:
+        """The row's states at its length: kept, or zero at length 0."""
+        length = int(self.lengths[row])
+        if length == int(self.state_lengths[row]):
+            return
+        if length == 0:
+            self.conv[:, row] = 0
+            self.recurrent[:, row] = 0
+        elif int(self.kept_from[row]) <= length <= int(self.kept_to[row]):
+            j = length - int(self.kept_from[row])
+            self.conv[:, row] = self.conv_kept[:, row, :, j:j + self.conv_width]
+            self.recurrent[:, row] = self.recurrent_kept[:, row, j]
+        else:
+            kept = (f"lengths {int(self.kept_from[row])}..{int(self.kept_to[row])}"
+                    if self.kept_to[row] >= self.kept_from[row] else "none")
+            raise LoopspecError(f"row {row}'s linear-attention state at length {length} is not kept (it is at "
+                                f"{int(self.state_lengths[row])}; its latest forward kept {kept}): a hybrid target "
+                                "rolls back only inside its latest forward")
+        self.state_lengths[row] = length
+
+    def states(self, layer: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s conv states [R, conv_dim, conv_width] and recurrent states [R, Hv, dk, dv] of
+        `rows`, at their lengths (views)."""
+        slot = self.state_slot[layer]
+        return self.conv[slot, rows], self.recurrent[slot, rows]
+
+    def kept_states(self, layer: int, rows: slice, width: int) -> torch.Tensor | None:
+        """Where a forward of `width` tokens writes the recurrent states it keeps, [R, width + 1, Hv, dk,
+        dv]: slot j, the state after j tokens; None past the snapshot window (nothing kept)."""
+        if width > self.snapshot_window:
+            return None
+        if self.recurrent_kept.shape[2] < width + 1:  # grown once to the widest such forward
+            for name, dim, grow in (("recurrent_kept", 2, width + 1), ("conv_kept", 3, self.conv_width + width)):
+                old = getattr(self, name)
+                shape = list(old.shape)
+                shape[dim] = grow
+                # a normal tensor even inside an inference-mode forward: swap_rows writes it outside one
+                with torch.inference_mode(False):
+                    new = torch.zeros(shape, dtype=old.dtype, device=old.device)
+                    new.narrow(dim, 0, old.shape[dim]).copy_(old)
+                setattr(self, name, new)
+        return self.recurrent_kept[self.state_slot[layer], rows, :width + 1]
+
+    def keep(self, layer: int, rows: slice, window: torch.Tensor, final: torch.Tensor, counts: torch.Tensor,
+             kept: bool) -> None:
+        """After layer `layer` ran a forward over `rows` from their lengths: the conv inputs it saw, window
+        [R, conv_dim, conv_width + T] (the states before the forward, then the T new inputs), and its
+        final recurrent states [R, Hv, dk, dv] become the rows' states at length + counts [R] (host);
+        `kept`: the states inside the forward were written to kept_states and stay restorable."""
+        slot, starts = self.state_slot[layer], self.lengths[rows]
+        R, C, _ = window.shape
+        index = counts.to(window.device)[:, None, None] + torch.arange(self.conv_width, device=window.device)
+        self.conv[slot, rows] = torch.gather(window, 2, index.expand(R, C, -1))  # each row's last inputs
+        self.recurrent[slot, rows] = final
+        if kept:
+            self.conv_kept[slot, rows, :, :window.shape[2]] = window
+        self.state_lengths[rows] = starts + counts
+        self.kept_from[rows] = starts
+        self.kept_to[rows] = starts + counts if kept else starts - 1
+
+    def commit(self, starts: list[int], kept: list[list[int]]) -> None:
+        if any(offsets != list(range(len(offsets))) for offsets in kept):
+            raise LoopspecError("a linear-attention state follows one path: a hybrid target keeps verified chains, "
+                                "not draft-tree paths (verify chains: --tree-budget 0 --no-suffix)")
+        super().commit(starts, kept)
+
+    def swap_rows(self, a: int, b: int) -> None:
+        super().swap_rows(a, b)
+        pair = [b, a]
+        for name in ("conv", "recurrent", "conv_kept", "recurrent_kept"):
+            buffer = getattr(self, name)
+            buffer[:, [a, b]] = buffer[:, pair]  # the gather copies before the write
+        for lengths in (self.state_lengths, self.kept_from, self.kept_to):
+            lengths[[a, b]] = lengths[pair]

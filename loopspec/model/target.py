@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopspec.errors import LoopspecError
-from loopspec.model.kv_cache import KVCache, KVWrite, attention_mask
+from loopspec.model.kv_cache import KVCache, KVWrite, RecurrentCache, attention_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
@@ -39,6 +39,9 @@ class TargetConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
     qk_norm: bool = False  # Qwen3: RMSNorm per head on q and k before RoPE
+    attention_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate per head; output × sigmoid(gate)
+    partial_rotary_factor: float = 1.0  # Qwen3.5: RoPE turns the first head_dim × factor dims of each head
+    norm_plus_one: bool = False  # Qwen3.5: every RMSNorm scales by (1 + weight), computed in fp32
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     layer_types: list[str] = field(default_factory=list)  # one of LAYER_TYPES per layer; [] = all full attention
@@ -49,6 +52,11 @@ class TargetConfig:
 
     def layer_type(self, index: int) -> str:
         return self.layer_types[index] if self.layer_types else "full_attention"
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE turns (all of them but with partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,6 +130,27 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class PlusOneRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm: normalised in fp32, scaled by (1 + weight) in fp32, then cast back — the
+    weight is stored as checkpoints hold it (zero-centred); the 1 is added at every call so that a
+    16-bit model rounds as transformers' does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+def new_norm(cfg: TargetConfig, dim: int) -> nn.Module:
+    """The family's RMSNorm over `dim` features."""
+    return PlusOneRMSNorm(dim, cfg.rms_norm_eps) if cfg.norm_plus_one else RMSNorm(dim, cfg.rms_norm_eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -203,6 +232,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE over the first cos.shape[-1] dims of each head, the rest passed through (partial rotary)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+
+
 class MLP(nn.Module):
     """SwiGLU with gate and up fused into one matmul."""
 
@@ -270,14 +307,18 @@ class LayerStep:
     """What every decoder layer of one forward reads besides its input: the rotary cos/sin of the new
     tokens, the cache and where their K/V go, the attention mask over the first `write.keys` slots and
     the new tokens' positions. A sliding-window layer asks `mask_for(window)`: the mask with the keys a
-    window drops hidden (built once per forward and window)."""
+    window drops hidden (built once per forward and window). A linear-attention layer reads `counts`
+    (its padding must not advance a row's state) and `keep_states` (whether the cache keeps the state
+    after each new token, so that the forward can be rolled back inside)."""
 
     def __init__(self, cos, sin, cache: KVCache, write: KVWrite, mask: torch.Tensor | None,
-                 positions: torch.Tensor):
-        self.cos, self.sin = cos, sin  # [B, 1, T, hd]
+                 positions: torch.Tensor, counts: torch.Tensor | None = None, keep_states: bool = False):
+        self.cos, self.sin = cos, sin  # [B, 1, T, rotary dims]
         self.cache, self.write = cache, write
         self.mask = mask  # [B, 1, T, keys] bool, or None: every slot up to the query is seen
         self.positions = positions  # [B, T] on the models' device
+        self.counts = counts  # [B] real tokens per row (host), None: every row all T
+        self.keep_states = keep_states
         self._windowed: dict[int, torch.Tensor] = {}
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
@@ -316,32 +357,40 @@ class TargetAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split = (q_out, kv_out, kv_out)
+        self.gated = cfg.attention_output_gate  # q_proj's rows: per head, hd of query then hd of gate
+        self.split = (2 * q_out if self.gated else q_out, kv_out, kv_out)
         self.window = window
         # q, k and v fused into one matmul (one weight read, one kernel launch)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
         # Llama/Qwen3 `attention_bias` also covers o_proj; Qwen2 has bias on q/k/v only
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.attention_bias and cfg.family != "qwen2")
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = new_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = new_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
 
     def forward(self, x: torch.Tensor, step: LayerStep, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [B, T, h, hd] each
+            q, gate = q.reshape(B, T, self.num_heads, self.head_dim), gate.reshape(B, T, -1)  # gate [B, T, h·hd]
         q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, hd]
         k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        q, k = apply_partial_rope(q, step.cos, step.sin), apply_partial_rope(k, step.cos, step.sin)
         keys, values = step.cache.store(layer, k, v, step.write)  # [B, kvh, S, hd]
         mask = step.mask_for(self.window)
         if self.sinks is None:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         else:
             out = sink_attention(q, keys, values, mask, self.sinks)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = out.transpose(1, 2).reshape(B, T, -1)  # [B, T, h·hd]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
 
 def sink_attention(q, keys, values, mask, sinks):
@@ -364,8 +413,8 @@ class TargetLayer(nn.Module):
 
     def __init__(self, cfg: TargetConfig, index: int, mixer: nn.Module, mlp: nn.Module):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = new_norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = new_norm(cfg, cfg.hidden_size)
         self.mlp = mlp
         self.mixer_name = mixer_name(cfg, index)
         setattr(self, self.mixer_name, mixer)
@@ -378,6 +427,12 @@ class TargetLayer(nn.Module):
 def mixer_name(cfg: TargetConfig, index: int) -> str:
     """The token mixer's module name in checkpoints: `linear_attn` for linear attention, else `self_attn`."""
     return "linear_attn" if cfg.layer_type(index) == "linear_attention" else "self_attn"
+
+
+def target_rotary(cfg: TargetConfig) -> RotaryTable:
+    """The target's RoPE table: over the rotary dims of a head (all of them unless partial rotary).
+    Qwen3.5's multimodal RoPE gives text tokens one position in all three sections, which is this."""
+    return RotaryTable(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
 
 class TargetOutput(NamedTuple):
@@ -394,11 +449,11 @@ class Target(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = new_norm(cfg, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.rotary = target_rotary(cfg)
         self.target_layer_ids: list[int] = []
         self.set_taps(target_layer_ids or [])
 
@@ -411,9 +466,15 @@ class Target(nn.Module):
         self.target_layer_ids = list(target_layer_ids)
 
     def new_cache(self, max_length: int, rows: int = 1) -> KVCache:
+        """The KV cache of `rows` rows; with linear-attention layers a RecurrentCache, which also holds
+        their states (KV buffers for the attention layers only)."""
         p = self.embed_tokens.weight
-        return KVCache(self.cfg.num_layers, rows, self.cfg.num_kv_heads,
-                       min(max_length, self.cfg.max_position_embeddings), self.cfg.head_dim,
+        length = min(max_length, self.cfg.max_position_embeddings)
+        if self.cfg.linear_attention is not None:
+            linear = [self.cfg.layer_type(i) == "linear_attention" for i in range(self.cfg.num_layers)]
+            return RecurrentCache(linear, self.cfg.linear_attention, rows, self.cfg.num_kv_heads, length,
+                                  self.cfg.head_dim, dtype=p.dtype, device=p.device)
+        return KVCache(self.cfg.num_layers, rows, self.cfg.num_kv_heads, length, self.cfg.head_dim,
                        dtype=p.dtype, device=p.device)
 
     @torch.no_grad()  # not inference_mode: taps feed drafter training, whose autograd must save them
@@ -429,8 +490,15 @@ class Target(nn.Module):
         tree_mask (host bool [B, T, T], default the causal chain): which of the new tokens each new
         token sees — a draft tree's ancestor mask (loopspec.tree.tree_masks). Token t then sits at
         position length + depth(t), its depth being the number of ancestors it sees; its K/V are
-        stored at slot length + t all the same (the commit moves the accepted path into place)."""
+        stored at slot length + t all the same (the commit moves the accepted path into place).
+
+        With linear-attention layers (a RecurrentCache) each row's state advances by its real tokens;
+        unless last_logits_only (a prefill, never rolled back into) the cache keeps the state after
+        each of them, so that the row may be rolled back to any length inside this forward."""
         B, T = input_ids.shape
+        if tree_mask is not None and self.cfg.linear_attention is not None:
+            raise LoopspecError(f"a {self.cfg.family} target's linear-attention state follows one path: "
+                                "it verifies chains, not draft trees")
         counts = torch.full((B,), T) if counts is None else counts
         write = cache.plan(first_row, counts, T)
         dev = input_ids.device
@@ -443,8 +511,11 @@ class Target(nn.Module):
         if T > 1 or write.start is None or tree_mask is not None:
             mask = attention_mask(starts, T, write.keys, tree_mask)[:, None].to(dev)  # [B, 1, T, keys]
         last = (counts - 1).to(dev) if last_logits_only else None
-        out = self._stack(self.embed_tokens(input_ids), LayerStep(cos[:, None], sin[:, None], cache, write, mask,
-                                                                  positions), want_taps, last)
+        # a caller that reads only the last logits (a prefill) accepts no prefix of the forward: no
+        # recurrent state inside it is worth keeping for a rollback
+        step = LayerStep(cos[:, None], sin[:, None], cache, write, mask, positions, counts,
+                         keep_states=not last_logits_only)
+        out = self._stack(self.embed_tokens(input_ids), step, want_taps, last)
         cache.lengths[write.rows] = starts + counts
         return out
 
