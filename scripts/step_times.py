@@ -11,7 +11,7 @@ The JSON holds one record per measured point: {"k": new tokens per row, "rows": 
 positions already in each row's cache, "ms": median step}; rows of a multi-row point sit at contexts
 spread over the 10 % below the nominal one, as a server's rows do.
 
-Peers in the same run, after loopspec's grid (neither is a dependency), each under "peers" in the
+Peers in the same run, before loopspec's grid (neither is a dependency), each under "peers" in the
 JSON with the same fields for one row: `--llama-bench` (llama.cpp's, built by
 scripts/build_llama_server.sh) on the default GGUF — k = 1 from its token-generation test at each
 depth, k > 1 from its prompt test of k tokens at that depth (-p k -n 0 -d context), with `--repack 0`
@@ -95,13 +95,24 @@ def main() -> int:
     p.add_argument("--rows", type=integers, default=[1, 4, 8, 16])
     p.add_argument("--prefill-tokens", type=int, default=2000)
     p.add_argument("--json", default=None)
-    p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench: its step on the default GGUF, after ours")
+    p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench: its step on the default GGUF, first")
     p.add_argument("--genai-python", metavar="PY", help="the Python of an environment with onnxruntime-genai")
     p.add_argument("--genai-model", metavar="DIR", help="GenAI's int4 build of the default target (its builder's output)")
     args = p.parse_args()
     if (args.genai_python is None) != (args.genai_model is None):
         p.error("--genai-python and --genai-model go together")
     reserve_json(args.json)
+    # the peers first, each in a process of its own that has ended before loopspec's engine loads (an
+    # engine's idle pool threads, or llama.cpp's, would take the cores from whatever runs beside them)
+    peers = {}
+    if args.llama_bench:
+        from loopspec.weights import default_gguf_path
+
+        peers["llama.cpp"] = llama_bench_curve(args.llama_bench, str(default_gguf_path()), args.threads,
+                                               args.contexts, args.chains, repetitions=5)
+    if args.genai_python:
+        peers["onnxruntime-genai"] = genai_curve(args.genai_python, args.genai_model, args.contexts, args.chains,
+                                                 args.calls)
     pipe = load_pipeline("default", "default", backend="onnxruntime", precision=args.precision,
                          num_threads=args.threads, max_context=max(args.contexts + [args.prefill_tokens]) + 32)
     engine = pipe.engine.with_rows(max(args.rows))
@@ -140,16 +151,8 @@ def main() -> int:
     for s in result["steps"]:
         print(f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: {s['ms']:7.2f} ms")
     print(f"prefill of {args.prefill_tokens} tokens: {result['prefill']['tokens_per_s']} tokens/s")
-    result["peers"] = {}
-    if args.llama_bench:
-        from loopspec.weights import default_gguf_path
-
-        result["peers"]["llama.cpp"] = llama_bench_curve(args.llama_bench, str(default_gguf_path()), args.threads,
-                                                         args.contexts, args.chains, repetitions=5)
-    if args.genai_python:
-        result["peers"]["onnxruntime-genai"] = genai_curve(args.genai_python, args.genai_model, args.contexts,
-                                                           args.chains, args.calls)
-    for name, peer in result["peers"].items():
+    result["peers"] = peers
+    for name, peer in peers.items():
         for s in peer["steps"]:
             print(f"{name}: k {s['k']:2d} at {s['context']:5d} positions: {s['ms']:7.2f} ms")
     write_json(args.json, result)
