@@ -30,9 +30,11 @@ class TorchEngine:
                  cuda_graphs: bool = False, max_rows: int = 1):
         if num_threads:
             torch.set_num_threads(num_threads)
-        if cuda_graphs and (target.cfg.experts is not None or target.cfg.linear_attention is not None):
-            raise LoopspecError(f"CUDA graphs replay fixed forwards; a {target.cfg.family} target routes its tokens or "
-                                "steps its recurrent state on the host: run it without --cuda-graphs")
+        if cuda_graphs and (target.cfg.experts is not None or target.cfg.linear_attention is not None
+                            or "sliding_attention" in target.cfg.layer_types):
+            raise LoopspecError(f"CUDA graphs replay fixed forwards over the whole cache; a {target.cfg.family} target "
+                                "routes its tokens, steps a recurrent state or keeps a window ring on the host: "
+                                "run it without --cuda-graphs")
         # a recurrent state follows one path: draft trees are not verified on such a target (chains are)
         self.chains_only = not target_family(target.cfg.family).trees
         # inference copies of the weights prepacked for oneDNN (the modules are shared, not copied)

@@ -10,7 +10,8 @@
 # dependencies, plus only the packages their configuration code imports. No GPU is needed. Bundles of
 # the default pair are built with this checkout's `loopspec convert bundle`: bf16, tensor parallel 3
 # (SmolLM2's 9 heads / 3 K/V heads split 1 or 3 ways, not 2), FP8 when nvidia-modelopt is
-# installed beside loopspec, and a vLLM bundle of a random DSpark drafter for the default target. Prints one PASS/FAIL line per check; exits 1 if any check fails.
+# installed beside loopspec, a vLLM bundle of a random DSpark drafter for the default target, and vLLM
+# and SGLang bundles of tiny random Qwen3-MoE, gpt-oss and Qwen3.5 targets with drafters of their own. Prints one PASS/FAIL line per check; exits 1 if any check fails.
 # Takes a few minutes (downloads about 500 MB once). Not part of the test suite.
 set -euo pipefail
 
@@ -67,16 +68,56 @@ from dataclasses import replace
 
 from loopspec.defaults import DEFAULT_TARGET_MASK_TOKEN_ID
 from loopspec.model.drafter import Drafter, DrafterConfig
-from loopspec.model.target import TargetConfig
+from loopspec.model.families import target_config
 from loopspec.weights import read_json, resolve_target_dir
 
-target = TargetConfig.from_hf(read_json(resolve_target_dir("default") / "config.json", "target config"))
+target = target_config(read_json(resolve_target_dir("default") / "config.json", "target config"))
 cfg = DrafterConfig.for_target(target, num_layers=1, block_size=7, mask_token_id=DEFAULT_TARGET_MASK_TOKEN_ID)
 cfg = replace(cfg, anchor_predicts=True, markov_rank=16, confidence_head=True, confidence_with_markov=True)
 Drafter(cfg).save(sys.argv[1])
 PY
 "$loopspec" convert bundle --framework vllm --drafter "$work/dspark-drafter" --out "$work/bundles/dspark" > /dev/null
 bundles+=("$work/bundles/dspark")
+
+echo "== bundles of the other target families (tiny random checkpoints with the default target's tokenizer)"
+"$loopspec_python" - "$work/families" <<'PY'
+import shutil
+import sys
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3_5TextConfig, Qwen3MoeConfig
+
+from loopspec.defaults import DEFAULT_TARGET_MASK_TOKEN_ID
+from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.weights import load_target_dir, resolve_target_dir
+
+root, tokenizer = Path(sys.argv[1]), resolve_target_dir("default")
+shape = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+configs = {
+    "qwen3_moe": Qwen3MoeConfig(**shape, intermediate_size=48, moe_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2),
+    "gpt_oss": GptOssConfig(**shape, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                            sliding_window=8),
+    "qwen3_5": Qwen3_5TextConfig(**shape, intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+                                 linear_key_head_dim=16, linear_value_head_dim=16,
+                                 layer_types=["linear_attention"] * 3 + ["full_attention"]),
+}
+for family, config in configs.items():
+    target_dir = root / family / "target"
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(target_dir))
+    for f in tokenizer.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
+            shutil.copyfile(f, target_dir / f.name)
+    cfg = DrafterConfig.for_target(load_target_dir(target_dir).cfg, num_layers=1, block_size=8,
+                                   mask_token_id=DEFAULT_TARGET_MASK_TOKEN_ID)
+    Drafter(cfg).save(root / family / "drafter")
+PY
+for family in qwen3_moe gpt_oss qwen3_5; do
+    "$loopspec" convert bundle --target "$work/families/$family/target" --drafter "$work/families/$family/drafter" \
+        --framework vllm,sglang --out "$work/bundles/$family" > /dev/null
+    bundles+=("$work/bundles/$family")
+done
 
 echo "== the engines' own parsers"
 # CPU platform for vLLM, its log quiet; every model is a local bundle directory, so nothing is fetched from a hub.

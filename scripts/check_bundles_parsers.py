@@ -46,13 +46,16 @@ def check_vllm(bundle: Path, manifest: dict) -> str:
     if vllm["method"] == "dspark":  # vLLM's own Qwen3 DSpark model, not its DeepSeek-V4 one
         expect("draft architectures", list(spec.draft_model_config.hf_config.architectures), ["Qwen3DSparkModel"])
     expect("tensor_parallel_size", config.parallel_config.tensor_parallel_size, manifest["tensor_parallel_size"])
+    target_type = json.loads((bundle / "target" / "config.json").read_text())["model_type"]
+    expect("target model type", config.model_config.hf_config.model_type, target_type)
     expect("max_model_len", config.model_config.max_model_len, manifest["max_context"])
     expect("max_num_seqs", config.scheduler_config.max_num_seqs, manifest["max_batch_size"])
     expect("served model name", config.model_config.served_model_name, manifest["served_model_name"])
     draft_vocab = getattr(spec.draft_model_config.hf_config, "draft_vocab_size", None) or "full"
     expect("draft vocabulary", draft_vocab, manifest["draft_vocab"]["vllm"])
     quantization = config.model_config.quantization
-    return (f"{spec.method} k={spec.num_speculative_tokens}, tp={config.parallel_config.tensor_parallel_size}, "
+    return (f"{target_type} target, {spec.method} k={spec.num_speculative_tokens}, "
+            f"tp={config.parallel_config.tensor_parallel_size}, "
             f"max_model_len={config.model_config.max_model_len}, draft vocab {draft_vocab}, "
             f"quantization {quantization}")
 
@@ -92,8 +95,11 @@ def check_sglang_model_config(bundle: Path, manifest: dict) -> str:
     draft = ModelConfig.from_server_args(server_args, model_path=server_args.speculative_draft_model_path,
                                          is_draft_model=True)
     expect("target context length", target.context_len, manifest["max_context"])
+    target_type = json.loads((bundle / "target" / "config.json").read_text())["model_type"]
+    expect("target model type", target.hf_config.model_type, target_type)
     expect("drafter vocabulary", draft.vocab_size, target.vocab_size)
-    return f"target context {target.context_len}, quantization {target.quantization}; drafter vocab {draft.vocab_size}"
+    return (f"{target_type} target, context {target.context_len}, quantization {target.quantization}; "
+            f"drafter vocab {draft.vocab_size}")
 
 
 # (engine, what runs, check)

@@ -10,7 +10,8 @@ torch and transformers for its builder):
     python -m onnxruntime_genai.models.builder -i TARGET_DIR -o genai-int4 -p int4 -e cpu -c genai-cache
     python scripts/genai_step.py --model genai-int4 --ids ids.json --max-new-tokens 128
 
-Greedy, 2 threads' worth of whatever GenAI picks; one uncounted warm-up prompt; the median of every
+Greedy, on `--threads` intra-op threads (default 2, as loopspec's engines: GenAI's own default took
+one thread on a 2-core Intel Xeon, 20.4 against 12.0 ms a step); one uncounted warm-up prompt; the median of every
 decode step (the first token after the prompt excluded) and the median prefill. With `--curve`, the
 step curve as `scripts/step_times.py` measures ours: k tokens appended to one sequence at each
 context length, their logits read, then rewound (`append_tokens` + `get_output("logits")` +
@@ -59,6 +60,22 @@ def step_curve(model, contexts: list[int], chains: list[int], calls: int) -> lis
     return records
 
 
+def with_threads(model_dir: str, threads: int, scratch: str) -> str:
+    """The model directory with its decoder's session set to `threads` intra-op threads: a copy of its
+    genai_config.json beside links to its other files, in `scratch`."""
+    import os
+
+    for name in os.listdir(model_dir):
+        if name != "genai_config.json":
+            os.symlink(os.path.join(os.path.abspath(model_dir), name), os.path.join(scratch, name))
+    with open(os.path.join(model_dir, "genai_config.json")) as f:
+        config = json.load(f)
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+    with open(os.path.join(scratch, "genai_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return scratch
+
+
 def time_genai(model_dir: str, ids_path: str, max_new_tokens: int) -> dict:
     import onnxruntime_genai as og
 
@@ -99,6 +116,7 @@ def main() -> int:
     p.add_argument("--contexts", default="256,1024")
     p.add_argument("--chains", default="1,2,4,8,16")
     p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--threads", type=int, default=2, help="GenAI's intra-op threads (default 2)")
     p.add_argument("--json", metavar="FILE", help="write the figures here")
     args = p.parse_args()
     if args.json:
@@ -106,16 +124,24 @@ def main() -> int:
     if args.write_ids:
         write_ids(args.write_ids, args.prompts, args.limit)
     elif args.model and args.ids:
-        result = time_genai(args.model, args.ids, args.max_new_tokens)
+        import tempfile
+
+        scratch = tempfile.TemporaryDirectory()
+        result = time_genai(with_threads(args.model, args.threads, scratch.name), args.ids, args.max_new_tokens)
+        result["threads"] = args.threads
         model = result.pop("model")
         if args.curve:
             result["steps"] = step_curve(model, [int(c) for c in args.contexts.split(",")],
                                          [int(k) for k in args.chains.split(",")], args.calls)
         if args.json:
-            from loopspec.runtime.bench.run import cpu_description  # loopspec on the path: the CPU, named
             from datetime import datetime, timezone
 
-            result.update(cpu=cpu_description(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+            try:
+                from loopspec.runtime.bench.run import cpu_description  # loopspec beside GenAI: the CPU, named
+                result["cpu"] = cpu_description()
+            except ImportError:  # GenAI's environment alone: scripts/step_times.py, its caller, names the CPU
+                pass
+            result["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
     else:

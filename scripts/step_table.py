@@ -1,5 +1,6 @@
-"""Print the step table docs/benchmarks.md quotes: a step grid of ours (`scripts/step_times.py --json`)
-beside ONNX Runtime GenAI's step curve (`scripts/genai_step.py --curve --json`, one or more runs).
+"""Print the step table docs/benchmarks.md quotes: a step grid of ours (`scripts/step_times.py --json`,
+with the peers it timed in the same run) beside ONNX Runtime GenAI's step curve from separate runs
+(`scripts/genai_step.py --curve --json`, none or more).
 
     python scripts/step_table.py docs/runs/2026-12-05/steps-gguf-int8act.json \
         docs/runs/2026-12-05/genai-int4-a.json docs/runs/2026-12-05/genai-int4-b.json

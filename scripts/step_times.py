@@ -72,7 +72,7 @@ def llama_bench_curve(binary: str, gguf: str, threads: int, contexts: list[int],
             "steps": sorted(steps, key=lambda s: (s["context"], s["k"]))}
 
 
-def genai_curve(python: str, model: str, contexts: list[int], chains: list[int], calls: int) -> dict:
+def genai_curve(python: str, model: str, threads: int, contexts: list[int], chains: list[int], calls: int) -> dict:
     """scripts/genai_step.py --curve in GenAI's own environment → its JSON (version, steps)."""
     script = Path(__file__).with_name("genai_step.py")
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,9 +80,9 @@ def genai_curve(python: str, model: str, contexts: list[int], chains: list[int],
         ids.write_text(json.dumps([[100 + i for i in range(32)]]))  # one short prompt: its warm-up
         subprocess.run([python, str(script), "--model", model, "--ids", str(ids), "--max-new-tokens", "16", "--curve",
                         "--contexts", ",".join(map(str, contexts)), "--chains", ",".join(map(str, chains)),
-                        "--calls", str(calls), "--json", str(out)], check=True)
+                        "--calls", str(calls), "--threads", str(threads), "--json", str(out)], check=True)
         result = json.loads(out.read_text())
-    return {"version": result.get("version"), "model": model, "steps": result["steps"]}
+    return {"version": result.get("version"), "model": model, "threads": threads, "steps": result["steps"]}
 
 
 def main() -> int:
@@ -111,8 +111,8 @@ def main() -> int:
         peers["llama.cpp"] = llama_bench_curve(args.llama_bench, str(default_gguf_path()), args.threads,
                                                args.contexts, args.chains, repetitions=5)
     if args.genai_python:
-        peers["onnxruntime-genai"] = genai_curve(args.genai_python, args.genai_model, args.contexts, args.chains,
-                                                 args.calls)
+        peers["onnxruntime-genai"] = genai_curve(args.genai_python, args.genai_model, args.threads, args.contexts,
+                                                 args.chains, args.calls)
     pipe = load_pipeline("default", "default", backend="onnxruntime", precision=args.precision,
                          num_threads=args.threads, max_context=max(args.contexts + [args.prefill_tokens]) + 32)
     engine = pipe.engine.with_rows(max(args.rows))

@@ -128,9 +128,12 @@ def test_a_window_that_is_ignored_is_caught(family_dirs):
     target = load_target_dir(family_dirs["gpt_oss"], dtype=torch.float64)
     ids = torch.randint(0, 128, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(1))
     ref, _ = hf_outputs(family_dirs["gpt_oss"], ids, torch.float64)
+    from loopspec.model.kv_cache import KVCache
+
     for layer in target.layers:
         layer.self_attn.window = None
-    out = target(ids, target.new_cache(64)).logits
+    cfg = target.cfg  # the whole past kept for every layer, as a full-attention target's
+    out = target(ids, KVCache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, dtype=torch.float64)).logits
     assert (out[:, :WINDOW] - ref[:, :WINDOW]).abs().max() <= 1e-9 * ref.abs().max()
     assert (out[:, WINDOW:] - ref[:, WINDOW:]).abs().max() > 1e-3
 
@@ -363,3 +366,46 @@ def test_dense_families_match_transformers_past_the_original_context(family, dty
     assert (out.logits - ref_logits).abs().max() <= tolerance * ref_logits.abs().max()
     ref_taps = torch.cat([ref_hidden[i + 1] for i in (0, 3, 5)], dim=-1)
     assert (out.taps - ref_taps).abs().max() <= tolerance * ref_taps.abs().max()
+
+
+def test_sliding_layers_keep_their_window_only(family_dirs):
+    """gpt-oss's sliding layers keep a ring of window - 1 + 64 slots per row, whatever the context;
+    its full layers keep the context. A prefill longer than the ring, decoding after it, verifications
+    rolled back and rows of other lengths batched beside it compute what one forward over the whole
+    sequence computes (fp64)."""
+    from loopspec.model.kv_cache import WindowedCache
+
+    target = load_target_dir(family_dirs["gpt_oss"], dtype=torch.float64)
+    cache = target.new_cache(256, rows=2)
+    assert isinstance(cache, WindowedCache)
+    assert cache.ring_k.shape[:4] == (2, 2, 2, WINDOW - 1 + 64) and cache.k.shape[0] == 2  # 2 sliding, 2 full layers
+    ids = torch.randint(0, 128, (1, 140), generator=torch.Generator().manual_seed(5))
+    full = target(ids, target.new_cache(256)).logits
+    parts = [target(ids[:, :100], cache).logits]  # 100 > the ring's 71 slots
+    for i in range(100, 120):
+        target(torch.randint(0, 128, (1, 6)), cache)  # a rejected verification
+        cache.rollback([i])
+        parts.append(target(ids[:, i:i + 1], cache).logits)
+    other = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(6))
+    target(other, cache, first_row=1)
+    batch = torch.zeros(2, 20, dtype=torch.long)
+    batch[0], batch[1, :3] = ids[0, 120:], other[0, :3]
+    parts.append(target(batch, cache, counts=torch.tensor([20, 3])).logits[:1])
+    out = torch.cat(parts, dim=1)
+    assert (out - full).abs().max() <= 1e-9 * full.abs().max()
+
+
+def test_a_window_rolled_back_past_its_ring_is_refused(family_dirs):
+    """Planted: a ring too short for the verification it holds (room for 2 new tokens, not 6). Rolling
+    back into that verification would need positions it overwrote: refused in one line, never read."""
+    from loopspec.model.kv_cache import WindowedCache
+
+    target = load_target_dir(family_dirs["gpt_oss"])
+    sliding = [target.cfg.layer_type(i) == "sliding_attention" for i in range(target.cfg.num_layers)]
+    cache = WindowedCache(sliding, WINDOW, 1, target.cfg.num_kv_heads, 64, target.cfg.head_dim, verify_span=2)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(7))
+    target(ids, cache)
+    target(torch.randint(0, 128, (1, 6)), cache)
+    cache.rollback([21])
+    with pytest.raises(LoopspecError, match="past what its sliding-window layers keep"):
+        target(ids[:, :1], cache)

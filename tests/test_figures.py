@@ -65,6 +65,15 @@ def test_the_benchmarks_page_quotes_the_committed_step_runs():
     assert step_table(ours, genai) in page
 
 
+def test_the_benchmarks_page_quotes_the_step_run_with_its_peers():
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    path = "docs/runs/2026-12-06/steps-with-peers.json"
+    assert "python scripts/step_table.py " + path in page
+    run = json.loads((ROOT / path).read_text(encoding="utf-8"))
+    assert set(run["peers"]) == {"llama.cpp", "onnxruntime-genai"}
+    assert step_table(run, []) in page
+
+
 def test_the_step_table_reads_each_point_once():
     """Two contexts, chains of 1 and 4, two rows; GenAI's two runs side by side, one context missing."""
     ours = {"steps": [{"k": 1, "rows": 1, "context": 256, "ms": 10.04}, {"k": 4, "rows": 1, "context": 256, "ms": 12.0},

@@ -209,6 +209,14 @@ class KVCache:
         return KVWrite(rows, keys, slots=(starts[row_index] + token_index).to(dev), row_index=row_index.to(dev),
                        token_index=token_index.to(dev))
 
+    def attended(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, window: int | None):
+        """An attention layer's new k, v [B, kvh, T, hd] stored as `step` (LayerStep) writes them → the
+        keys, values [B, kvh, S, hd] its queries attend to and their mask ([B, 1, T, S] or None): here
+        the first `step.write.keys` slots, a window's keys hidden by the mask (a WindowedCache keeps a
+        sliding layer's window only)."""
+        keys, values = self.store(layer, k, v, step.write)
+        return keys, values, step.mask_for(window)
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, write: KVWrite) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one layer's new k, v [R, kvh, T, hd] as `write` says → the keys/values its queries
         attend to, [R, kvh, write.keys, hd] (masked per query by the caller)."""
@@ -343,3 +351,110 @@ class RecurrentCache(KVCache):
             buffer[:, [a, b]] = buffer[:, pair]  # the gather copies before the write
         for lengths in (self.state_lengths, self.kept_from, self.kept_to):
             lengths[[a, b]] = lengths[pair]
+
+
+class WindowedCache(KVCache):
+    """The cache of a target with sliding-window layers: K/V buffers over the whole context for its
+    full-attention layers, and for each sliding layer a ring of `window - 1 + verify_span` slots per
+    row — what the window needs, not the context. Position p sits in ring slot p % ring; each slot
+    records the position it holds (`ring_positions`, -1: none).
+
+    A forward's queries at positions >= a row's length see its ring's slots holding positions in
+    [length - window + 1, length) and the forward's own new keys (`window_keys`); then the new K/V
+    go into the ring (of a wider forward, its last `ring` tokens). A forward of up to `verify_span`
+    tokens overwrites only positions below length - window + 1, so rolling back into it (lowering a
+    length, as for any KVCache) finds the window it needs; a row whose window was overwritten (rolled
+    back into a longer forward) is refused in one line. Draft-tree paths move inside the ring as in
+    the buffers (`commit`)."""
+
+    def __init__(self, sliding: list[bool], window: int, rows: int, num_kv_heads: int, max_length: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 verify_span: int = 64):
+        full = [i for i, is_sliding in enumerate(sliding) if not is_sliding]
+        super().__init__(len(full), rows, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
+        self.kv_slot = {layer: slot for slot, layer in enumerate(full)}
+        self.ring_slot = {layer: slot for slot, layer in enumerate(i for i, s in enumerate(sliding) if s)}
+        self.window, self.ring = window, window - 1 + verify_span
+        shape = (len(self.ring_slot), rows, num_kv_heads, self.ring, head_dim)
+        self.ring_k = torch.zeros(shape, dtype=dtype, device=device)
+        self.ring_v = torch.zeros(shape, dtype=dtype, device=device)
+        self.ring_positions = torch.full((rows, self.ring), -1, dtype=torch.long, device=device)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, write: KVWrite) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().store(self.kv_slot[layer], k, v, write)
+
+    def plan(self, first_row: int, counts: torch.Tensor, width: int) -> KVWrite:
+        write = super().plan(first_row, counts, width)
+        for row in range(first_row, first_row + counts.shape[0]):
+            length = int(self.lengths[row])
+            held = self.ring_positions[row]
+            needed = min(self.window - 1, length)
+            if int(((held >= length - needed) & (held < length)).sum()) != needed:
+                raise LoopspecError(f"row {row} rolled back to length {length}, past what its sliding-window layers "
+                                    f"keep (the last {self.ring} positions of its latest forward)")
+        return write
+
+    def attended(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, window: int | None):
+        """A sliding layer's keys and values for the forward `step` (LayerStep) of new k, v
+        [B, kvh, T, hd] → keys, values [B, kvh, ring + T, hd] (the ring, then the new ones) and the
+        mask [B, 1, T, ring + T]: a query at position p sees a ring slot holding a position in
+        (p - window, length) and, among the new tokens, those the forward's own mask lets it see whose
+        positions are > p - window. The new K/V are then stored in the ring. A full layer: as any KVCache."""
+        if layer not in self.ring_slot:
+            return super().attended(layer, k, v, step, window)
+        if window != self.window:
+            raise LoopspecError(f"a sliding layer of window {window} in a cache of window {self.window}")
+        rows, write = step.write.rows, step.write
+        slot = self.ring_slot[layer]
+        B, T = k.shape[0], k.shape[2]
+        starts = self.lengths[rows].to(k.device)  # [B]: the forward's rows start at their lengths
+        queries = step.positions  # [B, T]
+        held = self.ring_positions[rows]  # [B, ring]
+        past = (held >= 0) & (held < starts[:, None])  # [B, ring]: committed positions, not rolled-back ones
+        old = past[:, None, :] & (held[:, None, :] > queries[:, :, None] - window)  # [B, T, ring]
+        new_slots = (starts[:, None] + torch.arange(T, device=k.device)).clamp_max(write.keys - 1)  # [B, T]
+        if step.mask is None:  # one token per row at one length: it sees itself
+            among_new = torch.ones(B, 1, 1, dtype=torch.bool, device=k.device)
+        else:
+            among_new = torch.gather(step.mask[:, 0], 2, new_slots[:, None, :].expand(B, T, T))  # [B, T, T]
+        among_new = among_new & (queries[:, None, :] > queries[:, :, None] - window)
+        if step.counts is not None:  # a padding token's K/V are junk: no query sees them
+            among_new = among_new & (torch.arange(T, device=k.device)[None, None, :] < step.counts.to(k.device)[:, None, None])
+        mask = torch.cat([old, among_new], dim=-1)[:, None]  # [B, 1, T, ring + T]
+        keys = torch.cat([self.ring_k[slot, rows], k], dim=2)
+        values = torch.cat([self.ring_v[slot, rows], v], dim=2)
+        self._store_ring(slot, rows, k, v, starts, step.counts)
+        return keys, values, mask
+
+    def _store_ring(self, slot: int, rows: slice, k, v, starts: torch.Tensor, counts: torch.Tensor | None) -> None:
+        """Each row's real new tokens, the last `ring` of them, into ring slots (start + t) % ring."""
+        B, T = k.shape[0], k.shape[2]
+        counts = torch.full((B,), T) if counts is None else counts
+        counts = counts.to(k.device)
+        t = torch.arange(T, device=k.device)
+        keep = (t[None, :] < counts[:, None]) & (t[None, :] >= counts[:, None] - self.ring)  # [B, T]
+        b, t = keep.nonzero(as_tuple=True)
+        position = starts[b] + t  # the slot index a chain token has (a tree's path is moved by `commit`)
+        ring_index = position % self.ring
+        first = rows.start
+        self.ring_k[slot, first + b, :, ring_index] = k[b, :, t]  # [P, kvh, hd]
+        self.ring_v[slot, first + b, :, ring_index] = v[b, :, t]
+        if slot == len(self.ring_slot) - 1:  # every sliding layer stored the same positions: record them once
+            self.ring_positions[first + b, ring_index] = position
+
+    def commit(self, starts: list[int], kept: list[list[int]]) -> None:
+        for b, (start, offsets) in enumerate(zip(starts, kept)):
+            if offsets != list(range(len(offsets))):
+                src = (torch.tensor(offsets, device=self.ring_k.device) + start) % self.ring
+                dst = (torch.arange(len(offsets), device=self.ring_k.device) + start) % self.ring
+                self.ring_k[:, b, :, dst] = self.ring_k[:, b, :, src]  # the gather reads before the scatter writes
+                self.ring_v[:, b, :, dst] = self.ring_v[:, b, :, src]
+                self.ring_positions[b, dst] = dst.new_tensor(range(start, start + len(offsets)))
+        super().commit(starts, kept)
+
+    def swap_rows(self, a: int, b: int) -> None:
+        super().swap_rows(a, b)
+        pair = [b, a]
+        self.ring_k[:, [a, b]] = self.ring_k[:, pair]  # the gather copies before the write
+        self.ring_v[:, [a, b]] = self.ring_v[:, pair]
+        self.ring_positions[[a, b]] = self.ring_positions[pair]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopspec.errors import LoopspecError
-from loopspec.model.kv_cache import KVCache, KVWrite, RecurrentCache, attention_mask
+from loopspec.model.kv_cache import KVCache, KVWrite, RecurrentCache, WindowedCache, attention_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
@@ -381,8 +381,7 @@ class TargetAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_partial_rope(q, step.cos, step.sin), apply_partial_rope(k, step.cos, step.sin)
-        keys, values = step.cache.store(layer, k, v, step.write)  # [B, kvh, S, hd]
-        mask = step.mask_for(self.window)
+        keys, values, mask = step.cache.attended(layer, k, v, step, self.window)  # [B, kvh, S, hd] each
         if self.sinks is None:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         else:
@@ -467,13 +466,18 @@ class Target(nn.Module):
 
     def new_cache(self, max_length: int, rows: int = 1) -> KVCache:
         """The KV cache of `rows` rows; with linear-attention layers a RecurrentCache, which also holds
-        their states (KV buffers for the attention layers only)."""
+        their states (KV buffers for the attention layers only); with sliding-window layers a
+        WindowedCache, which keeps each one's window only."""
         p = self.embed_tokens.weight
         length = min(max_length, self.cfg.max_position_embeddings)
         if self.cfg.linear_attention is not None:
             linear = [self.cfg.layer_type(i) == "linear_attention" for i in range(self.cfg.num_layers)]
             return RecurrentCache(linear, self.cfg.linear_attention, rows, self.cfg.num_kv_heads, length,
                                   self.cfg.head_dim, dtype=p.dtype, device=p.device)
+        sliding = [self.cfg.layer_type(i) == "sliding_attention" for i in range(self.cfg.num_layers)]
+        if any(sliding):
+            return WindowedCache(sliding, self.cfg.sliding_window, rows, self.cfg.num_kv_heads, length,
+                                 self.cfg.head_dim, dtype=p.dtype, device=p.device)
         return KVCache(self.cfg.num_layers, rows, self.cfg.num_kv_heads, length, self.cfg.head_dim,
                        dtype=p.dtype, device=p.device)
 

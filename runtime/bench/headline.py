@@ -111,10 +111,15 @@ def per_set_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+PEER_LABELS = {"onnxruntime-genai": "GenAI int4", "llama.cpp": "llama.cpp"}
+
+
 def step_table(ours: dict, genai_runs: list[dict]) -> str:
-    """Markdown table of a step grid (`scripts/step_times.py --json`) beside ONNX Runtime GenAI's curve
-    (`scripts/genai_step.py --curve --json`, one or more runs, shown as `a / b`): one line per k new
-    tokens on one row, one column per context; then one line per rows of one token (ours only)."""
+    """Markdown table of a step grid (`scripts/step_times.py --json`) beside its peers: those the same
+    run timed (its "peers": llama.cpp's llama-bench, ONNX Runtime GenAI) and ONNX Runtime GenAI's
+    curves from separate runs (`scripts/genai_step.py --curve --json`, one or more, shown as `a / b`):
+    one line per k new tokens on one row, one column per engine and context; then one line per rows
+    of one token (ours only)."""
     def at(records: list[dict], k: int, rows: int, context: int) -> float | None:
         # a multi-row point sits at contexts spread below the nominal one: the nearest nominal context
         hits = [r["ms"] for r in records if r["k"] == k and r["rows"] == rows
@@ -125,12 +130,16 @@ def step_table(ours: dict, genai_runs: list[dict]) -> str:
     contexts = sorted({r["context"] for r in steps if r["rows"] == 1})  # the nominal contexts
     chains = sorted({r["k"] for r in steps if r["rows"] == 1})
     rows = sorted({r["rows"] for r in steps if r["k"] == 1})
-    genai_contexts = [c for c in contexts if any(at(run["steps"], 1, 1, c) is not None for run in genai_runs)]
-    header = [f"ours, {c}" for c in contexts] + [f"GenAI int4, {c}" for c in genai_contexts]
+    peers = [(PEER_LABELS.get(name, name), [peer["steps"]]) for name, peer in ours.get("peers", {}).items()]
+    if genai_runs:
+        peers.append(("GenAI int4", [run["steps"] for run in genai_runs]))
+    columns = [(label, runs, c) for label, runs in peers for c in contexts
+               if any(at(run, 1, 1, c) is not None for run in runs)]
+    header = [f"ours, {c}" for c in contexts] + [f"{label}, {c}" for label, _, c in columns]
     lines = ["| k new tokens, one row (ms) | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
     for k in chains:
         cells = [_ms(at(steps, k, 1, c)) for c in contexts]
-        cells += [" / ".join(_ms(at(run["steps"], k, 1, c)) for run in genai_runs) for c in genai_contexts]
+        cells += [" / ".join(_ms(at(run, k, 1, c)) for run in runs) for _, runs, c in columns]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     lines += ["", "| rows of one token (ms) | " + " | ".join(f"ours, {c}" for c in contexts) + " |",
               "|---" * (len(contexts) + 1) + "|"]
