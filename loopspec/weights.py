@@ -67,7 +67,8 @@ def hf_to_target_state(hf_state: dict[str, torch.Tensor], cfg: TargetConfig) -> 
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         if cfg.layer_type(i) == "linear_attention":
-            out.update(linear_attention_state(take, p + "linear_attn.", cfg))
+            fused_per_group = layout == "qwen3_next"  # in_proj_qkvz and in_proj_ba
+            out.update(linear_attention_state(take, p + "linear_attn.", cfg, fused_per_group))
         else:
             out.update(attention_state(take, p + "self_attn.", cfg))
         m = p + "mlp."

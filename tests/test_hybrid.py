@@ -1,6 +1,8 @@
-"""The hybrid target families Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet linear-attention layers between
-gated full-attention layers, with a recurrent state that a rejected verification must roll back
-exactly (Qwen3.5-MoE: routed experts and a gated shared expert as every feed-forward).
+"""The hybrid target families Qwen3.5, Qwen3.5-MoE and Qwen3-Next: Gated DeltaNet linear-attention
+layers between gated full-attention layers, with a recurrent state that a rejected verification must
+roll back exactly (Qwen3.5-MoE: routed experts and a gated shared expert as every feed-forward;
+Qwen3-Next: the same on the layers its config picks, its linear-attention projections fused per
+key-head group).
 
 transformers' implementation is the oracle, on tiny random configs built here with lively weights
 over a prompt longer than its delta-rule chunk (64 tokens). Its torch paths run the delta rule in
@@ -40,7 +42,7 @@ def one_thread():
 
 
 def tiny_text_config(family: str = "qwen3_5", **changes):
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     fields = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -49,6 +51,10 @@ def tiny_text_config(family: str = "qwen3_5", **changes):
     if family == "qwen3_5_moe":  # 4 experts, 2 per token, and the shared one
         return Qwen3_5MoeTextConfig(**fields, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=48, **changes)
+    if family == "qwen3_next":  # layer 0 dense (mlp_only_layers), layers 1-3 the experts and the shared one
+        return Qwen3NextConfig(**fields, intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=1,
+                               mlp_only_layers=[0], **changes)
     return Qwen3_5TextConfig(**{**fields, "intermediate_size": 96, **changes})  # partial rotary 0.25: RoPE on 8 of 32 dims
 
 
@@ -87,7 +93,7 @@ def save_hybrid_target(directory, seed: int = 0, short_memory: bool = False, fam
     return directory
 
 
-FAMILIES_HERE = ["qwen3_5", "qwen3_5_moe"]
+FAMILIES_HERE = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +228,20 @@ def test_stepwise_decoding_and_rollback_match_one_forward(family, hybrid_dirs):
     assert speculative_replay(fp64_target_of(hybrid_dirs[family]), prompt_ids()) <= 1e-9
 
 
+def test_qwen3_next_projections_read_in_checkpoint_order_are_caught(hybrid_dirs, monkeypatch):
+    """Planted: in_proj_qkvz read as q, k, v, z laid end to end (and in_proj_ba as b then a) rather
+    than per key-head group: the logits leave transformers' far behind."""
+    def end_to_end(qkvz, ba, cfg, prefix):
+        dims = cfg.linear_attention
+        return torch.cat([*qkvz.split((dims.key_dim, dims.key_dim, dims.value_dim, dims.value_dim)), ba])
+
+    ids = prompt_ids()
+    ref, _ = hf_prefill(hybrid_dirs["qwen3_next"], ids, torch.float32)
+    monkeypatch.setattr(qwen3_5, "ungroup_qwen3_next_projections", end_to_end)
+    target = load_target_dir(hybrid_dirs["qwen3_next"])
+    assert relative(target(ids, target.new_cache(128)).logits, ref) > 1e-2
+
+
 def test_a_snapshot_taken_one_position_late_is_caught(fp64_target, monkeypatch):
     """Planted: the state after token t is kept as the state after t - 1 tokens, so a rollback
     restores the state one token ahead. The replay above then leaves one forward's logits."""
@@ -278,7 +298,10 @@ def test_padding_never_advances_a_rows_state(fp64_target):
         assert relative(second[order.index(b), :len(m)], alone[b][1]) <= 1e-9
 
 
-MOE_FLOOR = 90  # measured: 135 accepted drafts of 160 tokens (dloop), as on Qwen3.5: every draft the budget allows
+# measured accepted drafts of 160 tokens: Qwen3.5-MoE dloop 135, as on Qwen3.5 (every draft the budget
+# allows); Qwen3-Next dflash 124, dloop 136
+MOE_FLOORS = {("qwen3_5_moe", "dloop"): 90, ("qwen3_next", "ar"): 0, ("qwen3_next", "dflash"): 90,
+              ("qwen3_next", "dloop"): 90}
 
 METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
            "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
@@ -324,15 +347,22 @@ def test_speculative_decoding_equals_plain_decoding(name, engine, short_memory_e
     assert accepted_drafts(done.values()) >= {"ar": 0, "suffix": 16}.get(name, 90)
 
 
-def test_the_moe_family_decodes_speculatively_as_plainly(hybrid_dirs):
-    """Qwen3.5-MoE: the experts routed per token under verification and rollback alike."""
-    engine = engine_with_agreeing_drafter(hybrid_dirs["qwen3_5_moe"])
+@pytest.fixture(scope="module")
+def moe_engines(hybrid_dirs):
+    return {f: engine_with_agreeing_drafter(hybrid_dirs[f]) for f in ("qwen3_5_moe", "qwen3_next")}
+
+
+@pytest.mark.parametrize("family,name", list(MOE_FLOORS))
+def test_the_moe_families_decode_speculatively_as_plainly(family, name, moe_engines):
+    """Qwen3.5-MoE and Qwen3-Next: the experts routed per token under verification and rollback alike
+    (Qwen3-Next: its ungrouped projections too)."""
+    engine = moe_engines[family]
     refs = [generate(engine, p, Method(), max_new_tokens=40).tokens for p in PROMPTS]
     assert len({tuple(r) for r in refs}) == len(PROMPTS) and min(len(set(r)) for r in refs) >= 3
-    done = decode_all(Decoder(engine.with_rows(len(PROMPTS)), METHODS["dloop"]),
+    done = decode_all(Decoder(engine.with_rows(len(PROMPTS)), METHODS[name]),
                       [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(PROMPTS)])
     assert [done[i].tokens for i in range(len(PROMPTS))] == refs
-    assert accepted_drafts(done.values()) >= MOE_FLOOR
+    assert accepted_drafts(done.values()) >= MOE_FLOORS[family, name]
 
 
 def test_a_tree_request_is_refused_in_one_line(engine):
@@ -383,7 +413,10 @@ def test_the_multimodal_checkpoint_loads_its_language_model(hybrid_dir, tmp_path
 def test_bad_checkpoints_are_refused_in_one_line(hybrid_dir, hybrid_dirs, tmp_path):
     for family, drop in (("qwen3_5", "model.layers.1.linear_attn.A_log"),
                          ("qwen3_5", "model.layers.3.linear_attn.conv1d.weight"),
-                         ("qwen3_5_moe", "model.layers.2.mlp.shared_expert_gate.weight")):
+                         ("qwen3_5_moe", "model.layers.2.mlp.shared_expert_gate.weight"),
+                         ("qwen3_next", "model.layers.1.linear_attn.in_proj_qkvz.weight"),
+                         ("qwen3_next", "model.layers.3.linear_attn.in_proj_ba.weight"),
+                         ("qwen3_next", "model.layers.2.mlp.experts.3.up_proj.weight")):
         d = tmp_path / drop.split(".")[-2]
         d.mkdir()
         (d / "config.json").write_text((hybrid_dirs[family] / "config.json").read_text())
@@ -408,3 +441,11 @@ def test_bad_checkpoints_are_refused_in_one_line(hybrid_dir, hybrid_dirs, tmp_pa
         with pytest.raises(LoopspecError, match=match) as e:
             load_target_dir(d)
         assert "\n" not in str(e.value)
+    wider = tmp_path / "qwen3_next-wider"  # key heads of 32 dims: the fused projection's rows fall short
+    wider.mkdir()
+    config = json.loads((hybrid_dirs["qwen3_next"] / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "linear_key_head_dim": 32}))
+    (wider / "model.safetensors").symlink_to(hybrid_dirs["qwen3_next"] / "model.safetensors")
+    with pytest.raises(LoopspecError, match=r"in_proj_qkvz.weight has shape \[192, 64\], not \[256, 64\]") as e:
+        load_target_dir(wider)
+    assert "\n" not in str(e.value)

@@ -1,8 +1,8 @@
-"""Mixture-of-experts feed-forward of the MoE target families (Qwen3-MoE, gpt-oss, Qwen3.5-MoE).
+"""Mixture-of-experts feed-forward of the MoE target families (Qwen3-MoE, gpt-oss, Qwen3.5-MoE, Qwen3-Next).
 
 A router scores every expert per token; each token runs its top-k experts (SwiGLU each) and sums
-their outputs weighted by the routing probabilities; Qwen3.5-MoE adds a shared expert every token
-runs, scaled by a sigmoid gate of its own. Routing is per token: a row's tokens pick the same
+their outputs weighted by the routing probabilities; Qwen3.5-MoE and Qwen3-Next add a shared expert
+every token runs, scaled by a sigmoid gate of its own. Routing is per token: a row's tokens pick the same
 experts alone or batched, and only the tokens routed to an expert run it.
 """
 
@@ -32,7 +32,8 @@ class ExpertsConfig:
     bias: bool = False  # gpt-oss: router and experts carry biases
     activation: str = "swiglu"  # silu(gate) * up | gpt-oss: clamped, (up + 1) * gate * sigmoid(1.702 gate)
     swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, |up| <= limit
-    shared_intermediate_size: int = 0  # Qwen3.5-MoE: a shared SwiGLU of this width, × sigmoid(shared gate); 0: none
+    # Qwen3.5-MoE, Qwen3-Next: a shared SwiGLU of this width, × sigmoid(shared gate); 0: none
+    shared_intermediate_size: int = 0
 
     def __post_init__(self):
         if self.routing not in ROUTINGS or self.activation not in ACTIVATIONS:
@@ -111,7 +112,7 @@ def experts_state(take: Callable[[str], torch.Tensor], prefix: str, cfg: Experts
             torch.cat([take(prefix + f"experts.{e}.gate_proj.weight"), take(prefix + f"experts.{e}.up_proj.weight")])
             for e in range(E)])  # [E, 2I, H]
         out[prefix + "down"] = torch.stack([take(prefix + f"experts.{e}.down_proj.weight") for e in range(E)])
-        if cfg.shared_intermediate_size:  # Qwen3.5-MoE
+        if cfg.shared_intermediate_size:  # Qwen3.5-MoE, Qwen3-Next
             shared = prefix + "shared_expert."
             out[prefix + "shared_gate_up.weight"] = torch.cat([take(shared + "gate_proj.weight"),
                                                                take(shared + "up_proj.weight")])

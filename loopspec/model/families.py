@@ -85,6 +85,8 @@ FAMILIES: dict[str, TargetFamily] = {f.model_type: f for f in (
     TargetFamily("qwen3_5_text", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
     TargetFamily("qwen3_5_moe", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
     TargetFamily("qwen3_5_moe_text", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
+    # Qwen3-Next: the same decoder, its linear-attention projections fused per key-head group
+    TargetFamily("qwen3_next", read_qwen3_5_config, "qwen3_next", exported=False, trees=False),
 )}
 
 

@@ -13,6 +13,11 @@ op for op, so that an fp64 model matches its one-token decoding to the last bits
 (q, k, v, g, beta cast to fp32, the state kept in fp32), the gated RMSNorm's normalisation and gate,
 and exp(A_log). Its full-attention layers are TargetAttention with the output gate, partial rotary
 and (1 + weight) norms switched on (loopspec.model.target).
+
+Qwen3-Next (model_type qwen3_next) is the same decoder with two differences in its checkpoint: the
+linear attention's projections are fused per key-head group (in_proj_qkvz, in_proj_ba), rearranged
+at load into this module's layout, and its feed-forward is routed experts with a gated shared expert
+on the layers decoder_sparse_step and mlp_only_layers pick, dense SwiGLU on the others.
 """
 
 from __future__ import annotations
@@ -64,20 +69,27 @@ def text_config(hf: dict) -> dict:
     return text
 
 
+def hybrid_family(model_type) -> str:
+    """The family a hybrid config reads as: the multimodal and text-only model_types are one family."""
+    return str(model_type).removesuffix("_text")
+
+
 def read_qwen3_5_config(hf: dict) -> TargetConfig:
+    """Qwen3.5, Qwen3.5-MoE and Qwen3-Next (their configs name the same fields)."""
     text = text_config(hf)
+    family = hybrid_family(hf.get("model_type"))
     widths = {}
     for key in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                 "linear_num_value_heads"):
         value = text.get(key)
         if not isinstance(value, int) or value < 1:
-            raise LoopspecError(f"qwen3_5 config.json needs a positive integer {key}, got {value!r}")
+            raise LoopspecError(f"{family} config.json needs a positive integer {key}, got {value!r}")
         widths[key] = value
     linear = LinearAttentionConfig(widths["linear_conv_kernel_dim"], widths["linear_key_head_dim"],
                                    widths["linear_value_head_dim"], widths["linear_num_key_heads"],
                                    widths["linear_num_value_heads"])
     if linear.num_value_heads % linear.num_key_heads:
-        raise LoopspecError(f"qwen3_5 config.json's linear_num_value_heads ({linear.num_value_heads}) must be a "
+        raise LoopspecError(f"{family} config.json's linear_num_value_heads ({linear.num_value_heads}) must be a "
                             f"multiple of linear_num_key_heads ({linear.num_key_heads})")
     layers = text.get("num_hidden_layers", 0)
     types = text.get("layer_types")
@@ -85,43 +97,87 @@ def read_qwen3_5_config(hf: dict) -> TargetConfig:
         interval = text.get("full_attention_interval", 4)
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers or set(types) - set(HYBRID_LAYER_TYPES):
-        raise LoopspecError(f"qwen3_5 config.json's layer_types must name linear_attention or full_attention for "
+        raise LoopspecError(f"{family} config.json's layer_types must name linear_attention or full_attention for "
                             f"each of its {layers} layers, got {types}")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     factor = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
-    family, experts = "qwen3_5", None
-    if "moe" in str(hf.get("model_type")):
-        family, experts = "qwen3_5_moe", moe_experts(text, layers)
-        text = {"intermediate_size": text.get("moe_intermediate_size"), **text}  # every layer's feed-forward is sparse
+    experts = None
+    if family == "qwen3_next":
+        experts = next_experts(text, layers)
+    elif family == "qwen3_5_moe":
+        experts = moe_experts(text, family, tuple(range(layers)), norm_topk_prob=True)
+    if experts is not None and len(experts.sparse_layers) == layers:  # no dense feed-forward: its width is unused
+        text = {"intermediate_size": text.get("moe_intermediate_size"), **text}
     cfg = dense_config(text, family=family, qk_norm=True, attention_output_gate=True, norm_plus_one=True,
                        partial_rotary_factor=factor, layer_types=list(types), experts=experts,
                        linear_attention=linear if "linear_attention" in types else None)
     if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
-        raise LoopspecError(f"qwen3_5 config.json's partial_rotary_factor {factor} turns {cfg.rotary_dim} of "
+        raise LoopspecError(f"{family} config.json's partial_rotary_factor {factor} turns {cfg.rotary_dim} of "
                             f"{cfg.head_dim} head dims: RoPE needs a positive even number")
     return cfg
 
 
-def moe_experts(text: dict, layers: int) -> ExpertsConfig:
-    """Qwen3.5-MoE's feed-forward in every layer: softmax over the experts, the top k renormalised,
-    and a shared expert gated by a sigmoid."""
+def moe_experts(text: dict, family: str, sparse_layers: tuple[int, ...], norm_topk_prob: bool) -> ExpertsConfig:
+    """The hybrids' sparse feed-forward: softmax over the experts, the top k (renormalised with
+    norm_topk_prob), and a shared expert gated by a sigmoid."""
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if not isinstance(text.get(key), int) or text[key] < 1:
-            raise LoopspecError(f"qwen3_5_moe config.json needs a positive integer {key}, got {text.get(key)!r}")
+            raise LoopspecError(f"{family} config.json needs a positive integer {key}, got {text.get(key)!r}")
     return ExpertsConfig(text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"],
-                         tuple(range(layers)), routing="softmax_topk", norm_topk_prob=True,
+                         sparse_layers, routing="softmax_topk", norm_topk_prob=norm_topk_prob,
                          shared_intermediate_size=text["shared_expert_intermediate_size"])
 
 
-def linear_attention_state(take, prefix: str, cfg: TargetConfig) -> dict[str, torch.Tensor]:
+def next_experts(text: dict, layers: int) -> ExpertsConfig | None:
+    """Qwen3-Next's experts: on every decoder_sparse_step-th layer outside mlp_only_layers (none when
+    num_experts is 0, as transformers builds it)."""
+    if text.get("num_experts", 512) == 0:
+        return None
+    step, dense_layers = text.get("decoder_sparse_step", 1), text.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1 or not isinstance(dense_layers, list):
+        raise LoopspecError(f"qwen3_next config.json needs a positive integer decoder_sparse_step and a list "
+                            f"mlp_only_layers, got {step!r} and {dense_layers!r}")
+    sparse = tuple(i for i in range(layers) if i not in dense_layers and (i + 1) % step == 0)
+    return moe_experts(text, "qwen3_next", sparse, norm_topk_prob=bool(text.get("norm_topk_prob", True)))
+
+
+def linear_attention_state(take, prefix: str, cfg: TargetConfig, fused_per_group: bool = False
+                           ) -> dict[str, torch.Tensor]:
     """One Gated DeltaNet layer's tensors under `prefix` (`layers.i.linear_attn.`): in_proj_qkv, _z, _b
-    and _a fused into one matmul, the rest as the checkpoint holds them."""
-    return {prefix + "in_proj.weight": torch.cat([take(prefix + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]),
+    and _a fused into one matmul (Qwen3-Next's in_proj_qkvz and in_proj_ba with `fused_per_group`),
+    the rest as the checkpoint holds them."""
+    if fused_per_group:
+        in_proj = ungroup_qwen3_next_projections(take(prefix + "in_proj_qkvz.weight"),
+                                                 take(prefix + "in_proj_ba.weight"), cfg, prefix)
+    else:
+        in_proj = torch.cat([take(prefix + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])
+    return {prefix + "in_proj.weight": in_proj,
             prefix + "conv_weight": take(prefix + "conv1d.weight"),
             prefix + "dt_bias": take(prefix + "dt_bias"),
             prefix + "A_log": take(prefix + "A_log"),
             prefix + "norm.weight": take(prefix + "norm.weight"),
             prefix + "out_proj.weight": take(prefix + "out_proj.weight")}
+
+
+def ungroup_qwen3_next_projections(qkvz: torch.Tensor, ba: torch.Tensor, cfg: TargetConfig,
+                                   prefix: str) -> torch.Tensor:
+    """Qwen3-Next's fused projections → GatedDeltaNet's in_proj rows [q | k | v | z | b | a]. Its rows
+    run per key head h: in_proj_qkvz holds q_h (dk), k_h (dk), then v and z of the key head's group of
+    value heads (group × dv each); in_proj_ba holds b then a of that group (group each). A value head's
+    index is h × group + j in both layouts, so each part is the key heads' slices laid end to end."""
+    dims: LinearAttentionConfig = cfg.linear_attention
+    group = dims.num_value_heads // dims.num_key_heads
+    qkvz_rows = 2 * dims.key_head_dim + 2 * group * dims.value_head_dim  # per key head
+    for name, tensor, rows in (("in_proj_qkvz", qkvz, dims.num_key_heads * qkvz_rows),
+                               ("in_proj_ba", ba, 2 * dims.num_value_heads)):
+        if tuple(tensor.shape) != (rows, cfg.hidden_size):
+            raise LoopspecError(f"{prefix}{name}.weight has shape {list(tensor.shape)}, not [{rows}, "
+                                f"{cfg.hidden_size}]")
+    per_head = qkvz.reshape(dims.num_key_heads, qkvz_rows, cfg.hidden_size)  # [Hk, 2dk + 2·group·dv, H]
+    q, k, v, z = per_head.split((dims.key_head_dim, dims.key_head_dim, group * dims.value_head_dim,
+                                 group * dims.value_head_dim), dim=1)
+    b, a = ba.reshape(dims.num_key_heads, 2 * group, cfg.hidden_size).split((group, group), dim=1)  # [Hk, group, H]
+    return torch.cat([part.reshape(-1, cfg.hidden_size) for part in (q, k, v, z, b, a)])
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
