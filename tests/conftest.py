@@ -223,3 +223,26 @@ def accepted_drafts(results) -> int:
     """The drafts the target accepted over GenerationResults (or decoder rows): Σ of their stats'
     accepted_per_round."""
     return sum(sum(r.stats.accepted_per_round) for r in results)
+
+
+def repeating_prompts(engine, prompts, new_tokens: int = 20) -> list[list[int]]:
+    """Each prompt, what the target continues it with greedily, then the prompt again: text whose
+    suffix index has something to draft."""
+    from loopspec.runtime.decoder import generate
+    from loopspec.settings import DecodingSettings
+
+    return [p + generate(engine, p, DecodingSettings(), max_new_tokens=new_tokens).tokens + p for p in prompts]
+
+
+def batched_greedy_equals_plain(engine, prompts, settings, new_tokens: int = 40) -> int:
+    """Greedy: the prompts' rows batched through one Decoder with `settings` commit what plain decoding
+    commits for each alone (asserted; the plain texts differ and vary) → the drafts accepted."""
+    from loopspec.runtime.decoder import Decoder, decode_all, generate
+    from loopspec.settings import DecodingSettings
+
+    refs = [generate(engine, p, DecodingSettings(), max_new_tokens=new_tokens).tokens for p in prompts]
+    assert len({tuple(r) for r in refs}) == len(prompts) and min(len(set(r)) for r in refs) >= 3
+    done = decode_all(Decoder(engine.with_rows(len(prompts)), settings),
+                      [dict(key=i, prompt_ids=p, max_new_tokens=new_tokens) for i, p in enumerate(prompts)])
+    assert [done[i].tokens for i in range(len(prompts))] == refs
+    return accepted_drafts(done.values())
