@@ -85,6 +85,15 @@ class DraftTree:
                 max_new_nodes -= 1
             node = self.add(node, token, from_suffix=True)
 
+    def subtree(self, nodes: list[int]) -> "DraftTree":
+        """The tree of the anchor and `nodes` (ascending, each one's parent among them), in that order."""
+        tree = DraftTree.root(self.tokens[0])
+        new = {0: 0}
+        for node in nodes:
+            new[node] = tree.add(new[self.parents[node]], self.tokens[node], from_drafter=self.from_drafter[node],
+                                 from_suffix=self.from_suffix[node])
+        return tree
+
     @property
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))

@@ -32,6 +32,7 @@ from loopspec.engines.backends import torch_engine
 from loopspec.engines.protocol import Engine
 from loopspec.errors import LoopspecError
 from loopspec.settings import DecodingSettings
+from loopspec.runtime.budget import VerifyBudget
 from loopspec.runtime.proposal import (AdaptiveFallback, Drafted, RowPlan, check_engine_runs, draft_round, drafter_sampling,
                                        plan_row, row_tree)
 from loopspec.stats import GenerationStats
@@ -59,6 +60,8 @@ class Row:
     stats: GenerationStats = field(default_factory=GenerationStats)
     suffix_index: SuffixIndex | None = None  # the committed text (prompt + tokens), when suffix drafting
     started: float = 0.0
+    draft_hits: int = 0  # drafts it accepted, and verifications that rejected one (the budget's estimate)
+    draft_misses: int = 0
     finish: str = ""  # "" while live; then stop | length | context | error | cancelled
     error: str = ""
 
@@ -93,19 +96,21 @@ class Decoder:
     runs one round for every live row and retires the rows that finished; `cancel` retires one.
     Live rows stay packed at the front of the caches (retiring a row moves the last one into its place).
 
-    The adaptive fallback (settings.adaptive, or `fallback` given) decides for the rows a step verifies
-    together: their verification is right-padded to the widest row, so one row decoding plainly beside
-    drafting rows saves nothing, and a step's cost is the batch's. For one request it is that
-    request's own fallback."""
+    `pacing` decides how much each step verifies (settings.adaptive; runtime/budget.py `pacing`): the
+    verification budget (runtime/budget.py) chooses each row's depth, zero included, and the width
+    from a step-cost table; without one, the adaptive fallback decides for the rows a step verifies
+    together (their verification is right-padded to the widest row, so one row decoding plainly
+    beside drafting rows saves nothing, and a step's cost is the batch's; for one request it is that
+    request's own fallback). Either changes what is verified, never the output."""
 
     def __init__(self, engine: Engine, settings: DecodingSettings = DecodingSettings(),
-                 fallback: AdaptiveFallback | None = None, prefill_chunk: int | None = None):
+                 pacing: AdaptiveFallback | VerifyBudget | None = None, prefill_chunk: int | None = None):
         check_engine_runs(engine, settings)
         self.engine, self.settings = engine, settings
         self.max_drafts = settings.drafts_with(engine.drafter_cfg)
-        if fallback is None and settings.adaptive:
-            fallback = AdaptiveFallback()
-        self.fallback = fallback if settings.drafting else None
+        if pacing is None and settings.adaptive:
+            pacing = AdaptiveFallback()
+        self.pacing = pacing if settings.drafting else None
         if prefill_chunk is not None and prefill_chunk < 1:
             raise LoopspecError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
         # a longer prompt is prefilled `prefill_chunk` tokens a step, between the live rows' rounds,
@@ -158,11 +163,18 @@ class Decoder:
         if not rows:
             return []
         t0 = time.perf_counter()
-        plain = self.fallback is not None and not self.fallback.want_draft()
-        plans = [plan_row(row, settings, engine, self.max_drafts, plain) for row in rows]
+        budget = self.pacing if isinstance(self.pacing, VerifyBudget) else None
+        fallback = self.pacing if isinstance(self.pacing, AdaptiveFallback) else None
+        plain = fallback is not None and not fallback.want_draft()
+        plans = [plan_row(row, settings, engine, self.max_drafts, 0 if plain else self.max_drafts) for row in rows]
+        if budget is not None:  # each row's depth this step, zero included
+            plans = [plan if cap >= plan.depth else plan_row(row, settings, engine, self.max_drafts, cap)
+                     for row, plan, cap in zip(rows, plans, budget.before_drafting(rows, plans))]
         drafted = draft_round(engine, settings, [p.stage_anchor for p in plans], [p.stage_position for p in plans],
                               [p.drafter_budget for p in plans], drafter_sampling(rows, settings))
         trees = [row_tree(plan, d, settings, engine.tree_span) for plan, d in zip(plans, drafted)]
+        if budget is not None:  # each row keeps its likeliest nodes, up to the width that pays
+            trees = budget.after_drafting(rows, plans, drafted, trees, sum(p.drafter_budget > 0 for p in plans))
         t1 = time.perf_counter()
         masks = None if all(t.is_chain for t in trees) else tree_masks(trees, max(len(t) for t in trees))
         logits, taps = engine.verify([t.tokens for t in trees], want_taps=settings.uses_drafter, tree_masks=masks)
@@ -170,8 +182,10 @@ class Decoder:
                    for b, (row, tree, d) in enumerate(zip(rows, trees, drafted))]
         t2 = time.perf_counter()
         paths = [path for path, _ in results]
-        if self.fallback is not None and any(p.wanted for p in plans):  # committed tokens per row per step, and its cost
-            self.fallback.record(drafted=not plain, committed=sum(map(len, paths)) / len(rows), seconds=t2 - t0)
+        if budget is not None:
+            budget.record(rows, plans, drafted, trees, paths, t2 - t0)
+        elif fallback is not None and any(p.wanted for p in plans):  # committed tokens per row per step, and its cost
+            fallback.record(drafted=not plain, committed=sum(map(len, paths)) / len(rows), seconds=t2 - t0)
         # Commit: each row keeps its anchor and accepted path, moved into place; only their taps
         # enter its drafter context.
         engine.target_commit([r.position for r in rows], paths)
@@ -211,13 +225,15 @@ class Decoder:
         stats.draft_s += draft_s
         stats.verify_s += verify_s
         stats.accepted_per_round.append(accepted)
-        stats.stages_per_round.append(plan.stages(drafted))
+        stats.stages_per_round.append(plan.stages(drafted) if tree.drafts else 0)  # 0: it verified no draft
         stats.nodes_per_round.append(tree.drafts)
         stats.suffix_tokens += sum(tree.from_suffix[n] and not tree.from_drafter[n] for n in path[1:])
         stats.later_stage_tokens += plan.later_stage_tokens(accepted)
-        if self.fallback is not None:
-            stats.fallback_rounds += plain and plan.wanted > 0 and self.fallback.draft_rounds > 0
-            stats.fallback_switches = self.fallback.switches
+        if isinstance(self.pacing, AdaptiveFallback):
+            stats.fallback_rounds += plain and plan.wanted > 0 and self.pacing.draft_rounds > 0
+            stats.fallback_switches = self.pacing.switches
+        elif self.pacing is not None:  # the budget verified no draft where the row could have
+            stats.fallback_rounds += plan.wanted > 0 and not tree.drafts
 
     def cancel(self, key: Hashable) -> Row | None:
         """Retire the row of `key` (a cancelled or timed-out request) → that row, if live or prefilling."""
@@ -334,10 +350,10 @@ def regenerate_responses(target, prompts: list[list[int]], max_new_tokens: int, 
 def generate(engine: Engine, prompt_ids: list[int], settings: DecodingSettings = DecodingSettings(), *,
              max_new_tokens: int, params: SamplingParams = SamplingParams(), seed: int = 0,
              generator: torch.Generator | None = None, stop_token_ids: frozenset[int] | set[int] = frozenset(),
-             fallback: AdaptiveFallback | None = None,
+             pacing: AdaptiveFallback | VerifyBudget | None = None,
              on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Decode one request up to `max_new_tokens` after `prompt_ids`: the decoder with one row."""
-    decoder = Decoder(engine, settings, fallback)
+    decoder = Decoder(engine, settings, pacing)
     row, first = decoder.admit(None, prompt_ids, max_new_tokens=max_new_tokens, params=params, seed=seed,
                                generator=generator, stop_token_ids=stop_token_ids)
     if on_tokens:

@@ -227,10 +227,11 @@ def check_engine_runs(engine: Engine, settings: DecodingSettings) -> None:
                             "candidates): use --backend torch, or --draft-sampling walk")
 
 
-def plan_row(row, settings: DecodingSettings, engine: Engine, max_drafts: int, plain: bool) -> RowPlan:
+def plan_row(row, settings: DecodingSettings, engine: Engine, max_drafts: int, cap: int) -> RowPlan:
     """What a live row (runtime/decoder.py `Row`) drafts this round. It may verify up to the method's
     most drafts, no more than the tokens still wanted after the bonus, nor than the context holds
-    after the anchor; nothing on a `plain` round (the adaptive fallback's). The chain policy
+    after the anchor, and no more than `cap` (0: a plain round, the adaptive fallback's; the
+    verification budget's choice for the row). The chain policy
     (suffix_first): a row whose text just repeated a long enough n-gram verifies the continuation
     of its earlier occurrence and skips the drafter (suffix_then_draft: the drafter's one stage
     drafts on from the copy's last token, in the room the copy leaves — a later stage's
@@ -238,7 +239,7 @@ def plan_row(row, settings: DecodingSettings, engine: Engine, max_drafts: int, p
     room = engine.max_context - row.position - 1
     left = row.max_new_tokens - len(row.tokens) - 1  # tokens still wanted after the bonus
     wanted = max(0, min(max_drafts, left, room)) if settings.drafting else 0
-    depth = 0 if plain else wanted
+    depth = min(wanted, cap)
     index = row.suffix_index
     copy = (index.continuation(depth)
             if settings.suffix_first and depth and index.longest_match()[0] >= settings.suffix_first else None)

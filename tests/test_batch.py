@@ -226,7 +226,7 @@ def test_batch_level_adaptive_fallback_changes_speed_not_output(engines):
     decoder = Decoder(engine.with_rows(4), settings, AdaptiveFallback(min_rounds=1, backoff=2))
     done = decode_all(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)])
     assert [done[i].tokens for i in range(4)] == refs
-    assert decoder.fallback.switches >= 1
+    assert decoder.pacing.switches >= 1
     stages = done[0].stats.stages_per_round
     assert 0 in stages[1:] and max(stages) == 2  # plain rounds (0 stages) between drafted ones
     with pytest.raises(LoopspecError, match="--adaptive does not apply to method ar"):

@@ -181,12 +181,12 @@ def test_adaptive_fallback_changes_speed_not_output(tiny_targets):
     ar = generate(engine, prompt, max_new_tokens=80)
     # a random drafter never pays: the fallback must switch to plain rounds, output unchanged
     fb = AdaptiveFallback(min_rounds=2, backoff=4)
-    res = generate(engine, prompt, dflash(6), max_new_tokens=80, fallback=fb)
+    res = generate(engine, prompt, dflash(6), max_new_tokens=80, pacing=fb)
     assert res.tokens == ar.tokens
     assert res.stats.fallback_switches >= 1 and res.stats.fallback_rounds >= 4
     for stages in (1, 3):
         res = generate(engine, prompt, dloop(6, stages, -1e9), max_new_tokens=80,
-                       fallback=AdaptiveFallback(min_rounds=1, backoff=2))
+                       pacing=AdaptiveFallback(min_rounds=1, backoff=2))
         assert res.tokens == ar.tokens
 
 
