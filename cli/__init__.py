@@ -5,7 +5,7 @@ The top floor: it may import every layer (core, train, engines, convert, runtime
 it. It parses flags into the values the layers take (EngineChoice, DecodingSettings' knobs,
 SamplingParams, a bench's BenchPlan) and prints; it builds nothing itself. By what users do:
 flags.py (the flags commands share, each defined once), run.py (generate, serve, prompts),
-measure.py (bench, tune), train.py (data, train), convert.py (convert onnx / quantize / trt /
+measure.py (bench, tune, costs), train.py (data, train), convert.py (convert onnx / quantize / trt /
 bundle). The layers are imported inside each command so that `loopspec --help` and a refused flag
 answer without loading torch."""
 
@@ -22,6 +22,7 @@ COMMANDS = {
     "generate": (run.add_generate, run.cmd_generate),
     "bench": (measure.add_bench, measure.cmd_bench),
     "tune": (measure.add_tune, measure.cmd_tune),
+    "costs": (measure.add_costs, measure.cmd_costs),
     "serve": (run.add_serve, run.cmd_serve),
     "convert": (convert.add_convert, convert.cmd_convert),
     "data": (train.add_data, train.cmd_data),

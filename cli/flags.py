@@ -133,6 +133,10 @@ def add_backend_flags(p: argparse.ArgumentParser, side_by_side: bool = False) ->
                         "Q4_1/Q8_0 blocks with int8 activations, the fastest CPU engine; else fp32) | fp32 (the "
                         "reference) | gguf-int8act | gguf-fp32act (onnxruntime, GGUF target)"
                    + ("; a comma list (fp32,gguf-int8act) runs every engine side by side" if side_by_side else ""))
+    p.add_argument("--step-costs", default=None, metavar="FILE",
+                   help="what a step costs on this engine (a table from `loopspec costs --out FILE`), for the "
+                        "verification budget of --adaptive (default: the table `loopspec costs` stored for this "
+                        "engine on this CPU, if any; else --adaptive times its rounds)")
 
 
 def names_a_drafter(args) -> bool:
@@ -150,8 +154,16 @@ def engine_choice(args, **overrides):
     flags = dict(target=args.target, drafter=args.drafter, backend=args.backend, precision=args.precision,
                  device=args.device, max_context=args.max_context, threads=args.threads,
                  cuda_graphs=args.cuda_graphs, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir,
-                 mask_token_id=args.mask_token_id)
+                 mask_token_id=args.mask_token_id, step_costs=args.step_costs)
     return EngineChoice(**(flags | overrides))
+
+
+def check_step_costs(args, settings) -> None:
+    """Refuse --step-costs where no verification budget would read it (a method that drafts nothing,
+    or --no-adaptive): a table given is used, never dropped."""
+    if args.step_costs is not None and not (settings.adaptive and settings.drafting):
+        why = "--no-adaptive" if settings.drafting else f"method {settings.method}"
+        raise LoopspecError(f"--step-costs feeds the verification budget of --adaptive, which {why} does not run")
 
 
 def side_by_side(args) -> list:

@@ -1,5 +1,6 @@
-"""Measuring: `loopspec bench` (every method on the same prompts) and `loopspec tune` (sweep the
-drafting knobs, store the fastest lossless setting with the drafter)."""
+"""Measuring: `loopspec bench` (every method on the same prompts), `loopspec tune` (sweep the
+drafting knobs, store the fastest lossless setting with the drafter) and `loopspec costs` (what a step
+costs on the engine, stored for the verification budget)."""
 
 from __future__ import annotations
 
@@ -143,4 +144,48 @@ def cmd_tune(args) -> int:
                   f"max stages {best['max_stages']}, gate {best['gate_threshold']}, tree budget {best['tree_budget']}, "
                   f"suffix {'on' if best['suffix'] else 'off'}, suffix first {best['suffix_first'] or 'off'}"
                   f"{', then the drafter' if best.get('suffix_then_draft') else ''}")
+    return 0
+
+
+def add_costs(sub) -> None:
+    c = sub.add_parser("costs", help="measure what a step costs on this engine (rows x tokens per row, and a "
+                                     "drafter stage) and store it for the verification budget of --adaptive")
+    add_pair_flags(c)
+    add_backend_flags(c)
+    c.add_argument("--rows", default="1,2,4,8,16", help="row counts measured (comma-separated)")
+    c.add_argument("--widths", default="1,2,3,4,5,6,8,10,12",
+                   help="tokens per row measured (comma-separated, from 1: the plain step)")
+    c.add_argument("--context", type=positive_int("--context"), default=256, help="committed tokens per row")
+    c.add_argument("--repeats", type=positive_int("--repeats"), default=5)
+    c.add_argument("--out", default=None, metavar="FILE",
+                   help="write the table here (pass it with --step-costs) instead of the store the engine's "
+                        "runs read by default")
+
+
+def cmd_costs(args) -> int:
+    from loopspec.runtime.pipeline import open_pipeline
+    from loopspec.runtime.step_costs import measure_step_costs, stored_costs_path
+
+    if args.step_costs is not None:
+        raise LoopspecError("costs measures a table; --step-costs reads one (use --out FILE to choose where it goes)")
+    rows, widths = int_list(args.rows, "--rows"), int_list(args.widths, "--widths")
+    for name, values in (("--rows", rows), ("--widths", widths)):
+        if not values or min(values) < 1 or values != sorted(set(values)):
+            raise LoopspecError(f"{name} must be increasing positive integers, got {getattr(args, name[2:])!r}")
+    if widths[0] != 1:
+        raise LoopspecError("--widths must start at 1 (the plain step every other is weighed against)")
+    with output_file(args.out, "--out"):  # reserved before the measurement, removed if it fails
+        pipe = open_pipeline(engine_choice(args))
+        block_size = pipe.engine.drafter_cfg.block_size if pipe.engine.has_drafter else 1
+        costs = measure_step_costs(pipe.engine.with_rows(max(rows)), pipe.engine_name, rows=rows, widths=widths,
+                                   context=args.context, block_size=block_size, repeats=args.repeats)
+        path = Path(args.out) if args.out else stored_costs_path(pipe.engine_name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(costs.to_json())
+    print(f"step costs of {pipe.describe_engine()} at {costs.context} tokens of context, ms "
+          f"({costs.cpu}, {costs.threads} threads):")
+    print(f"{'rows':>4} " + " ".join(f"{w:>6}" for w in costs.widths) + "   drafter stage")
+    for n, times, *draft in zip(costs.rows, costs.verify_s, *([costs.draft_s] if costs.draft_s else [])):
+        print(f"{n:>4} " + " ".join(f"{t * 1e3:>6.1f}" for t in times) + (f"   {draft[0] * 1e3:>6.1f}" if draft else ""))
+    print(f"stored: {path}")
     return 0

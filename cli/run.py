@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from loopspec.cli.flags import (add_backend_flags, add_decoding_flags, add_max_new_tokens_flag, add_pair_flags,
-                                add_sampling_flags, add_target_flag, add_threads_flag, decoding_knobs,
+                                add_sampling_flags, add_target_flag, add_threads_flag, check_step_costs, decoding_knobs,
                                 engine_choice, finite_float, int_at_least, names_a_drafter, positive_int,
                                 sampling)
 from loopspec.errors import LoopspecError
@@ -40,6 +40,7 @@ def cmd_generate(args) -> int:
         raise LoopspecError("empty prompt")
     pipe = open_pipeline(engine_choice(args))
     settings = pipe.settings(args.method, **decoding_knobs(args))
+    check_step_costs(args, settings)
     prompt_ids = pipe.encode(args.prompt, chat=args.chat)
     stream = TextStream(pipe)
     result = pipe.run(prompt_ids, settings, max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
@@ -49,6 +50,8 @@ def cmd_generate(args) -> int:
     about = f"{settings.describe()}, {pipe.describe_engine()}"
     if settings.uses_drafter:
         about += f", drafter: {pipe.drafter_description}"
+    if settings.adaptive and settings.drafting:
+        about += f", adaptive: {pipe.describe_pacing(settings)}"
     if settings.method == "dloop":
         about += f", stages/verification {result.stats.stages_histogram}"
     if settings.tree_budget or settings.uses_suffix:
@@ -118,6 +121,7 @@ def cmd_serve(args) -> int:
     choice = engine_choice(args)
     pipe = open_pipeline(choice)
     settings = pipe.settings(args.method, **decoding_knobs(args))
+    check_step_costs(args, settings)
     config = ServeConfig(settings=settings, model_name=args.model_name or choice.display_name,
                          max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,

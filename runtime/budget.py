@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from loopspec.engines.protocol import Engine
 from loopspec.runtime.proposal import AdaptiveFallback, Drafted, RowPlan
 from loopspec.runtime.step_costs import StepCosts
 from loopspec.settings import DecodingSettings
@@ -162,7 +163,7 @@ class VerifyBudget:
     def p(self, source: str, raw: float) -> float:
         return 1.0 if source == "anchor" else self.calibration.p(source, raw)
 
-    def record(self, rows, plans, drafted, trees: list[DraftTree], paths: list[list[int]], seconds: float) -> None:
+    def record(self, rows, plans, drafted, trees: list[DraftTree], paths: list[list[int]], *, seconds: float) -> None:
         """What the step accepted (each node whose parent was accepted: accepted or not) and what it took."""
         for row, plan, d, tree, path in zip(rows, plans, drafted, trees, paths):
             on_path = set(path)
@@ -181,10 +182,6 @@ class VerifyBudget:
             self.plain_steps += not drafting
             self.drafting_steps += drafting
 
-    def plain_prediction(self, rows: int) -> None:
-        """A step that drafted nothing (every row's cap 0): its predicted time, for the scale."""
-        self._predicted = (self.costs.verify(rows, 1), False)
-
 
 def _survival(tree: DraftTree, estimates_p: list[float]) -> list[float]:
     """Each node's probability that its whole path is accepted, from per-node conditional estimates."""
@@ -202,10 +199,13 @@ def _keep_likeliest(tree: DraftTree, survival: list[float], width: int) -> Draft
     return tree.subtree(sorted(kept))
 
 
-def pacing(settings: DecodingSettings, costs: StepCosts | None, stage_drafts: int):
+def pacing(settings: DecodingSettings, engine: Engine, costs: StepCosts | None):
     """What decides how much each step verifies: the verification budget when a step-cost table is
     at hand, else the timing fallback (runtime/proposal.py AdaptiveFallback); None when the settings
     do not adapt (or do not draft)."""
     if not settings.adaptive or not settings.drafting:
         return None
-    return VerifyBudget(costs, settings, stage_drafts) if costs is not None else AdaptiveFallback()
+    if costs is None:
+        return AdaptiveFallback()
+    stage_drafts = engine.drafter_cfg.drafts_per_block(settings.block_size) if settings.uses_drafter else 0
+    return VerifyBudget(costs, settings, stage_drafts)

@@ -183,7 +183,7 @@ class Decoder:
         t2 = time.perf_counter()
         paths = [path for path, _ in results]
         if budget is not None:
-            budget.record(rows, plans, drafted, trees, paths, t2 - t0)
+            budget.record(rows, plans, drafted, trees, paths, seconds=t2 - t0)
         elif fallback is not None and any(p.wanted for p in plans):  # committed tokens per row per step, and its cost
             fallback.record(drafted=not plain, committed=sum(map(len, paths)) / len(rows), seconds=t2 - t0)
         # Commit: each row keeps its anchor and accepted path, moved into place; only their taps

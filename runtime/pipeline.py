@@ -22,7 +22,9 @@ from loopspec.prompts import chat_ids, prompt_ids
 from loopspec.settings import DecodingSettings, engine_key, resolve_settings
 from loopspec.tuned import user_setting
 from loopspec.weights import TargetSource, load_tokenizer
+from loopspec.runtime.budget import pacing
 from loopspec.runtime.decoder import GenerationResult, generate
+from loopspec.runtime.step_costs import StepCosts, stored_step_costs
 from loopspec.engines.protocol import Engine
 from loopspec.engines.backends import BACKENDS, artifact_engine, cached_onnx_engine, require_cuda, torch_engine
 
@@ -59,6 +61,7 @@ class Pipeline:
     stop_token_ids: frozenset[int]
     target_source: TargetSource | None = None  # the target as resolved from its name (None: artifacts)
     tuned_store: Path | None = None  # where users' tune results for shipped drafters are (None: the cache's)
+    step_costs_file: Path | None = None  # the step-cost table given for this engine (None: the stored one, if any)
 
     @property
     def backend(self) -> str:
@@ -93,7 +96,7 @@ class Pipeline:
                                        num_threads, precision, self.target_source)
         else:
             engine = torch_engine(self.target, self.drafter, max_context, num_threads)
-        return dataclasses.replace(self, engine=engine)
+        return dataclasses.replace(self, engine=engine, step_costs_file=None)  # a table is one engine's
 
     def with_rows(self, max_rows: int) -> "Pipeline":
         """The same pipeline over an engine with `max_rows` batch rows (the server's batch)."""
@@ -108,6 +111,24 @@ class Pipeline:
         drafter wins over the setting shipped with it (loopspec/tuned.py)."""
         return resolve_settings(method, self.engine.drafter_cfg, engine=self.tuning_key,
                                 chains_only=self.engine.chains_only, tuned=self.user_tuned, **knobs)
+
+    @functools.cached_property
+    def step_costs(self) -> StepCosts | None:
+        """The step-cost table of this engine: the file given (refused if measured on another engine),
+        else the one `loopspec costs` stored for it when measured on this CPU, else None."""
+        if self.step_costs_file is not None:
+            return StepCosts.load(self.step_costs_file, engine=self.engine_name)
+        return stored_step_costs(self.engine_name)
+
+    def pacing(self, settings: DecodingSettings):
+        """What decides how much each step of `settings` verifies (runtime/budget.py `pacing`)."""
+        return pacing(settings, self.engine, self.step_costs)
+
+    def describe_pacing(self, settings: DecodingSettings) -> str:
+        """Which pacing `settings` get here, for the stats line."""
+        if self.step_costs is None:
+            return "timing fallback (no step costs for this engine: `loopspec costs` measures them)"
+        return f"verification budget (step costs: {self.step_costs_file or 'stored'})"
 
     @functools.cached_property
     def user_tuned(self) -> dict | None:
@@ -140,7 +161,7 @@ class Pipeline:
         """Decode one prompt with `settings` (from `settings()`)."""
         settings.check_sampling(params.greedy)
         return generate(self.engine, prompt_ids, settings, max_new_tokens=max_new_tokens, params=params, seed=seed,
-                        stop_token_ids=self.stop_token_ids, on_tokens=on_tokens)
+                        stop_token_ids=self.stop_token_ids, pacing=self.pacing(settings), on_tokens=on_tokens)
 
 
 def resolve_backend(backend: str, device: str = "cpu", cuda_graphs: bool | None = None,
@@ -212,6 +233,7 @@ class EngineChoice:
     onnx_dir: str | Path | None = None
     trt_dir: str | Path | None = None
     mask_token_id: int | None = None
+    step_costs: str | Path | None = None  # a step-cost table for the verification budget (runtime/step_costs.py)
 
     def __post_init__(self):
         for name, value in (("max_context", self.max_context), ("num_threads", self.threads)):
@@ -231,6 +253,8 @@ class EngineChoice:
                                 "and --trt-dir needs --backend tensorrt")
         if self.precision not in PRECISIONS and not (self.from_artifacts and self.precision in ARTIFACT_PRECISIONS):
             raise LoopspecError(f"unknown precision {self.precision!r} (choose from {', '.join(PRECISIONS)})")
+        if self.step_costs is not None:
+            StepCosts.load(self.step_costs)  # a table that cannot be one is refused before anything loads
         if self.from_artifacts and self.mask_token_id is not None:
             raise LoopspecError("--mask-token-id is for a drafter loaded from its checkpoint; an exported engine "
                                 "directory carries its mask token")
@@ -298,7 +322,7 @@ def open_pipeline(choice: EngineChoice) -> Pipeline:
         if choice.precision not in ("auto", engine.precision):
             raise LoopspecError(f"{directory} holds {engine.precision} engines, not {choice.precision} "
                                 "(artifacts carry their precision: drop --precision or export again)")
-        return artifact_pipeline(engine, directory)
+        return dataclasses.replace(artifact_pipeline(engine, directory), step_costs_file=_path(choice.step_costs))
     target = choice.target
     precision = resolve_precision(choice.precision, choice.backend, target)
     device = resolve_device(choice.device)
@@ -317,7 +341,11 @@ def open_pipeline(choice: EngineChoice) -> Pipeline:
         engine = torch_engine(model, draft_model, choice.max_context, choice.threads, cuda_graphs=cuda_graphs)
     return Pipeline(tokenizer=pair.tokenizer, target_dir=pair.target_dir, drafter_dir=pair.drafter_dir, target=model,
                     drafter=draft_model, engine=engine, drafter_description=pair.drafter_description,
-                    stop_token_ids=pair.stop_token_ids, target_source=target)
+                    stop_token_ids=pair.stop_token_ids, target_source=target, step_costs_file=_path(choice.step_costs))
+
+
+def _path(value: str | Path | None) -> Path | None:
+    return None if value is None else Path(value)
 
 
 def artifact_pipeline(engine: Engine, directory: Path) -> Pipeline:

@@ -315,7 +315,8 @@ def create_app(pipeline, config: ServeConfig):
     from starlette.exceptions import HTTPException
 
     pipeline = pipeline.with_rows(config.max_batch_size)
-    scheduler = Scheduler(Decoder(pipeline.engine, config.settings, prefill_chunk=config.prefill_chunk), pipeline.decode,
+    scheduler = Scheduler(Decoder(pipeline.engine, config.settings, pipeline.pacing(config.settings),
+                                  prefill_chunk=config.prefill_chunk), pipeline.decode,
                           stop_token_ids=pipeline.stop_token_ids, max_queue=config.max_queue, metrics=Metrics())
     state = ServerState(pipeline=pipeline, config=config, scheduler=scheduler,
                         model_name=config.model_name or pipeline.target_dir.name, created=int(time.time()))

@@ -176,11 +176,29 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def stored_costs_path(engine_name: str, max_rows: int, store: Path | None = None) -> Path:
-    """Where `loopspec costs` keeps the table of an engine (backend and precision) with `max_rows` rows:
-    `<cache>/step-costs/<engine>-<rows>rows.json` (loopspec.weights.cache_root)."""
+def stored_costs_path(engine_name: str, store: Path | None = None) -> Path:
+    """Where `loopspec costs` keeps the table of an engine (backend and precision):
+    `<cache>/step-costs/<engine>.json` (loopspec.weights.cache_root)."""
     if store is None:
         from loopspec.weights import cache_root
 
         store = cache_root() / "step-costs"
-    return Path(store) / f"{engine_name.replace(' ', '-')}-{max_rows}rows.json"
+    return Path(store) / f"{engine_name.replace(' ', '-')}.json"
+
+
+def stored_step_costs(engine_name: str, store: Path | None = None) -> StepCosts | None:
+    """The table `loopspec costs` stored for `engine_name`, if one was measured on this CPU (a table
+    from another CPU, or one that no longer reads, is left out with a note on stderr)."""
+    path = stored_costs_path(engine_name, store)
+    if not path.is_file():
+        return None
+    try:
+        costs = StepCosts.load(path, engine=engine_name)
+    except LoopspecError as e:
+        print(f"loopspec: note: {e}; the timing fallback decides instead", file=sys.stderr)
+        return None
+    if costs.cpu != _cpu_name():
+        print(f"loopspec: note: the step costs in {path} were measured on {costs.cpu or 'another CPU'}, not this "
+              f"{_cpu_name()}: the timing fallback decides instead (run `loopspec costs` again)", file=sys.stderr)
+        return None
+    return costs

@@ -105,11 +105,12 @@ def test_bad_step_cost_tables_are_refused_in_one_line(tmp_path):
         StepCosts.load(tmp_path / "junk.json")
 
 
-def test_pacing_is_the_budget_with_a_table_else_the_fallback():
-    dflash = Method("dflash", block_size=4, adaptive=True)
-    assert isinstance(pacing(dflash, HAND, 3), VerifyBudget)
-    assert isinstance(pacing(dflash, None, 3), AdaptiveFallback)
-    assert pacing(Method("dflash", block_size=4), HAND, 3) is None  # adaptive off: every round drafts
+def test_pacing_is_the_budget_with_a_table_else_the_fallback(engine):
+    dflash, suffix = Method("dflash", block_size=5, adaptive=True), Method("suffix", block_size=5, adaptive=True)
+    assert isinstance(pacing(dflash, engine, HAND), VerifyBudget) and pacing(dflash, engine, HAND).stage_drafts == 4
+    assert pacing(suffix, engine, HAND).stage_drafts == 0  # no drafter to pay for
+    assert isinstance(pacing(dflash, engine, None), AdaptiveFallback)
+    assert pacing(Method("dflash", block_size=5), engine, HAND) is None  # adaptive off: every round drafts
 
 
 PROMPTS = [torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 14, 21)]
@@ -129,18 +130,18 @@ def engine(tiny_targets):
 def test_the_budget_changes_what_is_verified_never_the_output(engine, method):
     """Greedy: batched with the budget on, every row commits plain decoding's tokens, rows verify different
     counts in one step (the well-drafted rows more), and each row alone commits the same."""
-    costs = measure_step_costs(engine.with_rows(4), "torch fp32", rows=(1, 2, 4), widths=(1, 2, 4, 8), context=32,
-                               block_size=5, repeats=1, progress=False)
-    # a table on which verifying more costs little and a drafter stage 0.15 of a one-row step per row:
-    # drafting pays for the rows whose drafts are accepted, not for the others
-    one_row = costs.verify_s[0][0]
-    costs = StepCosts(costs.engine, costs.context, costs.rows, costs.widths,
-                      tuple(tuple(r[0] * (1 + 0.08 * (w - 1)) for w in costs.widths) for r in costs.verify_s),
-                      tuple(0.15 * one_row * n for n in costs.rows))
+    # the table is the truth here (a measured one would make the choices, and so this test, depend on
+    # the machine's timing): verifying more costs little, a drafter stage 0.15 of a one-row step per
+    # row, so drafting pays for the rows whose drafts are accepted and not for the others
+    costs = table([[10 * (1 + 0.1 * (n - 1)) * (1 + 0.08 * (w - 1)) for w in (1, 2, 4, 8)] for n in (1, 2, 4)],
+                  [1.5 * n for n in (1, 2, 4)], rows=(1, 2, 4), widths=(1, 2, 4, 8))
     refs = [generate(engine, p, Method(), max_new_tokens=40).tokens for p in PROMPTS]
     widths_seen = []
 
     class Watching(VerifyBudget):
+        def record(self, *a, seconds):  # every step took what the table says
+            super().record(*a, seconds=self._predicted[0])
+
         def after_drafting(self, *a, **k):
             trees = super().after_drafting(*a, **k)
             widths_seen.append(sorted(len(t) for t in trees))
@@ -154,5 +155,14 @@ def test_the_budget_changes_what_is_verified_never_the_output(engine, method):
     assert any(w[0] < w[-1] for w in widths_seen)  # rows verified different counts in one call
     assert sum(r.stats.fallback_rounds for r in done.values()) > 0  # and some rows verified no draft
     for i, p in enumerate(PROMPTS):  # each alone, with a budget of its own, commits the same
-        alone = generate(engine, p, method, max_new_tokens=40, pacing=VerifyBudget(costs, method, budget.stage_drafts))
+        alone = generate(engine, p, method, max_new_tokens=40, pacing=Watching(costs, method, budget.stage_drafts))
         assert alone.tokens == refs[i]
+
+
+def test_a_step_cost_table_is_measured_on_the_engine(engine, tmp_path):
+    costs = measure_step_costs(engine.with_rows(2), "torch fp32", rows=(1, 2, 4), widths=(1, 3), context=16,
+                               block_size=5, repeats=1, progress=False)
+    assert costs.rows == (1, 2) and costs.widths == (1, 3)  # rows past the engine's are left out
+    assert len(costs.verify_s) == 2 and all(t > 0 for r in costs.verify_s for t in r) and len(costs.draft_s) == 2
+    (tmp_path / "t.json").write_text(costs.to_json())
+    assert StepCosts.load(tmp_path / "t.json", engine="torch fp32") == costs

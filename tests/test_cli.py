@@ -122,6 +122,9 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
     good = tmp_path / "good.jsonl"
     good.write_text('{"turns": ["hello"]}\n')
     gen = ["generate", "--prompt", "x", "--target", never]
+    costs = tmp_path / "costs.json"  # a well-formed table of another engine
+    costs.write_text(json.dumps({"engine": "onnxruntime gguf-int8act", "context": 64, "rows": [1], "widths": [1, 2],
+                                 "verify_s": [[0.01, 0.012]], "draft_s": [0.002]}))
     train = ["train", "--data", str(tmp_path / "data"), "--target", never, "--out", str(tmp_path / "drafter-out")]
     serve = ["serve", "--target", never]
     not_utf8 = "latin1.jsonl:2: prompt file is not UTF-8"
@@ -283,6 +286,15 @@ def bad_cases(tiny_pair, tmp_path, tiny_targets):
         "abbreviated flag": (gen + ["--max-new", "4"], "unrecognized arguments: --max-new 4"),
         "abbreviated prompt flag": (["generate", "--target", never, "--prompt", "x", "--prom", "y"],
                                     "unrecognized arguments: --prom y"),
+        "costs widths not from 1": (["costs", "--target", never, "--widths", "2,4"], "--widths must start at 1"),
+        "costs rows not increasing": (["costs", "--target", never, "--rows", "4,2"], "--rows must be increasing"),
+        "costs reading a table": (["costs", "--target", never, "--step-costs", str(good)], "--step-costs reads one"),
+        "step costs file missing": (gen + ["--step-costs", str(tmp_path / "nope.json")], "No such file"),
+        "step costs not a table": (gen + ["--step-costs", str(good)], "missing engine, context, rows, widths"),
+        "step costs with ar": (base + ["--prompt", "x", "--method", "ar", "--step-costs", str(costs)],
+                               "--step-costs feeds the verification budget of --adaptive, which method ar does not run"),
+        "step costs of another engine": (base + ["--prompt", "x", "--method", "dflash", "--step-costs", str(costs)],
+                                         "measured on the onnxruntime gguf-int8act engine, not torch fp32"),
     }
     listening.close()
 
@@ -310,7 +322,9 @@ CASES = ["weights wider than config", "empty target dir", "unknown path", "corru
          "prompts --out in a new folder left out when the run fails", "train --out under /proc",
          "convert --out under /proc", "bench --json left out when the run fails",
          "bench --out left out when the run fails", "prompt line nested 100,000 deep", "drafter markov rank 2^40",
-         "drafter config size beyond its weights", "abbreviated flag", "abbreviated prompt flag"]
+         "drafter config size beyond its weights", "abbreviated flag", "abbreviated prompt flag",
+         "costs widths not from 1", "costs rows not increasing", "costs reading a table", "step costs file missing",
+         "step costs not a table", "step costs with ar", "step costs of another engine"]
 
 
 def _files_under(folder):
@@ -464,3 +478,24 @@ def test_bundle_framework_flag_and_its_deprecated_spelling(capsys):
         line = _one_error_line(capsys.readouterr().err.replace("loopspec: warning: --engine is deprecated; "
                                                                "use --framework\n", ""))
         assert e.value.code == 2 and line.startswith("loopspec: error: convert bundle: ") and needle in line
+
+
+def test_costs_measures_a_table_that_generate_and_bench_read(capsys, tiny_pair, tmp_path):
+    """`loopspec costs --out` writes the engine's table; `--step-costs` hands it to the verification
+    budget, and the output stays plain decoding's."""
+    target, drafter = tiny_pair
+    pair = ["--target", str(target), "--drafter", str(drafter), "--backend", "torch"]
+    out = tmp_path / "costs.json"
+    code, printed, _ = run(capsys, "costs", *pair, "--rows", "1,2", "--widths", "1,2,4", "--context", "16",
+                           "--repeats", "1", "--out", str(out))
+    assert code == 0 and f"stored: {out}" in printed and "drafter stage" in printed
+    table = json.loads(out.read_text())
+    assert table["engine"] == "torch fp32" and table["rows"] == [1, 2] and table["widths"] == [1, 2, 4]
+    texts = {}
+    for extra in ([], ["--step-costs", str(out)]):
+        code, printed, err = run(capsys, "generate", "--prompt", "hello world", *pair, "--method", "dflash",
+                                 "--max-new-tokens", "12", *extra)
+        assert code == 0
+        texts[bool(extra)] = printed
+        assert "adaptive: " in err and (not extra or "adaptive: verification budget" in err)
+    assert texts[True] == texts[False]
