@@ -34,6 +34,10 @@ BINS = 10  # calibration bins over a node's raw estimate
 PRIOR = 4.0  # pseudo-observations behind a raw estimate, and behind the batch's rate in a row's
 SUFFIX_RAW = 0.5  # a suffix node's raw estimate before any was verified
 ALPHA = 0.2  # how fast the table's scale follows the measured steps
+# a row's counts fade by this much a step, drafted or not: its estimate follows what it writes now, and
+# a row that stopped drafting drifts back to the batch's estimate (plus the doubt below) and is tried again
+FADE = 0.97
+DOUBT = 0.3  # optimism of an estimate resting on few verifications: + DOUBT / sqrt(1 + their count)
 
 
 def best_step(gains: list[list[float]], needs_drafter: list[bool], costs: StepCosts, stage_drafts: int,
@@ -118,9 +122,11 @@ class VerifyBudget:
         self._predicted = (0.0, False)
 
     def rate(self, row) -> float:
-        """A row's per-draft acceptance, its counts shrunk toward the batch's (which starts at 0.5)."""
+        """A row's per-draft acceptance: its (fading) counts shrunk toward the batch's (which starts at
+        0.5), made optimistic while they are few, so that a row is tried before it is judged."""
         batch = (self.hits + 1) / (self.hits + self.misses + 2)
-        return (row.draft_hits + PRIOR * batch) / (row.draft_hits + row.draft_misses + PRIOR)
+        seen = row.draft_hits + row.draft_misses
+        return min(0.95, (row.draft_hits + PRIOR * batch) / (seen + PRIOR) + DOUBT / math.sqrt(1 + seen))
 
     def before_drafting(self, rows, plans: list[RowPlan]) -> list[int]:
         """Each row's depth cap for this step (0: it drafts nothing)."""
@@ -171,10 +177,10 @@ class VerifyBudget:
                 if node and tree.parents[node] in on_path:
                     self.calibration.record(source, raw, node in on_path)
             rejected = any(tree.parents[n] == path[-1] for n in range(1, len(tree)))
-            row.draft_hits += len(path) - 1
-            row.draft_misses += rejected
-            self.hits += len(path) - 1
-            self.misses += rejected
+            row.draft_hits = FADE * row.draft_hits + len(path) - 1
+            row.draft_misses = FADE * row.draft_misses + rejected
+            self.hits = FADE * self.hits + len(path) - 1
+            self.misses = FADE * self.misses + rejected
         predicted, drafting = self._predicted
         if predicted > 0:
             k = int(drafting)

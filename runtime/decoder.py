@@ -60,8 +60,8 @@ class Row:
     stats: GenerationStats = field(default_factory=GenerationStats)
     suffix_index: SuffixIndex | None = None  # the committed text (prompt + tokens), when suffix drafting
     started: float = 0.0
-    draft_hits: int = 0  # drafts it accepted, and verifications that rejected one (the budget's estimate)
-    draft_misses: int = 0
+    draft_hits: float = 0.0  # drafts it accepted, and verifications that rejected one, fading (the budget's estimate)
+    draft_misses: float = 0.0
     finish: str = ""  # "" while live; then stop | length | context | error | cancelled
     error: str = ""
 
