@@ -198,3 +198,61 @@ def test_drafter_sampling_with_a_grammar_is_refused(setup):
     with pytest.raises(LoopspecError, match="draft-sampling walk"):
         Decoder(engine.with_rows(1), settings).admit(0, [5, 6], max_new_tokens=4, params=SEEDED,
                                                       constraint=grammars.constraint(SPECS["choice"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# The server: response_format and guided_* on both endpoints
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair, tmp_path_factory):
+    pytest.importorskip("fastapi")
+    from test_server import CONTEXT, ServerThread, make_app
+
+    from loopspec.runtime.pipeline import load_pipeline
+
+    target_dir, drafter_dir = tiny_pair
+    with ServerThread(make_app(load_pipeline(str(target_dir), str(drafter_dir), max_context=CONTEXT,
+                                             backend="torch"))) as s:
+        yield s
+
+
+def post(server, path, body):
+    import httpx
+
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": "abc"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abc"}]})])
+def test_server_answers_valid_structured_output(server, path, base):
+    chat = "chat" in path
+    for extra, kind in (({"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}},
+                         "schema"), ({"guided_json": SCHEMA}, "schema"), ({"guided_json": json.dumps(SCHEMA)}, "schema"),
+                        ({"guided_regex": REGEX}, "regex"), ({"guided_choice": list(CHOICES)}, "choice"),
+                        ({"response_format": {"type": "json_object"}, "max_tokens": 8}, None)):
+        response = post(server, path, {**base, "max_tokens": 64, "temperature": 0, **extra})
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+        if kind is not None:
+            assert choice["finish_reason"] == "stop" and valid(kind, text), (extra, text)
+        else:  # any JSON object, cut at 8 tokens: what there is opens one
+            assert text.startswith("{"), text
+
+
+@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": "abc"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abc"}]})])
+def test_server_refuses_bad_grammars_naming_the_field(server, path, base):
+    for field, value in (("guided_json", {"type": "objectx"}), ("guided_json", "{not json"), ("guided_regex", "a(b"),
+                         ("guided_choice", []), ("guided_choice", ["a", 1]),
+                         ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+                         ("response_format", {"type": "json_schema",
+                                              "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": "x"}}}),
+                         ("response_format", {"type": "yaml"})):
+        response = post(server, path, {**base, field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
+    both = post(server, path, {**base, "guided_regex": "a+", "guided_choice": ["a"]})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "guided_choice", both.text
+    text = post(server, path, {**base, "response_format": {"type": "text"}, "max_tokens": 2})
+    assert text.status_code == 200, text.text
