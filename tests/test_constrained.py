@@ -256,3 +256,39 @@ def test_server_refuses_bad_grammars_naming_the_field(server, path, base):
     assert both.status_code == 400 and both.json()["error"]["param"] == "guided_choice", both.text
     text = post(server, path, {**base, "response_format": {"type": "text"}, "max_tokens": 2})
     assert text.status_code == 200, text.text
+
+
+# --------------------------------------------------------------------------------------------------
+# The command line: loopspec generate --json-schema / --json-object / --regex / --choice
+
+
+def test_cli_generates_structured_output(tiny_pair, capsys, tmp_path):
+    from loopspec.cli import main
+
+    target_dir, drafter_dir = tiny_pair
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    base = ["generate", "--prompt", "abc", "--backend", "torch", "--target", str(target_dir), "--drafter",
+            str(drafter_dir), "--max-new-tokens", "64", "--method", "dflash"]
+    for flags, kind in ((["--json-schema", str(schema)], "schema"), (["--json-schema", json.dumps(SCHEMA)], "schema"),
+                        (["--regex", REGEX], "regex"), (["--choice", CHOICES[0], "--choice", CHOICES[1]], "choice")):
+        assert main(base + flags) == 0
+        captured = capsys.readouterr()
+        assert valid(kind, captured.out.rstrip("\n")), (flags, captured.out)
+        assert "output:" in captured.err
+
+
+def test_cli_refuses_bad_grammar_flags_in_one_line(capsys, tmp_path):
+    from loopspec.cli import main
+
+    base = ["generate", "--prompt", "abc", "--target", str(tmp_path / "never-read")]
+    for flags, words in ((["--regex", "a("], "--regex"), (["--json-schema", "{nope"], "--json-schema"),
+                         (["--json-schema", str(tmp_path / "missing.json")], "--json-schema"),
+                         (["--json-schema", '{"type": "objectx"}'], "--json-schema"),
+                         (["--regex", "a+", "--choice", "a"], "not allowed with"),
+                         (["--choice", ""], "--choice")):
+        with pytest.raises(SystemExit) as e:
+            raise SystemExit(main(base + flags))
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("loopspec: error:") and words in err and err.count("\n") == 1, err
