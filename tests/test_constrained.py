@@ -292,3 +292,21 @@ def test_cli_refuses_bad_grammar_flags_in_one_line(capsys, tmp_path):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("loopspec: error:") and words in err and err.count("\n") == 1, err
+
+
+@pytest.mark.e2e
+def test_default_model_writes_schema_valid_json_as_constrained_ar():
+    """SmolLM2-135M-Instruct with its shipped drafter: dloop under a JSON schema commits what
+    constrained ar commits, and the text is valid under the schema."""
+    from loopspec.runtime.pipeline import load_pipeline
+
+    pipe = load_pipeline("default", "default", backend="torch")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    ids = pipe.encode("Describe a person as JSON with a name and an age.")
+    spec = GrammarSpec("json_schema", schema)
+    ar = pipe.run(ids, pipe.settings("ar"), max_new_tokens=48, grammar=spec)
+    dloop = pipe.run(ids, pipe.settings("dloop"), max_new_tokens=48, grammar=spec)
+    assert dloop.tokens == ar.tokens and ar.stats.finish_reason == "stop"
+    jsonschema.validate(json.loads(pipe.decode(ar.tokens)), schema)
