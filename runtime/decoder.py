@@ -33,6 +33,7 @@ from loopspec.engines.protocol import Engine
 from loopspec.errors import LoopspecError
 from loopspec.settings import DecodingSettings
 from loopspec.runtime.budget import VerifyBudget
+from loopspec.runtime.constraint import masked
 from loopspec.runtime.proposal import (AdaptiveFallback, Drafted, RowPlan, check_engine_runs, draft_round, drafter_sampling,
                                        plan_row, row_tree)
 from loopspec.stats import GenerationStats
@@ -62,6 +63,8 @@ class Row:
     started: float = 0.0
     draft_hits: float = 0.0  # drafts it accepted, and verifications that rejected one, fading (the budget's estimate)
     draft_misses: float = 0.0
+    # its grammar (runtime/constraint.py Constraint: prune / masks / allowed / commit), None: unconstrained
+    constraint: object | None = None
     finish: str = ""  # "" while live; then stop | length | context | error | cancelled
     error: str = ""
 
@@ -125,11 +128,12 @@ class Decoder:
 
     def admit(self, key: Hashable, prompt_ids: list[int], *, max_new_tokens: int,
               params: SamplingParams = SamplingParams(), seed: int = 0, generator: torch.Generator | None = None,
-              stop_token_ids: frozenset[int] | set[int] = frozenset()) -> tuple[Row, list[int]]:
+              stop_token_ids: frozenset[int] | set[int] = frozenset(), constraint=None) -> tuple[Row, list[int]]:
         """Prefill a new sequence into a free row → (its Row, its first token). A row that is already
         finished (first token a stop token, or max_new_tokens 1) is not kept. A prompt longer than
         `prefill_chunk` is only registered → (its Row, []): `step` prefills it chunk by chunk and
-        returns its first token when the last chunk is in."""
+        returns its first token when the last chunk is in. `constraint`: the row's grammar
+        (runtime/constraint.py), which every token it commits obeys."""
         if not prompt_ids:
             raise LoopspecError("empty prompt")
         if max_new_tokens < 1:
@@ -138,9 +142,11 @@ class Decoder:
             raise LoopspecError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.engine.max_context}")
         if not self.free_rows:
             raise LoopspecError("no free row in the batch")
+        if constraint is not None and self.settings.draft_sampling == "drafter" and not params.greedy:
+            raise LoopspecError("structured output verifies drafts by the walk: use --draft-sampling walk")
         row = Row(key=key, prompt_len=len(prompt_ids), max_new_tokens=max_new_tokens, params=params,
                   generator=generator or torch.Generator().manual_seed(seed), stop_token_ids=frozenset(stop_token_ids),
-                  started=time.perf_counter(),
+                  started=time.perf_counter(), constraint=constraint,
                   suffix_index=SuffixIndex(prompt_ids) if self.settings.uses_suffix else None)
         row.stats.prompt_tokens, row.stats.drafting = len(prompt_ids), self.settings.drafting
         if self.prefill_chunk is not None and len(prompt_ids) > self.prefill_chunk:
@@ -173,12 +179,14 @@ class Decoder:
         drafted = draft_round(engine, settings, [p.stage_anchor for p in plans], [p.stage_position for p in plans],
                               [p.drafter_budget for p in plans], drafter_sampling(rows, settings))
         trees = [row_tree(plan, d, settings, engine.tree_span) for plan, d in zip(plans, drafted)]
+        # a grammar drops the drafts it rejects before verification (with their descendants)
+        trees = [t if row.constraint is None else row.constraint.prune(t) for row, t in zip(rows, trees)]
         if budget is not None:  # each row keeps its likeliest nodes, up to the width that pays
             trees = budget.after_drafting(rows, plans, drafted, trees, sum(p.drafter_budget > 0 for p in plans))
         t1 = time.perf_counter()
         masks = None if all(t.is_chain for t in trees) else tree_masks(trees, max(len(t) for t in trees))
         logits, taps = engine.verify([t.tokens for t in trees], want_taps=settings.uses_drafter, tree_masks=masks)
-        results = [self._accept(row, tree, d, logits[b, :len(tree)])
+        results = [self._accept(row, tree, d, _constrained(row, tree, logits[b, :len(tree)]))
                    for b, (row, tree, d) in enumerate(zip(rows, trees, drafted))]
         t2 = time.perf_counter()
         paths = [path for path, _ in results]
@@ -270,6 +278,8 @@ class Decoder:
 
     def _start(self, row: Row, logits: torch.Tensor) -> list[int]:
         """A prefilled row's first token from its prompt's last logits; it joins the live rows unless done."""
+        if row.constraint is not None:
+            logits = masked(logits, row.constraint.allowed())
         anchor = next_token(logits, row.params, row.generator)
         row.stats.prefill_s = time.perf_counter() - row.started
         self._commit(row, [anchor])
@@ -293,9 +303,10 @@ class Decoder:
 
     # ---- internals ---------------------------------------------------------------------------------
     def _commit(self, row: Row, new: list[int]) -> list[int]:
-        """Append new tokens up to a stop token; set finish when the row is done → the tokens kept."""
+        """Append new tokens up to a stop token, or up to the token that completes the row's grammar
+        (its constraint advances over each); set finish when the row is done → the tokens kept."""
         for i, token in enumerate(new):
-            if token in row.stop_token_ids:
+            if token in row.stop_token_ids or (row.constraint is not None and row.constraint.commit(token)):
                 new, row.finish = new[:i + 1], "stop"
                 break
         row.tokens += new
@@ -318,6 +329,11 @@ class Decoder:
             self.engine.swap_rows(last, b)
             self.rows[b] = self.rows[last]
         self.rows.pop()
+
+
+def _constrained(row: Row, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+    """A row's verified logits [nodes, V], masked by its grammar after each node's path."""
+    return logits if row.constraint is None else masked(logits, row.constraint.masks(tree))
 
 
 def decode_all(decoder: Decoder, requests: list[dict]) -> dict[Hashable, Row]:
@@ -351,11 +367,12 @@ def generate(engine: Engine, prompt_ids: list[int], settings: DecodingSettings =
              max_new_tokens: int, params: SamplingParams = SamplingParams(), seed: int = 0,
              generator: torch.Generator | None = None, stop_token_ids: frozenset[int] | set[int] = frozenset(),
              pacing: AdaptiveFallback | VerifyBudget | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-    """Decode one request up to `max_new_tokens` after `prompt_ids`: the decoder with one row."""
+             on_tokens: Callable[[list[int]], None] | None = None, constraint=None) -> GenerationResult:
+    """Decode one request up to `max_new_tokens` after `prompt_ids`: the decoder with one row
+    (`constraint`: its grammar, runtime/constraint.py)."""
     decoder = Decoder(engine, settings, pacing)
     row, first = decoder.admit(None, prompt_ids, max_new_tokens=max_new_tokens, params=params, seed=seed,
-                               generator=generator, stop_token_ids=stop_token_ids)
+                               generator=generator, stop_token_ids=stop_token_ids, constraint=constraint)
     if on_tokens:
         on_tokens(first)
     while decoder.rows:

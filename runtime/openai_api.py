@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
+from loopspec.runtime.constraint import GrammarError, GrammarSpec
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
@@ -79,6 +80,7 @@ class RequestOptions:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    grammar: GrammarSpec | None = None  # structured output (response_format or a guided_* field)
 
 
 # Every request field this server knows, one row each (a name whose handling differs between the two
@@ -159,16 +161,21 @@ FIELDS = (
     _neutral_only("functions", [], "function calls"),
     _neutral_only("function_call", None, "a forced function call"),
     _neutral_only("tool_choice", None, "a forced tool call"),
-    _neutral_only("response_format", {"type": "text"}, "JSON or schema-constrained output"),
+    _honoured("response_format", {"oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"enum": ["json_schema"]}, "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]},
+                "description": {"type": "string"}}}}}]}),
     _neutral_only("reasoning_effort", None, "a reasoning model's effort"),
     _neutral_only("verbosity", None, "a longer or shorter answer"),
     _neutral_only("modalities", ["text"], "output other than text"),
     _neutral_only("audio", None, "audio output"),
     _neutral_only("web_search_options", None, "web search"),
     # vLLM's and llama.cpp's extensions
-    _neutral_only("guided_json", None, "output constrained to a JSON schema"),
-    _neutral_only("guided_regex", None, "output constrained to a regular expression"),
-    _neutral_only("guided_choice", None, "output constrained to one of given strings"),
+    _honoured("guided_json", {"oneOf": [{"type": "object"}, {"type": "string"}]}),
+    _honoured("guided_regex", {"type": "string", "minLength": 1}),
+    _honoured("guided_choice", {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}),
     _neutral_only("guided_grammar", None, "output constrained to a grammar"),
     _neutral_only("guided_decoding_backend", None, "the engine of guided decoding"),
     _neutral_only("guided_whitespace_pattern", None, "whitespace allowed in guided JSON"),
@@ -303,7 +310,60 @@ def parse_options(body: dict, config, chat: bool) -> RequestOptions:
     include_usage = options.get("include_usage")
     return RequestOptions(params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
                     max_tokens=max_tokens, stop=tuple(_text(s, "stop") for s in stop), stream=bool(stream),
-                    include_usage=bool(include_usage))
+                    include_usage=bool(include_usage), grammar=grammar_of(body))
+
+
+GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def grammar_of(body: dict) -> GrammarSpec | None:
+    """Structured output: response_format (json_object, json_schema; text is none) or one of vLLM's
+    guided_json (a schema, or its JSON text), guided_regex, guided_choice — at most one of them."""
+    given = [name for name in GRAMMAR_FIELDS if body.get(name) is not None
+             and not (name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text")]
+    if len(given) > 1:
+        raise APIError(400, f"{given[0]} and {given[1]} both constrain the output: send one", given[1])
+    if not given:
+        format_ = body.get("response_format")
+        if format_ is not None and (not isinstance(format_, dict) or set(format_) != {"type"}):
+            raise APIError(400, 'response_format must be {"type": "text" | "json_object" | "json_schema", ...}',
+                           "response_format")
+        return None
+    name, value = given[0], body[given[0]]
+    try:
+        if name == "response_format":
+            return _response_format(value)
+        if name == "guided_json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise APIError(400, f"guided_json is not JSON: {e}", name) from None
+            return GrammarSpec("json_schema", value, name)
+        if name == "guided_regex":
+            return GrammarSpec("regex", _text(value, name) if isinstance(value, str) else value, name)
+        return GrammarSpec("choice", value, name)
+    except GrammarError as e:
+        raise APIError(400, str(e), e.param) from None
+    except LoopspecError as e:  # structured output cannot apply here (its library is missing)
+        raise APIError(400, f"{name}: {e}", name) from None
+
+
+def _response_format(value) -> GrammarSpec:
+    name = "response_format"
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object" and set(value) == {"type"}:
+        return GrammarSpec("json_object", None, name)
+    if kind == "json_schema" and set(value) <= {"type", "json_schema"}:
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise APIError(400, "response_format.json_schema must be an object with a schema object", name)
+        if set(spec) - {"name", "schema", "strict", "description"}:
+            raise APIError(400, f"unrecognized field response_format.json_schema."
+                                f"{sorted(set(spec) - {'name', 'schema', 'strict', 'description'})[0]}", name)
+        return GrammarSpec("json_schema", spec["schema"], name)
+    raise APIError(400, 'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                        '"json_schema", "json_schema": {"name": ..., "schema": {...}}}', name)
 
 
 def completion_prompt(body: dict, pipeline) -> list[int]:

@@ -23,6 +23,7 @@ from loopspec.settings import DecodingSettings, engine_key, resolve_settings
 from loopspec.tuned import user_setting
 from loopspec.weights import TargetSource, load_tokenizer
 from loopspec.runtime.budget import pacing
+from loopspec.runtime.constraint import Constraint, Grammars, GrammarSpec
 from loopspec.runtime.decoder import GenerationResult, generate
 from loopspec.runtime.step_costs import StepCosts, stored_step_costs
 from loopspec.engines.protocol import Engine
@@ -155,13 +156,23 @@ class Pipeline:
         return self.tokenizer.decode([t for t in tokens if t not in self.stop_token_ids], skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Structured output's compiler for this tokenizer (built once, on first use)."""
+        return Grammars(self.tokenizer, self.engine.target_cfg.vocab_size, self.stop_token_ids)
+
+    def constraint(self, grammar: GrammarSpec) -> Constraint:
+        """A new row's grammar state for `grammar` (runtime/constraint.py)."""
+        return self.grammars.constraint(grammar)
+
     def run(self, prompt_ids: list[int], settings: DecodingSettings, *, max_new_tokens: int = 128,
             params: SamplingParams = SamplingParams(), seed: int = 0,
-            on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        """Decode one prompt with `settings` (from `settings()`)."""
+            on_tokens: Callable[[list[int]], None] | None = None, grammar: GrammarSpec | None = None) -> GenerationResult:
+        """Decode one prompt with `settings` (from `settings()`); `grammar`: structured output."""
         settings.check_sampling(params.greedy)
         return generate(self.engine, prompt_ids, settings, max_new_tokens=max_new_tokens, params=params, seed=seed,
-                        stop_token_ids=self.stop_token_ids, pacing=self.pacing(settings), on_tokens=on_tokens)
+                        stop_token_ids=self.stop_token_ids, pacing=self.pacing(settings), on_tokens=on_tokens,
+                        constraint=None if grammar is None else self.constraint(grammar))
 
 
 def resolve_backend(backend: str, device: str = "cpu", cuda_graphs: bool | None = None,

@@ -53,6 +53,7 @@ class Request:
     seed: int | None = None  # None: a fresh random seed
     stop: tuple[str, ...] = ()
     timeout_s: float | None = None
+    constraint: object | None = None  # its grammar state (runtime/constraint.py), None: unconstrained
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # set by the client side; the scheduler acts on it between steps
     finished: bool = False
@@ -189,7 +190,8 @@ class Scheduler:
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         try:
             row, first = self.decoder.admit(request, request.prompt_ids, max_new_tokens=request.max_tokens,
-                                            params=request.params, seed=seed, stop_token_ids=self.stop_token_ids)
+                                            params=request.params, seed=seed, stop_token_ids=self.stop_token_ids,
+                                            constraint=request.constraint)
         except LoopspecError as e:
             self._fail(request, 400, str(e))
             return

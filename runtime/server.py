@@ -169,6 +169,22 @@ def token_budget(state: ServerState, prompt_ids: list[int], options: RequestOpti
     return options.max_tokens or min(state.config.default_max_tokens, room)
 
 
+def request_constraint(state: ServerState, options: RequestOptions):
+    """The request's grammar state (None without structured output); one that cannot apply is a 400."""
+    grammar = options.grammar
+    if grammar is None:
+        return None
+    if state.config.settings.draft_sampling == "drafter" and not options.params.greedy:
+        raise APIError(400, f"{grammar.param} needs drafts verified by the walk; this server samples drafts from "
+                            "the drafter (serve with --draft-sampling walk, or send temperature 0)", grammar.param)
+    try:
+        return state.pipeline.constraint(grammar)
+    except GrammarError as e:
+        raise APIError(400, str(e), e.param) from None
+    except LoopspecError as e:
+        raise APIError(400, f"{grammar.param}: {e}", grammar.param) from None
+
+
 async def _collect(queue: asyncio.Queue) -> tuple[str, Event]:
     """A request's text and its last event (done or error)."""
     parts = []
@@ -191,7 +207,7 @@ async def respond(http: HTTPRequest, state: ServerState, prompt_ids: list[int], 
     events = _EventQueue(asyncio.get_running_loop())
     request = Request(prompt_ids=prompt_ids, max_tokens=token_budget(state, prompt_ids, options), on_event=events,
                       params=options.params, seed=options.seed, stop=options.stop,
-                      timeout_s=state.config.request_timeout_s)
+                      timeout_s=state.config.request_timeout_s, constraint=request_constraint(state, options))
     try:
         scheduler.submit(request)
     except QueueFull as e:

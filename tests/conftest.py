@@ -181,13 +181,14 @@ def target_greedy(target, prompt, new_tokens: int) -> list[int]:
 
 
 def agreeing_drafter(target, prompt_list, cfg, *, new_tokens: int = 40, steps: int = 80, seed: int = 0,
-                     also_engines=()):
+                     also_engines=(), also_texts=()):
     """A tiny drafter of `cfg` (a DrafterConfig) trained in-test until it drafts what `target`
     continues `prompt_list` with greedily — the module itself, and each of `also_engines` (e.g. an int8
     export, whose roundings take other tokens at places, and differently on other CPUs): it overfits
     those continuations. An identity or batch-invariance test of speculative decoding needs drafts
     that are accepted: a random drafter's never are, and then every method commits only plain
-    decoding's bonus tokens."""
+    decoding's bonus tokens. `also_texts`: more (prompt, continuation) pairs to overfit (e.g. what
+    constrained decoding continues with)."""
     import random
 
     from loopspec.model.drafter import Drafter
@@ -201,6 +202,8 @@ def agreeing_drafter(target, prompt_list, cfg, *, new_tokens: int = 40, steps: i
     for engine in also_engines:
         for prompt, sequence in zip(prompt_list, greedy_continuations(engine, prompt_list, new_tokens)):
             sequences[tuple(sequence)] = len(prompt)
+    for prompt, continuation in also_texts:
+        sequences[tuple(prompt) + tuple(continuation)] = len(prompt)
     trainer = DrafterTrainer(target, drafter, TrainConfig(anchors=512))
     data = []
     for sequence, prompt_length in sequences.items():

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"loopspec": ROOT / "loopspec", "loopspec.engines": ROOT / "engines",
            "loopspec.convert": ROOT / "convert", "loopspec.runtime": ROOT / "runtime", "loopspec.cli": ROOT / "cli"}
 OPTIONAL = {"onnxruntime", "onnx", "onnxscript", "tensorrt", "tensorrt_llm", "modelopt", "fastapi", "uvicorn",
-            "openai", "matplotlib", "vllm", "sglang"}
+            "openai", "matplotlib", "vllm", "sglang", "xgrammar", "llguidance"}
 STDLIB = set(sys.stdlib_module_names)
 
 

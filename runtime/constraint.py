@@ -1,0 +1,239 @@
+"""Structured output: a grammar that constrains every token a row commits, drafts included.
+
+A `GrammarSpec` is what a user asks for (a JSON schema, any JSON object, a regular expression, one
+of given strings), checked without a model; `Grammars` compiles specs for one tokenizer (built once
+per pipeline); a `Constraint` is one row's grammar state, a matcher of the `xgrammar` library
+(imported lazily: loopspec imports without it; chosen over llguidance for its cheaper per-token
+mask, docs/runs/2026-12-06/grammar-mask-cost.json), which the decoder (runtime/decoder.py) asks three
+things of:
+
+- `prune(tree)`: the draft tree without the nodes the grammar rejects after their parent's path
+  (and without their descendants), walked depth first with the matcher advanced and rolled back;
+  the masks of the nodes kept are computed on the same walk;
+- `masks(tree)`: the allowed tokens after each node's path, bool [nodes, vocab]: the target's logits
+  are masked (-inf) with them before acceptance, so each committed token is drawn from the target's
+  constrained distribution exactly as plain decoding with the same masks draws it (`allowed()`
+  masks the first token after prefill);
+- `commit(token)`: advance over a committed token → whether the grammar is complete (the row stops).
+
+A row's stop tokens are allowed only where the grammar accepts; after a stop token nothing is
+constrained (the row ends there).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from loopspec.errors import LoopspecError
+from loopspec.tree import DraftTree
+
+KINDS = ("json_object", "json_schema", "regex", "choice")
+
+
+class GrammarError(LoopspecError):
+    """A grammar that cannot be used, naming where it came from (`param`: a request field or a flag)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(f"{param}: {message}")
+        self.param, self.reason = param, message
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise LoopspecError("structured output needs xgrammar: pip install 'loopspec[grammar]'") from None
+    return xgrammar
+
+
+def _one_line(error: Exception) -> str:
+    """xgrammar's message without its timestamp and source location."""
+    text = " ".join(str(error).split())
+    return re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", text)[:300]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the output must match. kind: json_object (value None) | json_schema (a schema dict) |
+    regex (a pattern) | choice (a tuple of strings); param: the request field or flag it came from.
+    A spec that cannot be compiled is refused on construction (GrammarError naming `param`)."""
+
+    kind: str
+    value: object = None
+    param: str = "grammar"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r} (choose from {', '.join(KINDS)})", self.param)
+        if self.kind == "json_schema" and not isinstance(self.value, dict):
+            raise GrammarError("a JSON schema must be a JSON object", self.param)
+        if self.kind == "regex" and not (isinstance(self.value, str) and self.value):
+            raise GrammarError("a regular expression must be a non-empty string", self.param)
+        if self.kind == "choice":
+            if not (isinstance(self.value, (list, tuple)) and self.value
+                    and all(isinstance(c, str) and c for c in self.value)):
+                raise GrammarError("choices must be a non-empty list of non-empty strings", self.param)
+            object.__setattr__(self, "value", tuple(self.value))
+        self.grammar()
+
+    def grammar(self):
+        """The spec as an xgrammar Grammar (JSON: the separators ", " and ": ", no other whitespace)."""
+        grammar = _xgrammar().Grammar
+        try:
+            if self.kind in ("json_object", "json_schema"):
+                schema = self.value if self.kind == "json_schema" else {"type": "object"}
+                return grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+            if self.kind == "regex":
+                return grammar.from_regex(self.value)
+            return grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.value))
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise GrammarError(_one_line(e), self.param) from None
+
+    def describe(self) -> str:
+        return {"json_object": "any JSON object", "json_schema": "a JSON schema", "regex": f"regex {self.value!r}",
+                "choice": f"one of {len(self.value or ())} choices"}[self.kind]
+
+
+@lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 bytes (GPT-2's table), inverted."""
+    kept = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = list(kept), 0
+    for b in range(256):
+        if b not in kept:
+            kept.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(kept, chars)}
+
+
+def token_bytes(tokenizer) -> list[bytes]:
+    """The bytes each token id of a fast (tokenizers-backed) tokenizer stands for: byte-level BPE's
+    stand-in characters mapped back to bytes, SentencePiece's byte tokens (<0xNN>) and word marks
+    (▁), else the token's own text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise LoopspecError("structured output needs a fast (tokenizers-backed) tokenizer")
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+    table = _byte_of_char()
+    out = []
+    for piece in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))):
+        if piece is None:
+            out.append(b"")
+        elif "ByteLevel" in kinds and all(c in table for c in piece):
+            out.append(bytes(table[c] for c in piece))
+        elif "ByteFallback" in kinds and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            out.append(bytes([int(piece[3:5], 16)]))
+        else:
+            out.append(piece.replace("▁", " ").encode("utf-8"))
+    return out
+
+
+class Grammars:
+    """Compiles GrammarSpecs into row Constraints for one tokenizer and target vocabulary (ids the
+    tokenizer does not have, and its special tokens, are never allowed; stop tokens only where the
+    grammar may end)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int]):
+        if len(tokenizer) > vocab_size:
+            raise LoopspecError(f"the tokenizer has {len(tokenizer)} tokens, more than the target's {vocab_size}")
+        xgrammar = _xgrammar()
+        vocab = token_bytes(tokenizer)
+        for special in getattr(tokenizer, "all_special_ids", []):
+            vocab[special] = b""  # never text
+        self.stop_token_ids = sorted(stop_token_ids)
+        info = xgrammar.TokenizerInfo(vocab, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
+        self.compiler, self.vocab_size = xgrammar.GrammarCompiler(info, max_threads=1), vocab_size
+
+    def constraint(self, spec: GrammarSpec) -> "Constraint":
+        xgrammar = _xgrammar()
+        try:
+            compiled = self.compiler.compile_grammar(spec.grammar())
+        except RuntimeError as e:
+            raise GrammarError(_one_line(e), spec.param) from None
+        return Constraint(xgrammar.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids),
+                          self.vocab_size, frozenset(self.stop_token_ids))
+
+
+class Constraint:
+    """One row's grammar: its matcher sits after the row's committed tokens (see the module doc)."""
+
+    def __init__(self, matcher, vocab_size: int, stop_token_ids: frozenset[int]):
+        self.matcher, self.vocab_size, self.stop = matcher, vocab_size, frozenset(stop_token_ids)
+        self.stop_ids = torch.tensor(sorted(stop_token_ids), dtype=torch.long)
+        self._bitmask = _xgrammar().allocate_token_bitmask(1, vocab_size)
+        self._now: torch.Tensor | None = None  # allowed() after the committed tokens, once computed
+        self._pruned: tuple[DraftTree, torch.Tensor] | None = None  # the last pruned tree and its masks
+
+    def _mask(self) -> torch.Tensor:
+        """bool [vocab] at the matcher's state (xgrammar's bitmask: stop tokens only where it may end)."""
+        self.matcher.fill_next_token_bitmask(self._bitmask)
+        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
+        return torch.from_numpy(bits.astype(bool))
+
+    def allowed(self) -> torch.Tensor:
+        """bool [vocab]: the tokens the grammar allows after the committed tokens."""
+        if self._now is None:
+            self._now = self._mask()
+        return self._now
+
+    def commit(self, token: int) -> bool:
+        """Advance over a committed (non-stop) token → whether the grammar is now complete (nothing
+        but a stop token may follow)."""
+        if not self.matcher.accept_token(token):
+            raise LoopspecError(f"token {token} breaks the grammar")
+        self._now = self._mask()
+        return self._complete(self._now)
+
+    def _complete(self, mask: torch.Tensor) -> bool:
+        others = mask.clone()
+        others[self.stop_ids] = False
+        return not bool(others.any())
+
+    def prune(self, tree: DraftTree) -> DraftTree:
+        """The tree without the nodes the grammar rejects after their parent's path (and their
+        descendants); a stop token's children go too (nothing follows it). The kept nodes' masks are
+        kept for `masks`."""
+        children: dict[int, list[int]] = {}
+        for node in range(1, len(tree)):
+            children.setdefault(tree.parents[node], []).append(node)
+        kept, masks = {0: 0}, {0: self.allowed()}
+        pruned = DraftTree.root(tree.tokens[0])
+
+        def visit(node: int) -> None:  # the matcher sits after `node`'s path; masks[node] is its mask
+            for child in children.get(node, []):
+                token = tree.tokens[child]
+                if not masks[node][token]:
+                    continue
+                kept[child] = pruned.add(kept[node], token, from_drafter=tree.from_drafter[child],
+                                         from_suffix=tree.from_suffix[child])
+                if token in self.stop:  # the row ends there: whatever it would sample next is dropped
+                    masks[child] = torch.ones(self.vocab_size, dtype=torch.bool)
+                    continue
+                self.matcher.accept_token(token)
+                masks[child] = self._mask()
+                visit(child)
+                self.matcher.rollback(1)
+
+        visit(0)
+        order = sorted(kept, key=kept.get)  # the old nodes in the pruned tree's order
+        self._pruned = (pruned, torch.stack([masks[n] for n in order]))
+        return pruned
+
+    def masks(self, tree: DraftTree) -> torch.Tensor:
+        """bool [len(tree), vocab]: the tokens allowed after each node's path (`tree` as `prune` gave it)."""
+        if self._pruned is None or self._pruned[0] is not tree:
+            raise LoopspecError("masks of a tree that prune did not give")
+        return self._pruned[1]
+
+
+def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`logits` [..., V] with the tokens not `allowed` at -inf."""
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
