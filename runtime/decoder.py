@@ -179,10 +179,10 @@ class Decoder:
         drafted = draft_round(engine, settings, [p.stage_anchor for p in plans], [p.stage_position for p in plans],
                               [p.drafter_budget for p in plans], drafter_sampling(rows, settings))
         trees = [row_tree(plan, d, settings, engine.tree_span) for plan, d in zip(plans, drafted)]
-        # a grammar drops the drafts it rejects before verification (with their descendants)
-        trees = [t if row.constraint is None else row.constraint.prune(t) for row, t in zip(rows, trees)]
         if budget is not None:  # each row keeps its likeliest nodes, up to the width that pays
             trees = budget.after_drafting(rows, plans, drafted, trees, sum(p.drafter_budget > 0 for p in plans))
+        # a grammar drops the drafts it rejects, with their descendants (last: its masks are the verified tree's)
+        trees = [t if row.constraint is None else row.constraint.prune(t) for row, t in zip(rows, trees)]
         t1 = time.perf_counter()
         masks = None if all(t.is_chain for t in trees) else tree_masks(trees, max(len(t) for t in trees))
         logits, taps = engine.verify([t.tokens for t in trees], want_taps=settings.uses_drafter, tree_masks=masks)

@@ -310,3 +310,22 @@ def test_default_model_writes_schema_valid_json_as_constrained_ar():
     dloop = pipe.run(ids, pipe.settings("dloop"), max_new_tokens=48, grammar=spec)
     assert dloop.tokens == ar.tokens and ar.stats.finish_reason == "stop"
     jsonschema.validate(json.loads(pipe.decode(ar.tokens)), schema)
+
+
+def test_the_verification_budget_keeps_constrained_output(setup):
+    """Greedy under each grammar with the verification budget cutting trees: constrained `ar`'s tokens."""
+    from loopspec.runtime.budget import VerifyBudget
+    from loopspec.runtime.step_costs import StepCosts
+
+    engine, grammars, _ = setup
+    # a table on which a wide step costs little more than a plain one: the budget drafts
+    costs = StepCosts("torch fp32", 64, (1,), (1, 2, 4, 8), ((0.010, 0.0102, 0.0104, 0.0108),), (0.0002,))
+    method = Method("dflash", block_size=6, tree_budget=8, suffix=True, adaptive=True)
+    accepted = 0
+    for kind in SPECS:
+        reference = run(engine, grammars, kind, "ar", GREEDY)
+        result = generate(engine.with_rows(1), PROMPTS[kind], method, max_new_tokens=NEW, stop_token_ids=STOP,
+                          constraint=grammars.constraint(SPECS[kind]), pacing=VerifyBudget(costs, method, 5))
+        assert result.tokens == reference.tokens, kind
+        accepted += accepted_drafts([result])
+    assert accepted >= 10
