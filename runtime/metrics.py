@@ -50,6 +50,10 @@ class Metrics:
         self.generation_tokens = 0
         self.steps = 0
         self.tau = Histogram(TAU_BUCKETS)
+        # every verification of the finished requests, plain ones included, and the tokens they committed:
+        # tokens per verification over all rounds, beside tau over the drafting rounds
+        self.verifications = {"drafting": 0, "plain": 0}
+        self.verified_tokens = 0
         self.latency = Histogram(LATENCY_BUCKETS)
         self.first_token = Histogram(LATENCY_BUCKETS)
         self.queue_depth = 0
@@ -58,6 +62,12 @@ class Metrics:
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) within the window
         self.open_connections = 0  # set by the server's connection guard
         self.connections_closed = dict.fromkeys(CONNECTION_CLOSES, 0)
+
+    def count_verifications(self, stats) -> None:
+        """A finished request's verifications (loopspec.stats.GenerationStats), under the lock."""
+        self.verifications["plain"] += stats.plain_rounds
+        self.verifications["drafting"] += stats.verifications - stats.plain_rounds
+        self.verified_tokens += sum(stats.accepted_per_round) + stats.verifications
 
     def count_request(self, outcome: str) -> None:
         with self.lock:
@@ -106,6 +116,12 @@ class Metrics:
                       "# HELP loopspec_acceptance_length Tokens committed per verification of a request "
                       "(tau: accepted drafts + 1).", "# TYPE loopspec_acceptance_length histogram"]
             lines += self.tau.lines("loopspec_acceptance_length")
+            lines += ["# HELP loopspec_verifications_total Verifications of finished requests, by whether they "
+                      "checked drafts (plain: the anchor alone).", "# TYPE loopspec_verifications_total counter"]
+            lines += [f'loopspec_verifications_total{{kind="{k}"}} {v}' for k, v in self.verifications.items()]
+            lines += ["# HELP loopspec_verified_tokens_total Tokens those verifications committed (over every "
+                      "round: divided by all verifications, what the speed sees).",
+                      "# TYPE loopspec_verified_tokens_total counter", f"loopspec_verified_tokens_total {self.verified_tokens}"]
             lines += ["# HELP loopspec_time_to_first_token_seconds From arrival to the first token.",
                       "# TYPE loopspec_time_to_first_token_seconds histogram"]
             lines += self.first_token.lines("loopspec_time_to_first_token_seconds")

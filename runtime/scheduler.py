@@ -219,6 +219,8 @@ class Scheduler:
                 committed = row.stats.last_counted_round() if row.finish != "error" else None
                 if committed is not None:
                     self.metrics.tau.observe(committed)
+                if row.finish and row.finish != "error":
+                    self.metrics.count_verifications(row.stats)
         for row, new in events:
             self._deliver(row.key, row, new)
 

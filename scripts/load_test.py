@@ -11,7 +11,10 @@ level, a per-request timeout and an overall deadline.
 The method `llama-server` (with --llama-server PATH, built by scripts/build_llama_server.sh) serves the
 same GGUF with llama.cpp, one slot per request of the highest concurrency (-np), the same threads,
 through its own chat endpoint: measured the same way, its text not compared (other arithmetic).
---plot FILE draws tokens/s and p99 latency against concurrency, one line per method.
+--plot FILE draws tokens/s and p99 latency against concurrency, one line per method. A method written
+METHOD+budget serves METHOD with --step-costs FILE (the verification budget; `loopspec costs --out FILE`
+measures the table). After each method, τ (drafting rounds) and tokens per verification over every round
+are read from the server's metrics.
 
     python scripts/load_test.py --methods ar,dloop,llama-server --concurrency 1,4,8,16 \
         --backend onnxruntime --threads 2 --llama-server llamacpp/bin/llama-server --plot serve.png
@@ -59,10 +62,13 @@ def free_port() -> int:
 def start_server(args, method: str, port: int) -> subprocess.Popen:
     if method == LLAMA_SERVER:
         return start_llama_server(args, port)
+    method, _, variant = method.partition("+")  # dloop+budget: with --step-costs (the verification budget)
+    if variant and (variant != "budget" or not args.step_costs):
+        raise SystemExit(f"unknown method variant +{variant} (+budget needs --step-costs FILE)")
     cmd = [sys.executable, "-m", "loopspec.cli", "serve", "--method", method, "--port", str(port),
            "--target", args.target, "--drafter", args.drafter, "--max-batch-size", str(args.max_batch_size),
            "--max-context", str(args.max_context), "--threads", str(args.threads), "--log-level", "warning",
-           "--model-name", "model", "--backend", args.backend]
+           "--model-name", "model", "--backend", args.backend] + (["--step-costs", args.step_costs] if variant else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     return wait_healthy(subprocess.Popen(cmd, env=env), port, "loopspec serve")
 
@@ -176,12 +182,22 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def mean_tau(url: str) -> float | None:
+def acceptance(url: str) -> dict:
+    """τ over the drafting rounds and tokens per verification over every round, from the server's metrics."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    total = re.search(r"^loopspec_acceptance_length_sum (\S+)$", text, re.M)
-    count = re.search(r"^loopspec_acceptance_length_count (\S+)$", text, re.M)
-    return float(total.group(1)) / float(count.group(1)) if total and count and float(count.group(1)) else None
+
+    def value(pattern):
+        found = re.search(pattern, text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    tau_sum, tau_count = value(r"^loopspec_acceptance_length_sum (\S+)$"), value(r"^loopspec_acceptance_length_count (\S+)$")
+    drafting = value(r'^loopspec_verifications_total\{kind="drafting"\} (\S+)$')
+    plain = value(r'^loopspec_verifications_total\{kind="plain"\} (\S+)$')
+    tokens = value(r"^loopspec_verified_tokens_total (\S+)$")
+    return {"mean_tau": tau_sum / tau_count if tau_count else None,
+            "tokens_per_verification": tokens / (drafting + plain) if drafting + plain else None,
+            "plain_verifications": int(plain), "verifications": int(drafting + plain)}
 
 
 def main() -> int:
@@ -201,6 +217,9 @@ def main() -> int:
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server, for the method llama-server")
     p.add_argument("--plot", default=None, help="a PNG of tokens/s and p99 latency per concurrency")
+    p.add_argument("--step-costs", default=None,
+                   help="a `loopspec costs --out` table: a method written METHOD+budget serves with it (the "
+                        "verification budget); METHOD alone with the timing fallback, unless a table is stored")
     args = p.parse_args()
     methods = [m for m in args.methods.split(",") if m]
     if LLAMA_SERVER in methods and not args.llama_server:
@@ -239,10 +258,13 @@ def main() -> int:
                       f"{run['p50_latency_s']:5.1f} s, p99 {run['p99_latency_s']:5.1f} s, ttft {run['mean_ttft_s']:5.2f} s"
                       f" | errors {len(run['errors'])} | equal to alone: {not bad if compared else 'not compared'}",
                       flush=True)
-            tau = mean_tau(url) if method != LLAMA_SERVER else None
-            if tau is not None:
-                rows.append({"method": method, "mean_tau": tau})
-                print(f"{method:>6} mean tau over the run: {tau:.2f}")
+            if method != LLAMA_SERVER:
+                seen = acceptance(url)
+                rows.append({"method": method, **seen})
+                if seen["verifications"]:
+                    print(f"{method:>12} over the run: tau {seen['mean_tau'] or 1:.2f} (drafting rounds), "
+                          f"{seen['tokens_per_verification']:.2f} tokens/verification over all "
+                          f"{seen['verifications']} ({seen['plain_verifications']} plain)")
         finally:
             server.terminate()
             server.wait(30)

@@ -892,3 +892,26 @@ def test_a_serve_config_that_cannot_serve_is_refused_in_one_line(field, value):
 
     with pytest.raises(LoopspecError, match=rf"^ServeConfig\.{field} must be"):
         ServeConfig(settings=DecodingSettings(), **{field: value})
+
+
+def test_metrics_count_every_verification_beside_tau(server):
+    """Tokens per verification over every round (plain ones included) can be read beside τ: the
+    verifications of a finished request and the tokens they committed (all but the prefill's first)."""
+    def counters():
+        text = httpx.get(server.url + "/metrics").text
+        values = {}
+        for line in text.splitlines():
+            for name in ('loopspec_verifications_total{kind="drafting"}', 'loopspec_verifications_total{kind="plain"}',
+                         "loopspec_verified_tokens_total"):
+                if line.startswith(name + " "):
+                    values[name] = float(line.split()[-1])
+        return values
+
+    before = counters()
+    out = server.client().completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=24, temperature=0)
+    assert out.usage.completion_tokens == 24
+    after = counters()
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["loopspec_verified_tokens_total"] == 23
+    verifications = delta['loopspec_verifications_total{kind="drafting"}'] + delta['loopspec_verifications_total{kind="plain"}']
+    assert 1 <= verifications <= 23
