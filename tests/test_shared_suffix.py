@@ -186,3 +186,130 @@ def test_shared_suffix_is_refused_in_one_line_where_it_cannot_apply(capsys):
             code = e.code
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and err.startswith("loopspec: error: ") and needle in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# The server: API keys and scopes, over real HTTP
+
+
+KEYS = ("key-a-0123", "key-b-4567")
+TEXT = "def f(x): return x + 1\n"
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_pair, tmp_path_factory):
+    """The tiny pair through a pipeline, its target lively (its greedy text follows the prompt)."""
+    import shutil
+
+    from loopspec.runtime.pipeline import load_pipeline
+    from loopspec.weights import read_safetensors, write_safetensors
+
+    target_dir, drafter_dir = tiny_pair
+    target = tmp_path_factory.mktemp("lively") / "target"
+    shutil.copytree(target_dir, target)
+    for f in target.glob("*.safetensors"):
+        write_safetensors({k: v * 8 if v.dim() == 2 else v for k, v in read_safetensors(f).items()}, f)
+    return load_pipeline(str(target), str(drafter_dir), max_context=256, backend="torch")
+
+
+class Served:
+    """A server with the shared library on (`api_keys` as given), counting the library's proposals."""
+
+    def __init__(self, pipe, api_keys=KEYS):
+        from loopspec.runtime.server import ServeConfig, create_app
+        from test_server import ServerThread
+
+        settings = pipe.settings("suffix", block_size=6, adaptive=False, shared_suffix=8)
+        app = create_app(pipe, ServeConfig(settings=settings, model_name="tiny", max_batch_size=2, api_keys=api_keys))
+        self.thread = ServerThread(app)
+        library = app.state.server.scheduler.decoder.library
+        self.proposals, continuation = 0, library.continuation
+
+        def counted(*args):  # a continuation is asked for only where the library matched longer
+            self.proposals += 1
+            return continuation(*args)
+
+        library.continuation = counted
+
+    def __enter__(self):
+        self.thread.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.thread.__exit__(*exc)
+
+    def post(self, key=None, user=None, path="/v1/completions", **body):
+        import httpx
+
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        body = {"model": "tiny", "prompt": TEXT, "max_tokens": 24, "temperature": 0, "user": user} | body
+        return httpx.post(self.thread.url + path, json={k: v for k, v in body.items() if v is not None},
+                          headers=headers, timeout=60)
+
+    def proposed(self, key=None, user=None) -> tuple[int, str]:
+        """One request's library proposals and its text (requests go one at a time)."""
+        before = self.proposals
+        response = self.post(key, user)
+        assert response.status_code == 200, response.text
+        return self.proposals - before, response.json()["choices"][0]["text"]
+
+
+def test_without_a_valid_key_a_v1_request_gets_401(pipe):
+    pytest.importorskip("uvicorn", reason="needs uvicorn: pip install 'loopspec[serve]'")
+    import httpx
+
+    with Served(pipe) as served:
+        url = served.thread.url
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEYS[0]},
+                        {"Authorization": f"Basic {KEYS[0]}"}, {"Authorization": f"Bearer {KEYS[0]}x"}):
+            for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
+                response = httpx.request(method, url + path, headers=headers, json={"prompt": "x"})
+                assert response.status_code == 401, (headers, path, response.text)
+                assert response.json()["error"]["code"] == "invalid_api_key"
+                assert response.headers["www-authenticate"] == "Bearer"
+                assert KEYS[0] not in response.text and KEYS[1] not in response.text
+        assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+        for key in KEYS:
+            assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+            assert served.post(key).status_code == 200
+        assert served.post(KEYS[0], path="/v1/chat/completions", prompt=None,
+                           messages=[{"role": "user", "content": "hi"}]).status_code == 200
+
+
+def cross_key_proposals(pipe) -> int:
+    """Key A's request, then key B's of the same text: the library's proposals to B's."""
+    with Served(pipe) as served:
+        served.proposed(KEYS[0])
+        return served.proposed(KEYS[1])[0]
+
+
+def test_text_never_crosses_keys_and_user_opts_into_a_scope_of_its_own(pipe):
+    pytest.importorskip("uvicorn", reason="needs uvicorn: pip install 'loopspec[serve]'")
+    assert cross_key_proposals(pipe) == 0
+    with Served(pipe) as served:
+        first, text = served.proposed(KEYS[0])
+        again, same = served.proposed(KEYS[0])  # the key's user-less requests share
+        assert first == 0 and again > 0 and same == text  # proposals change what is verified, not the text
+        assert served.proposed(KEYS[1])[0] == 0  # another key: nothing of key A's
+        assert served.proposed(KEYS[0], user="u1")[0] == 0  # a user's own scope starts empty ...
+        assert served.proposed(KEYS[0], user="u1")[0] > 0  # ... and is shared by that user's requests
+        assert served.proposed(KEYS[0], user="u2")[0] == 0
+        assert served.proposed(KEYS[1], user="u1")[0] == 0  # the same user under another key is another scope
+
+
+def test_a_scope_that_ignores_the_key_is_caught(pipe, monkeypatch):
+    """The planted bug: a scope made of the user alone lets key B's request be proposed key A's text,
+    and the isolation check above sees it."""
+    pytest.importorskip("uvicorn", reason="needs uvicorn: pip install 'loopspec[serve]'")
+    from loopspec.runtime import server
+
+    monkeypatch.setattr(server, "request_scope", lambda key, user: (None, user or None))
+    assert cross_key_proposals(pipe) > 0
+
+
+def test_without_keys_every_user_less_request_shares_one_scope(pipe):
+    pytest.importorskip("uvicorn", reason="needs uvicorn: pip install 'loopspec[serve]'")
+    with Served(pipe, api_keys=()) as served:
+        assert served.proposed()[0] == 0 and served.proposed()[0] > 0
+        assert served.proposed(user="u1")[0] == 0
+        assert served.proposed(key="anything")[0] > 0  # no keys configured: a header is no key
