@@ -107,7 +107,6 @@ def authorize(http: "HTTPRequest", keys: tuple[str, ...]) -> int | None:
     return found
 
 
-
 class ClientGone(Exception):
     """The client closed the connection before its request body was complete: nobody to answer."""
 
