@@ -197,6 +197,14 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
                            default=knob.unset, metavar=knob.metavar, help=knob.help)
 
 
+def refuse_shared_suffix(args, why: str) -> None:
+    """--shared-suffix keeps finished requests' outputs for a server's later requests: a command that
+    decodes each request alone has none to give them, so it refuses the flag rather than ignore it."""
+    if args.shared_suffix:
+        raise LoopspecError(f"--shared-suffix applies across a server's requests ({why}): use it with "
+                            "loopspec serve, or scripts/shared_suffix.py to measure it")
+
+
 def decoding_knobs(args) -> dict:
     """The knobs as loopspec.settings.resolve_settings takes them (unset ones as their Knob's `unset`)."""
     return {name: getattr(args, name) for name in KNOBS}

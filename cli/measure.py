@@ -11,7 +11,7 @@ from pathlib import Path
 
 from loopspec.cli.flags import (add_backend_flags, add_decoding_flags, add_json_flag, add_max_new_tokens_flag,
                                 add_pair_flags, add_sampling_flags, decoding_knobs, engine_choice, int_list,
-                                names_a_drafter, positive_int, sampling, side_by_side)
+                                names_a_drafter, positive_int, refuse_shared_suffix, sampling, side_by_side)
 from loopspec.errors import LoopspecError
 from loopspec.files import output_dir, output_file
 
@@ -58,6 +58,7 @@ def cmd_bench(args) -> int:
     plan.datasets  # the prompt files are read, and a bad one refused, before the target is
     knobs = decoding_knobs(args)
     check_knobs_apply([method for method, _ in plan.variants.values()], knobs)  # (run_bench checks it too)
+    refuse_shared_suffix(args, "bench decodes each prompt alone")
     with output_file(args.json_out, "--json"), output_dir(args.out_dir, "--out"):
         run_bench(plan, side_by_side(args), knobs,
                   BenchOutput(json_out=args.json_out, out_dir=args.out_dir, command="loopspec " + shlex.join(args.argv)))

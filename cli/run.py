@@ -10,7 +10,7 @@ from pathlib import Path
 from loopspec.cli.flags import (add_backend_flags, add_decoding_flags, add_grammar_flags, add_max_new_tokens_flag,
                                 add_pair_flags, add_sampling_flags, add_target_flag, add_threads_flag, check_step_costs,
                                 decoding_knobs, engine_choice, finite_float, grammar_spec, int_at_least,
-                                names_a_drafter, positive_int, sampling)
+                                names_a_drafter, positive_int, refuse_shared_suffix, sampling)
 from loopspec.errors import LoopspecError
 from loopspec.files import output_dir, output_file
 
@@ -38,6 +38,7 @@ def cmd_generate(args) -> int:
     params = sampling(args)
     grammar = grammar_spec(args)  # a bad schema, regex or choice is refused before the model loads
     check_method(args.method, names_a_drafter(args))
+    refuse_shared_suffix(args, "generate decodes one request")
     if not args.prompt.strip():  # known before the model loads (Pipeline.encode refuses it too)
         raise LoopspecError("empty prompt")
     pipe = open_pipeline(engine_choice(args))
@@ -111,6 +112,10 @@ def add_serve(sub) -> None:
                    help="seconds a request (header and body) has to arrive whole; then 408 and the connection closes")
     v.add_argument("--max-connections", type=positive_int("--max-connections"), default=None,
                    help="open connections (default: as many as the open-file limit allows, up to 4096)")
+    v.add_argument("--api-key", dest="api_keys", action="append", type=api_key, default=None, metavar="KEY",
+                   help="a bearer key /v1/ requests must carry ('Authorization: Bearer KEY'), else 401; repeat it "
+                        "for several; each key is a tenant: the shared suffix library never proposes one key's "
+                        "text to another (default: no keys, open to all)")
     v.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's log level")
 
@@ -132,9 +137,20 @@ def cmd_serve(args) -> int:
                          max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                          max_tokens_limit=args.max_tokens_limit, prefill_chunk=args.prefill_chunk,
-                         read_timeout_s=args.read_timeout, max_connections=args.max_connections)
+                         read_timeout_s=args.read_timeout, max_connections=args.max_connections,
+                         api_keys=tuple(args.api_keys or ()))
     serve(pipe, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0
+
+
+def api_key(text: str) -> str:
+    """An --api-key value (argparse type): one that cannot travel in a header is refused in one line."""
+    from loopspec.tenancy import api_key_problem
+
+    problem = api_key_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def check_port_free(host: str, port: int) -> None:

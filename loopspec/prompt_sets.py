@@ -1,7 +1,7 @@
 """Built-in prompt sets: public benchmark prompts named like a prompt file wherever one is taken
 (`loopspec bench --prompts`, `loopspec tune --prompts`).
 
-A set comes from one of three places:
+A set comes from one of four places:
 - `Shipped`: a file inside this package (`SHIPPED_DIR`), copied byte for byte from one commit of its
   public repository, for a set whose license allows passing it on (NOTICE beside the files names each
   one's authors and license); read with no network, its sha256 checked at every read;
@@ -10,7 +10,9 @@ A set comes from one of three places:
 - a `Download`: a file at a URL pinned to one commit of its public repository, for a set whose
   license does not allow shipping it, downloaded on first use, checked against its sha256 and only
   then kept in the cache (`cache_root()/prompt-sets`), so that a name always means the same bytes and
-  later runs need no network.
+  later runs need no network;
+- `Derived`: made from another built-in set's conversations by a fixed function (no data of its own:
+  its base's file, checked as the base's is).
 Each set is formatted as `{"turns": [...]}` conversations, the form of a prompt file.
 
     python -m loopspec.prompt_sets      # the table: name, prompts, from, source, license, ready
@@ -95,9 +97,21 @@ class Download:
 
 
 @dataclass(frozen=True)
+class Derived:
+    """A set made from the built-in set `base` (its data file, read as its own record says)."""
+    base: str
+
+    def describe(self) -> str:
+        return f"derived from the set {self.base}"
+
+    def hint(self) -> str:
+        return BUILTIN[self.base].origin.hint()
+
+
+@dataclass(frozen=True)
 class PromptSet:
     name: str
-    origin: Shipped | Package | Download
+    origin: Shipped | Package | Download | Derived
     count: int  # conversations in the set
     turns: int  # user turns per conversation
     domain: str
@@ -120,6 +134,20 @@ def _humaneval(path: Path) -> list[list[str]]:
 def _turns(path: Path) -> list[list[str]]:
     # the other fields of a record (EAGLE's question_id, category, reference answer) are not prompts
     return [list(r["turns"]) for r in _jsonl(path)]
+
+
+# repeat-edits: the first REPEAT_TASKS MBPP tasks, each asked REPEAT_EDITS ways in a row (the task as
+# written, then with one small edit each), as a coding assistant or an agent re-asks one task with
+# small changes: its answers repeat each other, the workload a suffix index shared across requests
+# (--shared-suffix) is for
+REPEAT_TASKS = 8
+REPEAT_EDITS = ("{task}", "{task} Keep it short.", "{task} Include a docstring.", "Task: {task}",
+                "{task} Use clear variable names.", "{task}\nThen show one example call.")
+
+
+def _repeat_edits(path: Path) -> list[list[str]]:
+    tasks = [turns[0] for turns in _turns(path)[:REPEAT_TASKS]]
+    return [[edit.format(task=task)] for task in tasks for edit in REPEAT_EDITS]
 
 
 # DeepSpec's eval_datasets/, FastChat's llm_judge/data/ and EAGLE's eagle/data/ at the commits whose
@@ -159,6 +187,11 @@ BUILTIN: dict[str, PromptSet] = {s.name: s for s in (
               source="Stanford Alpaca instructions, the subset of the EAGLE / Spec-Bench evaluations",
               license="CC-BY-NC-4.0",
               formatting="the instruction alone, as one turn (the record's turns)", read=_turns),
+    PromptSet(name="repeat-edits", origin=Derived("mbpp"), count=REPEAT_TASKS * len(REPEAT_EDITS), turns=1,
+              domain="code", source="MBPP, sanitized test split (Austin et al., Google Research): its first 8 tasks",
+              license="CC-BY-4.0",
+              formatting="each task as written, then with one small edit each (REPEAT_EDITS: 6 asks in a row)",
+              read=_repeat_edits),
 )}
 
 
@@ -251,6 +284,8 @@ def data_file(prompt_set: PromptSet, cache: Path | None = None) -> Path:
     imported: importing an evaluation framework would pull in its own dependencies), or the cached
     download, downloaded if needed."""
     origin = prompt_set.origin
+    if isinstance(origin, Derived):
+        return data_file(BUILTIN[origin.base], cache)
     if isinstance(origin, Shipped):
         return shipped_file(prompt_set)
     if isinstance(origin, Download):
@@ -307,6 +342,9 @@ def source_name(source: str | Path) -> str:
 
 def ready(prompt_set: PromptSet, cache: Path | None = None) -> str:
     """Whether a set can be read now without a download or an install: "yes", or "no: how"."""
+    if isinstance(prompt_set.origin, Derived):
+        base = ready(BUILTIN[prompt_set.origin.base], cache)
+        return f"{base[:-1]}, derived)" if base.startswith("yes") else base
     if isinstance(prompt_set.origin, Download):
         return "yes (cached)" if cached_file(prompt_set, cache) else "no: downloads on first use"
     try:

@@ -88,7 +88,10 @@ class DecodingSettings:
     min(1, p/q), the bonus from normalize(max(0, p - q)) at the first rejection (standard
     speculative sampling: a position accepts with probability 1 - TV(p, q) instead of the walk's
     p(argmax q)); the output is distributed as `ar`'s but not the same tokens for a seed. "drafter"
-    verifies the drafter's chain only (no tree, no suffix branch, no suffix-first)."""
+    verifies the drafter's chain only (no tree, no suffix branch, no suffix-first).
+    `shared_suffix` (0 = off; needs a suffix index): a Decoder keeps the last this many finished
+    outputs in a suffix library (loopspec/suffix_library.py), read per scope by later rows' suffix
+    indexes; only what is verified changes, never the output."""
 
     method: str = "ar"  # the one field that is no knob: each command names its method(s) its own way
     block_size: int = _knob(1, "--block-size", "draft block size k (default: the drafter's; suffix: 8)",
@@ -134,6 +137,12 @@ class DecodingSettings:
         "accepted with probability min(1, p/q): same output distribution, more accepted drafts "
         "where q is close to p; chains only, torch backend)",
         kind=str, choices=DRAFT_SAMPLINGS)
+    shared_suffix: int = _knob(
+        0, "--shared-suffix",
+        "serve: keep the last N finished outputs in a suffix library shared by later requests of the same "
+        "scope (API key and `user`), whose continuation the suffix index proposes where it matches longer "
+        "than the request's own text (0 = off; needs --method suffix, --suffix or --suffix-first)",
+        least=0, metavar="N")
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -174,6 +183,12 @@ class DecodingSettings:
         if self.draft_sampling == "drafter" and (self.tree_budget or self.suffix or self.suffix_first):
             raise LoopspecError("draft sampling 'drafter' verifies the drafter's chain only: "
                                 "use --tree-budget 0 --no-suffix --suffix-first 0, or --draft-sampling walk")
+        if self.shared_suffix < 0:
+            raise LoopspecError(f"the shared suffix library keeps >= 0 outputs (0: off), got {self.shared_suffix}")
+        if self.shared_suffix and not self.uses_suffix:
+            raise LoopspecError(f"--shared-suffix {self.shared_suffix} feeds the suffix index, which {self.method} "
+                                "does not use here: add --suffix or --suffix-first N (dflash, dloop), or use "
+                                "--method suffix")
 
     @property
     def drafting(self) -> bool:
@@ -237,6 +252,8 @@ class DecodingSettings:
                 text += ", then the drafter"
         if self.draft_sampling == "drafter":
             text += ", drafts sampled from the drafter"
+        if self.shared_suffix:
+            text += f", shared suffix library of {self.shared_suffix} outputs"
         return text
 
     def to_dict(self) -> dict:
@@ -317,8 +334,8 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str 
                      chains_only: bool = False, tuned: dict | None = None, **knobs) -> DecodingSettings:
     """The settings of `method` for a drafter on `engine` (`engine_key`): each knob (KNOBS: block_size,
     gate_threshold, max_stages, gate, adaptive, tree_budget, suffix, suffix_first, suffix_then_draft,
-    draft_sampling; one not given takes its Knob's `unset`: None, or on for adaptive) as given, else the drafter's tuned
-    setting for that engine (its tree budget, suffix and suffix-first for dflash and dloop; block size,
+    draft_sampling, shared_suffix; one not given takes its Knob's `unset`: None, or on for adaptive) as
+    given, else the drafter's tuned setting for that engine (its tree budget, suffix and suffix-first for dflash and dloop; block size,
     gate and stages for dloop), else its block size, the chain without suffix and the DLoop defaults. `tuned`: a
     setting stored elsewhere that replaces the drafter's (a user's result for a shipped drafter:
     loopspec/tuned.py). `draft_sampling` (default "walk"): "drafter" verifies chains, so a stored
@@ -336,6 +353,7 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str 
     block_size, max_stages, gate_threshold, gate = (given[n] for n in ("block_size", "max_stages", "gate_threshold", "gate"))
     adaptive, tree_budget, suffix, suffix_first = (given[n] for n in ("adaptive", "tree_budget", "suffix", "suffix_first"))
     suffix_then_draft, draft_sampling = given["suffix_then_draft"], given["draft_sampling"]
+    shared = {"shared_suffix": given["shared_suffix"] or 0}
     if block_size is not None and block_size < 1:
         raise LoopspecError(f"block size must be >= 1, got {block_size}")
     if max_stages is not None and max_stages < 1:
@@ -344,7 +362,7 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str 
         return DecodingSettings()  # drafts nothing (a drafting knob given is refused above)
     if method == "suffix":
         return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
-                                draft_sampling=draft_sampling or "walk")
+                                draft_sampling=draft_sampling or "walk", **shared)
     sampling = {"draft_sampling": draft_sampling or "walk"}
     stored = dict(tuned) if tuned is not None else tuned_setting(drafter, engine)
     if sampling["draft_sampling"] == "drafter":  # it verifies the drafter's chain: no stored tree or suffix use
@@ -359,14 +377,14 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str 
                                  else suffix_first is None and bool(stored.get("suffix_then_draft", False)))
     if method == "dflash":
         return DecodingSettings("dflash", block_size=block_size or drafter.block_size, adaptive=adaptive,
-                                **tree, **sampling)
+                                **tree, **sampling, **shared)
     k = block_size or stored.get("block_size") or drafter.block_size
     loop = {**DLOOP_DEFAULTS, **{key: v for key, v in stored.items() if key in DLOOP_DEFAULTS}}
     return DecodingSettings("dloop", block_size=k,
                             max_stages=max_stages if max_stages is not None else int(loop["max_stages"]),
                             gate_threshold=gate_threshold if gate_threshold is not None else float(loop["gate_threshold"]),
                             gate=gate if gate is not None else str(loop["gate"]), adaptive=adaptive, **tree,
-                            **sampling)
+                            **sampling, **shared)
 
 
 def method_variant(name: str) -> tuple[str, dict]:

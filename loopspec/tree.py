@@ -8,8 +8,9 @@ other node's parent comes before it. Two sources fill it:
   drafted from the previous stage's argmax chain, so only that chain continues into it. Budget 0 is
   the argmax chain itself.
 - the committed text: `SuffixIndex` proposes the continuation of the longest earlier occurrence of
-  the text's suffix (what prompt lookup / n-gram drafting does elsewhere); `DraftTree.add_branch`
-  merges it in, reusing the nodes it shares with the drafter's.
+  the text's suffix (what prompt lookup / n-gram drafting does elsewhere), or of earlier requests'
+  outputs (loopspec/suffix_library.py) where those match longer; `DraftTree.add_branch` merges it
+  in, reusing the nodes it shares with the drafter's.
 
 The target verifies every node in one forward with an ancestor-only mask (`tree_masks`): a node
 sees the committed context, its ancestors and itself, at position anchor + depth. Which node the
@@ -175,10 +176,18 @@ class SuffixIndex:
 
     `continuation(n)` finds the longest suffix of the text that occurred before (ending before the
     last token), and proposes the n tokens that followed its latest occurrence; where those run
-    into the suffix itself (a repeating loop), the loop's period continues them."""
+    into the suffix itself (a repeating loop), the loop's period continues them.
 
-    def __init__(self, tokens: list[int] = (), min_match: int = SUFFIX_MIN_MATCH, max_match: int = SUFFIX_MAX_MATCH):
+    `shared` (a loopspec.suffix_library.SharedSuffix: earlier requests' outputs, read in this
+    request's scope): where the text's suffix matched there for MORE tokens than in the text itself,
+    the continuation is that output's instead; a tie goes to the request's own text. The match
+    length is the evidence that the continuation holds (a longer context agreed), and on equal
+    evidence the request's own text, what it is writing now, is the better guess."""
+
+    def __init__(self, tokens: list[int] = (), min_match: int = SUFFIX_MIN_MATCH, max_match: int = SUFFIX_MAX_MATCH,
+                 shared=None):
         self.min_match, self.max_match = min_match, max_match
+        self.shared = shared
         self.tokens: list[int] = []
         self.last_end: dict[tuple[int, ...], int] = {}
         self.extend(tokens)
@@ -200,9 +209,27 @@ class SuffixIndex:
                 return n, end
         return 0, -1
 
+    def _shared_match(self, own: int) -> tuple[int, int, int] | None:
+        """The shared library's match when it is longer than the text's own `own` tokens, else None."""
+        if self.shared is None:
+            return None
+        hit = self.shared.match(self.tokens[-self.max_match:])
+        return hit if hit[0] > own else None
+
+    def match_length(self) -> int:
+        """The tokens of the suffix match that `continuation` follows (0: nothing matched)."""
+        own = self.longest_match()[0]
+        shared = self._shared_match(own)
+        return shared[0] if shared else own
+
     def continuation(self, length: int) -> list[int]:
         n, end = self.longest_match()
-        if length <= 0 or not n:
+        if length <= 0:
+            return []
+        shared = self._shared_match(n)
+        if shared:
+            return self.shared.continuation(shared[1], shared[2], length)
+        if not n:
             return []
         period = len(self.tokens) - 1 - end  # tokens beyond the text repeat the loop end+1 .. t
         return [self.tokens[end + 1 + i % period] for i in range(length)]

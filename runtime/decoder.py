@@ -37,6 +37,7 @@ from loopspec.runtime.constraint import masked
 from loopspec.runtime.proposal import (AdaptiveFallback, Drafted, RowPlan, check_engine_runs, draft_round, drafter_sampling,
                                        plan_row, row_tree)
 from loopspec.stats import GenerationStats
+from loopspec.suffix_library import SuffixLibrary
 from loopspec.tree import DraftTree, SuffixIndex, tree_masks
 
 
@@ -60,6 +61,7 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
     suffix_index: SuffixIndex | None = None  # the committed text (prompt + tokens), when suffix drafting
+    scope: Hashable = None  # whose earlier outputs its suffix index may read (the shared library's scope)
     started: float = 0.0
     draft_hits: float = 0.0  # drafts it accepted, and verifications that rejected one, fading (the budget's estimate)
     draft_misses: float = 0.0
@@ -104,7 +106,10 @@ class Decoder:
     from a step-cost table; without one, the adaptive fallback decides for the rows a step verifies
     together (their verification is right-padded to the widest row, so one row decoding plainly
     beside drafting rows saves nothing, and a step's cost is the batch's; for one request it is that
-    request's own fallback). Either changes what is verified, never the output."""
+    request's own fallback). Either changes what is verified, never the output.
+
+    With settings.shared_suffix, the decoder owns a suffix library (loopspec/suffix_library.py): a
+    row that finishes files its output under its scope, and later rows of that scope propose from it."""
 
     def __init__(self, engine: Engine, settings: DecodingSettings = DecodingSettings(),
                  pacing: AdaptiveFallback | VerifyBudget | None = None, prefill_chunk: int | None = None):
@@ -121,6 +126,8 @@ class Decoder:
         self.prefill_chunk = prefill_chunk
         self.rows: list[Row] = []
         self.prefilling: list[Prefilling] = []
+        # finished rows' outputs, read by later rows of the same scope (settings.shared_suffix; None: off)
+        self.library = SuffixLibrary(settings.shared_suffix) if settings.shared_suffix else None
 
     @property
     def free_rows(self) -> int:
@@ -128,8 +135,11 @@ class Decoder:
 
     def admit(self, key: Hashable, prompt_ids: list[int], *, max_new_tokens: int,
               params: SamplingParams = SamplingParams(), seed: int = 0, generator: torch.Generator | None = None,
-              stop_token_ids: frozenset[int] | set[int] = frozenset(), constraint=None) -> tuple[Row, list[int]]:
-        """Prefill a new sequence into a free row → (its Row, its first token). A row that is already
+              stop_token_ids: frozenset[int] | set[int] = frozenset(), constraint=None,
+              scope: Hashable = None) -> tuple[Row, list[int]]:
+        """Prefill a new sequence into a free row → (its Row, its first token). `scope` (opaque,
+        hashable): the shared suffix library's scope its suffix index reads and its output is filed
+        under (the server's tenant; rows of one scope share). A row that is already
         finished (first token a stop token, or max_new_tokens 1) is not kept. A prompt longer than
         `prefill_chunk` is only registered → (its Row, []): `step` prefills it chunk by chunk and
         returns its first token when the last chunk is in. `constraint`: the row's grammar
@@ -146,8 +156,9 @@ class Decoder:
             raise LoopspecError("structured output verifies drafts by the walk: use --draft-sampling walk")
         row = Row(key=key, prompt_len=len(prompt_ids), max_new_tokens=max_new_tokens, params=params,
                   generator=generator or torch.Generator().manual_seed(seed), stop_token_ids=frozenset(stop_token_ids),
-                  started=time.perf_counter(), constraint=constraint,
-                  suffix_index=SuffixIndex(prompt_ids) if self.settings.uses_suffix else None)
+                  started=time.perf_counter(), constraint=constraint, scope=scope,
+                  suffix_index=SuffixIndex(prompt_ids, shared=None if self.library is None else self.library.view(scope))
+                  if self.settings.uses_suffix else None)
         row.stats.prompt_tokens, row.stats.drafting = len(prompt_ids), self.settings.drafting
         if self.prefill_chunk is not None and len(prompt_ids) > self.prefill_chunk:
             self.prefilling.append(Prefilling(row, list(prompt_ids), self._free_slot()))
@@ -324,6 +335,9 @@ class Decoder:
         return new
 
     def _retire(self, b: int) -> None:
+        row = self.rows[b]
+        if self.library is not None and row.finish != "error":  # its output, for the scope's later rows
+            self.library.add(row.scope, row.suffix_index.tokens[:row.prompt_len], row.tokens)
         last = len(self.rows) - 1
         if b != last:  # keep the live rows packed at the front of the caches
             self.engine.swap_rows(last, b)

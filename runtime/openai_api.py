@@ -16,7 +16,7 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed tak
 
 
 class APIError(Exception):
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
              408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
              503: "server_error", 504: "timeout_error"}
 
@@ -81,6 +81,7 @@ class RequestOptions:
     stream: bool
     include_usage: bool
     grammar: GrammarSpec | None = None  # structured output (response_format or a guided_* field)
+    user: str | None = None  # the end user's id: with the API key, the request's scope (runtime/server.py)
 
 
 # Every request field this server knows, one row each (a name whose handling differs between the two
@@ -143,6 +144,7 @@ FIELDS = (
     _honoured("stop", {"oneOf": [{"type": "string", "minLength": 1},
                                  {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]}),
     _honoured("stream", {"type": "boolean"}),
+    _honoured("user", {"type": "string"}),
     _honoured("stream_options", {"type": "object", "additionalProperties": False, "properties": {
         "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"enum": [None, False]},
         "include_obfuscation": {"type": "boolean"}}}),
@@ -209,7 +211,6 @@ FIELDS = (
     _neutral_only("chat_template_kwargs", {}, "arguments of the chat template", (CHAT,)),
     _neutral_only("truncate_prompt_tokens", None, "a truncated prompt"),
     # no value of these changes the output
-    _ignored("user", "string", "an end-user id for abuse monitoring"),
     _ignored("safety_identifier", "string", "an end-user id for abuse monitoring"),
     _ignored("metadata", "object", "tags for stored completions; nothing is stored"),
     _ignored("store", "boolean", "whether the provider stores the completion; nothing is stored"),
@@ -308,9 +309,13 @@ def parse_options(body: dict, config, chat: bool) -> RequestOptions:
             raise APIError(400, f"unrecognized field stream_options.{key} (supported: include_usage, "
                                 "include_obfuscation, continuous_usage_stats)", "stream_options")
     include_usage = options.get("include_usage")
+    user = body.get("user")  # whose scope the shared suffix library reads (runtime/server.py request_scope)
+    if user is not None and not isinstance(user, str):
+        raise APIError(400, f"user must be a string, got {json.dumps(user)[:80]}", "user")
     return RequestOptions(params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
                     max_tokens=max_tokens, stop=tuple(_text(s, "stop") for s in stop), stream=bool(stream),
-                    include_usage=bool(include_usage), grammar=grammar_of(body))
+                    include_usage=bool(include_usage), grammar=grammar_of(body),
+                    user=_text(user, "user") if user else None)
 
 
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
@@ -456,4 +461,4 @@ def post_route_doc(body: dict) -> dict:
     return dict(openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
                 responses={200: {"description": "the completion (JSON), or server-sent events with stream: true",
                                  "content": {"application/json": {"schema": REPLY_SCHEMA}, "text/event-stream": {}}},
-                           **error_responses(400, 404, 413, 429, 500, 503, 504)})
+                           **error_responses(400, 401, 404, 413, 429, 500, 503, 504)})

@@ -242,7 +242,7 @@ def plan_row(row, settings: DecodingSettings, engine: Engine, max_drafts: int, c
     depth = min(wanted, cap)
     index = row.suffix_index
     copy = (index.continuation(depth)
-            if settings.suffix_first and depth and index.longest_match()[0] >= settings.suffix_first else None)
+            if settings.suffix_first and depth and index.match_length() >= settings.suffix_first else None)
     extends = bool(copy) and settings.suffix_then_draft
     stage_drafts = engine.drafter_cfg.drafts_per_block(settings.block_size) if settings.uses_drafter else 0
     if not settings.uses_drafter or (copy is not None and not extends):

@@ -19,7 +19,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Hashable
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
@@ -54,6 +54,7 @@ class Request:
     stop: tuple[str, ...] = ()
     timeout_s: float | None = None
     constraint: object | None = None  # its grammar state (runtime/constraint.py), None: unconstrained
+    scope: Hashable = None  # the shared suffix library's scope (the server's tenant: API key and `user`)
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # set by the client side; the scheduler acts on it between steps
     finished: bool = False
@@ -191,7 +192,8 @@ class Scheduler:
         try:
             row, first = self.decoder.admit(request, request.prompt_ids, max_new_tokens=request.max_tokens,
                                             params=request.params, seed=seed, stop_token_ids=self.stop_token_ids,
-                                            constraint=request.constraint)
+                                            constraint=request.constraint,
+                                            scope=request.scope)
         except LoopspecError as e:
             self._fail(request, 400, str(e))
             return

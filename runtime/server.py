@@ -3,12 +3,18 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad request,
-404 unknown model or path, 405 wrong method (with `Allow`), 408 a request not whole within the read
+401 a missing or wrong API key (when the server has keys), 404 unknown model or path, 405 wrong method (with `Allow`), 408 a request not whole within the read
 timeout, 413 body too large, 429 queue full, 500 failure (a generic message; the traceback goes to the
 server's log), 503 shutting down or every connection busy, 504 timeout. Request bodies are parsed
 and checked by runtime/openai_api.py, not by pydantic, so every bad input gets a clear message naming
 the parameter; the OpenAPI document (/openapi.json) describes the same bodies. What a connection may
 hold (read timeout, connection limit) is runtime/connections.py's.
+
+API keys (ServeConfig.api_keys, `loopspec serve --api-key`): when any is configured, every /v1/ route
+wants `Authorization: Bearer KEY` with one of them, else 401 (/health and /metrics stay open, as
+vLLM's --api-key leaves them). Tenancy: each request decodes in a scope (`request_scope`) — the key
+it came with and its `user` field — and the shared suffix library (DecodingSettings.shared_suffix)
+proposes to a request only what earlier requests of its scope wrote (loopspec/tenancy.py).
 
 The handlers are plain functions of the HTTP request; what they serve (pipeline, scheduler, config)
 is the app's `ServerState` (`app.state.server`).
@@ -17,6 +23,7 @@ is the app's `ServerState` (`app.state.server`).
 # no `from __future__ import annotations` here: FastAPI reads the handlers' annotations (the lazily
 # imported Request class) at definition time
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 
 from loopspec.precisions import describe_precision
 from loopspec.errors import LoopspecError
+from loopspec.tenancy import api_key_problem, request_scope
 from loopspec.settings import DecodingSettings
 from loopspec.runtime.decoder import Decoder
 from loopspec.runtime.metrics import Metrics
@@ -58,6 +66,7 @@ class ServeConfig:
     max_stop_strings: int = 4
     read_timeout_s: float = 30.0  # a request (header and body) must arrive whole within this, else 408 and closed
     max_connections: int | None = None  # open connections (None: as many as the open-file limit allows, <= 4096)
+    api_keys: tuple[str, ...] = ()  # bearer keys a /v1/ request must carry one of (none: open to all)
 
     def __post_init__(self):
         # the CLI's flags refuse the same values; a Python caller gets the same one line
@@ -73,6 +82,29 @@ class ServeConfig:
                                     f"{0 if name == 'max_stop_strings' else 1}, got {value!r}")
         if self.prefill_chunk is not None and not (isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 1):
             raise LoopspecError(f"ServeConfig.prefill_chunk must be an integer >= 1 or None, got {self.prefill_chunk!r}")
+        if not isinstance(self.api_keys, tuple):
+            raise LoopspecError(f"ServeConfig.api_keys must be a tuple of strings, got {type(self.api_keys).__name__}")
+        for i, key in enumerate(self.api_keys):
+            problem = api_key_problem(key)
+            if problem:  # (the key itself is not repeated: it is a secret)
+                raise LoopspecError(f"ServeConfig.api_keys[{i}]: {problem}")
+
+
+def authorize(http: "HTTPRequest", keys: tuple[str, ...]) -> int | None:
+    """Which configured key the request carries (its index) → None when the server has no keys;
+    401 when it has and the request carries none of them. Every key is compared in constant time."""
+    if not keys:
+        return None
+    scheme, _, token = http.headers.get("authorization", "").partition(" ")
+    token = token.strip().encode() if scheme.lower() == "bearer" else b""
+    found = None
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(token, key.encode()) and found is None:
+            found = i
+    if found is None:
+        raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'",
+                       code="invalid_api_key")
+    return found
 
 
 class ClientGone(Exception):
@@ -202,12 +234,14 @@ async def _disconnected(http: HTTPRequest) -> None:
         pass
 
 
-async def respond(http: HTTPRequest, state: ServerState, prompt_ids: list[int], options: RequestOptions, chat: bool):
+async def respond(http: HTTPRequest, state: ServerState, prompt_ids: list[int], options: RequestOptions, chat: bool,
+                  scope: tuple = (None, None)):
     scheduler = state.scheduler
     events = _EventQueue(asyncio.get_running_loop())
     request = Request(prompt_ids=prompt_ids, max_tokens=token_budget(state, prompt_ids, options), on_event=events,
                       params=options.params, seed=options.seed, stop=options.stop,
-                      timeout_s=state.config.request_timeout_s, constraint=request_constraint(state, options))
+                      timeout_s=state.config.request_timeout_s, constraint=request_constraint(state, options),
+                      scope=scope)
     try:
         scheduler.submit(request)
     except QueueFull as e:
@@ -239,20 +273,25 @@ async def respond(http: HTTPRequest, state: ServerState, prompt_ids: list[int], 
 
 async def completions(http: HTTPRequest):
     state = _state(http)
+    key = authorize(http, state.config.api_keys)
     body = await read_body(http, state)
     options = parse_options(body, state.config, chat=False)
-    return await respond(http, state, completion_prompt(body, state.pipeline), options, chat=False)
+    return await respond(http, state, completion_prompt(body, state.pipeline), options, chat=False,
+                         scope=request_scope(key, options.user))
 
 
 async def chat_completions(http: HTTPRequest):
     state = _state(http)
+    key = authorize(http, state.config.api_keys)
     body = await read_body(http, state)
     options = parse_options(body, state.config, chat=True)
-    return await respond(http, state, chat_prompt(body, state.pipeline), options, chat=True)
+    return await respond(http, state, chat_prompt(body, state.pipeline), options, chat=True,
+                         scope=request_scope(key, options.user))
 
 
 async def models(http: HTTPRequest):
     state = _state(http)
+    authorize(http, state.config.api_keys)
     return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                         "owned_by": "loopspec", "max_model_len": state.max_context,
                                         "engine": engine_info(state.pipeline)}]}
@@ -281,7 +320,8 @@ async def prometheus(http: HTTPRequest):
 async def api_error(http, e: APIError):
     if not e.counted:
         _state(http).metrics.count_request("invalid" if e.status < 500 else "error")
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 async def http_error(http, e):
@@ -351,7 +391,7 @@ def create_app(pipeline, config: ServeConfig):
     app.add_exception_handler(Exception, server_error)
     app.add_api_route("/v1/completions", completions, methods=["POST"], **post_route_doc(COMPLETION_BODY))
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], **post_route_doc(CHAT_BODY))
-    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"], responses=error_responses(401))
     app.add_api_route("/health", health, methods=["GET"], responses=error_responses(503))
     app.add_api_route("/metrics", prometheus, methods=["GET"], response_class=PlainTextResponse,
                       responses={200: {"description": "Prometheus text exposition",

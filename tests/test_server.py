@@ -567,7 +567,7 @@ HONOURED_CASES = {
     "model": ("tiny", "gpt-17"), "prompt": ("abc", ""), "messages": ([{"role": "user", "content": "abc"}], []),
     "max_tokens": (2, 0), "max_completion_tokens": (2, "2"), "temperature": (0.5, 3), "top_p": (0.5, 0),
     "top_k": (5, -1), "seed": (3, 2 ** 70), "stop": ("zz", [""]), "stream": (True, "yes"),
-    "stream_options": ({"include_usage": True}, {"continuous_usage_stats": True}),
+    "stream_options": ({"include_usage": True}, {"continuous_usage_stats": True}), "user": ("u1", 42),
     "response_format": ({"type": "json_object"}, {"type": "yaml"}), "guided_json": ({"type": "object"}, 3),
     "guided_regex": ("[a-z ]+", "a("), "guided_choice": (["yes", "no"], []),
 }
