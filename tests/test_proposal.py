@@ -27,34 +27,36 @@ def row(prompt, tokens, max_new_tokens=50, suffix=True):
 def test_depth_is_the_least_of_the_method_the_tokens_left_and_the_room():
     settings = DecodingSettings("dflash", 8)
     r = row([1, 2, 3], [4], suffix=False)
-    assert plan_row(r, settings, engine(), 7, plain=False).depth == 7
-    assert plan_row(row([1, 2, 3], [4], max_new_tokens=4, suffix=False), settings, engine(), 7, False).depth == 2
-    tight = plan_row(r, settings, engine(max_context=8), 7, plain=False)  # anchor at 3: slots 4..7 left
+    assert plan_row(r, settings, engine(), 7, cap=7).depth == 7
+    assert plan_row(row([1, 2, 3], [4], max_new_tokens=4, suffix=False), settings, engine(), 7, 7).depth == 2
+    tight = plan_row(r, settings, engine(max_context=8), 7, cap=7)  # anchor at 3: slots 4..7 left
     assert (tight.room, tight.depth, tight.drafter_budget) == (4, 4, 4)
+    budgeted = plan_row(r, settings, engine(), 7, cap=3)  # the verification budget's depth for the row
+    assert (budgeted.wanted, budgeted.depth, budgeted.drafter_budget) == (7, 3, 3)
 
 
 def test_a_plain_round_drafts_nothing_but_remembers_what_it_could_have():
-    plan = plan_row(row([1, 2, 3], [4], suffix=False), DecodingSettings("dflash", 8), engine(), 7, plain=True)
+    plan = plan_row(row([1, 2, 3], [4], suffix=False), DecodingSettings("dflash", 8), engine(), 7, cap=0)
     assert (plan.wanted, plan.depth, plan.drafter_budget, plan.copy, plan.suffix) == (7, 0, 0, None, [])
 
 
 def test_ar_never_drafts():
-    plan = plan_row(row([1, 2, 3], [4], suffix=False), DecodingSettings(), engine(), 0, plain=False)
+    plan = plan_row(row([1, 2, 3], [4], suffix=False), DecodingSettings(), engine(), 0, cap=0)
     assert (plan.wanted, plan.depth, plan.drafter_budget, plan.uses_drafter) == (0, 0, 0, False)
 
 
 def test_the_chain_policy_copies_after_a_long_match_and_drafts_otherwise():
     text = [5, 6, 7, 8, 9, 10, 5, 6, 7]  # the suffix 5 6 7 occurred before, followed by 8 9 10
     settings = DecodingSettings("dflash", 8, suffix_first=3)
-    plan = plan_row(row(text[:-1], text[-1:]), settings, engine(), 7, plain=False)
+    plan = plan_row(row(text[:-1], text[-1:]), settings, engine(), 7, cap=7)
     assert plan.copy == [8, 9, 10, 5, 6, 7, 8] and plan.drafter_budget == 0 and plan.suffix == []
     assert (plan.stage_anchor, plan.stage_position) == (7, plan.root_position)
     longer = DecodingSettings("dflash", 8, suffix_first=4)  # a 3-token match is not long enough
-    plan = plan_row(row(text[:-1], text[-1:]), longer, engine(), 7, plain=False)
+    plan = plan_row(row(text[:-1], text[-1:]), longer, engine(), 7, cap=7)
     assert plan.copy is None and plan.drafter_budget == 7
     assert plan.suffix == []  # the round drafts as set: the policy alone adds no suffix branch
     branch = DecodingSettings("dflash", 8, suffix=True, suffix_first=4)
-    plan = plan_row(row(text[:-1], text[-1:]), branch, engine(), 7, plain=False)
+    plan = plan_row(row(text[:-1], text[-1:]), branch, engine(), 7, cap=7)
     assert plan.copy is None and plan.suffix == [8, 9, 10, 5, 6, 7, 8]  # with --suffix the match joins as a branch
 
 
@@ -74,7 +76,7 @@ def test_the_suffix_branch_is_what_the_settings_say_and_the_chains_only_guard_se
     assert not policy_alone.verifies_trees and not policy_alone.suffix_branch
     # the branch the guard sees is the branch the plan verifies: none here, in any round
     for tokens in (text, [1, 2, 3, 4], [5, 6, 7, 5, 6]):
-        plan = plan_row(row(tokens[:-1], tokens[-1:]), policy_alone, chains_only, 7, plain=False)
+        plan = plan_row(row(tokens[:-1], tokens[-1:]), policy_alone, chains_only, 7, cap=7)
         assert plan.suffix == []
     for settings in (DecodingSettings("dflash", 8, suffix=True), DecodingSettings("dflash", 8, suffix=True, suffix_first=4),
                      DecodingSettings("dloop", 4, 2, tree_budget=4)):
@@ -84,14 +86,14 @@ def test_the_suffix_branch_is_what_the_settings_say_and_the_chains_only_guard_se
     alone = DecodingSettings("suffix", 8)  # the method's continuation alone is a chain
     check_engine_runs(SimpleNamespace(chains_only=True, has_drafter=False), alone)
     assert alone.suffix_branch and not alone.verifies_trees
-    assert plan_row(row(text[:-1], text[-1:]), alone, chains_only, 7, plain=False).suffix == [8, 9, 10, 5, 6, 7, 8]
+    assert plan_row(row(text[:-1], text[-1:]), alone, chains_only, 7, cap=7).suffix == [8, 9, 10, 5, 6, 7, 8]
 
 
 def test_the_drafter_extends_a_copy_from_its_last_token_in_the_room_it_leaves():
     text = [5, 6, 7, 8, 9, 10, 5, 6, 7]
     settings = DecodingSettings("dflash", 4, suffix_first=3, suffix_then_draft=True)
     r = row(text[:-1], text[-1:], max_new_tokens=6)  # 4 tokens wanted after the bonus: the copy takes 3
-    plan = plan_row(r, settings, engine(), 3, plain=False)
+    plan = plan_row(r, settings, engine(), 3, cap=3)
     assert plan.copy == [8, 9, 10] and plan.extends
     assert (plan.stage_anchor, plan.stage_position) == (10, r.position + 3)
     assert plan.drafter_budget == 1  # one stage drafts 3, but only 4 - 3 tokens are still wanted after the copy
