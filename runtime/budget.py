@@ -10,7 +10,7 @@ budget picks, for the whole batch, what maximizes expected committed tokens per 
    rejection, shrunk toward the batch's): the width, and which rows draft at all (one stage over fewer
    rows costs less) — width 1 is a plain step, nothing drafted;
 2. after drafting (`after_drafting`), from each node's own estimate (the drafter's probability of
-   its token, the confidence head's where there is one, the suffix index's realized rate, each
+   its token, the confidence head's where there is one, the length of the suffix index's match, each
    calibrated against what verifications accepted): the width again, each row keeping its most likely
    nodes (every node is less likely than its parent, so they form a tree).
 
@@ -32,7 +32,9 @@ from loopspec.tree import DraftTree
 
 BINS = 10  # calibration bins over a node's raw estimate
 PRIOR = 4.0  # pseudo-observations behind a raw estimate, and behind the batch's rate in a row's
-SUFFIX_RAW = 0.5  # a suffix node's raw estimate before any was verified
+# a suffix node's raw estimate: by the length of the match it continues (2..6 tokens → 0.3..0.9),
+# each length its own calibration bin, so what a length's continuations really do is learned apart
+SUFFIX_RAW_PER_MATCHED_TOKEN = 0.15
 ALPHA = 0.2  # how fast the table's scale follows the measured steps
 # a row's counts fade by this much a step, drafted or not: its estimate follows what it writes now, and
 # a row that stopped drafting drifts back to the batch's estimate (plus the doubt below) and is tried again
@@ -153,10 +155,12 @@ class VerifyBudget:
         """Each node's (source, raw estimate) that its token is accepted once its parent is (node 0: the anchor)."""
         offset = len(plan.copy) if plan.copy is not None else 0  # a drafter extending a copy drafts after it
         out = [("anchor", 1.0)]
+        matched = row.suffix_index.match_length() if row.suffix_index is not None else 0
+        suffix_raw = min(0.95, SUFFIX_RAW_PER_MATCHED_TOKEN * max(matched, 2))
         ids, logprobs = drafted.candidates.tolist(), drafted.logprobs.float().tolist()
         confidence = drafted.confidence.float().tolist() if drafted.confidence is not None else None
         for node in range(1, len(tree)):
-            source, raw = "suffix", SUFFIX_RAW
+            source, raw = "suffix", suffix_raw
             depth = tree.depths[node] - 1 - offset
             if tree.from_drafter[node] and 0 <= depth < len(ids) and tree.tokens[node] in ids[depth]:
                 rank = ids[depth].index(tree.tokens[node])
