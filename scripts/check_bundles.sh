@@ -61,7 +61,8 @@ else
     echo "   (no FP8 bundle: nvidia-modelopt is not installed beside loopspec)"
 fi
 # a DSpark drafter of DeepSpec's block convention for the default target, random weights (the engines'
-# configuration code reads its config.json only): its vLLM bundle names method dspark, k = block size
+# configuration code reads its config.json only): its vLLM bundle names method dspark, k = block size,
+# and enable_adaptive_verification (it has a confidence head)
 "$loopspec_python" - "$work/dspark-drafter" <<'PY'
 import sys
 from dataclasses import replace

@@ -45,6 +45,9 @@ def check_vllm(bundle: Path, manifest: dict) -> str:
     expect("num_speculative_tokens", spec.num_speculative_tokens, vllm["num_speculative_tokens"])
     if vllm["method"] == "dspark":  # vLLM's own Qwen3 DSpark model, not its DeepSeek-V4 one
         expect("draft architectures", list(spec.draft_model_config.hf_config.architectures), ["Qwen3DSparkModel"])
+    # set for a DSpark drafter with a confidence head: verification sized by its estimates
+    expect("enable_adaptive_verification", bool(getattr(spec, "enable_adaptive_verification", False)),
+           vllm.get("enable_adaptive_verification", False))
     expect("tensor_parallel_size", config.parallel_config.tensor_parallel_size, manifest["tensor_parallel_size"])
     target_type = json.loads((bundle / "target" / "config.json").read_text())["model_type"]
     expect("target model type", config.model_config.hf_config.model_type, target_type)

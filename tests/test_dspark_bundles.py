@@ -117,8 +117,9 @@ def test_vllm_bundle_is_deepspec_layout_and_drafts_as_the_original(confidence, w
 
     spec = launch_argv(out / "vllm" / "launch.sh")
     spec = json.loads(spec[spec.index("--speculative-config") + 1])
-    assert spec == {"method": "dspark", "model": "./drafter", "num_speculative_tokens": BLOCK}  # k drafts a block
-    assert manifest["vllm"] == {"method": "dspark", "num_speculative_tokens": BLOCK}
+    adaptive = {"enable_adaptive_verification": True} if confidence else {}  # sized by the confidence head
+    assert spec == {"method": "dspark", "model": "./drafter", "num_speculative_tokens": BLOCK, **adaptive}  # k drafts
+    assert manifest["vllm"] == {"method": "dspark", "num_speculative_tokens": BLOCK, **adaptive}
     assert (manifest["block_convention"], manifest["drafts_per_block"]) == ("deepspec", BLOCK)
     readme = (out / "README.md").read_text()
     assert "Block convention: DeepSpec's" in readme and "anchor+i+1" in readme

@@ -21,6 +21,11 @@ Facts this module relies on (re-check on upgrades):
   `embed_tokens` / `lm_head` copies DeepSpec saves are optional (the target's are shared when absent),
   so drafter/ leaves them out. A reduced draft vocabulary is `draft_vocab_size`, `d2t`, an `lm_head` of
   the draft rows and a `markov_w2` of the draft rows (its bias is computed over the draft vocabulary).
+  `enable_adaptive_verification` (vllm/config/speculative.py, default false, method dspark only) sizes
+  each step's verification budget from the confidence head's per-request acceptance estimates and the
+  current load, with step costs vLLM profiles itself (v1/worker/gpu/spec_decode/adaptive_verification.py);
+  it changes how many drafts are verified, never which tokens are accepted. It is set for a drafter with
+  a confidence head.
 Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
 """
 
@@ -48,9 +53,17 @@ def vllm_method(s: LaunchSettings) -> str:
     return "dspark" if s.kind.convention is DEEPSPEC_BLOCK else "dflash"
 
 
+def adaptive_verification(s: LaunchSettings) -> bool:
+    """vLLM sizes each step's verification budget from the DSpark confidence head (method dspark only)."""
+    return vllm_method(s) == "dspark" and s.kind.estimates_acceptance
+
+
 def vllm_speculative_config(s: LaunchSettings) -> dict:
     drafter = f"./{VLLM_DRAFTER}" if s.draft_vocab is not None else "./drafter"
-    return {"method": vllm_method(s), "model": drafter, "num_speculative_tokens": s.drafts}
+    spec = {"method": vllm_method(s), "model": drafter, "num_speculative_tokens": s.drafts}
+    if adaptive_verification(s):
+        spec["enable_adaptive_verification"] = True
+    return spec
 
 
 def vllm_files(s: LaunchSettings) -> dict[str, str]:
@@ -106,12 +119,26 @@ def _reduced_vocab_line(vocab: int) -> str:
 
 
 def _manifest_entry(s: LaunchSettings) -> dict:
-    return {"method": vllm_method(s), "num_speculative_tokens": s.drafts}
+    entry = {"method": vllm_method(s), "num_speculative_tokens": s.drafts}
+    if adaptive_verification(s):
+        entry["enable_adaptive_verification"] = True
+    return entry
+
+
+def _readme_launch(s: LaunchSettings) -> list[str]:
+    if not adaptive_verification(s):
+        return []
+    return ["", "vLLM's `--speculative-config` sets `enable_adaptive_verification`: each step vLLM verifies as many "
+            "of a request's drafts as the confidence head's acceptance estimates and the current load make worth "
+            "their cost (step costs it profiles itself), instead of the whole block. It changes how many drafts are "
+            "verified, never which tokens are accepted, so outputs stay the target's; set it to false to verify "
+            "every draft. It needs vLLM >= 0.28 (its adaptive speculative token budget for DSpark)."]
 
 
 VLLM = ServingFramework(
     name="vllm", title=TITLE, target=HF_TARGET,
     support=("yes (`method: dflash`)", "no", "yes (`draft_vocab_size` + `d2t`)", "yes (modelopt checkpoint)",
              "Blackwell only", "yes (`--tensor-parallel-size`)"),
-    launch_files=vllm_files, write_parts=_write_parts, reduced_vocab_line=_reduced_vocab_line,
+    launch_files=vllm_files, readme_launch=_readme_launch, write_parts=_write_parts,
+    reduced_vocab_line=_reduced_vocab_line,
     manifest_entry=_manifest_entry, manifest_entry_with_drafting=True)
