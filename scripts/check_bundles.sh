@@ -62,7 +62,8 @@ else
 fi
 # a DSpark drafter of DeepSpec's block convention for the default target, random weights (the engines'
 # configuration code reads its config.json only): its vLLM bundle names method dspark, k = block size,
-# and enable_adaptive_verification (it has a confidence head)
+# and enable_adaptive_verification (it has a confidence head). Its SGLang launch (DSPARK) is not parsed
+# here: SGLang's DSpark argument check (_handle_dspark) refuses any device but CUDA or NPU
 "$loopspec_python" - "$work/dspark-drafter" <<'PY'
 import sys
 from dataclasses import replace

@@ -73,13 +73,17 @@ def sglang_server_args(bundle: Path):
 
 def check_sglang_server_args(bundle: Path, manifest: dict) -> str:
     server_args = sglang_server_args(bundle)
-    expect("speculative algorithm", server_args.speculative_algorithm, "DFLASH")
-    expect("speculative_num_draft_tokens", server_args.speculative_num_draft_tokens, manifest["block_size"])
+    # a DSpark drafter of DeepSpec's convention: DSPARK, gamma = its drafts per block, verify window gamma + 1
+    dspark = manifest["block_convention"] == "deepspec"
+    expect("speculative algorithm", server_args.speculative_algorithm, "DSPARK" if dspark else "DFLASH")
+    expect("speculative_num_draft_tokens", server_args.speculative_num_draft_tokens,
+           manifest["drafts_per_block"] + 1 if dspark else manifest["block_size"])
     expect("tp_size", server_args.tp_size, manifest["tensor_parallel_size"])
     expect("context_length", server_args.context_length, manifest["max_context"])
     expect("max_running_requests", server_args.max_running_requests, manifest["max_batch_size"])
     expect("served model name", server_args.served_model_name, manifest["served_model_name"])
-    return (f"DFLASH {server_args.speculative_num_draft_tokens} tokens, tp={server_args.tp_size}, "
+    return (f"{server_args.speculative_algorithm} {server_args.speculative_num_draft_tokens} tokens, "
+            f"tp={server_args.tp_size}, "
             f"context {server_args.context_length}, drafter quantization "
             f"{server_args.speculative_draft_model_quantization}")
 

@@ -27,7 +27,18 @@ TRTLLM_CUDA_GRAPH_FIELDS = {"batch_sizes", "max_batch_size", "enable_padding"}
 TRTLLM_TOP_LEVEL = {"tensor_parallel_size", "max_batch_size", "max_seq_len", "max_num_tokens", "cuda_graph_config",
                     "speculative_config"}
 VLLM_SPECULATIVE_FIELDS = {"method", "model", "num_speculative_tokens", "quantization", "max_model_len",
-                           "draft_tensor_parallel_size", "revision", "attention_backend"}
+                           "draft_tensor_parallel_size", "revision", "attention_backend",
+                           "enable_adaptive_verification"}
+# TensorRT-LLM LLM API reference, DSparkDecodingConfig as of 1.3.0rc27 (the first release that has it)
+TRTLLM_DSPARK_FIELDS = {"max_draft_len", "max_total_draft_tokens", "speculative_model", "max_concurrency",
+                        "draft_len_schedule", "load_format", "acceptance_rate_window_size",
+                        "acceptance_rate_threshold", "use_rejection_sampling", "allow_advanced_sampling",
+                        "advanced_sampling_mode", "enable_penalty", "mask_token_id", "target_layer_ids",
+                        "block_size", "markov_rank", "markov_head_type", "decoding_type", "attention_backend"}
+# ... and what 1.4.0rc4 adds for confidence scheduling: files a bundle cannot measure, so never written
+TRTLLM_DSPARK_CONFIDENCE_FIELDS = {"enable_confidence_scheduling", "confidence_cost_table_path",
+                                   "confidence_calibration_path", "confidence_min_predicted_gain",
+                                   "enable_fused_confidence_scheduler"}
 
 
 def launch_argv(path):
@@ -123,6 +134,7 @@ def test_launch_commands_carry_the_documented_flags(bundle):
     assert flag(sgl, "--speculative-draft-model-path") == "./drafter"
     assert flag(sgl, "--speculative-num-draft-tokens") == str(block)  # SGLang counts the anchor
     assert "--speculative-draft-model-quantization" not in sgl  # unquantized target: nothing to undo
+    assert "--speculative-dspark-block-size" not in sgl  # a z-lab DFlash drafter: DFLASH only
 
     for engine in ("trtllm", "vllm", "sglang"):
         script = out / engine / "launch.sh"
@@ -430,3 +442,88 @@ def test_serve_script_builds_then_launches(tiny_pair, tmp_path):
                          env=env)
     assert (out / "vllm" / "launch.sh").is_file() and not (out / "trtllm").exists()
     assert run.returncode == 127 and "vllm" in run.stderr and "not found" in run.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# DSpark drafters (DeepSpec's block convention) for TensorRT-LLM, vLLM and SGLang
+
+
+def dspark_bundle(target_dir, tmp_path, frameworks, **kw):
+    from dataclasses import replace
+
+    from test_dspark import dspark_config
+
+    torch.manual_seed(0)
+    cfg = dspark_config(load_target_dir(target_dir).cfg, **kw)
+    src = tmp_path / "src"
+    Drafter(cfg).save(src, dtype=torch.float32)
+    out = tmp_path / "bundle"
+    return out, build_bundle(str(target_dir), str(src), out, frameworks, dtype="float32"), replace(cfg)
+
+
+@pytest.mark.parametrize("confidence", [True, False])
+def test_dspark_drafter_in_trtllm_vllm_and_sglang(confidence, target_dir, tmp_path):
+    import yaml
+
+    from test_dspark import BLOCK, MASK, RANK
+
+    out, manifest, cfg = dspark_bundle(target_dir, tmp_path, "all", confidence=confidence)
+    assert manifest["engines"] == ["trtllm", "vllm", "sglang"] and manifest["drafts_per_block"] == BLOCK
+
+    options = yaml.safe_load((out / "trtllm" / "extra_llm_api_options.yaml").read_text())
+    assert set(options) <= TRTLLM_TOP_LEVEL
+    spec = options["speculative_config"]
+    assert set(spec) <= TRTLLM_DSPARK_FIELDS and not set(spec) & TRTLLM_DSPARK_CONFIDENCE_FIELDS
+    assert spec == {"decoding_type": "DSpark", "speculative_model": "./drafter", "max_draft_len": BLOCK,
+                    "block_size": BLOCK, "mask_token_id": MASK, "target_layer_ids": cfg.target_layer_ids,
+                    "markov_rank": RANK, "markov_head_type": "vanilla"}  # every block position drafts
+
+    vllm = json.loads(flag(launch_argv(out / "vllm" / "launch.sh"), "--speculative-config"))
+    assert set(vllm) <= VLLM_SPECULATIVE_FIELDS
+    assert vllm == {"method": "dspark", "model": "./drafter", "num_speculative_tokens": BLOCK,
+                    **({"enable_adaptive_verification": True} if confidence else {})}
+
+    sgl = launch_argv(out / "sglang" / "launch.sh")
+    assert flag(sgl, "--speculative-algorithm") == "DSPARK"
+    assert flag(sgl, "--speculative-draft-model-path") == "./drafter"
+    assert flag(sgl, "--speculative-dspark-block-size") == str(BLOCK)  # gamma: the drafts per block
+    assert flag(sgl, "--speculative-num-draft-tokens") == str(BLOCK + 1)  # gamma + 1, as SGLang requires
+    for engine in ("trtllm", "vllm", "sglang"):
+        assert subprocess.run(["sh", "-n", str(out / engine / "launch.sh")]).returncode == 0
+
+    readme = (out / "README.md").read_text()
+    assert "TensorRT-LLM >= 1.3.0rc27" in readme and "--speculative-algorithm DSPARK" in readme
+    assert "read by TensorRT-LLM >= 1.3, vLLM and SGLang as a DSpark drafter" in readme
+    # confidence scheduling: named with its version and fields, left out, and why
+    assert ("confidence_cost_table_path" in readme and "1.4.0rc4" in readme) == confidence
+    assert ("`--speculative-config` sets `enable_adaptive_verification`" in readme) == confidence
+
+
+def test_deepspec_dflash_drafter_goes_to_trtllm_as_dspark_and_sglang_refuses_it(target_dir, tmp_path):
+    import yaml
+
+    from test_dspark import BLOCK
+
+    out, manifest, _ = dspark_bundle(target_dir, tmp_path, "all", rank=0, confidence=False)
+    assert manifest["engines"] == ["trtllm"]  # vLLM's and SGLang's DSpark need a Markov head
+    spec = yaml.safe_load((out / "trtllm" / "extra_llm_api_options.yaml").read_text())["speculative_config"]
+    assert set(spec) <= TRTLLM_DSPARK_FIELDS
+    # DSpark's config, not DFlash's: TensorRT-LLM's DFlash would read block positions 1.. (z-lab's convention)
+    assert (spec["decoding_type"], spec["max_draft_len"], spec["markov_rank"]) == ("DSpark", BLOCK, 0)
+    assert "markov_head_type" not in spec
+    with pytest.raises(LoopspecError) as e:
+        dspark_bundle(target_dir, tmp_path / "sgl", "sglang", rank=0, confidence=False)
+    assert "\n" not in str(e.value) and "requires a Markov head" in str(e.value)
+
+
+@pytest.mark.parametrize("engine,kw,words", [
+    ("trtllm", {"head_type": "gated"}, "vanilla Markov head only"),
+    ("trtllm", {"anchor_predicts": False}, "one position off"),
+    ("sglang", {"anchor_predicts": False}, "one position off"),
+    ("vllm", {"anchor_predicts": False}, "one position off"),
+])
+def test_dspark_drafters_an_engine_cannot_run_are_refused_in_one_line(engine, kw, words, target_dir, tmp_path):
+    with pytest.raises(LoopspecError) as e:
+        dspark_bundle(target_dir, tmp_path, engine, **kw)
+    assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+    assert not (tmp_path / "bundle").exists()

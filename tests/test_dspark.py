@@ -245,14 +245,13 @@ KIND_CASES = {  # (config changes) → (name, title, block convention, drafts of
 # which serving framework takes which kind (a refusal's words), as the frameworks' sources say
 SERVED = {
     "z-lab dflash": {"trtllm": None, "vllm": None, "sglang": None, "llamacpp": None},
-    "deepspec dflash": {"trtllm": "z-lab DFlash drafters only", "vllm": "always builds a Markov head",
-                        "sglang": "z-lab DFlash drafters only", "llamacpp": "only with a Markov head"},
-    "deepspec dspark": {"trtllm": "z-lab DFlash drafters only", "vllm": None, "sglang": "z-lab DFlash drafters only",
-                        "llamacpp": None},
-    "z-lab gated": {"trtllm": "z-lab DFlash drafters only", "vllm": "one position off",
-                    "sglang": "z-lab DFlash drafters only", "llamacpp": "vanilla Markov head only"},
-    "confidence only": {"trtllm": "z-lab DFlash drafters only", "vllm": "always builds a Markov head",
-                        "sglang": "z-lab DFlash drafters only", "llamacpp": "only beside a Markov head"},
+    "deepspec dflash": {"trtllm": None, "vllm": "always builds a Markov head",
+                        "sglang": "requires a Markov head", "llamacpp": "only with a Markov head"},
+    "deepspec dspark": {"trtllm": None, "vllm": None, "sglang": None, "llamacpp": None},
+    "z-lab gated": {"trtllm": "one position off", "vllm": "one position off",
+                    "sglang": "one position off", "llamacpp": "vanilla Markov head only"},
+    "confidence only": {"trtllm": None, "vllm": "always builds a Markov head",
+                        "sglang": "requires a Markov head", "llamacpp": "only beside a Markov head"},
 }
 
 

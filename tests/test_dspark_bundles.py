@@ -100,7 +100,7 @@ def test_vllm_bundle_is_deepspec_layout_and_drafts_as_the_original(confidence, w
     model = original(target, confidence=confidence, with_markov=with_markov)
     out = tmp_path / "bundle"
     manifest = build_bundle(str(target_dir), saved(model, tmp_path / "src"), out, "all", dtype="float32")
-    assert manifest["engines"] == ["vllm"]  # 'all': only vLLM of the HF engines runs DSpark heads
+    assert manifest["engines"] == ["trtllm", "vllm", "sglang"]  # 'all': every HF engine runs these heads
     cfg = json.loads((out / "drafter" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
     assert {k: cfg[k] for k in ("block_size", "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
@@ -163,8 +163,10 @@ def test_engines_that_cannot_run_a_drafter_are_refused_in_one_line(target_dir, t
         ("vllm", hf, zlab, "one position off"),
         ("vllm", hf, gated, "vanilla one only"),
         ("vllm", hf, deepspec_dflash, "always builds a Markov head"),
-        ("trtllm", hf, deepspec, "z-lab DFlash drafters only"),
-        ("sglang", hf, deepspec, "z-lab DFlash drafters only"),
+        ("trtllm", hf, zlab, "one position off"),
+        ("trtllm", hf, gated, "vanilla Markov head only"),
+        ("sglang", hf, zlab, "one position off"),
+        ("sglang", hf, deepspec_dflash, "requires a Markov head"),
         ("llamacpp", gg, rnn, "vanilla Markov head only"),
         ("llamacpp", gg, plain_conf, "[h ; W1[prev]]"),
         ("llamacpp", gg, deepspec_dflash, "only with a Markov head"),

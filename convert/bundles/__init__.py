@@ -1,11 +1,13 @@
 """Serving bundles: TensorRT-LLM, vLLM and SGLang serve the target with the DFlash drafter in the z-lab
 format they all load; llama.cpp serves a GGUF target with the drafter as a llama.cpp `dflash` GGUF.
-A DSpark drafter (Markov / confidence heads) goes to the frameworks that run its heads: vLLM (DeepSpec's
-`Qwen3DSparkModel` layout, method `dspark`) and llama.cpp (the dflash GGUF with the heads, draft-dspark).
+A DSpark drafter (Markov / confidence heads) goes to the frameworks that run its heads: TensorRT-LLM
+(`decoding_type: DSpark`), vLLM (method `dspark`) and SGLang (`DSPARK`), all reading DeepSpec's
+`Qwen3DSparkModel` layout, and llama.cpp (the dflash GGUF with the heads, draft-dspark).
 
 A bundle directory holds
   drafter/    z-lab config.json + model.safetensors, full draft vocabulary (what every framework reads);
-              for a DSpark drafter DeepSpec's config.json and key names instead (what vLLM reads)
+              for a DSpark drafter DeepSpec's config.json and key names instead (what TensorRT-LLM,
+              vLLM and SGLang read as a DSpark drafter)
   target/     Hugging Face checkpoint (config.json, *.safetensors, tokenizer files), optionally
               modelopt-quantized (FP8 / NVFP4)
   trtllm/     extra_llm_api_options.yaml + launch.sh      (only the frameworks asked for)

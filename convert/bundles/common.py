@@ -171,6 +171,10 @@ def _convention_lines(s: LaunchSettings) -> list[str]:
     return []
 
 
+def _in_prose(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def readme(frameworks: list[ServingFramework], s: LaunchSettings, dtype: str, sources: dict, matrix: str) -> str:
     precision = s.precision or dtype
     hf = any(f.target == HF_TARGET for f in frameworks)
@@ -193,7 +197,8 @@ def readme(frameworks: list[ServingFramework], s: LaunchSettings, dtype: str, so
                      "`enable_confidence_head`, `confidence_head_with_markov` at the top level, mask and taps also in "
                      "`dflash_config`; `model.safetensors` under DeepSpec's key names `markov_head.markov_w1/w2`, "
                      "`confidence_head.proj`, without the `embed_tokens` / `lm_head` copies: vLLM shares the "
-                     "target's), read by vLLM (`method: dspark`).")
+                     f"target's), read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])} "
+                     "as a DSpark drafter.")
     elif hf:
         lines.append("- `drafter/`: z-lab DFlash format (`config.json` with `dflash_config.mask_token_id` and "
                      "`target_layer_ids`, `model.safetensors`), read by TensorRT-LLM, vLLM and SGLang.")

@@ -7,6 +7,19 @@ included; newer releases also spell it `--speculative-dflash-block-size` and req
 when both are set), `--tp-size N`, `--context-length`, `--max-running-requests`,
 `--served-model-name`; `--speculative-draft-model-quantization unquant` keeps the drafter unquantized
 when the target is.
+
+DSpark (python/sglang/srt/arg_groups/speculative_hook.py `_handle_dspark`,
+python/sglang/srt/speculative/dspark_components/dspark_config.py; SGLang 0.5.16's release notes
+introduce it): `--speculative-algorithm DSPARK --speculative-draft-model-path DRAFTER
+--speculative-dspark-block-size GAMMA` (gamma: the drafts per block), and `--speculative-num-draft-tokens`,
+when given, must equal gamma + 1 (the verify window, anchor included). The draft config is read from
+`dspark_config`, the top level or the `dspark_`-prefixed keys: `markov_rank` must be > 0 (it refuses a
+drafter without a Markov head), `markov_head_type` one of vanilla / gated / rnn, `mask_token_id`
+required; block slot k drafts the token at anchor+k+1 (DeepSpec's convention; a drafter trained with
+slot j drafting anchor+j would draft one position off). Confidence-scheduled (ragged) verification is
+switched by the environment (`SGLANG_RAGGED_VERIFY_MODE`) and fed by `--speculative-dspark-sps-table-path`
+/ `--speculative-dspark-confidence-sts-path`, files SGLang's own profiler and calibration tools write;
+the bundle leaves them out. Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
 """
 
 from __future__ import annotations
@@ -16,20 +29,44 @@ from loopspec.convert.bundles.common import HF_TARGET, LaunchSettings, ServingFr
 TITLE = "SGLang"
 
 
+def speculative_argv(s: LaunchSettings) -> list[str]:
+    """DFLASH for a z-lab DFlash drafter (the block size, anchor included); DSPARK for a DSpark drafter
+    of DeepSpec's block convention (gamma = its drafts per block, and the verify window gamma + 1)."""
+    if s.kind.plain:
+        return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "./drafter",
+                "--speculative-num-draft-tokens", str(s.block_size)]
+    return ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", "./drafter",
+            "--speculative-dspark-block-size", str(s.drafts), "--speculative-num-draft-tokens", str(s.drafts + 1)]
+
+
 def sglang_files(s: LaunchSettings) -> dict[str, str]:
     argv = ["python", "-m", "sglang.launch_server", "--model-path", "./target", "--served-model-name", s.name,
             "--tp-size", str(s.tp), "--context-length", str(s.max_context),
-            "--max-running-requests", str(s.max_batch_size), "--speculative-algorithm", "DFLASH",
-            "--speculative-draft-model-path", "./drafter", "--speculative-num-draft-tokens", str(s.block_size)]
+            "--max-running-requests", str(s.max_batch_size), *speculative_argv(s)]
     if s.precision is not None:  # SGLang quantizes the drafter like the target unless told otherwise
         argv += ["--speculative-draft-model-quantization", "unquant"]
     return {"sglang/launch.sh": launch_script(TITLE, argv)}
+
+
+def _readme_launch(s: LaunchSettings) -> list[str]:
+    if s.kind.plain:
+        return []
+    lines = ["", f"SGLang runs the DSpark drafter with `--speculative-algorithm DSPARK` (SGLang >= 0.5.16), "
+             f"`--speculative-dspark-block-size {s.drafts}` (drafts per block) and `--speculative-num-draft-tokens "
+             f"{s.drafts + 1}` (the verify window, anchor included)."]
+    if s.kind.confidence:
+        lines[-1] += (" Its confidence-scheduled (ragged) verification is left off: it is switched by "
+                      "`SGLANG_RAGGED_VERIFY_MODE` and reads a step-cost table and a calibration file "
+                      "(`--speculative-dspark-sps-table-path`, `--speculative-dspark-confidence-sts-path`) that "
+                      "SGLang's own profiler and calibration tools produce on the serving GPU; every step verifies "
+                      "the whole block (outputs are the same either way).")
+    return lines
 
 
 SGLANG = ServingFramework(
     name="sglang", title=TITLE, target=HF_TARGET,
     support=("yes (`DFLASH`)", "no", "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
              "yes (`--tp-size`)"),
-    launch_files=sglang_files,
+    launch_files=sglang_files, readme_launch=_readme_launch,
     full_vocab_reason=("SGLang's DFLASH drafter has no lm_head of its own: it drafts with the target's lm_head over "
                        "the full vocabulary and ignores a d2t tensor."))

@@ -12,6 +12,23 @@ parallelism is set there only, never also as `--tp_size`. `--served-model-name` 
 worker sizes its drafter context arena from max_batch_size + 1 slots x max_seq_len
 (speculative/dflash.py), so both are always written: the defaults (2048 requests, the model's whole
 context) fill small GPUs.
+
+DSpark (LLM API reference `DSparkDecodingConfig`, present since 1.3.0rc27;
+_torch/models/modeling_dspark.py, "Standalone DSpark drafters"): `decoding_type: DSpark` with
+`speculative_model`, `max_draft_len`, `block_size`, `mask_token_id`, `target_layer_ids`, `markov_rank`,
+`markov_head_type`. A standalone drafter (its own checkpoint, `model_type` qwen3) runs DFlash's block
+decode plus the DSpark heads: the `shift_label` slot convention is on unless the drafter's config says
+false (slot 0 holds the anchor and every slot j drafts the token after it: DeepSpec's convention, so
+max_draft_len = block_size), the Markov head is the vanilla one only (`markov_head.markov_w1/w2`;
+gated / rnn are refused), markov_rank 0 runs no Markov bias (a DeepSpec DFlash drafter), and the
+confidence head (`confidence_head.proj`) is loaded. Its `decoding_type: DFlash` refuses a drafter that
+declares DSpark heads. Confidence-scheduled verification (1.4.0rc4: `enable_confidence_scheduling`,
+`confidence_cost_table_path`, `confidence_calibration_path`, `confidence_min_predicted_gain`) is left
+out: its cost table is a whole-step time table measured on the serving GPU by TensorRT-LLM's own
+profiler (`_torch/speculative/dspark_planner.py` reads it; its schema has changed between releases, a
+newer one sealed with a fingerprint of the live engine), and the calibration file holds per-position
+temperatures fitted offline (`dspark_sts.py`), neither of which a bundle can measure.
+Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
 """
 
 from __future__ import annotations
@@ -19,16 +36,33 @@ from __future__ import annotations
 from loopspec.convert.bundles.common import HF_TARGET, LaunchSettings, ServingFramework, launch_script
 
 TITLE = "TensorRT-LLM >= 1.3"
+DSPARK_MIN_VERSION = "1.3.0rc27"  # the first release whose LLM API reference has DSparkDecodingConfig
+CONFIDENCE_SCHEDULING_VERSION = "1.4.0rc4"  # its enable_confidence_scheduling and the files it reads
 
 
 def trtllm_options(s: LaunchSettings) -> dict:
     """The LLM API options trtllm-serve reads from YAML."""
-    spec = {"decoding_type": "DFlash", "speculative_model": "./drafter", "max_draft_len": s.block_size - 1,
-            "mask_token_id": s.mask_token_id, "target_layer_ids": list(s.target_layer_ids)}
+    if s.kind.plain:
+        spec = {"decoding_type": "DFlash", "speculative_model": "./drafter", "max_draft_len": s.block_size - 1,
+                "mask_token_id": s.mask_token_id, "target_layer_ids": list(s.target_layer_ids)}
+    else:
+        spec = dspark_speculative_config(s)
     return {"tensor_parallel_size": s.tp, "max_batch_size": s.max_batch_size, "max_seq_len": s.max_context,
             "max_num_tokens": s.max_num_tokens,
             "cuda_graph_config": {"enable_padding": True, "max_batch_size": s.max_batch_size},
             "speculative_config": spec}
+
+
+def dspark_speculative_config(s: LaunchSettings) -> dict:
+    """`DSparkDecodingConfig` for a drafter of DeepSpec's block convention: every block position drafts,
+    so max_draft_len is the block size; markov_rank 0 (no Markov head) runs no Markov bias."""
+    markov = s.kind.markov
+    spec = {"decoding_type": "DSpark", "speculative_model": "./drafter", "max_draft_len": s.drafts,
+            "block_size": s.block_size, "mask_token_id": s.mask_token_id,
+            "target_layer_ids": list(s.target_layer_ids), "markov_rank": markov.rank if markov else 0}
+    if markov:
+        spec["markov_head_type"] = markov.head_type
+    return spec
 
 
 def trtllm_files(s: LaunchSettings) -> dict[str, str]:
@@ -43,12 +77,30 @@ def trtllm_files(s: LaunchSettings) -> dict[str, str]:
 
 
 def _readme_launch(s: LaunchSettings) -> list[str]:
-    return ["", "`trtllm/extra_llm_api_options.yaml` holds `tensor_parallel_size`, `max_batch_size`, "
-            "`max_seq_len`, `max_num_tokens`, the `speculative_config` (DFlash) and `cuda_graph_config`; "
-            "trtllm-serve reads it with `--extra_llm_api_options` (alias `--config`) and lets it override "
-            "its own flags, so change those values in the YAML, not with `--tp_size` and the like. "
-            "`--served-model-name` needs a trtllm-serve that has it (TensorRT-LLM pull request 11711); on "
-            "an older one remove that line and the model is named after its directory (`target`)."]
+    lines = ["", "`trtllm/extra_llm_api_options.yaml` holds `tensor_parallel_size`, `max_batch_size`, "
+             f"`max_seq_len`, `max_num_tokens`, the `speculative_config` ({'DFlash' if s.kind.plain else 'DSpark'}) "
+             "and `cuda_graph_config`; "
+             "trtllm-serve reads it with `--extra_llm_api_options` (alias `--config`) and lets it override "
+             "its own flags, so change those values in the YAML, not with `--tp_size` and the like. "
+             "`--served-model-name` needs a trtllm-serve that has it (TensorRT-LLM pull request 11711); on "
+             "an older one remove that line and the model is named after its directory (`target`)."]
+    if s.kind.plain:
+        return lines
+    lines += ["", f"The DSpark drafter needs TensorRT-LLM >= {DSPARK_MIN_VERSION} (`DSparkDecodingConfig`): "
+              f"`decoding_type: DSpark` with `max_draft_len: {s.drafts}` (DeepSpec's block convention: every one of "
+              f"the {s.block_size} block positions drafts), `block_size`, `mask_token_id`, `target_layer_ids`, "
+              "`markov_rank`" + (" and `markov_head_type`" if s.kind.markov else " (0: no Markov head)")
+              + ". TensorRT-LLM runs the vanilla Markov head only."]
+    if s.kind.confidence:
+        lines += ["", "Confidence-scheduled verification is left out of the YAML. TensorRT-LLM "
+                  f">= {CONFIDENCE_SCHEDULING_VERSION} adds `enable_confidence_scheduling`, "
+                  "`confidence_cost_table_path`, `confidence_calibration_path` and `confidence_min_predicted_gain`: "
+                  "the cost table is whole-step times measured on the serving GPU by TensorRT-LLM's own profiler "
+                  "(its format has changed between releases) and the calibration file holds per-position "
+                  "temperatures fitted offline, so neither is written here; produce both with TensorRT-LLM's tools "
+                  "and add the four fields. Without them the drafter's confidence head is loaded and every step "
+                  "verifies the whole block (outputs are the same either way)."]
+    return lines
 
 
 TRTLLM = ServingFramework(

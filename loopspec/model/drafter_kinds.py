@@ -174,6 +174,32 @@ def _vllm_refusal(kind: DrafterKind) -> str | None:
     return None
 
 
+def _trtllm_refusal(kind: DrafterKind) -> str | None:
+    if kind.plain:
+        return None  # z-lab DFlash: decoding_type DFlash
+    if kind.convention is not DEEPSPEC_BLOCK:
+        return ("TensorRT-LLM's standalone DSpark drafter drafts from the anchor's own block position (DeepSpec's "
+                "block convention, its shift_label default), and this drafter's heads were trained in z-lab's "
+                "(position i drafts the token at anchor+i): TensorRT-LLM would draft one position off")
+    if kind.markov is not None and kind.markov.head_type != "vanilla":
+        return (f"TensorRT-LLM's standalone DSpark drafter implements the vanilla Markov head only (markov_w1, "
+                f"markov_w2), not this drafter's {kind.markov.head_type} head")
+    return None  # DeepSpec's convention: decoding_type DSpark (markov_rank 0 for a DeepSpec DFlash drafter)
+
+
+def _sglang_refusal(kind: DrafterKind) -> str | None:
+    if kind.plain:
+        return None  # z-lab DFlash: DFLASH
+    if kind.convention is not DEEPSPEC_BLOCK:
+        return ("SGLang's DSPARK reads block slot k as the draft of the token at anchor+k+1 (DeepSpec's block "
+                "convention), and this drafter's heads were trained in z-lab's (position i drafts the token at "
+                "anchor+i): SGLang would draft one position off")
+    if kind.markov is None:
+        return ("SGLang's DSPARK requires a Markov head (markov_rank > 0), and this drafter has none; its DFLASH "
+                "reads z-lab's block convention")
+    return None  # DSPARK, any of the three Markov heads
+
+
 def _llamacpp_refusal(kind: DrafterKind) -> str | None:
     if not kind.heads:
         if kind.convention is DEEPSPEC_BLOCK:  # draft-dflash drafts from block position 1; only draft-dspark from 0
@@ -192,4 +218,5 @@ def _llamacpp_refusal(kind: DrafterKind) -> str | None:
 
 
 # {framework: why it refuses a kind (None: it serves it)}; a framework not named here serves the plain kind only
-SERVING_RULES = {"vllm": _vllm_refusal, "llamacpp": _llamacpp_refusal}
+SERVING_RULES = {"trtllm": _trtllm_refusal, "vllm": _vllm_refusal, "sglang": _sglang_refusal,
+                 "llamacpp": _llamacpp_refusal}
