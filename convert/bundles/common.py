@@ -127,8 +127,9 @@ def launch_script(title: str, argv: list[str], settings: str = "") -> str:
 
 # Which framework supports what, declared once (README and docs/serving.md print it): loopspec's own
 # runtime, then each framework's row (ServingFramework.support)
-SUPPORT_COLUMNS = ("DFlash", "DLoop", "d2t reduced vocab", "FP8", "NVFP4", "tensor parallel")
-RUNTIME_SUPPORT = ("loopspec runtime", ("yes", "yes", "yes", "drafter (ONNX Runtime / TensorRT)",
+SUPPORT_COLUMNS = ("DFlash", "DSpark", "DLoop", "d2t reduced vocab", "FP8", "NVFP4", "tensor parallel")
+RUNTIME_SUPPORT = ("loopspec runtime", ("yes", "yes (every head and block convention)", "yes", "yes",
+                                        "drafter (ONNX Runtime / TensorRT)",
                                         "TensorRT on Blackwell", "no (one device)"))
 
 

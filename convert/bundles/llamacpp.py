@@ -70,7 +70,8 @@ def _manifest_entry(s: LaunchSettings) -> dict:
 
 LLAMACPP = ServingFramework(
     name="llamacpp", title=TITLE, target=GGUF_TARGET,
-    support=("yes (`--spec-type draft-dflash`)", "no", "yes (`d2t` + the draft's own `output` head)",
+    support=("yes (`--spec-type draft-dflash`)", "vanilla Markov head (`draft-dspark`)", "no",
+             "yes (`d2t` + the draft's own `output` head)",
              "no (the target's own GGUF quantization)", "no", "no (one process)"),
     launch_files=llamacpp_files, write_parts=_write_parts, readme_launch=_readme_launch, readme_uses=_readme_uses,
     reduced_vocab_line=_reduced_vocab_line, manifest_entry=_manifest_entry)

@@ -65,7 +65,8 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
 
 SGLANG = ServingFramework(
     name="sglang", title=TITLE, target=HF_TARGET,
-    support=("yes (`DFLASH`)", "no", "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
+    support=("yes (`DFLASH`)", "DeepSpec block convention, a Markov head required (`DSPARK`)", "no",
+             "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
              "yes (`--tp-size`)"),
     launch_files=sglang_files, readme_launch=_readme_launch,
     full_vocab_reason=("SGLang's DFLASH drafter has no lm_head of its own: it drafts with the target's lm_head over "

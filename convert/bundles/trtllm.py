@@ -105,7 +105,10 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
 
 TRTLLM = ServingFramework(
     name="trtllm", title=TITLE, target=HF_TARGET,
-    support=("yes (`DFlashDecodingConfig`)", "no", "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
+    support=("yes (`DFlashDecodingConfig`)",
+             "DeepSpec block convention, vanilla Markov head or none "
+             f"(`DSparkDecodingConfig`, >= {DSPARK_MIN_VERSION})",
+             "no", "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
              "yes (`tensor_parallel_size`)"),
     launch_files=trtllm_files, readme_launch=_readme_launch,
     # checked against TensorRT-LLM's source; see docs/serving.md

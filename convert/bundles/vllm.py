@@ -137,7 +137,9 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
 
 VLLM = ServingFramework(
     name="vllm", title=TITLE, target=HF_TARGET,
-    support=("yes (`method: dflash`)", "no", "yes (`draft_vocab_size` + `d2t`)", "yes (modelopt checkpoint)",
+    support=("yes (`method: dflash`)",
+             "DeepSpec block convention, vanilla Markov head (`method: dspark`, `enable_adaptive_verification`)",
+             "no", "yes (`draft_vocab_size` + `d2t`)", "yes (modelopt checkpoint)",
              "Blackwell only", "yes (`--tensor-parallel-size`)"),
     launch_files=vllm_files, readme_launch=_readme_launch, write_parts=_write_parts,
     reduced_vocab_line=_reduced_vocab_line,
