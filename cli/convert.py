@@ -166,8 +166,9 @@ STAGES = {
                  _add_quantize_args, cmd_quantize),
     "trt": ("build TensorRT plans from ONNX engines (needs TensorRT and an NVIDIA GPU)",
             _add_trt_args, cmd_trt),
-    "bundle": ("a TensorRT-LLM / vLLM / SGLang / llama.cpp serving bundle: z-lab drafter (a DSpark drafter: vLLM "
-               "and llama.cpp), HF target (or the drafter as a llama.cpp GGUF beside the target GGUF), launch files",
+    "bundle": ("a TensorRT-LLM / vLLM / SGLang / llama.cpp serving bundle: z-lab drafter (a DSpark drafter: "
+               "DeepSpec's layout, or a GGUF with its heads), HF target (or the drafter as a llama.cpp GGUF beside the "
+               "target GGUF), launch files",
                _add_bundle_args, cmd_bundle),
 }
 
