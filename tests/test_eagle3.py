@@ -15,7 +15,7 @@ from loopspec.cli import main
 from loopspec.decoding import SamplingParams
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter_kinds import require_exportable
+from loopspec.model.drafter_kinds import require_exportable, require_zlab_block
 from loopspec.model.eagle3 import Eagle3Drafter, fit_drafter, fresh_eagle3
 from loopspec.pair import load_pair
 from loopspec.runtime.decoder import generate
@@ -294,6 +294,8 @@ def test_exports_bundles_and_dloop_refuse_it_naming_the_kind(target_dir, tmp_pat
     pair = load_pair(target_dir, directory)
     with pytest.raises(LoopspecError, match="EAGLE-3"):
         require_exportable(pair.drafter.cfg.kind, "the ONNX / TensorRT export")
+    with pytest.raises(LoopspecError, match="quantization does not take EAGLE-3 drafters"):
+        require_zlab_block(pair.drafter.cfg, "quantization")
     with pytest.raises(LoopspecError, match="EAGLE-3") as e:
         build_bundle(target_dir, str(directory), tmp_path / "bundle", "vllm")
     assert "\n" not in str(e.value)
