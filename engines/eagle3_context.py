@@ -13,6 +13,11 @@ stage's first step and drafts the token at a+1) and keeps their K/V; its later s
 the state step i-1 returned, at a+i-2) attend to those and to each other and are dropped after it.
 Rolling a row back to length n drops its entries from n-1 on: the token after n-1 is the next
 stage's anchor, not yet known.
+
+DLoop: a later stage appends the stage's own states (`append`: the state that drafted p+1 at p)
+and starts from its last draft; its pending entries pair those states with the stage's drafts,
+which the stage left in `tokens` past the anchor (slots the next verification overwrites), so it
+runs on exactly as one longer stage would.
 """
 
 from __future__ import annotations
@@ -127,6 +132,8 @@ class Eagle3Context:
             logits.append(z)
             index = sampler.choose(z) if sampler is not None else z.argmax(-1)
             token = self.draft_ids[index.to(dev)] if self.draft_ids is not None else index.to(dev)
+            if i < D:  # the drafts past the anchor, for a later stage's entries (DLoop's pseudo-context)
+                self.tokens[rows, lengths + i] = token.cpu()
             if i == D:
                 break
             past_k, past_v, mask = self._attend(rows, int(lengths.max()), seen, 1, None)

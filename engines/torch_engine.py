@@ -147,8 +147,9 @@ class TorchEngine:
 
     @torch.inference_mode()
     def append_pseudo_context(self, rows: list[int], hidden: torch.Tensor) -> None:
-        if not self.drafter_cfg.kind.loops:
-            raise LoopspecError(f"DLoop's later stages do not run over an {self.drafter_cfg.kind.title} drafter yet")
+        if self.chain:  # the drafter's own states, as its later steps take them (no fc)
+            self.context.append(rows, hidden, [hidden.shape[1]] * len(rows))
+            return
         self._append_context(rows, hidden, [hidden.shape[1]] * len(rows))
 
     def _append_context(self, rows: list[int], features: torch.Tensor, counts: list[int]) -> None:

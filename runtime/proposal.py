@@ -219,9 +219,6 @@ def check_engine_runs(engine: Engine, settings: DecodingSettings) -> None:
         raise LoopspecError(f"this engine verifies chains exactly, not trees ({why}): "
                             "use --tree-budget 0 --no-suffix, or --method suffix")
     drafts = settings.uses_drafter and engine.has_drafter
-    if drafts and settings.max_stages > 1 and not engine.drafter_cfg.kind.loops:
-        raise LoopspecError(f"DLoop's later stages do not run over an {engine.drafter_cfg.kind.title} drafter yet: "
-                            "use --method dflash (one stage of block_size - 1 drafts a round)")
     if drafts and settings.suffix_then_draft and not engine.drafter_cfg.kind.drafts_past_a_gap:
         raise LoopspecError(f"an {engine.drafter_cfg.kind.title} drafter drafts from the end of its context only: "
                             "drop --suffix-then-draft")

@@ -11,7 +11,7 @@ block graph adds, whether loop-aware training runs it, and which serving framewo
 Runtime backends: the torch engine, the fp32 ONNX Runtime / TensorRT drafter graphs and training run
 every block kind; a quantized drafter graph (FP8 / NVFP4), whose calibration and export run z-lab's
 block, takes the plain z-lab DFlash kind only (`require_zlab_block`). An EAGLE-3 drafter (a chain
-kind) runs on the torch engine only, one stage a round (`require_exportable`, `loops`).
+kind) runs on the torch engine only (`require_exportable`).
 """
 
 from __future__ import annotations
@@ -138,11 +138,6 @@ class DrafterKind:
     @property
     def masks_block(self) -> bool:
         """Its stages fill the block after the anchor with a mask token (DFlash, DSpark)."""
-        return not self.chain
-
-    @property
-    def loops(self) -> bool:
-        """DLoop's later stages run over it (its own states as pseudo-context): not yet for a chain kind."""
         return not self.chain
 
     @property
