@@ -1,8 +1,9 @@
 """EAGLE-3 drafters (SpecForge's checkpoint layout, as vLLM loads it): a checkpoint written here under
 SpecForge's tensor names loads, and its stage equals an fp64 reference forward written here from the
 format's description over the taps of transformers' own forward of the target (planted bugs make that
-comparison fail); bad checkpoints are refused in one line; and with a drafter trained here to agree
-with the target, dflash commits plain decoding's tokens (greedy, batched, and seeded at T = 1)."""
+comparison fail); bad checkpoints are refused in one line; DLoop's stages run on as one longer stage;
+and with a drafter trained here to agree with the target, dflash and dloop commit plain decoding's
+tokens (greedy, batched, and seeded at T = 1)."""
 
 import json
 
@@ -287,7 +288,7 @@ def test_bad_checkpoints_are_refused_in_one_line(target_dir, tmp_path, capsys):
         assert code == 2 and len(lines) == 1 and words in lines[0], (name, lines)
 
 
-def test_exports_bundles_and_dloop_refuse_it_naming_the_kind(target_dir, tmp_path):
+def test_exports_bundles_and_a_stage_past_the_context_refuse_it_naming_the_kind(target_dir, tmp_path):
     from loopspec.convert.bundles import build_bundle
 
     directory, _ = eagle3_checkpoint(tmp_path / "eagle3")
@@ -300,9 +301,9 @@ def test_exports_bundles_and_dloop_refuse_it_naming_the_kind(target_dir, tmp_pat
         build_bundle(target_dir, str(directory), tmp_path / "bundle", "vllm")
     assert "\n" not in str(e.value)
     engine = TorchEngine(pair.target, pair.drafter, max_context=64)
-    with pytest.raises(LoopspecError, match="DLoop.*EAGLE-3"):
-        check_engine_runs(engine, Method("dloop", block_size=BLOCK, max_stages=3))
-    check_engine_runs(engine, Method("dflash", block_size=BLOCK, tree_budget=6))
+    with pytest.raises(LoopspecError, match="EAGLE-3.*--suffix-then-draft"):
+        check_engine_runs(engine, Method("dflash", block_size=BLOCK, suffix_first=2, suffix_then_draft=True))
+    check_engine_runs(engine, Method("dloop", block_size=BLOCK, max_stages=3, tree_budget=6))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -385,8 +386,32 @@ def engine(target_dir):
     return TorchEngine(target, agreeing_eagle3(target, PROMPTS, also=sampled), max_context=128)
 
 
+def test_dloop_stages_run_on_as_one_longer_stage(target_dir, tmp_path):
+    """DLoop over an EAGLE-3 drafter: the next stage's context is the stage's own states paired with
+    its drafts, so two stages of k draft what one stage of 2k - 1 drafts; the round leaves the
+    context as it found it."""
+    from loopspec.runtime.proposal import draft_round
+
+    directory, _ = eagle3_checkpoint(tmp_path / "eagle3")
+    target, drafter = fp64_pair(target_dir, directory)
+    looped, single = TorchEngine(target, drafter, max_context=64), TorchEngine(target, drafter, max_context=64)
+    for engine in (looped, single):
+        engine.prefill(0, PROMPT, want_taps=True)
+    settings = Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-1e9)
+    drafted = draft_round(looped, settings, [ANCHOR], [len(PROMPT)], [3 * (BLOCK - 1)])[0]
+    assert drafted.stage_sizes == [BLOCK - 1] * 3 and looped.context_lengths([0]) == [len(PROMPT)]
+    drafts, logprobs, _ = single.draft([0], [ANCHOR], [len(PROMPT)], 3 * (BLOCK - 1) + 1)
+    assert torch.equal(drafted.candidates, drafts[0])
+    assert torch.allclose(drafted.logprobs, logprobs[0], atol=1e-6)
+    again = draft_round(looped, settings, [ANCHOR], [len(PROMPT)], [3 * (BLOCK - 1)])[0]  # the same round again
+    assert torch.equal(again.candidates, drafted.candidates)
+
+
 @pytest.mark.parametrize("settings", [Method("dflash", block_size=BLOCK),
-                                      Method("dflash", block_size=BLOCK, tree_budget=8)])
+                                      Method("dflash", block_size=BLOCK, tree_budget=8),
+                                      Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0),
+                                      Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0,
+                                             tree_budget=10)])
 def test_greedy_dflash_with_an_eagle3_drafter_commits_plain_decodings_tokens(settings, engine):
     accepted = 0
     for p in PROMPTS:
@@ -446,7 +471,9 @@ def test_cli_generates_with_an_eagle3_drafter_what_ar_does(target_dir, tmp_path,
     auto = [a for a in base if a not in ("--backend", "torch")]  # 'auto' takes the torch engine for it
     assert main(auto + ["--method", "dflash", "--block-size", str(BLOCK)]) == 0
     assert capsys.readouterr().out == texts["ar"]
-    assert main(base + ["--method", "dloop"]) == 2
+    assert main(base + ["--method", "dloop", "--block-size", str(BLOCK)]) == 0
+    assert capsys.readouterr().out == texts["ar"]
+    assert main(base + ["--method", "dflash", "--suffix-first", "2", "--suffix-then-draft"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "EAGLE-3" in err[0]
 
