@@ -440,6 +440,23 @@ def test_seeded_walk_at_temperature_one_equals_plain_sampling(engine):
         generate(engine, PROMPTS[0], Method(), max_new_tokens=30, params=T1, seed=SEEDS[0]).tokens
 
 
+def test_drafts_sampled_from_q_reproduce_their_seed_batched(engine):
+    """--draft-sampling drafter: each step's draft is sampled from the drafter's q (its own warped
+    distribution) with the row's generator; a row batched commits what it commits alone."""
+    from loopspec.runtime.decoder import Decoder, decode_all
+
+    settings = Method("dflash", block_size=BLOCK, draft_sampling="drafter")
+    params = [T1, SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
+    alone = [generate(engine, p, settings, max_new_tokens=24, params=q, seed=s)
+             for p, q, s in zip(PROMPTS, params, SEEDS)]
+    done = decode_all(Decoder(engine.with_rows(3), settings),
+                      [dict(key=i, prompt_ids=p, max_new_tokens=24, params=q, seed=s)
+                       for i, (p, q, s) in enumerate(zip(PROMPTS, params, SEEDS))])
+    assert [done[i].tokens for i in range(3)] == [r.tokens for r in alone]
+    assert alone[2].tokens == generate(engine, PROMPTS[2], Method(), max_new_tokens=24).tokens  # greedy row: ar's
+    assert accepted_drafts(alone) > 0
+
+
 def test_context_kept_across_rounds_drafts_as_a_fresh_prefill(engine):
     """After rounds of verification (the pending entries run at each stage), a stage drafts what a
     row prefilled with the whole committed text drafts."""
