@@ -51,6 +51,7 @@ from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONT
                                     TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.model.drafter import DraftHeads, Drafter, draft_head_weight, draft_stage
+from loopspec.model.drafter_kinds import require_exportable
 from loopspec.model.families import export_refusal
 from loopspec.model.target import Target
 
@@ -478,6 +479,8 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     described by `extra_settings` in the manifest; `draft_drafter` and `draft_head` likewise what the
     drafter engines compute instead of `drafter` and its rows of `target`'s lm_head (the embedding
     stays `target`'s fp32 one)."""
+    if drafter is not None:
+        require_exportable(drafter.cfg.kind, "the ONNX / TensorRT export")
     import onnx  # noqa: F401  (fail early, with the extra to install)
 
     refusal = export_refusal(target.cfg, "ONNX")

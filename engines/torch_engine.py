@@ -4,7 +4,9 @@ The engine owns the target's KV cache and the drafter's context cache, one `KVCa
 `max_rows` rows. The models may sit on a CUDA device: decision tensors (logits, drafts, log-probs)
 come back on the CPU, features (taps, hidden states) stay on the device. With `cuda_graphs`,
 verifications and stages of rows 0..R-1 (one request or a batch, chains or trees) replay captured
-forwards (engines/cuda_graphs.py); prefill and calls no bucket holds run eagerly.
+forwards (engines/cuda_graphs.py); prefill and calls no bucket holds run eagerly. An EAGLE-3
+drafter (a chain kind) keeps its context in an `Eagle3Context` (engines/eagle3_context.py), which
+also follows the target's tokens, and drafts its stages step by step; it runs without CUDA graphs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from loopspec.errors import LoopspecError
 from loopspec.decoding import DraftSampler
+from loopspec.engines.eagle3_context import Eagle3Context
 from loopspec.model.drafter import Drafter, StageDrafts, draft_head_weight, draft_stage, sample_stage
 from loopspec.model.families import target_family
 from loopspec.model.target import Target, inference_linear, pack_linears_for_cpu_
@@ -35,6 +38,11 @@ class TorchEngine:
             raise LoopspecError(f"CUDA graphs replay fixed forwards over the whole cache; a {target.cfg.family} target "
                                 "routes its tokens, steps a recurrent state or keeps a window ring on the host: "
                                 "run it without --cuda-graphs")
+        # a chain drafter (EAGLE-3) drafts token by token over its own context (Eagle3Context)
+        self.chain = drafter is not None and drafter.cfg.kind.chain
+        if cuda_graphs and self.chain:
+            raise LoopspecError(f"CUDA graphs replay block stages; an {drafter.cfg.kind.title} drafter drafts step "
+                                "by step: run it without --cuda-graphs")
         # a recurrent state follows one path: draft trees are not verified on such a target (chains are)
         self.chains_only = not target_family(target.cfg.family).trees
         # inference copies of the weights prepacked for oneDNN (the modules are shared, not copied)
@@ -51,10 +59,11 @@ class TorchEngine:
         self.device = target.embed_tokens.weight.device
         dtype = target.embed_tokens.weight.dtype
         self.precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
-        # a reduced draft vocabulary drafts over its rows of the target's lm_head only (cheaper stage)
+        # a reduced draft vocabulary drafts over its rows of the target's lm_head only (cheaper stage);
+        # an EAGLE-3 drafter has its own lm_head over its draft rows
         self.draft_ids = drafter.draft_ids.to(self.device) if drafter is not None and drafter.draft_ids is not None else None
         self.draft_head = (inference_linear(draft_head_weight(target.lm_head.weight, self.draft_ids))
-                           if self.draft_ids is not None else self.target.lm_head)
+                           if self.draft_ids is not None and not self.chain else self.target.lm_head)
         self.cuda_graphs = cuda_graphs
         self._new_caches(max_rows)
 
@@ -63,7 +72,11 @@ class TorchEngine:
             raise LoopspecError(f"max batch size must be >= 1, got {max_rows}")
         self.max_rows = max_rows
         self.cache = self.target.new_cache(self.max_context, max_rows)
-        self.context = self.drafter.new_context(self.max_context, max_rows) if self.drafter is not None else None
+        if self.chain:
+            embed = self.drafter.embed_tokens if self.drafter.embed_tokens is not None else self.target.embed_tokens
+            self.context = Eagle3Context(self.drafter, embed, max_rows, self.max_context)
+        else:
+            self.context = self.drafter.new_context(self.max_context, max_rows) if self.drafter is not None else None
         self.graphs = self._static_runner() if self.cuda_graphs else None
 
     def _static_runner(self):
@@ -87,7 +100,12 @@ class TorchEngine:
         self.cache.lengths[row] = start
         out = self.target(torch.tensor([prompt_ids], device=self.device), self.cache, want_taps=want_taps,
                           last_logits_only=True, first_row=row)
-        if want_taps:
+        if self.chain:
+            self.context.wrote(row, start, prompt_ids)
+        if want_taps and self.chain:
+            self.context.restart(row, start)
+            self.context.append([row], self.drafter.fuse(out.taps), [len(prompt_ids)])
+        elif want_taps:
             self.context.lengths[row] = start
             self._append_context([row], self.drafter.features(out.taps), [len(prompt_ids)])
         return out.logits[0, -1].float().cpu()
@@ -105,6 +123,9 @@ class TorchEngine:
         for b, t in enumerate(tokens):
             ids[b, :len(t)] = torch.tensor(t)
         counts = torch.tensor([len(t) for t in tokens])
+        if self.chain:  # the tokens at the slots the target stores them in, for the drafter's entries
+            for b, t in enumerate(tokens):
+                self.context.wrote(b, int(self.cache.lengths[b]), t)
         out = self.target(ids.to(self.device), self.cache, want_taps=want_taps, counts=counts, tree_mask=tree_masks)
         return out.logits.float().cpu(), out.taps
 
@@ -113,14 +134,22 @@ class TorchEngine:
 
     def target_commit(self, starts: list[int], kept: list[list[int]]) -> None:
         self.cache.commit(starts, kept)
+        if self.chain:
+            self.context.commit(starts, kept)
 
     # ---- drafter context -------------------------------------------------------------------------
     @torch.inference_mode()
     def append_context(self, taps: torch.Tensor, counts: list[int]) -> None:
+        if self.chain:
+            self.context.append(list(range(taps.shape[0])), self.drafter.fuse(taps), counts)
+            return
         self._append_context(list(range(taps.shape[0])), self.drafter.features(taps), counts)
 
     @torch.inference_mode()
     def append_pseudo_context(self, rows: list[int], hidden: torch.Tensor) -> None:
+        if self.chain:  # the drafter's own states, as its later steps take them (no fc)
+            self.context.append(rows, hidden, [hidden.shape[1]] * len(rows))
+            return
         self._append_context(rows, hidden, [hidden.shape[1]] * len(rows))
 
     def _append_context(self, rows: list[int], features: torch.Tensor, counts: list[int]) -> None:
@@ -144,6 +173,8 @@ class TorchEngine:
             replayed = self.graphs.draft(rows, anchors, positions, block_size)
             if replayed is not None:
                 return replayed
+        if self.chain:
+            return self.context.draft(rows, anchors, positions, block_size, sampling, self.target_cfg.vocab_size)
         R, k = len(rows), block_size
         lengths = self.context.lengths[rows]  # [R]
         width = int(lengths.max())

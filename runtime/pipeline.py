@@ -14,6 +14,7 @@ import torch
 from loopspec.decoding import SamplingParams
 from loopspec.errors import InvalidValue, LoopspecError
 from loopspec.model.drafter import Drafter
+from loopspec.model.eagle3 import is_eagle3_dir
 from loopspec.model.families import export_refusal
 from loopspec.model.target import Target
 from loopspec.pair import load_pair, stop_token_ids
@@ -274,8 +275,13 @@ class EngineChoice:
             self._fit_backend_to_target(chosen)
 
     def _fit_backend_to_target(self, chosen: bool) -> None:
-        """The exported engines build dense full-attention targets only: 'auto' picks PyTorch for the
-        other families; an explicit exported backend is refused in one line (loopspec.model.families)."""
+        """The exported engines build dense full-attention targets and block drafters only: 'auto' picks
+        PyTorch for the other families and for an EAGLE-3 drafter; an explicit exported backend is
+        refused in one line (loopspec.model.families, loopspec.model.drafter_kinds)."""
+        if chosen and self.backend != "torch" and self.drafter not in (None, "none", "default") \
+                and is_eagle3_dir(self.drafter):  # an EAGLE-3 drafter runs on the torch engine only
+            object.__setattr__(self, "backend", "torch")
+            return
         cfg = self.target.config()
         refusal = None if cfg is None or self.backend == "torch" else export_refusal(cfg, self.backend)
         if refusal is None:

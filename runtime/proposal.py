@@ -218,6 +218,10 @@ def check_engine_runs(engine: Engine, settings: DecodingSettings) -> None:
                if target.linear_attention is not None else f"its arithmetic is not order-exact: {engine.precision}")
         raise LoopspecError(f"this engine verifies chains exactly, not trees ({why}): "
                             "use --tree-budget 0 --no-suffix, or --method suffix")
+    drafts = settings.uses_drafter and engine.has_drafter
+    if drafts and settings.suffix_then_draft and not engine.drafter_cfg.kind.drafts_past_a_gap:
+        raise LoopspecError(f"an {engine.drafter_cfg.kind.title} drafter drafts from the end of its context only: "
+                            "drop --suffix-then-draft")
     if settings.gate == "confidence" and not (engine.has_drafter and engine.drafter_cfg.kind.estimates_acceptance):
         raise LoopspecError("the confidence gate needs a drafter with a confidence head (a DSpark drafter); "
                             "use --gate logprob")

@@ -46,8 +46,9 @@ from loopspec.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET_MASK_TOKEN_ID
 from loopspec.engines.llamacpp import gguf_target_info
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, check_fits, resolve_mask_token_id
+from loopspec.model.drafter import check_fits, resolve_mask_token_id
 from loopspec.model.drafter_kinds import DrafterKind
+from loopspec.model.eagle3 import load_drafter
 from loopspec.model.families import target_config
 from loopspec.precisions import precision_names
 from loopspec.weights import TargetSource, file_sha256, load_tokenizer, read_json, target_fingerprint
@@ -94,7 +95,7 @@ def build_bundle(target: str | Path | TargetSource, drafter: str, out_dir: str |
     out = check_out_dir(out_dir, "manifest.json", "a bundle")
 
     drafter_dir = _resolve_drafter(drafter, source)
-    model = Drafter.load(drafter_dir)
+    model = load_drafter(drafter_dir)  # an EAGLE-3 drafter is refused below, naming its kind
     cfg = model.cfg
     chosen = [FRAMEWORKS[name] for name in frameworks_for(cfg.kind, names, every)]  # where its heads run
     _check_hf_only_options([f.name for f in chosen], tp, precision)

@@ -1,15 +1,17 @@
 """Drafter kinds: what a drafter is, stated once, for every layer that must treat kinds differently.
 
-A drafter's kind is its family (DFlash, or DSpark: a DFlash drafter with heads after the lm_head),
-its block convention (which block outputs are drafts) and its heads. `DrafterConfig.kind` looks it up
+A drafter's kind is its family (DFlash, DSpark: a DFlash drafter with heads after the lm_head, or
+EAGLE-3: one decoder layer that drafts a chain token by token), its block convention (which block
+outputs are drafts) and its heads. `DrafterConfig.kind` looks it up
 (`drafter_kind`); the config fields it is read from (`KIND_FIELDS`) are read inside loopspec/model
 only, and every other layer asks the kind record: how many drafts a block gives, what the exported
 block graph adds, whether loop-aware training runs it, and which serving framework takes it
 (`unsupported_in`, with the one-line reason of one that does not).
 
 Runtime backends: the torch engine, the fp32 ONNX Runtime / TensorRT drafter graphs and training run
-every kind; a quantized drafter graph (FP8 / NVFP4), whose calibration and export run z-lab's block,
-takes the plain z-lab DFlash kind only (`require_zlab_block`).
+every block kind; a quantized drafter graph (FP8 / NVFP4), whose calibration and export run z-lab's
+block, takes the plain z-lab DFlash kind only (`require_zlab_block`). An EAGLE-3 drafter (a chain
+kind) runs on the torch engine only (`require_exportable`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from loopspec.errors import LoopspecError
 
 ARCHITECTURE = "DFlashDraftModel"
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"  # DeepSpec's DSpark drafters, and its DFlash ones (markov_rank 0)
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # SpecForge's EAGLE-3 drafters, as vLLM and SGLang load them
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 # DrafterConfig's fields (and the property) that decide a drafter's kind: only loopspec/model reads
@@ -46,6 +49,9 @@ class BlockConvention:
 ZLAB_BLOCK = BlockConvention("z-lab", "z-lab's", 1, ARCHITECTURE)
 # DeepSpec's: every block position i (0..k-1) drafts the token at a+i+1 (k drafts)
 DEEPSPEC_BLOCK = BlockConvention("deepspec", "DeepSpec's", 0, DEEPSPEC_ARCHITECTURE)
+# EAGLE-3's chain: a stage of k runs k-1 drafter steps from the anchor, step i drafting the token at
+# a+i (the stage's state i, i >= 1, is the one that drafted it)
+EAGLE3_CHAIN = BlockConvention("eagle3", "EAGLE-3's", 1, EAGLE3_ARCHITECTURE)
 
 
 @dataclass(frozen=True)
@@ -68,11 +74,14 @@ class DrafterKind:
     """One drafter kind. The registry (`DRAFTER_KINDS`) holds each family with its defaults; the
     lookup fills in the drafter's block convention and heads."""
 
-    name: str  # "dflash" | "dspark"
+    name: str  # "dflash" | "dspark" | "eagle3"
     family: str  # its name in prose
     convention: BlockConvention = ZLAB_BLOCK
     markov: MarkovHeadKind | None = None
     confidence: ConfidenceHeadKind | None = None
+    # drafts autoregressively, one drafter step per draft, over a context of (token, fused taps)
+    # pairs (EAGLE-3); False: one forward drafts a whole block of [anchor, MASK…] (DFlash, DSpark)
+    chain: bool = False
 
     @property
     def heads(self) -> tuple[str, ...]:
@@ -87,6 +96,8 @@ class DrafterKind:
     @property
     def title(self) -> str:
         """What it is, in a few words: its heads and its block convention."""
+        if self.chain:
+            return self.family
         if not self.heads:
             return "DeepSpec DFlash" if self.convention is DEEPSPEC_BLOCK else "z-lab DFlash"
         heads = [f"{self.markov.head_type} Markov head of rank {self.markov.rank}"] if self.markov else []
@@ -117,10 +128,35 @@ class DrafterKind:
     def trains_loop_aware(self) -> bool:
         """Loop-aware training (DLoop's later stages) runs it: a Markov chain's later stage would start
         from a drafted anchor the training data does not hold, so a Markov head rules it out."""
-        return self.markov is None
+        return self.markov is None and not self.chain
+
+    @property
+    def trains(self) -> bool:
+        """loopspec's trainer (loopspec/train) trains it: the block kinds."""
+        return not self.chain
+
+    @property
+    def masks_block(self) -> bool:
+        """Its stages fill the block after the anchor with a mask token (DFlash, DSpark)."""
+        return not self.chain
+
+    @property
+    def drafts_past_a_gap(self) -> bool:
+        """A stage may start past the end of its row's context (the chain policy's copy drafted on):
+        a block stage attends to the context wherever it ends; a chain drafter's first step is the
+        context's next entry, whose token must follow it."""
+        return not self.chain
+
+    @property
+    def exports(self) -> bool:
+        """The ONNX / TensorRT drafter graphs and quantization run it: the block kinds."""
+        return not self.chain
 
     def unsupported_in(self, framework: str, title: str) -> str | None:
         """Why the serving framework `framework` (`title` in prose) cannot serve this kind (None: it can)."""
+        if self.chain:
+            return (f"the {title} bundle does not carry {self.family} drafters: an {self.family} drafter runs on "
+                    "loopspec's torch backend only")
         rule = SERVING_RULES.get(framework)
         if rule is not None:
             return rule(self)
@@ -130,7 +166,8 @@ class DrafterKind:
                 "positions 1.., no head after the lm_head)")
 
 
-DRAFTER_KINDS = {kind.name: kind for kind in (DrafterKind("dflash", "DFlash"), DrafterKind("dspark", "DSpark"))}
+DRAFTER_KINDS = {kind.name: kind for kind in (DrafterKind("dflash", "DFlash"), DrafterKind("dspark", "DSpark"),
+                                               DrafterKind("eagle3", "EAGLE-3", EAGLE3_CHAIN, chain=True))}
 
 
 def drafter_kind(cfg) -> DrafterKind:
@@ -146,11 +183,19 @@ def require_zlab_block(cfg, what: str) -> None:
     """Refuse a drafter of DeepSpec's block convention or with DSpark heads where only the z-lab
     block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented (quantized
     drafter graphs). The torch engine, the fp32 ONNX / TensorRT drafter graphs and training run both
-    conventions and the DSpark heads."""
-    kind = drafter_kind(cfg)
+    conventions and the DSpark heads (an EAGLE-3 drafter: the torch engine only)."""
+    kind = cfg.kind
+    require_exportable(kind, what)
     if not kind.plain:
         raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {kind.title} drafter; "
                             "decode it with --backend torch or onnxruntime")
+
+
+def require_exportable(kind: DrafterKind, what: str) -> None:
+    """Refuse, in one line naming the kind, a drafter whose graphs `what` (an export) does not build."""
+    if not kind.exports:
+        raise LoopspecError(f"{what} does not take {kind.title} drafters yet: an {kind.title} drafter runs on "
+                            "--backend torch only")
 
 
 # --------------------------------------------------------------------------------------------------

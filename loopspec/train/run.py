@@ -45,6 +45,9 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
                             f"the target's vocabulary of {target.cfg.vocab_size}")
     if block_size is not None and block_size < 2:
         raise LoopspecError(f"block size must be at least 2, got {block_size}")
+    if pair.drafter is not None and not pair.drafter.cfg.kind.trains:
+        raise LoopspecError(f"loopspec train does not train {pair.drafter.cfg.kind.title} drafters yet (--init): "
+                            "it trains DFlash and DSpark drafters")
     if pair.drafter is not None:
         drafter = pair.drafter
         if num_layers is not None and num_layers != drafter.cfg.num_layers:

@@ -1,0 +1,155 @@
+"""The torch engine's drafter context for an EAGLE-3 drafter (loopspec/model/eagle3.py), per row.
+
+An EAGLE-3 context entry pairs the target's fused taps at position p with the token at p+1, and its
+K/V need both. So a row keeps three things, each with its own length:
+- `states` [rows, max, H]: the fused taps of every position the decoder appended (`lengths`);
+- `tokens` [rows, max]: the tokens at every position the target holds, as prefill and verify wrote
+  them and the commit moved them (the target's KV cache's own layout, so trees need nothing more);
+- `kv` (a one-layer KVCache): the K/V of the entries already run. An entry is run when its next
+  token is known: at the next stage, whose anchor is the token after the last appended position.
+
+A stage (`draft`) first runs a row's pending entries (the last one, (anchor, taps at a-1), is the
+stage's first step and drafts the token at a+1) and keeps their K/V; its later steps (draft i-1 and
+the state step i-1 returned, at a+i-2) attend to those and to each other and are dropped after it.
+Rolling a row back to length n drops its entries from n-1 on: the token after n-1 is the next
+stage's anchor, not yet known.
+
+DLoop: a later stage appends the stage's own states (`append`: the state that drafted p+1 at p)
+and starts from its last draft; its pending entries pair those states with the stage's drafts,
+which the stage left in `tokens` past the anchor (slots the next verification overwrites), so it
+runs on exactly as one longer stage would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loopspec.decoding import DraftSampler
+from loopspec.errors import LoopspecError
+from loopspec.model.drafter import StageDrafts, draft_candidates
+from loopspec.model.eagle3 import Eagle3Drafter
+from loopspec.model.kv_cache import KVCache
+
+
+class Eagle3Context:
+    def __init__(self, drafter: Eagle3Drafter, embed, rows: int, max_length: int):
+        cfg, p = drafter.cfg, drafter.norm.weight
+        self.drafter, self.embed, self.max_length = drafter, embed, max_length
+        self.draft_ids = drafter.draft_ids.to(p.device) if drafter.draft_ids is not None else None
+        self.states = torch.zeros(rows, max_length, cfg.hidden_size, dtype=p.dtype, device=p.device)
+        self.tokens = torch.zeros(rows, max_length + 1, dtype=torch.long)
+        self.lengths = torch.zeros(rows, dtype=torch.long)
+        self.kv = KVCache(1, rows, cfg.num_kv_heads, max_length, cfg.head_dim, dtype=p.dtype, device=p.device)
+
+    # ---- the target's tokens ---------------------------------------------------------------------
+    def wrote(self, row: int, start: int, tokens: list[int]) -> None:
+        """The target stored `tokens` at slots start.. of `row` (a prefill, or a verification's)."""
+        self.tokens[row, start:start + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+
+    def commit(self, starts: list[int], kept: list[list[int]]) -> None:
+        """As the target's cache commits: offsets kept[b] of the tokens from starts[b] move into place."""
+        for b, (start, offsets) in enumerate(zip(starts, kept)):
+            if offsets != list(range(len(offsets))):
+                self.tokens[b, start:start + len(offsets)] = self.tokens[b, torch.tensor(offsets) + start]
+
+    # ---- the context -----------------------------------------------------------------------------
+    def append(self, rows: list[int], states: torch.Tensor, counts: list[int]) -> None:
+        """`rows` append the first counts[i] fused states [R, T, H] at their lengths."""
+        for i, (row, n) in enumerate(zip(rows, counts)):
+            start = int(self.lengths[row])
+            if start + n > self.max_length:
+                raise LoopspecError(f"sequence of {start + n} exceeds the context of {self.max_length}")
+            self.states[row, start:start + n] = states[i, :n].to(self.states.dtype)
+            self.lengths[row] = start + n
+
+    def restart(self, row: int, start: int) -> None:
+        """`row` starts over at `start` (a prefill: 0, or the prompt positions its earlier chunks hold)."""
+        self.lengths[row] = start
+        self.kv.lengths[row] = min(int(self.kv.lengths[row]), max(start - 1, 0))
+
+    def rollback(self, lengths: list[int], rows: list[int]) -> None:
+        """Rows `rows` keep their first lengths[i] positions (as KVCache.rollback)."""
+        for row, n in zip(rows, lengths):
+            if not 0 <= n <= int(self.lengths[row]):
+                raise ValueError(f"cannot roll row {row} of length {int(self.lengths[row])} to {n}")
+            self.lengths[row] = n
+            self.kv.lengths[row] = min(int(self.kv.lengths[row]), max(n - 1, 0))
+
+    def swap_rows(self, a: int, b: int) -> None:
+        pair = [b, a]
+        self.states[[a, b]] = self.states[pair]
+        self.tokens[[a, b]] = self.tokens[pair]
+        self.lengths[[a, b]] = self.lengths[pair]
+        self.kv.swap_rows(a, b)
+
+    # ---- drafting --------------------------------------------------------------------------------
+    def _attend(self, rows: list[int], width: int, seen: torch.Tensor, T: int, causal: torch.Tensor | None):
+        """The cached K/V of `rows` (their first `width` slots) and the mask of T queries over them
+        and the new keys: cached slot j seen where seen[r, j], new key t' by query t where causal[t, t']."""
+        past_k, past_v = self.kv.prefix(rows, width)
+        new = torch.ones(T, T, dtype=torch.bool) if causal is None else causal
+        mask = torch.cat([seen[:, None, :].expand(-1, T, -1), new[None].expand(len(rows), -1, -1)], dim=-1)
+        return past_k[0], past_v[0], mask[:, None].to(past_k.device)
+
+    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
+              sampling: list | None, vocab_size: int) -> StageDrafts:
+        drafter, dev = self.drafter, self.states.device
+        R, D = len(rows), block_size - 1
+        lengths = self.lengths[rows]
+        if positions != lengths.tolist():
+            raise LoopspecError("an EAGLE-3 stage starts right after its row's context (anchor at the context's "
+                                f"length): positions {positions}, context lengths {lengths.tolist()}")
+        if bool((lengths < 1).any()):
+            raise LoopspecError("an EAGLE-3 stage needs the target's taps of at least one position before the anchor")
+        # step 1: each row's pending entries, the last one (anchor, taps at a-1) drafting a+1
+        done = torch.minimum(self.kv.lengths[rows], lengths - 1)  # the last entry waits for its anchor
+        self.kv.lengths[rows] = done
+        pending = lengths - done  # >= 1
+        T = int(pending.max())
+        ids = torch.zeros(R, T, dtype=torch.long)
+        states = torch.zeros(R, T, self.states.shape[-1], dtype=self.states.dtype, device=dev)
+        for i, row in enumerate(rows):
+            first, n = int(done[i]), int(pending[i])
+            ids[i, :n] = self.tokens[row, first + 1:first + n + 1]
+            ids[i, n - 1] = anchors[i]  # the token after the last context position
+            states[i, :n] = self.states[row, first:first + n]
+        pos = done[:, None] + torch.arange(T)[None, :]
+        width = int(done.max())
+        seen = torch.arange(width)[None, :] < done[:, None]
+        past_k, past_v, mask = self._attend(rows, width, seen, T, torch.tril(torch.ones(T, T, dtype=torch.bool)))
+        out, k, v = drafter(self.embed(ids.to(dev)), states, pos.clamp_max(self.max_length - 1).to(dev),
+                            past_k, past_v, mask)
+        self.kv.append(k[None], v[None], rows, pending)
+        last = out[torch.arange(R), pending - 1]  # [R, H]
+        hidden = [states[torch.arange(R), pending - 1], last]  # the stage's states 0 (fused taps at a-1), 1..
+        sampler = DraftSampler(sampling, vocab_size, self.draft_ids) if sampling is not None else None
+        logits = []
+        # steps i + 1 = 2..D: (draft i, state i) at a+i-1 over the row's entries and the steps before
+        seen = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+        step_k, step_v = [], []
+        for i in range(1, D + 1):
+            z = drafter.logits(last)  # [R, Vd]
+            logits.append(z)
+            index = sampler.choose(z) if sampler is not None else z.argmax(-1)
+            token = self.draft_ids[index.to(dev)] if self.draft_ids is not None else index.to(dev)
+            if i < D:  # the drafts past the anchor, for a later stage's entries (DLoop's pseudo-context)
+                self.tokens[rows, lengths + i] = token.cpu()
+            if i == D:
+                break
+            past_k, past_v, mask = self._attend(rows, int(lengths.max()), seen, 1, None)
+            if step_k:
+                past_k, past_v = torch.cat([past_k] + step_k, dim=2), torch.cat([past_v] + step_v, dim=2)
+                mask = torch.cat([mask[..., :seen.shape[1]], torch.ones(R, 1, 1, len(step_k), dtype=torch.bool,
+                                                                         device=mask.device), mask[..., seen.shape[1]:]], -1)
+            out, k, v = drafter(self.embed(token[:, None]), last[:, None],
+                                (lengths + i - 1)[:, None].clamp_max(self.max_length - 1).to(dev), past_k, past_v, mask)
+            step_k.append(k)
+            step_v.append(v)
+            last = out[:, 0]
+            hidden.append(last)
+        hidden = torch.stack(hidden, dim=1)  # [R, k, H]
+        if sampler is not None:
+            drafts, logq, q = sampler.drafts()
+            return StageDrafts(drafts, logq, hidden, None, q)
+        drafts, logprobs = draft_candidates(torch.stack(logits, dim=1), self.draft_ids)  # [R, D, C] each
+        return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden)
