@@ -33,21 +33,32 @@ def check_vllm(bundle: Path, manifest: dict) -> str:
     from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from vllm.config import SpeculativeConfig
+
     argv = launch_argv(bundle / "vllm" / "launch.sh")
     assert argv[:2] == ["vllm", "serve"], argv[:2]
+    vllm = manifest.get("vllm", {"method": "dflash", "num_speculative_tokens": manifest["block_size"] - 1})
+    adaptive = vllm.get("enable_adaptive_verification", False)
+    cpu_note = ""
+    if adaptive:
+        # vLLM accepts adaptive verification with full CUDA graphs only, which its CPU platform never has:
+        # the field is checked to be SpeculativeConfig's, then the rest of the line without it
+        expect("SpeculativeConfig has enable_adaptive_verification",
+               "enable_adaptive_verification" in SpeculativeConfig.__dataclass_fields__, True)
+        i = argv.index("--speculative-config") + 1
+        spec_json = json.loads(argv[i])
+        expect("enable_adaptive_verification in the launch line", spec_json.pop("enable_adaptive_verification"), True)
+        argv[i] = json.dumps(spec_json)
+        cpu_note = " (enable_adaptive_verification: a SpeculativeConfig field; it needs full CUDA graphs, checked without it here)"
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
     args.model = args.model_tag  # what `vllm serve MODEL` does with its positional argument
     config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
     spec = config.speculative_config
     # a DSpark drafter of DeepSpec's convention: method dspark, one draft per block position
-    vllm = manifest.get("vllm", {"method": "dflash", "num_speculative_tokens": manifest["block_size"] - 1})
     expect("speculative method", spec.method, vllm["method"])
     expect("num_speculative_tokens", spec.num_speculative_tokens, vllm["num_speculative_tokens"])
     if vllm["method"] == "dspark":  # vLLM's own Qwen3 DSpark model, not its DeepSeek-V4 one
         expect("draft architectures", list(spec.draft_model_config.hf_config.architectures), ["Qwen3DSparkModel"])
-    # set for a DSpark drafter with a confidence head: verification sized by its estimates
-    expect("enable_adaptive_verification", bool(getattr(spec, "enable_adaptive_verification", False)),
-           vllm.get("enable_adaptive_verification", False))
     expect("tensor_parallel_size", config.parallel_config.tensor_parallel_size, manifest["tensor_parallel_size"])
     target_type = json.loads((bundle / "target" / "config.json").read_text())["model_type"]
     expect("target model type", config.model_config.hf_config.model_type, target_type)
@@ -60,7 +71,7 @@ def check_vllm(bundle: Path, manifest: dict) -> str:
     return (f"{target_type} target, {spec.method} k={spec.num_speculative_tokens}, "
             f"tp={config.parallel_config.tensor_parallel_size}, "
             f"max_model_len={config.model_config.max_model_len}, draft vocab {draft_vocab}, "
-            f"quantization {quantization}")
+            f"quantization {quantization}{cpu_note}")
 
 
 def sglang_server_args(bundle: Path):

@@ -132,7 +132,8 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
             "of a request's drafts as the confidence head's acceptance estimates and the current load make worth "
             "their cost (step costs it profiles itself), instead of the whole block. It changes how many drafts are "
             "verified, never which tokens are accepted, so outputs stay the target's; set it to false to verify "
-            "every draft. It needs vLLM >= 0.28 (its adaptive speculative token budget for DSpark)."]
+            "every draft. It needs vLLM >= 0.28 (its adaptive speculative token budget for DSpark) and full CUDA "
+            "graphs (vLLM's configuration refuses it otherwise, e.g. with `--enforce-eager` or on the CPU)."]
 
 
 VLLM = ServingFramework(
