@@ -38,9 +38,9 @@ class TorchEngine:
             raise LoopspecError(f"CUDA graphs replay fixed forwards over the whole cache; a {target.cfg.family} target "
                                 "routes its tokens, steps a recurrent state or keeps a window ring on the host: "
                                 "run it without --cuda-graphs")
-        # a chain drafter (EAGLE-3) drafts token by token over its own context (Eagle3Context)
-        self.chain = drafter is not None and drafter.cfg.kind.chain
-        if cuda_graphs and self.chain:
+        # an EAGLE-3 drafter drafts one token a step, from a context of its own (engines/eagle3_context.py)
+        self.steps_drafts = drafter is not None and drafter.cfg.kind.chain
+        if cuda_graphs and self.steps_drafts:
             raise LoopspecError(f"CUDA graphs replay block stages; an {drafter.cfg.kind.title} drafter drafts step "
                                 "by step: run it without --cuda-graphs")
         # a recurrent state follows one path: draft trees are not verified on such a target (chains are)
@@ -63,7 +63,7 @@ class TorchEngine:
         # an EAGLE-3 drafter has its own lm_head over its draft rows
         self.draft_ids = drafter.draft_ids.to(self.device) if drafter is not None and drafter.draft_ids is not None else None
         self.draft_head = (inference_linear(draft_head_weight(target.lm_head.weight, self.draft_ids))
-                           if self.draft_ids is not None and not self.chain else self.target.lm_head)
+                           if self.draft_ids is not None and not self.steps_drafts else self.target.lm_head)
         self.cuda_graphs = cuda_graphs
         self._new_caches(max_rows)
 
@@ -72,7 +72,7 @@ class TorchEngine:
             raise LoopspecError(f"max batch size must be >= 1, got {max_rows}")
         self.max_rows = max_rows
         self.cache = self.target.new_cache(self.max_context, max_rows)
-        if self.chain:
+        if self.steps_drafts:
             embed = self.drafter.embed_tokens if self.drafter.embed_tokens is not None else self.target.embed_tokens
             self.context = Eagle3Context(self.drafter, embed, max_rows, self.max_context)
         else:
@@ -100,9 +100,9 @@ class TorchEngine:
         self.cache.lengths[row] = start
         out = self.target(torch.tensor([prompt_ids], device=self.device), self.cache, want_taps=want_taps,
                           last_logits_only=True, first_row=row)
-        if self.chain:
+        if self.steps_drafts:
             self.context.wrote(row, start, prompt_ids)
-        if want_taps and self.chain:
+        if want_taps and self.steps_drafts:
             self.context.restart(row, start)
             self.context.append([row], self.drafter.fuse(out.taps), [len(prompt_ids)])
         elif want_taps:
@@ -123,7 +123,7 @@ class TorchEngine:
         for b, t in enumerate(tokens):
             ids[b, :len(t)] = torch.tensor(t)
         counts = torch.tensor([len(t) for t in tokens])
-        if self.chain:  # the tokens at the slots the target stores them in, for the drafter's entries
+        if self.steps_drafts:  # the tokens at the slots the target stores them in, for the drafter's entries
             for b, t in enumerate(tokens):
                 self.context.wrote(b, int(self.cache.lengths[b]), t)
         out = self.target(ids.to(self.device), self.cache, want_taps=want_taps, counts=counts, tree_mask=tree_masks)
@@ -134,20 +134,20 @@ class TorchEngine:
 
     def target_commit(self, starts: list[int], kept: list[list[int]]) -> None:
         self.cache.commit(starts, kept)
-        if self.chain:
+        if self.steps_drafts:
             self.context.commit(starts, kept)
 
     # ---- drafter context -------------------------------------------------------------------------
     @torch.inference_mode()
     def append_context(self, taps: torch.Tensor, counts: list[int]) -> None:
-        if self.chain:
+        if self.steps_drafts:
             self.context.append(list(range(taps.shape[0])), self.drafter.fuse(taps), counts)
             return
         self._append_context(list(range(taps.shape[0])), self.drafter.features(taps), counts)
 
     @torch.inference_mode()
     def append_pseudo_context(self, rows: list[int], hidden: torch.Tensor) -> None:
-        if self.chain:  # the drafter's own states, as its later steps take them (no fc)
+        if self.steps_drafts:  # the drafter's own states, as its later steps take them (no fc)
             self.context.append(rows, hidden, [hidden.shape[1]] * len(rows))
             return
         self._append_context(rows, hidden, [hidden.shape[1]] * len(rows))
@@ -173,7 +173,7 @@ class TorchEngine:
             replayed = self.graphs.draft(rows, anchors, positions, block_size)
             if replayed is not None:
                 return replayed
-        if self.chain:
+        if self.steps_drafts:
             return self.context.draft(rows, anchors, positions, block_size, sampling, self.target_cfg.vocab_size)
         R, k = len(rows), block_size
         lengths = self.context.lengths[rows]  # [R]
