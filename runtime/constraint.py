@@ -158,8 +158,11 @@ class Grammars:
             compiled = self.compiler.compile_grammar(spec.grammar())
         except RuntimeError as e:
             raise GrammarError(_one_line(e), spec.param) from None
-        return Constraint(xgrammar.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids),
-                          self.vocab_size, frozenset(self.stop_token_ids))
+        constraint = Constraint(xgrammar.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids),
+                                self.vocab_size, frozenset(self.stop_token_ids))
+        if not bool(constraint.allowed().any()):  # nothing to sample: refused, not a 500 at the first token
+            raise GrammarError("no token of this model's vocabulary can begin it", spec.param)
+        return constraint
 
 
 class Constraint:

@@ -192,6 +192,14 @@ def test_bad_grammars_are_refused_naming_their_source():
         assert e.value.param == param and str(e.value).startswith(param) and "\n" not in str(e.value)
 
 
+def test_a_grammar_no_token_can_begin_is_refused(setup):
+    """A regex over a character the tokenizer has no token for: refused when compiled, not at the first token."""
+    _, grammars, _ = setup
+    with pytest.raises(GrammarError, match="no token of this model's vocabulary can begin it") as e:
+        grammars.constraint(GrammarSpec("regex", "\x1f", "guided_regex"))
+    assert e.value.param == "guided_regex"
+
+
 def test_drafter_sampling_with_a_grammar_is_refused(setup):
     engine, grammars, _ = setup
     settings = Method("dflash", block_size=6, draft_sampling="drafter")
