@@ -35,6 +35,7 @@ from loopspec.precisions import describe_precision
 from loopspec.errors import LoopspecError
 from loopspec.tenancy import api_key_problem, request_scope
 from loopspec.settings import DecodingSettings
+from loopspec.runtime.constraint import GrammarError
 from loopspec.runtime.decoder import Decoder
 from loopspec.runtime.metrics import Metrics
 from loopspec.runtime.openai_api import (CHAT_BODY, COMPLETION_BODY, APIError, RequestOptions, chat_prompt,

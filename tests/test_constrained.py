@@ -253,7 +253,7 @@ def test_server_answers_valid_structured_output(server, path, base):
                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abc"}]})])
 def test_server_refuses_bad_grammars_naming_the_field(server, path, base):
     for field, value in (("guided_json", {"type": "objectx"}), ("guided_json", "{not json"), ("guided_regex", "a(b"),
-                         ("guided_choice", []), ("guided_choice", ["a", 1]),
+                         ("guided_choice", []), ("guided_choice", ["a", 1]), ("guided_regex", "\\x1f"),
                          ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
                          ("response_format", {"type": "json_schema",
                                               "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": "x"}}}),
