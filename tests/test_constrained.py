@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("xgrammar", reason="needs xgrammar: pip install 'loopspec[grammar]'")
-jsonschema = pytest.importorskip("jsonschema")
+jsonschema = pytest.importorskip("jsonschema", reason="needs jsonschema (the dev extra): pip install 'loopspec[dev]'")
 
 from loopspec.decoding import SamplingParams  # noqa: E402
 from loopspec.engines.backends import torch_engine  # noqa: E402
@@ -214,7 +214,7 @@ def test_drafter_sampling_with_a_grammar_is_refused(setup):
 
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
-    pytest.importorskip("fastapi")
+    pytest.importorskip("fastapi", reason="needs fastapi: pip install 'loopspec[serve]'")
     from test_server import CONTEXT, ServerThread, make_app
 
     from loopspec.runtime.pipeline import load_pipeline
