@@ -157,10 +157,10 @@ def measure_step_costs(engine, engine_name: str, *, rows=ROWS, widths=WIDTHS, co
             draft_s.append(statistics.median(stage))
     bar.close()
     return StepCosts(engine=engine_name, context=context, rows=rows, widths=widths, verify_s=tuple(verify_s),
-                     draft_s=tuple(draft_s), cpu=_cpu_name(), threads=_threads())
+                     draft_s=tuple(draft_s), cpu=cpu_name(), threads=_threads())
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -197,8 +197,8 @@ def stored_step_costs(engine_name: str, store: Path | None = None) -> StepCosts 
     except LoopspecError as e:
         print(f"loopspec: note: {e}; the timing fallback decides instead", file=sys.stderr)
         return None
-    if costs.cpu != _cpu_name():
+    if costs.cpu != cpu_name():
         print(f"loopspec: note: the step costs in {path} were measured on {costs.cpu or 'another CPU'}, not this "
-              f"{_cpu_name()}: the timing fallback decides instead (run `loopspec costs` again)", file=sys.stderr)
+              f"{cpu_name()}: the timing fallback decides instead (run `loopspec costs` again)", file=sys.stderr)
         return None
     return costs

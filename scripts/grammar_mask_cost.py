@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
+
+from loopspec.runtime.step_costs import cpu_name
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
@@ -31,14 +31,6 @@ REGEX = r"[A-Z][a-z]+ (\d{1,3}|many) (apples|pears|plums)(, [a-z]+ [0-9]{2,4})*\
 REGEX_TEXT = "Alice 42 pears, bob 1234, carol 56, dave 789, erin 2025, frank 31, grace 777."
 
 
-def cpu_name() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown"
 
 
 def walk(fill, advance, rollback, tokens: list[int], repeats: int) -> dict:

@@ -19,12 +19,11 @@ with nothing else on the machine for figures that mean anything.
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 from datetime import datetime, timezone
 
+from loopspec.runtime.step_costs import cpu_name
 from loopspec.prompt_sets import read_prompt_source
 from loopspec.runtime.bench.run import cpu_description
 from loopspec.runtime.decoder import Decoder, decode_all
@@ -33,15 +32,6 @@ from loopspec.settings import method_variant
 from loopspec.stats import acceptance_length, tokens_per_verification
 
 
-def cpu_name() -> str:
-    """lscpu's model name (else the platform's), beside the features and cores the bench names."""
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def decode_in_order(pipe, settings, prompts: list[list[int]], max_new_tokens: int) -> dict:
