@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from loopspec.engines.export import ORDER_FREE_SOFTMAX
-from loopspec.engines.fused_attention import FUSED_ATTENTION
 from loopspec.engines.manifest import Manifest, read_manifest
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
                                     TARGET_VERIFY, EngineSpec, past_feeds, past_width)
@@ -41,8 +40,7 @@ def verifies_chains_only(settings: dict) -> bool:
     arithmetic = settings.get("arithmetic", {})
     int8_unordered = (str(arithmetic.get("activations", "")).startswith("int8")
                       and settings.get("softmax") != ORDER_FREE_SOFTMAX)
-    fused = settings.get("attention") == FUSED_ATTENTION  # engines/fused_attention.py
-    return int8_unordered or fused or arithmetic.get("order_exact") is False
+    return int8_unordered or arithmetic.get("order_exact") is False
 
 
 class ArtifactEngine:

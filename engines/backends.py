@@ -64,12 +64,10 @@ def require_cuda(device) -> None:
 
 
 def cached_onnx_engine(model, draft_model, target_dir: Path, drafter_dir: Path | None, max_context: int | None,
-                       num_threads: int | None, precision: str = "fp32", gguf_path: Path | None = None,
-                       attention: str = "order-free") -> Engine:
+                       num_threads: int | None, precision: str = "fp32", gguf_path: Path | None = None) -> Engine:
     """ONNX Runtime over the pair's export in `precision`, kept in the cache: exported on first use
     (and again when the cached files no longer match their manifest). A gguf-* precision reads the
-    blocks of `gguf_path` (the target's GGUF); `attention` names the target graph's attention kernel
-    (engines/fused_attention.py)."""
+    blocks of `gguf_path` (the target's GGUF)."""
     from loopspec.engines import gguf_export
     from loopspec.engines.export import OPSET, export_engines, source_key
     from loopspec.engines.ort_engine import OrtEngine
@@ -80,8 +78,6 @@ def cached_onnx_engine(model, draft_model, target_dir: Path, drafter_dir: Path |
         if gguf_path is None:
             raise LoopspecError(f"precision {precision} reads the target's GGUF blocks, and this target has no GGUF")
         settings |= {"precision": precision, "gguf_export": file_sha256(Path(gguf_export.__file__))}
-    if attention != "order-free":  # the default keeps the keys of engines already cached
-        settings |= {"attention": attention, "fused_attention": file_sha256(Path(__file__).with_name("fused_attention.py"))}
     onnx_dir = cache_root() / "onnx" / source_key(target_dir, draft_model, drafter_dir, settings)
     if (onnx_dir / "manifest.json").is_file():
         try:
@@ -90,5 +86,5 @@ def cached_onnx_engine(model, draft_model, target_dir: Path, drafter_dir: Path |
             print(f"[loopspec] cached ONNX engines unusable ({e}); exporting again", file=sys.stderr)
     print(f"[loopspec] exporting {precision} ONNX engines to {onnx_dir} (once)", file=sys.stderr)
     export_engines(model, draft_model, onnx_dir, target_dir=target_dir, drafter_dir=drafter_dir,
-                   attention=attention, **gguf_export.precision_options(model, precision, gguf_path, draft_model))
+                   **gguf_export.precision_options(model, precision, gguf_path, draft_model))
     return OrtEngine(onnx_dir, max_context, num_threads)

@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopspec.engines.fused_attention import ATTENTIONS, FusedAttention
 from loopspec.engines.manifest import Manifest, source_hashes, write_manifest
 from loopspec.errors import LoopspecError
 from loopspec.weights import file_sha256
@@ -162,15 +161,6 @@ def merge_heads(out: torch.Tensor, batch, num_heads: int, head_dim: int) -> torc
     return out.reshape(batch, num_heads, -1, head_dim).transpose(1, 2).reshape(batch, -1, num_heads * head_dim)
 
 
-def check_attention(attention: str, cfg) -> None:
-    """Refuse an attention kernel the target cannot take, in one line."""
-    if attention not in ATTENTIONS:
-        raise LoopspecError(f"unknown attention {attention!r} (choose from {', '.join(ATTENTIONS)})")
-    if attention == "fused" and cfg.qk_norm:
-        raise LoopspecError("attention 'fused' (ONNX Runtime's GroupQueryAttention) is exported for targets "
-                            "without q/k norms; this target has them: use attention 'order-free'")
-
-
 def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     if getattr(module, "exports_itself", False):  # a quantized linear (convert/qdq.py) emits its own Q/DQ ops
         return module(x)
@@ -205,16 +195,12 @@ class TargetVerify(nn.Module):
     Written for a small graph: head counts are Python ints and every reshape has one symbolic dim
     (-1) besides the batch, read once from the input, so little shape arithmetic is traced per layer."""
 
-    def __init__(self, target: Target, tap_layer_ids: list[int], attention: str = "order-free"):
+    def __init__(self, target: Target, tap_layer_ids: list[int]):
         super().__init__()
         self.target = target
         self.cfg = cfg = target.cfg
         self.tap_layer_ids = list(tap_layer_ids)
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        check_attention(attention, cfg)
-        # ONNX Runtime's one-kernel attention (engines/fused_attention.py: chains only), or ours
-        self.fused = (FusedAttention(target.rotary.cos, target.rotary.sin, h, kvh, hd)
-                      if attention == "fused" else None)
         self.register_buffer("rotate", rotate_half_matrix(hd))
         self.register_buffer("head_scale", head_scales(h, kvh, hd))
         if cfg.qk_norm:  # per layer [h + kvh, hd]: q_norm's weight on the query heads, k_norm's on the key heads
@@ -235,27 +221,19 @@ class TargetVerify(nn.Module):
         # new token i sees its row's valid past keys and the new keys its tree_mask row marks (the
         # causal chain, or its ancestors in a draft tree); rows of the bias follow q's (g, T) order
         slots, mask = row_layout(past_lengths, width, tree_mask, kvh, group, hd)
-        if self.fused is not None:  # each row's tokens follow its own past; the kernel masks causally
-            tokens = input_ids.shape[1]
-            seqlens_k = (past_lengths + tokens - 1).to(torch.int32)  # [B]
-            total_length = (past_lengths.max() + tokens).to(torch.int32)
         x = F.embedding(input_ids, t.embed_tokens.weight)  # [B, T, H]
         taps, new_keys, new_values = {}, [], []
         last = cfg.num_layers - 1
         for i, layer in enumerate(t.layers):
             attn = layer.self_attn
             y = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            if self.fused is not None:
-                out, k, v = self.fused(linear(y, attn.qkv_proj), past_key[i], past_value[i], seqlens_k,
-                                       total_length, positions, slots)  # out [B, T, h·hd], k/v [B, kvh, T, hd]
-            else:
-                norm_w = self.qk_norm_weight[i] if self.qk_norm_weight is not None else None
-                eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
-                q, k, v = qkv_heads(linear(y, attn.qkv_proj), batch, h, kvh, hd, norm_w, eps, cos, sin, self.rotate)
-                out = merge_heads(attend(q, past_key[i], past_value[i], k, v, slots, mask), batch, h, hd)
+            norm_w = self.qk_norm_weight[i] if self.qk_norm_weight is not None else None
+            eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
+            q, k, v = qkv_heads(linear(y, attn.qkv_proj), batch, h, kvh, hd, norm_w, eps, cos, sin, self.rotate)
             new_keys.append(k)  # [B, kvh, T, hd]
             new_values.append(v)
-            x = x + linear(out, attn.o_proj)
+            out = attend(q, past_key[i], past_value[i], k, v, slots, mask)  # [B, kvh, g·T, hd]
+            x = x + linear(merge_heads(out, batch, h, hd), attn.o_proj)
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
             if i in self.tap_layer_ids and i != last:
@@ -491,7 +469,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
                    block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET,
                    verify_target: Target | None = None, draft_drafter: Drafter | None = None,
                    draft_head: nn.Module | None = None, precision: str = "fp32",
-                   extra_settings: dict | None = None, attention: str = "order-free") -> Manifest:
+                   extra_settings: dict | None = None) -> Manifest:
     """Export target_verify (+ the three drafter engines when a drafter is given) as ONNX into
     `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Staged
     (engines/staging.py): an interrupted export never looks complete and never destroys the previous one.
@@ -516,7 +494,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     specs = engine_specs(target.cfg, drafter.cfg if drafter is not None else None, max_context=max_context,
                          block_size=block_size, max_batch=max_batch)
     taps = drafter.cfg.target_layer_ids if drafter is not None else []
-    modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps, attention)}
+    modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps)}
     if drafter is not None:
         computed = draft_drafter if draft_drafter is not None else drafter
         modules[DRAFTER_CONTEXT] = DrafterContext(computed, from_taps=True)
@@ -534,9 +512,8 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
                     "block_size": specs.get(DRAFTER_BLOCK) and specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
                     "exporter": "torch.onnx.export (TorchScript)",
                     "kv_layout": "past in (per layer, with room for the new tokens), new out",
-                    "attention": ATTENTIONS[attention],
-                    **({"attention_values": "one product over [past; new]", "softmax": ORDER_FREE_SOFTMAX}
-                       if attention == "order-free" else {}),
+                    "attention_values": "one product over [past; new]",
+                    "softmax": ORDER_FREE_SOFTMAX,
                     "export_code_sha256": export_code_sha256(), **(extra_settings or {})}
         sources = {"target": source_hashes(target_dir),
                    "drafter": drafter_source(drafter, drafter_dir) if drafter is not None else None}
