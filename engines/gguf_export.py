@@ -75,22 +75,29 @@ def _typed_like(g_out, x, n: int):
     return g_out
 
 
+def _block_reshape(g, x, k_blocks: int):
+    """x [B, T, K] → [B, T, K/32, 32] (0 copies the input's B, -1 infers T)."""
+    shape = g.op("Constant", value_t=torch.tensor([0, -1, k_blocks, BLOCK], dtype=torch.int64))
+    return g.op("Reshape", x, shape)
+
+
 class _Q41Product(torch.autograd.Function):
     """x [B, T, K] · (d·q + m)ᵀ → [B, T, N]."""
 
     @staticmethod
-    def forward(ctx, x, codes, scales, zero_points, minimum, block_ones, accuracy_level: int):
+    def forward(ctx, x, codes, scales, zero_points, minimum, accuracy_level: int):
         n, kb, _ = codes.shape
         q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(n, kb, BLOCK).float()  # [N, K/32, 32]
         w = scales.reshape(n, kb, 1) * q + minimum.t()[..., None]  # [N, K/32, 32]
         return torch.matmul(x, w.reshape(n, kb * BLOCK).t())
 
     @staticmethod
-    def symbolic(g, x, codes, scales, zero_points, minimum, block_ones, accuracy_level: int):
+    def symbolic(g, x, codes, scales, zero_points, minimum, accuracy_level: int):
         n, kb, _ = codes.type().sizes()
         y = _typed_like(g.op("com.microsoft::MatMulNBits", x, codes, scales, zero_points, K_i=kb * BLOCK, N_i=n,
                              bits_i=4, block_size_i=BLOCK, accuracy_level_i=accuracy_level), x, n)
-        sums = g.op("MatMul", x, block_ones)  # [B, T, K/32]: one node, where a reshape and a ReduceSum were two
+        sums = g.op("ReduceSum", _block_reshape(g, x, kb), g.op("Constant", value_t=torch.tensor([-1])),
+                    keepdims_i=0)  # [B, T, K/32]
         return g.op("Add", y, g.op("MatMul", sums, minimum))
 
 
@@ -125,15 +132,12 @@ class Q41Linear(nn.Module):
         zero_bytes = n * ((k // BLOCK + 1) // 2)  # two 4-bit zero points per byte, rows padded to a byte
         self.register_buffer("zero_points", torch.zeros(zero_bytes, dtype=torch.uint8))
         self.register_buffer("minimum", torch.from_numpy(np.ascontiguousarray(matrix.minimums().T)))  # [K/32, N]
-        # [K, K/32]: column b is 1 on block b's 32 rows, so x @ block_ones is blocksum(x)
-        self.register_buffer("block_ones", torch.kron(torch.eye(k // BLOCK), torch.ones(BLOCK, 1)))
         self.accuracy_level = accuracy_level
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:
             raise LoopspecError(f"Q41Linear takes [B, T, K] activations, got {tuple(x.shape)}")
-        return _Q41Product.apply(x, self.codes, self.scales, self.zero_points, self.minimum, self.block_ones,
-                                 self.accuracy_level)
+        return _Q41Product.apply(x, self.codes, self.scales, self.zero_points, self.minimum, self.accuracy_level)
 
 
 class Q80Linear(nn.Module):
