@@ -116,8 +116,8 @@ def order_free_softmax(scores: torch.Tensor) -> torch.Tensor:
     return exps / (total.to(scores.dtype) / SOFTMAX_SUM_UNITS)
 
 
-def attend(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend_with_keys(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     slots: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grouped-query attention of q [B, kvh, g·T, hd] (pre-scaled; query head j = kv head j // g, as
     HF's repeat_kv) over each row's [valid past ; new] keys (`row_layout`: slots, mask) → [B, kvh, g·T, hd].
     past_k/past_v [B, kvh, W, hd] are the call's past with room for the new tokens (W >= every row's
@@ -134,7 +134,12 @@ def attend(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch
     keys = past_k.scatter(2, slots, k)  # [B, kvh, W, hd]
     values = past_v.scatter(2, slots, v)
     scores = torch.matmul(q, keys.transpose(-1, -2)) + mask  # [B, kvh, g·T, W]
-    return torch.matmul(order_free_softmax(scores), values)
+    return torch.matmul(order_free_softmax(scores), values), keys, values
+
+
+def attend(q, past_k, past_v, k, v, slots, mask) -> torch.Tensor:
+    """`attend_with_keys`' output alone (the drafter block's attention over its context)."""
+    return attend_with_keys(q, past_k, past_v, k, v, slots, mask)[0]
 
 
 def head_scales(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -222,7 +227,7 @@ class TargetVerify(nn.Module):
         # causal chain, or its ancestors in a draft tree); rows of the bias follow q's (g, T) order
         slots, mask = row_layout(past_lengths, width, tree_mask, kvh, group, hd)
         x = F.embedding(input_ids, t.embed_tokens.weight)  # [B, T, H]
-        taps, new_keys, new_values = {}, [], []
+        taps, new_keys, new_values, presents = {}, [], [], []
         last = cfg.num_layers - 1
         for i, layer in enumerate(t.layers):
             attn = layer.self_attn
@@ -232,7 +237,10 @@ class TargetVerify(nn.Module):
             q, k, v = qkv_heads(linear(y, attn.qkv_proj), batch, h, kvh, hd, norm_w, eps, cos, sin, self.rotate)
             new_keys.append(k)  # [B, kvh, T, hd]
             new_values.append(v)
-            out = attend(q, past_key[i], past_value[i], k, v, slots, mask)  # [B, kvh, g·T, hd]
+            # the past with the new K/V in their slots is an output too: bound to the past's own memory,
+            # the scatter writes into the cache instead of copying it (engines/ort_engine.py)
+            out, present_k, present_v = attend_with_keys(q, past_key[i], past_value[i], k, v, slots, mask)
+            presents += [present_k, present_v]
             x = x + linear(merge_heads(out, batch, h, hd), attn.o_proj)
             x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
                            layer.mlp)
@@ -245,7 +253,7 @@ class TargetVerify(nn.Module):
         outputs = [logits]
         if self.tap_layer_ids:
             outputs.append(torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1))  # [B, T, taps·H]
-        return (*outputs, torch.stack(new_keys), torch.stack(new_values))
+        return (*outputs, torch.stack(new_keys), torch.stack(new_values), *presents)
 
 
 class DrafterContext(nn.Module):
@@ -511,7 +519,8 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
         settings = {"opset": opset, "max_context": max_context, "max_batch": max_batch,
                     "block_size": specs.get(DRAFTER_BLOCK) and specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
                     "exporter": "torch.onnx.export (TorchScript)",
-                    "kv_layout": "past in (per layer, with room for the new tokens), new out",
+                    "kv_layout": "past in (per layer, with room for the new tokens), new out, and the past with "
+                                 "the new written in (present_*: bound in place where the backend allows)",
                     "attention_values": "one product over [past; new]",
                     "softmax": ORDER_FREE_SOFTMAX,
                     "export_code_sha256": export_code_sha256(), **(extra_settings or {})}

@@ -175,11 +175,19 @@ def target_verify_spec(target, num_taps: int, max_context: int, max_verify: int 
         outputs.append(TensorSpec("taps", "float32", ("batch", "tokens", num_taps * target.hidden_size)))
     outputs += [TensorSpec("new_key", "float32", kv + ("tokens", hd)),
                 TensorSpec("new_value", "float32", kv + ("tokens", hd))]
+    # each past with the new K/V written into its room (`present_of`): a backend that can bind an
+    # output to an input's memory (ONNX Runtime) makes the graph write into the cache in place
+    outputs += [TensorSpec(present_of(t.name), "float32", t.dims) for t in past]
     max_verify = min(max_verify, max_context)
     # the past has room for the call's tokens (a one-token step's padding token too): past >= tokens
     ranges = {"batch": batch_range(max_batch), "tokens": (1, max_verify, max_context),
               "logits": (1, max_verify, max_context), "past": (1, max_context // 2, max_context + max_verify)}
     return EngineSpec(TARGET_VERIFY, inputs, tuple(outputs), ranges)
+
+
+def present_of(past_name: str) -> str:
+    """The output holding input `past_name` (past_key_3) with the call's new K/V written in: present_key_3."""
+    return past_name.replace("past_", "present_", 1)
 
 
 def past_width(lengths, tokens: int) -> int:

@@ -386,3 +386,23 @@ def test_default_pair_onnxruntime_equals_torch(tmp_path_factory):
     ar = torch_pipe.run(ids, torch_pipe.settings("ar"), max_new_tokens=24).tokens
     for method in ("ar", "dflash", "dloop"):
         assert ort_pipe.run(ids, ort_pipe.settings(method, adaptive=False), max_new_tokens=24).tokens == ar, method
+
+
+def test_the_target_graph_writes_the_new_kv_into_the_cache_itself(exported):
+    """The past outputs are bound to the cache's own memory (engines/ort_engine.py): a call that stores
+    nothing still finds its new K/V in the cache's room, written by the graph, and every valid slot
+    untouched; rows passed as a copy (not in the cache's order) leave the cache as it was."""
+    target, drafter, onnx_dir = exported["llama"]
+    engine = OrtEngine(onnx_dir, 64).with_rows(2)
+    for row, prompt in enumerate([list(range(3, 17)), list(range(20, 30))]):
+        engine.prefill(row, prompt, want_taps=False)
+    before = engine.cache.k.clone(), engine.cache.v.clone()
+    out = engine._run_target([0, 1], [[5, 6, 7], [8, 9, 10]], 3, all_logits=True)
+    for b, length in enumerate([14, 10]):
+        assert torch.equal(engine.cache.k[:, b, :, length:length + 3], out["new_key"][:, b])
+        assert torch.equal(engine.cache.v[:, b, :, length:length + 3], out["new_value"][:, b])
+        assert torch.equal(engine.cache.k[:, b, :, :length], before[0][:, b, :, :length])
+        assert torch.equal(engine.cache.v[:, b, :, :length], before[1][:, b, :, :length])
+    engine.cache.k.copy_(before[0]), engine.cache.v.copy_(before[1])
+    engine._run_target([1, 0], [[8, 9, 10], [5, 6, 7]], 3, all_logits=True)  # out of order: a copy
+    assert torch.equal(engine.cache.k, before[0]) and torch.equal(engine.cache.v, before[1])
