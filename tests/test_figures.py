@@ -103,3 +103,12 @@ def test_every_repository_path_in_the_docs_exists(doc):
         if not found:
             missing.append(path)
     assert not missing, f"{doc.name} names paths that do not exist: {missing}"
+
+
+def test_the_benchmarks_page_quotes_the_step_run_after_the_in_place_past():
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    path = "docs/runs/2026-12-06/step/steps-with-peers.json"
+    assert "python scripts/step_table.py " + path in page
+    run = json.loads((ROOT / path).read_text(encoding="utf-8"))
+    assert set(run["peers"]) == {"llama.cpp", "onnxruntime-genai"}
+    assert step_table(run, []) in page
