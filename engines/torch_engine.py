@@ -6,7 +6,8 @@ come back on the CPU, features (taps, hidden states) stay on the device. With `c
 verifications and stages of rows 0..R-1 (one request or a batch, chains or trees) replay captured
 forwards (engines/cuda_graphs.py); prefill and calls no bucket holds run eagerly. An EAGLE-3
 drafter (a chain kind) keeps its context in an `Eagle3Context` (engines/eagle3_context.py), which
-also follows the target's tokens, and drafts its stages step by step; it runs without CUDA graphs.
+also follows the target's tokens, and drafts its stages step by step; it runs without CUDA graphs, as
+does a DFlash2 drafter, whose stages end in its candidate selector's walk.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from loopspec.errors import LoopspecError
 from loopspec.decoding import DraftSampler
 from loopspec.engines.eagle3_context import Eagle3Context
+from loopspec.model.dflash2 import selector_stage
 from loopspec.model.drafter import Drafter, StageDrafts, draft_head_weight, draft_stage, sample_stage
 from loopspec.model.families import target_family
 from loopspec.model.target import Target, inference_linear, pack_linears_for_cpu_
@@ -43,6 +45,11 @@ class TorchEngine:
         if cuda_graphs and self.steps_drafts:
             raise LoopspecError(f"CUDA graphs replay block stages; an {drafter.cfg.kind.title} drafter drafts step "
                                 "by step: run it without --cuda-graphs")
+        # a DFlash2 drafter's drafts are its candidate selector's walk (loopspec/model/dflash2.py)
+        self.selects = drafter is not None and drafter.cfg.kind.selector is not None
+        if cuda_graphs and self.selects:
+            raise LoopspecError(f"CUDA graphs capture DFlash's draft head, not a {drafter.cfg.kind.title} drafter's "
+                                "candidate selector: run it without --cuda-graphs")
         # a recurrent state follows one path: draft trees are not verified on such a target (chains are)
         self.chains_only = not target_family(target.cfg.family).trees
         # inference copies of the weights prepacked for oneDNN (the modules are shared, not copied)
@@ -188,6 +195,8 @@ class TorchEngine:
         pos = (torch.tensor(positions)[:, None, None] + torch.arange(k)).to(self.device)  # [R, 1, k]
         ids = ids.to(self.device)
         hidden = self.drafter(self.target.embed_tokens(ids), pos, ctx_k, ctx_v, mask)  # [R, k, H]
+        if self.selects:
+            return selector_stage(self.drafter, hidden, ids[:, 0], self.draft_head, sampling)
         if sampling is not None:
             sampler = DraftSampler(sampling, self.target_cfg.vocab_size, self.draft_ids)
             drafts, logq, confidence, q = sample_stage(self.drafter, hidden, ids[:, 0], self.draft_head,

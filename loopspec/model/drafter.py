@@ -314,12 +314,14 @@ class DrafterLayer(nn.Module):
 
 
 class Drafter(nn.Module):
+    layer_class = DrafterLayer  # a DFlash2 drafter's layers add convolutions (model/dflash2.py)
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.markov_head = MarkovHead(cfg) if cfg.markov_rank else None
@@ -453,22 +455,7 @@ class Drafter(nn.Module):
         raw = read_json(directory / "config.json", "drafter config")
         refuse_quantized(raw, directory)
         cfg = DrafterConfig.from_zlab(raw)
-        weights = directory / "model.safetensors"
-        # Hugging Face shards a large save_pretrained as model-0000i-of-0000n.safetensors
-        files = [weights] if weights.is_file() else sorted(directory.glob("model-*-of-*.safetensors"))
-        if not files:
-            raise LoopspecError(f"missing drafter weights: {weights}")
-        src = {}
-        for f in files:
-            src.update(read_safetensors(f))
-        for unexpected in ("embed_tokens.weight", "lm_head.weight"):
-            src.pop(unexpected, None)  # some exports (DeepSpec's) carry a copy of the target's; we borrow the target's
-        state = {}
-        for i in range(cfg.num_layers):
-            m = f"layers.{i}.mlp."
-            if m + "gate_proj.weight" in src and m + "up_proj.weight" in src:
-                state[m + "gate_up_proj.weight"] = torch.cat([src.pop(m + "gate_proj.weight"), src.pop(m + "up_proj.weight")])
-        state.update(src)
+        state = drafter_tensors(directory, cfg.num_layers)
         # the config's sizes are checked against the file's tensors on the meta device (no memory)
         # before any is allocated: a size no file could hold (a rank of 2^40) is refused, not attempted
         with torch.device("meta"):
@@ -495,3 +482,25 @@ class Drafter(nn.Module):
                 raise LoopspecError(f"{d2t_path} maps draft rows outside the vocabulary or twice")
             model.draft_ids = ids
         return model.to(dtype).eval()
+
+
+def drafter_tensors(directory: Path, num_layers: int) -> dict[str, torch.Tensor]:
+    """A block drafter's checkpoint tensors under the module's names: model.safetensors (or its
+    shards), without a copy of the target's embedding or lm_head, each layer's gate and up fused."""
+    weights = directory / "model.safetensors"
+    # Hugging Face shards a large save_pretrained as model-0000i-of-0000n.safetensors
+    files = [weights] if weights.is_file() else sorted(directory.glob("model-*-of-*.safetensors"))
+    if not files:
+        raise LoopspecError(f"missing drafter weights: {weights}")
+    src = {}
+    for f in files:
+        src.update(read_safetensors(f))
+    for unexpected in ("embed_tokens.weight", "lm_head.weight"):
+        src.pop(unexpected, None)  # some exports (DeepSpec's) carry a copy of the target's; we borrow the target's
+    state = {}
+    for i in range(num_layers):
+        m = f"layers.{i}.mlp."
+        if m + "gate_proj.weight" in src and m + "up_proj.weight" in src:
+            state[m + "gate_up_proj.weight"] = torch.cat([src.pop(m + "gate_proj.weight"), src.pop(m + "up_proj.weight")])
+    state.update(src)
+    return state

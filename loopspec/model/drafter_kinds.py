@@ -1,7 +1,8 @@
 """Drafter kinds: what a drafter is, stated once, for every layer that must treat kinds differently.
 
-A drafter's kind is its family (DFlash, DSpark: a DFlash drafter with heads after the lm_head, or
-EAGLE-3: one decoder layer that drafts a chain token by token), its block convention (which block
+A drafter's kind is its family (DFlash, DSpark: a DFlash drafter with heads after the lm_head,
+DFlash2: a DFlash drafter with grouped dynamic convolutions and a candidate selector (model/dflash2.py),
+or EAGLE-3: one decoder layer that drafts a chain token by token), its block convention (which block
 outputs are drafts) and its heads. `DrafterConfig.kind` looks it up
 (`drafter_kind`); the config fields it is read from (`KIND_FIELDS`) are read inside loopspec/model
 only, and every other layer asks the kind record: how many drafts a block gives, what the exported
@@ -11,7 +12,7 @@ block graph adds, whether loop-aware training runs it, and which serving framewo
 Runtime backends: the torch engine, the fp32 ONNX Runtime / TensorRT drafter graphs and training run
 every block kind; a quantized drafter graph (FP8 / NVFP4), whose calibration and export run z-lab's
 block, takes the plain z-lab DFlash kind only (`require_zlab_block`). An EAGLE-3 drafter (a chain
-kind) runs on the torch engine only (`require_exportable`).
+kind) runs on the torch engine only (`require_exportable`), and so does a DFlash2 drafter.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 from loopspec.errors import LoopspecError
 
 ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"  # z-lab's DFlash2, as vLLM (method dflash), SGLang and llama.cpp load it
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"  # DeepSpec's DSpark drafters, and its DFlash ones (markov_rank 0)
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # SpecForge's EAGLE-3 drafters, as vLLM and SGLang load them
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -70,6 +72,17 @@ class ConfidenceHeadKind:
 
 
 @dataclass(frozen=True)
+class SelectorKind:
+    """A DFlash2 drafter's draft step: grouped dynamic convolutions around each sublayer and a candidate
+    selector that walks the target head's top-k per block slot (loopspec/model/dflash2.py)."""
+
+    conv_taps: int  # conv_kernel_size
+    conv_group_size: int  # channels sharing one dynamic coefficient
+    rank: int  # selector_rank
+    top_k: int  # selector_top_k: candidates per block slot
+
+
+@dataclass(frozen=True)
 class DrafterKind:
     """One drafter kind. The registry (`DRAFTER_KINDS`) holds each family with its defaults; the
     lookup fills in the drafter's block convention and heads."""
@@ -82,6 +95,7 @@ class DrafterKind:
     # drafts autoregressively, one drafter step per draft, over a context of (token, fused taps)
     # pairs (EAGLE-3); False: one forward drafts a whole block of [anchor, MASK…] (DFlash, DSpark)
     chain: bool = False
+    selector: SelectorKind | None = None  # DFlash2: its drafts are the candidate selector's walk
 
     @property
     def heads(self) -> tuple[str, ...]:
@@ -91,12 +105,12 @@ class DrafterKind:
     @property
     def plain(self) -> bool:
         """z-lab DFlash: z-lab's block and no head after the lm_head, what every z-lab reader runs."""
-        return self.convention is ZLAB_BLOCK and not self.heads
+        return self.convention is ZLAB_BLOCK and not self.heads and self.selector is None
 
     @property
     def title(self) -> str:
         """What it is, in a few words: its heads and its block convention."""
-        if self.chain:
+        if self.chain or self.selector:
             return self.family
         if not self.heads:
             return "DeepSpec DFlash" if self.convention is DEEPSPEC_BLOCK else "z-lab DFlash"
@@ -128,12 +142,12 @@ class DrafterKind:
     def trains_loop_aware(self) -> bool:
         """Loop-aware training (DLoop's later stages) runs it: a Markov chain's later stage would start
         from a drafted anchor the training data does not hold, so a Markov head rules it out."""
-        return self.markov is None and not self.chain
+        return self.markov is None and self.trains
 
     @property
     def trains(self) -> bool:
-        """loopspec's trainer (loopspec/train) trains it: the block kinds."""
-        return not self.chain
+        """loopspec's trainer (loopspec/train) trains it: the block kinds without a selector."""
+        return not self.chain and self.selector is None
 
     @property
     def masks_block(self) -> bool:
@@ -149,14 +163,17 @@ class DrafterKind:
 
     @property
     def exports(self) -> bool:
-        """The ONNX / TensorRT drafter graphs and quantization run it: the block kinds."""
-        return not self.chain
+        """The ONNX / TensorRT drafter graphs and quantization run it: the block kinds without a selector."""
+        return not self.chain and self.selector is None
 
     def unsupported_in(self, framework: str, title: str) -> str | None:
         """Why the serving framework `framework` (`title` in prose) cannot serve this kind (None: it can)."""
         if self.chain:
             return (f"the {title} bundle does not carry {self.family} drafters: an {self.family} drafter runs on "
                     "loopspec's torch backend only")
+        if self.selector:
+            return (f"loopspec's {title} bundle does not carry {self.family} drafters yet: {self.family} drafters "
+                    "run on loopspec's torch backend only")
         rule = SERVING_RULES.get(framework)
         if rule is not None:
             return rule(self)
@@ -167,7 +184,8 @@ class DrafterKind:
 
 
 DRAFTER_KINDS = {kind.name: kind for kind in (DrafterKind("dflash", "DFlash"), DrafterKind("dspark", "DSpark"),
-                                               DrafterKind("eagle3", "EAGLE-3", EAGLE3_CHAIN, chain=True))}
+                                               DrafterKind("eagle3", "EAGLE-3", EAGLE3_CHAIN, chain=True),
+                                               DrafterKind("dflash2", "DFlash2"))}
 
 
 def drafter_kind(cfg) -> DrafterKind:
@@ -177,6 +195,11 @@ def drafter_kind(cfg) -> DrafterKind:
     family = DRAFTER_KINDS["dspark" if markov or confidence else "dflash"]
     return replace(family, convention=DEEPSPEC_BLOCK if cfg.anchor_predicts else ZLAB_BLOCK, markov=markov,
                    confidence=confidence)
+
+
+def dflash2_kind(selector: SelectorKind) -> DrafterKind:
+    """The kind of a DFlash2 drafter (`DFlash2Config.kind` returns it): z-lab's block, its selector."""
+    return replace(DRAFTER_KINDS["dflash2"], selector=selector)
 
 
 def require_zlab_block(cfg, what: str) -> None:
@@ -194,7 +217,7 @@ def require_zlab_block(cfg, what: str) -> None:
 def require_exportable(kind: DrafterKind, what: str) -> None:
     """Refuse, in one line naming the kind, a drafter whose graphs `what` (an export) does not build."""
     if not kind.exports:
-        raise LoopspecError(f"{what} does not take {kind.title} drafters yet: an {kind.title} drafter runs on "
+        raise LoopspecError(f"{what} does not take {kind.title} drafters yet: {kind.title} drafters run on "
                             "--backend torch only")
 
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from loopspec.errors import LoopspecError
 from loopspec.files import read_json, read_safetensors, refuse_quantized, write_safetensors
+from loopspec.model.dflash2 import DFlash2Drafter, is_dflash2_dir
 from loopspec.model.drafter import Drafter, DrafterConfig, check_fits
 from loopspec.model.drafter_kinds import DRAFTER_KINDS, EAGLE3_ARCHITECTURE, DrafterKind
 from loopspec.model.target import MLP, RMSNorm, TargetConfig, apply_rope, rope_inv_freq
@@ -412,9 +413,11 @@ def is_eagle3_dir(directory: str | Path) -> bool:
 
 
 def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter | Eagle3Drafter":
-    """The drafter a directory holds, by its config.json's architecture: EAGLE-3, else DFlash / DSpark."""
+    """The drafter a directory holds, by its config.json's architecture: EAGLE-3, DFlash2, else DFlash / DSpark."""
     if is_eagle3_dir(directory):
         return Eagle3Drafter.load(directory, dtype)
+    if is_dflash2_dir(directory):
+        return DFlash2Drafter.load(directory, dtype)
     return Drafter.load(directory, dtype)
 
 
