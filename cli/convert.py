@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from loopspec.cli.flags import (DeprecatedSpelling, add_mask_token_flag, add_target_flag, add_threads_flag,
-                                positive_int)
+                                int_at_least, positive_int)
 from loopspec.errors import LoopspecError
 from loopspec.files import output_dir
 from loopspec.precisions import precision_names
@@ -121,8 +121,8 @@ def _add_bundle_args(p: argparse.ArgumentParser) -> None:
     frameworks.add_argument("--engine", dest="framework", action=DeprecatedSpelling, instead="--framework",
                             help=argparse.SUPPRESS)
     add_target_flag(p)
-    p.add_argument("--drafter", default="default", help="'default' (the shipped drafter), a z-lab DFlash drafter dir, or a DSpark "
-                        "drafter dir (DeepSpec's format: vLLM and llama.cpp only)")
+    p.add_argument("--drafter", default="default", help="'default' (the shipped drafter), a z-lab DFlash drafter dir, a DSpark "
+                        "drafter dir (DeepSpec's format), or an EAGLE-3 drafter dir (SpecForge's layout)")
     p.add_argument("--out", required=True, help="bundle directory (an earlier bundle there is replaced)")
     p.add_argument("--precision", default=None,
                    help="fp8 | nvfp4: a modelopt-quantized target (NVFP4 runs on Blackwell GPUs only)")
@@ -136,6 +136,12 @@ def _add_bundle_args(p: argparse.ArgumentParser) -> None:
                         "--max-batch-size), vLLM --max-model-len, SGLang --context-length, llama-server -c "
                         "(default: 4096, or the target's maximum if smaller)")
     add_threads_flag(p, "llamacpp: llama-server's -t in its launch script (default: all cores; THREADS overrides it)")
+    p.add_argument("--block-size", type=int_at_least("--block-size", 2), default=None, metavar="K",
+                   help="EAGLE-3 drafter: the engines draft K - 1 tokens per verification (default: the drafter's "
+                        "stored setting, else its block size)")
+    p.add_argument("--tree-budget", type=int_at_least("--tree-budget", 0), default=None, metavar="N",
+                   help="EAGLE-3 drafter: verify a draft tree of N nodes (0 = the chain; default: the drafter's "
+                        "stored setting, else 0); TensorRT-LLM and SGLang take trees")
     add_mask_token_flag(p)
     p.add_argument("--calib-prompts", default=None, help="--precision: JSONL of {\"turns\": [...]} (default: built-in)")
     p.add_argument("--calib-size", type=positive_int("--calib-size"), default=None, help="--precision: calibration prompts")
@@ -148,7 +154,8 @@ def cmd_bundle(args) -> int:
     manifest = build_bundle(args.target, args.drafter, args.out, args.framework, precision=args.precision, tp=args.tp,
                             dtype=args.dtype, mask_token_id=args.mask_token_id, max_batch_size=args.max_batch_size,
                             max_context=args.max_context, calib_prompts=args.calib_prompts, calib_size=args.calib_size,
-                            threads=args.threads)
+                            threads=args.threads,
+                            setting={"block_size": args.block_size, "tree_budget": args.tree_budget})
     print(f"serving bundle ({manifest['precision']}, tensor parallel {manifest['tensor_parallel_size']}) in {args.out}")
     for framework in manifest["engines"]:
         print(f"  {FRAMEWORKS[framework].title}: sh {Path(args.out) / framework / 'launch.sh'}")
@@ -167,7 +174,7 @@ STAGES = {
     "trt": ("build TensorRT plans from ONNX engines (needs TensorRT and an NVIDIA GPU)",
             _add_trt_args, cmd_trt),
     "bundle": ("a TensorRT-LLM / vLLM / SGLang / llama.cpp serving bundle: z-lab drafter (a DSpark drafter: "
-               "DeepSpec's layout, or a GGUF with its heads), HF target (or the drafter as a llama.cpp GGUF beside the "
+               "DeepSpec's layout, or a GGUF with its heads; an EAGLE-3 drafter: SpecForge's layout), HF target (or the drafter as a llama.cpp GGUF beside the "
                "target GGUF), launch files",
                _add_bundle_args, cmd_bundle),
 }

@@ -18,6 +18,11 @@ converter, the `dflash` model loader and common/speculative.cpp; re-check on upg
   the draft's own head `output` (the target's lm_head rows of those ids); a full-vocabulary draft
   leaves both out and shares the target's output head.
 - llama-server: `-m TARGET -md DRAFT --spec-type draft-dflash --spec-draft-n-max N`, N <= block_size - 1.
+- EAGLE-3 drafters are llama.cpp's `eagle3` architecture, written by its own convert_hf_to_gguf.py
+  (conversion/llama.py: a one-layer config with `draft_vocab_size`, `--target-model-dir` for the
+  target's config.json and tokenizer; the top-level `eagle_aux_hidden_state_layer_ids` become its
+  `extract_layers`, the inputs of those target layers: common/speculative.cpp) and served with
+  `--spec-type draft-eagle3`; loopspec does not write that GGUF itself (convert/bundles/llamacpp.py).
 
 DSpark drafters are the same `dflash` architecture plus the Markov head (that version has no `dspark`
 architecture; its DSpark converter, conversion/qwen.py `DSparkModel`, also writes `dflash`):
@@ -56,10 +61,14 @@ DTYPES = ("f32", "f16")
 MASK_KEY = "tokenizer.ggml.mask_token_id"
 LLAMA_SERVER = "llama-server"
 SPEC_TYPES = {False: "draft-dflash", True: "draft-dspark"}  # by: the drafter has a Markov head
+EAGLE3_SPEC = "draft-eagle3"  # an EAGLE-3 drafter, from llama.cpp's own converter (its eagle3 architecture)
 
 
 def spec_type(cfg) -> str:
-    """llama-server's --spec-type for a drafter: draft-dspark runs the Markov head, draft-dflash not."""
+    """llama-server's --spec-type for a drafter: draft-eagle3 for an EAGLE-3 drafter, draft-dspark runs
+    the Markov head, draft-dflash not."""
+    if cfg.kind.chain:
+        return EAGLE3_SPEC
     return SPEC_TYPES[cfg.kind.markov is not None]
 
 
@@ -222,6 +231,10 @@ def write_dflash_gguf(drafter, target_gguf: str | Path, out_path: str | Path, *,
 
     # which kinds llama.cpp runs (the facts above) is decided with the other frameworks' in drafter_kinds.py
     problem = drafter.cfg.kind.unsupported_in("llamacpp", "llama.cpp")
+    if problem is None and drafter.cfg.kind.chain:  # llama.cpp runs it, from its own converter's eagle3 GGUF
+        problem = ("an EAGLE-3 drafter is llama.cpp's eagle3 architecture (draft-eagle3), converted by llama.cpp's "
+                   "own convert_hf_to_gguf.py, not a dflash GGUF (loopspec convert bundle --framework llamacpp "
+                   "writes it for that converter)")
     if problem:
         raise LoopspecError(f"cannot write this drafter as a llama.cpp GGUF: {problem}")
     if dtype not in DTYPES:
@@ -301,7 +314,7 @@ def llama_server_command(binary: str | Path, target_gguf: str | Path, *, drafter
     if slots is not None:
         argv += ["-np", str(slots)]
     if drafter_gguf is not None:
-        if spec not in SPEC_TYPES.values():
+        if spec not in (*SPEC_TYPES.values(), EAGLE3_SPEC):
             raise LoopspecError(f"unknown llama.cpp speculative type {spec!r}")
         argv += ["-md", str(drafter_gguf), "--spec-type", spec]
         if draft_max is not None:

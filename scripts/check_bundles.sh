@@ -10,9 +10,14 @@
 # dependencies, plus only the packages their configuration code imports. No GPU is needed. Bundles of
 # the default pair are built with this checkout's `loopspec convert bundle`: bf16, tensor parallel 3
 # (SmolLM2's 9 heads / 3 K/V heads split 1 or 3 ways, not 2), FP8 when nvidia-modelopt is
-# installed beside loopspec, a vLLM bundle of a random DSpark drafter for the default target, and vLLM
-# and SGLang bundles of tiny random Qwen3-MoE, gpt-oss and Qwen3.5 targets with drafters of their own. Prints one PASS/FAIL line per check; exits 1 if any check fails.
-# Takes a few minutes (downloads about 500 MB once). Not part of the test suite.
+# installed beside loopspec, a vLLM bundle of a random DSpark drafter for the default target, vLLM and
+# SGLang bundles of a random EAGLE-3 drafter for the default target (a chain; SGLang also a draft
+# tree), and vLLM and SGLang bundles of tiny random Qwen3-MoE, gpt-oss and Qwen3.5 targets with drafters
+# of their own. With LLAMACPP_CONVERT set to llama.cpp's convert_hf_to_gguf.py (the one
+# scripts/build_llama_server.sh keeps), the EAGLE-3 drafter's llama.cpp bundle is also converted with it
+# and the GGUF checked. Prints one PASS/FAIL line per check; exits 1 if any check fails.
+# Takes a few minutes (downloads about 500 MB once; REUSE_VENV=1 keeps a scratch environment that
+# already has the pinned vLLM and SGLang). Not part of the test suite.
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -31,22 +36,31 @@ VLLM_CONFIG_DEPS=(transformers==5.19.0 psutil cbor2 pyzmq urllib3 aiohttp reques
 SGLANG_CONFIG_DEPS=(orjson ipython dill sentencepiece compressed-tensors gguf)
 
 echo "== scratch environment: $work/venv (pip output in $work/install.log)"
-rm -rf "$work/venv" "$work/bundles" "$work/install.log"
-mkdir -p "$work"
-python3 -m venv "$work/venv"
-install() {  # pip install, its output kept in the log; the log's end is shown when it fails
-    "$work/venv/bin/pip" install --disable-pip-version-check "$@" >> "$work/install.log" 2>&1
-}
-# every later install must keep this torch: pip fails rather than replace it
-echo "$TORCH" > "$work/constraints.txt"
-install "$TORCH" || install --index-url "$TORCH_CPU_INDEX" --extra-index-url https://pypi.org/simple "$TORCH" \
-    || { tail -20 "$work/install.log"; exit 1; }
-install -c "$work/constraints.txt" "${VLLM_CONFIG_DEPS[@]}" "${SGLANG_CONFIG_DEPS[@]}" || { tail -20 "$work/install.log"; exit 1; }
-VLLM_TARGET_DEVICE=cpu install --no-deps "vllm==0.33.*" "sglang==0.5.23" || { tail -20 "$work/install.log"; exit 1; }
-# only the CPU build of torchvision loads beside a CPU torch; where it cannot be had, the SGLang
-# ModelConfig check says so instead of passing
-install --no-deps --retries 0 --timeout 20 --index-url "$TORCH_CPU_INDEX" "$TORCHVISION" \
-    || install --no-deps "$TORCHVISION" || echo "   ($TORCHVISION cannot be installed here)"
+reuse=0
+if [ "${REUSE_VENV:-0}" = 1 ] && "$work/venv/bin/python" -c "import torch, vllm, sglang, transformers, sentencepiece
+assert vllm.__version__.startswith('0.33.') and sglang.__version__ == '0.5.23', 'other versions'" 2>/dev/null; then
+    reuse=1
+    echo "   (REUSE_VENV=1: keeping the environment there)"
+fi
+rm -rf "$work/bundles"
+if [ "$reuse" = 0 ]; then
+    rm -rf "$work/venv" "$work/install.log"
+    mkdir -p "$work"
+    python3 -m venv "$work/venv"
+    install() {  # pip install, its output kept in the log; the log's end is shown when it fails
+        "$work/venv/bin/pip" install --disable-pip-version-check "$@" >> "$work/install.log" 2>&1
+    }
+    # every later install must keep this torch: pip fails rather than replace it
+    echo "$TORCH" > "$work/constraints.txt"
+    install "$TORCH" || install --index-url "$TORCH_CPU_INDEX" --extra-index-url https://pypi.org/simple "$TORCH" \
+        || { tail -20 "$work/install.log"; exit 1; }
+    install -c "$work/constraints.txt" "${VLLM_CONFIG_DEPS[@]}" "${SGLANG_CONFIG_DEPS[@]}" || { tail -20 "$work/install.log"; exit 1; }
+    VLLM_TARGET_DEVICE=cpu install --no-deps "vllm==0.33.*" "sglang==0.5.23" || { tail -20 "$work/install.log"; exit 1; }
+    # only the CPU build of torchvision loads beside a CPU torch; where it cannot be had, the SGLang
+    # ModelConfig check says so instead of passing
+    install --no-deps --retries 0 --timeout 20 --index-url "$TORCH_CPU_INDEX" "$TORCHVISION" \
+        || install --no-deps "$TORCHVISION" || echo "   ($TORCHVISION cannot be installed here)"
+fi
 "$work/venv/bin/python" -c "import torch, vllm, sglang, transformers; print('   torch', torch.__version__, '| vllm',
 vllm.__version__, '| sglang', sglang.__version__, '| transformers', transformers.__version__)" 2>/dev/null
 
@@ -80,6 +94,38 @@ Drafter(cfg).save(sys.argv[1])
 PY
 "$loopspec" convert bundle --framework vllm --drafter "$work/dspark-drafter" --out "$work/bundles/dspark" > /dev/null
 bundles+=("$work/bundles/dspark")
+
+# an EAGLE-3 drafter for the default target, random weights and a reduced draft vocabulary, its taps
+# left to the engines' default (the bundle pins them): vLLM method eagle3 and SGLang EAGLE3 as a chain
+# of 4 drafts; SGLang alone as a draft tree of 12 nodes (vLLM 0.33 drafts EAGLE-3 chains only)
+"$loopspec_python" - "$work/eagle3-drafter" <<'PY'
+import sys
+
+import torch
+
+from loopspec.model.eagle3 import fresh_eagle3
+from loopspec.model.families import target_config
+from loopspec.weights import read_json, resolve_target_dir
+
+target = target_config(read_json(resolve_target_dir("default") / "config.json", "target config"))
+torch.manual_seed(0)
+draft_ids = torch.randperm(target.vocab_size)[:8192].sort().values
+fresh_eagle3(target, block_size=5, draft_ids=draft_ids, intermediate_size=1024).save(sys.argv[1])
+PY
+"$loopspec" convert bundle --framework vllm,sglang --drafter "$work/eagle3-drafter" --out "$work/bundles/eagle3" > /dev/null
+"$loopspec" convert bundle --framework sglang --drafter "$work/eagle3-drafter" --tree-budget 12 \
+    --out "$work/bundles/eagle3-tree" > /dev/null
+bundles+=("$work/bundles/eagle3" "$work/bundles/eagle3-tree")
+if [ -n "${LLAMACPP_CONVERT:-}" ]; then
+    # llama.cpp's own converter writes the eagle3 GGUF from the bundle (its scratch-environment Python has
+    # the converter's torch, numpy, transformers and sentencepiece)
+    "$loopspec" convert bundle --framework llamacpp --drafter "$work/eagle3-drafter" --out "$work/bundles/eagle3-llamacpp" > /dev/null
+    LLAMACPP_CONVERT="$LLAMACPP_CONVERT" PYTHON="$work/venv/bin/python" sh "$work/bundles/eagle3-llamacpp/llamacpp/convert.sh" \
+        >> "$work/install.log" 2>&1 || { tail -20 "$work/install.log"; exit 1; }
+    bundles+=("$work/bundles/eagle3-llamacpp")
+else
+    echo "   (no llama.cpp conversion: set LLAMACPP_CONVERT to llama.cpp's convert_hf_to_gguf.py)"
+fi
 
 echo "== bundles of the other target families (tiny random checkpoints with the default target's tokenizer)"
 "$loopspec_python" - "$work/families" <<'PY'

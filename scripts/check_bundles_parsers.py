@@ -1,5 +1,6 @@
 """Run vLLM's and SGLang's own configuration code on serving bundles (called by check_bundles.sh,
-inside its scratch environment, which has the engines but not loopspec).
+inside its scratch environment, which has the engines but not loopspec), and read back the eagle3 GGUF
+llama.cpp's own converter wrote for an EAGLE-3 bundle.
 
     python scripts/check_bundles_parsers.py BUNDLE_DIR [BUNDLE_DIR ...]
 
@@ -57,15 +58,22 @@ def check_vllm(bundle: Path, manifest: dict) -> str:
     # a DSpark drafter of DeepSpec's convention: method dspark, one draft per block position
     expect("speculative method", spec.method, vllm["method"])
     expect("num_speculative_tokens", spec.num_speculative_tokens, vllm["num_speculative_tokens"])
+    draft_config = spec.draft_model_config.hf_config
     if vllm["method"] == "dspark":  # vLLM's own Qwen3 DSpark model, not its DeepSeek-V4 one
-        expect("draft architectures", list(spec.draft_model_config.hf_config.architectures), ["Qwen3DSparkModel"])
+        expect("draft architectures", list(draft_config.architectures), ["Qwen3DSparkModel"])
+    if vllm["method"] == "eagle3":  # its LlamaForCausalLMEagle3 model, the taps as the stream entering layer j
+        expect("draft architectures", list(draft_config.architectures), ["LlamaForCausalLMEagle3"])
+        expect("aux hidden state layers", list(draft_config.eagle_aux_hidden_state_layer_ids),
+               [i + 1 for i in manifest["target_layer_ids"]])
     expect("tensor_parallel_size", config.parallel_config.tensor_parallel_size, manifest["tensor_parallel_size"])
     target_type = json.loads((bundle / "target" / "config.json").read_text())["model_type"]
     expect("target model type", config.model_config.hf_config.model_type, target_type)
     expect("max_model_len", config.model_config.max_model_len, manifest["max_context"])
     expect("max_num_seqs", config.scheduler_config.max_num_seqs, manifest["max_batch_size"])
     expect("served model name", config.model_config.served_model_name, manifest["served_model_name"])
-    draft_vocab = getattr(spec.draft_model_config.hf_config, "draft_vocab_size", None) or "full"
+    draft_vocab = getattr(draft_config, "draft_vocab_size", None)
+    if draft_vocab in (None, config.model_config.get_vocab_size()):  # EAGLE-3's config always names one
+        draft_vocab = "full"
     expect("draft vocabulary", draft_vocab, manifest["draft_vocab"]["vllm"])
     quantization = config.model_config.quantization
     return (f"{target_type} target, {spec.method} k={spec.num_speculative_tokens}, "
@@ -84,16 +92,30 @@ def sglang_server_args(bundle: Path):
 
 def check_sglang_server_args(bundle: Path, manifest: dict) -> str:
     server_args = sglang_server_args(bundle)
-    # a DSpark drafter of DeepSpec's convention: DSPARK, gamma = its drafts per block, verify window gamma + 1
-    dspark = manifest["block_convention"] == "deepspec"
-    expect("speculative algorithm", server_args.speculative_algorithm, "DSPARK" if dspark else "DFLASH")
-    expect("speculative_num_draft_tokens", server_args.speculative_num_draft_tokens,
-           manifest["drafts_per_block"] + 1 if dspark else manifest["block_size"])
+    convention = manifest["block_convention"]
+    if convention == "eagle3":  # EAGLE3: the chain's steps with topk 1, or the tree's nodes beside the root
+        nodes, drafts = manifest["draft_tree_nodes"], manifest["drafts_per_block"]
+        expect("speculative algorithm", server_args.speculative_algorithm, "EAGLE3")
+        expect("speculative_num_draft_tokens", server_args.speculative_num_draft_tokens, (nodes or drafts) + 1)
+        expect("speculative_num_steps", server_args.speculative_num_steps, min(drafts, nodes) if nodes else drafts)
+        if not nodes:
+            expect("speculative_eagle_topk", server_args.speculative_eagle_topk, 1)
+        topk, steps = server_args.speculative_eagle_topk, server_args.speculative_num_steps
+        # organize_draft_results picks the nodes from topk + (steps - 1) * topk^2 candidates
+        assert nodes <= topk + (steps - 1) * topk * topk, (nodes, topk, steps)
+    else:
+        # a DSpark drafter of DeepSpec's convention: DSPARK, gamma = its drafts per block, verify window gamma + 1
+        dspark = convention == "deepspec"
+        expect("speculative algorithm", server_args.speculative_algorithm, "DSPARK" if dspark else "DFLASH")
+        expect("speculative_num_draft_tokens", server_args.speculative_num_draft_tokens,
+               manifest["drafts_per_block"] + 1 if dspark else manifest["block_size"])
     expect("tp_size", server_args.tp_size, manifest["tensor_parallel_size"])
     expect("context_length", server_args.context_length, manifest["max_context"])
     expect("max_running_requests", server_args.max_running_requests, manifest["max_batch_size"])
     expect("served model name", server_args.served_model_name, manifest["served_model_name"])
-    return (f"{server_args.speculative_algorithm} {server_args.speculative_num_draft_tokens} tokens, "
+    tree = (f"{server_args.speculative_num_steps} steps, topk {server_args.speculative_eagle_topk}, "
+            if convention == "eagle3" else "")
+    return (f"{server_args.speculative_algorithm} {server_args.speculative_num_draft_tokens} tokens, {tree}"
             f"tp={server_args.tp_size}, "
             f"context {server_args.context_length}, drafter quantization "
             f"{server_args.speculative_draft_model_quantization}")
@@ -120,10 +142,31 @@ def check_sglang_model_config(bundle: Path, manifest: dict) -> str:
             f"drafter vocab {draft.vocab_size}")
 
 
+def check_llamacpp_eagle3(bundle: Path, manifest: dict) -> str:
+    """The eagle3 GGUF llama.cpp's converter wrote from the bundle (check_bundles.sh ran llamacpp/convert.sh):
+    its architecture, the target layers whose inputs llama-server extracts, and d2t as absolute target ids."""
+    import numpy as np
+    from gguf import GGUFReader
+    from safetensors.numpy import load_file
+
+    entry = manifest["llamacpp"]
+    reader = GGUFReader(str(bundle / entry["drafter"]))
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    expect("architecture", field("general.architecture"), "eagle3")
+    expect("target layers (inputs of)", list(field("eagle3.target_layers")), [i + 1 for i in manifest["target_layer_ids"]])
+    d2t = next(t for t in reader.tensors if t.name == "d2t")
+    offsets = load_file(str(bundle / entry["drafter_source"] / "model.safetensors"))["d2t"]
+    expect("d2t (absolute target ids)", np.asarray(d2t.data).tolist(), (offsets + np.arange(offsets.size)).tolist())
+    expect("spec type", entry["spec_type"], "draft-eagle3")
+    return (f"eagle3 GGUF, target layers {list(field('eagle3.target_layers'))}, draft vocab {d2t.data.size}, "
+            f"{len(reader.tensors)} tensors")
+
+
 # (engine, what runs, check)
 CHECKS = [("vllm", "make_arg_parser -> AsyncEngineArgs.create_engine_config", check_vllm),
           ("sglang", "prepare_server_args", check_sglang_server_args),
-          ("sglang", "ModelConfig (target and drafter)", check_sglang_model_config)]
+          ("sglang", "ModelConfig (target and drafter)", check_sglang_model_config),
+          ("llamacpp", "convert_hf_to_gguf.py's eagle3 GGUF", check_llamacpp_eagle3)]
 
 
 def main(bundles: list[str]) -> int:
@@ -132,7 +175,7 @@ def main(bundles: list[str]) -> int:
         manifest = json.loads((bundle / "manifest.json").read_text())
         label = f"{bundle.name} ({manifest['precision']}, tp={manifest['tensor_parallel_size']})"
         for engine, what, check in CHECKS:
-            if engine not in manifest["engines"]:
+            if engine not in manifest["engines"] or (engine == "llamacpp" and manifest["block_convention"] != "eagle3"):
                 continue
             cwd = Path.cwd()
             os.chdir(bundle)  # the launch lines use paths relative to the bundle root

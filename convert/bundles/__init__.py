@@ -46,17 +46,19 @@ from loopspec.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET_MASK_TOKEN_ID
 from loopspec.engines.llamacpp import gguf_target_info
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import check_fits, resolve_mask_token_id
+from loopspec.model.drafter import resolve_mask_token_id
 from loopspec.model.drafter_kinds import DrafterKind
-from loopspec.model.eagle3 import load_drafter
+from loopspec.model.eagle3 import fit_drafter, load_drafter
 from loopspec.model.families import target_config
 from loopspec.precisions import precision_names
+from loopspec.settings import DecodingSettings, resolve_settings
 from loopspec.weights import TargetSource, file_sha256, load_tokenizer, read_json, target_fingerprint
 
 # every serving framework a bundle can target, in the order bundles list them
 FRAMEWORKS: dict[str, ServingFramework] = {f.name: f for f in (TRTLLM, VLLM, SGLANG, LLAMACPP)}
 PRECISIONS = precision_names(weights=("modelopt",))  # quantized checkpoints a bundle can carry
 DEFAULT_MAX_CONTEXT = 4096  # tokens per request (prompt + output), capped at the target's own maximum
+SETTING_KNOBS = ("block_size", "tree_budget")  # the decoding knobs a bundle's engines take (an EAGLE-3 drafter's)
 
 HF_ONLY_OPTIONS = ("--tp and --precision apply to TensorRT-LLM, vLLM and SGLang; llama.cpp serves the target GGUF "
                    "as it is, in one process")
@@ -74,9 +76,12 @@ def build_bundle(target: str | Path | TargetSource, drafter: str, out_dir: str |
                  *, precision: str | None = None, tp: int = 1, dtype: str = "bfloat16",
                  mask_token_id: int | None = None, max_batch_size: int = 8, max_context: int | None = None,
                  calib_prompts: str | None = None, calib_size: int | None = None,
-                 threads: int | None = None) -> dict:
+                 threads: int | None = None, setting: dict | None = None) -> dict:
     """Write a serving bundle for `frameworks` (names, comma-separated or a list, or 'all') into
-    `out_dir`; returns its manifest. `threads` is the llama.cpp launch's default -t (None: all cores)."""
+    `out_dir`; returns its manifest. `threads` is the llama.cpp launch's default -t (None: all cores).
+    `setting`: the decoding knobs an EAGLE-3 drafter's engines draft with ({"block_size": k,
+    "tree_budget": n}, as --block-size / --tree-budget give them; one not given, or None, comes from
+    the drafter's stored setting, else its block size and the chain); a block drafter drafts its block."""
     source = TargetSource.of(target)
     every = frameworks == "all" or frameworks == ["all"]
     names = parse_frameworks(frameworks, gguf_target=source.gguf is not None)
@@ -95,13 +100,14 @@ def build_bundle(target: str | Path | TargetSource, drafter: str, out_dir: str |
     out = check_out_dir(out_dir, "manifest.json", "a bundle")
 
     drafter_dir = _resolve_drafter(drafter, source)
-    model = load_drafter(drafter_dir)  # an EAGLE-3 drafter is refused below, naming its kind
+    model = load_drafter(drafter_dir)
     cfg = model.cfg
-    chosen = [FRAMEWORKS[name] for name in frameworks_for(cfg.kind, names, every)]  # where its heads run
+    drafting = drafting_setting(cfg, setting)
+    chosen = [FRAMEWORKS[name] for name in frameworks_for(cfg.kind, names, every, drafting.tree_budget)]
     _check_hf_only_options([f.name for f in chosen], tp, precision)
     hf = any(f.target == HF_TARGET for f in chosen)
     target_dir = target_cfg = None
-    if hf:
+    if hf or cfg.kind.drafts_in_steps:  # an EAGLE-3 drafter's taps and fit are the checkpoint's, for any framework
         target_dir = source.checkpoint_dir()
         target_cfg = target_config(read_json(target_dir / "config.json", "target config"))
         positions, vocab_size = target_cfg.max_position_embeddings, target_cfg.vocab_size
@@ -109,24 +115,25 @@ def build_bundle(target: str | Path | TargetSource, drafter: str, out_dir: str |
         info = gguf_target_info(source.gguf)
         positions, vocab_size = info["context_length"] or DEFAULT_MAX_CONTEXT, info["vocab_size"]
     max_context = resolve_max_context(max_context, positions)
-    if cfg.mask_token_id is None:
+    if cfg.kind.masks_block and cfg.mask_token_id is None:
         if mask_token_id is None and source.is_default:
             mask_token_id = DEFAULT_TARGET_MASK_TOKEN_ID
         # a GGUF's tokenizer names every row of its vocabulary: no unused row to take
         tokenizer_len = len(load_tokenizer(target_dir)) if hf else vocab_size
         cfg.mask_token_id = resolve_mask_token_id(mask_token_id, tokenizer_len, vocab_size)
+    if target_cfg is not None:
+        fit_drafter(cfg, target_cfg)  # an EAGLE-3 drafter without pinned taps gets the engines' default ones
     if hf:
-        check_fits(cfg, target_cfg)
         check_tp(tp, target_cfg.num_heads, target_cfg.num_kv_heads, "target")
         check_tp(tp, cfg.num_heads, cfg.num_kv_heads, "drafter")
 
     # the reduced draft vocabulary (d2t), None when the drafter has none
     vocab = None if model.draft_ids is None else int(model.draft_ids.numel())
-    s = LaunchSettings(name=source.display_name, tp=tp, block_size=cfg.block_size,
-                       drafts=cfg.kind.drafts_per_block(cfg.block_size), mask_token_id=cfg.mask_token_id,
+    s = LaunchSettings(name=source.display_name, tp=tp, block_size=drafting.block_size,
+                       drafts=cfg.kind.drafts_per_block(drafting.block_size), mask_token_id=cfg.mask_token_id,
                        target_layer_ids=list(cfg.target_layer_ids), precision=precision,
                        max_batch_size=max_batch_size, max_context=max_context, drafter=cfg, draft_vocab=vocab,
-                       threads=threads)
+                       threads=threads, tree_budget=drafting.tree_budget)
     fingerprint = target_fingerprint(target_dir) if hf else file_sha256(source.gguf, limit_bytes=16 << 20)
     sources = {"target": str(source), "target_fingerprint": fingerprint,
                "drafter": str(drafter_dir),
@@ -175,19 +182,40 @@ def parse_frameworks(text: str | list[str], gguf_target: bool = True) -> list[st
     return [name for name in FRAMEWORKS if name in names]
 
 
-def frameworks_for(kind: DrafterKind, names: list[str], every: bool) -> list[str]:
-    """The frameworks of `names` that serve a drafter of this kind: with `every` ('all'), those that
-    can; otherwise all of them, or a one-line refusal naming the first that cannot and why."""
-    usable = [n for n in names if FRAMEWORKS[n].refuses(kind) is None]
+def frameworks_for(kind: DrafterKind, names: list[str], every: bool, tree_budget: int = 0) -> list[str]:
+    """The frameworks of `names` that serve a drafter of this kind (with a draft tree of `tree_budget`
+    nodes, 0: the chain): with `every` ('all'), those that can; otherwise all of them, or a one-line
+    refusal naming the first that cannot and why."""
+    usable = [n for n in names if FRAMEWORKS[n].refuses(kind, tree_budget) is None]
     if every and usable:
         return usable
     for name in names:
-        why = FRAMEWORKS[name].refuses(kind)
+        why = FRAMEWORKS[name].refuses(kind, tree_budget)
         if why:
-            able = [f.title for f in FRAMEWORKS.values() if f.refuses(kind) is None]
-            raise LoopspecError(f"{FRAMEWORKS[name].title} cannot serve this {kind.title} drafter: {why}"
+            able = [f.title for f in FRAMEWORKS.values() if f.refuses(kind, tree_budget) is None]
+            what = f"this {kind.title} drafter" + (f" with a draft tree ({tree_budget} nodes)" if tree_budget else "")
+            raise LoopspecError(f"{FRAMEWORKS[name].title} cannot serve {what}: {why}"
                                 + (f" (engines that can: {', '.join(able)})" if able else ""))
     return names
+
+
+def drafting_setting(cfg, setting: dict | None) -> DecodingSettings:
+    """The block size and tree budget the engines draft with: a block drafter's own block as a chain (a
+    setting given for one is refused); an EAGLE-3 drafter's from `setting`, else its stored setting, else
+    its block size and the chain (loopspec.settings.resolve_settings, method dflash: one stage)."""
+    given = {k: v for k, v in (setting or {}).items() if v is not None}
+    unknown = sorted(set(given) - set(SETTING_KNOBS))
+    if unknown:
+        raise LoopspecError(f"a bundle takes {' and '.join(SETTING_KNOBS)} from the decoding setting, not {unknown[0]}")
+    if not cfg.kind.drafts_in_steps:
+        if given:
+            raise LoopspecError(f"--block-size and --tree-budget set an EAGLE-3 drafter's chain or tree; the engines "
+                                f"run this {cfg.kind.title} drafter's trained block of {cfg.block_size} as a chain")
+        return DecodingSettings("dflash", block_size=cfg.block_size)
+    if given.get("block_size", 2) < 2:
+        raise LoopspecError(f"an EAGLE-3 bundle drafts at least one token per verification: block size must be >= 2, "
+                            f"got {given['block_size']}")
+    return resolve_settings("dflash", cfg, **given)
 
 
 def _check_hf_only_options(names: list[str], tp: int, precision: str | None) -> None:

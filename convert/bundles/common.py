@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.drafter import DRAFT_CANDIDATES, Drafter, DrafterConfig
 from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK, DrafterKind
 from loopspec.model.target import TargetConfig
 from loopspec.weights import TargetSource, file_sha256
@@ -26,24 +26,47 @@ class LaunchSettings:
     name: str  # served model name
     tp: int
     block_size: int
-    drafts: int  # drafts per verification: block_size - 1 (z-lab's convention) or block_size (DeepSpec's)
-    mask_token_id: int
-    target_layer_ids: list[int]
+    drafts: int  # drafts per verification: block_size - 1 (z-lab's convention, EAGLE-3's steps) or block_size
+    mask_token_id: int | None  # None: a chain drafter fills no block with a mask token (EAGLE-3)
+    target_layer_ids: list[int]  # loopspec's taps: the output of target layer i
     precision: str | None
     max_batch_size: int  # requests decoding at once
     max_context: int  # tokens per request, prompt + output
     drafter: DrafterConfig
     draft_vocab: int | None = None  # the drafter's reduced draft vocabulary (d2t), None: it drafts over all
     threads: int | None = None  # a CPU framework's default threads in its launch script (None: all cores)
+    tree_budget: int = 0  # the setting's draft-tree nodes per verification (0: the chain; EAGLE-3 only)
 
     @property
     def kind(self) -> DrafterKind:
         return self.drafter.kind
 
     @property
+    def tree_nodes(self) -> int:
+        """The draft-tree nodes one verification checks (0: the chain): the setting's tree budget, at most
+        what loopspec's tree over these steps holds (the chain and its DRAFT_CANDIDATES ranked candidates
+        at each depth: runtime/proposal.py, loopspec/tree.py best_first)."""
+        return min(self.tree_budget, DRAFT_CANDIDATES * self.drafts)
+
+    @property
+    def tree_depth(self) -> int:
+        """The drafter steps a tree takes: the chain's, or fewer where the tree has fewer nodes."""
+        return min(self.drafts, self.tree_nodes)
+
+    @property
+    def tree_topk(self) -> int:
+        """The candidates a tree takes at each step: loopspec's ranked candidates, at most its nodes."""
+        return min(DRAFT_CANDIDATES, self.tree_nodes)
+
+    @property
+    def verified_tokens(self) -> int:
+        """Tokens one request verifies in a step: its anchor and its drafts (a tree's nodes, or the chain)."""
+        return 1 + (self.tree_nodes or self.drafts)
+
+    @property
     def max_num_tokens(self) -> int:
         """Tokens one forward may carry: a whole prompt of max_context, or every request's block."""
-        return max(self.max_context, self.max_batch_size * self.block_size)
+        return max(self.max_context, self.max_batch_size * max(self.block_size, self.verified_tokens))
 
 
 @dataclass
@@ -80,10 +103,11 @@ class ServingFramework:
     full_vocab_reason: str | None = None
     manifest_entry: Callable[[LaunchSettings], dict] | None = None  # its own key in manifest.json
     manifest_entry_with_drafting: bool = False  # that key sits beside drafts_per_block, else after files
+    tree_refusal: str | None = None  # why it cannot verify a draft tree of an EAGLE-3 drafter (None: it can)
 
-    def refuses(self, kind: DrafterKind) -> str | None:
-        """Why it cannot serve a drafter of this kind (None: it can)."""
-        return kind.unsupported_in(self.name, self.title)
+    def refuses(self, kind: DrafterKind, tree_budget: int = 0) -> str | None:
+        """Why it cannot serve a drafter of this kind with this setting's tree (None: it can)."""
+        return kind.unsupported_in(self.name, self.title) or (self.tree_refusal if tree_budget else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,8 +151,9 @@ def launch_script(title: str, argv: list[str], settings: str = "") -> str:
 
 # Which framework supports what, declared once (README and docs/serving.md print it): loopspec's own
 # runtime, then each framework's row (ServingFramework.support)
-SUPPORT_COLUMNS = ("DFlash", "DSpark", "DLoop", "d2t reduced vocab", "FP8", "NVFP4", "tensor parallel")
-RUNTIME_SUPPORT = ("loopspec runtime", ("yes", "yes (every head and block convention)", "yes", "yes",
+SUPPORT_COLUMNS = ("DFlash", "DSpark", "EAGLE-3", "DLoop", "d2t reduced vocab", "FP8", "NVFP4", "tensor parallel")
+RUNTIME_SUPPORT = ("loopspec runtime", ("yes", "yes (every head and block convention)",
+                                        "chains and trees (torch backend)", "yes", "yes",
                                         "drafter (ONNX Runtime / TensorRT)",
                                         "TensorRT on Blackwell", "no (one device)"))
 
@@ -140,14 +165,22 @@ def support_matrix_markdown(frameworks: list[ServingFramework]) -> str:
     return "\n".join(lines)
 
 
-def draft_vocab_per_framework(frameworks: list[ServingFramework], draft_vocab_size: int | None) -> dict:
+def draft_vocab_per_framework(frameworks: list[ServingFramework], draft_vocab_size: int | None,
+                              kind: DrafterKind | None = None) -> dict:
     """{framework: draft vocabulary it drafts over}: the reduced size where the bundle carries it, else "full"."""
-    return {f.name: draft_vocab_size if draft_vocab_size and f.reduced_vocab_line else "full" for f in frameworks}
+    every = kind is not None and kind.serves_its_draft_vocab
+    return {f.name: draft_vocab_size if draft_vocab_size and (every or f.reduced_vocab_line) else "full"
+            for f in frameworks}
 
 
-def _draft_vocab_lines(frameworks: list[ServingFramework], vocab: int | None) -> list[str]:
+def _draft_vocab_lines(frameworks: list[ServingFramework], vocab: int | None, kind: DrafterKind) -> list[str]:
     if not vocab:
         return ["- Draft vocabulary: full (the drafter was trained on the whole vocabulary)."]
+    if kind.serves_its_draft_vocab:
+        return [f"- Draft vocabulary: reduced, {vocab} tokens, as the drafter was trained: every engine drafts "
+                "with the drafter's own `lm_head` of those rows and maps them to target ids with `d2t` (target "
+                "id = draft id + d2t), from `drafter/`" + (" (llama.cpp: the `d2t` tensor of absolute ids in its "
+                                                             "converted GGUF)." if any(f.name == "llamacpp" for f in frameworks) else ".")]
     lines = [f"- Draft vocabulary: the drafter was trained with a reduced draft vocabulary of {vocab} tokens "
              "(`d2t`). Drafting over the full vocabulary instead keeps the output exact (verification "
              "decides) but can lower τ a little."]
@@ -158,6 +191,16 @@ def _draft_vocab_lines(frameworks: list[ServingFramework], vocab: int | None) ->
 
 def _convention_lines(s: LaunchSettings) -> list[str]:
     """The block convention, stated: which block outputs are drafts decides how a framework must run it."""
+    if s.kind.drafts_in_steps:
+        shape = (f"a draft tree of {s.tree_nodes} nodes per verification, {s.tree_depth} drafter steps deep with "
+                 f"{s.tree_topk} candidates a step" if s.tree_nodes else
+                 f"a chain of {s.drafts} drafts per verification (block size {s.block_size})")
+        trees = (" The engines grow their own trees (EAGLE-2's dynamic tree, best candidates first) within that "
+                 "budget, so a tree's nodes can differ from loopspec's; outputs are the target's either way."
+                 if s.tree_nodes else "")
+        return [f"Drafting: EAGLE-3, one drafter step per draft over the target's three fused taps; {shape}, "
+                "from the decoding setting (`--block-size`, `--tree-budget`, else the drafter's stored setting)."
+                + trees, ""]
     if s.kind.convention is DEEPSPEC_BLOCK:
         return [f"Block convention: DeepSpec's. The block is [anchor, mask x {s.block_size - 1}] and every block "
                 f"position i drafts the token at anchor+i+1, so one block gives {s.drafts} drafts (vLLM "
@@ -182,9 +225,9 @@ def readme(frameworks: list[ServingFramework], s: LaunchSettings, dtype: str, so
     lines = [f"# Serving bundle: {s.name}", "",
              f"Target `{s.name}` ({precision}, from `{sources['target']}`) with the {s.kind.title} drafter "
              f"`{sources['drafter']}` "
-             f"(block size {s.block_size}, {s.drafts} drafts per block, taps {s.target_layer_ids}, mask token "
-             f"{s.mask_token_id}), "
-             f"tensor parallel size {s.tp}, up to {s.max_batch_size} requests at once of up to "
+             f"(block size {s.block_size}, {s.drafts} drafts per block, taps {s.target_layer_ids}"
+             + (f", mask token {s.mask_token_id}), " if s.mask_token_id is not None else "), ")
+             + f"tensor parallel size {s.tp}, up to {s.max_batch_size} requests at once of up to "
              f"{s.max_context} tokens each (prompt + output). Every engine serves it as `{s.name}`.", "",
              *_convention_lines(s), "## Launch", ""]
     lines += [f"- {f.title}: `sh {f.name}/launch.sh [extra engine flags]`" for f in frameworks]
@@ -200,12 +243,20 @@ def readme(frameworks: list[ServingFramework], s: LaunchSettings, dtype: str, so
                      "`confidence_head.proj`, without the `embed_tokens` / `lm_head` copies: vLLM shares the "
                      f"target's), read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])} "
                      "as a DSpark drafter.")
+    elif hf and s.kind.drafts_in_steps:
+        lines.append("- `drafter/`: SpecForge's EAGLE-3 layout (`config.json` with `architectures: "
+                     "[\"LlamaForCausalLMEagle3\"]`, `draft_vocab_size`, the taps as "
+                     f"`eagle_aux_hidden_state_layer_ids` {[i + 1 for i in s.target_layer_ids]} at the top level (vLLM's "
+                     "and llama.cpp's numbering: the stream entering layer j) and in `eagle_config` "
+                     f"{s.target_layer_ids} (SGLang's: the output of layer i); `model.safetensors` with `fc`, "
+                     "`midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, without `embed_tokens`: the target's is shared), "
+                     f"read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])}.")
     elif hf:
         lines.append("- `drafter/`: z-lab DFlash format (`config.json` with `dflash_config.mask_token_id` and "
                      "`target_layer_ids`, `model.safetensors`), read by TensorRT-LLM, vLLM and SGLang.")
     for f in frameworks:
         lines += f.readme_uses(s) if f.readme_uses else []
-    lines += [*_draft_vocab_lines(frameworks, s.draft_vocab),
+    lines += [*_draft_vocab_lines(frameworks, s.draft_vocab, s.kind),
               "- DLoop (several draft stages per verification) runs only in loopspec's own runtime; the "
               "engines run one draft stage per verification."]
     if hf:
@@ -232,16 +283,17 @@ def manifest(out: Path, frameworks: list[ServingFramework], s: LaunchSettings, d
             pass
     files = {str(p.relative_to(out)): file_sha256(p) for p in sorted(out.rglob("*")) if p.is_file()}
     vocab = s.draft_vocab
-    reasons = {f.name: f.full_vocab_reason for f in frameworks if vocab and f.full_vocab_reason}
+    reasons = {f.name: f.full_vocab_reason for f in frameworks
+               if vocab and f.full_vocab_reason and not s.kind.serves_its_draft_vocab}
     entries = [f for f in frameworks if f.manifest_entry]
     # the manifest names its frameworks "engines", as bundles always have (scripts and users read it)
     return {"kind": "serving-bundle", "engines": [f.name for f in frameworks], "served_model_name": s.name,
             "tensor_parallel_size": s.tp, "max_batch_size": s.max_batch_size, "max_context": s.max_context,
             "precision": s.precision or dtype, "block_size": s.block_size, "mask_token_id": s.mask_token_id,
             "drafter_kind": s.kind.title, "block_convention": s.kind.convention.name,
-            "drafts_per_block": s.drafts,
+            "drafts_per_block": s.drafts, **({"draft_tree_nodes": s.tree_nodes} if s.kind.drafts_in_steps else {}),
             **{f.name: f.manifest_entry(s) for f in entries if f.manifest_entry_with_drafting},
             "target_layer_ids": s.target_layer_ids, "trained_draft_vocab_size": vocab,
-            "draft_vocab": draft_vocab_per_framework(frameworks, vocab),
+            "draft_vocab": draft_vocab_per_framework(frameworks, vocab, s.kind),
             "full_draft_vocab_reasons": reasons, "sources": sources, "tools": tools, "files": files,
             **{f.name: f.manifest_entry(s) for f in entries if not f.manifest_entry_with_drafting}}

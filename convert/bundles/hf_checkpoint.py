@@ -1,5 +1,6 @@
 """The Hugging Face part of a bundle, shared by the frameworks that serve the checkpoint: drafter/
-(the drafter over the full vocabulary) and target/ (the target's checkpoint, cast or modelopt-quantized)."""
+(a block drafter over the full vocabulary, an EAGLE-3 drafter as it is) and target/ (the target's
+checkpoint, cast or modelopt-quantized)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ def full_vocab_drafter(drafter: Drafter) -> Drafter:
 
 
 def write_hf_checkpoint(parts: BundleParts, tmp: Path) -> None:
-    """drafter/ (z-lab or DeepSpec layout, full vocabulary) and target/ (HF, maybe quantized)."""
+    """drafter/ (z-lab or DeepSpec layout, full vocabulary; an EAGLE-3 drafter in SpecForge's layout with
+    its own draft vocabulary) and target/ (HF, maybe quantized)."""
     dtype = DTYPES[parts.dtype]
-    full_vocab_drafter(parts.drafter).save(tmp / "drafter", dtype=dtype)
+    drafter = parts.drafter if parts.drafter.cfg.kind.serves_its_draft_vocab else full_vocab_drafter(parts.drafter)
+    drafter.save(tmp / "drafter", dtype=dtype)
     if parts.precision is None:
         export_target(parts.target_dir, tmp / "target", dtype)
     else:

@@ -1,9 +1,14 @@
 """llama.cpp: llama-server on the target GGUF (a copy in the bundle) with the drafter as a llama.cpp
-`dflash` GGUF (a DSpark drafter with its heads, run as draft-dspark).
+`dflash` GGUF (a DSpark drafter with its heads, run as draft-dspark), or an EAGLE-3 drafter as
+llama.cpp's own converter reads it (run as draft-eagle3).
 
 The GGUF format and the llama-server command line (the version vendored by llama-cpp-python 0.3.36)
 are loopspec/engines/llamacpp.py's; which drafter kinds llama.cpp takes is stated in
-loopspec/model/drafter_kinds.py.
+loopspec/model/drafter_kinds.py. An EAGLE-3 GGUF is llama.cpp's `eagle3` architecture, which that
+version's convert_hf_to_gguf.py writes from the SpecForge checkpoint and the target's config.json and
+tokenizer (`--target-model-dir`); the bundle carries both, and its launch script converts once, with
+the converter of the llama.cpp that built the llama-server, before it serves. llama.cpp drafts
+EAGLE-3 as a chain of up to `--spec-draft-n-max` tokens (common/speculative.cpp): no draft tree.
 """
 
 from __future__ import annotations
@@ -11,12 +16,19 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
+
 from loopspec.convert.bundles.common import GGUF_TARGET, BundleParts, LaunchSettings, ServingFramework, launch_script
+from loopspec.convert.bundles.hf_checkpoint import TOKENIZER_FILES
 from loopspec.engines.llamacpp import cached_drafter_gguf, llama_server_command, spec_type
 
 TITLE = "llama.cpp"
 LLAMACPP_TARGET = "llamacpp/target.gguf"
 LLAMACPP_DRAFTER = "llamacpp/drafter.gguf"  # f32, with the reduced draft vocabulary when it has one
+# an EAGLE-3 drafter: what llama.cpp's convert_hf_to_gguf.py reads, and the script that runs it
+LLAMACPP_EAGLE3 = "llamacpp/eagle3"  # the SpecForge checkpoint, f32
+LLAMACPP_TARGET_CONFIG = "llamacpp/target-config"  # the target's config.json and tokenizer (--target-model-dir)
+LLAMACPP_CONVERT = "llamacpp/convert.sh"
 
 
 def llamacpp_files(s: LaunchSettings) -> dict[str, str]:
@@ -32,25 +44,71 @@ def llamacpp_files(s: LaunchSettings) -> dict[str, str]:
                                 draft_max=s.drafts, threads="$THREADS", context=s.max_context,
                                 host="$HOST", port="$PORT", spec=spec_type(s.drafter))
     argv += ["--alias", s.name]
-    return {"llamacpp/launch.sh": launch_script(TITLE, argv, settings)}
+    if not s.kind.drafts_in_steps:
+        return {"llamacpp/launch.sh": launch_script(TITLE, argv, settings)}
+    settings += (f"[ -f ./{LLAMACPP_DRAFTER} ] || sh ./{LLAMACPP_CONVERT}  # the eagle3 GGUF, "
+                 "converted once by llama.cpp's own converter\n")
+    return {"llamacpp/launch.sh": launch_script(TITLE, argv, settings), LLAMACPP_CONVERT: convert_script()}
+
+
+def convert_script() -> str:
+    """The shell script running llama.cpp's convert_hf_to_gguf.py on the EAGLE-3 checkpoint."""
+    return ("#!/bin/sh\n"
+            "# Convert the EAGLE-3 drafter to llama.cpp's eagle3 GGUF with llama.cpp's own converter. Use the\n"
+            "# convert_hf_to_gguf.py of the llama.cpp that built llama-server (scripts/build_llama_server.sh keeps\n"
+            "# it under PREFIX/src); it needs torch, numpy and transformers. Extra flags are passed on.\n"
+            "set -eu\n"
+            'cd "$(dirname "$0")/.."  # paths below are relative to the bundle root\n'
+            'LLAMACPP_CONVERT="${LLAMACPP_CONVERT:-convert_hf_to_gguf.py}"\n'
+            'PYTHON="${PYTHON:-python3}"\n'
+            f'exec "$PYTHON" "$LLAMACPP_CONVERT" ./{LLAMACPP_EAGLE3} \\\n'
+            f"    --target-model-dir ./{LLAMACPP_TARGET_CONFIG} \\\n"
+            "    --outtype f32 \\\n"
+            f'    --outfile ./{LLAMACPP_DRAFTER} \\\n'
+            '    "$@"\n')
 
 
 def _write_parts(parts: BundleParts, tmp: Path) -> None:
     """The target GGUF's copy and the drafter GGUF (with its reduced draft vocabulary when it has one)."""
     (tmp / "llamacpp").mkdir()
     shutil.copyfile(parts.source.gguf, tmp / LLAMACPP_TARGET)
+    if parts.drafter.cfg.kind.drafts_in_steps:
+        write_eagle3_sources(parts, tmp)
+        return
     shutil.copyfile(cached_drafter_gguf(parts.drafter, parts.drafter_dir, parts.source.gguf), tmp / LLAMACPP_DRAFTER)
 
 
+def write_eagle3_sources(parts: BundleParts, tmp: Path) -> None:
+    """What llama.cpp's converter reads for an EAGLE-3 drafter: the SpecForge checkpoint (f32, with its
+    `d2t`; its top-level `eagle_aux_hidden_state_layer_ids` are the target layers whose inputs llama.cpp
+    extracts) and the target's config.json and tokenizer files."""
+    parts.drafter.save(tmp / LLAMACPP_EAGLE3, dtype=torch.float32)
+    config = tmp / LLAMACPP_TARGET_CONFIG
+    config.mkdir(parents=True)
+    for name in ("config.json", *TOKENIZER_FILES):
+        if (parts.target_dir / name).is_file():
+            shutil.copyfile(parts.target_dir / name, config / name)
+
+
 def _readme_launch(s: LaunchSettings) -> list[str]:
+    convert = ([f" Before its first launch it runs `{LLAMACPP_CONVERT}`: llama.cpp's own `convert_hf_to_gguf.py` "
+                "(`$LLAMACPP_CONVERT`, the one of the llama.cpp that built llama-server; `$PYTHON` runs it) writes "
+                f"`{LLAMACPP_DRAFTER}` from `{LLAMACPP_EAGLE3}/` with `--target-model-dir {LLAMACPP_TARGET_CONFIG}`."]
+               if s.kind.drafts_in_steps else [""])
     return ["", f"`llamacpp/launch.sh` runs llama-server (`$LLAMA_SERVER`, else `llama-server` on PATH) on "
             f"`{LLAMACPP_TARGET}` (a copy of the target GGUF) with the drafter `{LLAMACPP_DRAFTER}` "
             f"(`--spec-type {spec_type(s.drafter)} --spec-draft-n-max {s.drafts}`); `THREADS`, `HOST` and `PORT` "
-            "in the environment set `-t`, `--host` and `--port` (defaults: all cores, 127.0.0.1, 8080)."]
+            "in the environment set `-t`, `--host` and `--port` (defaults: all cores, 127.0.0.1, 8080)."
+            + convert[0]]
 
 
 def _readme_uses(s: LaunchSettings) -> list[str]:
     kind = s.kind
+    if kind.drafts_in_steps:
+        return [f"- `{LLAMACPP_EAGLE3}/`: the EAGLE-3 drafter in SpecForge's layout (f32), and "
+                f"`{LLAMACPP_TARGET_CONFIG}/`: the target's `config.json` and tokenizer, what llama.cpp's converter "
+                f"reads to write `{LLAMACPP_DRAFTER}` (its `eagle3` architecture: `extract_layers` "
+                f"{[i + 1 for i in s.target_layer_ids]}, the inputs of those target layers) for `{LLAMACPP_TARGET}`."]
     heads = (" with its Markov head (`markov_w1`, `markov_w2`)" + (" and confidence head (`conf_proj`)"
                                                                     if kind.confidence else "")
              if kind.markov else "")
@@ -64,14 +122,20 @@ def _reduced_vocab_line(vocab: int) -> str:
 
 
 def _manifest_entry(s: LaunchSettings) -> dict:
-    return {"target": LLAMACPP_TARGET, "drafter": LLAMACPP_DRAFTER, "drafter_dtype": "f32",
-            "spec_type": spec_type(s.drafter), "draft_max": s.drafts}
+    entry = {"target": LLAMACPP_TARGET, "drafter": LLAMACPP_DRAFTER, "drafter_dtype": "f32",
+             "spec_type": spec_type(s.drafter), "draft_max": s.drafts}
+    if s.kind.drafts_in_steps:  # converted at the first launch, by llama.cpp's own converter
+        entry.update(drafter_source=LLAMACPP_EAGLE3, converter_target_dir=LLAMACPP_TARGET_CONFIG,
+                     convert=LLAMACPP_CONVERT)
+    return entry
 
 
 LLAMACPP = ServingFramework(
     name="llamacpp", title=TITLE, target=GGUF_TARGET,
-    support=("yes (`--spec-type draft-dflash`)", "vanilla Markov head (`draft-dspark`)", "no",
+    support=("yes (`--spec-type draft-dflash`)", "vanilla Markov head (`draft-dspark`)",
+             "chains (`draft-eagle3`, from llama.cpp's own converter)", "no",
              "yes (`d2t` + the draft's own `output` head)",
              "no (the target's own GGUF quantization)", "no", "no (one process)"),
     launch_files=llamacpp_files, write_parts=_write_parts, readme_launch=_readme_launch, readme_uses=_readme_uses,
-    reduced_vocab_line=_reduced_vocab_line, manifest_entry=_manifest_entry)
+    reduced_vocab_line=_reduced_vocab_line, manifest_entry=_manifest_entry,
+    tree_refusal="llama.cpp's draft-eagle3 drafts a chain of up to --spec-draft-n-max tokens: it has no draft tree")

@@ -1,4 +1,5 @@
-"""SGLang: sglang.launch_server on the HF checkpoint with the z-lab drafter.
+"""SGLang: sglang.launch_server on the HF checkpoint with the z-lab drafter (DFLASH), a DSpark drafter
+(DSPARK) or an EAGLE-3 drafter (EAGLE3).
 
 Facts this module relies on (docs.sglang.io speculative decoding; z-lab model cards; re-check on
 upgrades): `python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH
@@ -19,7 +20,20 @@ required; block slot k drafts the token at anchor+k+1 (DeepSpec's convention; a 
 slot j drafting anchor+j would draft one position off). Confidence-scheduled (ragged) verification is
 switched by the environment (`SGLANG_RAGGED_VERIFY_MODE`) and fed by `--speculative-dspark-sps-table-path`
 / `--speculative-dspark-confidence-sts-path`, files SGLang's own profiler and calibration tools write;
-the bundle leaves them out. Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
+the bundle leaves them out.
+
+EAGLE-3 (SGLang 0.5.23: python/sglang/srt/arg_groups/speculative_hook.py `_handle_eagle_family`,
+speculative/eagle_utils.py `organize_draft_results`, models/llama_eagle3.py):
+`--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFTER --speculative-num-steps D
+--speculative-eagle-topk K --speculative-num-draft-tokens N`. A chain is topk 1 with N = D + 1 (with
+topk 1 SGLang resets N to D + 1 anyway). A tree (EAGLE-2's dynamic tree) expands the topk best paths
+by their topk candidates at each of D steps and verifies the N - 1 best of the topk + (D - 1)·topk²
+candidates (its score list) beside the root, so N - 1 <= topk + (D - 1)·topk². The draft's layers
+are `midlayer` → `layers.0`, `d2t` becomes its hot-token map (target id = draft id + d2t), `t2d` is
+skipped; the tap layers are `eagle_config.eagle_aux_hidden_state_layer_ids`, numbered as the output
+of layer i (the target captures layer i + 1's input: models/llama.py `set_eagle3_layers_to_capture`).
+Without `--speculative-num-steps` SGLang picks its own steps, topk and draft tokens, so all three are
+always written. Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
 """
 
 from __future__ import annotations
@@ -31,7 +45,13 @@ TITLE = "SGLang"
 
 def speculative_argv(s: LaunchSettings) -> list[str]:
     """DFLASH for a z-lab DFlash drafter (the block size, anchor included); DSPARK for a DSpark drafter
-    of DeepSpec's block convention (gamma = its drafts per block, and the verify window gamma + 1)."""
+    of DeepSpec's block convention (gamma = its drafts per block, and the verify window gamma + 1);
+    EAGLE3 for an EAGLE-3 drafter (its steps, topk and verified tokens: the setting's chain or tree)."""
+    if s.kind.drafts_in_steps:
+        steps, topk = (s.tree_depth, s.tree_topk) if s.tree_nodes else (s.drafts, 1)
+        return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "./drafter",
+                "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
+                "--speculative-num-draft-tokens", str(s.verified_tokens)]
     if s.kind.plain:
         return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "./drafter",
                 "--speculative-num-draft-tokens", str(s.block_size)]
@@ -49,6 +69,14 @@ def sglang_files(s: LaunchSettings) -> dict[str, str]:
 
 
 def _readme_launch(s: LaunchSettings) -> list[str]:
+    if s.kind.drafts_in_steps:
+        shape = (f"a dynamic tree: `--speculative-num-steps {s.tree_depth} --speculative-eagle-topk {s.tree_topk} "
+                 f"--speculative-num-draft-tokens {s.verified_tokens}` (the {s.tree_nodes} best of its candidates "
+                 "and the root)" if s.tree_nodes else
+                 f"a chain: `--speculative-num-steps {s.drafts} --speculative-eagle-topk 1 "
+                 f"--speculative-num-draft-tokens {s.verified_tokens}`")
+        return ["", f"SGLang runs the EAGLE-3 drafter with `--speculative-algorithm EAGLE3` as {shape}, reading the "
+                "taps from `eagle_config.eagle_aux_hidden_state_layer_ids` and its reduced vocabulary from `d2t`."]
     if s.kind.plain:
         return []
     lines = ["", f"SGLang runs the DSpark drafter with `--speculative-algorithm DSPARK` (SGLang >= 0.5.16), "
@@ -65,9 +93,10 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
 
 SGLANG = ServingFramework(
     name="sglang", title=TITLE, target=HF_TARGET,
-    support=("yes (`DFLASH`)", "DeepSpec block convention, a Markov head required (`DSPARK`)", "no",
-             "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
-             "yes (`--tp-size`)"),
+    support=("yes (`DFLASH`)", "DeepSpec block convention, a Markov head required (`DSPARK`)",
+             "chains and trees (`EAGLE3`)", "no",
+             "EAGLE-3 only (`d2t`); DFLASH drafts over the full vocab", "yes (modelopt checkpoint)",
+             "Blackwell only", "yes (`--tp-size`)"),
     launch_files=sglang_files, readme_launch=_readme_launch,
     full_vocab_reason=("SGLang's DFLASH drafter has no lm_head of its own: it drafts with the target's lm_head over "
                        "the full vocabulary and ignores a d2t tensor."))

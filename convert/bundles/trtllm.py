@@ -1,4 +1,5 @@
-"""TensorRT-LLM: trtllm-serve on the HF checkpoint with the z-lab drafter.
+"""TensorRT-LLM: trtllm-serve on the HF checkpoint with the z-lab drafter (DFlash), a DSpark drafter
+(DSpark) or an EAGLE-3 drafter (Eagle3).
 
 Facts this module relies on (TensorRT-LLM >= 1.3, LLM API reference `DFlashDecodingConfig`; re-check
 on upgrades): `speculative_config` with `decoding_type: DFlash`, `speculative_model`, `max_draft_len`
@@ -28,6 +29,21 @@ out: its cost table is a whole-step time table measured on the serving GPU by Te
 profiler (`_torch/speculative/dspark_planner.py` reads it; its schema has changed between releases, a
 newer one sealed with a fingerprint of the live engine), and the calibration file holds per-position
 temperatures fitted offline (`dspark_sts.py`), neither of which a bundle can measure.
+
+EAGLE-3 (LLM API reference `Eagle3DecodingConfig`; tensorrt_llm/llmapi/llm_args.py
+`EagleDecodingConfig.validate_eagle_config`): `decoding_type: Eagle3` with `speculative_model`
+(validation alias `speculative_model_dir`, the older spelling), `max_draft_len` (the drafter steps),
+`eagle3_layers_to_capture` (the target layers whose outputs it fuses; default {1, L//2 - 1, L - 4}, the
+same layers as vLLM's entering-stream default (2, L/2, L - 3): loopspec's taps as they are). A chain
+leaves the tree fields out (`max_total_draft_tokens` = max_draft_len). `eagle3_one_model` (the faster
+one-model path, default true) is in the older references and gone from 1.3.0rc27's on, where the
+one-model path is the only one; the LLM API refuses a field it does not have, so the YAML leaves it out
+and gets the one-model path on every release. A draft tree is EAGLE-2's dynamic tree on the PyTorch
+backend (pull requests 12062 / 13081; documented in 1.4.0rc4's speculative-decoding guide):
+`use_dynamic_tree: true`, `dynamic_tree_max_topK` (candidates expanded per step) and
+`max_total_draft_tokens` (nodes verified), with max_draft_len <= max_total_draft_tokens <=
+dynamic_tree_max_topK · max_draft_len; the guide says it does not run on sliding-window or MLA targets
+(gpt-oss, DeepSeek). The static tree (`eagle_choices`) is deprecated and was removed later.
 Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
 """
 
@@ -38,11 +54,14 @@ from loopspec.convert.bundles.common import HF_TARGET, LaunchSettings, ServingFr
 TITLE = "TensorRT-LLM >= 1.3"
 DSPARK_MIN_VERSION = "1.3.0rc27"  # the first release whose LLM API reference has DSparkDecodingConfig
 CONFIDENCE_SCHEDULING_VERSION = "1.4.0rc4"  # its enable_confidence_scheduling and the files it reads
+EAGLE3_TREE_VERSION = "1.4.0rc4"  # the release whose guide documents EAGLE-3's dynamic tree (PyTorch backend)
 
 
 def trtllm_options(s: LaunchSettings) -> dict:
     """The LLM API options trtllm-serve reads from YAML."""
-    if s.kind.plain:
+    if s.kind.drafts_in_steps:
+        spec = eagle3_speculative_config(s)
+    elif s.kind.plain:
         spec = {"decoding_type": "DFlash", "speculative_model": "./drafter", "max_draft_len": s.block_size - 1,
                 "mask_token_id": s.mask_token_id, "target_layer_ids": list(s.target_layer_ids)}
     else:
@@ -65,6 +84,17 @@ def dspark_speculative_config(s: LaunchSettings) -> dict:
     return spec
 
 
+def eagle3_speculative_config(s: LaunchSettings) -> dict:
+    """`Eagle3DecodingConfig`: the drafter's steps as max_draft_len and its taps as the layers to capture;
+    a tree setting adds the dynamic tree's candidates per step and the nodes it verifies."""
+    spec = {"decoding_type": "Eagle3", "speculative_model": "./drafter",
+            "max_draft_len": s.tree_depth if s.tree_nodes else s.drafts,
+            "eagle3_layers_to_capture": list(s.target_layer_ids)}
+    if s.tree_nodes:
+        spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=s.tree_topk, max_total_draft_tokens=s.tree_nodes)
+    return spec
+
+
 def trtllm_files(s: LaunchSettings) -> dict[str, str]:
     import yaml  # PyYAML comes with transformers
 
@@ -78,12 +108,24 @@ def trtllm_files(s: LaunchSettings) -> dict[str, str]:
 
 def _readme_launch(s: LaunchSettings) -> list[str]:
     lines = ["", "`trtllm/extra_llm_api_options.yaml` holds `tensor_parallel_size`, `max_batch_size`, "
-             f"`max_seq_len`, `max_num_tokens`, the `speculative_config` ({'DFlash' if s.kind.plain else 'DSpark'}) "
+             f"`max_seq_len`, `max_num_tokens`, the `speculative_config` ({_decoding_type(s)}) "
              "and `cuda_graph_config`; "
              "trtllm-serve reads it with `--extra_llm_api_options` (alias `--config`) and lets it override "
              "its own flags, so change those values in the YAML, not with `--tp_size` and the like. "
              "`--served-model-name` needs a trtllm-serve that has it (TensorRT-LLM pull request 11711); on "
              "an older one remove that line and the model is named after its directory (`target`)."]
+    if s.kind.drafts_in_steps:
+        spec = eagle3_speculative_config(s)
+        lines += ["", f"The EAGLE-3 drafter runs as `decoding_type: Eagle3` (`Eagle3DecodingConfig`) with "
+                  f"`max_draft_len: {spec['max_draft_len']}` and `eagle3_layers_to_capture: {s.target_layer_ids}` (the "
+                  "target layers whose outputs it fuses), on TensorRT-LLM's one-model path (its default; "
+                  "`eagle3_one_model` is left out: releases from 1.3.0rc27 on no longer have the field and would "
+                  "refuse it)."]
+        if s.tree_nodes:
+            lines[-1] += (f" The draft tree is its dynamic tree (`use_dynamic_tree`, `dynamic_tree_max_topK: "
+                          f"{s.tree_topk}`, `max_total_draft_tokens: {s.tree_nodes}`), which needs TensorRT-LLM >= "
+                          f"{EAGLE3_TREE_VERSION} and a target without sliding-window or MLA attention (not gpt-oss).")
+        return lines
     if s.kind.plain:
         return lines
     lines += ["", f"The DSpark drafter needs TensorRT-LLM >= {DSPARK_MIN_VERSION} (`DSparkDecodingConfig`): "
@@ -103,13 +145,18 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
     return lines
 
 
+def _decoding_type(s: LaunchSettings) -> str:
+    return "Eagle3" if s.kind.drafts_in_steps else "DFlash" if s.kind.plain else "DSpark"
+
+
 TRTLLM = ServingFramework(
     name="trtllm", title=TITLE, target=HF_TARGET,
     support=("yes (`DFlashDecodingConfig`)",
              "DeepSpec block convention, vanilla Markov head or none "
              f"(`DSparkDecodingConfig`, >= {DSPARK_MIN_VERSION})",
-             "no", "no (full vocab)", "yes (modelopt checkpoint)", "Blackwell only",
-             "yes (`tensor_parallel_size`)"),
+             f"chains; dynamic trees >= {EAGLE3_TREE_VERSION} (`Eagle3DecodingConfig`)",
+             "no", "EAGLE-3 only (`d2t`); DFlash / DSpark draft over the full vocab",
+             "yes (modelopt checkpoint)", "Blackwell only", "yes (`tensor_parallel_size`)"),
     launch_files=trtllm_files, readme_launch=_readme_launch,
     # checked against TensorRT-LLM's source; see docs/serving.md
     full_vocab_reason=("TensorRT-LLM's DFlash drafter always takes the target's lm_head (full vocabulary) when it "

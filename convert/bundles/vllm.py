@@ -1,5 +1,5 @@
-"""vLLM: `vllm serve` on the HF checkpoint with the z-lab drafter (method dflash), or a DSpark drafter
-of DeepSpec's block convention (method dspark).
+"""vLLM: `vllm serve` on the HF checkpoint with the z-lab drafter (method dflash), a DSpark drafter
+of DeepSpec's block convention (method dspark), or an EAGLE-3 drafter (method eagle3).
 
 Facts this module relies on (re-check on upgrades):
 - DFlash (speculative decoding docs; z-lab/dflash README; vllm/model_executor/models/qwen3_dflash.py):
@@ -26,6 +26,20 @@ Facts this module relies on (re-check on upgrades):
   current load, with step costs vLLM profiles itself (v1/worker/gpu/spec_decode/adaptive_verification.py);
   it changes how many drafts are verified, never which tokens are accepted. It is set for a drafter with
   a confidence head.
+- EAGLE-3 (vLLM 0.33: vllm/config/speculative.py, vllm/transformers_utils/configs/eagle.py,
+  vllm/model_executor/models/llama_eagle3.py, registry `LlamaForCausalLMEagle3` → `Eagle3LlamaForCausalLM`):
+  `{"method": "eagle3", "model": DRAFTER, "num_speculative_tokens": n}`, n the drafter steps per
+  verification (a chain: vLLM 0.33 has no draft-tree setting). The draft config is wrapped in
+  `EAGLEConfig`; the model reads `hidden_size`, `num_hidden_layers` (1), `rms_norm_eps`,
+  `draft_vocab_size` (default vocab_size), `target_hidden_size` (default hidden_size),
+  `norm_before_residual`, `eagle_config.use_aux_hidden_state` / `norm_before_fc`, `fc_norm` (off),
+  `norm_output` (off: the next step's state is the layer output before the final norm, as loopspec
+  runs it). The target's tap layers are the top-level `eagle_aux_hidden_state_layer_ids`, else
+  `eagle_config`'s, taken as given (v1/worker/gpu_model_runner.py, v1/worker/gpu/spec_decode/eagle/
+  eagle3_utils.py); id j is the stream entering target layer j (the model appends its aux state after
+  layer j-1: model_executor/models/llama.py), loopspec's tap j-1. Weights: `midlayer.` is mapped to
+  `layers.0.`, `d2t` to `draft_id_to_target_id` (target id = draft id + d2t), `t2d` skipped, the
+  `embed_tokens` of the target shared when the drafter has none.
 Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
 """
 
@@ -49,7 +63,10 @@ VLLM_DRAFTER = "vllm/drafter"  # the reduced-vocabulary drafter, for vLLM
 
 
 def vllm_method(s: LaunchSettings) -> str:
-    """dspark for a drafter written in DeepSpec's layout (its block convention), else dflash."""
+    """eagle3 for an EAGLE-3 drafter, dspark for a drafter written in DeepSpec's layout (its block
+    convention), else dflash."""
+    if s.kind.drafts_in_steps:
+        return "eagle3"
     return "dspark" if s.kind.convention is DEEPSPEC_BLOCK else "dflash"
 
 
@@ -59,7 +76,8 @@ def adaptive_verification(s: LaunchSettings) -> bool:
 
 
 def vllm_speculative_config(s: LaunchSettings) -> dict:
-    drafter = f"./{VLLM_DRAFTER}" if s.draft_vocab is not None else "./drafter"
+    own_vocab_dir = s.draft_vocab is not None and not s.kind.serves_its_draft_vocab
+    drafter = f"./{VLLM_DRAFTER}" if own_vocab_dir else "./drafter"
     spec = {"method": vllm_method(s), "model": drafter, "num_speculative_tokens": s.drafts}
     if adaptive_verification(s):
         spec["enable_adaptive_verification"] = True
@@ -76,7 +94,7 @@ def vllm_files(s: LaunchSettings) -> dict[str, str]:
 def _write_parts(parts: BundleParts, tmp: Path) -> None:
     """vllm/drafter/ when the drafter has a reduced draft vocabulary."""
     draft_ids = parts.drafter.draft_ids
-    if draft_ids is None:
+    if draft_ids is None or parts.drafter.cfg.kind.serves_its_draft_vocab:  # an EAGLE-3 drafter/ carries its d2t
         return
     lm_head = target_lm_head(parts.target_dir, parts.target_cfg.tie_word_embeddings)
     write_vllm_drafter(full_vocab_drafter(parts.drafter), draft_ids, lm_head, tmp / VLLM_DRAFTER, DTYPES[parts.dtype])
@@ -126,6 +144,10 @@ def _manifest_entry(s: LaunchSettings) -> dict:
 
 
 def _readme_launch(s: LaunchSettings) -> list[str]:
+    if s.kind.drafts_in_steps:
+        return ["", f"vLLM runs the EAGLE-3 drafter with `method: eagle3` and `num_speculative_tokens: {s.drafts}` "
+                "(drafter steps per verification, a chain), reading `drafter/` as its `LlamaForCausalLMEagle3` "
+                "model and the taps from `eagle_aux_hidden_state_layer_ids`."]
     if not adaptive_verification(s):
         return []
     return ["", "vLLM's `--speculative-config` sets `enable_adaptive_verification`: each step vLLM verifies as many "
@@ -140,8 +162,11 @@ VLLM = ServingFramework(
     name="vllm", title=TITLE, target=HF_TARGET,
     support=("yes (`method: dflash`)",
              "DeepSpec block convention, vanilla Markov head (`method: dspark`, `enable_adaptive_verification`)",
+             "chains (`method: eagle3`)",
              "no", "yes (`draft_vocab_size` + `d2t`)", "yes (modelopt checkpoint)",
              "Blackwell only", "yes (`--tensor-parallel-size`)"),
     launch_files=vllm_files, readme_launch=_readme_launch, write_parts=_write_parts,
     reduced_vocab_line=_reduced_vocab_line,
-    manifest_entry=_manifest_entry, manifest_entry_with_drafting=True)
+    manifest_entry=_manifest_entry, manifest_entry_with_drafting=True,
+    tree_refusal=("vLLM 0.33 drafts EAGLE-3 as a chain of num_speculative_tokens: its speculative config has no "
+                  "draft-tree setting (bundle the chain: --tree-budget 0)"))

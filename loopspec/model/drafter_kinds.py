@@ -7,12 +7,14 @@ outputs are drafts) and its heads. `DrafterConfig.kind` looks it up
 (`drafter_kind`); the config fields it is read from (`KIND_FIELDS`) are read inside loopspec/model
 only, and every other layer asks the kind record: how many drafts a block gives, what the exported
 block graph adds, whether loop-aware training runs it, and which serving framework takes it
-(`unsupported_in`, with the one-line reason of one that does not).
+(`unsupported_in`: the kind family's record of `SERVING_RULES`, with the one-line reason of a
+framework that does not).
 
 Runtime backends: the torch engine, the fp32 ONNX Runtime / TensorRT drafter graphs and training run
 every block kind; a quantized drafter graph (FP8 / NVFP4), whose calibration and export run z-lab's
 block, takes the plain z-lab DFlash kind only (`require_zlab_block`). An EAGLE-3 drafter (a chain
-kind) runs on the torch engine only (`require_exportable`), and so does a DFlash2 drafter.
+kind) runs on the torch engine only (`require_exportable`), and so does a DFlash2 drafter; the serving
+frameworks run EAGLE-3 themselves.
 """
 
 from __future__ import annotations
@@ -166,15 +168,23 @@ class DrafterKind:
         """The ONNX / TensorRT drafter graphs and quantization run it: the block kinds without a selector."""
         return not self.chain and self.selector is None
 
+    @property
+    def drafts_in_steps(self) -> bool:
+        """A serving bundle sets how many drafts (and which tree) its engines draft per verification from
+        the decoding setting: a chain drafter runs any number of steps; a block drafter drafts its block."""
+        return self.chain
+
+    @property
+    def serves_its_draft_vocab(self) -> bool:
+        """Every serving framework that takes it reads its reduced draft vocabulary (d2t, its own lm_head
+        rows) from one drafter directory: EAGLE-3's readers all do; a block drafter's bundle writes drafter/
+        over the full vocabulary, since TensorRT-LLM and SGLang draft with the target's lm_head."""
+        return self.chain
+
     def unsupported_in(self, framework: str, title: str) -> str | None:
-        """Why the serving framework `framework` (`title` in prose) cannot serve this kind (None: it can)."""
-        if self.chain:
-            return (f"the {title} bundle does not carry {self.family} drafters: an {self.family} drafter runs on "
-                    "loopspec's torch backend only")
-        if self.selector:
-            return (f"loopspec's {title} bundle does not carry {self.family} drafters yet: {self.family} drafters "
-                    "run on loopspec's torch backend only")
-        rule = SERVING_RULES.get(framework)
+        """Why the serving framework `framework` (`title` in prose) cannot serve this kind (None: it can):
+        the rule its family's record (`SERVING_RULES`) holds for that framework."""
+        rule = SERVING_RULES[self.name].get(framework)
         if rule is not None:
             return rule(self)
         if self.plain:
@@ -222,8 +232,8 @@ def require_exportable(kind: DrafterKind, what: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# serving frameworks that run more than the plain kind: why they refuse the rest (each framework's
-# facts are in its convert/bundles module, and llama.cpp's in engines/llamacpp.py)
+# serving frameworks: which kinds each takes, and why it refuses the rest (each framework's facts are
+# in its convert/bundles module, and llama.cpp's in engines/llamacpp.py)
 
 
 def _vllm_refusal(kind: DrafterKind) -> str | None:
@@ -285,6 +295,23 @@ def _llamacpp_refusal(kind: DrafterKind) -> str | None:
     return None
 
 
-# {framework: why it refuses a kind (None: it serves it)}; a framework not named here serves the plain kind only
-SERVING_RULES = {"trtllm": _trtllm_refusal, "vllm": _vllm_refusal, "sglang": _sglang_refusal,
-                 "llamacpp": _llamacpp_refusal}
+def _serves_eagle3(kind: DrafterKind) -> str | None:
+    # TensorRT-LLM (Eagle3DecodingConfig), vLLM (method eagle3), SGLang (EAGLE3) and llama.cpp
+    # (draft-eagle3) all run SpecForge's LlamaForCausalLMEagle3 drafter as loopspec saves it; what a
+    # framework cannot take of a setting (a draft tree) its convert/bundles module refuses
+    return None
+
+
+# one record per kind family, looked up by DrafterKind.name: {framework: why it refuses a drafter of
+# that family (None: it serves it)}; a framework a record does not name serves the plain kind only
+BLOCK_RULES = {"trtllm": _trtllm_refusal, "vllm": _vllm_refusal, "sglang": _sglang_refusal,
+               "llamacpp": _llamacpp_refusal}
+def _dflash2_refusal(kind: DrafterKind) -> str:
+    # vLLM, SGLang and llama.cpp load DFlash2 checkpoints upstream; loopspec's bundles do not carry them yet
+    return (f"loopspec's serving bundles do not carry {kind.family} drafters yet: {kind.family} drafters run on "
+            "loopspec's torch backend only")
+
+
+SERVING_RULES = {"dflash": BLOCK_RULES, "dspark": BLOCK_RULES,
+                 "eagle3": {name: _serves_eagle3 for name in ("trtllm", "vllm", "sglang", "llamacpp")},
+                 "dflash2": {name: _dflash2_refusal for name in ("trtllm", "vllm", "sglang", "llamacpp")}}
