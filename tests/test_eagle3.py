@@ -274,6 +274,11 @@ def bad_checkpoints(root):
         "taps named twice": (eagle3_checkpoint(root / "k", aux_ids=[2, 4, 5],
                                                eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 5]})[0],
                              "name different target layers"),
+        "final-normed state fed back": (eagle3_checkpoint(root / "l", norm_output=True)[0], "norm_output True"),
+        "norm before the residual": (eagle3_checkpoint(root / "m", norm_before_residual=True)[0],
+                                     "norm_before_residual True"),
+        "no fused taps": (eagle3_checkpoint(root / "n", eagle_config={"use_aux_hidden_state": False})[0],
+                          "use_aux_hidden_state False"),
     }
 
 

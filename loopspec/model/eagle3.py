@@ -71,6 +71,11 @@ def _aux_ids(ids, key: str, least: int) -> list[int] | None:
     return sorted(ids)
 
 
+# config switches of EAGLE-3 checkpoints and the value loopspec's drafter computes (vLLM's default for each)
+VARIANTS_RUN = (("fc_norm", False), ("norm_output", False), ("norm_before_residual", False), ("norm_before_fc", False),
+                ("use_aux_hidden_state", True))
+
+
 @dataclass
 class Eagle3Config:
     hidden_size: int
@@ -150,10 +155,14 @@ class Eagle3Config:
             raise LoopspecError(f"EAGLE-3 config.json: eagle_aux_hidden_state_layer_ids (vLLM's numbering: layer outputs "
                                 f"{vllm}) and eagle_config's (SGLang's: {sglang}) name different target layers")
         taps = vllm if vllm is not None else sglang
-        for key, wanted in (("fc_norm", False), ("norm_output", True)):
-            if bool(cfg.get(key, wanted)) != wanted:
-                raise LoopspecError(f"EAGLE-3 config.json: {key} {cfg[key]!r} is not supported (loopspec runs "
-                                    f"{key} {str(wanted).lower()}, vLLM's drafter)")
+        # the variants vLLM's reader switches on (each read from eagle_config first, then the top level),
+        # at the values loopspec runs: its defaults. norm_output true would feed the final-normed state
+        # back to the next step, where loopspec (and vLLM by default) feeds the pre-norm one
+        for key, wanted in VARIANTS_RUN:
+            value = eagle.get(key, cfg.get(key, wanted))
+            if bool(value) != wanted:
+                raise LoopspecError(f"EAGLE-3 config.json: {key} {value!r} is not supported (loopspec runs "
+                                    f"{key} {str(wanted).lower()}, vLLM's default)")
         hidden, heads = _positive_int(cfg, "hidden_size"), _positive_int(cfg, "num_attention_heads")
         vocab = _positive_int(cfg, "vocab_size")
         draft_vocab = _positive_int(cfg, "draft_vocab_size", vocab)
