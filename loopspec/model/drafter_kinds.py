@@ -131,9 +131,10 @@ class DrafterKind:
         return self.markov is None and not self.chain
 
     @property
-    def trains(self) -> bool:
-        """loopspec's trainer (loopspec/train) trains it: the block kinds."""
-        return not self.chain
+    def training_family(self) -> str:
+        """The training recipe of loopspec's trainer (`loopspec train --family`) that trains it:
+        "dflash" for the block kinds (DSpark's heads included), "eagle3" for the chain kind."""
+        return "eagle3" if self.chain else "dflash"
 
     @property
     def masks_block(self) -> bool:
