@@ -78,8 +78,13 @@ def cmd_data(args) -> int:
 
 
 def add_train(sub) -> None:
-    t = sub.add_parser("train", help="train a DFlash drafter on a data directory")
+    t = sub.add_parser("train", help="train a DFlash, DSpark or EAGLE-3 drafter on a data directory")
     t.add_argument("--data", required=True, help="directory made by `loopspec data`")
+    t.add_argument("--family", default="dflash", metavar="dflash|eagle3",
+                   help="dflash: a block drafter (DSpark with its heads' flags); eagle3: an EAGLE-3 drafter "
+                        "(SpecForge's layout) trained with training-time test")
+    t.add_argument("--ttt-steps", type=positive_int("--ttt-steps"), default=None,
+                   help="EAGLE-3: drafter steps unrolled per position in training (default 7, SpecForge's)")
     add_target_flag(t)
     t.add_argument("--out", required=True, help="drafter directory (z-lab format); re-running resumes")
     t.add_argument("--init", default=None, help="start from this drafter directory")
@@ -92,7 +97,8 @@ def add_train(sub) -> None:
     t.add_argument("--num-taps", type=positive_int("--num-taps"), default=None,
                    help="number of taps by the formula (default: one per drafter layer)")
     add_mask_token_flag(t)
-    t.add_argument("--anchors", type=positive_int("--anchors"), default=512)
+    t.add_argument("--anchors", type=positive_int("--anchors"), default=None,
+                   help="DFlash: anchors sampled per sequence (default 512)")
     t.add_argument("--epochs", type=finite_float("--epochs"), default=1.0)
     t.add_argument("--max-steps", type=positive_int("--max-steps"), default=None)
     t.add_argument("--max-minutes", type=finite_float("--max-minutes"), default=None, help="stop (and save) after this wall time")
@@ -145,7 +151,7 @@ def cmd_train(args) -> int:
     from loopspec.train.trainer import TrainConfig
 
     # what the flags alone decide is checked before the target loads
-    cfg = TrainConfig(anchors=args.anchors, gamma=args.gamma, lr=args.lr, epochs=args.epochs,
+    cfg = TrainConfig(family=args.family, ttt_steps=args.ttt_steps, anchors=args.anchors, gamma=args.gamma, lr=args.lr, epochs=args.epochs,
                       batch_sequences=args.batch_sequences, dpace=args.dpace, kl_weight=args.kl_weight,
                       confidence_weight=args.confidence_weight, heads_only=args.heads_only,
                       causal_in_block=args.causal_in_block, loop_stages=args.loop_stages, eval_every=args.eval_every,

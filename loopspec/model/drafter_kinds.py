@@ -144,12 +144,18 @@ class DrafterKind:
     def trains_loop_aware(self) -> bool:
         """Loop-aware training (DLoop's later stages) runs it: a Markov chain's later stage would start
         from a drafted anchor the training data does not hold, so a Markov head rules it out."""
-        return self.markov is None and self.trains
+        return self.markov is None and self.trains and not self.chain
 
     @property
     def trains(self) -> bool:
-        """loopspec's trainer (loopspec/train) trains it: the block kinds without a selector."""
-        return not self.chain and self.selector is None
+        """loopspec's trainer (loopspec/train) trains it: every kind without a selector."""
+        return self.selector is None
+
+    @property
+    def training_family(self) -> str:
+        """The training recipe of loopspec's trainer (`loopspec train --family`) that trains it:
+        "dflash" for the block kinds (DSpark's heads included), "eagle3" for the chain kind."""
+        return "eagle3" if self.chain else "dflash"
 
     @property
     def masks_block(self) -> bool:

@@ -278,12 +278,11 @@ class Eagle3Drafter(nn.Module):
         """The target's taps [.., 3·H_target] (low, middle, high) → the fused state [.., H]."""
         return self.fc(taps)
 
-    def forward(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
-                past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Entries (token embeddings [B, T, H], states [B, T, H]) at positions [B, T] attending to the
-        past K/V [B, kvh, P, hd] and to each other (`mask` bool [B, 1, T, P + T], None: all) → the
-        layer's output before the final norm [B, T, H] and the entries' K, V [B, kvh, T, hd]."""
+    def project(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's inputs of entries (token embeddings [B, T, H], states [B, T, H]) at
+        positions [B, T] → q [B, heads, T, hd], k, v [B, kvh, T, hd] (rope applied) and the residual
+        [B, T, H]. Inference (`forward`) and training (its own attention over the unrolled steps) share it."""
         cfg, layer = self.cfg, self.midlayer
         B, T, _ = embeds.shape
         normed = layer.hidden_norm(states)
@@ -294,10 +293,26 @@ class Eagle3Drafter(nn.Module):
         v = layer.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = self.rope(positions, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v, residual
+
+    def finish(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual [B, T, H] and the attention's output [B, heads, T, hd] → the layer's output
+        before the final norm [B, T, H]."""
+        layer = self.midlayer
+        B, _, T, _ = attn.shape
+        h = residual + layer.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def forward(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
+                past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Entries (token embeddings [B, T, H], states [B, T, H]) at positions [B, T] attending to the
+        past K/V [B, kvh, P, hd] and to each other (`mask` bool [B, 1, T, P + T], None: all) → the
+        layer's output before the final norm [B, T, H] and the entries' K, V [B, kvh, T, hd]."""
+        q, k, v, residual = self.project(embeds, states, positions)
         keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        h = residual + layer.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
-        return h + layer.mlp(layer.post_attention_layernorm(h)), k, v
+        return self.finish(residual, attn), k, v
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """A step's output [.., H] → logits over the draft rows [.., draft_vocab]."""
@@ -461,13 +476,14 @@ def fit_drafter(cfg: "DrafterConfig | Eagle3Config", target: TargetConfig) -> No
 
 
 def fresh_eagle3(target: TargetConfig, block_size: int = DEFAULT_BLOCK_SIZE, draft_ids: torch.Tensor | None = None,
-                 intermediate_size: int | None = None) -> Eagle3Drafter:
-    """An untrained EAGLE-3 drafter shaped for `target` (vLLM's default taps)."""
+                 intermediate_size: int | None = None, target_layer_ids: list[int] | None = None) -> Eagle3Drafter:
+    """An untrained EAGLE-3 drafter shaped for `target` (its taps `target_layer_ids`, loopspec's
+    numbering; None: vLLM's default)."""
     cfg = Eagle3Config(hidden_size=target.hidden_size, intermediate_size=intermediate_size or target.intermediate_size,
                        num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
                        vocab_size=target.vocab_size,
                        draft_vocab_size=target.vocab_size if draft_ids is None else int(draft_ids.numel()),
-                       target_layer_ids=None, block_size=block_size, rms_norm_eps=target.rms_norm_eps,
+                       target_layer_ids=target_layer_ids, block_size=block_size, rms_norm_eps=target.rms_norm_eps,
                        rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
                        max_position_embeddings=target.max_position_embeddings)
     fit_drafter(cfg, target)

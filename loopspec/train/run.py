@@ -12,8 +12,10 @@ import torch
 
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import Drafter, DrafterConfig, DSparkHeads, check_fits
+from loopspec.model.eagle3 import NUM_TAPS, Eagle3Drafter, fresh_eagle3
 from loopspec.model.target import Target, default_target_layer_ids
 from loopspec.pair import Pair, mask_token_id
+from loopspec.train.eagle3_trainer import Eagle3Trainer
 from loopspec.train.samples import Sample, read_samples, safe_name
 from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, compute_context, lr_at, top_token_vocab
 from loopspec.weights import TargetSource, read_safetensors, write_safetensors
@@ -45,9 +47,18 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
                             f"the target's vocabulary of {target.cfg.vocab_size}")
     if block_size is not None and block_size < 2:
         raise LoopspecError(f"block size must be at least 2, got {block_size}")
+    family = train.family if train is not None else "dflash"
     if pair.drafter is not None and not pair.drafter.cfg.kind.trains:
         raise LoopspecError(f"loopspec train does not train {pair.drafter.cfg.kind.title} drafters yet (--init): "
-                            "it trains DFlash and DSpark drafters")
+                            "it trains DFlash, DSpark and EAGLE-3 drafters")
+    if pair.drafter is not None and pair.drafter.cfg.kind.training_family != family:
+        kind = pair.drafter.cfg.kind
+        raise LoopspecError(f"the --init drafter ({kind.title}) is trained with --family {kind.training_family}, "
+                            f"not --family {family}")
+    if family == "eagle3":
+        return prepare_eagle3(pair, num_layers=num_layers, block_size=block_size, target_layer_ids=target_layer_ids,
+                              num_taps=num_taps, mask_token=mask_token, draft_vocab_size=draft_vocab_size,
+                              data_dir=data_dir, seed=seed, heads=heads, train=train)
     if pair.drafter is not None:
         drafter = pair.drafter
         if num_layers is not None and num_layers != drafter.cfg.num_layers:
@@ -83,6 +94,51 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
         draft_vocab = DraftVocab(ids)
         drafter.cfg.extra = {**drafter.cfg.extra, "draft_vocab_size": int(ids.numel())}
     return drafter, draft_vocab
+
+
+def prepare_eagle3(pair: Pair, *, num_layers, block_size, target_layer_ids, num_taps, mask_token, draft_vocab_size,
+                   data_dir, seed, heads, train: TrainConfig) -> tuple[Eagle3Drafter, DraftVocab | None]:
+    """prepare_drafter's EAGLE-3 branch: the --init EAGLE-3 drafter (its block size set where given),
+    else a fresh one on the target's taps (vLLM's default, or the three of --tap-layers) whose lm_head
+    starts as the target's rows of the draft vocabulary (the draft_vocab_size most frequent response
+    tokens of data_dir, SpecForge's d2t / t2d; without a size, the whole vocabulary)."""
+    target = pair.target
+    for given, flag, why in ((num_layers not in (None, 1), "--num-layers", "an EAGLE-3 drafter has one layer"),
+                             (num_taps not in (None, NUM_TAPS), "--num-taps", f"EAGLE-3 fuses {NUM_TAPS} taps"),
+                             (mask_token is not None, "--mask-token-id", "an EAGLE-3 stage fills no block with a mask"),
+                             (heads is not None, "--markov-rank / --markov-head / --confidence-head",
+                              "DSpark's heads ride on a DFlash drafter")):
+        if given:
+            raise LoopspecError(f"{flag} does not apply to EAGLE-3 training (--family eagle3): {why}")
+    if target_layer_ids is not None and (len(target_layer_ids) != NUM_TAPS or len(set(target_layer_ids)) != NUM_TAPS):
+        raise LoopspecError(f"--tap-layers {','.join(map(str, target_layer_ids))}: EAGLE-3 fuses exactly {NUM_TAPS} "
+                            "distinct target layers (low, middle, high)")
+    if pair.drafter is not None:
+        drafter = pair.drafter
+        if target_layer_ids is not None and sorted(target_layer_ids) != drafter.cfg.target_layer_ids:
+            raise LoopspecError(f"--tap-layers cannot change the --init drafter's taps {drafter.cfg.target_layer_ids}")
+        if draft_vocab_size is not None:
+            raise LoopspecError(f"the --init drafter has its own draft vocabulary of {drafter.cfg.draft_vocab_size} "
+                                "tokens (its d2t map): --draft-vocab-size cannot change it")
+        if block_size:
+            drafter.cfg.block_size = block_size
+        drafter.cfg.extra = {k: v for k, v in drafter.cfg.extra.items() if k not in TUNED_SETTING_KEYS}
+        train.check_drafter(drafter.cfg)
+        return drafter, DraftVocab(drafter.draft_ids) if drafter.draft_ids is not None else None
+    ids = None
+    if draft_vocab_size is not None and draft_vocab_size < target.cfg.vocab_size:
+        if data_dir is None:
+            raise LoopspecError("a draft vocabulary size needs the training data to count tokens in")
+        ids = top_token_vocab(read_samples(data_dir), draft_vocab_size, target.cfg.vocab_size,
+                              always=sorted(set(target.cfg.eos_token_ids)))
+    torch.manual_seed(seed)
+    drafter = fresh_eagle3(target.cfg, block_size=block_size or 8, draft_ids=ids,
+                           target_layer_ids=sorted(target_layer_ids) if target_layer_ids else None)
+    with torch.no_grad():  # the drafter's own lm_head starts as the target's rows of its draft vocabulary
+        head = target.lm_head.weight
+        drafter.lm_head.weight.copy_(head if ids is None else head[ids])
+    train.check_drafter(drafter.cfg)
+    return drafter, DraftVocab(ids) if ids is not None else None
 
 
 class TapSource:
@@ -179,7 +235,7 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
     if draft_vocab is not None:
         drafter.draft_ids = draft_vocab.ids  # every save writes its d2t map
     compute_context(cfg)  # an unknown compute dtype fails here, before any work
-    trainer = DrafterTrainer(target, drafter, cfg, draft_vocab)
+    trainer = (Eagle3Trainer if cfg.family == "eagle3" else DrafterTrainer)(target, drafter, cfg, draft_vocab)
     taps = TapSource(data_dir, trainer, need_logits=cfg.kl_weight > 0,
                      tap_cache=Path(tap_cache) if tap_cache is not None else None)
     if cfg.heads_only:  # (a drafter without heads is refused by the trainer: TrainConfig.check_drafter)

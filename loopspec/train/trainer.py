@@ -77,9 +77,22 @@ def block_mask_with_private(anchors: torch.Tensor, block_size: int, context_len:
     return torch.cat([ctx, private, own], dim=1)
 
 
+# the recipes `loopspec train --family` chooses between: DFlash's block loss (DSpark's heads ride on
+# it) and EAGLE-3's training-time test (loopspec/train/eagle3_trainer.py)
+TRAIN_FAMILIES = ("dflash", "eagle3")
+DEFAULT_ANCHORS = 512
+EAGLE3_TTT_STEPS = 7  # SpecForge's default unroll (its OnlineEagle3Model `length`)
+
+# DFlash-only settings: (field, flag, the value that leaves it unset)
+DFLASH_ONLY = (("anchors", "--anchors", None), ("gamma", "--gamma", None), ("dpace", "--dpace", False),
+               ("kl_weight", "--kl-weight", 0.0), ("confidence_weight", "--confidence-weight", None),
+               ("heads_only", "--heads-only", False), ("causal_in_block", "--causal-in-block", False),
+               ("loop_stages", "--loop-stages", 0))
+
+
 @dataclass
 class TrainConfig:
-    anchors: int = 512
+    anchors: int | None = None  # DFlash: anchors per sequence (None: DEFAULT_ANCHORS); EAGLE-3 trains every position
     anchor_chunk: int = 64  # anchors per forward (bounds the dense mask's memory on CPU)
     gamma: float | None = None
     lr: float = 6e-4
@@ -101,8 +114,29 @@ class TrainConfig:
     max_len: int = 1024
     compute_dtype: str = "float32"  # "bfloat16": the drafter's forward and backward under CPU autocast
     #                                 (fp32 master weights; ~1.8x faster matmuls where the CPU has AVX512-BF16)
+    family: str = "dflash"  # one of TRAIN_FAMILIES
+    ttt_steps: int | None = None  # EAGLE-3: drafter steps unrolled per position (None: EAGLE3_TTT_STEPS)
 
     def __post_init__(self):
+        if self.family not in TRAIN_FAMILIES:
+            raise LoopspecError(f"training family (--family) must be one of {', '.join(TRAIN_FAMILIES)}, "
+                                f"got {self.family!r}")
+        if self.family == "eagle3":
+            given = [flag for name, flag, unset in DFLASH_ONLY if getattr(self, name) != unset]
+            if given:
+                raise LoopspecError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to DFlash training "
+                                    "only: EAGLE-3 training (--family eagle3) trains every position of a sequence "
+                                    "with training-time test, its steps weighted 0.8^j")
+            if self.ttt_steps is None:
+                self.ttt_steps = EAGLE3_TTT_STEPS
+            if isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
+                raise LoopspecError(f"training-time test steps (--ttt-steps) must be an integer >= 1, "
+                                    f"got {self.ttt_steps!r}")
+        else:
+            if self.ttt_steps is not None:
+                raise LoopspecError("--ttt-steps applies to EAGLE-3 training only (--family eagle3)")
+            if self.anchors is None:
+                self.anchors = DEFAULT_ANCHORS
         if isinstance(self.loop_stages, bool) or not isinstance(self.loop_stages, int) or self.loop_stages < 0:
             raise LoopspecError(f"loop stages (--loop-stages) must be an integer >= 0 (0: DFlash training), "
                                 f"got {self.loop_stages!r}")
@@ -124,6 +158,9 @@ class TrainConfig:
     def check_drafter(self, drafter: DrafterConfig) -> None:
         """Refuse what this config asks of a drafter that cannot take it."""
         kind = drafter.kind
+        if kind.training_family != self.family:
+            raise LoopspecError(f"the drafter ({kind.title}) is trained with --family {kind.training_family}, "
+                                f"not --family {self.family}")
         if self.loop_stages and not kind.trains_loop_aware:
             # a later stage's Markov chain starts from a drafted anchor the data does not hold
             raise LoopspecError("loop-aware training (--loop-stages) of a drafter with a Markov head is not "
