@@ -278,7 +278,7 @@ def bad_checkpoints(root):
         "norm before the residual": (eagle3_checkpoint(root / "m", norm_before_residual=True)[0],
                                      "norm_before_residual True"),
         "no fused taps": (eagle3_checkpoint(root / "n", eagle_config={"use_aux_hidden_state": False})[0],
-                          "use_aux_hidden_state False"),
+                          "use_aux_hidden_state false"),
     }
 
 

@@ -72,8 +72,7 @@ def _aux_ids(ids, key: str, least: int) -> list[int] | None:
 
 
 # config switches of EAGLE-3 checkpoints and the value loopspec's drafter computes (vLLM's default for each)
-VARIANTS_RUN = (("fc_norm", False), ("norm_output", False), ("norm_before_residual", False), ("norm_before_fc", False),
-                ("use_aux_hidden_state", True))
+VARIANTS_RUN = (("fc_norm", False), ("norm_output", False), ("norm_before_residual", False), ("norm_before_fc", False))
 
 
 @dataclass
