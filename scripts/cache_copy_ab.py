@@ -10,14 +10,12 @@ The JSON holds one record per point: {"k", "rows", "context", "copied_ms", "grow
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 from tqdm import tqdm
 
 from loopspec.model.kv_cache import KVCache
-from loopspec.runtime.bench.step_runs import integers, reserve_json, run_record, write_json
+from loopspec.runtime.bench.step_runs import alternating_steps, integers, reserve_json, run_record, write_json
 from loopspec.runtime.pipeline import load_pipeline
 
 VOCAB = 49152
@@ -57,19 +55,11 @@ def main() -> int:
             for row, prompt in enumerate(prompts):
                 engine.prefill(row, prompt, want_taps=False)
         for k, rows in points:
-            tokens = [list(range(1, k + 1))] * rows
-            times = {name: [] for name in engines}
-            for _ in range(args.calls):
-                logits = {}
-                for name, engine in engines.items():
-                    start = time.perf_counter()
-                    logits[name], _ = engine.verify(tokens, want_taps=False)
-                    engine.target_rollback(lengths[:rows])
-                    times[name].append((time.perf_counter() - start) * 1000)
-                if not torch.equal(logits["copied"], logits["grown"]):
-                    raise SystemExit(f"logits differ at k {k}, {rows} rows, context {context}")
+            medians, same = alternating_steps(engines, [list(range(1, k + 1))] * rows, lengths, args.calls)
+            if not same:
+                raise SystemExit(f"logits differ at k {k}, {rows} rows, context {context}")
             result["steps"].append({"k": k, "rows": rows, "context": lengths[0],
-                                    **{f"{name}_ms": round(statistics.median(t), 2) for name, t in times.items()}})
+                                    **{f"{name}_ms": ms for name, ms in medians.items()}})
             progress.update()
     progress.close()
     for s in result["steps"]:

@@ -65,9 +65,10 @@ def test_the_benchmarks_page_quotes_the_committed_step_runs():
     assert step_table(ours, genai) in page
 
 
-def test_the_benchmarks_page_quotes_the_step_run_with_its_peers():
+@pytest.mark.parametrize("path", ["docs/runs/2026-12-06/steps-with-peers.json",
+                                  "docs/runs/2026-12-06/step/steps-with-peers.json"])  # before / after the in-place past
+def test_the_benchmarks_page_quotes_the_step_run_with_its_peers(path):
     page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
-    path = "docs/runs/2026-12-06/steps-with-peers.json"
     assert "python scripts/step_table.py " + path in page
     run = json.loads((ROOT / path).read_text(encoding="utf-8"))
     assert set(run["peers"]) == {"llama.cpp", "onnxruntime-genai"}
@@ -104,11 +105,3 @@ def test_every_repository_path_in_the_docs_exists(doc):
             missing.append(path)
     assert not missing, f"{doc.name} names paths that do not exist: {missing}"
 
-
-def test_the_benchmarks_page_quotes_the_step_run_after_the_in_place_past():
-    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
-    path = "docs/runs/2026-12-06/step/steps-with-peers.json"
-    assert "python scripts/step_table.py " + path in page
-    run = json.loads((ROOT / path).read_text(encoding="utf-8"))
-    assert set(run["peers"]) == {"llama.cpp", "onnxruntime-genai"}
-    assert step_table(run, []) in page
