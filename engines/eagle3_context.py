@@ -14,6 +14,10 @@ the state step i-1 returned, at a+i-2) attend to those and to each other and are
 Rolling a row back to length n drops its entries from n-1 on: the token after n-1 is the next
 stage's anchor, not yet known.
 
+A dynamic tree (`draft_dynamic`, EAGLE-2's) runs step 1 as a stage does, then one step per depth
+over the top-K nodes of the newest depth at once, each node attending to the row's entries and to
+its own ancestors' entries only; those steps' K/V are dropped after the tree, as a stage's are.
+
 DLoop: a later stage appends the stage's own states (`append`: the state that drafted p+1 at p)
 and starts from its last draft; its pending entries pair those states with the stage's drafts,
 which the stage left in `tokens` past the anchor (slots the next verification overwrites), so it
@@ -29,6 +33,7 @@ from loopspec.errors import LoopspecError
 from loopspec.model.drafter import StageDrafts, draft_candidates
 from loopspec.model.eagle3 import Eagle3Drafter
 from loopspec.model.kv_cache import KVCache
+from loopspec.tree import DynamicTree
 
 
 class Eagle3Context:
@@ -91,10 +96,12 @@ class Eagle3Context:
         mask = torch.cat([seen[:, None, :].expand(-1, T, -1), new[None].expand(len(rows), -1, -1)], dim=-1)
         return past_k[0], past_v[0], mask[:, None].to(past_k.device)
 
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None, vocab_size: int) -> StageDrafts:
+    def _first_step(self, rows: list[int], anchors: list[int], positions: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's pending entries, the last one (anchor, taps at a-1) drafting a+1; their K/V
+        kept → the rows' lengths [R], the last entry's state [R, H] and its output [R, H]."""
         drafter, dev = self.drafter, self.states.device
-        R, D = len(rows), block_size - 1
+        R = len(rows)
         lengths = self.lengths[rows]
         if positions != lengths.tolist():
             raise LoopspecError("an EAGLE-3 stage starts right after its row's context (anchor at the context's "
@@ -120,8 +127,14 @@ class Eagle3Context:
         out, k, v = drafter(self.embed(ids.to(dev)), states, pos.clamp_max(self.max_length - 1).to(dev),
                             past_k, past_v, mask)
         self.kv.append(k[None], v[None], rows, pending)
-        last = out[torch.arange(R), pending - 1]  # [R, H]
-        hidden = [states[torch.arange(R), pending - 1], last]  # the stage's states 0 (fused taps at a-1), 1..
+        return lengths, states[torch.arange(R), pending - 1], out[torch.arange(R), pending - 1]
+
+    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
+              sampling: list | None, vocab_size: int) -> StageDrafts:
+        drafter, dev = self.drafter, self.states.device
+        R, D = len(rows), block_size - 1
+        lengths, first_state, last = self._first_step(rows, anchors, positions)
+        hidden = [first_state, last]  # the stage's states 0 (fused taps at a-1), 1..
         sampler = DraftSampler(sampling, vocab_size, self.draft_ids) if sampling is not None else None
         logits = []
         # steps i + 1 = 2..D: (draft i, state i) at a+i-1 over the row's entries and the steps before
@@ -153,3 +166,53 @@ class Eagle3Context:
             return StageDrafts(drafts, logq, hidden, None, q)
         drafts, logprobs = draft_candidates(torch.stack(logits, dim=1), self.draft_ids)  # [R, D, C] each
         return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden)
+
+    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
+                      depth: int) -> list[DynamicTree]:
+        """EAGLE-2's dynamic tree for each of `rows` (loopspec/tree.py `DynamicTree`): step 1 as a
+        stage's, its top-K drafts the first depth; then `depth` - 1 steps, each running the top-K
+        nodes of the newest depth by cumulative log-prob at once, node n as the entry (n's token, the
+        state its parent's step returned) at a + depth(n) - 1, attending to the row's entries, to the
+        entries of its own ancestors and to itself (tree attention: never a sibling's path), and
+        giving it its top-K children. The steps' K/V are dropped after the tree (as a stage's)."""
+        drafter, dev = self.drafter, self.states.device
+        R = len(rows)
+        lengths, _, last = self._first_step(rows, anchors, positions)
+        K = min(top_k, self.drafter.cfg.draft_vocab_size)
+        trees = [DynamicTree(a) for a in anchors]
+
+        def expand(parents: list[list[int]], outs: torch.Tensor) -> None:  # outs [R, n, H]
+            ids, logprobs = draft_candidates(drafter.logits(outs), self.draft_ids, top_k=K)  # [R, n, K] each
+            ids, logprobs = ids.cpu().tolist(), logprobs.double().cpu().tolist()
+            for r, tree in enumerate(trees):
+                for j, node in enumerate(parents[r]):
+                    tree.add_children(node, ids[r][j], logprobs[r][j])
+
+        expand([[0]] * R, last[:, None])
+        width = int(lengths.max())
+        seen = torch.arange(width)[None, :] < lengths[:, None]  # [R, W]
+        step_k, step_v, slots = [], [], [[] for _ in rows]  # slots[r]: the node each kept entry ran for
+        state_of = [{} for _ in rows]  # node → the state its step returned (what its children run with)
+        for d in range(1, depth):
+            chosen = [tree.frontier(d, K) for tree in trees]  # K nodes each: depth d holds K or K·K
+            n = len(chosen[0])
+            tokens = torch.tensor([[tree.tokens[c] for c in nodes] for tree, nodes in zip(trees, chosen)])
+            states = torch.stack([torch.stack([last[r] if d == 1 else state_of[r][trees[r].parents[c]] for c in nodes])
+                                  for r, nodes in enumerate(chosen)])  # [R, n, H]
+            ancestry = torch.tensor([[[slot in set(tree.ancestors(c)) for slot in row_slots] for c in nodes]
+                                     for tree, nodes, row_slots in zip(trees, chosen, slots)],
+                                    dtype=torch.bool).reshape(R, n, len(slots[0]))  # [R, n, S]
+            mask = torch.cat([seen[:, None, :].expand(-1, n, -1), ancestry,
+                              torch.eye(n, dtype=torch.bool)[None].expand(R, -1, -1)], dim=-1)  # [R, n, W + S + n]
+            past_k, past_v = self.kv.prefix(rows, width)
+            past_k, past_v = torch.cat([past_k[0]] + step_k, dim=2), torch.cat([past_v[0]] + step_v, dim=2)
+            pos = (lengths + d - 1)[:, None].expand(-1, n).clamp_max(self.max_length - 1)
+            out, k, v = drafter(self.embed(tokens.to(dev)), states, pos.to(dev), past_k, past_v,
+                                mask[:, None].to(dev))
+            step_k.append(k)
+            step_v.append(v)
+            for r, nodes in enumerate(chosen):
+                slots[r] += nodes
+                state_of[r].update({c: out[r, j] for j, c in enumerate(nodes)})
+            expand(chosen, out)
+        return trees

@@ -21,6 +21,7 @@ import torch
 
 from loopspec.model.drafter import DrafterConfig, StageDrafts
 from loopspec.model.target import TargetConfig
+from loopspec.tree import DynamicTree
 
 
 class Engine(Protocol):
@@ -98,6 +99,14 @@ class Engine(Protocol):
         each position's one draft is then sampled from the drafter's warped distribution q with
         the row's generator (C = 1, log-probs log q), and the `StageDrafts` carries q [R, D, V]
         as `.q` (loopspec.model.drafter.sample_stage)."""
+
+    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
+                      depth: int) -> list[DynamicTree]:
+        """EAGLE-2's dynamic tree for each of `rows` (DecodingSettings.tree_kind "dynamic"; only an
+        engine whose drafter kind `grows_dynamic_trees` — EAGLE-3 on the torch engine — is asked):
+        `depth` drafter steps from the anchor at `positions`, each expanding the `top_k` best nodes of
+        the newest depth, each under its own path, into `top_k` children → every drafted node with its
+        cumulative log-prob (loopspec.tree.DynamicTree); the context keeps its length, as after a stage."""
 
     # ---- rows ------------------------------------------------------------------------------------
     def swap_rows(self, a: int, b: int) -> None:

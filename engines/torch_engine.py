@@ -6,7 +6,8 @@ come back on the CPU, features (taps, hidden states) stay on the device. With `c
 verifications and stages of rows 0..R-1 (one request or a batch, chains or trees) replay captured
 forwards (engines/cuda_graphs.py); prefill and calls no bucket holds run eagerly. An EAGLE-3
 drafter (a chain kind) keeps its context in an `Eagle3Context` (engines/eagle3_context.py), which
-also follows the target's tokens, and drafts its stages step by step; it runs without CUDA graphs, as
+also follows the target's tokens, and drafts its stages step by step (and EAGLE-2's dynamic trees,
+`draft_dynamic`); it runs without CUDA graphs, as
 does a DFlash2 drafter, whose stages end in its candidate selector's walk.
 """
 
@@ -23,6 +24,7 @@ from loopspec.model.dflash2 import selector_stage
 from loopspec.model.drafter import Drafter, StageDrafts, draft_head_weight, draft_stage, sample_stage
 from loopspec.model.families import target_family
 from loopspec.model.target import Target, inference_linear, pack_linears_for_cpu_
+from loopspec.tree import DynamicTree
 
 
 class TorchEngine:
@@ -206,6 +208,13 @@ class TorchEngine:
                                                    self.draft_ids)  # [R, D, C] each, [R, D]
         return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden,
                            None if confidence is None else confidence.cpu())
+
+    @torch.inference_mode()
+    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
+                      depth: int) -> list[DynamicTree]:
+        if not (self.drafter is not None and self.drafter_cfg.kind.grows_dynamic_trees):
+            raise LoopspecError("a dynamic draft tree needs a drafter that drafts step by step (EAGLE-3)")
+        return self.context.draft_dynamic(rows, anchors, positions, top_k, depth)
 
     # ---- rows ------------------------------------------------------------------------------------
     def swap_rows(self, a: int, b: int) -> None:

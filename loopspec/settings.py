@@ -28,6 +28,11 @@ GATES = ("logprob", "confidence")
 DRAFTING_METHODS = ("dflash", "dloop", "suffix")
 # how drafts are made and accepted at T > 0 (DecodingSettings.draft_sampling)
 DRAFT_SAMPLINGS = ("walk", "drafter")
+# where a draft tree's nodes come from (DecodingSettings.tree_kind): best first over the drafter's
+# stages (each depth's candidates; a DFlash2 selector's lattice), or EAGLE-2's dynamic tree, grown
+# by a chain drafter node by node (loopspec/tree.py)
+TREE_KINDS = ("best-first", "dynamic")
+DYNAMIC_TOP_K = 4  # the dynamic tree's nodes expanded per step, and children per expanded node
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,20 @@ class DecodingSettings:
         "with --suffix-first: after the copy, the drafter's stage drafts on from its last token "
         "(default: the tuned setting, else off)",
         kind=bool, tuned=True, methods=DRAFTER_METHODS)
+    tree_kind: str = _knob(
+        "best-first", "--tree-kind",
+        "dflash: where the --tree-budget nodes come from: best-first (default; best first over each depth's "
+        "candidates, a DFlash2 drafter's over its selector's lattice) | dynamic (EAGLE-3 drafters: EAGLE-2's "
+        "dynamic tree, each expanded node drafted under its own path, then the best --tree-budget nodes kept)",
+        kind=str, choices=TREE_KINDS, methods=("dflash",))
+    tree_top_k: int = _knob(
+        DYNAMIC_TOP_K, "--tree-top-k",
+        f"with --tree-kind dynamic: nodes expanded per drafter step and children per node (default {DYNAMIC_TOP_K})",
+        least=1, metavar="K", methods=("dflash",))
+    tree_depth: int = _knob(
+        0, "--tree-depth",
+        "with --tree-kind dynamic: drafter steps, the tree's depth (0 = block size - 1; default 0)",
+        least=0, metavar="D", methods=("dflash",))
     draft_sampling: str = _knob(
         "walk", "--draft-sampling",
         "at temperature > 0: walk (default; the drafter's argmax drafts, and a seeded run commits "
@@ -168,6 +187,7 @@ class DecodingSettings:
             raise LoopspecError(f"unknown gate {self.gate!r} (choose from {', '.join(GATES)})")
         if self.tree_budget < 0:
             raise LoopspecError(f"tree budget must be >= 0, got {self.tree_budget}")
+        self._check_tree_kind()
         from loopspec.tree import SUFFIX_MAX_MATCH, SUFFIX_MIN_MATCH
 
         if self.suffix_first and not SUFFIX_MIN_MATCH <= self.suffix_first <= SUFFIX_MAX_MATCH:
@@ -189,6 +209,29 @@ class DecodingSettings:
             raise LoopspecError(f"--shared-suffix {self.shared_suffix} feeds the suffix index, which {self.method} "
                                 "does not use here: add --suffix or --suffix-first N (dflash, dloop), or use "
                                 "--method suffix")
+
+    def _check_tree_kind(self):
+        if self.tree_kind not in TREE_KINDS:
+            raise LoopspecError(f"unknown tree kind {self.tree_kind!r} (choose from {', '.join(TREE_KINDS)})")
+        if self.tree_kind != "dynamic":
+            if self.tree_top_k != DYNAMIC_TOP_K or self.tree_depth:
+                raise LoopspecError("--tree-top-k and --tree-depth shape the dynamic tree: add --tree-kind dynamic")
+            return
+        if self.tree_budget < 1:
+            raise LoopspecError("the dynamic tree keeps the best --tree-budget nodes of what it drafts: "
+                                "give --tree-budget N (N >= 1)")
+        if self.tree_top_k < 1:
+            raise LoopspecError(f"the dynamic tree's top-K (--tree-top-k) must be >= 1, got {self.tree_top_k}")
+        if not 0 <= self.tree_depth <= self.block_size - 1:
+            raise LoopspecError(f"the dynamic tree's depth (--tree-depth) must be 1..{self.block_size - 1} (block "
+                                f"size - 1; 0: that), got {self.tree_depth}: raise --block-size for a deeper tree")
+
+    @property
+    def dynamic_tree(self) -> "DynamicTreeShape | None":
+        """The dynamic tree's shape (tree_kind "dynamic"), None for best-first trees."""
+        if self.tree_kind != "dynamic":
+            return None
+        return DynamicTreeShape(self.tree_budget, self.tree_top_k, self.tree_depth or self.block_size - 1)
 
     @property
     def drafting(self) -> bool:
@@ -244,6 +287,9 @@ class DecodingSettings:
             text += f", max stages {self.max_stages}"
         if self.tree_budget:
             text += f", tree {self.tree_budget}"
+        if self.dynamic_tree is not None:
+            shape = self.dynamic_tree
+            text += f" (dynamic, top-{shape.top_k}, depth {shape.depth})"
         if self.suffix:
             text += ", + suffix"
         if self.suffix_first:
@@ -258,6 +304,16 @@ class DecodingSettings:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class DynamicTreeShape:
+    """EAGLE-2's dynamic tree as one value: `depth` drafter steps, each expanding the `top_k` best
+    nodes of the newest depth into `top_k` children each; the best `budget` drafted nodes are verified."""
+
+    budget: int
+    top_k: int
+    depth: int
 
 
 def knobs_of(settings_class: type) -> dict[str, Knob]:
@@ -333,8 +389,8 @@ def tuned_setting(drafter: DrafterConfig | None, engine: str | None = None) -> d
 def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str | None = None,
                      chains_only: bool = False, tuned: dict | None = None, **knobs) -> DecodingSettings:
     """The settings of `method` for a drafter on `engine` (`engine_key`): each knob (KNOBS: block_size,
-    gate_threshold, max_stages, gate, adaptive, tree_budget, suffix, suffix_first, suffix_then_draft,
-    draft_sampling, shared_suffix; one not given takes its Knob's `unset`: None, or on for adaptive) as
+    gate_threshold, max_stages, gate, adaptive, tree_budget, tree_kind, tree_top_k, tree_depth, suffix,
+    suffix_first, suffix_then_draft, draft_sampling, shared_suffix; one not given takes its Knob's `unset`: None, or on for adaptive) as
     given, else the drafter's tuned setting for that engine (its tree budget, suffix and suffix-first for dflash and dloop; block size,
     gate and stages for dloop), else its block size, the chain without suffix and the DLoop defaults. `tuned`: a
     setting stored elsewhere that replaces the drafter's (a user's result for a shipped drafter:
@@ -376,8 +432,10 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str 
     tree["suffix_then_draft"] = (suffix_then_draft if suffix_then_draft is not None
                                  else suffix_first is None and bool(stored.get("suffix_then_draft", False)))
     if method == "dflash":
+        shape = {name: given[name] if given[name] is not None else KNOB_DEFAULTS[name]
+                 for name in ("tree_kind", "tree_top_k", "tree_depth")}
         return DecodingSettings("dflash", block_size=block_size or drafter.block_size, adaptive=adaptive,
-                                **tree, **sampling, **shared)
+                                **tree, **shape, **sampling, **shared)
     k = block_size or stored.get("block_size") or drafter.block_size
     loop = {**DLOOP_DEFAULTS, **{key: v for key, v in stored.items() if key in DLOOP_DEFAULTS}}
     return DecodingSettings("dloop", block_size=k,
@@ -396,7 +454,8 @@ def method_variant(name: str) -> tuple[str, dict]:
     branch), 'dloop+tree16+suffix', 'dloop+first3' (the chain, and the suffix's continuation instead
     of the drafter's after a match of >= 3 tokens), 'dloop+first3+thendraft' (after such a match the
     drafter's stage extends the continuation), 'dloop+gateconf' (the chain, its stages gated by the DSpark
-    confidence head). 'suffix' is the drafter-free method."""
+    confidence head), 'dflash+tree16+dynamic' (EAGLE-2's dynamic tree, its best 16 nodes verified).
+    'suffix' is the drafter-free method."""
     from loopspec.tree import SUFFIX_MAX_MATCH, SUFFIX_MIN_MATCH
 
     method, *parts = name.split("+")
@@ -417,9 +476,12 @@ def method_variant(name: str) -> tuple[str, dict]:
             overrides["suffix_then_draft"] = True
         elif part == "gateconf" and method == "dloop":
             overrides["gate"] = "confidence"
+        elif part == "dynamic" and method == "dflash":
+            overrides["tree_kind"] = "dynamic"  # EAGLE-2's dynamic tree of the +treeN nodes
         elif part != "chain":
             raise LoopspecError(f"{name!r}: unknown part {part!r} (+chain, +treeN with N >= 1, +suffix, "
-                                f"+firstN with N in {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH}, +thendraft)")
+                                f"+firstN with N in {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH}, +thendraft, "
+                                "+dynamic with dflash)")
     if overrides.get("suffix_then_draft") and not overrides["suffix_first"]:
         raise LoopspecError(f"{name!r}: +thendraft extends +firstN's copy; name a match length too")
     return method, overrides
@@ -432,5 +494,6 @@ def variant_name(settings: DecodingSettings) -> str:
     parts = ([f"tree{settings.tree_budget}"] if settings.tree_budget else []) + (["suffix"] if settings.suffix else []) \
         + ([f"first{settings.suffix_first}"] if settings.suffix_first else []) \
         + (["thendraft"] if settings.suffix_then_draft else []) \
-        + (["gateconf"] if settings.gate == "confidence" else [])
+        + (["gateconf"] if settings.gate == "confidence" else []) \
+        + (["dynamic"] if settings.tree_kind == "dynamic" else [])
     return "+".join([settings.method] + (parts or ["chain"]))

@@ -20,7 +20,7 @@ from loopspec.engines.protocol import Engine
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter import DRAFT_CANDIDATES
 from loopspec.settings import DecodingSettings
-from loopspec.tree import DraftTree, draft_tree
+from loopspec.tree import DraftTree, DynamicTree, Lattice, draft_tree
 
 
 class AdaptiveFallback:
@@ -85,6 +85,11 @@ class Drafted:
     # drafts sampled from the drafter (draft_sampling "drafter"): the distribution q each depth's
     # draft was drawn from [D, V]; None for argmax drafts
     q: torch.Tensor | None = None
+    # tree kind "dynamic": every node the drafter grew (EAGLE-2's tree; candidates then hold each
+    # depth's best nodes, rank 0 the path to the deepest best one); None otherwise
+    dynamic: DynamicTree | None = None
+    # a DFlash2 drafter's selector lattice over the drafted depths (trees are its best paths); None otherwise
+    lattice: Lattice | None = None
 
     @property
     def stages(self) -> int:
@@ -120,10 +125,13 @@ def draft_round(engine: Engine, settings: DecodingSettings, anchors: list[int], 
     live = [b for b, n in enumerate(budgets) if n > 0]
     if not live:  # plain rounds (ar, the fallback, no room left): nothing to ask the engine
         return [nothing] * len(budgets)
+    if settings.dynamic_tree is not None:
+        return dynamic_round(engine, settings, anchors, positions, budgets)
     k, max_context = settings.block_size, engine.max_context
     first = engine.drafter_cfg.first_draft  # block positions before the first draft (0 or 1)
     stages: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = [[] for _ in budgets]
     distributions: list[list[torch.Tensor]] = [[] for _ in budgets]  # q of each stage, when sampled
+    lattices: list[list[Lattice]] = [[] for _ in budgets]  # a DFlash2 selector's, per stage
     anchors, positions = list(anchors), list(positions)
     start_lengths = dict(zip(live, engine.context_lengths(live)))
     while live:
@@ -140,6 +148,8 @@ def draft_round(engine: Engine, settings: DecodingSettings, anchors: list[int], 
                 stages[b].append((drafts[i], logprobs[i], None if confidence is None else confidence[i]))
                 if sampling is not None:
                     distributions[b].append(stage.q[i])
+                if stage.lattice is not None:
+                    lattices[b].append(stage.lattice.row(i))
                 drafted = sum(d.shape[0] for d, _, _ in stages[b])
                 # the last draft sits at the anchor's position + the stage's drafts
                 next_position = positions[b] + drafts.shape[1]
@@ -160,7 +170,7 @@ def draft_round(engine: Engine, settings: DecodingSettings, anchors: list[int], 
     if multi:  # the pseudo-context never outlives the round
         engine.context_rollback(multi, [start_lengths[b] for b in multi])
     out = []
-    for row_stages, row_q, n in zip(stages, distributions, budgets):
+    for row_stages, row_q, row_lattices, n in zip(stages, distributions, lattices, budgets):
         if not row_stages:
             out.append(nothing)
             continue
@@ -170,8 +180,31 @@ def draft_round(engine: Engine, settings: DecodingSettings, anchors: list[int], 
             left -= sizes[-1]
         confidence = (torch.cat([c for _, _, c in row_stages])[:n] if all(c is not None for _, _, c in row_stages)
                       else None)
-        out.append(Drafted(torch.cat([d for d, _, _ in row_stages])[:n], torch.cat([lp for _, lp, _ in row_stages])[:n],
-                           [m for m in sizes if m], confidence, torch.cat(row_q)[:n] if row_q else None))
+        candidates = torch.cat([d for d, _, _ in row_stages])[:n]
+        lattice = Lattice.join(row_lattices, candidates[:, 0].tolist(), n) if row_lattices else None
+        out.append(Drafted(candidates, torch.cat([lp for _, lp, _ in row_stages])[:n],
+                           [m for m in sizes if m], confidence, torch.cat(row_q)[:n] if row_q else None,
+                           lattice=lattice))
+    return out
+
+
+def dynamic_round(engine: Engine, settings: DecodingSettings, anchors: list[int], positions: list[int],
+                  budgets: list[int]) -> list[Drafted]:
+    """EAGLE-2's dynamic tree for rows 0..B-1 (settings.dynamic_tree): each row with a budget grows
+    one of min(its depth, budget) steps (rows of one depth share the drafter's forwards) → Drafted
+    carrying every node grown, and each depth's best nodes as its candidates."""
+    shape, C = settings.dynamic_tree, DRAFT_CANDIDATES
+    out = [Drafted(torch.empty(0, C, dtype=torch.long), torch.empty(0, C), [])] * len(budgets)
+    by_depth: dict[int, list[int]] = {}
+    for b, n in enumerate(budgets):
+        if n > 0:
+            by_depth.setdefault(min(shape.depth, n), []).append(b)
+    for depth, group in by_depth.items():
+        grown = engine.draft_dynamic(group, [anchors[b] for b in group], [positions[b] for b in group],
+                                     shape.top_k, depth)
+        for b, tree in zip(group, grown):
+            candidates, logprobs = tree.ranked_candidates(C)
+            out[b] = Drafted(candidates, logprobs, [depth], dynamic=tree)
     return out
 
 
@@ -225,6 +258,10 @@ def check_engine_runs(engine: Engine, settings: DecodingSettings) -> None:
     if settings.gate == "confidence" and not (engine.has_drafter and engine.drafter_cfg.kind.estimates_acceptance):
         raise LoopspecError("the confidence gate needs a drafter with a confidence head (a DSpark drafter); "
                             "use --gate logprob")
+    if settings.dynamic_tree is not None and not (engine.has_drafter and engine.drafter_cfg.kind.grows_dynamic_trees):
+        raise LoopspecError(f"--tree-kind dynamic grows the tree one drafter step per depth, each node under its own "
+                            f"path (EAGLE-3 drafters); the {engine.drafter_cfg.kind.title} drafter drafts its block "
+                            "in one forward: use --tree-kind best-first")
     if settings.draft_sampling == "drafter" and not engine.samples_drafts:
         raise LoopspecError(f"draft sampling 'drafter' needs the drafter's whole distribution, which the "
                             f"{engine.backend} engine's drafter does not return (it returns its top "
@@ -282,7 +319,8 @@ def row_tree(plan: RowPlan, drafted: Drafted, settings: DecodingSettings, tree_s
             node = tree.add(node, token, from_drafter=True)
         return tree
     tree = draft_tree(plan.root, drafted.candidates, drafted.logprobs, drafted.stage_sizes,
-                      tree_budget=settings.tree_budget, suffix=plan.suffix, max_nodes=plan.room)
+                      tree_budget=settings.tree_budget, suffix=plan.suffix, max_nodes=plan.room,
+                      dynamic=drafted.dynamic, lattice=drafted.lattice)
     first = plan.root_position
     if tree_span and not tree.is_chain and first // tree_span != (first + len(tree) - 1) // tree_span:
         # the tree's slots straddle a block of the engine's value product (engines/protocol.py):

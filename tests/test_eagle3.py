@@ -83,11 +83,12 @@ def rms(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def reference_chain(sd, hidden_states, embed, ids, anchor, steps, aux_ids, theta=5000.0):
+def reference_chain(sd, hidden_states, embed, ids, anchor, steps, aux_ids, theta=5000.0, forced=None):
     """EAGLE-3 drafting in fp64: HF `hidden_states` (index j: the stream entering layer j) at the
     prompt `ids`; entry p = (token p+1, fc(concat of the aux states at p)) at position p, the last one
     (anchor, states at N-1); step i >= 2 = (its own argmax draft, the previous step's output before the
     final norm) at N+i-2; every step attends causally to the entries and the steps before it.
+    `forced` (target ids, a path): the draft at depth i is forced[i-1] where given, not the argmax (step i+1 runs it).
     → the greedy chain (target ids), each step's draft-vocabulary logits and output states."""
     N = len(ids)
     taps = torch.cat([hidden_states[j][0] for j in aux_ids], dim=-1)  # [N, 3H], low → high
@@ -126,7 +127,7 @@ def reference_chain(sd, hidden_states, embed, ids, anchor, steps, aux_ids, theta
     for i in range(1, steps + 1):
         z = logits(out)
         all_logits.append(z)
-        chain.append(int(draft_to_target[z.argmax()]))
+        chain.append(forced[i - 1] if forced is not None and i <= len(forced) else int(draft_to_target[z.argmax()]))
         if i < steps:
             out = layer(chain[-1], out, N + i - 1)
             states.append(out)

@@ -20,7 +20,7 @@ def drafter():
 # a value each knob may take where it applies, different from its field's default
 GIVEN = {"block_size": 4, "max_stages": 3, "gate_threshold": -1.0, "gate": "confidence", "adaptive": True,
          "tree_budget": 4, "suffix": True, "suffix_first": 3, "suffix_then_draft": True, "draft_sampling": "drafter",
-         "shared_suffix": 8}
+         "shared_suffix": 8, "tree_kind": "dynamic", "tree_top_k": 2, "tree_depth": 2}
 
 
 def test_every_knob_has_a_value_to_plant():

@@ -46,6 +46,7 @@ from loopspec.model.draft_head import DRAFT_CANDIDATES, StageDrafts
 from loopspec.model.drafter import D2T_FILE, Drafter, DrafterAttention, DrafterConfig, drafter_tensors
 from loopspec.model.drafter_kinds import ARCHITECTURE, DFLASH2_ARCHITECTURE, DrafterKind, SelectorKind, dflash2_kind
 from loopspec.model.target import MLP, RMSNorm
+from loopspec.tree import Lattice
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _REQUIRED = object()
@@ -387,7 +388,8 @@ def selector_stage(drafter: DFlash2Drafter, hidden: torch.Tensor, anchors: torch
 
     Without `sampling`: the walk's argmax path as rank 0 of each slot's candidates [R, D, C], the
     slot's other candidates ranked by their scores given the same predecessor, and log-softmax of
-    those scores [R, D, C] (a draft tree's other branches are thus scored after the walk's tokens).
+    those scores [R, D, C]; and the selector's whole lattice (`selector_lattice`), over which a
+    draft tree takes its best paths, each node's children scored after the node's own token.
     With `sampling` (each row's params and generator): each row draws its slot from
     q = softmax(score / T) over the slot's candidates (a greedy row takes the argmax, q one-hot) →
     drafts [R, D, 1], log q [R, D, 1] and q [R, D, V] on the CPU."""
@@ -426,4 +428,24 @@ def selector_stage(drafter: DFlash2Drafter, hidden: torch.Tensor, anchors: torch
     order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :min(DRAFT_CANDIDATES, K)]  # [R, D, C]
     drafts = candidates.gather(-1, order)
     logprobs = torch.log_softmax(scores, dim=-1).gather(-1, order)
-    return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden)
+    return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden,
+                       lattice=selector_lattice(selector, unary, candidates, projected, anchors))
+
+
+def selector_lattice(selector: CandidateSelector, unary: torch.Tensor, candidates: torch.Tensor,
+                     projected: torch.Tensor, anchors: torch.Tensor) -> Lattice:
+    """The selector's whole lattice of a stage (loopspec.tree.Lattice): every slot's candidates
+    [R, D, K] and, for every candidate a of the slot before (the anchor at slot 0), the log-softmax
+    over the slot's candidates b of unary[b] + edge(a → b) [R, D, K, K] — the walk's score from any
+    predecessor, not only the one it took. Scored by the walk's own `edges`, one (predecessor, slot)
+    pair per row of it."""
+    R, D, K = candidates.shape
+    first = torch.full((R, K, K), float("-inf"), dtype=torch.float64)  # slot 0: only the anchor leads in
+    first[:, 0] = torch.log_softmax(unary[:, 0] + selector.edges(anchors, projected[:, 0], candidates[:, 0]),
+                                    dim=-1).double().cpu()
+    slots = [first]
+    for i in range(1, D):
+        edges = selector.edges(candidates[:, i - 1].reshape(-1), projected[:, i].repeat_interleave(K, dim=0),
+                               candidates[:, i].repeat_interleave(K, dim=0)).view(R, K, K)  # [R, a, b]
+        slots.append(torch.log_softmax(unary[:, i, None, :] + edges, dim=-1).double().cpu())
+    return Lattice(candidates.cpu(), torch.stack(slots, dim=1))

@@ -35,15 +35,17 @@ class StageDrafts(tuple):
     [R, k, H]) of the Engine protocol, which callers unpack as three, and the confidence head's
     per-position estimates [R, D] as `.confidence` (None without a confidence head); with drafts
     sampled from the drafter (`sample_stage`), the distribution q [R, D, V] each was drawn from as
-    `.q` (None otherwise)."""
+    `.q` (None otherwise); a DFlash2 drafter's argmax stage carries its selector's lattice over the
+    rows' slots as `.lattice` (loopspec.tree.Lattice; None otherwise)."""
 
     confidence: torch.Tensor | None
     q: torch.Tensor | None
+    lattice: "Lattice | None"
 
     def __new__(cls, drafts: torch.Tensor, logprobs: torch.Tensor, hidden: torch.Tensor,
-                confidence: torch.Tensor | None = None, q: torch.Tensor | None = None):
+                confidence: torch.Tensor | None = None, q: torch.Tensor | None = None, lattice=None):
         out = super().__new__(cls, (drafts, logprobs, hidden))
-        out.confidence, out.q = confidence, q
+        out.confidence, out.q, out.lattice = confidence, q, lattice
         return out
 
 

@@ -158,6 +158,13 @@ class DrafterKind:
         return "eagle3" if self.chain else "dflash"
 
     @property
+    def grows_dynamic_trees(self) -> bool:
+        """It can grow EAGLE-2's dynamic tree (tree kind "dynamic"): it drafts one token a step, so each
+        expanded node runs its own step conditioned on its path; a block drafter drafts every position
+        of its block in one forward, after the anchor alone."""
+        return self.chain
+
+    @property
     def masks_block(self) -> bool:
         """Its stages fill the block after the anchor with a mask token (DFlash, DSpark)."""
         return not self.chain
