@@ -4,7 +4,8 @@ on the walk's own row); the tree is the best `budget` paths of the lattice, each
 its own parent (checked against brute-force enumeration; a child scored after the walk's token fails
 it), and a later DLoop stage hangs under the walk only; with a drafter trained here, greedy tree
 decoding commits plain decoding's tokens alone and batched and accepts at least what the chain does;
-at T = 1 the committed tokens follow the target's exact law."""
+at T = 1 the committed tokens follow the target's exact law (a tree walk without the residual between
+siblings fails the same test)."""
 
 import itertools
 
@@ -14,8 +15,10 @@ import torch
 from conftest import accepted_drafts, batched_greedy_equals_plain, lively
 from test_dflash2 import (ANCHOR, BLOCK, PROMPT, PROMPTS, agreeing_dflash2, dflash2_checkpoint, law_engine,
                           law_target, target_dir)  # noqa: F401 (law_target, target_dir: fixtures)
-from test_distribution import P_PASS, PROMPT as LAW_PROMPT, RUNS, exact_distribution, gof_pvalue, seeds
+from test_distribution import P_FAIL, P_PASS, PROMPT as LAW_PROMPT, RUNS, exact_distribution, gof_pvalue, seeds
 from test_real_q import committed_counts
+from test_eagle3_tree import walk_without_residual
+import loopspec.runtime.decoder as decoder_module
 from loopspec.decoding import SamplingParams
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.model.dflash2 import DFlash2Drafter
@@ -180,3 +183,12 @@ def test_lattice_tree_commits_the_targets_exact_law(law_target):
     assert int(hist[1:].sum()) > 0.2 * RUNS, hist
     assert gof_pvalue(counts, exact_distribution(law_target, LAW_PROMPT, 4, SamplingParams(temperature=1.0)),
                       min_cells=60) > P_PASS
+
+
+def test_a_wrong_tree_acceptance_is_rejected(law_target, monkeypatch):
+    """Power: the same lattice trees walked without the residual between siblings leave the law."""
+    monkeypatch.setattr(decoder_module, "tree_accept", walk_without_residual)
+    counts, _ = committed_counts(law_engine(law_target), 4, Method("dflash", block_size=3, tree_budget=5),
+                                 seeds(52, RUNS // 2))
+    assert gof_pvalue(counts, exact_distribution(law_target, LAW_PROMPT, 4, SamplingParams(temperature=1.0)),
+                      min_cells=40) < P_FAIL

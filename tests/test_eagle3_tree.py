@@ -217,21 +217,24 @@ def test_dynamic_tree_commits_the_targets_exact_law(law_engine):
     assert gof_pvalue(counts, exact_distribution(law_engine.target, LAW_PROMPT, N, T1), min_cells=60) > P_PASS
 
 
-def test_a_wrong_tree_acceptance_is_rejected(law_engine, monkeypatch):
-    """Power: a walk that tries the children one by one, accepting each with the target's probability of
-    its token (no residual between siblings), leaves the law."""
-    def wrong_accept(tree, logits, params, generator):
-        p, node, path = probabilities(logits, params), 0, [0]
-        while True:
-            for child in [c for c in range(len(tree)) if tree.parents[c] == node]:
-                if float(torch.rand((), generator=generator)) < float(p[node, tree.tokens[child]]):
-                    break
-            else:
-                return path, int(sample(p[node], generator))
-            path.append(child)
-            node = child
+def walk_without_residual(tree, logits, params, generator):
+    """A wrong tree acceptance: try a node's children one by one, accepting each with the target's
+    probability of its token, and at the end draw the bonus from p itself (no residual between
+    siblings, nor after them)."""
+    p, node, path = probabilities(logits, params), 0, [0]
+    while True:
+        for child in [c for c in range(len(tree)) if tree.parents[c] == node]:
+            if float(torch.rand((), generator=generator)) < float(p[node, tree.tokens[child]]):
+                break
+        else:
+            return path, int(sample(p[node], generator))
+        path.append(child)
+        node = child
 
-    monkeypatch.setattr(decoder_module, "tree_accept", wrong_accept)
+
+def test_a_wrong_tree_acceptance_is_rejected(law_engine, monkeypatch):
+    """Power: the same trees walked without the residual between siblings leave the law."""
+    monkeypatch.setattr(decoder_module, "tree_accept", walk_without_residual)
     counts, _ = committed_counts(law_engine, N, LAW_SETTINGS, seeds(42, RUNS // 2))
     assert gof_pvalue(counts, exact_distribution(law_engine.target, LAW_PROMPT, N, T1), min_cells=40) < P_FAIL
 
