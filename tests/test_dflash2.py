@@ -404,12 +404,13 @@ def test_exports_bundles_training_and_cuda_graphs_refuse_it_naming_the_kind(targ
         with pytest.raises(LoopspecError, match="DFlash2") as e:
             build_bundle(target_dir, str(directory), tmp_path / f"bundle-{framework}", framework)
         assert "\n" not in str(e.value)
-    assert "DFlash2" in kind.unsupported_in("llamacpp", "llama.cpp") and not kind.trains and not kind.exports
+    assert "DFlash2" in kind.unsupported_in("llamacpp", "llama.cpp") and not kind.exports
+    assert kind.trains and kind.training_family == "dflash2" and not kind.trains_loop_aware
     with pytest.raises(LoopspecError, match="DFlash2.*--cuda-graphs"):
         TorchEngine(pair.target, pair.drafter, max_context=64, cuda_graphs=True)
     from loopspec.train.run import prepare_drafter
 
-    with pytest.raises(LoopspecError, match="does not train DFlash2 drafters yet"):
+    with pytest.raises(LoopspecError, match="DFlash2.*trained with --family dflash2, not --family dflash"):
         prepare_drafter(pair, str(target_dir))
 
 

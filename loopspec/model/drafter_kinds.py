@@ -143,19 +143,23 @@ class DrafterKind:
     @property
     def trains_loop_aware(self) -> bool:
         """Loop-aware training (DLoop's later stages) runs it: a Markov chain's later stage would start
-        from a drafted anchor the training data does not hold, so a Markov head rules it out."""
-        return self.markov is None and self.trains and not self.chain
+        from a drafted anchor the training data does not hold, so a Markov head rules it out; a
+        selector's later stage would start from its walk, which loopspec's loop-aware loss does not run."""
+        return self.markov is None and self.trains and not self.chain and self.selector is None
 
     @property
     def trains(self) -> bool:
-        """loopspec's trainer (loopspec/train) trains it: every kind without a selector."""
-        return self.selector is None
+        """loopspec's trainer (loopspec/train) trains it: every kind, each with its `training_family`."""
+        return True
 
     @property
     def training_family(self) -> str:
         """The training recipe of loopspec's trainer (`loopspec train --family`) that trains it:
-        "dflash" for the block kinds (DSpark's heads included), "eagle3" for the chain kind."""
-        return "eagle3" if self.chain else "dflash"
+        "dflash" for the block kinds (DSpark's heads included), "eagle3" for the chain kind, "dflash2"
+        for the selector kind (DFlash's block loss plus the selector's, loopspec/train/dflash2_trainer.py)."""
+        if self.chain:
+            return "eagle3"
+        return "dflash2" if self.selector else "dflash"
 
     @property
     def masks_block(self) -> bool:
