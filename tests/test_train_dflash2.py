@@ -132,9 +132,12 @@ def test_a_dflash2_drafter_made_from_a_dflash_one_drafts_as_it_did(tiny_targets)
         ((_, _, reference),) = dflash.loop_stages(tokens, anchors, ctx_k, ctx_v, 1)
         _, hidden = dflash2.stage(tokens, anchors, ctx_k, ctx_v)
         assert torch.allclose(hidden, reference, atol=1e-5), (hidden - reference).abs().max()
-        drafts = selector_stage(dflash2.drafter, hidden, tokens[anchors], target.lm_head)[0]
-        ranks = target.lm_head(reference[:, 1:]).topk(drafts.shape[-1], dim=-1).indices
-    assert torch.equal(drafts, ranks)
+        drafts, logprobs, _ = selector_stage(dflash2.drafter, hidden, tokens[anchors], target.lm_head)
+        unary = target.lm_head(reference[:, 1:]).topk(8, dim=-1)  # the selector's 8 candidates
+    C = drafts.shape[-1]
+    assert torch.equal(drafts, unary.indices[..., :C])
+    # every edge is exactly 0: the walk's scores are the unary logits
+    assert torch.allclose(logprobs, torch.log_softmax(unary.values, -1)[..., :C], atol=1e-6, rtol=0)
     with pytest.raises(LoopspecError, match="starts from a z-lab DFlash drafter"):
         DFlash2Drafter.from_dflash(base.with_heads(_markov_heads()))
 
