@@ -285,3 +285,22 @@ def test_the_kind_record_says_how_dflash2_trains():
         TrainConfig(family="dflash2", loop_stages=2)
     with pytest.raises(LoopspecError, match=r"trained with --family dflash2, not --family dflash\b"):
         TrainConfig().check_drafter(DFlash2Config.over(base))
+
+
+def test_a_fresh_drafter_and_one_from_a_reduced_vocabulary_start_as_dflash2_drafters(tiny_pair):
+    """No --init: a fresh DFlash drafter made a DFlash2 one (z-lab's sizes, zero edges); an --init drafter
+    with a reduced draft vocabulary (as v6d) leaves its d2t behind: the selector reads the whole head."""
+    from loopspec.pair import load_pair
+    from loopspec.train.run import prepare_drafter
+
+    target_dir, dflash_dir = tiny_pair
+    pair = load_pair(str(target_dir), "none")
+    drafter, vocab = prepare_drafter(pair, str(target_dir), block_size=BLOCK, train=TrainConfig(family="dflash2"))
+    assert isinstance(drafter, DFlash2Drafter) and vocab is None and drafter.cfg.block_size == BLOCK
+    assert (drafter.cfg.selector_rank, drafter.cfg.selector_top_k, drafter.cfg.conv_kernel_size) == (256, 16, 2)
+    assert not drafter.candidate_selector.successor_codebook.any()
+    base = Drafter.load(dflash_dir)
+    base.draft_ids = torch.arange(0, 128, 2)
+    base.cfg.extra = {"draft_vocab_size": 64}
+    made = DFlash2Drafter.from_dflash(base)
+    assert made.draft_ids is None and "draft_vocab_size" not in made.cfg.extra
