@@ -11,7 +11,8 @@ code `loopspec generate --onnx-dir` runs, so what passes here is what decodes th
    reference taps, `append_pseudo_context` of the reference block's hidden states) and are read back
    from the engine's context cache; the block engine (`draft`, a DSpark drafter's Markov correction
    and confidence included) is checked against `draft_stage`, the torch engine's own draft-head
-   step, on the context the engine holds: each figure is its own graph's error.
+   step (a DFlash2 drafter's against `selector_stage`, its selector's walk), on the context the
+   engine holds: each figure is its own graph's error.
 2. Greedy decoding of the target on a few prompts, as `ar` drives the engine: the token sequences
    must be identical (fp32), and one verification of them must give them back.
 3. With a drafter: the offline acceptance length τ of both drafters along the reference greedy
@@ -37,6 +38,7 @@ from loopspec.engines.protocol import Engine
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY
 from loopspec.errors import LoopspecError
 from loopspec.precisions import REGISTRY
+from loopspec.model.dflash2 import selector_stage
 from loopspec.model.drafter import Drafter, draft_head_weight, draft_stage
 from loopspec.model.kv_cache import KVCache
 from loopspec.model.target import Target
@@ -78,11 +80,15 @@ class Reference:
     @torch.inference_mode()
     def block(self, anchor: int, position: int, k: int, ctx_k, ctx_v):
         """One stage → drafts [D, C], log-probs [D, C], hidden [k, H], confidence [D] (None without a
-        confidence head): the torch engine's draft-head step, a DSpark drafter's heads included."""
+        confidence head): the torch engine's draft-head step, a DSpark drafter's heads or a DFlash2
+        drafter's selector walk included."""
         d = self.drafter
         ids = torch.full((1, k), d.cfg.mask_token_id, dtype=torch.long)
         ids[0, 0] = anchor
         hidden = d(self.target.embed_tokens(ids), torch.arange(position, position + k), ctx_k, ctx_v)  # [1, k, H]
+        if d.cfg.kind.selector is not None:  # a DFlash2 drafter: its candidate selector's walk
+            drafts, logprobs, _ = selector_stage(d, hidden, ids[:, 0], lambda h: F.linear(h, self.head))
+            return drafts[0], logprobs[0], hidden[0], None
         drafts, logprobs, confidence = draft_stage(d, hidden, ids[:, 0], lambda h: F.linear(h, self.head),
                                                    d.draft_ids)  # [1, D, C] each, [1, D]
         return drafts[0], logprobs[0], hidden[0], None if confidence is None else confidence[0]

@@ -23,7 +23,8 @@ from loopspec.engines.manifest import Manifest, read_manifest
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
                                     TARGET_VERIFY, EngineSpec, past_feeds, past_width)
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import DrafterConfig, StageDrafts
+from loopspec.model.dflash2 import block_drafter_config
+from loopspec.model.drafter import StageDrafts
 from loopspec.model.families import target_config
 from loopspec.model.kv_cache import KVCache, SlotGrowth
 from loopspec.weights import read_json
@@ -60,8 +61,8 @@ class ArtifactEngine:
             raise LoopspecError(f"{self.artifact_dir} was exported by an older loopspec (its target graph takes "
                                 f"{'a stacked past' if 'tree_mask' in inputs else 'no draft-tree mask'}): export it again")
         self.target_cfg = target_config(read_json(self.artifact_dir / "target" / "config.json", "target config"))
-        self.drafter_cfg = (DrafterConfig.from_zlab(read_json(self.artifact_dir / "drafter" / "config.json",
-                                                              "drafter config"))
+        self.drafter_cfg = (block_drafter_config(read_json(self.artifact_dir / "drafter" / "config.json",
+                                                           "drafter config"))
                             if self.manifest.has_drafter else None)
         self.precision = self.manifest.precision
         settings = self.manifest.data.get("settings", {})

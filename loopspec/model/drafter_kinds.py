@@ -10,10 +10,11 @@ block graph adds, whether loop-aware training runs it, and which serving framewo
 (`unsupported_in`: the kind family's record of `SERVING_RULES`, with the one-line reason of a
 framework that does not).
 
-Runtime backends: the torch engine, the fp32 ONNX Runtime / TensorRT drafter graphs and training run
-every block kind; a quantized drafter graph (FP8 / NVFP4), whose calibration and export run z-lab's
-block, takes the plain z-lab DFlash kind only (`require_zlab_block`). An EAGLE-3 drafter (a chain
-kind) runs on the torch engine only (`require_exportable`), and so does a DFlash2 drafter; the serving
+Runtime backends: the torch engine and the fp32 ONNX Runtime / TensorRT drafter graphs run every
+block kind (a DFlash2 drafter's graph unrolls its selector's walk: engines/export_dflash2.py); training
+runs every block kind without a selector; a quantized drafter graph (FP8 / NVFP4), whose calibration
+and export run z-lab's block, takes the plain z-lab DFlash kind only (`require_zlab_block`). An
+EAGLE-3 drafter (a chain kind) runs on the torch engine only (`require_exportable`); the serving
 frameworks run EAGLE-3 themselves.
 """
 
@@ -125,9 +126,9 @@ class DrafterKind:
 
     @property
     def unrolled_draft_head(self) -> bool:
-        """Its draft-head step runs left to right (a head after the lm_head reads the token drafted
-        before), so an exported block graph unrolls it over a fixed number of positions."""
-        return bool(self.heads)
+        """Its draft-head step runs left to right (a head after the lm_head, or a selector's walk, reads
+        the token drafted before), so an exported block graph unrolls it over a fixed number of positions."""
+        return bool(self.heads) or self.selector is not None
 
     @property
     def added_graph_outputs(self) -> tuple[str, ...]:
@@ -171,8 +172,14 @@ class DrafterKind:
 
     @property
     def exports(self) -> bool:
-        """The ONNX / TensorRT drafter graphs and quantization run it: the block kinds without a selector."""
-        return not self.chain and self.selector is None
+        """The fp32 ONNX / TensorRT drafter graphs run it: the block kinds (a selector's walk unrolled in
+        the block graph). Quantized drafter graphs take the plain kind only (`require_zlab_block`)."""
+        return not self.chain
+
+    def ranked_candidates(self, vocab_size: int, most: int) -> int:
+        """How many ranked candidates per drafting position a stage returns, at most `most`: a
+        selector ranks its top-k per slot, a draft head the whole (draft) vocabulary."""
+        return min(most, vocab_size, self.selector.top_k if self.selector is not None else vocab_size)
 
     @property
     def drafts_in_steps(self) -> bool:
