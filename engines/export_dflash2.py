@@ -48,6 +48,12 @@ def causal_dynamic_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tens
     return out.reshape(batch, -1, hidden)
 
 
+def walk_choice(score: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """The token the walk takes at a slot: the candidate [B, K] of the best score [B, K] (ArgMax: the
+    first of equal scores, the higher-ranked candidate) → [B]; the next slot's predecessor."""
+    return candidates.gather(-1, score.argmax(-1, keepdim=True))[:, 0]
+
+
 class DFlash2Block(nn.Module):
     """(block_ids [B, k], positions [B, k], context_key/context_value [N, B, kvh, C, hd],
     context_lengths [B]) → draft_ids [B, k-1, c] (the selector's ranked candidates as target ids, rank
@@ -156,8 +162,7 @@ class DFlash2Block(nn.Module):
         for i in range(slots):
             gated = F.embedding(previous, selector.predecessor_codebook) * projected[:, i]  # [B, rank]
             score = unary[:, i] + (gated[:, None, :] * successors[:, i]).sum(-1)  # [B, K]
-            index = score.argmax(-1, keepdim=True)  # [B, 1]: the first of equal scores, the higher-ranked
-            previous = candidates[:, i].gather(-1, index)[:, 0]  # [B]
+            previous = walk_choice(score, candidates[:, i])  # [B]
             chosen_scores.append(score)
         drafting = hidden.shape[1] - cfg.first_draft  # D of this call's block
         scores = torch.stack(chosen_scores, dim=1)[:, :drafting]  # [B, D, K]
