@@ -35,7 +35,7 @@ from loopspec.weights import load_target_dir  # noqa: E402
 ROW_PROMPTS = [PROMPT, [7, 8, 9], PROMPT[:6] + list(range(3, 16))]
 ROW_ANCHORS, ROW_GAPS = [64, 11, 90], [2, 0, 0]
 # accepted drafts the identity tests require of the drafter trained here (measured: see each test)
-FLOOR_GREEDY = 90
+FLOOR_GREEDY = 90  # of 160 tokens (measured: dflash 115, with a tree 119; dloop 128, with a tree 131; batched 115)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,14 +106,14 @@ def agrees(report: dict, tolerance: float = 1e-5) -> bool:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_block_graph_drafts_what_the_torch_engine_drafts(name, exported):
     target, drafter, onnx_dir = exported[name]
+    report = parity(target, drafter, onnx_dir)
+    assert agrees(report), report
     manifest = read_manifest(onnx_dir)
     graph = onnx.load(str(manifest.path(DRAFTER_BLOCK)))
     assert {n.domain for n in graph.graph.node} <= {""}  # standard ONNX ops only
     assert {"TopK", "ArgMax", "Pad"} <= {n.op_type for n in graph.graph.node}
     spec = manifest.spec(DRAFTER_BLOCK)
     assert spec.outputs[0].dims == ("batch", "drafts", 6)  # the selector's top-6, ranked
-    report = parity(target, drafter, onnx_dir)
-    assert agrees(report), report
     # the selector matters on these rows: its walk leaves the head's own argmax somewhere
     engine = TorchEngine(target, drafter, max_context=64, max_rows=3)
     stage = rows_drafted(engine, BLOCK)
