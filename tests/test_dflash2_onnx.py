@@ -4,7 +4,10 @@ of different context lengths batched together (one drafting past a gap), three b
 checkpoint configurations of tests/test_dflash2.py (window, none, causal with 3 taps, scales and a
 softcap); validation passes; with a drafter trained here, dflash and dloop on `--backend onnxruntime`
 commit plain decoding's tokens, batched as alone; planted bugs (the convolution looking ahead, the walk
-taking the head's argmax, the window read by slot instead of position) make the parity check fail."""
+taking the head's argmax, the window read by slot instead of position) make the parity check fail;
+TensorRT plans of the same graphs draft the same walk (GPU only)."""
+
+import importlib.util
 
 import pytest
 import torch
@@ -252,3 +255,32 @@ def test_quantized_drafter_graphs_refuse_it_in_one_line(exported):
     with pytest.raises(LoopspecError, match="quantization supports z-lab DFlash drafters only, not this DFlash2") as e:
         require_zlab_block(drafter.cfg, "quantization")
     assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# TensorRT: plans built from the same fp32 graphs (needs TensorRT and a CUDA GPU; skipped here)
+
+needs_trt_gpu = pytest.mark.skipif(not (importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()),
+                                   reason="needs TensorRT and a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_trt_gpu
+def test_trt_plans_run_the_selector_walk(dflash2_target_dir, tmp_path):
+    from loopspec.engines.trt_engine import TrtEngine
+
+    directory, _, _ = dflash2_checkpoint(tmp_path / "d2")
+    assert main(["convert", "onnx", "--target", str(dflash2_target_dir), "--drafter", str(directory),
+                 "--out", str(tmp_path / "onnx")]) == 0
+    assert main(["convert", "trt", "--onnx", str(tmp_path / "onnx"), "--out", str(tmp_path / "plans")]) == 0
+    target, drafter = load_fp32(dflash2_target_dir, directory)
+    engines = (TorchEngine(target.cuda(), drafter.cuda(), max_context=64), TrtEngine(tmp_path / "plans", 64))
+    for engine in engines:
+        engine.prefill(0, PROMPT, want_taps=True)
+    (td, tp, _), (rd, rp, _) = [e.draft([0], [ROW_ANCHORS[0]], [len(PROMPT)], BLOCK) for e in engines]
+    assert torch.equal(rd, td)
+    torch.testing.assert_close(rp, tp, rtol=1e-3, atol=1e-3)
+    ar = generate(engines[1], PROMPT, max_new_tokens=20).tokens
+    for settings in (Method("dflash", block_size=BLOCK), Method("dloop", block_size=BLOCK, max_stages=3,
+                                                                  gate_threshold=-2.0)):
+        assert generate(engines[1], PROMPT, settings, max_new_tokens=20).tokens == ar

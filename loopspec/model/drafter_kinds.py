@@ -229,7 +229,8 @@ def require_zlab_block(cfg, what: str) -> None:
     """Refuse a drafter of DeepSpec's block convention or with DSpark heads where only the z-lab
     block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented (quantized
     drafter graphs). The torch engine, the fp32 ONNX / TensorRT drafter graphs and training run both
-    conventions and the DSpark heads (an EAGLE-3 drafter: the torch engine only)."""
+    conventions and the DSpark heads; the torch engine and the fp32 graphs a DFlash2 drafter's selector
+    (an EAGLE-3 drafter: the torch engine only)."""
     kind = cfg.kind
     require_exportable(kind, what)
     if not kind.plain:
@@ -322,7 +323,7 @@ BLOCK_RULES = {"trtllm": _trtllm_refusal, "vllm": _vllm_refusal, "sglang": _sgla
 def _dflash2_refusal(kind: DrafterKind) -> str:
     # vLLM, SGLang and llama.cpp load DFlash2 checkpoints upstream; loopspec's bundles do not carry them yet
     return (f"loopspec's serving bundles do not carry {kind.family} drafters yet: {kind.family} drafters run on "
-            "loopspec's torch backend only")
+            "loopspec's torch and fp32 onnxruntime / tensorrt backends")
 
 
 SERVING_RULES = {"dflash": BLOCK_RULES, "dspark": BLOCK_RULES,
