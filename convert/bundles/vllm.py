@@ -32,9 +32,9 @@ Facts this module relies on (re-check on upgrades):
   verification (a chain: vLLM 0.33 has no draft-tree setting). The draft config is wrapped in
   `EAGLEConfig`; the model reads `hidden_size`, `num_hidden_layers` (1), `rms_norm_eps`,
   `draft_vocab_size` (default vocab_size), `target_hidden_size` (default hidden_size),
-  `norm_before_residual`, `eagle_config.use_aux_hidden_state` / `norm_before_fc`, `fc_norm` (off),
-  `norm_output` (off: the next step's state is the layer output before the final norm, as loopspec
-  runs it). The target's tap layers are the top-level `eagle_aux_hidden_state_layer_ids`, else
+  `norm_before_residual`, `eagle_config.use_aux_hidden_state` / `norm_before_fc`, `fc_norm` and
+  `norm_output` (EAGLE 3.1: the next step's state is the final-normed output; off, the output before
+  the final norm), each as loopspec runs it (the drafter's config.json carries them at the top level). The target's tap layers are the top-level `eagle_aux_hidden_state_layer_ids`, else
   `eagle_config`'s, taken as given (v1/worker/gpu_model_runner.py, v1/worker/gpu/spec_decode/eagle/
   eagle3_utils.py); id j is the stream entering target layer j (the model appends its aux state after
   layer j-1: model_executor/models/llama.py), loopspec's tap j-1. Weights: `midlayer.` is mapped to

@@ -85,6 +85,23 @@ class SelectorKind:
 
 
 @dataclass(frozen=True)
+class Eagle3Variant:
+    """The switches an EAGLE-3 checkpoint's config.json may turn on (all off: EAGLE-3 as published).
+    EAGLE 3.1 is fc_norm with norm_output; the others come from other trainers' checkpoints."""
+
+    fc_norm: bool = False  # an RMSNorm on each of the three taps before fc (`fc_norm.{0,1,2}`)
+    norm_before_fc: bool = False  # one RMSNorm over the three taps concatenated before fc (`input_norm`)
+    norm_output: bool = False  # the next step reads the final-normed state (the logits' input), not the pre-norm one
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(state), not the state
+
+    @property
+    def switched_on(self) -> tuple[str, ...]:
+        """The config.json switches that are on, by their names."""
+        return tuple(name for name in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
+                     if getattr(self, name))
+
+
+@dataclass(frozen=True)
 class DrafterKind:
     """One drafter kind. The registry (`DRAFTER_KINDS`) holds each family with its defaults; the
     lookup fills in the drafter's block convention and heads."""
@@ -98,6 +115,7 @@ class DrafterKind:
     # pairs (EAGLE-3); False: one forward drafts a whole block of [anchor, MASK…] (DFlash, DSpark)
     chain: bool = False
     selector: SelectorKind | None = None  # DFlash2: its drafts are the candidate selector's walk
+    eagle3: Eagle3Variant | None = None  # EAGLE-3: the config switches its checkpoint turns on
 
     @property
     def heads(self) -> tuple[str, ...]:
@@ -112,6 +130,8 @@ class DrafterKind:
     @property
     def title(self) -> str:
         """What it is, in a few words: its heads and its block convention."""
+        if self.chain and self.eagle3 and self.eagle3.switched_on:
+            return f"{self.family} ({', '.join(self.eagle3.switched_on)})"
         if self.chain or self.selector:
             return self.family
         if not self.heads:
@@ -200,7 +220,8 @@ class DrafterKind:
 
 
 DRAFTER_KINDS = {kind.name: kind for kind in (DrafterKind("dflash", "DFlash"), DrafterKind("dspark", "DSpark"),
-                                               DrafterKind("eagle3", "EAGLE-3", EAGLE3_CHAIN, chain=True),
+                                               DrafterKind("eagle3", "EAGLE-3", EAGLE3_CHAIN, chain=True,
+                                                           eagle3=Eagle3Variant()),
                                                DrafterKind("dflash2", "DFlash2"))}
 
 
@@ -301,11 +322,27 @@ def _llamacpp_refusal(kind: DrafterKind) -> str | None:
     return None
 
 
-def _serves_eagle3(kind: DrafterKind) -> str | None:
-    # TensorRT-LLM (Eagle3DecodingConfig), vLLM (method eagle3), SGLang (EAGLE3) and llama.cpp
-    # (draft-eagle3) all run SpecForge's LlamaForCausalLMEagle3 drafter as loopspec saves it; what a
-    # framework cannot take of a setting (a draft tree) its convert/bundles module refuses
-    return None
+# the EAGLE-3 config switches each framework's reader implements (vLLM 0.33 models/llama_eagle3.py: all
+# four; SGLang 0.5.23 models/llama_eagle3.py: fc_norm (or its older name use_aux_norm), norm_before_fc,
+# norm_output; llama.cpp's converter and eagle3 graph (llama-cpp-python 0.3.36's): norm_before_residual and
+# norm_before_fc; TensorRT-LLM: see convert/bundles/trtllm.py)
+EAGLE3_SWITCHES_READ = {"vllm": ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual"),
+                        "sglang": ("fc_norm", "norm_before_fc", "norm_output"),
+                        "llamacpp": ("norm_before_fc", "norm_before_residual"),
+                        "trtllm": ()}
+
+
+def _eagle3_refusal(framework: str, title: str):
+    def refusal(kind: DrafterKind) -> str | None:
+        # every framework runs SpecForge's LlamaForCausalLMEagle3 drafter as loopspec saves it; a switch its
+        # reader does not implement would be silently dropped there, so it is refused here; what a framework
+        # cannot take of a setting (a draft tree) its convert/bundles module refuses
+        unread = [name for name in kind.eagle3.switched_on if name not in EAGLE3_SWITCHES_READ[framework]]
+        if not unread:
+            return None
+        return (f"{title}'s EAGLE-3 reader does not implement {', '.join(unread)} (this drafter's config.json turns "
+                f"{'it' if len(unread) == 1 else 'them'} on), so it would draft with a different model")
+    return refusal
 
 
 # one record per kind family, looked up by DrafterKind.name: {framework: why it refuses a drafter of
@@ -319,5 +356,6 @@ def _dflash2_refusal(kind: DrafterKind) -> str:
 
 
 SERVING_RULES = {"dflash": BLOCK_RULES, "dspark": BLOCK_RULES,
-                 "eagle3": {name: _serves_eagle3 for name in ("trtllm", "vllm", "sglang", "llamacpp")},
+                 "eagle3": {name: _eagle3_refusal(name, title) for name, title in
+                            (("trtllm", "TensorRT-LLM"), ("vllm", "vLLM"), ("sglang", "SGLang"), ("llamacpp", "llama.cpp"))},
                  "dflash2": {name: _dflash2_refusal for name in ("trtllm", "vllm", "sglang", "llamacpp")}}
