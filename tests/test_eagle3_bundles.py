@@ -200,9 +200,9 @@ def test_eagle3_1_goes_where_its_switches_are_read_and_is_refused_elsewhere(targ
     assert config["fc_norm"] is True and config["norm_output"] is True
     written = Eagle3Drafter.load(tmp_path / "ok" / "drafter")
     assert written.cfg.variant.switched_on == ("fc_norm", "norm_output") and written.fc_norm is not None
-    for framework, title in (("llamacpp", "llama.cpp"), ("trtllm", "TensorRT-LLM")):
+    for framework, title, target in (("llamacpp", "llama.cpp", "default"), ("trtllm", "TensorRT-LLM", target_dir)):
         with pytest.raises(LoopspecError, match=f"{title}'s EAGLE-3 reader does not implement fc_norm, norm_output") as e:
-            build_bundle(target_dir, str(directory), tmp_path / framework, framework)
+            build_bundle(target, str(directory), tmp_path / framework, framework)
         assert "\n" not in str(e.value) and not (tmp_path / framework).exists()
     directory, _ = eagle3_checkpoint(tmp_path / "nbr", loopspec={"block_size": BLOCK}, norm_before_residual=True)
     assert build_bundle(target_dir, str(directory), tmp_path / "nbr-ok", "vllm")["engines"] == ["vllm"]
