@@ -30,8 +30,11 @@ drafter without a Markov head), `markov_head_type` one of vanilla / gated / rnn,
 required; block slot k drafts the token at anchor+k+1 (DeepSpec's convention; a drafter trained with
 slot j drafting anchor+j would draft one position off). Confidence-scheduled (ragged) verification is
 switched by the environment (`SGLANG_RAGGED_VERIFY_MODE`) and fed by `--speculative-dspark-sps-table-path`
-/ `--speculative-dspark-confidence-sts-path`, files SGLang's own profiler and calibration tools write;
-the bundle leaves them out.
+(speculative/dspark_components/dspark_sps.py: `SpsCostTable` {sample_batch_tokens, sample_steps_per_sec,
+max_batch_tokens} or `SpsAdditiveCostTable` {bias_seconds, bs_probes, alpha_seconds, m_probes,
+theta_seconds}) / `--speculative-dspark-confidence-sts-path` (dspark_sts.py: `temperatures` per position),
+SGLang's own step measurements and calibration; the bundle leaves them out (loopspec's step-cost table
+times loopspec's engine, not SGLang's).
 
 EAGLE-3 (SGLang 0.5.23: python/sglang/srt/arg_groups/speculative_hook.py `_handle_eagle_family`,
 speculative/eagle_utils.py `organize_draft_results`, models/llama_eagle3.py):
@@ -101,10 +104,13 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
              f"{s.drafts + 1}` (the verify window, anchor included)."]
     if s.kind.confidence:
         lines[-1] += (" Its confidence-scheduled (ragged) verification is left off: it is switched by "
-                      "`SGLANG_RAGGED_VERIFY_MODE` and reads a step-cost table and a calibration file "
-                      "(`--speculative-dspark-sps-table-path`, `--speculative-dspark-confidence-sts-path`) that "
-                      "SGLang's own profiler and calibration tools produce on the serving GPU; every step verifies "
-                      "the whole block (outputs are the same either way).")
+                      "`SGLANG_RAGGED_VERIFY_MODE` and reads `--speculative-dspark-sps-table-path` (SGLang's own "
+                      "decode-step throughput by batch tokens: `sample_batch_tokens`, `sample_steps_per_sec`, or "
+                      "`bias_seconds` / `alpha_seconds` / `theta_seconds`) and `--speculative-dspark-confidence-sts-path` "
+                      "(per-position `temperatures` fitted to its confidence head), which SGLang's profiler and "
+                      "calibration tools measure on the serving GPU; loopspec's step-cost table (`loopspec costs`) "
+                      "times loopspec's engine, not SGLang's, so neither is written. Every step verifies the whole "
+                      "block (outputs are the same either way).")
     return lines
 
 
