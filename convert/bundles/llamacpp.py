@@ -86,7 +86,7 @@ def convert_script(kind) -> str:
             f"# Convert the {kind.title} drafter to llama.cpp's {_gguf_arch(kind)} GGUF with llama.cpp's own converter. "
             "Use the\n"
             "# convert_hf_to_gguf.py of the llama.cpp that built llama-server (scripts/build_llama_server.sh keeps\n"
-            "# it under PREFIX/src); it needs torch, numpy and transformers. Extra flags are passed on.\n"
+            "# it under PREFIX/src); it needs torch, numpy, transformers and sentencepiece. Extra flags are passed on.\n"
             "set -eu\n"
             'cd "$(dirname "$0")/.."  # paths below are relative to the bundle root\n'
             'LLAMACPP_CONVERT="${LLAMACPP_CONVERT:-convert_hf_to_gguf.py}"\n'
