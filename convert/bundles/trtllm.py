@@ -69,7 +69,7 @@ from loopspec.convert.bundles.common import HF_TARGET, LaunchSettings, ServingFr
 
 TITLE = "TensorRT-LLM >= 1.3"
 DSPARK_MIN_VERSION = "1.3.0rc27"  # the first release whose LLM API reference has DSparkDecodingConfig
-CONFIDENCE_SCHEDULING_VERSION = "1.4.0rc4"  # the first enable_confidence_scheduling, with its first field names
+CONFIDENCE_SCHEDULING_VERSION = "1.4.0rc4"  # its enable_confidence_scheduling, with the older field names
 EAGLE3_TREE_VERSION = "1.4.0rc4"  # the release whose guide documents EAGLE-3's dynamic tree (PyTorch backend)
 
 
@@ -154,8 +154,8 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
                   "block; outputs are the same either way). TensorRT-LLM's current code reads it from "
                   "`enable_confidence_scheduling` with `confidence_sps_table_path`, "
                   "`confidence_sps_live_fingerprint_path`, `confidence_admission_receipt_path` and "
-                  f"`confidence_admission_receipt_sha256` ({CONFIDENCE_SCHEDULING_VERSION}, the first release with it, "
-                  "spelled them `confidence_cost_table_path`, `confidence_calibration_path`, "
+                  f"`confidence_admission_receipt_sha256` ({CONFIDENCE_SCHEDULING_VERSION} spelled them "
+                  "`confidence_cost_table_path`, `confidence_calibration_path`, "
                   "`confidence_min_predicted_gain`): the cost table must be "
                   "`schema_version: 2`, whole-step times per CUDA-graph batch size and verifier-token count with an "
                   "`engine_fingerprint` (GPU, GPU snapshot hash, runtime snapshot, source head and diff hash, "
@@ -163,8 +163,9 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
                   "from the live TensorRT-LLM engine, and startup switches the feature off without a workload "
                   "receipt that hashes both. No such engine exists where this bundle was written, and loopspec's "
                   "own step-cost table (`loopspec costs`) times loopspec's engine rather than TensorRT-LLM's, so "
-                  "none of these fields is written: measure the table, fingerprint and receipt on the serving GPU "
-                  "with TensorRT-LLM's own tools and add them."]
+                  "none of these fields is written: the table and fingerprint come from TensorRT-LLM on the serving "
+                  "GPU, and the receipt from a reviewed deployment package (TensorRT-LLM ships no public command "
+                  "that writes one)."]
     return lines
 
 
