@@ -14,7 +14,7 @@ Runtime backends: the torch engine, the fp32 ONNX Runtime / TensorRT drafter gra
 every block kind; a quantized drafter graph (FP8 / NVFP4), whose calibration and export run z-lab's
 block, takes the plain z-lab DFlash kind only (`require_zlab_block`). An EAGLE-3 drafter (a chain
 kind) runs on the torch engine only (`require_exportable`), and so does a DFlash2 drafter; the serving
-frameworks run EAGLE-3 themselves.
+frameworks run both themselves (SERVING_RULES says which).
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ class SelectorKind:
     conv_group_size: int  # channels sharing one dynamic coefficient
     rank: int  # selector_rank
     top_k: int  # selector_top_k: candidates per block slot
+    width: int  # the hidden size its projection reads (the drafter's)
+    input_embedding_scale: float = 1.0  # what the block's token embeddings are scaled by
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,13 @@ class DrafterKind:
     def exports(self) -> bool:
         """The ONNX / TensorRT drafter graphs and quantization run it: the block kinds without a selector."""
         return not self.chain and self.selector is None
+
+    @property
+    def zlab_dflash_reader(self) -> bool:
+        """The frameworks' z-lab DFlash path runs it (vLLM method dflash, SGLang DFLASH, llama.cpp
+        draft-dflash): z-lab's block convention and no DSpark head; a DFlash2 drafter's selector is
+        picked there from its checkpoint (`DFlash2DraftModel`)."""
+        return self.plain or self.selector is not None
 
     @property
     def drafts_in_steps(self) -> bool:
@@ -349,13 +358,42 @@ def _eagle3_refusal(framework: str, title: str):
 # that family (None: it serves it)}; a framework a record does not name serves the plain kind only
 BLOCK_RULES = {"trtllm": _trtllm_refusal, "vllm": _vllm_refusal, "sglang": _sglang_refusal,
                "llamacpp": _llamacpp_refusal}
-def _dflash2_refusal(kind: DrafterKind) -> str:
-    # vLLM, SGLang and llama.cpp load DFlash2 checkpoints upstream; loopspec's bundles do not carry them yet
-    return (f"loopspec's serving bundles do not carry {kind.family} drafters yet: {kind.family} drafters run on "
-            "loopspec's torch backend only")
+
+
+# DFlash2: vLLM >= 0.28 (pull request 52816) and SGLang >= 0.5.19 (pull request 35371) pick z-lab's
+# DFlash2 model from the checkpoint's `DFlash2DraftModel` under their DFlash method; llama.cpp's
+# converter writes it as its `dflash` architecture with the selector (pull request 27342, master from
+# pull request 27816); TensorRT-LLM has DFlashDecodingConfig only. Each fact is in its convert/bundles
+# module.
+
+
+def _dflash2_vllm(kind: DrafterKind) -> str | None:
+    return None  # method dflash: vLLM's Qwen3 DFlash2 model reads every DFlash2 field
+
+
+def _dflash2_sglang(kind: DrafterKind) -> str | None:
+    if kind.selector.input_embedding_scale != 1.0:
+        return (f"SGLang's DFLASH (0.5.19 to 0.5.23) does not read dflash_config.input_embedding_scale "
+                f"({kind.selector.input_embedding_scale:g} in this drafter): it would draft with unscaled embeddings")
+    return None
+
+
+def _dflash2_llamacpp(kind: DrafterKind) -> str | None:
+    selector = kind.selector
+    if selector.width < selector.top_k * (selector.top_k + 1):
+        return (f"llama.cpp's DFlash2 loader needs a hidden size of at least selector_top_k x (selector_top_k + 1) "
+                f"= {selector.top_k * (selector.top_k + 1)} for its selector lattice, and this drafter's is "
+                f"{selector.width}")
+    return None
+
+
+def _dflash2_trtllm(kind: DrafterKind) -> str | None:
+    return ("TensorRT-LLM's DFlashDecodingConfig runs z-lab DFlash drafters only: it has no DFlash2 model "
+            "(no grouped dynamic convolutions, no candidate selector for DFlash2DraftModel)")
 
 
 SERVING_RULES = {"dflash": BLOCK_RULES, "dspark": BLOCK_RULES,
                  "eagle3": {name: _eagle3_refusal(name, title) for name, title in
                             (("trtllm", "TensorRT-LLM"), ("vllm", "vLLM"), ("sglang", "SGLang"), ("llamacpp", "llama.cpp"))},
-                 "dflash2": {name: _dflash2_refusal for name in ("trtllm", "vllm", "sglang", "llamacpp")}}
+                 "dflash2": {"trtllm": _dflash2_trtllm, "vllm": _dflash2_vllm, "sglang": _dflash2_sglang,
+                             "llamacpp": _dflash2_llamacpp}}
