@@ -97,7 +97,7 @@ class DFlash2Config(DrafterConfig):
     @property
     def kind(self) -> DrafterKind:
         return dflash2_kind(SelectorKind(self.conv_kernel_size, self.conv_group_size, self.selector_rank,
-                                         self.selector_top_k))
+                                         self.selector_top_k, self.hidden_size, self.input_embedding_scale))
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: it sees every context position)."""
