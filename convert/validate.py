@@ -19,6 +19,9 @@ code `loopspec generate --onnx-dir` runs, so what passes here is what decodes th
    context its own decoding appended, rolled back to each anchor); the drop of the exported
    drafter's τ must stay under a limit per precision (quantized drafters lose a little, fp32 none).
 
+An EAGLE-3 drafter's two graphs are checked against the torch engine's EAGLE-3 path instead
+(convert/validate_eagle3.py): the same report, the same limits.
+
 The report goes into the manifest (`validation`) and is returned.
 """
 

@@ -85,7 +85,7 @@ class Eagle3Graphs(Eagle3Context):
             logprobs.append(out["draft_logprobs"])
             if i == D:
                 break
-            token = out["draft_ids"][:, 0]  # the chain: rank 0
+            token = out["draft_ids"][:, 0].cpu()  # the chain: rank 0 (a TensorRT plan returns it on the GPU)
             self.tokens[rows, lengths + i] = token  # the drafts past the anchor, for a later stage's entries (DLoop)
             out = self._step(rows, token[:, None], out["state"][:, None], (lengths + i - 1)[:, None],
                              torch.zeros(R, dtype=torch.long), torch.ones(R, dtype=torch.long))
