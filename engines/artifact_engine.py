@@ -8,7 +8,9 @@ the graph writes after each row's own length) and every row's length (the graphs
 graphs take dense inputs: the past of rows 0..R-1 is the buffer itself, each layer one block, so
 nothing is copied; other rows are copied once per call. The K/V the graph returns for the new
 positions are written back at each row's own length; rollback moves the lengths. A backend supplies `_open` (one runner per engine:
-`run(**tensors) → {output: tensor}`), the buffers' dtype and device; everything else is here.
+`run(**tensors) → {output: tensor}`), the buffers' dtype and device; everything else is here. An
+EAGLE-3 drafter's context (its fused states, the target's tokens, one layer's K/V) and its stages
+over the `eagle3_fuse` / `eagle3_step` graphs are engines/eagle3_artifact.py's.
 """
 
 from __future__ import annotations

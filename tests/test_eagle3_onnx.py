@@ -34,7 +34,9 @@ from loopspec.runtime.decoder import generate  # noqa: E402
 from loopspec.settings import DecodingSettings as Method  # noqa: E402
 from loopspec.weights import load_target_dir  # noqa: E402
 
-PROMPTS = [[5, 17, 33, 9, 71, 2, 40, 40, 12, 99], [7, 8, 9], [60, 3, 3, 81, 14, 5]]
+# rows of different lengths, one past the cache's first 32 slots: alone and batched, a row's call passes a past
+# of another width
+PROMPTS = [[5, 17, 33, 9, 71, 2, 40, 40, 12, 99], [7, 8, 9], [60, 3, 3, 81, 14, 5] * 7]
 ANCHORS = [64, 11, 90]
 CONTEXT = 128
 
@@ -103,13 +105,13 @@ def trained(target_dir, tmp_path_factory):
     """The lively target with an EAGLE-3 drafter trained to draft its greedy continuations, exported:
     (torch engine, ONNX Runtime engine)."""
     target = lively(load_target_dir(target_dir))
-    drafter = agreeing_eagle3(target, TRAINED_PROMPTS)
+    drafter = agreeing_eagle3(target, TRAINED_PROMPTS, new_tokens=NEW_TOKENS, steps=60)
     onnx_dir = tmp_path_factory.mktemp("eagle3-trained") / "onnx"
     export_pair(target, drafter, onnx_dir, target_dir=target_dir, max_context=CONTEXT)
     return TorchEngine(target, drafter, CONTEXT), OrtEngine(onnx_dir, CONTEXT)
 
 
-TRAINED_PROMPTS = prompts(3, seed=7)
+TRAINED_PROMPTS, NEW_TOKENS = prompts(2, seed=7), 30
 
 
 @pytest.mark.parametrize("settings", [Method("dflash", block_size=BLOCK),
@@ -120,18 +122,18 @@ def test_greedy_decoding_on_onnxruntime_commits_plain_decodings_tokens(settings,
     te, oe = trained
     accepted = 0
     for p in TRAINED_PROMPTS:
-        ar = generate(oe, p, Method(), max_new_tokens=40)
-        spec = generate(oe, p, settings, max_new_tokens=40)
-        assert spec.tokens == ar.tokens == generate(te, p, Method(), max_new_tokens=40).tokens
+        ar = generate(oe, p, Method(), max_new_tokens=NEW_TOKENS)
+        spec = generate(oe, p, settings, max_new_tokens=NEW_TOKENS)
+        assert spec.tokens == ar.tokens == generate(te, p, Method(), max_new_tokens=NEW_TOKENS).tokens
         accepted += accepted_drafts([spec])
-    assert accepted >= 70, accepted  # of 120 tokens (an untrained drafter: about 1)
+    assert accepted >= 30, accepted  # of 60 tokens (measured 46 to 50; an untrained drafter: about 1)
     if settings.method == "dloop":
         assert max(spec.stats.stages_per_round) == 3  # the later stages really ran
 
 
 def test_batched_rows_commit_what_each_commits_alone(trained):
     _, oe = trained
-    assert batched_greedy_equals_plain(oe, TRAINED_PROMPTS, Method("dflash", block_size=BLOCK)) >= 60
+    assert batched_greedy_equals_plain(oe, TRAINED_PROMPTS, Method("dflash", block_size=BLOCK), NEW_TOKENS) >= 30
 
 
 @pytest.mark.parametrize("engine,output", [(EAGLE3_FUSE, "states"), (EAGLE3_STEP, "state")])
