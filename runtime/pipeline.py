@@ -276,16 +276,18 @@ class EngineChoice:
             self._fit_backend_to_target(chosen)
 
     def _fit_backend_to_target(self, chosen: bool) -> None:
-        """The exported engines build dense full-attention targets and block drafters only: 'auto' picks
-        PyTorch for the other families and for an EAGLE-3 or DFlash2 drafter; an explicit exported backend
-        is refused in one line (loopspec.model.families, loopspec.model.drafter_kinds)."""
+        """The exported engines build dense full-attention targets, block drafters and EAGLE-3 drafters
+        only: 'auto' picks PyTorch for the other families and for a DFlash2 drafter (an explicit exported
+        backend is refused in one line: loopspec.model.families, loopspec.model.drafter_kinds), and for an
+        EAGLE-3 drafter, whose exported graphs run with an explicit --backend onnxruntime."""
         named = self.drafter not in (None, "none", "default")
-        torch_only = "EAGLE-3" if named and is_eagle3_dir(self.drafter) else \
-            "DFlash2" if named and is_dflash2_dir(self.drafter) else None  # drafters the torch engine alone runs
-        if torch_only and self.backend != "torch":
+        if named and is_dflash2_dir(self.drafter) and self.backend != "torch":  # the torch engine alone runs it
             if not chosen:
-                raise LoopspecError(f"--backend {self.backend} does not take {torch_only} drafters ({self.drafter}): "
+                raise LoopspecError(f"--backend {self.backend} does not take DFlash2 drafters ({self.drafter}): "
                                     "they run on --backend torch only")
+            object.__setattr__(self, "backend", "torch")
+            return
+        if named and is_eagle3_dir(self.drafter) and chosen:
             object.__setattr__(self, "backend", "torch")
             return
         cfg = self.target.config()

@@ -13,8 +13,10 @@ framework that does not).
 Runtime backends: the torch engine, the fp32 ONNX Runtime / TensorRT drafter graphs and training run
 every block kind; a quantized drafter graph (FP8 / NVFP4), whose calibration and export run z-lab's
 block, takes the plain z-lab DFlash kind only (`require_zlab_block`). An EAGLE-3 drafter (a chain
-kind) runs on the torch engine only (`require_exportable`), and so does a DFlash2 drafter; the serving
-frameworks run both themselves (SERVING_RULES says which).
+kind) runs on the torch engine and on its own fp32 graphs (engines/export_eagle3.py: `exports`), which
+ONNX Runtime and TensorRT run; no quantized drafter graph takes it (`require_quantized_export`: the
+GGUF precisions' Q8_0 drafter, modelopt's FP8 / NVFP4). A DFlash2 drafter runs on the torch engine
+only (`require_exportable`); the serving frameworks run both themselves (SERVING_RULES says which).
 """
 
 from __future__ import annotations
@@ -193,8 +195,15 @@ class DrafterKind:
 
     @property
     def exports(self) -> bool:
-        """The ONNX / TensorRT drafter graphs and quantization run it: the block kinds without a selector."""
-        return not self.chain and self.selector is None
+        """The fp32 ONNX / TensorRT drafter graphs run it: the block kinds without a selector (the block
+        graphs), and EAGLE-3's chain (its fuse and step graphs)."""
+        return self.selector is None
+
+    @property
+    def exports_quantized(self) -> bool:
+        """Quantized drafter graphs run it (modelopt's FP8 / NVFP4, the GGUF precisions' Q8_0 drafter):
+        the block kinds without a selector; their quantizers are written for the block drafter's layers."""
+        return self.exports and not self.chain
 
     @property
     def zlab_dflash_reader(self) -> bool:
@@ -252,9 +261,9 @@ def require_zlab_block(cfg, what: str) -> None:
     """Refuse a drafter of DeepSpec's block convention or with DSpark heads where only the z-lab
     block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented (quantized
     drafter graphs). The torch engine, the fp32 ONNX / TensorRT drafter graphs and training run both
-    conventions and the DSpark heads (an EAGLE-3 drafter: the torch engine only)."""
+    conventions and the DSpark heads (an EAGLE-3 drafter: the torch engine and its fp32 graphs)."""
     kind = cfg.kind
-    require_exportable(kind, what)
+    require_quantized_export(kind, what)
     if not kind.plain:
         raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {kind.title} drafter; "
                             "decode it with --backend torch or onnxruntime")
@@ -265,6 +274,14 @@ def require_exportable(kind: DrafterKind, what: str) -> None:
     if not kind.exports:
         raise LoopspecError(f"{what} does not take {kind.title} drafters yet: {kind.title} drafters run on "
                             "--backend torch only")
+
+
+def require_quantized_export(kind: DrafterKind, what: str) -> None:
+    """Refuse, in one line naming the kind, a drafter whose graphs `what` (a quantized export) does not build."""
+    require_exportable(kind, what)
+    if not kind.exports_quantized:
+        raise LoopspecError(f"{what} does not take {kind.title} drafters: their graphs are exported in fp32 only "
+                            "(decode them with --backend torch, or onnxruntime at precision fp32)")
 
 
 # --------------------------------------------------------------------------------------------------
