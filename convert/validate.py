@@ -20,6 +20,9 @@ code `loopspec generate --onnx-dir` runs, so what passes here is what decodes th
    context its own decoding appended, rolled back to each anchor); the drop of the exported
    drafter's τ must stay under a limit per precision (quantized drafters lose a little, fp32 none).
 
+An EAGLE-3 drafter's two graphs are checked against the torch engine's EAGLE-3 path instead
+(convert/validate_eagle3.py): the same report, the same limits.
+
 The report goes into the manifest (`validation`) and is returned.
 """
 
@@ -32,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loopspec.convert.validate_eagle3 import eagle3_acceptance, eagle3_engine_errors
 from loopspec.engines.backends import artifact_engine
 from loopspec.engines.manifest import read_manifest
 from loopspec.engines.protocol import Engine
@@ -126,7 +130,7 @@ def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size:
     if taps is not None:
         errors["taps"] = relative_error(taps[:, :T], second.taps)
     out[TARGET_VERIFY] = errors
-    if ref.drafter is None:
+    if ref.drafter is None or ref.drafter.cfg.kind.chain:  # an EAGLE-3 drafter's graphs: convert/validate_eagle3.py
         return out
     taps = torch.cat([first.taps, second.taps], dim=1)  # [1, len(prompt), n·H]
     n = taps.shape[1]
@@ -257,7 +261,10 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
     prompts, prompt_source = validation_prompts(onnx_dir, target.cfg.vocab_size)
     block_size = drafter.cfg.block_size if drafter is not None else 1
 
+    chain = drafter is not None and drafter.cfg.kind.chain
     errors = engine_errors(ref, engine, prompts[0], block_size)
+    if chain:
+        errors |= eagle3_engine_errors(target, drafter, engine, prompts[0], block_size, relative_error)
     report = {"precision": precision, "tolerance": limits, "prompts": len(prompts), "prompt_source": prompt_source,
               "new_tokens": new_tokens, "engines": {}}
     for name, outputs in errors.items():
@@ -275,7 +282,11 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
         verified = verified_greedy(engine, prompt, tokens)
         agreeing += [a == b for a, b in zip(verified, tokens)]
         if drafter is not None:
-            a, b = acceptance(ref, engine, prompt + ref_tokens, ref_taps, len(prompt), block_size)
+            if chain:
+                a, b = eagle3_acceptance(target, drafter, engine, prompt + ref_tokens, len(prompt), block_size,
+                                         offline_tau)
+            else:
+                a, b = acceptance(ref, engine, prompt + ref_tokens, ref_taps, len(prompt), block_size)
             taus_ref += a
             taus_onnx += b
     report["greedy_identical"] = identical

@@ -55,7 +55,7 @@ from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONT
                                     TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.model.drafter import DraftHeads, Drafter, draft_head_weight, draft_stage
-from loopspec.model.drafter_kinds import require_exportable
+from loopspec.model.drafter_kinds import require_exportable, require_quantized_export
 from loopspec.model.families import export_refusal
 from loopspec.model.target import Target
 
@@ -319,12 +319,17 @@ def source_key(target_dir: Path, drafter: Drafter | None, drafter_dir: Path | No
     h = hashlib.sha256(target_fingerprint(target_dir).encode())
     h.update(export_code_sha256().encode())
     if drafter is not None:
-        h.update(json.dumps(drafter.cfg.to_zlab(), sort_keys=True).encode())
+        h.update(json.dumps(drafter_config(drafter.cfg), sort_keys=True).encode())
         h.update(json.dumps(drafter_source(drafter, drafter_dir), sort_keys=True).encode())
         if drafter.draft_ids is not None:
             h.update(drafter.draft_ids.numpy().tobytes())
     h.update(json.dumps(settings, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def drafter_config(cfg) -> dict:
+    """The config.json an artifact's drafter/ holds: z-lab's for a block drafter, SpecForge's for EAGLE-3."""
+    return cfg.to_hf() if cfg.kind.chain else cfg.to_zlab()
 
 
 def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> None:
@@ -337,8 +342,9 @@ def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> 
             shutil.copy2(f, out_dir / TARGET_SUBDIR / f.name)
     if drafter is not None:
         (out_dir / DRAFTER_SUBDIR).mkdir()
-        (out_dir / DRAFTER_SUBDIR / "config.json").write_text(json.dumps(drafter.cfg.to_zlab(), indent=2) + "\n")
-        drafter.save_d2t(out_dir / DRAFTER_SUBDIR)
+        (out_dir / DRAFTER_SUBDIR / "config.json").write_text(json.dumps(drafter_config(drafter.cfg), indent=2) + "\n")
+        if not drafter.cfg.kind.chain:  # an EAGLE-3 graph maps its draft rows to target ids itself
+            drafter.save_d2t(out_dir / DRAFTER_SUBDIR)
 
 
 def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path, *, target_dir: str | Path,
@@ -346,7 +352,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
                    block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET,
                    verify_target: Target | None = None, draft_drafter: Drafter | None = None,
                    draft_head: nn.Module | None = None, precision: str = "fp32",
-                   extra_settings: dict | None = None) -> Manifest:
+                   extra_settings: dict | None = None, chain_graphs=None) -> Manifest:
     """Export target_verify (+ the three drafter engines when a drafter is given) as ONNX into
     `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Staged
     (engines/staging.py): an interrupted export never looks complete and never destroys the previous one.
@@ -355,7 +361,9 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     export themselves, e.g. the GGUF's blocks: engines/gguf_export.py), named by `precision` and
     described by `extra_settings` in the manifest; `draft_drafter` and `draft_head` likewise what the
     drafter engines compute instead of `drafter` and its rows of `target`'s lm_head (the embedding
-    stays `target`'s fp32 one)."""
+    stays `target`'s fp32 one). `chain_graphs`: what builds a chain drafter's (EAGLE-3's) specs, modules and
+    example inputs (engines/export_eagle3.py `eagle3_engines`, which uses this module's helpers: it is
+    passed in by engines/backends.py `export_pair`)."""
     if drafter is not None:
         require_exportable(drafter.cfg.kind, "the ONNX / TensorRT export")
     import onnx  # noqa: F401  (fail early, with the extra to install)
@@ -368,11 +376,20 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     check_out_dir(out_dir, "manifest.json", "an artifact directory")
     limits = [target.cfg.max_position_embeddings] + ([drafter.cfg.max_position_embeddings] if drafter else [])
     max_context = min([max_context or min(limits)] + limits)
-    specs = engine_specs(target.cfg, drafter.cfg if drafter is not None else None, max_context=max_context,
-                         block_size=block_size, max_batch=max_batch)
     taps = drafter.cfg.target_layer_ids if drafter is not None else []
-    modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps)}
-    if drafter is not None:
+    if drafter is not None and drafter.cfg.kind.chain:  # EAGLE-3: its fuse and step graphs (engines/export_eagle3.py)
+        if chain_graphs is None:
+            raise LoopspecError(f"an {drafter.cfg.kind.title} drafter's graphs come from engines/export_eagle3.py: "
+                                "export the pair with engines/backends.py export_pair")
+        if draft_drafter is not None or draft_head is not None:
+            require_quantized_export(drafter.cfg.kind, "a quantized drafter graph")
+        specs, modules, examples = chain_graphs(target, drafter, max_context=max_context, block_size=block_size,
+                                                max_batch=max_batch, verify_target=verify_target)
+    else:
+        specs, examples = engine_specs(target.cfg, drafter.cfg if drafter is not None else None,
+                                       max_context=max_context, block_size=block_size, max_batch=max_batch), {}
+        modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps)}
+    if drafter is not None and not drafter.cfg.kind.chain:
         computed = draft_drafter if draft_drafter is not None else drafter
         modules[DRAFTER_CONTEXT] = DrafterContext(computed, from_taps=True)
         modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(computed, from_taps=False)
@@ -384,10 +401,11 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
         files = {}
         for name, module in modules.items():
             files[name] = f"{name}.onnx"
-            export_graph(module, specs[name], example_inputs(specs[name], target.cfg.vocab_size), work / files[name], opset)
+            args = examples[name] if name in examples else example_inputs(specs[name], target.cfg.vocab_size)
+            export_graph(module, specs[name], args, work / files[name], opset)
         copy_run_files(target_dir, drafter, work)
         settings = {"opset": opset, "max_context": max_context, "max_batch": max_batch,
-                    "block_size": specs.get(DRAFTER_BLOCK) and specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
+                    "block_size": None if drafter is None else block_size or drafter.cfg.block_size, "target_layer_ids": taps,
                     "exporter": "torch.onnx.export (TorchScript)",
                     "kv_layout": "past in (per layer, with room for the new tokens), new out, and the past with "
                                  "the new written in (present_*: bound in place where the backend allows)",

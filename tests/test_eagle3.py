@@ -363,13 +363,12 @@ def test_bad_checkpoints_are_refused_in_one_line(target_dir, tmp_path, capsys):
         assert code == 2 and len(lines) == 1 and words in lines[0], (name, lines)
 
 
-def test_exports_bundles_and_a_stage_past_the_context_refuse_it_naming_the_kind(target_dir, tmp_path):
+def test_quantization_bundles_and_a_stage_past_the_context_refuse_it_naming_the_kind(target_dir, tmp_path):
     from loopspec.convert.bundles import build_bundle
 
     directory, _ = eagle3_checkpoint(tmp_path / "eagle3")
     pair = load_pair(target_dir, directory)
-    with pytest.raises(LoopspecError, match="EAGLE-3"):
-        require_exportable(pair.drafter.cfg.kind, "the ONNX / TensorRT export")
+    require_exportable(pair.drafter.cfg.kind, "the ONNX / TensorRT export")  # its fp32 graphs (test_eagle3_onnx.py)
     with pytest.raises(LoopspecError, match="quantization does not take EAGLE-3 drafters"):
         require_zlab_block(pair.drafter.cfg, "quantization")
     # the serving frameworks run it themselves (tests/test_eagle3_bundles.py); one that cannot take a setting

@@ -11,10 +11,11 @@ block graph adds, whether loop-aware training runs it, and which serving framewo
 framework that does not).
 
 Runtime backends: the torch engine and the fp32 ONNX Runtime / TensorRT drafter graphs run every
-block kind (a DFlash2 drafter's graph unrolls its selector's walk: engines/export_dflash2.py); training
-runs every block kind without a selector; a quantized drafter graph (FP8 / NVFP4), whose calibration
-and export run z-lab's block, takes the plain z-lab DFlash kind only (`require_zlab_block`). An
-EAGLE-3 drafter (a chain kind) runs on the torch engine only (`require_exportable`); the serving
+kind: the block kinds (a DFlash2 drafter's graph unrolls its selector's walk: engines/export_dflash2.py)
+and EAGLE-3's chain (its own fuse and step graphs: engines/export_eagle3.py). A quantized drafter graph
+(FP8 / NVFP4), whose calibration and export run z-lab's block, takes the plain z-lab DFlash kind only
+(`require_zlab_block`), and no quantized drafter graph takes an EAGLE-3 drafter
+(`require_quantized_export`: the GGUF precisions' Q8_0 drafter, modelopt's FP8 / NVFP4). The serving
 frameworks run EAGLE-3 and DFlash2 themselves (SERVING_RULES says which).
 """
 
@@ -194,9 +195,15 @@ class DrafterKind:
 
     @property
     def exports(self) -> bool:
-        """The fp32 ONNX / TensorRT drafter graphs run it: the block kinds (a selector's walk unrolled in
-        the block graph). Quantized drafter graphs take the plain kind only (`require_zlab_block`)."""
-        return not self.chain
+        """The fp32 ONNX / TensorRT drafter graphs run it: every kind, the block kinds through the block
+        graph (a selector's walk unrolled in it) and EAGLE-3's chain through its fuse and step graphs."""
+        return True
+
+    @property
+    def exports_quantized(self) -> bool:
+        """Quantized drafter graphs run it (modelopt's FP8 / NVFP4, the GGUF precisions' Q8_0 drafter):
+        the block kinds without a selector; their quantizers are written for the block drafter's layers."""
+        return not self.chain and self.selector is None
 
     def ranked_candidates(self, vocab_size: int, most: int) -> int:
         """How many ranked candidates per drafting position a stage returns, at most `most`: a
@@ -259,10 +266,10 @@ def require_zlab_block(cfg, what: str) -> None:
     """Refuse a drafter of DeepSpec's block convention or with DSpark heads where only the z-lab
     block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented (quantized
     drafter graphs). The torch engine, the fp32 ONNX / TensorRT drafter graphs and training run both
-    conventions and the DSpark heads; the torch engine and the fp32 graphs a DFlash2 drafter's selector
-    (an EAGLE-3 drafter: the torch engine only)."""
+    conventions, the DSpark heads and a DFlash2 drafter's selector (an EAGLE-3 drafter: the torch engine
+    and its fp32 graphs)."""
     kind = cfg.kind
-    require_exportable(kind, what)
+    require_quantized_export(kind, what)
     if not kind.plain:
         raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {kind.title} drafter; "
                             "decode it with --backend torch or onnxruntime")
@@ -273,6 +280,14 @@ def require_exportable(kind: DrafterKind, what: str) -> None:
     if not kind.exports:
         raise LoopspecError(f"{what} does not take {kind.title} drafters yet: {kind.title} drafters run on "
                             "--backend torch only")
+
+
+def require_quantized_export(kind: DrafterKind, what: str) -> None:
+    """Refuse, in one line naming the kind, a drafter whose graphs `what` (a quantized export) does not build."""
+    require_exportable(kind, what)
+    if not kind.exports_quantized:
+        raise LoopspecError(f"{what} does not take {kind.title} drafters: their graphs are exported in fp32 only "
+                            "(decode them with --backend torch, or onnxruntime at precision fp32)")
 
 
 # --------------------------------------------------------------------------------------------------
