@@ -120,8 +120,9 @@ class Eagle3Context:
         out, k, v = drafter(self.embed(ids.to(dev)), states, pos.clamp_max(self.max_length - 1).to(dev),
                             past_k, past_v, mask)
         self.kv.append(k[None], v[None], rows, pending)
-        last = out[torch.arange(R), pending - 1]  # [R, H]
-        hidden = [states[torch.arange(R), pending - 1], last]  # the stage's states 0 (fused taps at a-1), 1..
+        last = out[torch.arange(R), pending - 1]  # [R, H]: the logits read it
+        state = drafter.next_state(last)  # [R, H]: the next step reads it
+        hidden = [states[torch.arange(R), pending - 1], state]  # the stage's states 0 (fused taps at a-1), 1..
         sampler = DraftSampler(sampling, vocab_size, self.draft_ids) if sampling is not None else None
         logits = []
         # steps i + 1 = 2..D: (draft i, state i) at a+i-1 over the row's entries and the steps before
@@ -141,12 +142,13 @@ class Eagle3Context:
                 past_k, past_v = torch.cat([past_k] + step_k, dim=2), torch.cat([past_v] + step_v, dim=2)
                 mask = torch.cat([mask[..., :seen.shape[1]], torch.ones(R, 1, 1, len(step_k), dtype=torch.bool,
                                                                          device=mask.device), mask[..., seen.shape[1]:]], -1)
-            out, k, v = drafter(self.embed(token[:, None]), last[:, None],
+            out, k, v = drafter(self.embed(token[:, None]), state[:, None],
                                 (lengths + i - 1)[:, None].clamp_max(self.max_length - 1).to(dev), past_k, past_v, mask)
             step_k.append(k)
             step_v.append(v)
             last = out[:, 0]
-            hidden.append(last)
+            state = drafter.next_state(last)
+            hidden.append(state)
         hidden = torch.stack(hidden, dim=1)  # [R, k, H]
         if sampler is not None:
             drafts, logq, q = sampler.drafts()

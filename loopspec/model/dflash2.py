@@ -97,7 +97,7 @@ class DFlash2Config(DrafterConfig):
     @property
     def kind(self) -> DrafterKind:
         return dflash2_kind(SelectorKind(self.conv_kernel_size, self.conv_group_size, self.selector_rank,
-                                         self.selector_top_k))
+                                         self.selector_top_k, self.hidden_size, self.input_embedding_scale))
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: it sees every context position)."""
@@ -162,9 +162,14 @@ class DFlash2Config(DrafterConfig):
                         input_embedding_scale=float(numbers["input_embedding_scale"]),
                         sliding_window=window, layer_types=tuple(layer_types), is_causal=causal)
 
+    def to_zlab(self) -> dict:
+        """config.json as z-lab writes a DFlash2 drafter, which every DFlash2 reader loads (an exported
+        artifact's drafter/config.json too: `block_drafter_config` reads it back)."""
+        return self.to_checkpoint()
+
     def to_checkpoint(self) -> dict:
         """config.json as z-lab writes a DFlash2 drafter (`from_checkpoint` reads it back)."""
-        cfg = self.to_zlab()
+        cfg = DrafterConfig.to_zlab(self)
         cfg["architectures"] = [DFLASH2_ARCHITECTURE]
         cfg["dflash_config"].update(block_size=self.block_size, conv_kernel_size=self.conv_kernel_size,
                                     conv_group_size=self.conv_group_size, selector_rank=self.selector_rank,
@@ -389,6 +394,14 @@ class DFlash2Drafter(Drafter):
         model = cls(cfg)
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
         return model.to(dtype).eval()
+
+
+def block_drafter_config(raw: dict) -> DrafterConfig:
+    """A block drafter's config.json by its architecture: DFlash2's (`DFlash2Config.from_checkpoint`),
+    else DFlash's or DSpark's (`DrafterConfig.from_zlab`)."""
+    if isinstance(raw, dict) and DFLASH2_ARCHITECTURE in (raw.get("architectures") or []):
+        return DFlash2Config.from_checkpoint(raw)
+    return DrafterConfig.from_zlab(raw)
 
 
 def is_dflash2_dir(directory: str | Path) -> bool:
