@@ -20,7 +20,8 @@ MAX_CONTEXT_HELP = "largest context in the engine specs' ranges (default: the mo
 def _add_onnx_args(p: argparse.ArgumentParser) -> None:
     add_target_flag(p)
     p.add_argument("--drafter", default="default",
-                   help="'default', a z-lab DFlash drafter dir, or 'none' (the target engine alone: ar only)")
+                   help="'default', a DFlash / DSpark / EAGLE-3 drafter dir, or 'none' (the target engine alone: "
+                        "ar only)")
     p.add_argument("--out", required=True, help="artifact directory (an earlier export there is replaced)")
     p.add_argument("--max-context", type=positive_int("--max-context"), default=None, help=MAX_CONTEXT_HELP)
     add_mask_token_flag(p)

@@ -78,11 +78,13 @@ def cmd_data(args) -> int:
 
 
 def add_train(sub) -> None:
-    t = sub.add_parser("train", help="train a DFlash, DSpark or EAGLE-3 drafter on a data directory")
+    t = sub.add_parser("train", help="train a DFlash, DSpark, DFlash2 or EAGLE-3 drafter on a data directory")
     t.add_argument("--data", required=True, help="directory made by `loopspec data`")
-    t.add_argument("--family", default="dflash", metavar="dflash|eagle3",
-                   help="dflash: a block drafter (DSpark with its heads' flags); eagle3: an EAGLE-3 drafter "
-                        "(SpecForge's layout) trained with training-time test")
+    t.add_argument("--family", default="dflash", metavar="dflash|dflash2|eagle3",
+                   help="dflash: a block drafter (DSpark with its heads' flags); dflash2: a DFlash2 drafter "
+                        "(z-lab's layout: DFlash's loss plus its candidate selector's; fresh, or from an --init "
+                        "DFlash or DFlash2 drafter); eagle3: an EAGLE-3 drafter (SpecForge's layout) trained with "
+                        "training-time test")
     t.add_argument("--ttt-steps", type=positive_int("--ttt-steps"), default=None,
                    help="EAGLE-3: drafter steps unrolled per position in training (default 7, SpecForge's)")
     add_target_flag(t)

@@ -20,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from loopspec.convert.validate import validate_onnx
-from loopspec.engines.export import OPSET, export_engines
+from loopspec.engines.backends import export_pair
+from loopspec.engines.export import OPSET
 from loopspec.engines.gguf_export import precision_options
 from loopspec.engines.manifest import Manifest
 from loopspec.model.drafter import Drafter
@@ -37,8 +38,8 @@ def convert_onnx(target: Target, drafter: Drafter | None, out_dir: str | Path, *
     A `gguf-*` precision reads the target's blocks from `gguf_path`, the GGUF `target` was expanded from."""
     if drafter is not None:
         require_exportable(drafter.cfg.kind, "the ONNX / TensorRT export")
-    manifest = export_engines(target, drafter, out_dir, target_dir=target_dir, drafter_dir=drafter_dir,
-                              max_context=max_context, block_size=block_size, opset=opset,
-                              **precision_options(target, precision, gguf_path, drafter))
+    manifest = export_pair(target, drafter, out_dir, target_dir=target_dir, drafter_dir=drafter_dir,
+                           max_context=max_context, block_size=block_size, opset=opset,
+                           **precision_options(target, precision, gguf_path, drafter))
     report = validate_onnx(out_dir, target, drafter, precision, num_threads=num_threads) if validate else None
     return manifest, report

@@ -11,13 +11,17 @@ code `loopspec generate --onnx-dir` runs, so what passes here is what decodes th
    reference taps, `append_pseudo_context` of the reference block's hidden states) and are read back
    from the engine's context cache; the block engine (`draft`, a DSpark drafter's Markov correction
    and confidence included) is checked against `draft_stage`, the torch engine's own draft-head
-   step, on the context the engine holds: each figure is its own graph's error.
+   step (a DFlash2 drafter's against `selector_stage`, its selector's walk), on the context the
+   engine holds: each figure is its own graph's error.
 2. Greedy decoding of the target on a few prompts, as `ar` drives the engine: the token sequences
    must be identical (fp32), and one verification of them must give them back.
 3. With a drafter: the offline acceptance length τ of both drafters along the reference greedy
    trajectory (one block drafted at every position, accepted prefix + 1; the engine drafts on the
    context its own decoding appended, rolled back to each anchor); the drop of the exported
    drafter's τ must stay under a limit per precision (quantized drafters lose a little, fp32 none).
+
+An EAGLE-3 drafter's two graphs are checked against the torch engine's EAGLE-3 path instead
+(convert/validate_eagle3.py): the same report, the same limits.
 
 The report goes into the manifest (`validation`) and is returned.
 """
@@ -31,12 +35,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loopspec.convert.validate_eagle3 import eagle3_acceptance, eagle3_engine_errors
 from loopspec.engines.backends import artifact_engine
 from loopspec.engines.manifest import read_manifest
 from loopspec.engines.protocol import Engine
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY
 from loopspec.errors import LoopspecError
 from loopspec.precisions import REGISTRY
+from loopspec.model.dflash2 import selector_stage
 from loopspec.model.drafter import Drafter, draft_head_weight, draft_stage
 from loopspec.model.kv_cache import KVCache
 from loopspec.model.target import Target
@@ -78,11 +84,15 @@ class Reference:
     @torch.inference_mode()
     def block(self, anchor: int, position: int, k: int, ctx_k, ctx_v):
         """One stage → drafts [D, C], log-probs [D, C], hidden [k, H], confidence [D] (None without a
-        confidence head): the torch engine's draft-head step, a DSpark drafter's heads included."""
+        confidence head): the torch engine's draft-head step, a DSpark drafter's heads or a DFlash2
+        drafter's selector walk included."""
         d = self.drafter
         ids = torch.full((1, k), d.cfg.mask_token_id, dtype=torch.long)
         ids[0, 0] = anchor
         hidden = d(self.target.embed_tokens(ids), torch.arange(position, position + k), ctx_k, ctx_v)  # [1, k, H]
+        if d.cfg.kind.selector is not None:  # a DFlash2 drafter: its candidate selector's walk
+            drafts, logprobs, _ = selector_stage(d, hidden, ids[:, 0], lambda h: F.linear(h, self.head))
+            return drafts[0], logprobs[0], hidden[0], None
         drafts, logprobs, confidence = draft_stage(d, hidden, ids[:, 0], lambda h: F.linear(h, self.head),
                                                    d.draft_ids)  # [1, D, C] each, [1, D]
         return drafts[0], logprobs[0], hidden[0], None if confidence is None else confidence[0]
@@ -120,7 +130,7 @@ def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size:
     if taps is not None:
         errors["taps"] = relative_error(taps[:, :T], second.taps)
     out[TARGET_VERIFY] = errors
-    if ref.drafter is None:
+    if ref.drafter is None or ref.drafter.cfg.kind.chain:  # an EAGLE-3 drafter's graphs: convert/validate_eagle3.py
         return out
     taps = torch.cat([first.taps, second.taps], dim=1)  # [1, len(prompt), n·H]
     n = taps.shape[1]
@@ -251,7 +261,10 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
     prompts, prompt_source = validation_prompts(onnx_dir, target.cfg.vocab_size)
     block_size = drafter.cfg.block_size if drafter is not None else 1
 
+    chain = drafter is not None and drafter.cfg.kind.chain
     errors = engine_errors(ref, engine, prompts[0], block_size)
+    if chain:
+        errors |= eagle3_engine_errors(target, drafter, engine, prompts[0], block_size, relative_error)
     report = {"precision": precision, "tolerance": limits, "prompts": len(prompts), "prompt_source": prompt_source,
               "new_tokens": new_tokens, "engines": {}}
     for name, outputs in errors.items():
@@ -269,7 +282,11 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
         verified = verified_greedy(engine, prompt, tokens)
         agreeing += [a == b for a, b in zip(verified, tokens)]
         if drafter is not None:
-            a, b = acceptance(ref, engine, prompt + ref_tokens, ref_taps, len(prompt), block_size)
+            if chain:
+                a, b = eagle3_acceptance(target, drafter, engine, prompt + ref_tokens, len(prompt), block_size,
+                                         offline_tau)
+            else:
+                a, b = acceptance(ref, engine, prompt + ref_tokens, ref_taps, len(prompt), block_size)
             taus_ref += a
             taus_onnx += b
     report["greedy_identical"] = identical

@@ -8,7 +8,9 @@ the graph writes after each row's own length) and every row's length (the graphs
 graphs take dense inputs: the past of rows 0..R-1 is the buffer itself, each layer one block, so
 nothing is copied; other rows are copied once per call. The K/V the graph returns for the new
 positions are written back at each row's own length; rollback moves the lengths. A backend supplies `_open` (one runner per engine:
-`run(**tensors) → {output: tensor}`), the buffers' dtype and device; everything else is here.
+`run(**tensors) → {output: tensor}`), the buffers' dtype and device; everything else is here. An
+EAGLE-3 drafter's context (its fused states, the target's tokens, one layer's K/V) and its stages
+over the `eagle3_fuse` / `eagle3_step` graphs are engines/eagle3_artifact.py's.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ from pathlib import Path
 
 import torch
 
+from loopspec.engines.eagle3_artifact import Eagle3Graphs
+from loopspec.engines.eagle3_specs import EAGLE3_ENGINES, EAGLE3_STEP
 from loopspec.engines.export import ORDER_FREE_SOFTMAX
 from loopspec.engines.manifest import Manifest, read_manifest
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
                                     TARGET_VERIFY, EngineSpec, past_feeds, past_width)
 from loopspec.errors import LoopspecError
+from loopspec.model.dflash2 import block_drafter_config
 from loopspec.model.drafter import DrafterConfig, StageDrafts
+from loopspec.model.eagle3 import Eagle3Config, is_eagle3_dir
 from loopspec.model.families import target_config
 from loopspec.model.kv_cache import KVCache, SlotGrowth
 from loopspec.weights import read_json
@@ -50,6 +56,7 @@ class ArtifactEngine:
     lone_step_width = MIN_PRODUCT_ROWS  # until measured (_measure_lone_step_width)
     # the exported drafter graph returns its top candidates, not the distribution they come from
     samples_drafts = False
+    grows_dynamic_trees = False  # the EAGLE-3 graphs run one entry per row a step: no tree attention
 
     def __init__(self, artifact_dir: str | Path, max_context: int | None = None, max_rows: int = 1):
         self.artifact_dir = Path(artifact_dir)
@@ -60,15 +67,16 @@ class ArtifactEngine:
             raise LoopspecError(f"{self.artifact_dir} was exported by an older loopspec (its target graph takes "
                                 f"{'a stacked past' if 'tree_mask' in inputs else 'no draft-tree mask'}): export it again")
         self.target_cfg = target_config(read_json(self.artifact_dir / "target" / "config.json", "target config"))
-        self.drafter_cfg = (DrafterConfig.from_zlab(read_json(self.artifact_dir / "drafter" / "config.json",
-                                                              "drafter config"))
-                            if self.manifest.has_drafter else None)
+        self.drafter_cfg = self._drafter_config() if self.manifest.has_drafter else None
+        # an EAGLE-3 drafter drafts one token a step, from a context of its own (engines/eagle3_artifact.py)
+        self.steps_drafts = self.drafter_cfg is not None and self.drafter_cfg.kind.chain
         self.precision = self.manifest.precision
         settings = self.manifest.data.get("settings", {})
         self.chains_only = verifies_chains_only(settings)
         spec_limit = self.manifest.spec(TARGET_VERIFY).ranges["tokens"][2]  # the exported max context
         self.max_context = min(max_context or spec_limit, spec_limit)
-        names = [TARGET_VERIFY] + ([DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK] if self.has_drafter else [])
+        drafter_graphs = list(EAGLE3_ENGINES) if self.steps_drafts else [DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK]
+        names = [TARGET_VERIFY] + (drafter_graphs if self.has_drafter else [])
         self.runners = {n: self._open(self.manifest.path(n), self.manifest.spec(n)) for n in names}
         self._new_caches(max_rows)
         self.lone_step_width = self._measure_lone_step_width()
@@ -84,9 +92,19 @@ class ArtifactEngine:
         self._staging: dict[str, torch.Tensor] = {}  # dense copies of the prefixes a call passes (`_dense`)
         self.cache = KVCache(t.num_layers, max_rows, t.num_kv_heads, self.max_context, t.head_dim,
                              self._dtype(TARGET_VERIFY, "past_key_0"), self.device, self._growth(TARGET_VERIFY, "past"))
+        if self.steps_drafts:
+            self.context = Eagle3Graphs(self, d, max_rows, self.max_context, self._dtype(EAGLE3_STEP, "context_key"),
+                                        self._growth(EAGLE3_STEP, "context"))
+            return
         self.context = (KVCache(d.num_layers, max_rows, d.num_kv_heads, self.max_context, d.head_dim,
                                 self._dtype(DRAFTER_BLOCK, "context_key"), self.device,
                                 self._growth(DRAFTER_BLOCK, "context")) if d is not None else None)
+
+    def _drafter_config(self) -> "DrafterConfig | Eagle3Config":
+        directory = self.artifact_dir / "drafter"
+        raw = read_json(directory / "config.json", "drafter config")
+        # by its architecture: EAGLE-3's, DFlash2's, else DFlash's or DSpark's
+        return Eagle3Config.from_hf(raw) if is_eagle3_dir(directory) else block_drafter_config(raw)
 
     def _growth(self, engine: str, past_dim: str) -> SlotGrowth:
         # the widest past the engine takes (its spec's range): a TensorRT profile refuses a wider one
@@ -201,13 +219,21 @@ class ArtifactEngine:
     def prefill(self, row: int, prompt_ids: list[int], want_taps: bool, start: int = 0) -> torch.Tensor:
         self.cache.lengths[row] = start
         out = self._target([row], [prompt_ids], all_logits=False)
-        if want_taps:
+        if self.steps_drafts:
+            self.context.wrote(row, start, prompt_ids)
+        if want_taps and self.steps_drafts:
+            self.context.restart(row, start)
+            self.context.append([row], self.context.fuse(out["taps"]), [len(prompt_ids)])
+        elif want_taps:
             self.context.lengths[row] = start
             self._append_context(DRAFTER_CONTEXT, "taps", [row], out["taps"], [len(prompt_ids)])
         return out["logits"][0, -1].float().cpu()
 
     def verify(self, tokens: list[list[int]], want_taps: bool,
                tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.steps_drafts:  # the tokens at the slots the target stores them in, for the drafter's entries
+            for b, t in enumerate(tokens):
+                self.context.wrote(b, int(self.cache.lengths[b]), t)
         out = self._target(list(range(len(tokens))), tokens, all_logits=True, tree_masks=tree_masks)
         taps = out["taps"] if want_taps and self.has_drafter else None
         return out["logits"].float().cpu(), taps
@@ -217,6 +243,8 @@ class ArtifactEngine:
 
     def target_commit(self, starts: list[int], kept: list[list[int]]) -> None:
         self.cache.commit(starts, kept)
+        if self.steps_drafts:
+            self.context.commit(starts, kept)
 
     # ---- drafter context -------------------------------------------------------------------------
     def _append_context(self, engine: str, name: str, rows: list[int], features: torch.Tensor,
@@ -226,9 +254,15 @@ class ArtifactEngine:
         self.context.append(out["context_key"], out["context_value"], rows, counts)
 
     def append_context(self, taps: torch.Tensor, counts: list[int]) -> None:
+        if self.steps_drafts:
+            self.context.append(list(range(taps.shape[0])), self.context.fuse(taps), counts)
+            return
         self._append_context(DRAFTER_CONTEXT, "taps", list(range(taps.shape[0])), taps, counts)
 
     def append_pseudo_context(self, rows: list[int], hidden: torch.Tensor) -> None:
+        if self.steps_drafts:  # the drafter's own states, as its later steps take them (no fc)
+            self.context.append(rows, hidden, [hidden.shape[1]] * len(rows))
+            return
         self._append_context(DRAFTER_CONTEXT_HIDDEN, "hidden", rows, hidden.contiguous(), [hidden.shape[1]] * len(rows))
 
     def context_lengths(self, rows: list[int]) -> list[int]:
@@ -240,6 +274,8 @@ class ArtifactEngine:
     # ---- drafter ---------------------------------------------------------------------------------
     def draft(self, rows: list[int], anchors: list[int], positions: list[int],
               block_size: int) -> StageDrafts:
+        if self.steps_drafts:
+            return self.context.draft(rows, anchors, positions, block_size)
         R, k = len(rows), block_size
         lengths = self.context.lengths[rows]  # [R]
         context_key, context_value = self.context.dense_prefix(rows, past_width(lengths, k))  # with room for the block

@@ -63,13 +63,24 @@ def require_cuda(device) -> None:
     check(device)
 
 
+def export_pair(target, drafter, out_dir: str | Path, **options):
+    """engines/export.py `export_engines`, with an EAGLE-3 drafter's graphs (engines/export_eagle3.py)."""
+    from loopspec.engines.export import export_engines
+
+    if drafter is not None and drafter.cfg.kind.chain:
+        from loopspec.engines.export_eagle3 import eagle3_engines
+
+        options["chain_graphs"] = eagle3_engines
+    return export_engines(target, drafter, out_dir, **options)
+
+
 def cached_onnx_engine(model, draft_model, target_dir: Path, drafter_dir: Path | None, max_context: int | None,
                        num_threads: int | None, precision: str = "fp32", gguf_path: Path | None = None) -> Engine:
     """ONNX Runtime over the pair's export in `precision`, kept in the cache: exported on first use
     (and again when the cached files no longer match their manifest). A gguf-* precision reads the
     blocks of `gguf_path` (the target's GGUF)."""
     from loopspec.engines import gguf_export
-    from loopspec.engines.export import OPSET, export_engines, source_key
+    from loopspec.engines.export import OPSET, source_key
     from loopspec.engines.ort_engine import OrtEngine
     from loopspec.files import cache_root, file_sha256
 
@@ -78,6 +89,10 @@ def cached_onnx_engine(model, draft_model, target_dir: Path, drafter_dir: Path |
         if gguf_path is None:
             raise LoopspecError(f"precision {precision} reads the target's GGUF blocks, and this target has no GGUF")
         settings |= {"precision": precision, "gguf_export": file_sha256(Path(gguf_export.__file__))}
+    if draft_model is not None and draft_model.cfg.kind.chain:  # its graphs' own code
+        from loopspec.engines.export_eagle3 import eagle3_code_sha256
+
+        settings["eagle3_export"] = eagle3_code_sha256()
     onnx_dir = cache_root() / "onnx" / source_key(target_dir, draft_model, drafter_dir, settings)
     if (onnx_dir / "manifest.json").is_file():
         try:
@@ -85,6 +100,6 @@ def cached_onnx_engine(model, draft_model, target_dir: Path, drafter_dir: Path |
         except LoopspecError as e:
             print(f"[loopspec] cached ONNX engines unusable ({e}); exporting again", file=sys.stderr)
     print(f"[loopspec] exporting {precision} ONNX engines to {onnx_dir} (once)", file=sys.stderr)
-    export_engines(model, draft_model, onnx_dir, target_dir=target_dir, drafter_dir=drafter_dir,
-                   **gguf_export.precision_options(model, precision, gguf_path, draft_model))
+    export_pair(model, draft_model, onnx_dir, target_dir=target_dir, drafter_dir=drafter_dir,
+                **gguf_export.precision_options(model, precision, gguf_path, draft_model))
     return OrtEngine(onnx_dir, max_context, num_threads)

@@ -133,8 +133,9 @@ class Eagle3Context:
               sampling: list | None, vocab_size: int) -> StageDrafts:
         drafter, dev = self.drafter, self.states.device
         R, D = len(rows), block_size - 1
-        lengths, first_state, last = self._first_step(rows, anchors, positions)
-        hidden = [first_state, last]  # the stage's states 0 (fused taps at a-1), 1..
+        lengths, first_state, last = self._first_step(rows, anchors, positions)  # last [R, H]: the logits read it
+        state = drafter.next_state(last)  # [R, H]: the next step reads it
+        hidden = [first_state, state]  # the stage's states 0 (fused taps at a-1), 1..
         sampler = DraftSampler(sampling, vocab_size, self.draft_ids) if sampling is not None else None
         logits = []
         # steps i + 1 = 2..D: (draft i, state i) at a+i-1 over the row's entries and the steps before
@@ -154,12 +155,13 @@ class Eagle3Context:
                 past_k, past_v = torch.cat([past_k] + step_k, dim=2), torch.cat([past_v] + step_v, dim=2)
                 mask = torch.cat([mask[..., :seen.shape[1]], torch.ones(R, 1, 1, len(step_k), dtype=torch.bool,
                                                                          device=mask.device), mask[..., seen.shape[1]:]], -1)
-            out, k, v = drafter(self.embed(token[:, None]), last[:, None],
+            out, k, v = drafter(self.embed(token[:, None]), state[:, None],
                                 (lengths + i - 1)[:, None].clamp_max(self.max_length - 1).to(dev), past_k, past_v, mask)
             step_k.append(k)
             step_v.append(v)
             last = out[:, 0]
-            hidden.append(last)
+            state = drafter.next_state(last)
+            hidden.append(state)
         hidden = torch.stack(hidden, dim=1)  # [R, k, H]
         if sampler is not None:
             drafts, logq, q = sampler.drafts()
@@ -197,8 +199,9 @@ class Eagle3Context:
             chosen = [tree.frontier(d, K) for tree in trees]  # K nodes each: depth d holds K or K·K
             n = len(chosen[0])
             tokens = torch.tensor([[tree.tokens[c] for c in nodes] for tree, nodes in zip(trees, chosen)])
-            states = torch.stack([torch.stack([last[r] if d == 1 else state_of[r][trees[r].parents[c]] for c in nodes])
-                                  for r, nodes in enumerate(chosen)])  # [R, n, H]
+            outs = torch.stack([torch.stack([last[r] if d == 1 else state_of[r][trees[r].parents[c]] for c in nodes])
+                                for r, nodes in enumerate(chosen)])  # [R, n, H]: the parents' outputs
+            states = drafter.next_state(outs)  # [R, n, H]: what each node's step reads of its parent's
             ancestry = torch.tensor([[[slot in set(tree.ancestors(c)) for slot in row_slots] for c in nodes]
                                      for tree, nodes, row_slots in zip(trees, chosen, slots)],
                                     dtype=torch.bool).reshape(R, n, len(slots[0]))  # [R, n, S]

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import shutil
 import warnings
 from pathlib import Path
@@ -44,6 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loopspec.engines.graph_ops import (ORDER_FREE_SOFTMAX, SOFTMAX_SUM_UNITS, attend, attend_with_keys,  # noqa: F401
+                                        fixed_linear, fused_linear, head_scales, linear, merge_heads,
+                                        order_free_softmax, qkv_heads, rms_norm, rope, rotate_half_matrix,
+                                        row_layout, swiglu)
+from loopspec.engines.export_dflash2 import DFlash2Block
 from loopspec.engines.manifest import Manifest, source_hashes, write_manifest
 from loopspec.errors import LoopspecError
 from loopspec.weights import file_sha256
@@ -51,148 +55,9 @@ from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONT
                                     TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.model.drafter import DraftHeads, Drafter, draft_head_weight, draft_stage
-from loopspec.model.drafter_kinds import require_exportable
+from loopspec.model.drafter_kinds import require_exportable, require_quantized_export
 from loopspec.model.families import export_refusal
 from loopspec.model.target import Target
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def rotate_half_matrix(head_dim: int) -> torch.Tensor:
-    """R [hd, hd] with x @ R = cat(-x[hd/2:], x[:hd/2]) exactly (one ±1 per column): RoPE's rotate-half
-    as ONE MatMul instead of Slice, Slice, Neg, Concat on every q/k."""
-    half = head_dim // 2
-    r = torch.zeros(head_dim, head_dim)
-    r[torch.arange(half) + half, torch.arange(half)] = -1.0
-    r[torch.arange(half), torch.arange(half) + half] = 1.0
-    return r
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor) -> torch.Tensor:
-    # x [..., hd]; cos/sin broadcast to x (rotate-half convention of HF)
-    return x * cos + torch.matmul(x, rotate) * sin
-
-
-def row_layout(lengths: torch.Tensor, width: int, new_mask: torch.Tensor, num_kv_heads: int, group: int,
-               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each row's T new tokens go among the `width` slots of a call's past, and what each sees.
-
-    The past comes with room: `width` >= every row's length + T. Row b's new tokens take slots
-    lengths[b] .. lengths[b] + T - 1, right after its own valid past (not after the call's widest
-    past), so every term of a row's attention sits at the index it has when the row runs alone: no
-    masked gap between its past and its new tokens, and the products' sums group the same terms
-    (ONNX Runtime's MatMul sums its reduction in blocks of 256). The slots past them are masked, at
-    the end.
-
-    lengths [B] valid past slots per row, new_mask bool [B, T, T] (new token i sees new token j) →
-    slots [B, kvh, T, hd] (scatter index of the new K/V), additive mask [B, 1, g·T, width] (rows in
-    q's (g, T) order)."""
-    batch, tokens = new_mask.shape[0], new_mask.shape[1]
-    offset = torch.arange(width, device=lengths.device)[None, :] - lengths[:, None]  # [B, W]: slot - length
-    in_new = (offset >= 0) & (offset < tokens)
-    sees_new = new_mask.gather(2, offset.clamp(0, tokens - 1)[:, None, :].expand(batch, tokens, -1))  # [B, T, W]
-    visible = (offset < 0)[:, None, :] | (in_new[:, None, :] & sees_new)  # own past, and the new tokens it sees
-    mask = torch.where(visible, 0.0, float("-inf"))[:, None].repeat(1, 1, group, 1)  # [B, 1, g·T, W]
-    slots = lengths[:, None] + torch.arange(tokens, device=lengths.device)[None, :]  # [B, T]
-    return slots[:, None, :, None].expand(batch, num_kv_heads, tokens, head_dim), mask
-
-
-# integer units per 1.0 of the softmax's sum: 2^-40 resolution, exact int64 sums of up to 2^23 terms
-SOFTMAX_SUM_UNITS = 2.0 ** 40
-ORDER_FREE_SOFTMAX = "order-free (exps summed as int64 units of 2^-40)"  # the manifest's name of it
-
-
-def order_free_softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim whose result does not depend on where the masked (-inf) slots sit or
-    how wide the row is: the max is exact in any order and exp is elementwise, but a float sum rounds
-    differently when elements move to other SIMD lanes (ONNX Runtime's softmax shifts every later
-    element when a masked slot sits inside the row: a draft tree's siblings). So the exps are summed
-    as integers (exact and associative) in units of 2^-40 — a relative error of the sum below 1e-9
-    for any context — and each is divided by that sum."""
-    exps = torch.exp(scores - scores.amax(-1, keepdim=True))  # masked slots: exactly 0
-    units = exps * SOFTMAX_SUM_UNITS  # exact: a power of two
-    total = units.to(torch.int64).sum(-1, keepdim=True)  # truncation is exact per element
-    # units / total is exps / (total / 2^40) bit for bit (the same real quotient, rounded once), with
-    # one pass over the scores fewer
-    return units / total.to(scores.dtype)
-
-
-def attend_with_keys(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     slots: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Grouped-query attention of q [B, kvh, g·T, hd] (pre-scaled; query head j = kv head j // g, as
-    HF's repeat_kv) over each row's [valid past ; new] keys (`row_layout`: slots, mask) → [B, kvh, g·T, hd].
-    past_k/past_v [B, kvh, W, hd] are the call's past with room for the new tokens (W >= every row's
-    length + T; the slots past a row's length hold anything finite), k/v [B, kvh, T, hd].
-
-    The new K/V are written into the room at each row's own length (one copy of the past each, no
-    concatenation), and ONE product over those slots gives the scores, one the values: a token's
-    output then depends neither on the other rows of the call nor on whether its context came from
-    the cache or from the same call, so a verification computes bit for bit what plain decoding
-    computes. The softmax is order-free and a masked slot's probability exactly 0 (adding 0·v is
-    exact), so masked slots between a tree node's ancestors (its siblings) change nothing either, as
-    long as the node's terms stay in the same 256-slot blocks of the value product as in plain
-    decoding (the decoder keeps a tree inside one block)."""
-    keys = past_k.scatter(2, slots, k)  # [B, kvh, W, hd]
-    values = past_v.scatter(2, slots, v)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) + mask  # [B, kvh, g·T, W]
-    return torch.matmul(order_free_softmax(scores), values), keys, values
-
-
-def attend(q, past_k, past_v, k, v, slots, mask) -> torch.Tensor:
-    """`attend_with_keys`' output alone (the drafter block's attention over its context)."""
-    return attend_with_keys(q, past_k, past_v, k, v, slots, mask)[0]
-
-
-def head_scales(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """[h + kvh, 1]: the attention scale 1/sqrt(hd) on the query heads, 1 on the key heads; folded
-    into the RoPE tables of the joint q/k tensor, so no separate scaling op per layer."""
-    return torch.cat([torch.full((num_heads, 1), 1.0 / math.sqrt(head_dim)), torch.ones(num_kv_heads, 1)])
-
-
-def qkv_heads(qkv: torch.Tensor, batch, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm_weight,
-              eps: float, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor):
-    """The fused projection's output [B, T, (h + 2kvh)·hd] → q [B, kvh, g·T, hd] (scaled), k, v
-    [B, kvh, T, hd]: q and k are normed (Qwen3) and rotated together as one [B, T, h + kvh, hd] tensor."""
-    h, kvh, hd = num_heads, num_kv_heads, head_dim
-    qk, v = qkv.reshape(batch, -1, h + 2 * kvh, hd).split([h + kvh, kvh], dim=2)
-    if qk_norm_weight is not None:
-        qk = rms_norm(qk, qk_norm_weight, eps)  # weight [h + kvh, hd]: q_norm rows, then k_norm rows
-    qk = rope(qk, cos, sin, rotate).transpose(1, 2)  # [B, h + kvh, T, hd]
-    q, k = qk.split([h, kvh], dim=1)
-    return q.reshape(batch, kvh, -1, hd), k, v.transpose(1, 2)
-
-
-def merge_heads(out: torch.Tensor, batch, num_heads: int, head_dim: int) -> torch.Tensor:
-    # [B, kvh, g·T, hd] → [B, T, h·hd]
-    return out.reshape(batch, num_heads, -1, head_dim).transpose(1, 2).reshape(batch, -1, num_heads * head_dim)
-
-
-def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    if getattr(module, "exports_itself", False):  # a quantized linear (convert/qdq.py) emits its own Q/DQ ops
-        return module(x)
-    return F.linear(x, module.weight, module.bias)
-
-
-def fixed_linear(weight: torch.Tensor) -> nn.Linear:
-    """A bias-free, frozen linear over `weight` [N, K] (exported as an initializer)."""
-    module = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
-    module.weight = nn.Parameter(weight, requires_grad=False)
-    return module
-
-
-def fused_linear(parts: list[nn.Module]) -> nn.Module:
-    """One bias-free linear whose output is the parts' outputs side by side (weights stacked by rows);
-    quantized linears fuse themselves."""
-    if getattr(parts[0], "exports_itself", False):
-        return type(parts[0]).fused(parts)
-    return fixed_linear(torch.cat([p.weight for p in parts]).detach().clone())
-
-
-def swiglu(x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
-    gate, up = linear(x, mlp.gate_up_proj).split(mlp.intermediate, dim=-1)
-    return linear(F.silu(gate) * up, mlp.down_proj)
 
 
 class TargetVerify(nn.Module):
@@ -434,14 +299,15 @@ def drafter_source(drafter: Drafter, drafter_dir: Path | None) -> dict:
 
 def export_code_sha256() -> str:
     """The wrappers', the specs' and the drafter model's source (the drafter-block graph traces its
-    `draft_stage` and DSpark heads, and its kind decides the graph's outputs): a cached export made
+    `draft_stage` and DSpark heads, a DFlash2 drafter's its own, and its kind decides the graph's outputs): a cached export made
     by other code (other graphs or other inputs and outputs) is not reused."""
-    from loopspec.engines import specs
-    from loopspec.model import draft_head, drafter, drafter_kinds, dspark
+    from loopspec.engines import export_dflash2, graph_ops, specs
+    from loopspec.model import dflash2, draft_head, drafter, drafter_kinds, dspark
 
     h = hashlib.sha256()
     for source in (Path(__file__), Path(specs.__file__), Path(drafter.__file__), Path(draft_head.__file__),
-                   Path(dspark.__file__), Path(drafter_kinds.__file__)):
+                   Path(dspark.__file__), Path(drafter_kinds.__file__), Path(graph_ops.__file__),
+                   Path(export_dflash2.__file__), Path(dflash2.__file__)):
         h.update(file_sha256(source).encode())
     return h.hexdigest()
 
@@ -453,12 +319,17 @@ def source_key(target_dir: Path, drafter: Drafter | None, drafter_dir: Path | No
     h = hashlib.sha256(target_fingerprint(target_dir).encode())
     h.update(export_code_sha256().encode())
     if drafter is not None:
-        h.update(json.dumps(drafter.cfg.to_zlab(), sort_keys=True).encode())
+        h.update(json.dumps(drafter_config(drafter.cfg), sort_keys=True).encode())
         h.update(json.dumps(drafter_source(drafter, drafter_dir), sort_keys=True).encode())
         if drafter.draft_ids is not None:
             h.update(drafter.draft_ids.numpy().tobytes())
     h.update(json.dumps(settings, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def drafter_config(cfg) -> dict:
+    """The config.json an artifact's drafter/ holds: z-lab's for a block drafter, SpecForge's for EAGLE-3."""
+    return cfg.to_hf() if cfg.kind.chain else cfg.to_zlab()
 
 
 def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> None:
@@ -471,8 +342,9 @@ def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> 
             shutil.copy2(f, out_dir / TARGET_SUBDIR / f.name)
     if drafter is not None:
         (out_dir / DRAFTER_SUBDIR).mkdir()
-        (out_dir / DRAFTER_SUBDIR / "config.json").write_text(json.dumps(drafter.cfg.to_zlab(), indent=2) + "\n")
-        drafter.save_d2t(out_dir / DRAFTER_SUBDIR)
+        (out_dir / DRAFTER_SUBDIR / "config.json").write_text(json.dumps(drafter_config(drafter.cfg), indent=2) + "\n")
+        if not drafter.cfg.kind.chain:  # an EAGLE-3 graph maps its draft rows to target ids itself
+            drafter.save_d2t(out_dir / DRAFTER_SUBDIR)
 
 
 def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path, *, target_dir: str | Path,
@@ -480,7 +352,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
                    block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET,
                    verify_target: Target | None = None, draft_drafter: Drafter | None = None,
                    draft_head: nn.Module | None = None, precision: str = "fp32",
-                   extra_settings: dict | None = None) -> Manifest:
+                   extra_settings: dict | None = None, chain_graphs=None) -> Manifest:
     """Export target_verify (+ the three drafter engines when a drafter is given) as ONNX into
     `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Staged
     (engines/staging.py): an interrupted export never looks complete and never destroys the previous one.
@@ -489,7 +361,9 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     export themselves, e.g. the GGUF's blocks: engines/gguf_export.py), named by `precision` and
     described by `extra_settings` in the manifest; `draft_drafter` and `draft_head` likewise what the
     drafter engines compute instead of `drafter` and its rows of `target`'s lm_head (the embedding
-    stays `target`'s fp32 one)."""
+    stays `target`'s fp32 one). `chain_graphs`: what builds a chain drafter's (EAGLE-3's) specs, modules and
+    example inputs (engines/export_eagle3.py `eagle3_engines`, which uses this module's helpers: it is
+    passed in by engines/backends.py `export_pair`)."""
     if drafter is not None:
         require_exportable(drafter.cfg.kind, "the ONNX / TensorRT export")
     import onnx  # noqa: F401  (fail early, with the extra to install)
@@ -502,25 +376,36 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     check_out_dir(out_dir, "manifest.json", "an artifact directory")
     limits = [target.cfg.max_position_embeddings] + ([drafter.cfg.max_position_embeddings] if drafter else [])
     max_context = min([max_context or min(limits)] + limits)
-    specs = engine_specs(target.cfg, drafter.cfg if drafter is not None else None, max_context=max_context,
-                         block_size=block_size, max_batch=max_batch)
     taps = drafter.cfg.target_layer_ids if drafter is not None else []
-    modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps)}
-    if drafter is not None:
+    if drafter is not None and drafter.cfg.kind.chain:  # EAGLE-3: its fuse and step graphs (engines/export_eagle3.py)
+        if chain_graphs is None:
+            raise LoopspecError(f"an {drafter.cfg.kind.title} drafter's graphs come from engines/export_eagle3.py: "
+                                "export the pair with engines/backends.py export_pair")
+        if draft_drafter is not None or draft_head is not None:
+            require_quantized_export(drafter.cfg.kind, "a quantized drafter graph")
+        specs, modules, examples = chain_graphs(target, drafter, max_context=max_context, block_size=block_size,
+                                                max_batch=max_batch, verify_target=verify_target)
+    else:
+        specs, examples = engine_specs(target.cfg, drafter.cfg if drafter is not None else None,
+                                       max_context=max_context, block_size=block_size, max_batch=max_batch), {}
+        modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps)}
+    if drafter is not None and not drafter.cfg.kind.chain:
         computed = draft_drafter if draft_drafter is not None else drafter
         modules[DRAFTER_CONTEXT] = DrafterContext(computed, from_taps=True)
         modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(computed, from_taps=False)
-        modules[DRAFTER_BLOCK] = DrafterBlock(computed, target.embed_tokens.weight, target.lm_head.weight,
-                                              max_block=specs[DRAFTER_BLOCK].ranges["block"][2], head=draft_head)
+        block = DFlash2Block if drafter.cfg.kind.selector is not None else DrafterBlock  # a selector's walk: its own graph
+        modules[DRAFTER_BLOCK] = block(computed, target.embed_tokens.weight, target.lm_head.weight,
+                                       max_block=specs[DRAFTER_BLOCK].ranges["block"][2], head=draft_head)
 
     with staged_dir(out_dir) as work:
         files = {}
         for name, module in modules.items():
             files[name] = f"{name}.onnx"
-            export_graph(module, specs[name], example_inputs(specs[name], target.cfg.vocab_size), work / files[name], opset)
+            args = examples[name] if name in examples else example_inputs(specs[name], target.cfg.vocab_size)
+            export_graph(module, specs[name], args, work / files[name], opset)
         copy_run_files(target_dir, drafter, work)
         settings = {"opset": opset, "max_context": max_context, "max_batch": max_batch,
-                    "block_size": specs.get(DRAFTER_BLOCK) and specs[DRAFTER_BLOCK].ranges["block"][1], "target_layer_ids": taps,
+                    "block_size": None if drafter is None else block_size or drafter.cfg.block_size, "target_layer_ids": taps,
                     "exporter": "torch.onnx.export (TorchScript)",
                     "kv_layout": "past in (per layer, with room for the new tokens), new out, and the past with "
                                  "the new written in (present_*: bound in place where the backend allows)",

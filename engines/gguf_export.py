@@ -52,6 +52,7 @@ from loopspec.errors import LoopspecError
 from loopspec.precisions import precision_names
 from loopspec.gguf_blocks import BLOCK, BlockMatrix, quantize_blocks
 from loopspec.model.drafter import Drafter
+from loopspec.model.drafter_kinds import require_quantized_export
 from loopspec.model.target import Target
 
 ACCURACY_LEVEL = {"gguf-fp32act": 1, "gguf-int8act": 4}  # precision → MatMulNBits accuracy_level
@@ -226,6 +227,7 @@ def block_drafter(drafter: Drafter, lm_head: BlockMatrix, precision: str) -> tup
     level = ACCURACY_LEVEL[precision]
     if level != ACCURACY_LEVEL["gguf-int8act"]:
         return None
+    require_quantized_export(drafter.cfg.kind, f"precision {precision} (its drafter graphs compute with {DRAFTER_BLOCKS} blocks)")
     out = copy.deepcopy(drafter)
     products, kept = 0, 0
     for parent in [out] + [m for layer in out.layers for m in (layer.self_attn, layer.mlp)]:

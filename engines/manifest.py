@@ -13,11 +13,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from loopspec.engines.eagle3_specs import EAGLE3_ENGINES
 from loopspec.engines.specs import DRAFTER_ENGINES, TARGET_VERIFY, EngineSpec
 from loopspec.errors import LoopspecError
 from loopspec.weights import file_sha256, read_json
 
 MANIFEST = "manifest.json"
+# a drafter's graphs: a block drafter's three, or an EAGLE-3 drafter's two (engines/eagle3_specs.py)
+DRAFTER_GRAPH_SETS = (DRAFTER_ENGINES, EAGLE3_ENGINES)
 FORMAT = "loopspec-artifacts"
 FORMAT_VERSION = 1
 
@@ -66,7 +69,7 @@ class Manifest:
 
     @property
     def has_drafter(self) -> bool:
-        return all(name in self.data["engines"] for name in DRAFTER_ENGINES)
+        return any(all(name in self.data["engines"] for name in names) for names in DRAFTER_GRAPH_SETS)
 
     def spec(self, engine: str) -> EngineSpec:
         if engine not in self.data["engines"]:
@@ -129,9 +132,11 @@ def read_manifest(directory: str | Path, verify: bool = True, require_drafter: b
     engines = data["engines"]
     if TARGET_VERIFY not in engines:
         raise LoopspecError(f"{directory}: missing engine {TARGET_VERIFY} in the manifest")
-    present = [e for e in DRAFTER_ENGINES if e in engines]
-    if (present or require_drafter) and len(present) != len(DRAFTER_ENGINES):
-        missing = [e for e in DRAFTER_ENGINES if e not in engines]
+    # the drafter's graphs are one whole set: the set any of them belongs to (the block drafter's by default)
+    names = next((names for names in DRAFTER_GRAPH_SETS if any(e in engines for e in names)), DRAFTER_ENGINES)
+    present = [e for e in names if e in engines]
+    if (present or require_drafter) and len(present) != len(names):
+        missing = [e for e in names if e not in engines]
         raise LoopspecError(f"{directory}: missing drafter engine(s) {', '.join(missing)} in the manifest")
     files = data["files"]
     for name, entry in engines.items():

@@ -1,4 +1,4 @@
-"""ONNX Runtime backend of the Engine protocol: an artifact's four exported graphs on the CPU.
+"""ONNX Runtime backend of the Engine protocol: an artifact's exported graphs on the CPU.
 
 Caches and calls live in engines/artifact_engine.py; this backend opens one InferenceSession per
 graph (`EngineSession`, bound by the names the specs declare). Tensors cross into ONNX Runtime as

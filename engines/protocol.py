@@ -47,6 +47,7 @@ class Engine(Protocol):
     # True where `draft` takes `sampling` (DecodingSettings.draft_sampling "drafter"): it samples
     # the drafts from the drafter's distribution q and returns q, which speculative sampling needs
     samples_drafts: bool
+    grows_dynamic_trees: bool  # `draft_dynamic` runs (EAGLE-2's dynamic tree, for a drafter kind that grows one)
 
     @property
     def has_drafter(self) -> bool: ...

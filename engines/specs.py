@@ -246,9 +246,10 @@ def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
     tree), their log-probs and the final-norm hidden states; with a confidence head, its estimate
     per drafting position too. The drafting positions are the block's by the drafter's block
     convention: drafts = block - 1 (z-lab's), or = block (DeepSpec's). A DSpark drafter's Markov
-    correction runs inside the graph. Row b's context slot j is seen iff j < context_lengths[b];
-    the block sees all of itself. The context K/V has room for the block after every row's length
-    (`past_width`)."""
+    correction and a DFlash2 drafter's selector walk run inside the graph. Row b's context slot j is
+    seen iff j < context_lengths[b]; the block sees all of itself (a DFlash2 drafter's layers: within
+    their window, causally where its config says so). The context K/V has room for the block after
+    every row's length (`past_width`)."""
     block_size = block_size or drafter.block_size
     max_block = max(max_block or block_size, block_size)
     N, kvh, hd = drafter.num_layers, drafter.num_kv_heads, drafter.head_dim
@@ -257,7 +258,7 @@ def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
               TensorSpec("context_key", "float32", (N, "batch", kvh, "context", hd)),
               TensorSpec("context_value", "float32", (N, "batch", kvh, "context", hd)),
               TensorSpec("context_lengths", "int64", ("batch",)))
-    candidates = min(DRAFT_CANDIDATES, drafter.vocab_size)  # a reduced draft vocabulary keeps more rows than this
+    candidates = drafter.kind.ranked_candidates(drafter.vocab_size, DRAFT_CANDIDATES)  # a d2t map keeps more rows
     outputs = (TensorSpec("draft_ids", "int64", ("batch", "drafts", candidates)),
                TensorSpec("draft_logprobs", "float32", ("batch", "drafts", candidates)),
                TensorSpec("hidden", "float32", ("batch", "block", drafter.hidden_size)))

@@ -31,6 +31,7 @@ class TorchEngine:
     backend = "torch"
     chains_only = False
     samples_drafts = True  # `draft` can sample its drafts from the drafter's q and return q
+    grows_dynamic_trees = True  # `draft_dynamic`, for a drafter kind that grows one
     tree_span = 0
 
     def __init__(self, target: Target, drafter: Drafter | None, max_context: int, num_threads: int | None = None,

@@ -14,7 +14,6 @@ import torch
 from loopspec.decoding import SamplingParams
 from loopspec.errors import InvalidValue, LoopspecError
 from loopspec.model.drafter import Drafter
-from loopspec.model.dflash2 import is_dflash2_dir
 from loopspec.model.eagle3 import is_eagle3_dir
 from loopspec.model.families import export_refusal
 from loopspec.model.target import Target
@@ -276,16 +275,12 @@ class EngineChoice:
             self._fit_backend_to_target(chosen)
 
     def _fit_backend_to_target(self, chosen: bool) -> None:
-        """The exported engines build dense full-attention targets and block drafters only: 'auto' picks
-        PyTorch for the other families and for an EAGLE-3 or DFlash2 drafter; an explicit exported backend
-        is refused in one line (loopspec.model.families, loopspec.model.drafter_kinds)."""
+        """The exported engines build dense full-attention targets and every drafter kind: 'auto' picks
+        PyTorch for the other target families (an explicit exported backend is refused in one line:
+        loopspec.model.families) and for an EAGLE-3 drafter, whose exported graphs (one call per drafted
+        token) run with an explicit --backend onnxruntime."""
         named = self.drafter not in (None, "none", "default")
-        torch_only = "EAGLE-3" if named and is_eagle3_dir(self.drafter) else \
-            "DFlash2" if named and is_dflash2_dir(self.drafter) else None  # drafters the torch engine alone runs
-        if torch_only and self.backend != "torch":
-            if not chosen:
-                raise LoopspecError(f"--backend {self.backend} does not take {torch_only} drafters ({self.drafter}): "
-                                    "they run on --backend torch only")
+        if named and is_eagle3_dir(self.drafter) and chosen:
             object.__setattr__(self, "backend", "torch")
             return
         cfg = self.target.config()

@@ -262,6 +262,10 @@ def check_engine_runs(engine: Engine, settings: DecodingSettings) -> None:
         raise LoopspecError(f"--tree-kind dynamic grows the tree one drafter step per depth, each node under its own "
                             f"path (EAGLE-3 drafters); the {engine.drafter_cfg.kind.title} drafter drafts its block "
                             "in one forward: use --tree-kind best-first")
+    if settings.dynamic_tree is not None and not engine.grows_dynamic_trees:
+        raise LoopspecError(f"--tree-kind dynamic runs on the torch engine only (the {engine.backend} engine's "
+                            "EAGLE-3 graphs step one entry per row, without tree attention): use --backend torch, "
+                            "or --tree-kind best-first")
     if settings.draft_sampling == "drafter" and not engine.samples_drafts:
         raise LoopspecError(f"draft sampling 'drafter' needs the drafter's whole distribution, which the "
                             f"{engine.backend} engine's drafter does not return (it returns its top "

@@ -12,10 +12,11 @@
 # (SmolLM2's 9 heads / 3 K/V heads split 1 or 3 ways, not 2), FP8 when nvidia-modelopt is
 # installed beside loopspec, a vLLM bundle of a random DSpark drafter for the default target, vLLM and
 # SGLang bundles of a random EAGLE-3 drafter for the default target (a chain; SGLang also a draft
-# tree), and vLLM and SGLang bundles of tiny random Qwen3-MoE, gpt-oss and Qwen3.5 targets with drafters
-# of their own. With LLAMACPP_CONVERT set to llama.cpp's convert_hf_to_gguf.py (the one
-# scripts/build_llama_server.sh keeps), the EAGLE-3 drafter's llama.cpp bundle is also converted with it
-# and the GGUF checked. Prints one PASS/FAIL line per check; exits 1 if any check fails.
+# tree), vLLM and SGLang bundles of a random DFlash2 drafter for the default target, and vLLM and SGLang
+# bundles of tiny random Qwen3-MoE, gpt-oss and Qwen3.5 targets with drafters of their own. With
+# LLAMACPP_CONVERT set to llama.cpp's convert_hf_to_gguf.py (the one scripts/build_llama_server.sh
+# keeps), the EAGLE-3 and DFlash2 drafters' llama.cpp bundles are also converted with it and the GGUFs
+# checked. Prints one PASS/FAIL line per check; exits 1 if any check fails.
 # Takes a few minutes (downloads about 500 MB once; REUSE_VENV=1 keeps a scratch environment that
 # already has the pinned vLLM and SGLang). Not part of the test suite.
 set -euo pipefail
@@ -125,6 +126,36 @@ if [ -n "${LLAMACPP_CONVERT:-}" ]; then
     bundles+=("$work/bundles/eagle3-llamacpp")
 else
     echo "   (no llama.cpp conversion: set LLAMACPP_CONVERT to llama.cpp's convert_hf_to_gguf.py)"
+fi
+
+# a DFlash2 drafter for the default target (z-lab's DFlash2DraftModel layout, random weights, one sliding
+# layer, 16 candidates a slot): vLLM method dflash and SGLang DFLASH, which pick their DFlash2 model from
+# the architecture; with LLAMACPP_CONVERT, llama.cpp's own converter writes its dflash GGUF
+"$loopspec_python" - "$work/dflash2-drafter" <<'PY'
+import sys
+
+import torch
+
+from loopspec.defaults import DEFAULT_TARGET_MASK_TOKEN_ID
+from loopspec.model.dflash2 import DFlash2Config, DFlash2Drafter
+from loopspec.model.drafter import DrafterConfig
+from loopspec.model.families import target_config
+from loopspec.weights import read_json, resolve_target_dir
+
+target = target_config(read_json(resolve_target_dir("default") / "config.json", "target config"))
+base = DrafterConfig.for_target(target, num_layers=1, block_size=8, mask_token_id=DEFAULT_TARGET_MASK_TOKEN_ID)
+cfg = DFlash2Config.over(base, conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=16,
+                         sliding_window=2048, layer_types=("sliding_attention",), is_causal=False)
+torch.manual_seed(0)
+DFlash2Drafter(cfg).save(sys.argv[1], dtype=torch.float32)
+PY
+"$loopspec" convert bundle --framework vllm,sglang --drafter "$work/dflash2-drafter" --out "$work/bundles/dflash2" > /dev/null
+bundles+=("$work/bundles/dflash2")
+if [ -n "${LLAMACPP_CONVERT:-}" ]; then
+    "$loopspec" convert bundle --framework llamacpp --drafter "$work/dflash2-drafter" --out "$work/bundles/dflash2-llamacpp" > /dev/null
+    LLAMACPP_CONVERT="$LLAMACPP_CONVERT" PYTHON="$work/venv/bin/python" sh "$work/bundles/dflash2-llamacpp/llamacpp/convert.sh" \
+        >> "$work/install.log" 2>&1 || { tail -20 "$work/install.log"; exit 1; }
+    bundles+=("$work/bundles/dflash2-llamacpp")
 fi
 
 echo "== bundles of the other target families (tiny random checkpoints with the default target's tokenizer)"

@@ -1,6 +1,6 @@
 """Run vLLM's and SGLang's own configuration code on serving bundles (called by check_bundles.sh,
-inside its scratch environment, which has the engines but not loopspec), and read back the eagle3 GGUF
-llama.cpp's own converter wrote for an EAGLE-3 bundle.
+inside its scratch environment, which has the engines but not loopspec), and read back the eagle3 or
+dflash GGUF llama.cpp's own converter wrote for an EAGLE-3 or DFlash2 bundle.
 
     python scripts/check_bundles_parsers.py BUNDLE_DIR [BUNDLE_DIR ...]
 
@@ -61,6 +61,19 @@ def check_vllm(bundle: Path, manifest: dict) -> str:
     draft_config = spec.draft_model_config.hf_config
     if vllm["method"] == "dspark":  # vLLM's own Qwen3 DSpark model, not its DeepSeek-V4 one
         expect("draft architectures", list(draft_config.architectures), ["Qwen3DSparkModel"])
+    dflash2 = ""
+    if manifest["drafter_kind"] == "DFlash2":  # method dflash, its DFlash2 model picked from the architecture
+        expect("draft architectures", list(draft_config.architectures), ["DFlash2DraftModel"])
+        expect("a DFlash candidate-head draft (vLLM's DFlash2 speculator)", config._is_dflash_candidate_draft(), True)
+        expect("V2 model runner (the only one with the candidate head)", config.use_v2_model_runner, True)
+        written = json.loads((bundle / "drafter" / "config.json").read_text())["dflash_config"]
+        fields = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "mask_token_id",
+                  "target_layer_ids")
+        for name in fields:  # vLLM's DFlash2 model reads these from dflash_config only
+            expect(f"dflash_config.{name}", draft_config.dflash_config.get(name), written[name])
+        dflash2 = (f", DFlash2DraftModel on the V2 runner, conv {draft_config.dflash_config['conv_kernel_size']} taps / "
+                   f"groups of {draft_config.dflash_config['conv_group_size']}, selector rank "
+                   f"{draft_config.dflash_config['selector_rank']} top-k {draft_config.dflash_config['selector_top_k']}")
     if vllm["method"] == "eagle3":  # its LlamaForCausalLMEagle3 model, the taps as the stream entering layer j
         expect("draft architectures", list(draft_config.architectures), ["LlamaForCausalLMEagle3"])
         expect("aux hidden state layers", list(draft_config.eagle_aux_hidden_state_layer_ids),
@@ -79,7 +92,7 @@ def check_vllm(bundle: Path, manifest: dict) -> str:
     return (f"{target_type} target, {spec.method} k={spec.num_speculative_tokens}, "
             f"tp={config.parallel_config.tensor_parallel_size}, "
             f"max_model_len={config.model_config.max_model_len}, draft vocab {draft_vocab}, "
-            f"quantization {quantization}{cpu_note}")
+            f"quantization {quantization}{dflash2}{cpu_note}")
 
 
 def sglang_server_args(bundle: Path):
@@ -121,13 +134,17 @@ def check_sglang_server_args(bundle: Path, manifest: dict) -> str:
             f"{server_args.speculative_draft_model_quantization}")
 
 
-def check_sglang_model_config(bundle: Path, manifest: dict) -> str:
+def require_torchvision() -> None:
     try:
         import torchvision  # noqa: F401
     except ImportError:
         raise RuntimeError("SGLang's config package imports torchvision (sglang/srt/configs/__init__.py -> "
                            "nano_nemotron_vl -> multimodal/internvl_utils.py) and no CPU torchvision "
                            "0.28 is installed") from None
+
+
+def check_sglang_model_config(bundle: Path, manifest: dict) -> str:
+    require_torchvision()
     from sglang.srt.configs.model_config import ModelConfig
 
     server_args = sglang_server_args(bundle)
@@ -140,6 +157,53 @@ def check_sglang_model_config(bundle: Path, manifest: dict) -> str:
     expect("drafter vocabulary", draft.vocab_size, target.vocab_size)
     return (f"{target_type} target, context {target.context_len}, quantization {target.quantization}; "
             f"drafter vocab {draft.vocab_size}")
+
+
+def check_sglang_dflash2_config(bundle: Path, manifest: dict) -> str:
+    """SGLang's own DFLASH draft-config parser on drafter/ (what its DFlash2DraftModel is built from) and its
+    per-layer attention (layer types, window)."""
+    require_torchvision()  # sglang.srt.speculative imports sglang.srt.configs
+    from sglang.srt.speculative.dflash_utils import (get_dflash_attention_sliding_window_size,
+                                                     get_dflash_layer_types, parse_dflash_draft_config)
+    from transformers import AutoConfig
+
+    draft_config = AutoConfig.from_pretrained(str(bundle / "drafter"))
+    parsed = parse_dflash_draft_config(draft_hf_config=draft_config)
+    written = json.loads((bundle / "drafter" / "config.json").read_text())
+    draft = written["dflash_config"]
+    expect("draft architectures", list(draft_config.architectures), ["DFlash2DraftModel"])
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "mask_token_id",
+                 "block_size"):
+        expect(name, getattr(parsed, name), draft[name])
+    expect("target_layer_ids", parsed.target_layer_ids, manifest["target_layer_ids"])
+    window = get_dflash_attention_sliding_window_size(draft_config)
+    expect("window (SGLang's window_left: the HF window less the query)", window,
+           written["sliding_window"] - 1 if "sliding_attention" in written.get("layer_types", []) else None)
+    return (f"DFlash2DraftModel: block {parsed.block_size}, conv {parsed.conv_kernel_size} taps / groups of "
+            f"{parsed.conv_group_size}, selector rank {parsed.selector_rank} top-k {parsed.selector_top_k}, "
+            f"layers {list(get_dflash_layer_types(draft_config))}, window_left {window}")
+
+
+def check_llamacpp_dflash2(bundle: Path, manifest: dict) -> str:
+    """The dflash GGUF llama.cpp's converter wrote from a DFlash2 bundle (check_bundles.sh ran convert.sh): its
+    architecture, the convolution and selector keys, the taps (+1) and the selector's tensors."""
+    from gguf import GGUFReader
+
+    entry = manifest["llamacpp"]
+    reader = GGUFReader(str(bundle / entry["drafter"]))
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    draft = json.loads((bundle / entry["drafter_source"] / "config.json").read_text())["dflash_config"]
+    expect("architecture", field("general.architecture"), "dflash")
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "block_size"):
+        expect(f"dflash.{name}", field(f"dflash.{name}"), draft[name])
+    expect("target layers (inputs of)", list(field("dflash.target_layers")), [i + 1 for i in manifest["target_layer_ids"]])
+    names = {t.name for t in reader.tensors}
+    expect("selector tensors", {"selector_hidden.weight", "selector_predecessor.weight", "selector_successor.weight"} <= names,
+           True)
+    expect("spec type", entry["spec_type"], "draft-dflash")
+    return (f"dflash GGUF with the selector (top-k {field('dflash.selector_top_k')}, rank {field('dflash.selector_rank')}), "
+            f"conv {field('dflash.conv_kernel_size')} taps, target layers {list(field('dflash.target_layers'))}, "
+            f"{len(reader.tensors)} tensors")
 
 
 def check_llamacpp_eagle3(bundle: Path, manifest: dict) -> str:
@@ -166,7 +230,21 @@ def check_llamacpp_eagle3(bundle: Path, manifest: dict) -> str:
 CHECKS = [("vllm", "make_arg_parser -> AsyncEngineArgs.create_engine_config", check_vllm),
           ("sglang", "prepare_server_args", check_sglang_server_args),
           ("sglang", "ModelConfig (target and drafter)", check_sglang_model_config),
-          ("llamacpp", "convert_hf_to_gguf.py's eagle3 GGUF", check_llamacpp_eagle3)]
+          ("sglang", "parse_dflash_draft_config (drafter)", check_sglang_dflash2_config),
+          ("llamacpp", "convert_hf_to_gguf.py's eagle3 GGUF", check_llamacpp_eagle3),
+          ("llamacpp", "convert_hf_to_gguf.py's dflash GGUF", check_llamacpp_dflash2)]
+
+
+def applies(check, manifest: dict) -> bool:
+    """Whether a check is for this bundle: its engine is in it, and the drafter-specific checks for their kind."""
+    engine, _, function = check
+    if engine not in manifest["engines"]:
+        return False
+    if function in (check_sglang_dflash2_config, check_llamacpp_dflash2):
+        return manifest["drafter_kind"] == "DFlash2"
+    if function is check_llamacpp_eagle3:
+        return manifest["block_convention"] == "eagle3"
+    return engine != "llamacpp"
 
 
 def main(bundles: list[str]) -> int:
@@ -174,9 +252,7 @@ def main(bundles: list[str]) -> int:
     for bundle in map(Path, bundles):
         manifest = json.loads((bundle / "manifest.json").read_text())
         label = f"{bundle.name} ({manifest['precision']}, tp={manifest['tensor_parallel_size']})"
-        for engine, what, check in CHECKS:
-            if engine not in manifest["engines"] or (engine == "llamacpp" and manifest["block_convention"] != "eagle3"):
-                continue
+        for engine, what, check in [c for c in CHECKS if applies(c, manifest)]:
             cwd = Path.cwd()
             os.chdir(bundle)  # the launch lines use paths relative to the bundle root
             try:

@@ -123,6 +123,15 @@ def test_vllm_bundle_is_deepspec_layout_and_drafts_as_the_original(confidence, w
     assert (manifest["block_convention"], manifest["drafts_per_block"]) == ("deepspec", BLOCK)
     readme = (out / "README.md").read_text()
     assert "Block convention: DeepSpec's" in readme and "anchor+i+1" in readme
+    # confidence-scheduled verification: never written (its tables are the engines' own measurements, TensorRT-LLM's
+    # sealed with a fingerprint of the live engine); with a confidence head the README names the fields and why
+    trtllm = (out / "trtllm" / "extra_llm_api_options.yaml").read_text()
+    assert "confidence" not in trtllm and "ragged" not in trtllm
+    assert not any("dspark-sps" in a or "confidence-sts" in a for a in launch_argv(out / "sglang" / "launch.sh"))
+    named = ("`confidence_sps_table_path`", "`confidence_sps_live_fingerprint_path`", "`schema_version: 2`",
+             "`engine_fingerprint`", "`confidence_admission_receipt_path`", "`--speculative-dspark-sps-table-path`",
+             "`--speculative-dspark-confidence-sts-path`", "times loopspec's engine")
+    assert all((words in readme) == confidence for words in named), [w for w in named if (w in readme) != confidence]
 
     back = load_pair(out / "target", out / "drafter").drafter  # loopspec's own loader, through the bundle's target
     assert back.cfg == model.cfg

@@ -83,15 +83,24 @@ def rms(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def reference_chain(sd, hidden_states, embed, ids, anchor, steps, aux_ids, theta=5000.0, forced=None):
+def reference_chain(sd, hidden_states, embed, ids, anchor, steps, aux_ids, theta=5000.0, switches=(), forced=None):
     """EAGLE-3 drafting in fp64: HF `hidden_states` (index j: the stream entering layer j) at the
     prompt `ids`; entry p = (token p+1, fc(concat of the aux states at p)) at position p, the last one
     (anchor, states at N-1); step i >= 2 = (its own argmax draft, the previous step's output before the
     final norm) at N+i-2; every step attends causally to the entries and the steps before it.
+    `switches`: the config switches turned on (EAGLE 3.1's fc_norm: each aux state normed before fc;
+    norm_before_fc: the three concatenated normed; norm_output: a step reads the previous step's
+    final-normed output; norm_before_residual: the residual is hidden_norm(state)).
     `forced` (target ids, a path): the draft at depth i is forced[i-1] where given, not the argmax (step i+1 runs it).
-    → the greedy chain (target ids), each step's draft-vocabulary logits and output states."""
+    → the greedy chain (target ids), each step's draft-vocabulary logits, the states the steps read
+    (step 1's output on), and the fused taps at N-1."""
     N = len(ids)
-    taps = torch.cat([hidden_states[j][0] for j in aux_ids], dim=-1)  # [N, 3H], low → high
+    aux = [hidden_states[j][0] for j in aux_ids]  # 3 × [N, H], low → high
+    if "fc_norm" in switches:
+        aux = [rms(a, sd[f"fc_norm.{i}.weight"]) for i, a in enumerate(aux)]
+    taps = torch.cat(aux, dim=-1)  # [N, 3H]
+    if "norm_before_fc" in switches:
+        taps = rms(taps, sd["input_norm.weight"])
     draft_to_target = torch.arange(sd["d2t"].numel()) + sd["d2t"]
     inv_freq = 1.0 / theta ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
 
@@ -111,7 +120,8 @@ def reference_chain(sd, hidden_states, embed, ids, anchor, steps, aux_ids, theta
         K = torch.cat(keys, 1).repeat_interleave(HEADS // KV_HEADS, 0)
         V = torch.cat(values, 1).repeat_interleave(HEADS // KV_HEADS, 0)
         att = torch.softmax(q @ K.transpose(1, 2) / HEAD_DIM ** 0.5, -1) @ V  # [heads, 1, hd]
-        h = state + sd["midlayer.self_attn.o_proj.weight"] @ att.reshape(-1)
+        residual = rms(state, sd["midlayer.hidden_norm.weight"]) if "norm_before_residual" in switches else state
+        h = residual + sd["midlayer.self_attn.o_proj.weight"] @ att.reshape(-1)
         m = rms(h, sd["midlayer.post_attention_layernorm.weight"])
         mlp = sd["midlayer.mlp.down_proj.weight"] @ (F.silu(sd["midlayer.mlp.gate_proj.weight"] @ m)
                                                      * (sd["midlayer.mlp.up_proj.weight"] @ m))
@@ -120,17 +130,20 @@ def reference_chain(sd, hidden_states, embed, ids, anchor, steps, aux_ids, theta
     def logits(out):
         return sd["lm_head.weight"] @ rms(out, sd["norm.weight"])
 
+    def read(out):  # the state the next step reads
+        return rms(out, sd["norm.weight"]) if "norm_output" in switches else out
+
     following = list(ids[1:]) + [anchor]
     for p in range(N):  # the context entries; the last one is step 1
         out = layer(following[p], sd["fc.weight"] @ taps[p], p)
-    chain, all_logits, states = [], [], [out]
+    chain, all_logits, states = [], [], [read(out)]
     for i in range(1, steps + 1):
         z = logits(out)
         all_logits.append(z)
         chain.append(forced[i - 1] if forced is not None and i <= len(forced) else int(draft_to_target[z.argmax()]))
         if i < steps:
-            out = layer(chain[-1], out, N + i - 1)
-            states.append(out)
+            out = layer(chain[-1], read(out), N + i - 1)
+            states.append(read(out))
     return chain, torch.stack(all_logits), torch.stack(states), sd["fc.weight"] @ taps[N - 1]
 
 
@@ -146,14 +159,15 @@ def hf_hidden_states(target_dir, ids):
 PROMPT, ANCHOR = [5, 17, 33, 9, 71, 2, 40, 40, 12, 99], 64
 
 
-def stage_against_reference(engine, sd, target_dir, aux_ids, prompt=PROMPT, anchor=ANCHOR) -> float:
+def stage_against_reference(engine, sd, target_dir, aux_ids, prompt=PROMPT, anchor=ANCHOR, switches=()) -> float:
     """The engine's stage after prefilling `prompt` against the reference → the largest difference
-    of its states and the drafter's logits of them (inf when the chains, the candidates or their
-    log-probs differ)."""
+    of its states and (without norm_output) the drafter's logits of them (inf when the chains, the
+    candidates or their log-probs differ)."""
     hidden_states, embed, last_logits = hf_hidden_states(target_dir, prompt)
     engine.prefill(0, prompt, want_taps=True)
     drafts, logprobs, hidden = engine.draft([0], [anchor], [len(prompt)], BLOCK)
-    chain, logits, states, fused = reference_chain(sd, hidden_states, embed, prompt, anchor, BLOCK - 1, aux_ids)
+    chain, logits, states, fused = reference_chain(sd, hidden_states, embed, prompt, anchor, BLOCK - 1, aux_ids,
+                                                   switches=switches)
     draft_to_target = torch.arange(sd["d2t"].numel()) + sd["d2t"]
     want_ids = draft_to_target[logits.topk(drafts.shape[-1], -1).indices]
     if drafts[0, :, 0].tolist() != chain or not torch.equal(drafts[0], want_ids):
@@ -162,10 +176,11 @@ def stage_against_reference(engine, sd, target_dir, aux_ids, prompt=PROMPT, anch
     want_logprobs = torch.log_softmax(logits, -1).topk(drafts.shape[-1], -1).values
     if not torch.allclose(logprobs[0].double(), want_logprobs, rtol=0, atol=1e-5):
         return float("inf")
-    with torch.inference_mode():
-        got_logits = engine.drafter.logits(hidden[0, 1:])
-    return max(float((got_logits - logits).abs().max()), float((hidden[0, 1:] - states).abs().max()),
-               float((hidden[0, 0] - fused).abs().max()))
+    worst = max(float((hidden[0, 1:] - states).abs().max()), float((hidden[0, 0] - fused).abs().max()))
+    if "norm_output" not in switches:  # the states are the outputs the logits read
+        with torch.inference_mode():
+            worst = max(worst, float((engine.drafter.logits(hidden[0, 1:]) - logits).abs().max()))
+    return worst
 
 
 def fp64_pair(target_dir, drafter_dir):
@@ -193,6 +208,60 @@ def test_specforge_checkpoint_stage_equals_the_fp64_reference(taps, target_dir, 
     assert stage_against_reference(engine, sd, target_dir, used) <= 1e-9
     # the loaded module's own logits, and its draft rows in target ids
     assert torch.equal(drafter.draft_ids, torch.arange(DRAFT_VOCAB) + sd["d2t"])
+
+
+# EAGLE 3.1 (fc_norm + norm_output), and the other switches trainers' checkpoints turn on, each with
+# the tensors it adds under the names its readers load (SGLang's older aux_norm_* names included)
+SWITCHES = {"eagle3.1": ({"fc_norm": True, "norm_output": True}, ("fc_norm", "norm_output")),
+            "fc_norm (SGLang's older names)": ({"use_aux_norm": True}, ("fc_norm",)),
+            "norm_before_fc in eagle_config": ({"eagle_config": {"norm_before_fc": True}}, ("norm_before_fc",)),
+            "norm_before_residual": ({"norm_before_residual": True}, ("norm_before_residual",))}
+
+
+def switch_tensors(switches, old_names=False, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    norm = lambda n: 1 + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)  # noqa: E731
+    out = {}
+    if "fc_norm" in switches:
+        names = [f"aux_norm_{x}.weight" for x in ("low", "mid", "high")] if old_names else \
+            [f"fc_norm.{i}.weight" for i in range(3)]
+        out.update({name: norm(HIDDEN) for name in names})
+    if "norm_before_fc" in switches:
+        out["input_norm.weight"] = norm(3 * HIDDEN)
+    return out
+
+
+@pytest.mark.parametrize("variant", SWITCHES)
+def test_eagle3_1_and_other_switches_stage_equals_the_fp64_reference(variant, target_dir, tmp_path):
+    config, switches = SWITCHES[variant]
+    old_names = "use_aux_norm" in config
+    directory, sd = eagle3_checkpoint(tmp_path / "eagle3", tensors=switch_tensors(switches, old_names), **config)
+    if old_names:
+        sd.update({f"fc_norm.{i}.weight": sd.pop(f"aux_norm_{x}.weight") for i, x in enumerate(("low", "mid", "high"))})
+    target, drafter = fp64_pair(target_dir, directory)
+    assert drafter.cfg.kind.eagle3.switched_on == switches and all(s in drafter.cfg.kind.title for s in switches)
+    assert stage_against_reference(TorchEngine(target, drafter, max_context=64), sd, target_dir, [2, 4, 5],
+                                   switches=switches) <= 1e-9
+    # written back with its switches at the top level (where every reader looks) and its tensors' names
+    drafter.save(tmp_path / "saved", dtype=torch.float64)
+    again = Eagle3Drafter.load(tmp_path / "saved", dtype=torch.float64)
+    assert again.cfg.variant == drafter.cfg.variant
+    assert all(json.loads((tmp_path / "saved" / "config.json").read_text())[s] is True for s in switches)
+
+
+def test_a_switch_the_drafter_ignored_fails_the_reference_comparison(target_dir, tmp_path):
+    """Planted: EAGLE 3.1's drafter feeding the pre-norm output back (norm_output read but not applied),
+    or its tap norms skipped, moves the stage off the reference."""
+    config, switches = SWITCHES["eagle3.1"]
+    directory, sd = eagle3_checkpoint(tmp_path / "eagle3", tensors=switch_tensors(switches), **config)
+    target, drafter = fp64_pair(target_dir, directory)
+    drafter.next_state = lambda out: out
+    assert stage_against_reference(TorchEngine(target, drafter, max_context=64), sd, target_dir, [2, 4, 5],
+                                   switches=switches) > 1e-3
+    target, drafter = fp64_pair(target_dir, directory)
+    drafter.fc_norm = None
+    assert stage_against_reference(TorchEngine(target, drafter, max_context=64), sd, target_dir, [2, 4, 5],
+                                   switches=switches) > 1e-3
 
 
 def test_full_draft_vocabulary_without_maps(target_dir, tmp_path):
@@ -275,9 +344,10 @@ def bad_checkpoints(root):
         "taps named twice": (eagle3_checkpoint(root / "k", aux_ids=[2, 4, 5],
                                                eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 5]})[0],
                              "name different target layers"),
-        "final-normed state fed back": (eagle3_checkpoint(root / "l", norm_output=True)[0], "norm_output True"),
-        "norm before the residual": (eagle3_checkpoint(root / "m", norm_before_residual=True)[0],
-                                     "norm_before_residual True"),
+        "a switch where no reader looks": (eagle3_checkpoint(root / "l", eagle_config={"norm_output": True})[0],
+                                           "read norm_output at the top level only"),
+        "a switch not a bool": (eagle3_checkpoint(root / "m", fc_norm="yes")[0], "fc_norm must be true or false"),
+        "fc_norm without its norms": (eagle3_checkpoint(root / "o", fc_norm=True)[0], "missing fc_norm.0.weight"),
         "no fused taps": (eagle3_checkpoint(root / "n", eagle_config={"use_aux_hidden_state": False})[0],
                           "use_aux_hidden_state false"),
     }
@@ -294,13 +364,12 @@ def test_bad_checkpoints_are_refused_in_one_line(target_dir, tmp_path, capsys):
         assert code == 2 and len(lines) == 1 and words in lines[0], (name, lines)
 
 
-def test_exports_bundles_and_a_stage_past_the_context_refuse_it_naming_the_kind(target_dir, tmp_path):
+def test_quantization_bundles_and_a_stage_past_the_context_refuse_it_naming_the_kind(target_dir, tmp_path):
     from loopspec.convert.bundles import build_bundle
 
     directory, _ = eagle3_checkpoint(tmp_path / "eagle3")
     pair = load_pair(target_dir, directory)
-    with pytest.raises(LoopspecError, match="EAGLE-3"):
-        require_exportable(pair.drafter.cfg.kind, "the ONNX / TensorRT export")
+    require_exportable(pair.drafter.cfg.kind, "the ONNX / TensorRT export")  # its fp32 graphs (test_eagle3_onnx.py)
     with pytest.raises(LoopspecError, match="quantization does not take EAGLE-3 drafters"):
         require_zlab_block(pair.drafter.cfg, "quantization")
     # the serving frameworks run it themselves (tests/test_eagle3_bundles.py); one that cannot take a setting

@@ -185,6 +185,31 @@ def test_llamacpp_tree_and_a_block_drafters_setting_are_refused(target_dir, draf
     assert "\n" not in str(e.value)
 
 
+def test_eagle3_1_goes_where_its_switches_are_read_and_is_refused_elsewhere(target_dir, tmp_path):
+    """An EAGLE 3.1 drafter (fc_norm + norm_output): vLLM and SGLang read both switches, so their bundles
+    carry it with the switches and tap norms in drafter/; llama.cpp's converter and TensorRT-LLM would
+    drop them, so those refuse in one line naming the switches; a norm_before_residual drafter goes to
+    vLLM and llama.cpp, not SGLang."""
+    from test_eagle3 import switch_tensors
+
+    directory, _ = eagle3_checkpoint(tmp_path / "e31", loopspec={"block_size": BLOCK}, fc_norm=True, norm_output=True,
+                                     tensors=switch_tensors(("fc_norm",)))
+    manifest = build_bundle(target_dir, str(directory), tmp_path / "ok", "vllm,sglang")
+    assert manifest["drafter_kind"] == "EAGLE-3 (fc_norm, norm_output)"
+    config = json.loads((tmp_path / "ok" / "drafter" / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    written = Eagle3Drafter.load(tmp_path / "ok" / "drafter")
+    assert written.cfg.variant.switched_on == ("fc_norm", "norm_output") and written.fc_norm is not None
+    for framework, title, target in (("llamacpp", "llama.cpp", "default"), ("trtllm", "TensorRT-LLM", target_dir)):
+        with pytest.raises(LoopspecError, match=f"{title}'s EAGLE-3 reader does not implement fc_norm, norm_output") as e:
+            build_bundle(target, str(directory), tmp_path / framework, framework)
+        assert "\n" not in str(e.value) and not (tmp_path / framework).exists()
+    directory, _ = eagle3_checkpoint(tmp_path / "nbr", loopspec={"block_size": BLOCK}, norm_before_residual=True)
+    assert build_bundle(target_dir, str(directory), tmp_path / "nbr-ok", "vllm")["engines"] == ["vllm"]
+    with pytest.raises(LoopspecError, match="SGLang's EAGLE-3 reader does not implement norm_before_residual"):
+        build_bundle(target_dir, str(directory), tmp_path / "nbr-sglang", "sglang")
+
+
 def test_all_takes_the_engines_that_verify_the_tree(target_dir, drafter_dir, tmp_path):
     manifest = build_bundle(target_dir, str(drafter_dir), tmp_path / "b", "all", setting={"tree_budget": 6})
     assert manifest["engines"] == ["trtllm", "sglang"]

@@ -2,7 +2,9 @@
 format they all load; llama.cpp serves a GGUF target with the drafter as a llama.cpp `dflash` GGUF.
 A DSpark drafter (Markov / confidence heads) goes to the frameworks that run its heads: TensorRT-LLM
 (`decoding_type: DSpark`), vLLM (method `dspark`) and SGLang (`DSPARK`), all reading DeepSpec's
-`Qwen3DSparkModel` layout, and llama.cpp (the dflash GGUF with the heads, draft-dspark).
+`Qwen3DSparkModel` layout, and llama.cpp (the dflash GGUF with the heads, draft-dspark). A DFlash2
+drafter (z-lab's `DFlash2DraftModel`) goes to vLLM (method `dflash`) and SGLang (`DFLASH`), which pick
+their DFlash2 model from its architecture, and to llama.cpp through llama.cpp's own converter.
 
 A bundle directory holds
   drafter/    z-lab config.json + model.safetensors, full draft vocabulary (what every framework reads);
@@ -13,7 +15,9 @@ A bundle directory holds
   trtllm/     extra_llm_api_options.yaml + launch.sh      (only the frameworks asked for)
   vllm/       launch.sh (+ drafter/: the drafter with its reduced draft vocabulary, when it has one)
   sglang/     launch.sh
-  llamacpp/   target.gguf (a copy of the target GGUF), drafter.gguf, launch.sh
+  llamacpp/   target.gguf (a copy of the target GGUF), drafter.gguf, launch.sh (an EAGLE-3 or DFlash2
+              drafter: its checkpoint, the target's config and tokenizer, and convert.sh, which
+              writes drafter.gguf with llama.cpp's own converter at the first launch)
   README.md   what each framework uses, how to launch, the support matrix
   manifest.json  sha256 of every file, source hashes, tool versions
 
@@ -107,7 +111,8 @@ def build_bundle(target: str | Path | TargetSource, drafter: str, out_dir: str |
     _check_hf_only_options([f.name for f in chosen], tp, precision)
     hf = any(f.target == HF_TARGET for f in chosen)
     target_dir = target_cfg = None
-    if hf or cfg.kind.drafts_in_steps:  # an EAGLE-3 drafter's taps and fit are the checkpoint's, for any framework
+    # an EAGLE-3 drafter's taps and fit are the checkpoint's, for any framework; llama.cpp's converter reads it
+    if hf or cfg.kind.drafts_in_steps or any(f.reads_checkpoint and f.reads_checkpoint(cfg.kind) for f in chosen):
         target_dir = source.checkpoint_dir()
         target_cfg = target_config(read_json(target_dir / "config.json", "target config"))
         positions, vocab_size = target_cfg.max_position_embeddings, target_cfg.vocab_size

@@ -104,6 +104,9 @@ class ServingFramework:
     manifest_entry: Callable[[LaunchSettings], dict] | None = None  # its own key in manifest.json
     manifest_entry_with_drafting: bool = False  # that key sits beside drafts_per_block, else after files
     tree_refusal: str | None = None  # why it cannot verify a draft tree of an EAGLE-3 drafter (None: it can)
+    # whether its files for a drafter of this kind are made from the target's HF checkpoint even when it serves
+    # a GGUF (llama.cpp's own converter reads the target's config.json and tokenizer); None: never
+    reads_checkpoint: Callable[[DrafterKind], bool] | None = None
 
     def refuses(self, kind: DrafterKind, tree_budget: int = 0) -> str | None:
         """Why it cannot serve a drafter of this kind with this setting's tree (None: it can)."""
@@ -151,9 +154,11 @@ def launch_script(title: str, argv: list[str], settings: str = "") -> str:
 
 # Which framework supports what, declared once (README and docs/serving.md print it): loopspec's own
 # runtime, then each framework's row (ServingFramework.support)
-SUPPORT_COLUMNS = ("DFlash", "DSpark", "EAGLE-3", "DLoop", "d2t reduced vocab", "FP8", "NVFP4", "tensor parallel")
+SUPPORT_COLUMNS = ("DFlash", "DSpark", "EAGLE-3", "DFlash2", "DLoop", "d2t reduced vocab", "FP8", "NVFP4",
+                   "tensor parallel")
 RUNTIME_SUPPORT = ("loopspec runtime", ("yes", "yes (every head and block convention)",
-                                        "chains and trees (torch backend)", "yes", "yes",
+                                        "chains and trees (torch backend)", "chains and trees (torch backend)",
+                                        "yes", "yes",
                                         "drafter (ONNX Runtime / TensorRT)",
                                         "TensorRT on Blackwell", "no (one device)"))
 
@@ -201,6 +206,12 @@ def _convention_lines(s: LaunchSettings) -> list[str]:
         return [f"Drafting: EAGLE-3, one drafter step per draft over the target's three fused taps; {shape}, "
                 "from the decoding setting (`--block-size`, `--tree-budget`, else the drafter's stored setting)."
                 + trees, ""]
+    if s.kind.selector:
+        selector = s.kind.selector
+        return [f"Drafting: DFlash2, z-lab's block. The block is [anchor, mask x {s.block_size - 1}]; block positions "
+                f"1..{s.block_size - 1} each keep the target head's top {selector.top_k} candidates, and the candidate "
+                f"selector's walk from the anchor picks one per position ({s.drafts} drafts), after "
+                f"{selector.conv_taps}-tap grouped dynamic convolutions around every sublayer.", ""]
     if s.kind.convention is DEEPSPEC_BLOCK:
         return [f"Block convention: DeepSpec's. The block is [anchor, mask x {s.block_size - 1}] and every block "
                 f"position i drafts the token at anchor+i+1, so one block gives {s.drafts} drafts (vLLM "
@@ -251,6 +262,16 @@ def readme(frameworks: list[ServingFramework], s: LaunchSettings, dtype: str, so
                      f"{s.target_layer_ids} (SGLang's: the output of layer i); `model.safetensors` with `fc`, "
                      "`midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, without `embed_tokens`: the target's is shared), "
                      f"read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])}.")
+    elif hf and s.kind.selector:
+        lines.append("- `drafter/`: z-lab's DFlash2 layout (`config.json` with `architectures: [\"DFlash2DraftModel\"]`, "
+                     "`dflash_config` holding `block_size`, `mask_token_id`, `target_layer_ids`, `conv_kernel_size`, "
+                     "`conv_group_size`, `selector_rank`, `selector_top_k`, `output_multiplier`, "
+                     "`input_embedding_scale`; `is_causal`, `use_sliding_window`, `sliding_window` and `layer_types` "
+                     "at the top level; `model.safetensors` with DFlash's tensors plus `layers.i.attention_conv` / "
+                     "`layers.i.mlp_conv` (`base_kernel`, `kernel_projection.weight`) and `candidate_selector` "
+                     "(`hidden_projection.weight`, `predecessor_codebook`, `successor_codebook`), over the full "
+                     f"vocabulary), read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])}, "
+                     "which pick their DFlash2 model from the architecture.")
     elif hf:
         lines.append("- `drafter/`: z-lab DFlash format (`config.json` with `dflash_config.mask_token_id` and "
                      "`target_layer_ids`, `model.safetensors`), read by TensorRT-LLM, vLLM and SGLang.")

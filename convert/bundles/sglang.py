@@ -9,6 +9,17 @@ when both are set), `--tp-size N`, `--context-length`, `--max-running-requests`,
 `--served-model-name`; `--speculative-draft-model-quantization unquant` keeps the drafter unquantized
 when the target is.
 
+DFlash2 (pull request 35371; python/sglang/srt/models/dflash.py `DFlash2DraftModel`,
+speculative/dflash_utils.py `parse_dflash_draft_config`; in 0.5.19 to 0.5.23, not in 0.5.18): the same
+DFLASH launch; the model class comes from the drafter's `architectures`, and `dflash_config` gives
+`conv_kernel_size` / `conv_group_size` (both or neither), `selector_rank` / `selector_top_k` (both or
+neither), `output_multiplier` (> 0) and `final_logit_softcapping` (0: none). The selector's codebooks
+are [vocab_size, rank] over the full vocabulary and its candidates come from the target's lm_head.
+Attention per layer: `layer_types` (full / sliding, `sliding_window` including the query token) and the
+top-level `is_causal` (absent: causal on sliding layers only). The block's embeddings are scaled by the
+target model's own DFlash noise scale (1 for every target family loopspec serves), not by the
+drafter's `input_embedding_scale`, which these releases do not read.
+
 DSpark (python/sglang/srt/arg_groups/speculative_hook.py `_handle_dspark`,
 python/sglang/srt/speculative/dspark_components/dspark_config.py; SGLang 0.5.16's release notes
 introduce it): `--speculative-algorithm DSPARK --speculative-draft-model-path DRAFTER
@@ -19,8 +30,11 @@ drafter without a Markov head), `markov_head_type` one of vanilla / gated / rnn,
 required; block slot k drafts the token at anchor+k+1 (DeepSpec's convention; a drafter trained with
 slot j drafting anchor+j would draft one position off). Confidence-scheduled (ragged) verification is
 switched by the environment (`SGLANG_RAGGED_VERIFY_MODE`) and fed by `--speculative-dspark-sps-table-path`
-/ `--speculative-dspark-confidence-sts-path`, files SGLang's own profiler and calibration tools write;
-the bundle leaves them out.
+(speculative/dspark_components/dspark_sps.py: `SpsCostTable` {sample_batch_tokens, sample_steps_per_sec,
+max_batch_tokens} or `SpsAdditiveCostTable` {bias_seconds, bs_probes, alpha_seconds, m_probes,
+theta_seconds}) / `--speculative-dspark-confidence-sts-path` (dspark_sts.py: `temperatures` per position),
+SGLang's own step measurements and calibration; the bundle leaves them out (loopspec's step-cost table
+times loopspec's engine, not SGLang's).
 
 EAGLE-3 (SGLang 0.5.23: python/sglang/srt/arg_groups/speculative_hook.py `_handle_eagle_family`,
 speculative/eagle_utils.py `organize_draft_results`, models/llama_eagle3.py):
@@ -41,6 +55,7 @@ from __future__ import annotations
 from loopspec.convert.bundles.common import HF_TARGET, LaunchSettings, ServingFramework, launch_script
 
 TITLE = "SGLang"
+DFLASH2_MIN_VERSION = "0.5.19"  # the first release with DFlash2DraftModel (0.5.18 has none)
 
 
 def speculative_argv(s: LaunchSettings) -> list[str]:
@@ -52,7 +67,7 @@ def speculative_argv(s: LaunchSettings) -> list[str]:
         return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "./drafter",
                 "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
                 "--speculative-num-draft-tokens", str(s.verified_tokens)]
-    if s.kind.plain:
+    if s.kind.zlab_dflash_reader:  # a DFlash2 drafter too: SGLang picks its model from the architecture
         return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "./drafter",
                 "--speculative-num-draft-tokens", str(s.block_size)]
     return ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", "./drafter",
@@ -77,6 +92,11 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
                  f"--speculative-num-draft-tokens {s.verified_tokens}`")
         return ["", f"SGLang runs the EAGLE-3 drafter with `--speculative-algorithm EAGLE3` as {shape}, reading the "
                 "taps from `eagle_config.eagle_aux_hidden_state_layer_ids` and its reduced vocabulary from `d2t`."]
+    if s.kind.selector:
+        return ["", f"SGLang (>= {DFLASH2_MIN_VERSION}) runs the DFlash2 drafter with `--speculative-algorithm DFLASH` "
+                f"and `--speculative-num-draft-tokens {s.block_size}` (the block, anchor included), building its "
+                "`DFlash2DraftModel` (the grouped dynamic convolutions and the candidate selector over the target's "
+                "lm_head) from `drafter/`'s architecture and `dflash_config`."]
     if s.kind.plain:
         return []
     lines = ["", f"SGLang runs the DSpark drafter with `--speculative-algorithm DSPARK` (SGLang >= 0.5.16), "
@@ -84,17 +104,21 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
              f"{s.drafts + 1}` (the verify window, anchor included)."]
     if s.kind.confidence:
         lines[-1] += (" Its confidence-scheduled (ragged) verification is left off: it is switched by "
-                      "`SGLANG_RAGGED_VERIFY_MODE` and reads a step-cost table and a calibration file "
-                      "(`--speculative-dspark-sps-table-path`, `--speculative-dspark-confidence-sts-path`) that "
-                      "SGLang's own profiler and calibration tools produce on the serving GPU; every step verifies "
-                      "the whole block (outputs are the same either way).")
+                      "`SGLANG_RAGGED_VERIFY_MODE` and reads `--speculative-dspark-sps-table-path` (SGLang's own "
+                      "decode-step throughput by batch tokens: `sample_batch_tokens`, `sample_steps_per_sec`, or "
+                      "`bias_seconds` / `alpha_seconds` / `theta_seconds`) and `--speculative-dspark-confidence-sts-path` "
+                      "(per-position `temperatures` fitted to its confidence head), which SGLang's profiler and "
+                      "calibration tools measure on the serving GPU; loopspec's step-cost table (`loopspec costs`) "
+                      "times loopspec's engine, not SGLang's, so neither is written. Every step verifies the whole "
+                      "block (outputs are the same either way).")
     return lines
 
 
 SGLANG = ServingFramework(
     name="sglang", title=TITLE, target=HF_TARGET,
     support=("yes (`DFLASH`)", "DeepSpec block convention, a Markov head required (`DSPARK`)",
-             "chains and trees (`EAGLE3`)", "no",
+             "chains and trees (`EAGLE3`)",
+             f"yes (`DFLASH`, >= {DFLASH2_MIN_VERSION}; `input_embedding_scale` 1 only)", "no",
              "EAGLE-3 only (`d2t`); DFLASH drafts over the full vocab", "yes (modelopt checkpoint)",
              "Blackwell only", "yes (`--tp-size`)"),
     launch_files=sglang_files, readme_launch=_readme_launch,

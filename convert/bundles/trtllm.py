@@ -1,5 +1,6 @@
 """TensorRT-LLM: trtllm-serve on the HF checkpoint with the z-lab drafter (DFlash), a DSpark drafter
-(DSpark) or an EAGLE-3 drafter (Eagle3).
+(DSpark) or an EAGLE-3 drafter (Eagle3). It has no DFlash2 model: `DFlashDecodingConfig` runs z-lab
+DFlash drafters (DFlash2DraftModel's convolutions and selector are not in its DFlash drafter).
 
 Facts this module relies on (TensorRT-LLM >= 1.3, LLM API reference `DFlashDecodingConfig`; re-check
 on upgrades): `speculative_config` with `decoding_type: DFlash`, `speculative_model`, `max_draft_len`
@@ -23,12 +24,27 @@ false (slot 0 holds the anchor and every slot j drafts the token after it: DeepS
 max_draft_len = block_size), the Markov head is the vanilla one only (`markov_head.markov_w1/w2`;
 gated / rnn are refused), markov_rank 0 runs no Markov bias (a DeepSpec DFlash drafter), and the
 confidence head (`confidence_head.proj`) is loaded. Its `decoding_type: DFlash` refuses a drafter that
-declares DSpark heads. Confidence-scheduled verification (1.4.0rc4: `enable_confidence_scheduling`,
-`confidence_cost_table_path`, `confidence_calibration_path`, `confidence_min_predicted_gain`) is left
-out: its cost table is a whole-step time table measured on the serving GPU by TensorRT-LLM's own
-profiler (`_torch/speculative/dspark_planner.py` reads it; its schema has changed between releases, a
-newer one sealed with a fingerprint of the live engine), and the calibration file holds per-position
-temperatures fitted offline (`dspark_sts.py`), neither of which a bundle can measure.
+declares DSpark heads.
+
+Confidence-scheduled verification is left out of the YAML. Its fields have changed between releases
+(1.4.0rc4: `enable_confidence_scheduling`, `confidence_cost_table_path`, `confidence_calibration_path`,
+`confidence_min_predicted_gain`; later `confidence_sps_table_path`, `confidence_sts_path`,
+`confidence_verify_len_tiers`, `enable_ragged_verify`). In the latest code read
+(tensorrt_llm/_torch/speculative/dspark_planner.py @ 7fbff6f, `load_runtime_sps_cost_table` /
+`validate_sps_cost_table_payload`; tests/unittest/llmapi/test_dspark_workload_admission_config.py) the
+cost table at `confidence_sps_table_path` must be `schema_version: 2`: `cost_tables` of whole-step times
+keyed by the rank-local CUDA-graph batch size G and verifier tokens V (a V = 0 native cell for every G),
+one `measurements` entry per cell with the `source_result_sha256` of the run that measured it,
+`minimum_predicted_gain`, and an `engine_fingerprint` (`gpu`, `gpu_count`, `gpu_snapshot_sha256`,
+`runtime_snapshot`, `source_head`, `source_diff_sha256`, `topology`, `max_draft_len`, the rank-local and
+global graph batch sizes) with its `engine_fingerprint_sha256`; the loader compares that fingerprint
+field by field with a separate live fingerprint of the running engine
+(`confidence_sps_live_fingerprint_path`) and refuses any other schema; and startup turns the feature off
+unless `confidence_admission_receipt_path` / `confidence_admission_receipt_sha256` name a workload
+receipt whose body hashes that table and fingerprint. A bundle written on a CPU has no such engine to
+fingerprint, and loopspec's own step-cost table (`loopspec costs`) times loopspec's engine, not
+TensorRT-LLM's CUDA-graph steps, so none of these fields is written; `confidence_sts_path` (per-position
+temperatures fitted by TensorRT-LLM's calibration run) is left out with them.
 
 EAGLE-3 (LLM API reference `Eagle3DecodingConfig`; tensorrt_llm/llmapi/llm_args.py
 `EagleDecodingConfig.validate_eagle_config`): `decoding_type: Eagle3` with `speculative_model`
@@ -53,7 +69,7 @@ from loopspec.convert.bundles.common import HF_TARGET, LaunchSettings, ServingFr
 
 TITLE = "TensorRT-LLM >= 1.3"
 DSPARK_MIN_VERSION = "1.3.0rc27"  # the first release whose LLM API reference has DSparkDecodingConfig
-CONFIDENCE_SCHEDULING_VERSION = "1.4.0rc4"  # its enable_confidence_scheduling and the files it reads
+CONFIDENCE_SCHEDULING_VERSION = "1.4.0rc4"  # its enable_confidence_scheduling, with the older field names
 EAGLE3_TREE_VERSION = "1.4.0rc4"  # the release whose guide documents EAGLE-3's dynamic tree (PyTorch backend)
 
 
@@ -134,14 +150,22 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
               "`markov_rank`" + (" and `markov_head_type`" if s.kind.markov else " (0: no Markov head)")
               + ". TensorRT-LLM runs the vanilla Markov head only."]
     if s.kind.confidence:
-        lines += ["", "Confidence-scheduled verification is left out of the YAML. TensorRT-LLM "
-                  f">= {CONFIDENCE_SCHEDULING_VERSION} adds `enable_confidence_scheduling`, "
-                  "`confidence_cost_table_path`, `confidence_calibration_path` and `confidence_min_predicted_gain`: "
-                  "the cost table is whole-step times measured on the serving GPU by TensorRT-LLM's own profiler "
-                  "(its format has changed between releases) and the calibration file holds per-position "
-                  "temperatures fitted offline, so neither is written here; produce both with TensorRT-LLM's tools "
-                  "and add the four fields. Without them the drafter's confidence head is loaded and every step "
-                  "verifies the whole block (outputs are the same either way)."]
+        lines += ["", "Confidence-scheduled verification is left out of the YAML (every step verifies the whole "
+                  "block; outputs are the same either way). TensorRT-LLM's current code reads it from "
+                  "`enable_confidence_scheduling` with `confidence_sps_table_path`, "
+                  "`confidence_sps_live_fingerprint_path`, `confidence_admission_receipt_path` and "
+                  f"`confidence_admission_receipt_sha256` ({CONFIDENCE_SCHEDULING_VERSION} spelled them "
+                  "`confidence_cost_table_path`, `confidence_calibration_path`, "
+                  "`confidence_min_predicted_gain`): the cost table must be "
+                  "`schema_version: 2`, whole-step times per CUDA-graph batch size and verifier-token count with an "
+                  "`engine_fingerprint` (GPU, GPU snapshot hash, runtime snapshot, source head and diff hash, "
+                  "topology, graph batch sizes) that the loader compares field by field with a fingerprint taken "
+                  "from the live TensorRT-LLM engine, and startup switches the feature off without a workload "
+                  "receipt that hashes both. No such engine exists where this bundle was written, and loopspec's "
+                  "own step-cost table (`loopspec costs`) times loopspec's engine rather than TensorRT-LLM's, so "
+                  "none of these fields is written: the table and fingerprint come from TensorRT-LLM on the serving "
+                  "GPU, and the receipt from a reviewed deployment package (TensorRT-LLM ships no public command "
+                  "that writes one)."]
     return lines
 
 
@@ -155,7 +179,7 @@ TRTLLM = ServingFramework(
              "DeepSpec block convention, vanilla Markov head or none "
              f"(`DSparkDecodingConfig`, >= {DSPARK_MIN_VERSION})",
              f"chains; dynamic trees >= {EAGLE3_TREE_VERSION} (`Eagle3DecodingConfig`)",
-             "no", "EAGLE-3 only (`d2t`); DFlash / DSpark draft over the full vocab",
+             "no (`DFlashDecodingConfig` only)", "no", "EAGLE-3 only (`d2t`); DFlash / DSpark draft over the full vocab",
              "yes (modelopt checkpoint)", "Blackwell only", "yes (`tensor_parallel_size`)"),
     launch_files=trtllm_files, readme_launch=_readme_launch,
     # checked against TensorRT-LLM's source; see docs/serving.md

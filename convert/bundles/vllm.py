@@ -32,14 +32,26 @@ Facts this module relies on (re-check on upgrades):
   verification (a chain: vLLM 0.33 has no draft-tree setting). The draft config is wrapped in
   `EAGLEConfig`; the model reads `hidden_size`, `num_hidden_layers` (1), `rms_norm_eps`,
   `draft_vocab_size` (default vocab_size), `target_hidden_size` (default hidden_size),
-  `norm_before_residual`, `eagle_config.use_aux_hidden_state` / `norm_before_fc`, `fc_norm` (off),
-  `norm_output` (off: the next step's state is the layer output before the final norm, as loopspec
-  runs it). The target's tap layers are the top-level `eagle_aux_hidden_state_layer_ids`, else
+  `norm_before_residual`, `eagle_config.use_aux_hidden_state` / `norm_before_fc`, `fc_norm` and
+  `norm_output` (EAGLE 3.1: the next step's state is the final-normed output; off, the output before
+  the final norm), each as loopspec runs it (the drafter's config.json carries them at the top level). The target's tap layers are the top-level `eagle_aux_hidden_state_layer_ids`, else
   `eagle_config`'s, taken as given (v1/worker/gpu_model_runner.py, v1/worker/gpu/spec_decode/eagle/
   eagle3_utils.py); id j is the stream entering target layer j (the model appends its aux state after
   layer j-1: model_executor/models/llama.py), loopspec's tap j-1. Weights: `midlayer.` is mapped to
   `layers.0.`, `d2t` to `draft_id_to_target_id` (target id = draft id + d2t), `t2d` skipped, the
   `embed_tokens` of the target shared when the drafter has none.
+- DFlash2 (vLLM 0.28's release notes, pull request 52816; vLLM 0.33: model_executor/models/
+  qwen3_dflash2.py, registry `DFlash2DraftModel` → `DFlash2Qwen3ForCausalLM`, v1/worker/gpu/spec_decode/
+  __init__.py): the same `method: dflash` line, `num_speculative_tokens` k - 1; vLLM keeps the
+  architecture (EAGLEConfig prefixes "DFlash" only to names without it) and picks its DFlash2 speculator
+  from `DFlash2DraftModel`. The model reads `dflash_config` only (not the top level) for
+  `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`, `input_embedding_scale`,
+  `output_multiplier`, `final_logit_softcapping` (0: none); the convolution's block is
+  1 + num_speculative_tokens; the codebooks are [vocab_size, rank] (the full vocabulary) and the
+  candidates come from the target's lm_head. Per layer: `is_causal` at the top level (else
+  `dflash_config.causal`, else causal on sliding layers), `layer_types` with the top-level
+  `sliding_window`. Only the V2 model runner has the candidate head: the V1 runner refuses "DFlash
+  candidate-head drafts" (config/vllm.py), and V2 is the default where Triton has a GPU.
 Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
 """
 
@@ -59,6 +71,7 @@ from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK
 from loopspec.weights import read_json, read_safetensors, write_safetensors
 
 TITLE = "vLLM"
+DFLASH2_MIN_VERSION = "0.28"  # the release that added DFlash2 (pull request 52816)
 VLLM_DRAFTER = "vllm/drafter"  # the reduced-vocabulary drafter, for vLLM
 
 
@@ -148,6 +161,12 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
         return ["", f"vLLM runs the EAGLE-3 drafter with `method: eagle3` and `num_speculative_tokens: {s.drafts}` "
                 "(drafter steps per verification, a chain), reading `drafter/` as its `LlamaForCausalLMEagle3` "
                 "model and the taps from `eagle_aux_hidden_state_layer_ids`."]
+    if s.kind.selector:
+        return ["", f"vLLM (>= {DFLASH2_MIN_VERSION}) runs the DFlash2 drafter with `method: dflash` and "
+                f"`num_speculative_tokens: {s.drafts}`, picking its DFlash2 model (the grouped dynamic convolutions and "
+                "the candidate selector over the target's lm_head) from `drafter/`'s `architectures: "
+                "[\"DFlash2DraftModel\"]`. It runs on vLLM's V2 model runner, the default where Triton has a GPU; "
+                "`VLLM_USE_V2_MODEL_RUNNER=0` is refused for it."]
     if not adaptive_verification(s):
         return []
     return ["", "vLLM's `--speculative-config` sets `enable_adaptive_verification`: each step vLLM verifies as many "
@@ -163,7 +182,7 @@ VLLM = ServingFramework(
     support=("yes (`method: dflash`)",
              "DeepSpec block convention, vanilla Markov head (`method: dspark`, `enable_adaptive_verification`)",
              "chains (`method: eagle3`)",
-             "no", "yes (`draft_vocab_size` + `d2t`)", "yes (modelopt checkpoint)",
+             f"yes (`method: dflash`, >= {DFLASH2_MIN_VERSION}, V2 model runner)", "no", "yes (`draft_vocab_size` + `d2t`)", "yes (modelopt checkpoint)",
              "Blackwell only", "yes (`--tensor-parallel-size`)"),
     launch_files=vllm_files, readme_launch=_readme_launch, write_parts=_write_parts,
     reduced_vocab_line=_reduced_vocab_line,

@@ -98,7 +98,7 @@ class DFlash2Config(DrafterConfig):
     @property
     def kind(self) -> DrafterKind:
         return dflash2_kind(SelectorKind(self.conv_kernel_size, self.conv_group_size, self.selector_rank,
-                                         self.selector_top_k))
+                                         self.selector_top_k, self.hidden_size, self.input_embedding_scale))
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: it sees every context position)."""
@@ -163,9 +163,14 @@ class DFlash2Config(DrafterConfig):
                         input_embedding_scale=float(numbers["input_embedding_scale"]),
                         sliding_window=window, layer_types=tuple(layer_types), is_causal=causal)
 
+    def to_zlab(self) -> dict:
+        """config.json as z-lab writes a DFlash2 drafter, which every DFlash2 reader loads (an exported
+        artifact's drafter/config.json too: `block_drafter_config` reads it back)."""
+        return self.to_checkpoint()
+
     def to_checkpoint(self) -> dict:
         """config.json as z-lab writes a DFlash2 drafter (`from_checkpoint` reads it back)."""
-        cfg = self.to_zlab()
+        cfg = DrafterConfig.to_zlab(self)
         cfg["architectures"] = [DFLASH2_ARCHITECTURE]
         cfg["dflash_config"].update(block_size=self.block_size, conv_kernel_size=self.conv_kernel_size,
                                     conv_group_size=self.conv_group_size, selector_rank=self.selector_rank,
@@ -255,9 +260,11 @@ class CandidateSelector(nn.Module):
 
     def edges(self, previous: torch.Tensor, projected: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """previous [R] token ids, projected [R, rank] (u of the slot), candidates [R, K] → [R, K]."""
-        gated = self.predecessor_codebook[previous] * projected  # [R, rank]
+        # F.embedding rather than indexing: the same rows, and a backward that sums a token's repeats in a
+        # fixed order (indexing's accumulates them in parallel: training would not repeat bit for bit)
+        gated = F.embedding(previous, self.predecessor_codebook) * projected  # [R, rank]
         # a product and a sum per row (no batched matmul): a row scores alone what it scores batched
-        return (gated[:, None, :] * self.successor_codebook[candidates]).sum(-1)  # [R, K]
+        return (gated[:, None, :] * F.embedding(candidates, self.successor_codebook)).sum(-1)  # [R, K]
 
 
 class DFlash2Drafter(Drafter):
@@ -317,7 +324,30 @@ class DFlash2Drafter(Drafter):
         return torch.tanh(logits / cap) * cap if cap is not None else logits
 
     def grow(self, num_layers: int) -> "Drafter":
-        raise LoopspecError("loopspec does not train DFlash2 drafters yet: it cannot grow one")
+        raise LoopspecError(f"a DFlash2 drafter cannot be deepened (--num-layers {num_layers}): deepen the DFlash "
+                            "drafter it starts from (--init a DFlash drafter with --family dflash2)")
+
+    @classmethod
+    def from_dflash(cls, base: Drafter, **dflash2_fields) -> "DFlash2Drafter":
+        """A DFlash2 drafter that drafts as the z-lab DFlash drafter `base`: its layers, fc and norms
+        loaded, the convolutions identities (a fresh drafter's), and the successor codebook zero, so
+        every edge scores 0 and the walk takes each slot's top unary candidate, the DFlash argmax
+        (SpecForge starts a selector so: its score is the unary one until training moves it). A reduced
+        draft vocabulary (d2t) is left behind: the selector reads the target head over the whole
+        vocabulary, so the start drafts as `base` would over the whole vocabulary."""
+        if not base.cfg.kind.plain:
+            raise LoopspecError(f"a DFlash2 drafter starts from a z-lab DFlash drafter, not this {base.cfg.kind.title} "
+                                "drafter")
+        p = base.fc.weight
+        cfg = DFlash2Config.over(base.cfg, **dflash2_fields)
+        cfg.extra = {k: v for k, v in base.cfg.extra.items() if k != "draft_vocab_size"}
+        drafter = cls(cfg).to(p.dtype)
+        missing, unexpected = drafter.load_state_dict(base.state_dict(), strict=False)
+        assert not unexpected and all(".attention_conv." in k or ".mlp_conv." in k or k.startswith("candidate_selector.")
+                                      for k in missing), (missing, unexpected)
+        with torch.no_grad():
+            drafter.candidate_selector.successor_codebook.zero_()
+        return drafter.to(p.device).train(base.training)
 
     def with_heads(self, heads) -> "Drafter":
         raise LoopspecError("a DFlash2 drafter takes no DSpark heads (its draft step is the candidate selector)")
@@ -365,6 +395,14 @@ class DFlash2Drafter(Drafter):
         model = cls(cfg)
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
         return model.to(dtype).eval()
+
+
+def block_drafter_config(raw: dict) -> DrafterConfig:
+    """A block drafter's config.json by its architecture: DFlash2's (`DFlash2Config.from_checkpoint`),
+    else DFlash's or DSpark's (`DrafterConfig.from_zlab`)."""
+    if isinstance(raw, dict) and DFLASH2_ARCHITECTURE in (raw.get("architectures") or []):
+        return DFlash2Config.from_checkpoint(raw)
+    return DrafterConfig.from_zlab(raw)
 
 
 def is_dflash2_dir(directory: str | Path) -> bool:

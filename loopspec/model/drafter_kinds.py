@@ -10,11 +10,13 @@ block graph adds, whether loop-aware training runs it, and which serving framewo
 (`unsupported_in`: the kind family's record of `SERVING_RULES`, with the one-line reason of a
 framework that does not).
 
-Runtime backends: the torch engine, the fp32 ONNX Runtime / TensorRT drafter graphs and training run
-every block kind; a quantized drafter graph (FP8 / NVFP4), whose calibration and export run z-lab's
-block, takes the plain z-lab DFlash kind only (`require_zlab_block`). An EAGLE-3 drafter (a chain
-kind) runs on the torch engine only (`require_exportable`), and so does a DFlash2 drafter; the serving
-frameworks run EAGLE-3 themselves.
+Runtime backends: the torch engine and the fp32 ONNX Runtime / TensorRT drafter graphs run every
+kind: the block kinds (a DFlash2 drafter's graph unrolls its selector's walk: engines/export_dflash2.py)
+and EAGLE-3's chain (its own fuse and step graphs: engines/export_eagle3.py). A quantized drafter graph
+(FP8 / NVFP4), whose calibration and export run z-lab's block, takes the plain z-lab DFlash kind only
+(`require_zlab_block`), and no quantized drafter graph takes an EAGLE-3 drafter
+(`require_quantized_export`: the GGUF precisions' Q8_0 drafter, modelopt's FP8 / NVFP4). The serving
+frameworks run EAGLE-3 and DFlash2 themselves (SERVING_RULES says which).
 """
 
 from __future__ import annotations
@@ -82,6 +84,25 @@ class SelectorKind:
     conv_group_size: int  # channels sharing one dynamic coefficient
     rank: int  # selector_rank
     top_k: int  # selector_top_k: candidates per block slot
+    width: int  # the hidden size its projection reads (the drafter's)
+    input_embedding_scale: float = 1.0  # what the block's token embeddings are scaled by
+
+
+@dataclass(frozen=True)
+class Eagle3Variant:
+    """The switches an EAGLE-3 checkpoint's config.json may turn on (all off: EAGLE-3 as published).
+    EAGLE 3.1 is fc_norm with norm_output; the others come from other trainers' checkpoints."""
+
+    fc_norm: bool = False  # an RMSNorm on each of the three taps before fc (`fc_norm.{0,1,2}`)
+    norm_before_fc: bool = False  # one RMSNorm over the three taps concatenated before fc (`input_norm`)
+    norm_output: bool = False  # the next step reads the final-normed state (the logits' input), not the pre-norm one
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(state), not the state
+
+    @property
+    def switched_on(self) -> tuple[str, ...]:
+        """The config.json switches that are on, by their names."""
+        return tuple(name for name in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
+                     if getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -98,6 +119,7 @@ class DrafterKind:
     # pairs (EAGLE-3); False: one forward drafts a whole block of [anchor, MASK…] (DFlash, DSpark)
     chain: bool = False
     selector: SelectorKind | None = None  # DFlash2: its drafts are the candidate selector's walk
+    eagle3: Eagle3Variant | None = None  # EAGLE-3: the config switches its checkpoint turns on
 
     @property
     def heads(self) -> tuple[str, ...]:
@@ -112,6 +134,8 @@ class DrafterKind:
     @property
     def title(self) -> str:
         """What it is, in a few words: its heads and its block convention."""
+        if self.chain and self.eagle3 and self.eagle3.switched_on:
+            return f"{self.family} ({', '.join(self.eagle3.switched_on)})"
         if self.chain or self.selector:
             return self.family
         if not self.heads:
@@ -125,9 +149,9 @@ class DrafterKind:
 
     @property
     def unrolled_draft_head(self) -> bool:
-        """Its draft-head step runs left to right (a head after the lm_head reads the token drafted
-        before), so an exported block graph unrolls it over a fixed number of positions."""
-        return bool(self.heads)
+        """Its draft-head step runs left to right (a head after the lm_head, or a selector's walk, reads
+        the token drafted before), so an exported block graph unrolls it over a fixed number of positions."""
+        return bool(self.heads) or self.selector is not None
 
     @property
     def added_graph_outputs(self) -> tuple[str, ...]:
@@ -143,19 +167,23 @@ class DrafterKind:
     @property
     def trains_loop_aware(self) -> bool:
         """Loop-aware training (DLoop's later stages) runs it: a Markov chain's later stage would start
-        from a drafted anchor the training data does not hold, so a Markov head rules it out."""
-        return self.markov is None and self.trains and not self.chain
+        from a drafted anchor the training data does not hold, so a Markov head rules it out; a
+        selector's later stage would start from its walk, which loopspec's loop-aware loss does not run."""
+        return self.markov is None and self.trains and not self.chain and self.selector is None
 
     @property
     def trains(self) -> bool:
-        """loopspec's trainer (loopspec/train) trains it: every kind without a selector."""
-        return self.selector is None
+        """loopspec's trainer (loopspec/train) trains it: every kind, each with its `training_family`."""
+        return True
 
     @property
     def training_family(self) -> str:
         """The training recipe of loopspec's trainer (`loopspec train --family`) that trains it:
-        "dflash" for the block kinds (DSpark's heads included), "eagle3" for the chain kind."""
-        return "eagle3" if self.chain else "dflash"
+        "dflash" for the block kinds (DSpark's heads included), "eagle3" for the chain kind, "dflash2"
+        for the selector kind (DFlash's block loss plus the selector's, loopspec/train/dflash2_trainer.py)."""
+        if self.chain:
+            return "eagle3"
+        return "dflash2" if self.selector else "dflash"
 
     @property
     def grows_dynamic_trees(self) -> bool:
@@ -178,8 +206,27 @@ class DrafterKind:
 
     @property
     def exports(self) -> bool:
-        """The ONNX / TensorRT drafter graphs and quantization run it: the block kinds without a selector."""
+        """The fp32 ONNX / TensorRT drafter graphs run it: every kind, the block kinds through the block
+        graph (a selector's walk unrolled in it) and EAGLE-3's chain through its fuse and step graphs."""
+        return True
+
+    @property
+    def exports_quantized(self) -> bool:
+        """Quantized drafter graphs run it (modelopt's FP8 / NVFP4, the GGUF precisions' Q8_0 drafter):
+        the block kinds without a selector; their quantizers are written for the block drafter's layers."""
         return not self.chain and self.selector is None
+
+    def ranked_candidates(self, vocab_size: int, most: int) -> int:
+        """How many ranked candidates per drafting position a stage returns, at most `most`: a
+        selector ranks its top-k per slot, a draft head the whole (draft) vocabulary."""
+        return min(most, vocab_size, self.selector.top_k if self.selector is not None else vocab_size)
+
+    @property
+    def zlab_dflash_reader(self) -> bool:
+        """The frameworks' z-lab DFlash path runs it (vLLM method dflash, SGLang DFLASH, llama.cpp
+        draft-dflash): z-lab's block convention and no DSpark head; a DFlash2 drafter's selector is
+        picked there from its checkpoint (`DFlash2DraftModel`)."""
+        return self.plain or self.selector is not None
 
     @property
     def drafts_in_steps(self) -> bool:
@@ -207,7 +254,8 @@ class DrafterKind:
 
 
 DRAFTER_KINDS = {kind.name: kind for kind in (DrafterKind("dflash", "DFlash"), DrafterKind("dspark", "DSpark"),
-                                               DrafterKind("eagle3", "EAGLE-3", EAGLE3_CHAIN, chain=True),
+                                               DrafterKind("eagle3", "EAGLE-3", EAGLE3_CHAIN, chain=True,
+                                                           eagle3=Eagle3Variant()),
                                                DrafterKind("dflash2", "DFlash2"))}
 
 
@@ -229,9 +277,10 @@ def require_zlab_block(cfg, what: str) -> None:
     """Refuse a drafter of DeepSpec's block convention or with DSpark heads where only the z-lab
     block (k-1 drafts from block positions 1.., no head after the lm_head) is implemented (quantized
     drafter graphs). The torch engine, the fp32 ONNX / TensorRT drafter graphs and training run both
-    conventions and the DSpark heads (an EAGLE-3 drafter: the torch engine only)."""
+    conventions, the DSpark heads and a DFlash2 drafter's selector (an EAGLE-3 drafter: the torch engine
+    and its fp32 graphs)."""
     kind = cfg.kind
-    require_exportable(kind, what)
+    require_quantized_export(kind, what)
     if not kind.plain:
         raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {kind.title} drafter; "
                             "decode it with --backend torch or onnxruntime")
@@ -242,6 +291,14 @@ def require_exportable(kind: DrafterKind, what: str) -> None:
     if not kind.exports:
         raise LoopspecError(f"{what} does not take {kind.title} drafters yet: {kind.title} drafters run on "
                             "--backend torch only")
+
+
+def require_quantized_export(kind: DrafterKind, what: str) -> None:
+    """Refuse, in one line naming the kind, a drafter whose graphs `what` (a quantized export) does not build."""
+    require_exportable(kind, what)
+    if not kind.exports_quantized:
+        raise LoopspecError(f"{what} does not take {kind.title} drafters: their graphs are exported in fp32 only "
+                            "(decode them with --backend torch, or onnxruntime at precision fp32)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,23 +365,69 @@ def _llamacpp_refusal(kind: DrafterKind) -> str | None:
     return None
 
 
-def _serves_eagle3(kind: DrafterKind) -> str | None:
-    # TensorRT-LLM (Eagle3DecodingConfig), vLLM (method eagle3), SGLang (EAGLE3) and llama.cpp
-    # (draft-eagle3) all run SpecForge's LlamaForCausalLMEagle3 drafter as loopspec saves it; what a
-    # framework cannot take of a setting (a draft tree) its convert/bundles module refuses
-    return None
+# the EAGLE-3 config switches each framework's reader implements (vLLM 0.33 models/llama_eagle3.py: all
+# four; SGLang 0.5.23 models/llama_eagle3.py: fc_norm (or its older name use_aux_norm), norm_before_fc,
+# norm_output; llama.cpp's converter and eagle3 graph (llama-cpp-python 0.3.36's): norm_before_residual and
+# norm_before_fc; TensorRT-LLM: see convert/bundles/trtllm.py)
+EAGLE3_SWITCHES_READ = {"vllm": ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual"),
+                        "sglang": ("fc_norm", "norm_before_fc", "norm_output"),
+                        "llamacpp": ("norm_before_fc", "norm_before_residual"),
+                        "trtllm": ()}
+
+
+def _eagle3_refusal(framework: str, title: str):
+    def refusal(kind: DrafterKind) -> str | None:
+        # every framework runs SpecForge's LlamaForCausalLMEagle3 drafter as loopspec saves it; a switch its
+        # reader does not implement would be silently dropped there, so it is refused here; what a framework
+        # cannot take of a setting (a draft tree) its convert/bundles module refuses
+        unread = [name for name in kind.eagle3.switched_on if name not in EAGLE3_SWITCHES_READ[framework]]
+        if not unread:
+            return None
+        return (f"{title}'s EAGLE-3 reader does not implement {', '.join(unread)} (this drafter's config.json turns "
+                f"{'it' if len(unread) == 1 else 'them'} on), so it would draft with a different model")
+    return refusal
 
 
 # one record per kind family, looked up by DrafterKind.name: {framework: why it refuses a drafter of
 # that family (None: it serves it)}; a framework a record does not name serves the plain kind only
 BLOCK_RULES = {"trtllm": _trtllm_refusal, "vllm": _vllm_refusal, "sglang": _sglang_refusal,
                "llamacpp": _llamacpp_refusal}
-def _dflash2_refusal(kind: DrafterKind) -> str:
-    # vLLM, SGLang and llama.cpp load DFlash2 checkpoints upstream; loopspec's bundles do not carry them yet
-    return (f"loopspec's serving bundles do not carry {kind.family} drafters yet: {kind.family} drafters run on "
-            "loopspec's torch backend only")
+
+
+# DFlash2: vLLM >= 0.28 (pull request 52816) and SGLang >= 0.5.19 (pull request 35371) pick z-lab's
+# DFlash2 model from the checkpoint's `DFlash2DraftModel` under their DFlash method; llama.cpp's
+# converter writes it as its `dflash` architecture with the selector (pull request 27342, master from
+# pull request 27816); TensorRT-LLM has DFlashDecodingConfig only. Each fact is in its convert/bundles
+# module.
+
+
+def _dflash2_vllm(kind: DrafterKind) -> str | None:
+    return None  # method dflash: vLLM's Qwen3 DFlash2 model reads every DFlash2 field
+
+
+def _dflash2_sglang(kind: DrafterKind) -> str | None:
+    if kind.selector.input_embedding_scale != 1.0:
+        return (f"SGLang's DFLASH (0.5.19 to 0.5.23) does not read dflash_config.input_embedding_scale "
+                f"({kind.selector.input_embedding_scale:g} in this drafter): it would draft with unscaled embeddings")
+    return None
+
+
+def _dflash2_llamacpp(kind: DrafterKind) -> str | None:
+    selector = kind.selector
+    if selector.width < selector.top_k * (selector.top_k + 1):
+        return (f"llama.cpp's DFlash2 loader needs a hidden size of at least selector_top_k x (selector_top_k + 1) "
+                f"= {selector.top_k * (selector.top_k + 1)} for its selector lattice, and this drafter's is "
+                f"{selector.width}")
+    return None
+
+
+def _dflash2_trtllm(kind: DrafterKind) -> str | None:
+    return ("TensorRT-LLM's DFlashDecodingConfig runs z-lab DFlash drafters only: it has no DFlash2 model "
+            "(no grouped dynamic convolutions, no candidate selector for DFlash2DraftModel)")
 
 
 SERVING_RULES = {"dflash": BLOCK_RULES, "dspark": BLOCK_RULES,
-                 "eagle3": {name: _serves_eagle3 for name in ("trtllm", "vllm", "sglang", "llamacpp")},
-                 "dflash2": {name: _dflash2_refusal for name in ("trtllm", "vllm", "sglang", "llamacpp")}}
+                 "eagle3": {name: _eagle3_refusal(name, title) for name, title in
+                            (("trtllm", "TensorRT-LLM"), ("vllm", "vLLM"), ("sglang", "SGLang"), ("llamacpp", "llama.cpp"))},
+                 "dflash2": {"trtllm": _dflash2_trtllm, "vllm": _dflash2_vllm, "sglang": _dflash2_sglang,
+                             "llamacpp": _dflash2_llamacpp}}

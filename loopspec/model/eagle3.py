@@ -17,8 +17,11 @@ The format:
 One step over entries (token t, state s) at positions p: x = [input_layernorm(embed(t)) ;
 hidden_norm(s)], r = s (hidden_norm(s) with `norm_before_residual`), h = r + o_proj(attn(x)),
 out = h + mlp(post_attention_layernorm(h)); the logits are lm_head(norm(out)) and `out` (before the
-final norm) is the next step's state. Its context pairs the target's fused taps at position p with
-the token at p+1, so the first step of a round is the entry (anchor at a, fused taps at a-1) at
+final norm) is the next step's state.
+Config switches (`Eagle3Variant`, read where vLLM and SGLang read them): `fc_norm` norms each tap and
+`norm_before_fc` the three concatenated before fc; `norm_output` makes the next step's state the
+final-normed output (EAGLE 3.1 = fc_norm + norm_output); `norm_before_residual` as above.
+Its context pairs the target's fused taps at position p with the token at p+1, so the first step of a round is the entry (anchor at a, fused taps at a-1) at
 position a-1, and step i >= 2 is (draft i-1, the state step i-1 returned) at position a+i-2. Every
 step attends to the row's cached entries and the steps before it (one KV cache, one layer).
 """
@@ -26,7 +29,7 @@ step attends to the row's cached entries and the steps before it (one KV cache, 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -38,10 +41,11 @@ from loopspec.errors import LoopspecError
 from loopspec.files import read_json, read_safetensors, refuse_quantized, write_safetensors
 from loopspec.model.dflash2 import DFlash2Drafter, is_dflash2_dir
 from loopspec.model.drafter import Drafter, DrafterConfig, check_fits
-from loopspec.model.drafter_kinds import DRAFTER_KINDS, EAGLE3_ARCHITECTURE, DrafterKind
+from loopspec.model.drafter_kinds import DRAFTER_KINDS, EAGLE3_ARCHITECTURE, DrafterKind, Eagle3Variant
 from loopspec.model.target import MLP, RMSNorm, TargetConfig, apply_rope, rope_inv_freq
 
 NUM_TAPS = 3  # low, middle and high target layers, fused by fc
+OLD_TAP_NORM_NAMES = {f"aux_norm_{level}.weight": f"fc_norm.{i}.weight" for i, level in enumerate(("low", "mid", "high"))}
 DEFAULT_BLOCK_SIZE = 8  # a stage drafts block_size - 1 tokens
 
 
@@ -71,8 +75,25 @@ def _aux_ids(ids, key: str, least: int) -> list[int] | None:
     return sorted(ids)
 
 
-# config switches of EAGLE-3 checkpoints and the value loopspec's drafter computes (vLLM's default for each)
-VARIANTS_RUN = (("fc_norm", False), ("norm_output", False), ("norm_before_residual", False), ("norm_before_fc", False))
+
+
+def _variant(cfg: dict, eagle: dict) -> Eagle3Variant:
+    """The switches of an EAGLE-3 config.json, where its readers look for them: norm_before_fc in
+    eagle_config first, then at the top level (vLLM and SGLang); the others at the top level only
+    (fc_norm also under SGLang's older name use_aux_norm). A switch left inside eagle_config, where no
+    reader looks, is refused rather than ignored."""
+    for key in ("fc_norm", "norm_output", "norm_before_residual", "use_aux_norm"):
+        if key in eagle and bool(eagle[key]) != bool(cfg.get(key, False)):
+            raise LoopspecError(f"EAGLE-3 config.json: eagle_config.{key} is {eagle[key]!r} and the top level's "
+                                f"{cfg.get(key, False)!r}; vLLM and SGLang read {key} at the top level only")
+    switches = {"fc_norm": cfg.get("fc_norm") or cfg.get("use_aux_norm", False),
+                "norm_before_fc": eagle.get("norm_before_fc", cfg.get("norm_before_fc", False)),
+                "norm_output": cfg.get("norm_output", False),
+                "norm_before_residual": cfg.get("norm_before_residual", False)}
+    for key, value in switches.items():
+        if value is not None and not isinstance(value, bool):
+            raise LoopspecError(f"EAGLE-3 config.json: {key} must be true or false, got {value!r}")
+    return Eagle3Variant(**{key: bool(value) for key, value in switches.items()})
 
 
 @dataclass
@@ -93,14 +114,14 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
-    norm_before_residual: bool = False  # the residual is hidden_norm(state) instead of the state
+    variant: Eagle3Variant = field(default_factory=Eagle3Variant)  # the config switches it turns on
     extra: dict = field(default_factory=dict)  # loopspec settings kept beside the format's fields
     mask_token_id: ClassVar[None] = None  # a chain drafter fills no block with a mask token
     num_layers: ClassVar[int] = 1
 
     @property
     def kind(self) -> DrafterKind:
-        return DRAFTER_KINDS["eagle3"]
+        return replace(DRAFTER_KINDS["eagle3"], eagle3=self.variant)
 
     @property
     def first_draft(self) -> int:
@@ -154,14 +175,7 @@ class Eagle3Config:
             raise LoopspecError(f"EAGLE-3 config.json: eagle_aux_hidden_state_layer_ids (vLLM's numbering: layer outputs "
                                 f"{vllm}) and eagle_config's (SGLang's: {sglang}) name different target layers")
         taps = vllm if vllm is not None else sglang
-        # the variants vLLM's reader switches on (each read from eagle_config first, then the top level),
-        # at the values loopspec runs: its defaults. norm_output true would feed the final-normed state
-        # back to the next step, where loopspec (and vLLM by default) feeds the pre-norm one
-        for key, wanted in VARIANTS_RUN:
-            value = eagle.get(key, cfg.get(key, wanted))
-            if bool(value) != wanted:
-                raise LoopspecError(f"EAGLE-3 config.json: {key} {value!r} is not supported (loopspec runs "
-                                    f"{key} {str(wanted).lower()}, vLLM's default)")
+        variant = _variant(cfg, eagle)
         hidden, heads = _positive_int(cfg, "hidden_size"), _positive_int(cfg, "num_attention_heads")
         vocab = _positive_int(cfg, "vocab_size")
         draft_vocab = _positive_int(cfg, "draft_vocab_size", vocab)
@@ -187,7 +201,7 @@ class Eagle3Config:
                    block_size=block_size,
                    rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=rope,
                    max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-                   norm_before_residual=bool(cfg.get("norm_before_residual", False)), extra=extra)
+                   variant=variant, extra=extra)
 
     def to_hf(self) -> dict:
         """SpecForge's config.json, with the taps pinned as vLLM reads them."""
@@ -206,8 +220,8 @@ class Eagle3Config:
             cfg["num_target_layers"] = self.num_target_layers
         if self.target_hidden_size is not None:
             cfg["target_hidden_size"] = self.target_hidden_size
-        if self.norm_before_residual:
-            cfg["norm_before_residual"] = True
+        for switch in self.variant.switched_on:  # at the top level, where every reader looks
+            cfg[switch] = True
         return cfg
 
 
@@ -253,6 +267,10 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(NUM_TAPS * cfg.tap_width, cfg.hidden_size, bias=False)
+        # EAGLE 3.1's norm on each tap, or one norm over the three concatenated, before fc
+        self.fc_norm = (nn.ModuleList(Norm(cfg.tap_width, cfg.rms_norm_eps) for _ in range(NUM_TAPS))
+                        if cfg.variant.fc_norm else None)
+        self.input_norm = Norm(NUM_TAPS * cfg.tap_width, cfg.rms_norm_eps) if cfg.variant.norm_before_fc else None
         self.midlayer = Eagle3Layer(cfg)
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -275,6 +293,10 @@ class Eagle3Drafter(nn.Module):
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """The target's taps [.., 3·H_target] (low, middle, high) → the fused state [.., H]."""
+        if self.input_norm is not None:
+            taps = self.input_norm(taps)
+        if self.fc_norm is not None:
+            taps = torch.cat([norm(tap) for norm, tap in zip(self.fc_norm, taps.chunk(NUM_TAPS, dim=-1))], dim=-1)
         return self.fc(taps)
 
     def project(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor
@@ -285,7 +307,7 @@ class Eagle3Drafter(nn.Module):
         cfg, layer = self.cfg, self.midlayer
         B, T, _ = embeds.shape
         normed = layer.hidden_norm(states)
-        residual = normed if cfg.norm_before_residual else states
+        residual = normed if cfg.variant.norm_before_residual else states
         x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
         q = layer.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = layer.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
@@ -316,6 +338,11 @@ class Eagle3Drafter(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """A step's output [.., H] → logits over the draft rows [.., draft_vocab]."""
         return self.lm_head(self.norm(out))
+
+    def next_state(self, out: torch.Tensor) -> torch.Tensor:
+        """A step's output [.., H] → the state the next step reads: the output itself, or with
+        `norm_output` (EAGLE 3.1) the final-normed one the logits read."""
+        return self.norm(out) if self.cfg.variant.norm_output else out
 
     # ----------------------------------------------------------------------------------------------
     # SpecForge / vLLM checkpoint I/O
@@ -361,6 +388,8 @@ class Eagle3Drafter(nn.Module):
             src.update(read_safetensors(f))
         # some exports name the layer as vLLM's module does (layers.0.), or under model.
         src = {k.removeprefix("model.").replace("layers.0.", "midlayer.", 1): v for k, v in src.items()}
+        # SGLang's older names of EAGLE 3.1's tap norms
+        src = {OLD_TAP_NORM_NAMES.get(k, k): v for k, v in src.items()}
         d2t, t2d = src.pop("d2t", None), src.pop("t2d", None)
         if "fc.weight" not in src:
             raise LoopspecError(f"{directory} lacks fc.weight: an EAGLE-3 drafter fuses three target taps with fc "

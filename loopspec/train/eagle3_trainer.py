@@ -98,7 +98,8 @@ class Eagle3Trainer:
         outs, own_k, own_v = [out[0]], [], []
         for j in range(2, steps + 1):
             following = tokens[(rows + j).clamp(max=L - 1)]  # token p+j (past the end: a row no label reads)
-            q, k, v, residual = drafter.project(self._embed(following[None]), out, (rows + j - 1)[None])
+            q, k, v, residual = drafter.project(self._embed(following[None]), drafter.next_state(out),
+                                                (rows + j - 1)[None])
             own_k.append(k)
             own_v.append(v)
             out = drafter.finish(residual, unrolled_attention(q, ctx_k, ctx_v, own_k, own_v, ctx_mask))

@@ -11,10 +11,12 @@ from pathlib import Path
 import torch
 
 from loopspec.errors import LoopspecError
+from loopspec.model.dflash2 import DFlash2Drafter
 from loopspec.model.drafter import Drafter, DrafterConfig, DSparkHeads, check_fits
 from loopspec.model.eagle3 import NUM_TAPS, Eagle3Drafter, fresh_eagle3
 from loopspec.model.target import Target, default_target_layer_ids
 from loopspec.pair import Pair, mask_token_id
+from loopspec.train.dflash2_trainer import DFlash2Trainer
 from loopspec.train.eagle3_trainer import Eagle3Trainer
 from loopspec.train.samples import Sample, read_samples, safe_name
 from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, compute_context, lr_at, top_token_vocab
@@ -50,7 +52,11 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
     family = train.family if train is not None else "dflash"
     if pair.drafter is not None and not pair.drafter.cfg.kind.trains:
         raise LoopspecError(f"loopspec train does not train {pair.drafter.cfg.kind.title} drafters yet (--init): "
-                            "it trains DFlash, DSpark and EAGLE-3 drafters")
+                            "it trains DFlash, DSpark, DFlash2 and EAGLE-3 drafters")
+    if family == "dflash2":
+        return prepare_dflash2(pair, target_spec, num_layers=num_layers, block_size=block_size,
+                               target_layer_ids=target_layer_ids, num_taps=num_taps, mask_token=mask_token,
+                               draft_vocab_size=draft_vocab_size, seed=seed, heads=heads, train=train)
     if pair.drafter is not None and pair.drafter.cfg.kind.training_family != family:
         kind = pair.drafter.cfg.kind
         raise LoopspecError(f"the --init drafter ({kind.title}) is trained with --family {kind.training_family}, "
@@ -141,6 +147,40 @@ def prepare_eagle3(pair: Pair, *, num_layers, block_size, target_layer_ids, num_
     return drafter, DraftVocab(ids) if ids is not None else None
 
 
+def prepare_dflash2(pair: Pair, target_spec: str, *, num_layers, block_size, target_layer_ids, num_taps, mask_token,
+                    draft_vocab_size, seed, heads, train: TrainConfig) -> tuple[DFlash2Drafter, None]:
+    """prepare_drafter's DFlash2 branch: the --init DFlash2 drafter (its block size set where given); else
+    the DFlash drafter prepare_drafter would train (the --init z-lab DFlash one, deepened where asked, or
+    a fresh one) made a DFlash2 drafter that drafts as it does (`DFlash2Drafter.from_dflash`: identity
+    convolutions, a selector whose edges start at zero, z-lab's published sizes)."""
+    for given, flag, why in ((heads is not None, "--markov-rank / --markov-head / --confidence-head",
+                              "a DFlash2 drafter's draft step is its candidate selector, not DSpark heads"),
+                             (draft_vocab_size is not None, "--draft-vocab-size",
+                              "its selector ranks the target head's top-k over the whole vocabulary")):
+        if given:
+            raise LoopspecError(f"{flag} does not apply to DFlash2 training (--family dflash2): {why}")
+    init = pair.drafter
+    if init is not None and init.cfg.kind.training_family == "dflash2":
+        drafter = init
+        if num_layers is not None and num_layers != drafter.cfg.num_layers:
+            drafter = drafter.grow(num_layers)  # refused in one line
+        if block_size:
+            drafter.cfg.block_size = block_size
+        drafter.cfg.extra = {k: v for k, v in drafter.cfg.extra.items() if k not in TUNED_SETTING_KEYS}
+    else:
+        if init is not None and not init.cfg.kind.plain:
+            raise LoopspecError(f"--family dflash2 starts from a fresh drafter, a z-lab DFlash drafter or a DFlash2 "
+                                f"drafter (--init), not this {init.cfg.kind.title} drafter")
+        base, _ = prepare_drafter(pair, target_spec, num_layers=num_layers, block_size=block_size,
+                                  target_layer_ids=target_layer_ids, num_taps=num_taps, mask_token=mask_token,
+                                  seed=seed)
+        torch.manual_seed(seed)  # the selector's fresh codebooks, the same on every run of these flags
+        drafter = DFlash2Drafter.from_dflash(base)
+    check_fits(drafter.cfg, pair.target.cfg)
+    train.check_drafter(drafter.cfg)
+    return drafter, None
+
+
 class TapSource:
     """Taps from the data directory's cache when it matches the drafter's layers; else from a tap cache
     directory (`--tap-cache`: computed online once, fp16, read back in later epochs and later runs on
@@ -200,6 +240,8 @@ class TapSource:
         return taps.float(), None  # the first epoch sees the fp16 taps the later ones read back
 
 
+# each training family's trainer: its loss, held-out τ and taps (TrainConfig checks the family once)
+TRAINERS = {"dflash": DrafterTrainer, "eagle3": Eagle3Trainer, "dflash2": DFlash2Trainer}
 HELDOUT_TOP_KS = (2, 4)  # the held-out τ of draft trees holding each position's top 2 / top 4
 
 
@@ -235,7 +277,7 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
     if draft_vocab is not None:
         drafter.draft_ids = draft_vocab.ids  # every save writes its d2t map
     compute_context(cfg)  # an unknown compute dtype fails here, before any work
-    trainer = (Eagle3Trainer if cfg.family == "eagle3" else DrafterTrainer)(target, drafter, cfg, draft_vocab)
+    trainer = TRAINERS[cfg.family](target, drafter, cfg, draft_vocab)
     taps = TapSource(data_dir, trainer, need_logits=cfg.kl_weight > 0,
                      tap_cache=Path(tap_cache) if tap_cache is not None else None)
     if cfg.heads_only:  # (a drafter without heads is refused by the trainer: TrainConfig.check_drafter)
@@ -296,7 +338,7 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        loss_total, correct, labels, used, brier = 0.0, 0, 0, 0, None
+        loss_total, correct, labels, used, brier, selector = 0.0, 0, 0, 0, None, {}
         for _ in range(cfg.batch_sequences):
             s = train_set[cursor % len(train_set)]
             cursor += 1
@@ -316,6 +358,9 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
             labels += st["labels"]
             if "confidence_brier" in st:
                 brier = (brier or 0.0) + st["confidence_brier"]
+            for key in ("selector_slots", "selector_covered", "selector_correct"):
+                if key in st:
+                    selector[key] = selector.get(key, 0) + st[key]
             used += 1
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip))
         optimizer.step()
@@ -325,6 +370,10 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
                 "grad_norm": grad_norm, "elapsed_s": round(elapsed, 1)}
         if brier is not None:  # the confidence head's Brier score on this step's drafts
             last["confidence_brier"] = brier / max(labels, 1)
+        if selector:  # a DFlash2 selector: the share of slots whose data token is a candidate, its teacher-forced pick
+            slots = max(selector["selector_slots"], 1)
+            last["selector_coverage"] = selector["selector_covered"] / slots
+            last["selector_acc"] = selector["selector_correct"] / slots
         if step % cfg.eval_every == 0 or step == total_steps:
             last.update(evaluate())
         with open(log_path, "a") as f:

@@ -78,8 +78,9 @@ def block_mask_with_private(anchors: torch.Tensor, block_size: int, context_len:
 
 
 # the recipes `loopspec train --family` chooses between: DFlash's block loss (DSpark's heads ride on
-# it) and EAGLE-3's training-time test (loopspec/train/eagle3_trainer.py)
-TRAIN_FAMILIES = ("dflash", "eagle3")
+# it), EAGLE-3's training-time test (loopspec/train/eagle3_trainer.py) and DFlash2's block loss plus
+# its candidate selector's (loopspec/train/dflash2_trainer.py)
+TRAIN_FAMILIES = ("dflash", "eagle3", "dflash2")
 DEFAULT_ANCHORS = 512
 EAGLE3_TTT_STEPS = 7  # SpecForge's default unroll (its OnlineEagle3Model `length`)
 
@@ -137,6 +138,17 @@ class TrainConfig:
                 raise LoopspecError("--ttt-steps applies to EAGLE-3 training only (--family eagle3)")
             if self.anchors is None:
                 self.anchors = DEFAULT_ANCHORS
+        if self.family == "dflash2":
+            for given, flag, why in ((self.loop_stages, "--loop-stages", "a later stage would start from the "
+                                      "selector's walk, which the loop-aware loss does not run"),
+                                     (self.causal_in_block, "--causal-in-block", "a DFlash2 drafter's block "
+                                      "causality is its config's is_causal"),
+                                     (self.heads_only, "--heads-only", "it trains DSpark heads, and a DFlash2 "
+                                      "drafter has none"),
+                                     (self.confidence_weight is not None, "--confidence-weight", "it weighs a DSpark "
+                                      "confidence head's loss, and a DFlash2 drafter has none")):
+                if given:
+                    raise LoopspecError(f"{flag} does not apply to DFlash2 training (--family dflash2): {why}")
         if isinstance(self.loop_stages, bool) or not isinstance(self.loop_stages, int) or self.loop_stages < 0:
             raise LoopspecError(f"loop stages (--loop-stages) must be an integer >= 0 (0: DFlash training), "
                                 f"got {self.loop_stages!r}")
@@ -163,7 +175,7 @@ class TrainConfig:
                                 f"not --family {self.family}")
         if self.loop_stages and not kind.trains_loop_aware:
             # a later stage's Markov chain starts from a drafted anchor the data does not hold
-            raise LoopspecError("loop-aware training (--loop-stages) of a drafter with a Markov head is not "
+            raise LoopspecError(f"loop-aware training (--loop-stages) of a {kind.title} drafter is not "
                                 "implemented; train it with --loop-stages 0")
         if self.heads_only and not kind.heads:
             raise LoopspecError("--heads-only trains the DSpark heads: give --markov-rank or --confidence-head")
@@ -292,6 +304,10 @@ class DrafterTrainer:
             loss = loss + self.cfg.kl_weight * (w * kl).sum()
         hit = logp.argmax(-1) == y  # [R]
         stats = {"correct": int(hit.sum()), "labels": int(y.numel())}
+        extra = self._row_extra_loss(hidden[rows], logits, y, prev[rows], w)  # a DFlash2 selector's
+        if extra is not None:
+            loss = loss + extra[0]
+            stats.update(extra[1])
         confidence_logit = confidence_logits(self.drafter, hidden[rows], prev[rows])  # [R], None without the head
         if confidence_logit is not None:
             bce = F.binary_cross_entropy_with_logits(confidence_logit, hit.float(), reduction="none")
@@ -299,6 +315,12 @@ class DrafterTrainer:
             # squared error of the estimate against the outcome (Brier score, summed over rows)
             stats["confidence_brier"] = float(((torch.sigmoid(confidence_logit.detach()) - hit.float()) ** 2).sum())
         return loss, float(w.sum()), stats
+
+    def _row_extra_loss(self, hidden, logits, labels, prev, weights) -> tuple[torch.Tensor, dict] | None:
+        """A loss beside the drafts' cross-entropy over the labelled rows (hidden [R, H], their logits
+        [R, Vd], labels [R], the data's token before each [R], the rows' weights [R]) → (weighted sum,
+        stats); None here (DFlash2Trainer adds its selector's)."""
+        return None
 
     def _markov_latent(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         """The Markov head's latent at every drafting row, unrolled over the block as draft_stage runs
