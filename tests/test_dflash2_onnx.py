@@ -221,9 +221,11 @@ def test_greedy_dflash_and_dloop_on_onnxruntime_commit_plain_decodings_tokens(se
         if settings.method == "dloop":
             assert max(spec.stats.stages_per_round) >= 2  # the pseudo-context graph really ran
     assert accepted >= FLOOR_GREEDY, accepted
-    # the same drafts accepted, round by round, as on the torch engine
-    assert rounds == {tuple(p): generate(engines["torch"], p, settings, max_new_tokens=40).stats.accepted_per_round
-                      for p in PROMPTS}
+    # a chain: the same drafts accepted, round by round, as on the torch engine (a tree differs there: the
+    # torch engine's is the selector lattice's best paths, the graph's ranks each slot after the walk's token)
+    if not settings.verifies_trees:
+        assert rounds == {tuple(p): generate(engines["torch"], p, settings, max_new_tokens=40).stats.accepted_per_round
+                          for p in PROMPTS}
 
 
 def test_batched_rows_on_onnxruntime_commit_what_each_commits_alone(engines):
