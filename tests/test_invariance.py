@@ -16,7 +16,7 @@ pytest.importorskip("gguf", reason="needs gguf: pip install gguf (a core depende
 
 from loopspec.convert.onnx_export import convert_onnx  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
-from loopspec.engines import export  # noqa: E402
+from loopspec.engines import export, graph_ops  # noqa: E402
 from loopspec.model.drafter import DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import Decoder, generate  # noqa: E402
 from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
@@ -82,20 +82,23 @@ def drafter(tmp_path_factory):
 
 def export_pair(root, drafter, **mutations) -> dict:
     """{precision: ONNX Runtime engine} of the lively tiny GGUF target and `drafter`.
-    `mutations`: functions of engines/export.py replaced during the export (mutation checks)."""
+    `mutations`: plain-op functions of engines/graph_ops.py replaced during the export (mutation checks),
+    there and where engines/export.py imported them."""
     target_dir, gguf_path, target = lively_gguf_target(root)
-    engines, real = {}, {name: getattr(export, name) for name in mutations}
+    modules = (graph_ops, export)
+    engines, real = {}, {(m, name): getattr(m, name) for m in modules for name in mutations}
     try:
-        for name, mutant in mutations.items():
-            setattr(export, name, mutant)
+        for m in modules:
+            for name, mutant in mutations.items():
+                setattr(m, name, mutant)
         for precision in PRECISIONS:
             out = root / precision
             convert_onnx(target, drafter, out, target_dir=target_dir, max_context=CONTEXT, validate=False,
                          precision=precision, gguf_path=gguf_path if precision != "fp32" else None)
             engines[precision] = OrtEngine(out, CONTEXT, num_threads=1)
     finally:
-        for name, function in real.items():
-            setattr(export, name, function)
+        for (m, name), function in real.items():
+            setattr(m, name, function)
     return engines
 
 
