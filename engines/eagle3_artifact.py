@@ -58,24 +58,9 @@ class Eagle3Graphs(Eagle3Context):
             raise LoopspecError("the exported EAGLE-3 graphs return each step's best drafts, not the distribution "
                                 "they come from: sample drafts on --backend torch")
         R, D = len(rows), block_size - 1
-        lengths = self.lengths[rows]
-        if positions != lengths.tolist():
-            raise LoopspecError("an EAGLE-3 stage starts right after its row's context (anchor at the context's "
-                                f"length): positions {positions}, context lengths {lengths.tolist()}")
-        if bool((lengths < 1).any()):
-            raise LoopspecError("an EAGLE-3 stage needs the target's taps of at least one position before the anchor")
         # step 1: each row's pending entries, the last one (anchor, taps at a-1) drafting a+1
-        done = torch.minimum(self.kv.lengths[rows], lengths - 1)  # the last entry waits for its anchor
-        self.kv.lengths[rows] = done
-        pending = lengths - done  # >= 1
-        T = int(pending.max())
-        ids = torch.zeros(R, T, dtype=torch.long)
-        states = torch.zeros(R, T, self.states.shape[-1], dtype=self.states.dtype, device=self.states.device)
-        for i, row in enumerate(rows):
-            first, n = int(done[i]), int(pending[i])
-            ids[i, :n] = self.tokens[row, first + 1:first + n + 1]
-            ids[i, n - 1] = anchors[i]  # the token after the last context position
-            states[i, :n] = self.states[row, first:first + n]
+        lengths, done, pending, ids, states = self._pending_entries(rows, anchors, positions)
+        T = ids.shape[1]
         out = self._step(rows, ids, states, done[:, None] + torch.arange(T)[None, :], pending - 1, pending)
         hidden = [states[torch.arange(R), pending - 1], out["state"]]  # the stage's states 0 (fused taps at a-1), 1..
         drafts, logprobs = [], []

@@ -96,11 +96,10 @@ class Eagle3Context:
         mask = torch.cat([seen[:, None, :].expand(-1, T, -1), new[None].expand(len(rows), -1, -1)], dim=-1)
         return past_k[0], past_v[0], mask[:, None].to(past_k.device)
 
-    def _first_step(self, rows: list[int], anchors: list[int], positions: list[int]
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each row's pending entries, the last one (anchor, taps at a-1) drafting a+1; their K/V
-        kept → the rows' lengths [R], the last entry's state [R, H] and its output [R, H]."""
-        drafter, dev = self.drafter, self.states.device
+    def _pending_entries(self, rows: list[int], anchors: list[int], positions: list[int]):
+        """Step 1's inputs: each row's entries not yet run, the last one (anchor, taps at a-1) drafting
+        a+1; the rows' K/V lengths moved back to the entries already run → lengths [R], done [R],
+        pending [R] (>= 1), ids [R, T], states [R, T, H] (T = the most pending)."""
         R = len(rows)
         lengths = self.lengths[rows]
         if positions != lengths.tolist():
@@ -108,18 +107,27 @@ class Eagle3Context:
                                 f"length): positions {positions}, context lengths {lengths.tolist()}")
         if bool((lengths < 1).any()):
             raise LoopspecError("an EAGLE-3 stage needs the target's taps of at least one position before the anchor")
-        # step 1: each row's pending entries, the last one (anchor, taps at a-1) drafting a+1
         done = torch.minimum(self.kv.lengths[rows], lengths - 1)  # the last entry waits for its anchor
         self.kv.lengths[rows] = done
         pending = lengths - done  # >= 1
         T = int(pending.max())
         ids = torch.zeros(R, T, dtype=torch.long)
-        states = torch.zeros(R, T, self.states.shape[-1], dtype=self.states.dtype, device=dev)
+        states = torch.zeros(R, T, self.states.shape[-1], dtype=self.states.dtype, device=self.states.device)
         for i, row in enumerate(rows):
             first, n = int(done[i]), int(pending[i])
             ids[i, :n] = self.tokens[row, first + 1:first + n + 1]
             ids[i, n - 1] = anchors[i]  # the token after the last context position
             states[i, :n] = self.states[row, first:first + n]
+        return lengths, done, pending, ids, states
+
+    def _first_step(self, rows: list[int], anchors: list[int], positions: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's pending entries, the last one (anchor, taps at a-1) drafting a+1; their K/V
+        kept → the rows' lengths [R], the last entry's state [R, H] and its output [R, H]."""
+        drafter, dev = self.drafter, self.states.device
+        R = len(rows)
+        lengths, done, pending, ids, states = self._pending_entries(rows, anchors, positions)
+        T = ids.shape[1]
         pos = done[:, None] + torch.arange(T)[None, :]
         width = int(done.max())
         seen = torch.arange(width)[None, :] < done[:, None]
