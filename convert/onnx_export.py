@@ -24,8 +24,7 @@ from loopspec.engines.backends import export_pair
 from loopspec.engines.export import OPSET
 from loopspec.engines.gguf_export import precision_options
 from loopspec.engines.manifest import Manifest
-from loopspec.model.drafter import Drafter
-from loopspec.model.drafter_kinds import require_exportable
+from loopspec.model.dflash import Drafter
 from loopspec.model.target import Target
 
 
@@ -36,8 +35,6 @@ def convert_onnx(target: Target, drafter: Drafter | None, out_dir: str | Path, *
     """Export every engine into `out_dir` (manifest.json with provenance) and, unless `validate` is
     False, check it against the PyTorch reference (the report is stored in the manifest too).
     A `gguf-*` precision reads the target's blocks from `gguf_path`, the GGUF `target` was expanded from."""
-    if drafter is not None:
-        require_exportable(drafter.cfg.kind, "the ONNX / TensorRT export")
     manifest = export_pair(target, drafter, out_dir, target_dir=target_dir, drafter_dir=drafter_dir,
                            max_context=max_context, block_size=block_size, opset=opset,
                            **precision_options(target, precision, gguf_path, drafter))

@@ -44,7 +44,7 @@ from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTE
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.precisions import precision_names
-from loopspec.model.drafter import Drafter
+from loopspec.model.dflash import Drafter
 from loopspec.model.target import Target
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn

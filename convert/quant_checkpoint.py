@@ -29,7 +29,7 @@ from torch import nn
 from loopspec.convert.qdq import NVFP4_BLOCK
 from loopspec.convert.quant_weights import UNQUANTIZED_DTYPE, quantized_weight
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter
+from loopspec.model.dflash import Drafter
 from loopspec.model.target import Target
 
 # Fused modules of loopspec's models → the Hugging Face modules they hold, in row order.

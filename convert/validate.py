@@ -10,8 +10,8 @@ code `loopspec generate --onnx-dir` runs, so what passes here is what decodes th
    engine stored. The drafter's engines get the reference's features (`append_context` of the
    reference taps, `append_pseudo_context` of the reference block's hidden states) and are read back
    from the engine's context cache; the block engine (`draft`, a DSpark drafter's Markov correction
-   and confidence included) is checked against `draft_stage`, the torch engine's own draft-head
-   step (a DFlash2 drafter's against `selector_stage`, its selector's walk), on the context the
+   and confidence included) is checked against the drafter's own draft step (`stage_drafts`: the
+   draft head, or a DFlash2 drafter's selector walk), as the torch engine runs it, on the context the
    engine holds: each figure is its own graph's error.
 2. Greedy decoding of the target on a few prompts, as `ar` drives the engine: the token sequences
    must be identical (fp32), and one verification of them must give them back.
@@ -21,7 +21,7 @@ code `loopspec generate --onnx-dir` runs, so what passes here is what decodes th
    drafter's τ must stay under a limit per precision (quantized drafters lose a little, fp32 none).
 
 An EAGLE-3 drafter's two graphs are checked against the torch engine's EAGLE-3 path instead
-(convert/validate_eagle3.py): the same report, the same limits.
+(convert/eagle3_validate.py): the same report, the same limits.
 
 The report goes into the manifest (`validation`) and is returned.
 """
@@ -35,15 +35,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from loopspec.convert.validate_eagle3 import eagle3_acceptance, eagle3_engine_errors
+from loopspec.convert.eagle3_validate import eagle3_acceptance, eagle3_engine_errors
 from loopspec.engines.backends import artifact_engine
 from loopspec.engines.manifest import read_manifest
 from loopspec.engines.protocol import Engine
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY
 from loopspec.errors import LoopspecError
 from loopspec.precisions import REGISTRY
-from loopspec.model.dflash2 import selector_stage
-from loopspec.model.drafter import Drafter, draft_head_weight, draft_stage
+from loopspec.model.dflash import Drafter, draft_head_weight
 from loopspec.model.kv_cache import KVCache
 from loopspec.model.target import Target
 
@@ -67,7 +66,7 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def stored(cache: KVCache, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row 0's K/V in slots start..end-1 of one of the engine's caches. Every engine keeps its
-    target KV cache and its drafter context as `KVCache`s (`cache`, `context`; engines/protocol.py);
+    target KV cache and its block drafter context as `KVCache`s (`cache`, `context.kv`; engines/protocol.py);
     the protocol returns no K/V, and these are what the next call attends over."""
     return cache.k[:, :1, :, start:end].clone(), cache.v[:, :1, :, start:end].clone()
 
@@ -90,12 +89,9 @@ class Reference:
         ids = torch.full((1, k), d.cfg.mask_token_id, dtype=torch.long)
         ids[0, 0] = anchor
         hidden = d(self.target.embed_tokens(ids), torch.arange(position, position + k), ctx_k, ctx_v)  # [1, k, H]
-        if d.cfg.kind.selector is not None:  # a DFlash2 drafter: its candidate selector's walk
-            drafts, logprobs, _ = selector_stage(d, hidden, ids[:, 0], lambda h: F.linear(h, self.head))
-            return drafts[0], logprobs[0], hidden[0], None
-        drafts, logprobs, confidence = draft_stage(d, hidden, ids[:, 0], lambda h: F.linear(h, self.head),
-                                                   d.draft_ids)  # [1, D, C] each, [1, D]
-        return drafts[0], logprobs[0], hidden[0], None if confidence is None else confidence[0]
+        # the drafter's own draft step: the draft head (DSpark's heads), or a DFlash2 drafter's selector walk
+        stage = d.stage_drafts(hidden, ids[:, 0], lambda h: F.linear(h, self.head), d.draft_ids)  # [1, D, C] each
+        return stage[0][0], stage[1][0], hidden[0], None if stage.confidence is None else stage.confidence[0]
 
     @torch.inference_mode()
     def context(self, features: torch.Tensor, start: int, from_taps: bool = True):
@@ -130,14 +126,14 @@ def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size:
     if taps is not None:
         errors["taps"] = relative_error(taps[:, :T], second.taps)
     out[TARGET_VERIFY] = errors
-    if ref.drafter is None or ref.drafter.cfg.kind.chain:  # an EAGLE-3 drafter's graphs: convert/validate_eagle3.py
+    if ref.drafter is None or ref.drafter.cfg.kind.chain:  # an EAGLE-3 drafter's graphs: convert/eagle3_validate.py
         return out
     taps = torch.cat([first.taps, second.taps], dim=1)  # [1, len(prompt), n·H]
     n = taps.shape[1]
     ctx_k, ctx_v = ref.context(taps, 0)
     engine.context_rollback([0], [0])
     engine.append_context(taps, [n])
-    got_k, got_v = stored(engine.context, 0, n)
+    got_k, got_v = stored(engine.context.kv, 0, n)
     out[DRAFTER_CONTEXT] = {"context_key": relative_error(got_k, ctx_k),
                             "context_value": relative_error(got_v, ctx_v)}
     # the reference block on the context the engine holds: the block engine's own error
@@ -151,7 +147,7 @@ def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size:
         out[DRAFTER_BLOCK]["confidence"] = relative_error(stage.confidence[0], confidence)
     pseudo_k, pseudo_v = ref.context(hidden[None, 1:], n, from_taps=False)
     engine.append_pseudo_context([0], hidden[None, 1:])
-    got_k, got_v = stored(engine.context, n, n + block_size - 1)
+    got_k, got_v = stored(engine.context.kv, n, n + block_size - 1)
     out[DRAFTER_CONTEXT_HIDDEN] = {"context_key": relative_error(got_k, pseudo_k),
                                    "context_value": relative_error(got_v, pseudo_v)}
     return out

@@ -8,9 +8,10 @@ the graph writes after each row's own length) and every row's length (the graphs
 graphs take dense inputs: the past of rows 0..R-1 is the buffer itself, each layer one block, so
 nothing is copied; other rows are copied once per call. The K/V the graph returns for the new
 positions are written back at each row's own length; rollback moves the lengths. A backend supplies `_open` (one runner per engine:
-`run(**tensors) → {output: tensor}`), the buffers' dtype and device; everything else is here. An
-EAGLE-3 drafter's context (its fused states, the target's tokens, one layer's K/V) and its stages
-over the `eagle3_fuse` / `eagle3_step` graphs are engines/eagle3_artifact.py's.
+`run(**tensors) → {output: tensor}`), the buffers' dtype and device; everything else is here. The
+drafter's context and its stages are a `DrafterContext` over the drafter's graphs, looked up by its
+kind (engines/drafter_contexts.py: the block drafters' engines/dflash_graphs.py, EAGLE-3's
+engines/eagle3_graphs.py).
 """
 
 from __future__ import annotations
@@ -20,16 +21,13 @@ from pathlib import Path
 
 import torch
 
-from loopspec.engines.eagle3_artifact import Eagle3Graphs
-from loopspec.engines.eagle3_specs import EAGLE3_ENGINES, EAGLE3_STEP
+from loopspec.engines.drafter_contexts import drafter_contexts
 from loopspec.engines.export import ORDER_FREE_SOFTMAX
 from loopspec.engines.manifest import Manifest, read_manifest
-from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MIN_PRODUCT_ROWS,
-                                    TARGET_VERIFY, EngineSpec, past_feeds, past_width)
+from loopspec.engines.specs import MIN_PRODUCT_ROWS, TARGET_VERIFY, EngineSpec, past_feeds, past_width
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash2 import block_drafter_config
-from loopspec.model.drafter import DrafterConfig, StageDrafts
-from loopspec.model.eagle3 import Eagle3Config, is_eagle3_dir
+from loopspec.model.draft_head import StageDrafts
+from loopspec.model.drafters import drafter_config
 from loopspec.model.families import target_config
 from loopspec.model.kv_cache import KVCache, SlotGrowth
 from loopspec.weights import read_json
@@ -67,16 +65,15 @@ class ArtifactEngine:
             raise LoopspecError(f"{self.artifact_dir} was exported by an older loopspec (its target graph takes "
                                 f"{'a stacked past' if 'tree_mask' in inputs else 'no draft-tree mask'}): export it again")
         self.target_cfg = target_config(read_json(self.artifact_dir / "target" / "config.json", "target config"))
-        self.drafter_cfg = self._drafter_config() if self.manifest.has_drafter else None
-        # an EAGLE-3 drafter drafts one token a step, from a context of its own (engines/eagle3_artifact.py)
-        self.steps_drafts = self.drafter_cfg is not None and self.drafter_cfg.kind.chain
+        # the drafter's config.json read by its architecture (loopspec/model/drafters.py), and its context
+        self.drafter_cfg = drafter_config(self.artifact_dir / "drafter") if self.manifest.has_drafter else None
+        self.drafter_context = drafter_contexts(self.drafter_cfg.kind).graphs if self.drafter_cfg is not None else None
         self.precision = self.manifest.precision
         settings = self.manifest.data.get("settings", {})
         self.chains_only = verifies_chains_only(settings)
         spec_limit = self.manifest.spec(TARGET_VERIFY).ranges["tokens"][2]  # the exported max context
         self.max_context = min(max_context or spec_limit, spec_limit)
-        drafter_graphs = list(EAGLE3_ENGINES) if self.steps_drafts else [DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK]
-        names = [TARGET_VERIFY] + (drafter_graphs if self.has_drafter else [])
+        names = [TARGET_VERIFY] + (list(self.drafter_context.graphs) if self.has_drafter else [])
         self.runners = {n: self._open(self.manifest.path(n), self.manifest.spec(n)) for n in names}
         self._new_caches(max_rows)
         self.lone_step_width = self._measure_lone_step_width()
@@ -89,28 +86,18 @@ class ArtifactEngine:
                                 f"[1, {self.max_batch}] ({self.artifact_dir})")
         t, d = self.target_cfg, self.drafter_cfg
         self.max_rows = max_rows
-        self._staging: dict[str, torch.Tensor] = {}  # dense copies of the prefixes a call passes (`_dense`)
+        self._staging: dict[str, torch.Tensor] = {}  # dense copies of the prefixes a call passes (`dense`)
         self.cache = KVCache(t.num_layers, max_rows, t.num_kv_heads, self.max_context, t.head_dim,
                              self._dtype(TARGET_VERIFY, "past_key_0"), self.device, self._growth(TARGET_VERIFY, "past"))
-        if self.steps_drafts:
-            self.context = Eagle3Graphs(self, d, max_rows, self.max_context, self._dtype(EAGLE3_STEP, "context_key"),
-                                        self._growth(EAGLE3_STEP, "context"))
-            return
-        self.context = (KVCache(d.num_layers, max_rows, d.num_kv_heads, self.max_context, d.head_dim,
-                                self._dtype(DRAFTER_BLOCK, "context_key"), self.device,
-                                self._growth(DRAFTER_BLOCK, "context")) if d is not None else None)
-
-    def _drafter_config(self) -> "DrafterConfig | Eagle3Config":
-        directory = self.artifact_dir / "drafter"
-        raw = read_json(directory / "config.json", "drafter config")
-        # by its architecture: EAGLE-3's, DFlash2's, else DFlash's or DSpark's
-        return Eagle3Config.from_hf(raw) if is_eagle3_dir(directory) else block_drafter_config(raw)
+        kind = self.drafter_context
+        self.context = (kind(self, d, max_rows, self.max_context, self._dtype(kind.cache_graph, "context_key"),
+                             self._growth(kind.cache_graph, "context")) if d is not None else None)
 
     def _growth(self, engine: str, past_dim: str) -> SlotGrowth:
         # the widest past the engine takes (its spec's range): a TensorRT profile refuses a wider one
         return SlotGrowth(CACHE_SLOT_STEP, self.manifest.spec(engine).ranges[past_dim][2])
 
-    def _dense(self, name: str, view: torch.Tensor, per_layer: bool) -> torch.Tensor:
+    def dense(self, name: str, view: torch.Tensor, per_layer: bool) -> torch.Tensor:
         """`view` (a cache prefix [layers, R, ...]) dense as the graph takes it, each layer on its own
         (`per_layer`: the target's past) or as a whole: itself when it already is (rows that follow
         each other, `KVCache.dense_prefix`), else copied into a dense buffer kept
@@ -150,10 +137,6 @@ class ArtifactEngine:
         return self.drafter_cfg is not None
 
     # ---- target ----------------------------------------------------------------------------------
-    def _positions(self, starts: torch.Tensor, width: int) -> torch.Tensor:
-        # [R, width]: each row from its own length; right padding may run past the end (clamped, never stored)
-        return (starts[:, None] + torch.arange(width)[None, :]).clamp_max(self.max_context - 1)
-
     def _measure_lone_step_width(self, probes: int = 2) -> int:
         """How wide a lone one-token step's call is on this machine: 1 when the target computes, bit
         for bit, the same logits, K/V and taps for a token alone as for the same token followed by a
@@ -171,7 +154,7 @@ class ArtifactEngine:
             self.cache.lengths[0] = 0
             self._target([0], [context], all_logits=False)
             token = [torch.randint(0, vocab, (1,), generator=generator).tolist()]
-            alone, padded = (self._run_target([0], token, width, all_logits=True) for width in (1, MIN_PRODUCT_ROWS))
+            alone, padded = (self.run_target([0], token, width, all_logits=True) for width in (1, MIN_PRODUCT_ROWS))
             same = same and all(torch.equal(alone[name][..., :1, :], padded[name][..., :1, :])
                                 for name in ("new_key", "new_value")) and all(
                 torch.equal(alone[name][:, :1], padded[name][:, :1]) for name in ("logits", "taps") if name in alone)
@@ -185,13 +168,14 @@ class ArtifactEngine:
         # a lone one-token step gets a padding token (never stored, never seen) where this machine
         # needs it: see MIN_PRODUCT_ROWS and _measure_lone_step_width
         width = max(max(len(t) for t in tokens), self.lone_step_width if len(tokens) == 1 else 1)
-        out = self._run_target(rows, tokens, width, all_logits, tree_masks)
+        out = self.run_target(rows, tokens, width, all_logits, tree_masks)
         self.cache.append(out["new_key"], out["new_value"], rows, torch.tensor([len(t) for t in tokens]))
         return out
 
-    def _run_target(self, rows: list[int], tokens: list[list[int]], width: int, all_logits: bool,
-                    tree_masks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """One target call over `rows`, their tokens right-padded to `width`; nothing is stored."""
+    def run_target(self, rows: list[int], tokens: list[list[int]], width: int, all_logits: bool,
+                   tree_masks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """One target call over `rows`, their tokens right-padded to `width`; nothing is stored (the
+        cache is left as it was): a probe, as _measure_lone_step_width and scripts/lone_step_ab.py use it."""
         ids = torch.zeros(len(tokens), width, dtype=torch.long)  # [R, T]
         for b, t in enumerate(tokens):
             ids[b, :len(t)] = torch.tensor(t)
@@ -212,28 +196,25 @@ class ArtifactEngine:
             input_ids=ids, positions=(starts[:, None] + depths).clamp_max(self.max_context - 1),
             logit_index=torch.arange(width) if all_logits else torch.tensor([max(len(t) for t in tokens) - 1]),
             past_lengths=starts, tree_mask=tree_masks.contiguous(),
-            **past_feeds(self._dense("past_key", past_key, per_layer=True),
-                         self._dense("past_value", past_value, per_layer=True)))
+            **past_feeds(self.dense("past_key", past_key, per_layer=True),
+                         self.dense("past_value", past_value, per_layer=True)))
         return out
 
     def prefill(self, row: int, prompt_ids: list[int], want_taps: bool, start: int = 0) -> torch.Tensor:
         self.cache.lengths[row] = start
         out = self._target([row], [prompt_ids], all_logits=False)
-        if self.steps_drafts:
-            self.context.wrote(row, start, prompt_ids)
-        if want_taps and self.steps_drafts:
-            self.context.restart(row, start)
-            self.context.append([row], self.context.fuse(out["taps"]), [len(prompt_ids)])
-        elif want_taps:
-            self.context.lengths[row] = start
-            self._append_context(DRAFTER_CONTEXT, "taps", [row], out["taps"], [len(prompt_ids)])
+        if self.context is not None:
+            self.context.target_wrote([row], [start], [prompt_ids])
+            if want_taps:
+                self.context.restart(row, start)
+                self.context.append_taps([row], out["taps"], [len(prompt_ids)])
         return out["logits"][0, -1].float().cpu()
 
     def verify(self, tokens: list[list[int]], want_taps: bool,
                tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.steps_drafts:  # the tokens at the slots the target stores them in, for the drafter's entries
-            for b, t in enumerate(tokens):
-                self.context.wrote(b, int(self.cache.lengths[b]), t)
+        if self.context is not None:  # the tokens at the slots the target stores them in
+            rows = list(range(len(tokens)))
+            self.context.target_wrote(rows, self.cache.lengths[rows].tolist(), tokens)
         out = self._target(list(range(len(tokens))), tokens, all_logits=True, tree_masks=tree_masks)
         taps = out["taps"] if want_taps and self.has_drafter else None
         return out["logits"].float().cpu(), taps
@@ -243,52 +224,26 @@ class ArtifactEngine:
 
     def target_commit(self, starts: list[int], kept: list[list[int]]) -> None:
         self.cache.commit(starts, kept)
-        if self.steps_drafts:
-            self.context.commit(starts, kept)
+        if self.context is not None:
+            self.context.target_committed(starts, kept)
 
     # ---- drafter context -------------------------------------------------------------------------
-    def _append_context(self, engine: str, name: str, rows: list[int], features: torch.Tensor,
-                        counts: list[int]) -> None:
-        positions = self._positions(self.context.lengths[rows], features.shape[1])  # [R, T]
-        out = self.runners[engine].run(**{name: features, "positions": positions})
-        self.context.append(out["context_key"], out["context_value"], rows, counts)
-
     def append_context(self, taps: torch.Tensor, counts: list[int]) -> None:
-        if self.steps_drafts:
-            self.context.append(list(range(taps.shape[0])), self.context.fuse(taps), counts)
-            return
-        self._append_context(DRAFTER_CONTEXT, "taps", list(range(taps.shape[0])), taps, counts)
+        self.context.append_taps(list(range(taps.shape[0])), taps, counts)
 
     def append_pseudo_context(self, rows: list[int], hidden: torch.Tensor) -> None:
-        if self.steps_drafts:  # the drafter's own states, as its later steps take them (no fc)
-            self.context.append(rows, hidden, [hidden.shape[1]] * len(rows))
-            return
-        self._append_context(DRAFTER_CONTEXT_HIDDEN, "hidden", rows, hidden.contiguous(), [hidden.shape[1]] * len(rows))
+        self.context.append_pseudo(rows, hidden)
 
     def context_lengths(self, rows: list[int]) -> list[int]:
         return self.context.lengths[rows].tolist() if self.context is not None else [0] * len(rows)
 
     def context_rollback(self, rows: list[int], lengths: list[int]) -> None:
-        self.context.rollback(lengths, rows)
+        self.context.rollback(rows, lengths)
 
     # ---- drafter ---------------------------------------------------------------------------------
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int],
-              block_size: int) -> StageDrafts:
-        if self.steps_drafts:
-            return self.context.draft(rows, anchors, positions, block_size)
-        R, k = len(rows), block_size
-        lengths = self.context.lengths[rows]  # [R]
-        context_key, context_value = self.context.dense_prefix(rows, past_width(lengths, k))  # with room for the block
-        context_key = self._dense("context_key", context_key, per_layer=False)
-        context_value = self._dense("context_value", context_value, per_layer=False)
-        ids = torch.full((R, k), self.drafter_cfg.mask_token_id, dtype=torch.long)
-        ids[:, 0] = torch.tensor(anchors)
-        out = self.runners[DRAFTER_BLOCK].run(block_ids=ids, positions=torch.tensor(positions)[:, None] + torch.arange(k),
-                                              context_key=context_key, context_value=context_value,
-                                              context_lengths=lengths)
-        confidence = out.get("confidence")  # [R, D]: declared by the spec when the drafter has a confidence head
-        return StageDrafts(out["draft_ids"].cpu(), out["draft_logprobs"].float().cpu(), out["hidden"],
-                           None if confidence is None else confidence.float().cpu())
+    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
+              sampling: list | None = None) -> StageDrafts:
+        return self.context.draft(rows, anchors, positions, block_size, sampling)
 
     # ---- rows ------------------------------------------------------------------------------------
     def swap_rows(self, a: int, b: int) -> None:

@@ -64,11 +64,11 @@ def require_cuda(device) -> None:
 
 
 def export_pair(target, drafter, out_dir: str | Path, **options):
-    """engines/export.py `export_engines`, with an EAGLE-3 drafter's graphs (engines/export_eagle3.py)."""
+    """engines/export.py `export_engines`, with an EAGLE-3 drafter's graphs (engines/eagle3_export.py)."""
     from loopspec.engines.export import export_engines
 
     if drafter is not None and drafter.cfg.kind.chain:
-        from loopspec.engines.export_eagle3 import eagle3_engines
+        from loopspec.engines.eagle3_export import eagle3_engines
 
         options["chain_graphs"] = eagle3_engines
     return export_engines(target, drafter, out_dir, **options)
@@ -90,7 +90,7 @@ def cached_onnx_engine(model, draft_model, target_dir: Path, drafter_dir: Path |
             raise LoopspecError(f"precision {precision} reads the target's GGUF blocks, and this target has no GGUF")
         settings |= {"precision": precision, "gguf_export": file_sha256(Path(gguf_export.__file__))}
     if draft_model is not None and draft_model.cfg.kind.chain:  # its graphs' own code
-        from loopspec.engines.export_eagle3 import eagle3_code_sha256
+        from loopspec.engines.eagle3_export import eagle3_code_sha256
 
         settings["eagle3_export"] = eagle3_code_sha256()
     onnx_dir = cache_root() / "onnx" / source_key(target_dir, draft_model, drafter_dir, settings)

@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, StageDrafts, draft_stage
+from loopspec.model.dflash import Drafter, StageDrafts, draft_stage
 from loopspec.model.kv_cache import KVCache, KVWrite, attention_mask
 from loopspec.model.target import LayerStep, Target, TargetOutput
 
@@ -189,9 +189,13 @@ class StaticRunner:
     def __init__(self, engine):
         self.device = engine.device
         self.target, self.cache = engine.target, engine.cache
-        self.drafter, self.context, self.draft_head = engine.drafter, engine.context, engine.draft_head
+        # a block drafter's context (engines/dflash_context.py): its K/V, draft head and draft rows
+        drafting = engine.context
+        self.drafter = engine.drafter
+        self.context = drafting.kv if drafting is not None else None
+        self.draft_head = drafting.draft_head if drafting is not None else None
+        self.draft_ids = drafting.draft_ids if drafting is not None else None
         self.mask_token_id = engine.drafter_cfg.mask_token_id if engine.drafter_cfg is not None else None
-        self.draft_ids = engine.draft_ids
 
     def run(self, key: tuple, forward: Callable[[dict], tuple], values: dict[str, torch.Tensor]) -> tuple:
         """forward(inputs) on the call's values (CudaGraphRunner: a replay of its capture for `key`)."""

@@ -1,4 +1,5 @@
-"""The torch engine's drafter context for an EAGLE-3 drafter (loopspec/model/eagle3.py), per row.
+"""An EAGLE-3 drafter's context on the torch engine (loopspec/model/eagle3.py): its `DrafterContext`
+(engines/protocol.py), per row.
 
 An EAGLE-3 context entry pairs the target's fused taps at position p with the token at p+1, and its
 K/V need both. So a row keeps three things, each with its own length:
@@ -26,32 +27,58 @@ runs on exactly as one longer stage would.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from loopspec.decoding import DraftSampler
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import StageDrafts, draft_candidates
+from loopspec.model.dflash import StageDrafts, draft_candidates
 from loopspec.model.eagle3 import Eagle3Drafter
 from loopspec.model.kv_cache import KVCache
+from loopspec.model.target import Target
 from loopspec.tree import DynamicTree
 
 
 class Eagle3Context:
-    def __init__(self, drafter: Eagle3Drafter, embed, rows: int, max_length: int):
-        cfg, p = drafter.cfg, drafter.norm.weight
-        self.drafter, self.embed, self.max_length = drafter, embed, max_length
+    grows_dynamic_trees = True  # one drafter step a node: each node's step runs under its own path
+
+    def __init__(self, drafter: Eagle3Drafter, target: Target, max_length: int, rows: int):
+        p = drafter.norm.weight
+        self.drafter, self.max_length = drafter, max_length
+        # the drafter's own embedding where its checkpoint carries one, else the target's
+        self.embed = drafter.embed_tokens if drafter.embed_tokens is not None else target.embed_tokens
         self.draft_ids = drafter.draft_ids.to(p.device) if drafter.draft_ids is not None else None
-        self.states = torch.zeros(rows, max_length, cfg.hidden_size, dtype=p.dtype, device=p.device)
-        self.tokens = torch.zeros(rows, max_length + 1, dtype=torch.long)
+        self.cfg, self.dtype, self.device = drafter.cfg, p.dtype, p.device
+        self._new_rows(rows)
+
+    def _new_rows(self, rows: int) -> None:
+        self.states = torch.zeros(rows, self.max_length, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self.tokens = torch.zeros(rows, self.max_length + 1, dtype=torch.long)
         self.lengths = torch.zeros(rows, dtype=torch.long)
-        self.kv = KVCache(1, rows, cfg.num_kv_heads, max_length, cfg.head_dim, dtype=p.dtype, device=p.device)
+        self.kv = self._new_kv(rows)
+
+    def _new_kv(self, rows: int) -> KVCache:
+        """The one layer's K/V of the entries already run."""
+        return KVCache(1, rows, self.cfg.num_kv_heads, self.max_length, self.cfg.head_dim, dtype=self.dtype,
+                       device=self.device)
+
+    def with_rows(self, max_rows: int) -> "Eagle3Context":
+        twin = copy.copy(self)  # the same drafter
+        twin._new_rows(max_rows)
+        return twin
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """The target's taps [R, T, 3·H_target] → the fused states [R, T, H]."""
+        return self.drafter.fuse(taps)
 
     # ---- the target's tokens ---------------------------------------------------------------------
-    def wrote(self, row: int, start: int, tokens: list[int]) -> None:
-        """The target stored `tokens` at slots start.. of `row` (a prefill, or a verification's)."""
-        self.tokens[row, start:start + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    def target_wrote(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> None:
+        """The target stored tokens[i] at slots starts[i].. of rows[i] (a prefill, or a verification's)."""
+        for row, start, t in zip(rows, starts, tokens):
+            self.tokens[row, start:start + len(t)] = torch.tensor(t, dtype=torch.long)
 
-    def commit(self, starts: list[int], kept: list[list[int]]) -> None:
+    def target_committed(self, starts: list[int], kept: list[list[int]]) -> None:
         """As the target's cache commits: offsets kept[b] of the tokens from starts[b] move into place."""
         for b, (start, offsets) in enumerate(zip(starts, kept)):
             if offsets != list(range(len(offsets))):
@@ -67,13 +94,20 @@ class Eagle3Context:
             self.states[row, start:start + n] = states[i, :n].to(self.states.dtype)
             self.lengths[row] = start + n
 
+    def append_taps(self, rows: list[int], taps: torch.Tensor, counts: list[int]) -> None:
+        self.append(rows, self.fuse(taps), counts)
+
+    def append_pseudo(self, rows: list[int], hidden: torch.Tensor) -> None:
+        """DLoop: the drafter's own states, as its later steps take them (no fc)."""
+        self.append(rows, hidden, [hidden.shape[1]] * len(rows))
+
     def restart(self, row: int, start: int) -> None:
         """`row` starts over at `start` (a prefill: 0, or the prompt positions its earlier chunks hold)."""
         self.lengths[row] = start
         self.kv.lengths[row] = min(int(self.kv.lengths[row]), max(start - 1, 0))
 
-    def rollback(self, lengths: list[int], rows: list[int]) -> None:
-        """Rows `rows` keep their first lengths[i] positions (as KVCache.rollback)."""
+    def rollback(self, rows: list[int], lengths: list[int]) -> None:
+        """Rows `rows` keep their first lengths[i] positions."""
         for row, n in zip(rows, lengths):
             if not 0 <= n <= int(self.lengths[row]):
                 raise ValueError(f"cannot roll row {row} of length {int(self.lengths[row])} to {n}")
@@ -138,13 +172,13 @@ class Eagle3Context:
         return lengths, states[torch.arange(R), pending - 1], out[torch.arange(R), pending - 1]
 
     def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None, vocab_size: int) -> StageDrafts:
+              sampling: list | None = None) -> StageDrafts:
         drafter, dev = self.drafter, self.states.device
         R, D = len(rows), block_size - 1
         lengths, first_state, last = self._first_step(rows, anchors, positions)  # last [R, H]: the logits read it
         state = drafter.next_state(last)  # [R, H]: the next step reads it
         hidden = [first_state, state]  # the stage's states 0 (fused taps at a-1), 1..
-        sampler = DraftSampler(sampling, vocab_size, self.draft_ids) if sampling is not None else None
+        sampler = DraftSampler(sampling, drafter.cfg.vocab_size, self.draft_ids) if sampling is not None else None
         logits = []
         # steps i + 1 = 2..D: (draft i, state i) at a+i-1 over the row's entries and the steps before
         seen = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]

@@ -47,15 +47,15 @@ from loopspec.engines.graph_ops import (ORDER_FREE_SOFTMAX, SOFTMAX_SUM_UNITS, a
                                         fixed_linear, fused_linear, head_scales, linear, merge_heads,
                                         order_free_softmax, qkv_heads, rms_norm, rope, rotate_half_matrix,
                                         row_layout, swiglu)
-from loopspec.engines.export_dflash2 import DFlash2Block
+from loopspec.engines.dflash2_export import DFlash2Block
 from loopspec.engines.manifest import Manifest, source_hashes, write_manifest
 from loopspec.errors import LoopspecError
 from loopspec.weights import file_sha256
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MAX_BATCH,
                                     TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.engines.staging import check_out_dir, staged_dir
-from loopspec.model.drafter import DraftHeads, Drafter, draft_head_weight, draft_stage
-from loopspec.model.drafter_kinds import require_exportable, require_quantized_export
+from loopspec.model.dflash import DraftHeads, Drafter, draft_head_weight, draft_stage
+from loopspec.model.drafter_kinds import DrafterKind, require_quantized_export
 from loopspec.model.families import export_refusal
 from loopspec.model.target import Target
 
@@ -297,17 +297,32 @@ def drafter_source(drafter: Drafter, drafter_dir: Path | None) -> dict:
     return {"path": None, "in_memory_sha256": tensors_sha256(drafter)}
 
 
+# the drafter_block graph of each block drafter family: DFlash's draft head (DSpark's heads unrolled in
+# it), DFlash2's selector walk (engines/dflash2_export.py); EAGLE-3's graphs are engines/eagle3_export.py's
+BLOCK_GRAPHS = {"dflash": DrafterBlock, "dspark": DrafterBlock, "dflash2": DFlash2Block}
+
+
+def block_graph(kind: DrafterKind):
+    """The module class of a block drafter kind's drafter_block graph; a kind none is written for is
+    refused in one line (it decodes on --backend torch)."""
+    graph = BLOCK_GRAPHS.get(kind.name)
+    if graph is None:
+        raise LoopspecError(f"the ONNX / TensorRT export has no drafter graph for {kind.title} drafters: they run on "
+                            "--backend torch")
+    return graph
+
+
 def export_code_sha256() -> str:
     """The wrappers', the specs' and the drafter model's source (the drafter-block graph traces its
     `draft_stage` and DSpark heads, a DFlash2 drafter's its own, and its kind decides the graph's outputs): a cached export made
     by other code (other graphs or other inputs and outputs) is not reused."""
-    from loopspec.engines import export_dflash2, graph_ops, specs
-    from loopspec.model import dflash2, draft_head, drafter, drafter_kinds, dspark
+    from loopspec.engines import dflash2_export, graph_ops, specs
+    from loopspec.model import dflash, dflash2, draft_head, drafter_kinds, dspark
 
     h = hashlib.sha256()
-    for source in (Path(__file__), Path(specs.__file__), Path(drafter.__file__), Path(draft_head.__file__),
+    for source in (Path(__file__), Path(specs.__file__), Path(dflash.__file__), Path(draft_head.__file__),
                    Path(dspark.__file__), Path(drafter_kinds.__file__), Path(graph_ops.__file__),
-                   Path(export_dflash2.__file__), Path(dflash2.__file__)):
+                   Path(dflash2_export.__file__), Path(dflash2.__file__)):
         h.update(file_sha256(source).encode())
     return h.hexdigest()
 
@@ -362,10 +377,10 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     described by `extra_settings` in the manifest; `draft_drafter` and `draft_head` likewise what the
     drafter engines compute instead of `drafter` and its rows of `target`'s lm_head (the embedding
     stays `target`'s fp32 one). `chain_graphs`: what builds a chain drafter's (EAGLE-3's) specs, modules and
-    example inputs (engines/export_eagle3.py `eagle3_engines`, which uses this module's helpers: it is
+    example inputs (engines/eagle3_export.py `eagle3_engines`, which uses this module's helpers: it is
     passed in by engines/backends.py `export_pair`)."""
-    if drafter is not None:
-        require_exportable(drafter.cfg.kind, "the ONNX / TensorRT export")
+    if drafter is not None and not drafter.cfg.kind.chain:
+        block_graph(drafter.cfg.kind)  # refuses, in one line, a kind no block graph is written for
     import onnx  # noqa: F401  (fail early, with the extra to install)
 
     refusal = export_refusal(target.cfg, "ONNX")
@@ -377,9 +392,9 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     limits = [target.cfg.max_position_embeddings] + ([drafter.cfg.max_position_embeddings] if drafter else [])
     max_context = min([max_context or min(limits)] + limits)
     taps = drafter.cfg.target_layer_ids if drafter is not None else []
-    if drafter is not None and drafter.cfg.kind.chain:  # EAGLE-3: its fuse and step graphs (engines/export_eagle3.py)
+    if drafter is not None and drafter.cfg.kind.chain:  # EAGLE-3: its fuse and step graphs (engines/eagle3_export.py)
         if chain_graphs is None:
-            raise LoopspecError(f"an {drafter.cfg.kind.title} drafter's graphs come from engines/export_eagle3.py: "
+            raise LoopspecError(f"an {drafter.cfg.kind.title} drafter's graphs come from engines/eagle3_export.py: "
                                 "export the pair with engines/backends.py export_pair")
         if draft_drafter is not None or draft_head is not None:
             require_quantized_export(drafter.cfg.kind, "a quantized drafter graph")
@@ -393,8 +408,7 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
         computed = draft_drafter if draft_drafter is not None else drafter
         modules[DRAFTER_CONTEXT] = DrafterContext(computed, from_taps=True)
         modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(computed, from_taps=False)
-        block = DFlash2Block if drafter.cfg.kind.selector is not None else DrafterBlock  # a selector's walk: its own graph
-        modules[DRAFTER_BLOCK] = block(computed, target.embed_tokens.weight, target.lm_head.weight,
+        modules[DRAFTER_BLOCK] = block_graph(drafter.cfg.kind)(computed, target.embed_tokens.weight, target.lm_head.weight,
                                        max_block=specs[DRAFTER_BLOCK].ranges["block"][2], head=draft_head)
 
     with staged_dir(out_dir) as work:

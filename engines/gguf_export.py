@@ -51,7 +51,7 @@ from loopspec.engines.export import fixed_linear
 from loopspec.errors import LoopspecError
 from loopspec.precisions import precision_names
 from loopspec.gguf_blocks import BLOCK, BlockMatrix, quantize_blocks
-from loopspec.model.drafter import Drafter
+from loopspec.model.dflash import Drafter
 from loopspec.model.drafter_kinds import require_quantized_export
 from loopspec.model.target import Target
 

@@ -1,5 +1,5 @@
 """The plain-op building blocks of the exported graphs (engines/export.py's wrappers and the DFlash2
-block's, engines/export_dflash2.py): norms, RoPE, each row's slots and mask among a call's past, the
+block's, engines/dflash2_export.py): norms, RoPE, each row's slots and mask among a call's past, the
 order-free softmax, attention over [past ; new], the fused products. Each maps onto standard ONNX
 operators (Gather, MatMul, Softmax, Where, Concat, Reshape, ...); why they are written so (the KV
 layout, batch invariance) is told in engines/export.py's docstring."""

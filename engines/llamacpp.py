@@ -55,6 +55,7 @@ import numpy as np
 
 from loopspec.errors import LoopspecError
 from loopspec.files import cache_root, file_sha256
+from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK
 
 ARCH = "dflash"
 DTYPES = ("f32", "f16")
@@ -222,6 +223,35 @@ def _write_hparams(writer, cfg, name: str, file_type: int) -> None:
         writer.add_bool(p + "has_confidence_head", kind.confidence is not None)
 
 
+def dflash_gguf_refusal(kind) -> str | None:
+    """Why a drafter of this kind cannot be the dflash GGUF written here (the facts above; None: it can): a
+    block drafter of z-lab's convention, or of DeepSpec's with a Markov head (draft-dspark); the vanilla
+    Markov head only; a confidence head only beside it, reading [h ; W1[prev]]. An EAGLE-3 or DFlash2
+    drafter is llama.cpp's own converter's (convert/bundles/llamacpp.py says which llama.cpp takes)."""
+    if kind.chain:  # llama.cpp runs it, from its own converter's eagle3 GGUF
+        return ("an EAGLE-3 drafter is llama.cpp's eagle3 architecture (draft-eagle3), converted by llama.cpp's "
+                "own convert_hf_to_gguf.py, not a dflash GGUF (loopspec convert bundle --framework llamacpp "
+                "writes it for that converter)")
+    if kind.selector is not None:  # llama.cpp runs it, from its own converter's dflash GGUF with the selector
+        return ("a DFlash2 drafter is llama.cpp's dflash architecture with its selector, converted by llama.cpp's "
+                "own convert_hf_to_gguf.py, not by loopspec (loopspec convert bundle --framework llamacpp writes "
+                "it for that converter)")
+    if not kind.heads:
+        if kind.convention is DEEPSPEC_BLOCK:  # draft-dflash drafts from block position 1; only draft-dspark from 0
+            return ("llama.cpp drafts from the anchor's own block position (DeepSpec's block convention) only "
+                    "with a Markov head (draft-dspark); this DeepSpec DFlash drafter has none")
+        return None
+    if kind.markov is None:
+        return "llama.cpp runs a DSpark confidence head only beside a Markov head (markov_rank > 0)"
+    if kind.markov.head_type != "vanilla":
+        return (f"llama.cpp's DSpark implements the vanilla Markov head only (bias = W2 · W1[prev]), not this "
+                f"drafter's {kind.markov.head_type} head")
+    if kind.confidence and not kind.confidence.reads_markov:
+        return ("llama.cpp's DSpark confidence head reads [h ; W1[prev]] (n_embd + rank inputs); this drafter's "
+                "reads h alone (confidence_head_with_markov false)")
+    return None
+
+
 def write_dflash_gguf(drafter, target_gguf: str | Path, out_path: str | Path, *, dtype: str = "f32") -> Path:
     """Write `drafter` (a loaded `Drafter`) as a llama.cpp dflash GGUF for the target `target_gguf`, a
     DSpark drafter with its Markov (and confidence) head. dtype f32 keeps the drafter's arithmetic;
@@ -229,12 +259,7 @@ def write_dflash_gguf(drafter, target_gguf: str | Path, out_path: str | Path, *,
     sibling and renamed, so a failure leaves no file behind."""
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
-    # which kinds llama.cpp runs (the facts above) is decided with the other frameworks' in drafter_kinds.py
-    problem = drafter.cfg.kind.unsupported_in("llamacpp", "llama.cpp")
-    if problem is None and drafter.cfg.kind.chain:  # llama.cpp runs it, from its own converter's eagle3 GGUF
-        problem = ("an EAGLE-3 drafter is llama.cpp's eagle3 architecture (draft-eagle3), converted by llama.cpp's "
-                   "own convert_hf_to_gguf.py, not a dflash GGUF (loopspec convert bundle --framework llamacpp "
-                   "writes it for that converter)")
+    problem = dflash_gguf_refusal(drafter.cfg.kind)
     if problem:
         raise LoopspecError(f"cannot write this drafter as a llama.cpp GGUF: {problem}")
     if dtype not in DTYPES:

@@ -1,13 +1,16 @@
 """The Engine protocol: what the decoder calls, on every backend.
 
-An engine owns two KV caches of `max_rows` rows with one length per row (`loopspec.model.target.
-KVCache`): the target's, and the drafter's context. Every call takes rows. The decoder keeps its live
+An engine owns the target's KV cache (`loopspec.model.kv_cache.KVCache`, or the windowed / recurrent
+caches of the target families that need them) and the drafter's context (a `DrafterContext`), each
+of `max_rows` rows with one length per row. Every call takes rows. The decoder keeps its live
 rows packed at the front, so the per-round calls (verify, rollback, context append) are over rows
 0..B-1; drafting calls name their rows, since DLoop's later stages run only for the rows whose gate
 opened. A single request is one row; a prompt prefilled in chunks sits in another row until done.
 
 Tensors that decide (logits, drafts, log-probs) come back on the CPU; features (taps, hidden states)
-stay on the engine's device. Backends, all in this package: torch_engine.py (PyTorch; cuda_graphs.py
+stay on the engine's device. An engine keeps its drafter's context in a `DrafterContext` (below), one
+implementation per drafter family and backend (engines/drafter_contexts.py looks it up by the
+drafter kind's `context`): an engine calls it and never asks which family it holds. Backends, all in this package: torch_engine.py (PyTorch; cuda_graphs.py
 an option of it), ort_engine.py (ONNX Runtime) and trt_engine.py (TensorRT), the last two over
 artifact_engine.py (the artifact contract: manifest, specs, caches). Callers outside this package
 hold engines as `Engine` and reach nothing else of theirs.
@@ -19,9 +22,49 @@ from typing import Protocol
 
 import torch
 
-from loopspec.model.drafter import DrafterConfig, StageDrafts
+from loopspec.model.dflash import DrafterConfig, StageDrafts
 from loopspec.model.target import TargetConfig
 from loopspec.tree import DynamicTree
+
+
+class DrafterContext(Protocol):
+    """A drafter's per-row context and its stages, what an engine delegates every drafter call to:
+    the block drafters' (DFlash, DSpark, DFlash2: every drafter layer's K/V of the target's context
+    features; a stage is one forward over [anchor, MASK…]) and EAGLE-3's (fused taps paired with
+    the next token; a stage is one drafter step a draft). Rows, lengths and rollback as the engine's."""
+
+    lengths: torch.Tensor  # [max_rows]: the positions each row's context holds
+    grows_dynamic_trees: bool  # `draft_dynamic` runs (a drafter that drafts step by step)
+
+    def with_rows(self, max_rows: int) -> "DrafterContext":
+        """The same drafter (modules, graphs, draft head) over fresh rows."""
+
+    def target_wrote(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> None:
+        """The target stored tokens[i] at slots starts[i].. of rows[i] (a prefill, or a verification)."""
+
+    def target_committed(self, starts: list[int], kept: list[list[int]]) -> None:
+        """As the target's cache commits (Engine.target_commit)."""
+
+    def restart(self, row: int, start: int) -> None:
+        """`row` starts over at `start` (a prefill: 0, or the prompt positions its earlier chunks hold)."""
+
+    def append_taps(self, rows: list[int], taps: torch.Tensor, counts: list[int]) -> None:
+        """`rows` append the context of their first counts[i] target taps [R, T, n*H]."""
+
+    def append_pseudo(self, rows: list[int], hidden: torch.Tensor) -> None:
+        """DLoop: `rows` append the drafter's own states hidden [R, T, H] as context."""
+
+    def rollback(self, rows: list[int], lengths: list[int]) -> None: ...
+
+    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
+              sampling: list | None = None) -> StageDrafts:
+        """One stage for each of `rows` (Engine.draft)."""
+
+    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
+                      depth: int) -> list[DynamicTree]:
+        """EAGLE-2's dynamic tree for each of `rows` (Engine.draft_dynamic)."""
+
+    def swap_rows(self, a: int, b: int) -> None: ...
 
 
 class Engine(Protocol):
@@ -99,7 +142,7 @@ class Engine(Protocol):
         `sampling` (engines with `samples_drafts`): each row's (SamplingParams, torch.Generator);
         each position's one draft is then sampled from the drafter's warped distribution q with
         the row's generator (C = 1, log-probs log q), and the `StageDrafts` carries q [R, D, V]
-        as `.q` (loopspec.model.drafter.sample_stage)."""
+        as `.q` (loopspec.model.dflash.sample_stage)."""
 
     def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
                       depth: int) -> list[DynamicTree]:

@@ -16,8 +16,9 @@ import torch
 from loopspec.defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DRAFTER_DIR, DEFAULT_DRAFTER_LAYERS,
                                DEFAULT_TARGET_MASK_TOKEN_ID)
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig, resolve_mask_token_id
-from loopspec.model.eagle3 import Eagle3Drafter, fit_drafter, load_drafter
+from loopspec.model.dflash import Drafter, DrafterConfig, resolve_mask_token_id
+from loopspec.model.drafters import load_drafter
+from loopspec.model.eagle3 import Eagle3Drafter
 from loopspec.model.target import Target, TargetConfig
 from loopspec.weights import TargetSource, load_target_dir, load_tokenizer
 
@@ -102,6 +103,6 @@ def load_pair(target: str | Path | TargetSource = "default", drafter: str | Path
         draft = fresh_drafter(model, mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size))
         description = UNTRAINED
     if draft is not None:
-        fit_drafter(draft.cfg, model.cfg)
+        draft.cfg.fit(model.cfg)
     return Pair(target_dir=target_dir, tokenizer=tokenizer, target=model, drafter=draft, drafter_dir=drafter_dir,
                 drafter_description=description, stop_token_ids=stop_token_ids(model.cfg, tokenizer))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from loopspec.errors import LoopspecError
 
 if TYPE_CHECKING:  # annotations only: the settings, and the command line's flags made from them, load without torch
-    from loopspec.model.drafter import DrafterConfig
+    from loopspec.model.dflash import DrafterConfig
 
 METHODS = ("ar", "dflash", "dloop", "suffix")
 DRAFTER_METHODS = ("dflash", "dloop")

@@ -171,20 +171,22 @@ class Constraint:
     def __init__(self, matcher, vocab_size: int, stop_token_ids: frozenset[int]):
         self.matcher, self.vocab_size, self.stop = matcher, vocab_size, frozenset(stop_token_ids)
         self.stop_ids = torch.tensor(sorted(stop_token_ids), dtype=torch.long)
-        self._bitmask = _xgrammar().allocate_token_bitmask(1, vocab_size)
+        self.bitmask = _xgrammar().allocate_token_bitmask(1, vocab_size)  # current_mask fills it in place
         self._now: torch.Tensor | None = None  # allowed() after the committed tokens, once computed
         self._pruned: tuple[DraftTree, torch.Tensor] | None = None  # the last pruned tree and its masks
 
-    def _mask(self) -> torch.Tensor:
-        """bool [vocab] at the matcher's state (xgrammar's bitmask: stop tokens only where it may end)."""
-        self.matcher.fill_next_token_bitmask(self._bitmask)
-        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
+    def current_mask(self) -> torch.Tensor:
+        """bool [vocab] at the matcher's state (xgrammar's bitmask: stop tokens only where it may end),
+        computed anew on every call (`allowed` keeps the one after the committed tokens). Public for
+        scripts/grammar_mask_cost.py, which times it beside xgrammar's own fill of `bitmask`."""
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
         return torch.from_numpy(bits.astype(bool))
 
     def allowed(self) -> torch.Tensor:
         """bool [vocab]: the tokens the grammar allows after the committed tokens."""
         if self._now is None:
-            self._now = self._mask()
+            self._now = self.current_mask()
         return self._now
 
     def commit(self, token: int) -> bool:
@@ -192,7 +194,7 @@ class Constraint:
         but a stop token may follow)."""
         if not self.matcher.accept_token(token):
             raise LoopspecError(f"token {token} breaks the grammar")
-        self._now = self._mask()
+        self._now = self.current_mask()
         return self._complete(self._now)
 
     def _complete(self, mask: torch.Tensor) -> bool:
@@ -221,7 +223,7 @@ class Constraint:
                     masks[child] = torch.ones(self.vocab_size, dtype=torch.bool)
                     continue
                 self.matcher.accept_token(token)
-                masks[child] = self._mask()
+                masks[child] = self.current_mask()
                 visit(child)
                 self.matcher.rollback(1)
 

@@ -13,8 +13,8 @@ import torch
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import InvalidValue, LoopspecError
-from loopspec.model.drafter import Drafter
-from loopspec.model.eagle3 import is_eagle3_dir
+from loopspec.model.dflash import Drafter
+from loopspec.model.drafters import drafter_config
 from loopspec.model.families import export_refusal
 from loopspec.model.target import Target
 from loopspec.pair import load_pair, stop_token_ids
@@ -277,10 +277,10 @@ class EngineChoice:
     def _fit_backend_to_target(self, chosen: bool) -> None:
         """The exported engines build dense full-attention targets and every drafter kind: 'auto' picks
         PyTorch for the other target families (an explicit exported backend is refused in one line:
-        loopspec.model.families) and for an EAGLE-3 drafter, whose exported graphs (one call per drafted
-        token) run with an explicit --backend onnxruntime."""
-        named = self.drafter not in (None, "none", "default")
-        if named and is_eagle3_dir(self.drafter) and chosen:
+        loopspec.model.families) and for a drafter whose kind is not `exported_by_default` (EAGLE-3:
+        its exported graphs, one call per drafted token, run with an explicit --backend onnxruntime)."""
+        named = self.drafter not in (None, "none", "default")  # the shipped drafter is a DFlash drafter
+        if chosen and named and not self._drafter_kind_exported_by_default():
             object.__setattr__(self, "backend", "torch")
             return
         cfg = self.target.config()
@@ -291,6 +291,12 @@ class EngineChoice:
             object.__setattr__(self, "backend", "torch")
         else:
             raise LoopspecError(refusal)
+
+    def _drafter_kind_exported_by_default(self) -> bool:
+        try:
+            return drafter_config(self.drafter).kind.exported_by_default
+        except LoopspecError:  # loading the pair names what is wrong with the directory
+            return True
 
     @property
     def from_artifacts(self) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from loopspec.engines.protocol import Engine
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import DRAFT_CANDIDATES
+from loopspec.model.draft_head import DRAFT_CANDIDATES
 from loopspec.settings import DecodingSettings
 from loopspec.tree import DraftTree, DynamicTree, Lattice, draft_tree
 

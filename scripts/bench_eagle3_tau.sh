@@ -5,6 +5,7 @@
 # engine in fp32 for both (an EAGLE-3 drafter runs on the torch engine only). τ does not depend on
 # the machine's load, so these runs may share it; their tokens/s are not figures.
 #   scripts/bench_eagle3_tau.sh [EAGLE3_DIR] [OUT]
+case "${1:-}" in -h|--help) echo "usage: scripts/bench_eagle3_tau.sh [EAGLE3_DIR] [OUT]"; sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -eu
 cd "$(dirname "$0")/.."
 E3=${1:-loopspec/drafters/smollm2-135m-instruct-eagle3}

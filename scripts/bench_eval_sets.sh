@@ -8,6 +8,7 @@
 # files of your own ({"turns": [...]} per line), e.g. offline. none: humaneval and mt-bench only.
 # (relative paths are taken from the repository root)
 # e.g. scripts/bench_eval_sets.sh builtin docs/bench ar,dflash,dloop,hf,hf-lookup --cost-model
+case "${1:-}" in -h|--help) echo "usage: scripts/bench_eval_sets.sh builtin|EVAL_DIR|none OUT_DIR [METHODS] [extra bench flags...]"; sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -eu
 EVAL=${1:?usage: $0 builtin|EVAL_DIR|none OUT_DIR [METHODS] [flags...]}
 OUT=${2:?usage: $0 builtin|EVAL_DIR|none OUT_DIR [METHODS] [flags...]}

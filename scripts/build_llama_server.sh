@@ -8,6 +8,7 @@
 # Leaves PREFIX/bin/llama-server and PREFIX/bin/llama-bench (the step timings beside loopspec's:
 # scripts/step_times.py --llama-bench); point `loopspec bench --llama-server PREFIX/bin/llama-server` at it
 # (or put it on PATH). The sdist's own convert_hf_to_gguf.py and gguf-py are kept under PREFIX/src.
+case "${1:-}" in -h|--help) echo "usage: scripts/build_llama_server.sh [PREFIX]"; sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -euo pipefail
 
 PREFIX=$(realpath -m "${1:-llamacpp}")

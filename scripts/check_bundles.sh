@@ -19,6 +19,7 @@
 # checked. Prints one PASS/FAIL line per check; exits 1 if any check fails.
 # Takes a few minutes (downloads about 500 MB once; REUSE_VENV=1 keeps a scratch environment that
 # already has the pinned vLLM and SGLang). Not part of the test suite.
+case "${1:-}" in -h|--help) echo "usage: scripts/check_bundles.sh [WORK_DIR]"; sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -84,7 +85,7 @@ import sys
 from dataclasses import replace
 
 from loopspec.defaults import DEFAULT_TARGET_MASK_TOKEN_ID
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.model.families import target_config
 from loopspec.weights import read_json, resolve_target_dir
 
@@ -138,7 +139,7 @@ import torch
 
 from loopspec.defaults import DEFAULT_TARGET_MASK_TOKEN_ID
 from loopspec.model.dflash2 import DFlash2Config, DFlash2Drafter
-from loopspec.model.drafter import DrafterConfig
+from loopspec.model.dflash import DrafterConfig
 from loopspec.model.families import target_config
 from loopspec.weights import read_json, resolve_target_dir
 
@@ -167,7 +168,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3_5TextConfig, Qwen3MoeConfig
 
 from loopspec.defaults import DEFAULT_TARGET_MASK_TOKEN_ID
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.weights import load_target_dir, resolve_target_dir
 
 root, tokenizer = Path(sys.argv[1]), resolve_target_dir("default")

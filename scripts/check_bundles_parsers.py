@@ -9,6 +9,9 @@ would, build the engine's configuration from it, and compare what the engine res
 bundle's manifest.json says. One line per check, PASS or FAIL with the reason; exit 1 on a failure.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import os
 import shlex
@@ -247,9 +250,12 @@ def applies(check, manifest: dict) -> bool:
     return engine != "llamacpp"
 
 
-def main(bundles: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("bundles", nargs="+", type=Path, help="serving bundles (`loopspec convert bundle --out DIR`)")
+    args = parser.parse_args(argv)
     failures = 0
-    for bundle in map(Path, bundles):
+    for bundle in args.bundles:
         manifest = json.loads((bundle / "manifest.json").read_text())
         label = f"{bundle.name} ({manifest['precision']}, tp={manifest['tensor_parallel_size']})"
         for engine, what, check in [c for c in CHECKS if applies(c, manifest)]:
@@ -268,4 +274,4 @@ def main(bundles: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

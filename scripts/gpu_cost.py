@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from loopspec.model.drafter import Drafter, DrafterConfig, StageDrafts
+from loopspec.model.dflash import Drafter, DrafterConfig, StageDrafts
 from loopspec.model.families import new_target
 from loopspec.model.target import TargetConfig
 from loopspec.engines.cuda_graphs import StaticRunner
@@ -58,8 +58,8 @@ class OracleEngine(TorchEngine):
         self.rounds: dict = {}
         super().__init__(*args, **kwargs)
 
-    def _static_runner(self):
-        return StaticRunner(self) if self.static_on_cpu else super()._static_runner()
+    def static_runner(self):
+        return StaticRunner(self) if self.static_on_cpu else super().static_runner()
 
     def with_rows(self, max_rows: int) -> "OracleEngine":
         twin = super().with_rows(max_rows)

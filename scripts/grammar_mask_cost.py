@@ -104,7 +104,7 @@ def xgrammar_case(tokenizer, spec, text: str, repeats: int) -> dict:
     t0 = time.perf_counter()
     constraint = grammars.constraint(spec)
     compile_s = time.perf_counter() - t0
-    matcher, bitmask = constraint.matcher, constraint._bitmask
+    matcher, bitmask = constraint.matcher, constraint.bitmask
     tokens = tokenizer.encode(text, add_special_tokens=False)
 
     def advance(token):
@@ -112,7 +112,7 @@ def xgrammar_case(tokenizer, spec, text: str, repeats: int) -> dict:
 
     out = walk(lambda: matcher.fill_next_token_bitmask(bitmask), advance, lambda: matcher.rollback(1), tokens,
                repeats)
-    allowed = walk(constraint._mask, advance, lambda: matcher.rollback(1), tokens, repeats)
+    allowed = walk(constraint.current_mask, advance, lambda: matcher.rollback(1), tokens, repeats)
     return {"tokens": len(tokens), "compile_ms": round(compile_s * 1e3, 2),
             "tokenizer_setup_ms": round(tokenizer_s * 1e3, 1)} | out | {
         "allowed_us_median": allowed["mask_us_median"]}

@@ -41,7 +41,7 @@ def main() -> int:
             out = {}
             for width in times:
                 start = time.perf_counter()
-                out[width] = engine._run_target([0], token, width, all_logits=True)
+                out[width] = engine.run_target([0], token, width, all_logits=True)
                 times[width].append((time.perf_counter() - start) * 1000)
             alone, padded = out[1], out[MIN_PRODUCT_ROWS]
             same = same and torch.equal(alone["logits"][:, :1], padded["logits"][:, :1]) and torch.equal(

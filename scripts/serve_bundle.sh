@@ -5,6 +5,7 @@
 # The bundle is built only when BUNDLE_DIR/ENGINE/launch.sh is missing (delete the dir to rebuild).
 set -eu
 USAGE="usage: $0 trtllm|vllm|sglang BUNDLE_DIR [bundle flags...] [-- engine flags...]"
+case "${1:-}" in -h|--help) echo "$USAGE"; sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 ENGINE=${1:?$USAGE}
 BUNDLE=${2:?$USAGE}
 shift 2

@@ -12,10 +12,19 @@ from pathlib import Path
 
 from loopspec.runtime.bench.headline import step_table
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument("ours", type=Path)
-    parser.add_argument("genai", type=Path, nargs="*")
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("ours", type=Path, help="scripts/step_times.py --json output")
+    parser.add_argument("genai", type=Path, nargs="*", help="scripts/genai_step.py --curve --json outputs")
     args = parser.parse_args()
-    read = lambda path: json.loads(path.read_text(encoding="utf-8"))
     print(step_table(read(args.ours), [read(path) for path in args.genai]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,6 +4,7 @@
 # PATH/TO/shared/data holds train/{gsm8k-train,livecodebench,arena-hard-v2}.jsonl and eval/*.jsonl
 # ({"turns": [...]} JSONL). Never train on eval/. Every step resumes when re-run (v1-v4 train on the
 # first 1941 responses: run the script through once; step 5b grows the data only after v4-loop).
+case "${1:-}" in -h|--help) echo "usage: scripts/train_default_drafter.sh PATH/TO/shared/data [WORK_DIR]"; sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -eu
 DATA=${1:?usage: $0 PATH/TO/shared/data [WORK_DIR]}
 WORK=${2:-runs}

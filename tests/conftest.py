@@ -79,7 +79,7 @@ def save_tiny_tokenizer(directory: Path, vocab_size: int = 128) -> None:
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """A tiny llama target dir with a tokenizer, and a matching random z-lab drafter dir."""
-    from loopspec.model.drafter import Drafter, DrafterConfig
+    from loopspec.model.dflash import Drafter, DrafterConfig
     from loopspec.weights import load_target_dir
 
     root = tmp_path_factory.mktemp("pair")
@@ -117,7 +117,7 @@ def save_trained_like_drafter(target_dir: Path, drafter_dir: Path, out_dir: Path
     since every term changes the other matrices' inputs, the directions are found again from the
     random weights for a few rounds. Everything else about the drafter stays random."""
     from loopspec.convert.quantize import DEFAULT_CALIB_PROMPTS, calibration_sequences, run_drafter_as_decoding
-    from loopspec.model.drafter import Drafter
+    from loopspec.model.dflash import Drafter
     from loopspec.weights import load_target_dir, load_tokenizer
 
     target = load_target_dir(target_dir)
@@ -191,7 +191,7 @@ def agreeing_drafter(target, prompt_list, cfg, *, new_tokens: int = 40, steps: i
     constrained decoding continues with)."""
     import random
 
-    from loopspec.model.drafter import Drafter
+    from loopspec.model.dflash import Drafter
     from loopspec.train.trainer import DrafterTrainer, TrainConfig
 
     torch.manual_seed(seed)

@@ -5,7 +5,7 @@ import torch
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig, StageDrafts
+from loopspec.model.dflash import DrafterConfig, StageDrafts
 from loopspec.runtime.decoder import Decoder, decode_all, generate
 from loopspec.runtime.proposal import AdaptiveFallback
 from loopspec.engines.torch_engine import TorchEngine

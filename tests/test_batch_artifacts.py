@@ -13,7 +13,7 @@ from loopspec.decoding import SamplingParams  # noqa: E402
 from loopspec.engines.export import export_engines  # noqa: E402
 from loopspec.engines.manifest import read_manifest  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
-from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from loopspec.model.dflash import DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import Decoder, decode_all, generate  # noqa: E402
 from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
 from loopspec.tree import DraftTree, tree_masks  # noqa: E402
@@ -125,12 +125,12 @@ def test_batched_calls_match_the_torch_batch_engine(pairs):
     assert "past_key" not in ob._staging and ob.cache.slots % 32 == 0 and ob.cache.slots >= max(kept)
     n = kept[1]
     assert torch.allclose(ob.cache.k[:, 1, :, :n], tb.cache.k[:, 1, :, :n], atol=1e-4)
-    assert torch.allclose(ob.context.v[:, 2, :, :kept[2]], tb.context.v[:, 2, :, :kept[2]], atol=1e-4)
+    assert torch.allclose(ob.context.kv.v[:, 2, :, :kept[2]], tb.context.kv.v[:, 2, :, :kept[2]], atol=1e-4)
 
     rows, anchors = [2, 0], [7, 9]
     positions = [kept[r] for r in rows]
     (dt, pt, ht), (do, po, ho) = (e.draft(rows, anchors, positions, 5) for e in (tb, ob))
-    assert torch.equal(do, dt) and set(do.flatten().tolist()) <= set(torch_engine.draft_ids.tolist())
+    assert torch.equal(do, dt) and set(do.flatten().tolist()) <= set(torch_engine.context.draft_ids.tolist())
     assert (po - pt).abs().max() < 1e-4 and (ho - ht).abs().max() < 1e-4
     for e, hidden in ((tb, ht), (ob, ho)):  # DLoop's second stage on its pseudo-context
         e.append_pseudo_context(rows, hidden[:, 1:])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import DrafterConfig
+from loopspec.model.dflash import DrafterConfig
 from loopspec.runtime.budget import VerifyBudget, best_step, best_width, pacing
 from loopspec.runtime.decoder import Decoder, decode_all, generate
 from loopspec.runtime.proposal import AdaptiveFallback

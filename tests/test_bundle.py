@@ -13,7 +13,7 @@ import torch
 from conftest import save_tiny_target, save_tiny_tokenizer
 from loopspec.convert.bundles import build_bundle, parse_frameworks
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter
+from loopspec.model.dflash import Drafter
 from loopspec.weights import file_sha256, load_target_dir, read_safetensors, write_safetensors
 
 # Documented field names (TensorRT-LLM LLM API reference: DFlashDecodingConfig, CudaGraphConfig, LlmArgs;
@@ -239,7 +239,7 @@ def test_untied_target_lm_head_rows(tiny_targets):
 
 
 def test_target_config_carries_rope_theta_beside_rope_parameters(tmp_path):
-    from loopspec.model.drafter import DrafterConfig
+    from loopspec.model.dflash import DrafterConfig
     from loopspec.weights import load_target_dir
 
     target_dir = save_tiny_target("llama", tmp_path / "target", rope_scaling={"rope_type": "default",
@@ -396,6 +396,31 @@ def test_each_serving_framework_is_one_module_and_one_registry_row():
     for name, framework in FRAMEWORKS.items():
         assert framework.target in (HF_TARGET, GGUF_TARGET) and len(framework.support) == len(SUPPORT_COLUMNS)
         assert (framework.reduced_vocab_line is None) != (framework.full_vocab_reason is None), name
+
+
+def test_which_kinds_a_framework_takes_is_its_own_record():
+    """The core kind module names no serving framework; each framework's record answers, for every kind
+    in the registry (and the DFlash2 kind with a selector), whether it takes it: None or a one-line reason."""
+    import re
+    from pathlib import Path
+
+    from loopspec.convert.bundles import FRAMEWORKS
+    from loopspec.model import drafter_kinds
+    from loopspec.model.drafter_kinds import DRAFTER_KINDS, SelectorKind, dflash2_kind
+
+    text = (Path(__file__).resolve().parents[1] / "loopspec" / "model" / "drafter_kinds.py").read_text()
+    named = re.findall(r"vllm|sglang|tensorrt-llm|trtllm|llama\.cpp|llamacpp", text, flags=re.IGNORECASE)
+    assert not named, f"loopspec/model/drafter_kinds.py names serving frameworks: {sorted(set(named))}"
+    assert not hasattr(drafter_kinds.DrafterKind, "unsupported_in") and not hasattr(drafter_kinds, "SERVING_RULES")
+    kinds = [*DRAFTER_KINDS.values(), dflash2_kind(SelectorKind(4, 8, 16, 4, 64))]
+    for name, framework in FRAMEWORKS.items():
+        assert callable(framework.kind_refusal), name
+        for kind in kinds:
+            why = framework.refuses(kind)
+            assert why is None or (isinstance(why, str) and why and "\n" not in why), (name, kind.name, why)
+        assert framework.refuses(DRAFTER_KINDS["dflash"]) is None, name  # z-lab DFlash: every framework
+    refusing = {name for name, f in FRAMEWORKS.items() if f.refuses(kinds[-1])}
+    assert refusing == {"trtllm"}, refusing  # DFlash2: all but TensorRT-LLM
 
 
 def test_cli_convert_bundle(tiny_pair, tmp_path, capsys):

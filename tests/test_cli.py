@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from loopspec.cli import main
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.weights import load_target_dir
 
 

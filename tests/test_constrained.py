@@ -7,7 +7,6 @@ import json
 import re
 
 import pytest
-import torch
 
 pytest.importorskip("xgrammar", reason="needs xgrammar: pip install 'loopspec[grammar]'")
 jsonschema = pytest.importorskip("jsonschema", reason="needs jsonschema (the dev extra): pip install 'loopspec[dev]'")
@@ -15,7 +14,7 @@ jsonschema = pytest.importorskip("jsonschema", reason="needs jsonschema (the dev
 from loopspec.decoding import SamplingParams  # noqa: E402
 from loopspec.engines.backends import torch_engine  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
-from loopspec.model.drafter import DrafterConfig  # noqa: E402
+from loopspec.model.dflash import DrafterConfig  # noqa: E402
 from loopspec.runtime.constraint import Constraint, GrammarError, Grammars, GrammarSpec  # noqa: E402
 from loopspec.runtime.decoder import Decoder, decode_all, generate  # noqa: E402
 from loopspec.settings import DecodingSettings as Method  # noqa: E402

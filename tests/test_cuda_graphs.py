@@ -13,7 +13,7 @@ import torch
 from conftest import FAMILIES, lively
 from loopspec.cli import main
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.engines import cuda_graphs
 from loopspec.engines.cuda_graphs import (StaticRunner, drafter_block_static, key_bucket, plan_block, plan_verify,
                                           target_verify_static)
@@ -185,7 +185,7 @@ class StaticEngine(TorchEngine):
     def __init__(self, target, drafter, max_context):
         super().__init__(target, drafter, max_context, cuda_graphs=True)  # cuda_graphs: use the runner
 
-    def _static_runner(self):
+    def static_runner(self):
         return self.runner(self)
 
 

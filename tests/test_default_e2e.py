@@ -173,7 +173,7 @@ def test_the_server_on_the_default_engine_answers_each_request_as_alone(precisio
         decoding = settings[name]
         app = create_app(pipe, ServeConfig(settings=decoding, model_name="default", max_batch_size=16))
         with TestClient(app) as client:
-            def chat(m):
+            def chat(m, client=client):
                 body = {"model": "default", "messages": m, "max_tokens": 32, "temperature": 0}
                 reply = client.post("/v1/chat/completions", json=body)
                 assert reply.status_code == 200, reply.text

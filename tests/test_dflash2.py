@@ -23,9 +23,10 @@ from loopspec.engines.torch_engine import TorchEngine
 from loopspec.errors import LoopspecError
 from loopspec.model import dflash2
 from loopspec.model.dflash2 import DFlash2Config, DFlash2Drafter
-from loopspec.model.drafter import DrafterConfig
-from loopspec.model.drafter_kinds import require_exportable, require_zlab_block
-from loopspec.model.eagle3 import fit_drafter
+from loopspec.model.dflash import DrafterConfig
+from loopspec.engines.dflash2_export import DFlash2Block
+from loopspec.engines.export import block_graph
+from loopspec.model.drafter_kinds import require_zlab_block
 from loopspec.pair import load_pair
 from loopspec.runtime.decoder import Decoder, decode_all, generate
 from loopspec.settings import DecodingSettings as Method
@@ -195,7 +196,7 @@ def hf_forward(target_dir, ids):
 def fp64_pair(target_dir, drafter_dir):
     target = load_target_dir(target_dir, dtype=torch.float64)
     drafter = DFlash2Drafter.load(drafter_dir, dtype=torch.float64)
-    fit_drafter(drafter.cfg, target.cfg)
+    drafter.cfg.fit(target.cfg)
     return target, drafter
 
 
@@ -399,13 +400,13 @@ def test_quantization_training_and_cuda_graphs_refuse_it_naming_the_kind(target_
     directory, _, _ = dflash2_checkpoint(tmp_path / "d2")
     pair = load_pair(target_dir, directory)
     kind = pair.drafter.cfg.kind
-    require_exportable(kind, "the ONNX / TensorRT export")  # refuses nothing: its block graph exports
+    assert block_graph(kind) is DFlash2Block  # its block graph exports
     with pytest.raises(LoopspecError, match="quantization does not take DFlash2 drafters: their graphs are exported in fp32"):
         require_zlab_block(pair.drafter.cfg, "quantization")
     with pytest.raises(LoopspecError, match="cannot serve this DFlash2 drafter.*DFlashDecodingConfig") as e:
         build_bundle(target_dir, str(directory), tmp_path / "bundle-trtllm", "trtllm")
     assert "\n" not in str(e.value)
-    assert kind.exports and kind.trains and kind.training_family == "dflash2" and not kind.trains_loop_aware
+    assert kind.training_family == "dflash2" and not kind.trains_loop_aware
     with pytest.raises(LoopspecError, match="DFlash2.*--cuda-graphs"):
         TorchEngine(pair.target, pair.drafter, max_context=64, cuda_graphs=True)
     from loopspec.train.run import prepare_drafter
@@ -590,14 +591,14 @@ def test_drafts_from_the_selectors_q_commit_the_targets_exact_law(law_target):
 def not_renormalised(engine, stage):
     """q of the candidates times the head's mass on them: the selector's law restricted to the top-k
     and left normalised over the whole vocabulary."""
-    logits = engine.drafter.unary_logits(engine.draft_head(stage[2][:, 1:])).float()  # [R, D, V]
+    logits = engine.drafter.unary_logits(engine.context.draft_head(stage[2][:, 1:])).float()  # [R, D, V]
     mass = torch.softmax(logits, -1).topk(engine.drafter_cfg.selector_top_k, -1).values.sum(-1)  # [R, D]
     return stage.q * mass.cpu()[..., None]
 
 
 def edge_left_out(engine, stage):
     """softmax over each slot's candidates of the head's logits alone: the walk's edge left out of q."""
-    logits = engine.drafter.unary_logits(engine.draft_head(stage[2][:, 1:])).float()
+    logits = engine.drafter.unary_logits(engine.context.draft_head(stage[2][:, 1:])).float()
     unary, candidates = logits.topk(engine.drafter_cfg.selector_top_k, -1)
     return torch.zeros_like(stage.q).scatter_(-1, candidates.cpu(), torch.softmax(unary, -1).cpu())
 

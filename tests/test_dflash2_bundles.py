@@ -17,7 +17,7 @@ from conftest import save_tiny_target, save_tiny_tokenizer
 from loopspec.convert.bundles import FRAMEWORKS, build_bundle
 from loopspec.errors import LoopspecError
 from loopspec.model.dflash2 import DFlash2Config, DFlash2Drafter
-from loopspec.model.eagle3 import load_drafter
+from loopspec.model.drafters import load_drafter
 from test_dflash2 import BLOCK, HIDDEN, LAYERS, MASK, TAPS, dflash2_checkpoint
 from test_eagle3_bundles import flag, launch_argv, llamacpp_converter, one_line_error
 
@@ -131,7 +131,7 @@ def test_each_refusal_is_one_line(target_dir, drafter_dir, tmp_path, capsys):
 def default_target_dflash2(directory: Path, top_k: int = 16) -> DFlash2Drafter:
     """A random DFlash2 drafter shaped for the default target (hidden 576), one sliding layer."""
     from loopspec.defaults import DEFAULT_TARGET_MASK_TOKEN_ID
-    from loopspec.model.drafter import DrafterConfig
+    from loopspec.model.dflash import DrafterConfig
     from loopspec.model.families import target_config
     from loopspec.weights import TargetSource, read_json
 

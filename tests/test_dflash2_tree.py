@@ -107,7 +107,7 @@ def test_the_stage_lattice_is_the_selectors_score_from_every_predecessor(target_
     selector = drafter.candidate_selector
     with torch.inference_mode():
         states = stage[2][0, 1:]  # [D, H]
-        unary = drafter.unary_logits(engine.draft_head(states))  # [D, V]
+        unary = drafter.unary_logits(engine.context.draft_head(states))  # [D, V]
         u = selector.hidden_projection(states)  # [D, rank]
         A, B = selector.predecessor_codebook.detach(), selector.successor_codebook.detach()
     candidates = lattice.candidates.tolist()

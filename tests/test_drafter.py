@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig, check_fits, resolve_mask_token_id
+from loopspec.model.dflash import Drafter, DrafterConfig, resolve_mask_token_id
 from loopspec.model.target import TargetConfig, default_target_layer_ids
 from loopspec.weights import load_target_dir
 
@@ -412,19 +412,19 @@ def test_zlab_config_dict_round_trip():
     t = dataclasses.replace(big_target_cfg(), rope_scaling={"rope_type": "linear", "factor": 2.0})
     cfg = DrafterConfig.for_target(t, num_layers=3, block_size=10, mask_token_id=7)
     zlab = json.loads(json.dumps(cfg.to_zlab()))
-    assert DrafterConfig.from_zlab(zlab) == cfg
+    assert DrafterConfig.from_checkpoint(zlab) == cfg
     # published configs may omit target_layer_ids: the default formula fills them in
     del zlab["dflash_config"]["target_layer_ids"]
-    assert DrafterConfig.from_zlab(zlab).target_layer_ids == default_target_layer_ids(30, 3) == [1, 14, 27]
+    assert DrafterConfig.from_checkpoint(zlab).target_layer_ids == default_target_layer_ids(30, 3) == [1, 14, 27]
     # transformers 5 writes rope_parameters (with rope_theta inside) instead of rope_theta/rope_scaling
     v5 = {k: v for k, v in cfg.to_zlab().items() if k not in ("rope_theta", "rope_scaling")}
     v5["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0}
-    read = DrafterConfig.from_zlab(v5)
+    read = DrafterConfig.from_checkpoint(v5)
     assert read.rope_theta == 1_000_000.0 and read.rope_scaling is None
 
 
 # --------------------------------------------------------------------------------------------------
-# 4. check_fits and resolve_mask_token_id
+# 4. DrafterConfig.fit and resolve_mask_token_id
 
 
 def tiny_target_cfg() -> TargetConfig:
@@ -432,10 +432,10 @@ def tiny_target_cfg() -> TargetConfig:
                         num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True)
 
 
-def test_check_fits_accepts_a_matching_drafter():
+def test_fit_accepts_a_matching_drafter():
     t = tiny_target_cfg()
-    check_fits(DrafterConfig.for_target(t, num_layers=2, mask_token_id=MASK), t)
-    check_fits(DrafterConfig.for_target(t, target_layer_ids=[0, 5], mask_token_id=0), t)
+    DrafterConfig.for_target(t, num_layers=2, mask_token_id=MASK).fit(t)
+    DrafterConfig.for_target(t, target_layer_ids=[0, 5], mask_token_id=0).fit(t)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -447,18 +447,18 @@ def test_check_fits_accepts_a_matching_drafter():
     ({"mask_token_id": None}, r"no mask token id"),
     ({"mask_token_id": 128}, r"mask token id 128 outside the vocabulary"),
 ])
-def test_check_fits_refuses(change, message):
+def test_fit_refuses(change, message):
     t = tiny_target_cfg()
     drafter = dataclasses.replace(DrafterConfig.for_target(t, num_layers=2, mask_token_id=MASK), **change)
     with pytest.raises(LoopspecError, match="drafter does not fit the target: .*" + message):
-        check_fits(drafter, t)
+        drafter.fit(t)
 
 
-def test_check_fits_names_every_problem():
+def test_fit_names_every_problem():
     t = tiny_target_cfg()
     drafter = dataclasses.replace(DrafterConfig.for_target(t, mask_token_id=None), hidden_size=32, vocab_size=64)
     with pytest.raises(LoopspecError) as e:
-        check_fits(drafter, t)
+        drafter.fit(t)
     assert "hidden size" in str(e.value) and "vocab size" in str(e.value) and "mask token" in str(e.value)
 
 

@@ -12,7 +12,7 @@ import torch
 from conftest import accepted_drafts, agreeing_drafter, lively
 from loopspec.cli import main
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import (MARKOV_HEAD_TYPES, Drafter, DrafterConfig, draft_stage, require_zlab_block)
+from loopspec.model.dflash import (MARKOV_HEAD_TYPES, Drafter, DrafterConfig, draft_stage, require_zlab_block)
 from loopspec.pair import load_pair
 from loopspec.runtime.decoder import Decoder, decode_all, draft_round, generate
 from loopspec.engines.torch_engine import TorchEngine
@@ -257,6 +257,7 @@ SERVED = {
 
 @pytest.mark.parametrize("case", KIND_CASES)
 def test_a_drafters_kind_states_what_other_layers_ask(case, target):
+    from loopspec.convert.bundles import FRAMEWORKS
     from loopspec.model.drafter_kinds import DRAFTER_KINDS
 
     changes, (name, title, convention, drafts, heads, outputs) = KIND_CASES[case]
@@ -271,7 +272,7 @@ def test_a_drafters_kind_states_what_other_layers_ask(case, target):
     assert kind.trains_loop_aware == ("markov_head" not in heads)
     assert kind.plain == (case == "z-lab dflash")
     for framework, words in SERVED[case].items():
-        why = kind.unsupported_in(framework, framework)
+        why = FRAMEWORKS[framework].refuses(kind)
         assert (why is None) if words is None else (words in why), (framework, why)
 
 
@@ -337,7 +338,7 @@ def test_engine_stage_drafts_every_block_position_and_exposes_confidence(target)
     drafts, logprobs, hidden = stage
     assert drafts.shape[:2] == (2, BLOCK) and hidden.shape[:2] == (2, BLOCK)  # anchor + 4 masks → 5 drafts
     with torch.inference_mode():  # the engine's hidden states are inference tensors
-        want, _, conf = draft_stage(drafter, hidden, torch.tensor([11, 12]), engine.draft_head, None)
+        want, _, conf = draft_stage(drafter, hidden, torch.tensor([11, 12]), engine.context.draft_head, None)
     assert torch.equal(drafts, want) and torch.equal(stage.confidence, conf)
     for b in range(2):
         assert out[b].candidates.shape[0] == BLOCK and torch.equal(out[b].candidates, drafts[b])

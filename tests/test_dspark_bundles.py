@@ -24,7 +24,7 @@ from loopspec.cli import main  # noqa: E402
 from loopspec.convert.bundles import build_bundle  # noqa: E402
 from loopspec.engines.llamacpp import write_dflash_gguf  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
-from loopspec.model.drafter import Drafter  # noqa: E402
+from loopspec.model.dflash import Drafter  # noqa: E402
 from loopspec.pair import load_pair  # noqa: E402
 from loopspec.engines.torch_engine import TorchEngine  # noqa: E402
 from loopspec.weights import load_target_dir, read_safetensors  # noqa: E402
@@ -161,7 +161,7 @@ def test_vllm_reduced_vocabulary_carries_the_markov_rows(target_dir, target, tmp
 
 def test_engines_that_cannot_run_a_drafter_are_refused_in_one_line(target_dir, target, gguf_target, tmp_path,
                                                                    capsys):
-    deepspec = saved(original(target), tmp_path / "deepspec")
+    saved(original(target), tmp_path / "deepspec")
     zlab = saved(original(target, anchor_predicts=False), tmp_path / "zlab")
     gated = saved(original(target, head_type="gated"), tmp_path / "gated")
     rnn = saved(original(target, head_type="rnn"), tmp_path / "rnn")
@@ -296,7 +296,7 @@ def test_dspark_gguf_drafts_in_llama_server(tmp_path):
 
 def original_for(target_cfg) -> Drafter:
     """A random DeepSpec-convention DSpark drafter (vanilla head, confidence head) for `target_cfg`."""
-    from loopspec.model.drafter import DrafterConfig
+    from loopspec.model.dflash import DrafterConfig
 
     cfg = DrafterConfig.for_target(target_cfg, num_layers=1, block_size=BLOCK,
                                    mask_token_id=target_cfg.vocab_size - 1)

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafters on ONNX Runtime (engines/export_eagle3.py, engines/eagle3_artifact.py): the exported
+"""EAGLE-3 drafters on ONNX Runtime (engines/eagle3_export.py, engines/eagle3_graphs.py): the exported
 graphs draft what the torch engine's EAGLE-3 path drafts (ids equal, log-probs and states within fp32
 rounding, d2t applied in the graph), a row drafts bit for bit what it drafts alone beside rows of other
 lengths, greedy chains, trees and DLoop over it commit plain decoding's tokens with drafts accepted,
@@ -28,8 +28,8 @@ from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
 from loopspec.engines.specs import TARGET_VERIFY  # noqa: E402
 from loopspec.engines.torch_engine import TorchEngine  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
-from loopspec.model.drafter_kinds import require_exportable, require_zlab_block  # noqa: E402
-from loopspec.model.eagle3 import Eagle3Drafter, fit_drafter  # noqa: E402
+from loopspec.model.drafter_kinds import require_zlab_block  # noqa: E402
+from loopspec.model.eagle3 import Eagle3Drafter  # noqa: E402
 from loopspec.runtime.decoder import generate  # noqa: E402
 from loopspec.settings import DecodingSettings as Method  # noqa: E402
 from loopspec.weights import load_target_dir  # noqa: E402
@@ -48,7 +48,7 @@ def reduced(target_dir, tmp_path_factory):
     directory, _ = eagle3_checkpoint(root / "eagle3")
     target = load_target_dir(target_dir)
     drafter = Eagle3Drafter.load(directory)
-    fit_drafter(drafter.cfg, target.cfg)
+    drafter.cfg.fit(target.cfg)
     export_pair(target, drafter, root / "onnx", target_dir=target_dir, max_context=CONTEXT)
     return target, drafter, root / "onnx"
 
@@ -95,7 +95,7 @@ def test_every_config_switch_drafts_on_the_graphs_what_the_torch_engine_drafts(t
                                      norm_before_fc=True, norm_output=True, norm_before_residual=True)
     target = load_target_dir(target_dir)
     drafter = Eagle3Drafter.load(directory)
-    fit_drafter(drafter.cfg, target.cfg)
+    drafter.cfg.fit(target.cfg)
     assert len(drafter.cfg.variant.switched_on) == 4
     export_pair(target, drafter, tmp_path / "onnx", target_dir=target_dir, max_context=CONTEXT)
     te, oe = (prefilled(e, (0, 1)) for e in (TorchEngine(target, drafter, CONTEXT, max_rows=2),
@@ -205,8 +205,7 @@ def test_quantized_drafter_graphs_refuse_it_in_one_line(reduced, tmp_path):
 
     target, drafter, _ = reduced
     kind = drafter.cfg.kind
-    assert kind.exports and not kind.exports_quantized
-    require_exportable(kind, "the ONNX / TensorRT export")  # fp32 graphs: taken
+    assert not kind.exports_quantized
     for refused in (lambda: require_zlab_block(drafter.cfg, "quantization"),
                     lambda: block_drafter(drafter, None, "gguf-int8act"),
                     lambda: export_pair(target, drafter, tmp_path / "q", target_dir=tmp_path,

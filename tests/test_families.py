@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import DrafterConfig
+from loopspec.model.dflash import DrafterConfig
 from loopspec.model.families import FAMILIES, export_refusal
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings as Method
@@ -264,7 +264,7 @@ def test_bundles_name_the_family_for_every_reader(family_dirs, tmp_path):
     engine builds the same model; the llama.cpp bundle, which serves a GGUF, refuses a directory."""
     from conftest import save_tiny_tokenizer
     from loopspec.convert.bundles import build_bundle
-    from loopspec.model.drafter import Drafter
+    from loopspec.model.dflash import Drafter
 
     for family in NEW_FAMILIES:
         target_dir = tmp_path / f"{family}-target"
@@ -299,7 +299,7 @@ def law_engines(tmp_path_factory):
     from test_distribution import MASK, V
     from transformers import AutoModelForCausalLM
 
-    from loopspec.model.drafter import Drafter
+    from loopspec.model.dflash import Drafter
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a vocabulary-8 model runs fastest on one thread

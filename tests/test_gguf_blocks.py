@@ -20,11 +20,10 @@ from loopspec.cli import main  # noqa: E402
 from loopspec.engines.gguf_export import Q41Linear, Q80Linear, block_target  # noqa: E402
 from loopspec.convert.onnx_export import convert_onnx  # noqa: E402
 from loopspec.engines.export import linear  # noqa: E402
-from loopspec.engines.ort_engine import EngineSession  # noqa: E402
 from loopspec.engines.specs import TARGET_VERIFY  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.gguf_blocks import quantize_blocks, read_tensors, target_blocks  # noqa: E402
-from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from loopspec.model.dflash import Drafter, DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import generate  # noqa: E402
 from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
 from loopspec.settings import DecodingSettings  # noqa: E402

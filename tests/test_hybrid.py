@@ -18,7 +18,7 @@ import torch
 
 from loopspec.errors import LoopspecError
 from loopspec.model import qwen3_5
-from loopspec.model.drafter import DrafterConfig
+from loopspec.model.dflash import DrafterConfig
 from loopspec.model.families import FAMILIES, export_refusal
 from loopspec.model.target import RotaryTable
 from loopspec.runtime.decoder import Decoder

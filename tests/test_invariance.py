@@ -17,7 +17,7 @@ pytest.importorskip("gguf", reason="needs gguf: pip install gguf (a core depende
 from loopspec.convert.onnx_export import convert_onnx  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.engines import export, graph_ops  # noqa: E402
-from loopspec.model.drafter import DrafterConfig  # noqa: E402
+from loopspec.model.dflash import DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import Decoder, generate  # noqa: E402
 from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
 from loopspec.settings import DecodingSettings as Method  # noqa: E402
@@ -324,7 +324,7 @@ def lone_token_agrees_with_padded(engine, contexts: int = 4) -> bool:
     single = engine.with_rows(1)
     for i, prompt in enumerate(prompts(contexts, seed=31, low=5, high=90)):
         single.prefill(0, prompt, want_taps=False)
-        alone, padded = (single._run_target([0], [[3 + i]], width, all_logits=True) for width in (1, 2))
+        alone, padded = (single.run_target([0], [[3 + i]], width, all_logits=True) for width in (1, 2))
         if not (torch.equal(alone["logits"][:, :1], padded["logits"][:, :1])
                 and torch.equal(alone["new_key"][..., :1, :], padded["new_key"][..., :1, :])):
             return False

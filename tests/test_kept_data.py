@@ -163,7 +163,7 @@ def test_mismatched_or_corrupt_kept_data_is_refused(tiny_pair, prompts, tmp_path
 def test_training_runs_from_data_resumed_from_kept(tiny_pair, prompts, tmp_path):
     """v6's recipe at test size from kept data (token ids only): a base drafter, deepened by a layer and
     trained in bf16 with a tap cache, then a loop-aware run from it on the same cache."""
-    from loopspec.model.drafter import Drafter
+    from loopspec.model.dflash import Drafter
 
     target_dir, _ = tiny_pair
     kept, resumed = tmp_path / "kept", tmp_path / "resumed"

@@ -18,7 +18,7 @@ from loopspec.convert.bundles import build_bundle  # noqa: E402
 from loopspec.engines.llamacpp import (find_llama_server, llama_server_command, read_dflash_gguf,  # noqa: E402
                                        write_dflash_gguf)
 from loopspec.errors import LoopspecError  # noqa: E402
-from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from loopspec.model.dflash import Drafter, DrafterConfig  # noqa: E402
 from loopspec.weights import file_sha256  # noqa: E402
 
 Q = gguf.GGMLQuantizationType

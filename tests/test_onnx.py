@@ -19,7 +19,7 @@ from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONT
                                     TARGET_VERIFY, EngineSpec, TensorSpec, engine_specs)
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.files import file_sha256  # noqa: E402
-from loopspec.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from loopspec.model.dflash import Drafter, DrafterConfig  # noqa: E402
 from loopspec.runtime.decoder import generate  # noqa: E402
 from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
 from loopspec.engines.torch_engine import TorchEngine  # noqa: E402
@@ -115,8 +115,8 @@ def test_engine_calls_match_torch_engine(exported):
     lt, lo = (e.prefill(0, prompt, want_taps=True) for e in (te, oe))
     assert lo.shape == lt.shape == (128,) and torch.allclose(lo, lt, atol=1e-5)
     # the prompt's context features, as K/V of every drafter layer
-    assert torch.allclose(oe.context.k[:, 0, :, :14], te.context.k[:, 0, :, :14], atol=1e-5)
-    assert torch.allclose(oe.context.v[:, 0, :, :14], te.context.v[:, 0, :, :14], atol=1e-5)
+    assert torch.allclose(oe.context.kv.k[:, 0, :, :14], te.context.kv.k[:, 0, :, :14], atol=1e-5)
+    assert torch.allclose(oe.context.kv.v[:, 0, :, :14], te.context.kv.v[:, 0, :, :14], atol=1e-5)
     (dt, pt, ht), (do, po, ho) = (e.draft([0], [7], [14], 5) for e in (te, oe))
     assert torch.equal(do, dt) and set(do.flatten().tolist()) <= set(drafter.draft_ids.tolist())  # target ids
     assert torch.allclose(po, pt, atol=1e-5) and torch.allclose(ho, ht, atol=1e-5)
@@ -397,12 +397,12 @@ def test_the_target_graph_writes_the_new_kv_into_the_cache_itself(exported):
     for row, prompt in enumerate([list(range(3, 17)), list(range(20, 30))]):
         engine.prefill(row, prompt, want_taps=False)
     before = engine.cache.k.clone(), engine.cache.v.clone()
-    out = engine._run_target([0, 1], [[5, 6, 7], [8, 9, 10]], 3, all_logits=True)
+    out = engine.run_target([0, 1], [[5, 6, 7], [8, 9, 10]], 3, all_logits=True)
     for b, length in enumerate([14, 10]):
         assert torch.equal(engine.cache.k[:, b, :, length:length + 3], out["new_key"][:, b])
         assert torch.equal(engine.cache.v[:, b, :, length:length + 3], out["new_value"][:, b])
         assert torch.equal(engine.cache.k[:, b, :, :length], before[0][:, b, :, :length])
         assert torch.equal(engine.cache.v[:, b, :, :length], before[1][:, b, :, :length])
     engine.cache.k.copy_(before[0]), engine.cache.v.copy_(before[1])
-    engine._run_target([1, 0], [[8, 9, 10], [5, 6, 7]], 3, all_logits=True)  # out of order: a copy
+    engine.run_target([1, 0], [[8, 9, 10], [5, 6, 7]], 3, all_logits=True)  # out of order: a copy
     assert torch.equal(engine.cache.k, before[0]) and torch.equal(engine.cache.v, before[1])

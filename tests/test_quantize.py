@@ -18,7 +18,7 @@ from loopspec.convert import quant_checkpoint as CK  # noqa: E402
 from loopspec.convert import quantize as Q  # noqa: E402
 from loopspec.convert.qdq import check_onnx  # noqa: E402
 from loopspec.errors import LoopspecError  # noqa: E402
-from loopspec.model.drafter import Drafter  # noqa: E402
+from loopspec.model.dflash import Drafter  # noqa: E402
 from loopspec.weights import load_target_dir, load_tokenizer, read_safetensors  # noqa: E402
 
 from conftest import save_trained_like_drafter  # noqa: E402

@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 from loopspec.decoding import SamplingParams, probabilities, sample, speculative_accept
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.runtime.decoder import Decoder, decode_all, generate
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings, resolve_settings
@@ -140,7 +140,7 @@ def test_negative_control_q_without_the_markov_bias_is_rejected(target, monkeypa
         stage = real_draft(rows, anchors, positions, block_size, sampling=sampling)
         hidden = stage[2]
         with torch.inference_mode():
-            stage.q = torch.softmax(engine.draft_head(hidden[:, engine.drafter_cfg.first_draft:]).float(), -1).cpu()
+            stage.q = torch.softmax(engine.context.draft_head(hidden[:, engine.drafter_cfg.first_draft:]).float(), -1).cpu()
         return stage
 
     monkeypatch.setattr(engine, "draft", draft_with_uncorrected_q)

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import DrafterConfig
+from loopspec.model.dflash import DrafterConfig
 from loopspec.runtime.tune import check_grid
 from loopspec.settings import (KNOBS, METHODS, DecodingSettings, check_knobs_apply, knobs_for,
                                resolve_settings)

@@ -10,7 +10,7 @@ import torch
 from loopspec.decoding import SamplingParams
 from loopspec.engines.backends import torch_engine
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter
+from loopspec.model.dflash import Drafter
 from loopspec.runtime.decoder import Decoder, decode_all, generate
 from loopspec.settings import DecodingSettings as Method, resolve_settings
 from loopspec.suffix_library import SuffixLibrary
@@ -159,7 +159,7 @@ def test_no_proposal_crosses_scopes(engine):
 
 def test_shared_suffix_is_refused_in_one_line_where_it_cannot_apply(capsys):
     from loopspec.cli import main
-    from loopspec.model.drafter import DrafterConfig
+    from loopspec.model.dflash import DrafterConfig
 
     cfg = DrafterConfig(hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
                         vocab_size=16, num_target_layers=4, target_layer_ids=[2], mask_token_id=3, block_size=8)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.train.samples import Sample
 from loopspec.train.trainer import (DrafterTrainer, TrainConfig, block_mask_dense, default_gamma,
                                     position_weights, sample_anchors)

@@ -14,7 +14,7 @@ import torch
 from loopspec.cli import main
 from loopspec.errors import LoopspecError
 from loopspec.model.dflash2 import DFlash2Drafter, selector_stage
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.model.eagle3 import fresh_eagle3
 from loopspec.train import dflash2_trainer
 from loopspec.train.dflash2_trainer import DFlash2Trainer
@@ -143,7 +143,7 @@ def test_a_dflash2_drafter_made_from_a_dflash_one_drafts_as_it_did(tiny_targets)
 
 
 def _markov_heads():
-    from loopspec.model.drafter import DSparkHeads
+    from loopspec.model.dflash import DSparkHeads
 
     return DSparkHeads(markov_rank=4)
 
@@ -279,7 +279,7 @@ def test_the_kind_record_says_how_dflash2_trains():
                          head_dim=16, vocab_size=128, num_target_layers=6, target_layer_ids=[1],
                          mask_token_id=MASK, block_size=BLOCK)
     kind = DFlash2Config.over(base).kind
-    assert kind.trains and kind.training_family == "dflash2" and not kind.trains_loop_aware
+    assert kind.training_family == "dflash2" and not kind.trains_loop_aware
     assert TrainConfig(family="dflash2").anchors == 512
     with pytest.raises(LoopspecError, match="--loop-stages does not apply to DFlash2 training"):
         TrainConfig(family="dflash2", loop_stages=2)

@@ -11,7 +11,7 @@ import torch
 
 from conftest import lively
 from loopspec.cli import main
-from loopspec.model.drafter import Drafter, DrafterConfig, DSparkHeads, require_zlab_block
+from loopspec.model.dflash import Drafter, DrafterConfig, DSparkHeads, require_zlab_block
 from loopspec.errors import LoopspecError
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.train.trainer import DrafterTrainer, TrainConfig, sample_anchors
@@ -160,7 +160,7 @@ def test_train_cli_adds_dspark_heads(tiny_pair, tmp_path, capsys):
     assert not drafter.cfg.anchor_predicts and drafter.markov_head.head_type == "rnn" and drafter.confidence_head is not None
     misplaced = dict(config, markov_rank=heads["markov_rank"])  # DeepSpec's place on a z-lab architecture: refused
     with pytest.raises(LoopspecError, match="markov_rank of a \\['DFlashDraftModel'\\] drafter belong inside dflash_config"):
-        DrafterConfig.from_zlab(misplaced)
+        DrafterConfig.from_checkpoint(misplaced)
     with pytest.raises(LoopspecError, match="z-lab DFlash drafters only"):
         require_zlab_block(drafter.cfg, "the vLLM DFlash bundle")
 

@@ -12,7 +12,7 @@ import loopspec.runtime.decoder as decoder_module
 from conftest import FAMILIES, accepted_drafts, agreeing_drafter
 from loopspec.decoding import SamplingParams, probabilities
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig, StageDrafts
+from loopspec.model.dflash import Drafter, DrafterConfig, StageDrafts
 from loopspec.runtime.decoder import Decoder, decode_all, generate
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings, method_variant, resolve_settings, variant_name

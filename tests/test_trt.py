@@ -10,7 +10,7 @@ import torch
 from loopspec.engines.specs import DRAFTER_BLOCK, TARGET_VERIFY, engine_specs
 from loopspec.engines.trt_engine import check_precision_supported, profile_shapes
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.model.target import TargetConfig
 from loopspec.weights import load_target_dir
 
@@ -187,7 +187,7 @@ def plans(tiny_pair, tmp_path_factory):
 @pytest.mark.gpu
 @needs_trt_gpu
 def test_plans_match_torch(plans, tiny_pair):
-    from loopspec.model.drafter import Drafter
+    from loopspec.model.dflash import Drafter
     from loopspec.engines.torch_engine import TorchEngine
     from loopspec.engines.trt_engine import TrtEngine
 

@@ -29,8 +29,8 @@ can be copied to the serving machine as it is. DLoop runs only in loopspec's own
 
 One module per serving framework holds its record (`ServingFramework`: what target it serves, its
 launch files, its README lines, its row of the support matrix) with the facts about that framework
-it relies on; `FRAMEWORKS` lists them. Which drafter kinds each takes is the kind record's answer
-(loopspec/model/drafter_kinds.py).
+it relies on, among them which drafter kinds it takes and why it refuses the rest (its `kind_refusal`);
+`FRAMEWORKS` lists them.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import json
 from pathlib import Path
 
 from loopspec.convert.bundles.common import (DTYPES, GGUF_TARGET, HF_TARGET, BundleParts, LaunchSettings,
-                                             ServingFramework, manifest, readme)
+                                             ServingFramework, drafts_in_steps, manifest, readme)
 from loopspec.convert.bundles.common import support_matrix_markdown as _support_matrix
 from loopspec.convert.bundles.hf_checkpoint import write_hf_checkpoint
 from loopspec.convert.bundles.llamacpp import LLAMACPP
@@ -50,9 +50,9 @@ from loopspec.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET_MASK_TOKEN_ID
 from loopspec.engines.llamacpp import gguf_target_info
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import resolve_mask_token_id
+from loopspec.model.dflash import resolve_mask_token_id
 from loopspec.model.drafter_kinds import DrafterKind
-from loopspec.model.eagle3 import fit_drafter, load_drafter
+from loopspec.model.drafters import load_drafter
 from loopspec.model.families import target_config
 from loopspec.precisions import precision_names
 from loopspec.settings import DecodingSettings, resolve_settings
@@ -112,7 +112,7 @@ def build_bundle(target: str | Path | TargetSource, drafter: str, out_dir: str |
     hf = any(f.target == HF_TARGET for f in chosen)
     target_dir = target_cfg = None
     # an EAGLE-3 drafter's taps and fit are the checkpoint's, for any framework; llama.cpp's converter reads it
-    if hf or cfg.kind.drafts_in_steps or any(f.reads_checkpoint and f.reads_checkpoint(cfg.kind) for f in chosen):
+    if hf or drafts_in_steps(cfg.kind) or any(f.reads_checkpoint and f.reads_checkpoint(cfg.kind) for f in chosen):
         target_dir = source.checkpoint_dir()
         target_cfg = target_config(read_json(target_dir / "config.json", "target config"))
         positions, vocab_size = target_cfg.max_position_embeddings, target_cfg.vocab_size
@@ -127,7 +127,7 @@ def build_bundle(target: str | Path | TargetSource, drafter: str, out_dir: str |
         tokenizer_len = len(load_tokenizer(target_dir)) if hf else vocab_size
         cfg.mask_token_id = resolve_mask_token_id(mask_token_id, tokenizer_len, vocab_size)
     if target_cfg is not None:
-        fit_drafter(cfg, target_cfg)  # an EAGLE-3 drafter without pinned taps gets the engines' default ones
+        cfg.fit(target_cfg)  # an EAGLE-3 drafter without pinned taps gets the engines' default ones
     if hf:
         check_tp(tp, target_cfg.num_heads, target_cfg.num_kv_heads, "target")
         check_tp(tp, cfg.num_heads, cfg.num_kv_heads, "drafter")
@@ -212,7 +212,7 @@ def drafting_setting(cfg, setting: dict | None) -> DecodingSettings:
     unknown = sorted(set(given) - set(SETTING_KNOBS))
     if unknown:
         raise LoopspecError(f"a bundle takes {' and '.join(SETTING_KNOBS)} from the decoding setting, not {unknown[0]}")
-    if not cfg.kind.drafts_in_steps:
+    if not drafts_in_steps(cfg.kind):
         if given:
             raise LoopspecError(f"--block-size and --tree-budget set an EAGLE-3 drafter's chain or tree; the engines "
                                 f"run this {cfg.kind.title} drafter's trained block of {cfg.block_size} as a chain")

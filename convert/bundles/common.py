@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from loopspec.model.drafter import DRAFT_CANDIDATES, Drafter, DrafterConfig
+from loopspec.model.dflash import DRAFT_CANDIDATES, Drafter, DrafterConfig
 from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK, DrafterKind
 from loopspec.model.target import TargetConfig
 from loopspec.weights import TargetSource, file_sha256
@@ -93,6 +93,10 @@ class ServingFramework:
     target: str  # HF_TARGET (the checkpoint in target/ with the z-lab drafter/) or GGUF_TARGET (the target GGUF)
     support: tuple[str, ...]  # its row of the support matrix (SUPPORT_COLUMNS)
     launch_files: Callable[[LaunchSettings], dict[str, str]]  # {path in the bundle: text}
+    # why it cannot serve a drafter of this kind (None: it can): written in its module, answering for every
+    # family (DFlash and DSpark by block convention and heads, DFlash2 by selector, EAGLE-3 by the switches
+    # its reader implements)
+    kind_refusal: Callable[[DrafterKind], str | None]
     # its own files beside the launch files and the shared drafter/ and target/
     write_parts: Callable[[BundleParts, Path], None] | None = None
     readme_launch: Callable[[LaunchSettings], list[str]] | None = None  # what the README's launch section adds
@@ -110,7 +114,36 @@ class ServingFramework:
 
     def refuses(self, kind: DrafterKind, tree_budget: int = 0) -> str | None:
         """Why it cannot serve a drafter of this kind with this setting's tree (None: it can)."""
-        return kind.unsupported_in(self.name, self.title) or (self.tree_refusal if tree_budget else None)
+        return self.kind_refusal(kind) or (self.tree_refusal if tree_budget else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# what a bundle asks of a drafter's kind
+
+
+def drafts_in_steps(kind: DrafterKind) -> bool:
+    """A bundle sets how many drafts (and which tree) its engines draft per verification from the decoding
+    setting: a chain drafter runs any number of steps; a block drafter drafts its block."""
+    return kind.chain
+
+
+def serves_its_draft_vocab(kind: DrafterKind) -> bool:
+    """Every framework that takes it reads its reduced draft vocabulary (d2t, its own lm_head rows) from
+    one drafter directory: EAGLE-3's readers all do; a block drafter's bundle writes drafter/ over the
+    full vocabulary, since TensorRT-LLM and SGLang draft with the target's lm_head."""
+    return kind.chain
+
+
+def eagle3_switch_refusal(kind: DrafterKind, title: str, switches_read: tuple[str, ...]) -> str | None:
+    """Why the framework `title`, whose EAGLE-3 reader implements the config switches `switches_read`, cannot
+    serve this EAGLE-3 drafter (None: it can). Every framework runs SpecForge's LlamaForCausalLMEagle3
+    drafter as loopspec saves it; a switch its reader does not implement would be silently dropped there,
+    so it is refused here; what a framework cannot take of a setting (a draft tree) is its tree_refusal."""
+    unread = [name for name in (kind.eagle3.switched_on if kind.eagle3 else ()) if name not in switches_read]
+    if not unread:
+        return None
+    return (f"{title}'s EAGLE-3 reader does not implement {', '.join(unread)} (this drafter's config.json turns "
+            f"{'it' if len(unread) == 1 else 'them'} on), so it would draft with a different model")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,7 +206,7 @@ def support_matrix_markdown(frameworks: list[ServingFramework]) -> str:
 def draft_vocab_per_framework(frameworks: list[ServingFramework], draft_vocab_size: int | None,
                               kind: DrafterKind | None = None) -> dict:
     """{framework: draft vocabulary it drafts over}: the reduced size where the bundle carries it, else "full"."""
-    every = kind is not None and kind.serves_its_draft_vocab
+    every = kind is not None and serves_its_draft_vocab(kind)
     return {f.name: draft_vocab_size if draft_vocab_size and (every or f.reduced_vocab_line) else "full"
             for f in frameworks}
 
@@ -181,7 +214,7 @@ def draft_vocab_per_framework(frameworks: list[ServingFramework], draft_vocab_si
 def _draft_vocab_lines(frameworks: list[ServingFramework], vocab: int | None, kind: DrafterKind) -> list[str]:
     if not vocab:
         return ["- Draft vocabulary: full (the drafter was trained on the whole vocabulary)."]
-    if kind.serves_its_draft_vocab:
+    if serves_its_draft_vocab(kind):
         return [f"- Draft vocabulary: reduced, {vocab} tokens, as the drafter was trained: every engine drafts "
                 "with the drafter's own `lm_head` of those rows and maps them to target ids with `d2t` (target "
                 "id = draft id + d2t), from `drafter/`" + (" (llama.cpp: the `d2t` tensor of absolute ids in its "
@@ -196,7 +229,7 @@ def _draft_vocab_lines(frameworks: list[ServingFramework], vocab: int | None, ki
 
 def _convention_lines(s: LaunchSettings) -> list[str]:
     """The block convention, stated: which block outputs are drafts decides how a framework must run it."""
-    if s.kind.drafts_in_steps:
+    if drafts_in_steps(s.kind):
         shape = (f"a draft tree of {s.tree_nodes} nodes per verification, {s.tree_depth} drafter steps deep with "
                  f"{s.tree_topk} candidates a step" if s.tree_nodes else
                  f"a chain of {s.drafts} drafts per verification (block size {s.block_size})")
@@ -254,7 +287,7 @@ def readme(frameworks: list[ServingFramework], s: LaunchSettings, dtype: str, so
                      "`confidence_head.proj`, without the `embed_tokens` / `lm_head` copies: vLLM shares the "
                      f"target's), read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])} "
                      "as a DSpark drafter.")
-    elif hf and s.kind.drafts_in_steps:
+    elif hf and drafts_in_steps(s.kind):
         lines.append("- `drafter/`: SpecForge's EAGLE-3 layout (`config.json` with `architectures: "
                      "[\"LlamaForCausalLMEagle3\"]`, `draft_vocab_size`, the taps as "
                      f"`eagle_aux_hidden_state_layer_ids` {[i + 1 for i in s.target_layer_ids]} at the top level (vLLM's "
@@ -305,14 +338,14 @@ def manifest(out: Path, frameworks: list[ServingFramework], s: LaunchSettings, d
     files = {str(p.relative_to(out)): file_sha256(p) for p in sorted(out.rglob("*")) if p.is_file()}
     vocab = s.draft_vocab
     reasons = {f.name: f.full_vocab_reason for f in frameworks
-               if vocab and f.full_vocab_reason and not s.kind.serves_its_draft_vocab}
+               if vocab and f.full_vocab_reason and not serves_its_draft_vocab(s.kind)}
     entries = [f for f in frameworks if f.manifest_entry]
     # the manifest names its frameworks "engines", as bundles always have (scripts and users read it)
     return {"kind": "serving-bundle", "engines": [f.name for f in frameworks], "served_model_name": s.name,
             "tensor_parallel_size": s.tp, "max_batch_size": s.max_batch_size, "max_context": s.max_context,
             "precision": s.precision or dtype, "block_size": s.block_size, "mask_token_id": s.mask_token_id,
             "drafter_kind": s.kind.title, "block_convention": s.kind.convention.name,
-            "drafts_per_block": s.drafts, **({"draft_tree_nodes": s.tree_nodes} if s.kind.drafts_in_steps else {}),
+            "drafts_per_block": s.drafts, **({"draft_tree_nodes": s.tree_nodes} if drafts_in_steps(s.kind) else {}),
             **{f.name: f.manifest_entry(s) for f in entries if f.manifest_entry_with_drafting},
             "target_layer_ids": s.target_layer_ids, "trained_draft_vocab_size": vocab,
             "draft_vocab": draft_vocab_per_framework(frameworks, vocab, s.kind),

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from loopspec.convert.bundles.common import DTYPES, BundleParts
+from loopspec.convert.bundles.common import DTYPES, BundleParts, serves_its_draft_vocab
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter
+from loopspec.model.dflash import Drafter
 from loopspec.weights import read_json, read_safetensors, write_safetensors
 
 # what a framework needs beside the weights to serve the target (chat template, stop tokens, tokenizer)
@@ -36,7 +36,7 @@ def write_hf_checkpoint(parts: BundleParts, tmp: Path) -> None:
     """drafter/ (z-lab or DeepSpec layout, full vocabulary; an EAGLE-3 drafter in SpecForge's layout with
     its own draft vocabulary) and target/ (HF, maybe quantized)."""
     dtype = DTYPES[parts.dtype]
-    drafter = parts.drafter if parts.drafter.cfg.kind.serves_its_draft_vocab else full_vocab_drafter(parts.drafter)
+    drafter = parts.drafter if serves_its_draft_vocab(parts.drafter.cfg.kind) else full_vocab_drafter(parts.drafter)
     drafter.save(tmp / "drafter", dtype=dtype)
     if parts.precision is None:
         export_target(parts.target_dir, tmp / "target", dtype)

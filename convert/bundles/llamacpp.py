@@ -3,8 +3,11 @@
 as llama.cpp's own converter reads it (run as draft-eagle3 / draft-dflash).
 
 The GGUF format and the llama-server command line (the version vendored by llama-cpp-python 0.3.36)
-are loopspec/engines/llamacpp.py's; which drafter kinds llama.cpp takes is stated in
-loopspec/model/drafter_kinds.py. An EAGLE-3 GGUF is llama.cpp's `eagle3` architecture, which that
+are loopspec/engines/llamacpp.py's, with which block drafters its dflash GGUF holds
+(`dflash_gguf_refusal`); which drafter kinds llama.cpp takes, and why it refuses the rest, is
+`llamacpp_kind_refusal`. Its EAGLE-3 reader (the converter and the eagle3 graph, llama-cpp-python
+0.3.36's) implements the switches norm_before_residual and norm_before_fc only
+(`EAGLE3_SWITCHES_READ`). An EAGLE-3 GGUF is llama.cpp's `eagle3` architecture, which that
 version's convert_hf_to_gguf.py writes from the SpecForge checkpoint and the target's config.json and
 tokenizer (`--target-model-dir`); the bundle carries both, and its launch script converts once, with
 the converter of the llama.cpp that built the llama-server, before it serves. llama.cpp drafts
@@ -29,9 +32,11 @@ from pathlib import Path
 
 import torch
 
-from loopspec.convert.bundles.common import GGUF_TARGET, BundleParts, LaunchSettings, ServingFramework, launch_script
+from loopspec.convert.bundles.common import (GGUF_TARGET, BundleParts, LaunchSettings, ServingFramework,
+                                             drafts_in_steps, eagle3_switch_refusal, launch_script)
 from loopspec.convert.bundles.hf_checkpoint import TOKENIZER_FILES
-from loopspec.engines.llamacpp import cached_drafter_gguf, llama_server_command, spec_type
+from loopspec.engines.llamacpp import cached_drafter_gguf, dflash_gguf_refusal, llama_server_command, spec_type
+from loopspec.model.drafter_kinds import DrafterKind
 
 TITLE = "llama.cpp"
 LLAMACPP_TARGET = "llamacpp/target.gguf"
@@ -43,6 +48,26 @@ LLAMACPP_TARGET_CONFIG = "llamacpp/target-config"  # the target's config.json an
 LLAMACPP_CONVERT = "llamacpp/convert.sh"
 LLAMACPP_DFLASH2_VERSION = ("a llama.cpp from master after pull request 27816 (August 2026), e.g. the one "
                             "llama-cpp-python 0.3.36 vendors")
+# the EAGLE-3 config switches its reader implements (llama.cpp's converter and eagle3 graph, llama-cpp-python
+# 0.3.36's)
+EAGLE3_SWITCHES_READ = ("norm_before_fc", "norm_before_residual")
+
+
+def llamacpp_kind_refusal(kind: DrafterKind) -> str | None:
+    """Why llama.cpp cannot serve a drafter of this kind (None: it can): a DFlash or DSpark drafter its dflash
+    GGUF holds (loopspec/engines/llamacpp.py `dflash_gguf_refusal`: draft-dflash, draft-dspark); a DFlash2
+    drafter whose selector lattice its loader builds; an EAGLE-3 drafter whose switches its reader implements
+    (both through llama.cpp's own converter)."""
+    if kind.name == "eagle3":
+        return eagle3_switch_refusal(kind, "llama.cpp", EAGLE3_SWITCHES_READ)
+    if kind.name == "dflash2":
+        selector = kind.selector
+        if selector is not None and selector.width < selector.top_k * (selector.top_k + 1):
+            return (f"llama.cpp's DFlash2 loader needs a hidden size of at least selector_top_k x (selector_top_k + 1) "
+                    f"= {selector.top_k * (selector.top_k + 1)} for its selector lattice, and this drafter's is "
+                    f"{selector.width}")
+        return None
+    return dflash_gguf_refusal(kind)
 
 
 def converted_by_llamacpp(kind) -> bool:
@@ -134,7 +159,7 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
 
 def _readme_uses(s: LaunchSettings) -> list[str]:
     kind = s.kind
-    if kind.drafts_in_steps:
+    if drafts_in_steps(kind):
         return [f"- `{LLAMACPP_EAGLE3}/`: the EAGLE-3 drafter in SpecForge's layout (f32), and "
                 f"`{LLAMACPP_TARGET_CONFIG}/`: the target's `config.json` and tokenizer, what llama.cpp's converter "
                 f"reads to write `{LLAMACPP_DRAFTER}` (its `eagle3` architecture: `extract_layers` "
@@ -174,5 +199,6 @@ LLAMACPP = ServingFramework(
              "yes (`d2t` + the draft's own `output` head)",
              "no (the target's own GGUF quantization)", "no", "no (one process)"),
     launch_files=llamacpp_files, write_parts=_write_parts, readme_launch=_readme_launch, readme_uses=_readme_uses,
-    reduced_vocab_line=_reduced_vocab_line, manifest_entry=_manifest_entry, reads_checkpoint=converted_by_llamacpp,
+    kind_refusal=llamacpp_kind_refusal, reduced_vocab_line=_reduced_vocab_line, manifest_entry=_manifest_entry,
+    reads_checkpoint=converted_by_llamacpp,
     tree_refusal="llama.cpp's draft-eagle3 drafts a chain of up to --spec-draft-n-max tokens: it has no draft tree")

@@ -47,27 +47,62 @@ are `midlayer` → `layers.0`, `d2t` becomes its hot-token map (target id = draf
 skipped; the tap layers are `eagle_config.eagle_aux_hidden_state_layer_ids`, numbered as the output
 of layer i (the target captures layer i + 1's input: models/llama.py `set_eagle3_layers_to_capture`).
 Without `--speculative-num-steps` SGLang picks its own steps, topk and draft tokens, so all three are
-always written. Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
+always written. Which drafter kinds it takes, and why it refuses the rest, is `sglang_kind_refusal`.
 """
 
 from __future__ import annotations
 
-from loopspec.convert.bundles.common import HF_TARGET, LaunchSettings, ServingFramework, launch_script
+from loopspec.convert.bundles.common import (HF_TARGET, LaunchSettings, ServingFramework, drafts_in_steps,
+                                             eagle3_switch_refusal, launch_script)
+from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK, DrafterKind
 
 TITLE = "SGLang"
 DFLASH2_MIN_VERSION = "0.5.19"  # the first release with DFlash2DraftModel (0.5.18 has none)
+# the EAGLE-3 config switches its reader implements (SGLang 0.5.23 models/llama_eagle3.py): fc_norm (or its
+# older name use_aux_norm), norm_before_fc, norm_output
+EAGLE3_SWITCHES_READ = ("fc_norm", "norm_before_fc", "norm_output")
+
+
+def sglang_kind_refusal(kind: DrafterKind) -> str | None:
+    """Why SGLang cannot serve a drafter of this kind (None: it can): z-lab DFlash (DFLASH); a drafter of
+    DeepSpec's block convention with a Markov head, any of the three (DSPARK); a DFlash2 drafter whose
+    input_embedding_scale is 1 (DFLASH); an EAGLE-3 drafter whose switches its reader implements (EAGLE3)."""
+    if kind.name == "eagle3":
+        return eagle3_switch_refusal(kind, "SGLang", EAGLE3_SWITCHES_READ)
+    if kind.name == "dflash2":
+        if kind.selector is not None and kind.selector.input_embedding_scale != 1.0:
+            return (f"SGLang's DFLASH (0.5.19 to 0.5.23) does not read dflash_config.input_embedding_scale "
+                    f"({kind.selector.input_embedding_scale:g} in this drafter): it would draft with unscaled "
+                    "embeddings")
+        return None
+    if kind.plain:
+        return None  # z-lab DFlash: DFLASH
+    if kind.convention is not DEEPSPEC_BLOCK:
+        return ("SGLang's DSPARK reads block slot k as the draft of the token at anchor+k+1 (DeepSpec's block "
+                "convention), and this drafter's heads were trained in z-lab's (position i drafts the token at "
+                "anchor+i): SGLang would draft one position off")
+    if kind.markov is None:
+        return ("SGLang's DSPARK requires a Markov head (markov_rank > 0), and this drafter has none; its DFLASH "
+                "reads z-lab's block convention")
+    return None  # DSPARK, any of the three Markov heads
+
+
+def zlab_dflash_reader(kind: DrafterKind) -> bool:
+    """SGLang's DFLASH runs it: z-lab's block convention and no DSpark head; a DFlash2 drafter's model is
+    picked there from its checkpoint (`DFlash2DraftModel`)."""
+    return kind.plain or kind.selector is not None
 
 
 def speculative_argv(s: LaunchSettings) -> list[str]:
     """DFLASH for a z-lab DFlash drafter (the block size, anchor included); DSPARK for a DSpark drafter
     of DeepSpec's block convention (gamma = its drafts per block, and the verify window gamma + 1);
     EAGLE3 for an EAGLE-3 drafter (its steps, topk and verified tokens: the setting's chain or tree)."""
-    if s.kind.drafts_in_steps:
+    if drafts_in_steps(s.kind):
         steps, topk = (s.tree_depth, s.tree_topk) if s.tree_nodes else (s.drafts, 1)
         return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "./drafter",
                 "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
                 "--speculative-num-draft-tokens", str(s.verified_tokens)]
-    if s.kind.zlab_dflash_reader:  # a DFlash2 drafter too: SGLang picks its model from the architecture
+    if zlab_dflash_reader(s.kind):  # a DFlash2 drafter too: SGLang picks its model from the architecture
         return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "./drafter",
                 "--speculative-num-draft-tokens", str(s.block_size)]
     return ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", "./drafter",
@@ -84,7 +119,7 @@ def sglang_files(s: LaunchSettings) -> dict[str, str]:
 
 
 def _readme_launch(s: LaunchSettings) -> list[str]:
-    if s.kind.drafts_in_steps:
+    if drafts_in_steps(s.kind):
         shape = (f"a dynamic tree: `--speculative-num-steps {s.tree_depth} --speculative-eagle-topk {s.tree_topk} "
                  f"--speculative-num-draft-tokens {s.verified_tokens}` (the {s.tree_nodes} best of its candidates "
                  "and the root)" if s.tree_nodes else
@@ -121,6 +156,6 @@ SGLANG = ServingFramework(
              f"yes (`DFLASH`, >= {DFLASH2_MIN_VERSION}; `input_embedding_scale` 1 only)", "no",
              "EAGLE-3 only (`d2t`); DFLASH drafts over the full vocab", "yes (modelopt checkpoint)",
              "Blackwell only", "yes (`--tp-size`)"),
-    launch_files=sglang_files, readme_launch=_readme_launch,
+    launch_files=sglang_files, kind_refusal=sglang_kind_refusal, readme_launch=_readme_launch,
     full_vocab_reason=("SGLang's DFLASH drafter has no lm_head of its own: it drafts with the target's lm_head over "
                        "the full vocabulary and ignores a d2t tensor."))

@@ -59,23 +59,48 @@ backend (pull requests 12062 / 13081; documented in 1.4.0rc4's speculative-decod
 `use_dynamic_tree: true`, `dynamic_tree_max_topK` (candidates expanded per step) and
 `max_total_draft_tokens` (nodes verified), with max_draft_len <= max_total_draft_tokens <=
 dynamic_tree_max_topK · max_draft_len; the guide says it does not run on sliding-window or MLA targets
-(gpt-oss, DeepSeek). The static tree (`eagle_choices`) is deprecated and was removed later.
-Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
+(gpt-oss, DeepSeek). The static tree (`eagle_choices`) is deprecated and was removed later. Its EAGLE-3
+drafter reads none of the EAGLE-3 config switches (`EAGLE3_SWITCHES_READ`).
+Which drafter kinds it takes, and why it refuses the rest, is `trtllm_kind_refusal`.
 """
 
 from __future__ import annotations
 
-from loopspec.convert.bundles.common import HF_TARGET, LaunchSettings, ServingFramework, launch_script
+from loopspec.convert.bundles.common import (HF_TARGET, LaunchSettings, ServingFramework, drafts_in_steps,
+                                             eagle3_switch_refusal, launch_script)
+from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK, DrafterKind
 
 TITLE = "TensorRT-LLM >= 1.3"
 DSPARK_MIN_VERSION = "1.3.0rc27"  # the first release whose LLM API reference has DSparkDecodingConfig
 CONFIDENCE_SCHEDULING_VERSION = "1.4.0rc4"  # its enable_confidence_scheduling, with the older field names
 EAGLE3_TREE_VERSION = "1.4.0rc4"  # the release whose guide documents EAGLE-3's dynamic tree (PyTorch backend)
+EAGLE3_SWITCHES_READ = ()  # the EAGLE-3 config switches its reader implements: none
+
+
+def trtllm_kind_refusal(kind: DrafterKind) -> str | None:
+    """Why TensorRT-LLM cannot serve a drafter of this kind (None: it can): z-lab DFlash (DFlash); a drafter
+    of DeepSpec's block convention with a vanilla Markov head or none (DSpark); an EAGLE-3 drafter with no
+    switch on (Eagle3); no DFlash2 drafter."""
+    if kind.name == "eagle3":
+        return eagle3_switch_refusal(kind, "TensorRT-LLM", EAGLE3_SWITCHES_READ)
+    if kind.name == "dflash2":
+        return ("TensorRT-LLM's DFlashDecodingConfig runs z-lab DFlash drafters only: it has no DFlash2 model "
+                "(no grouped dynamic convolutions, no candidate selector for DFlash2DraftModel)")
+    if kind.plain:
+        return None  # z-lab DFlash: decoding_type DFlash
+    if kind.convention is not DEEPSPEC_BLOCK:
+        return ("TensorRT-LLM's standalone DSpark drafter drafts from the anchor's own block position (DeepSpec's "
+                "block convention, its shift_label default), and this drafter's heads were trained in z-lab's "
+                "(position i drafts the token at anchor+i): TensorRT-LLM would draft one position off")
+    if kind.markov is not None and kind.markov.head_type != "vanilla":
+        return (f"TensorRT-LLM's standalone DSpark drafter implements the vanilla Markov head only (markov_w1, "
+                f"markov_w2), not this drafter's {kind.markov.head_type} head")
+    return None  # DeepSpec's convention: decoding_type DSpark (markov_rank 0 for a DeepSpec DFlash drafter)
 
 
 def trtllm_options(s: LaunchSettings) -> dict:
     """The LLM API options trtllm-serve reads from YAML."""
-    if s.kind.drafts_in_steps:
+    if drafts_in_steps(s.kind):
         spec = eagle3_speculative_config(s)
     elif s.kind.plain:
         spec = {"decoding_type": "DFlash", "speculative_model": "./drafter", "max_draft_len": s.block_size - 1,
@@ -130,7 +155,7 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
              "its own flags, so change those values in the YAML, not with `--tp_size` and the like. "
              "`--served-model-name` needs a trtllm-serve that has it (TensorRT-LLM pull request 11711); on "
              "an older one remove that line and the model is named after its directory (`target`)."]
-    if s.kind.drafts_in_steps:
+    if drafts_in_steps(s.kind):
         spec = eagle3_speculative_config(s)
         lines += ["", f"The EAGLE-3 drafter runs as `decoding_type: Eagle3` (`Eagle3DecodingConfig`) with "
                   f"`max_draft_len: {spec['max_draft_len']}` and `eagle3_layers_to_capture: {s.target_layer_ids}` (the "
@@ -170,7 +195,7 @@ def _readme_launch(s: LaunchSettings) -> list[str]:
 
 
 def _decoding_type(s: LaunchSettings) -> str:
-    return "Eagle3" if s.kind.drafts_in_steps else "DFlash" if s.kind.plain else "DSpark"
+    return "Eagle3" if drafts_in_steps(s.kind) else "DFlash" if s.kind.plain else "DSpark"
 
 
 TRTLLM = ServingFramework(
@@ -181,7 +206,7 @@ TRTLLM = ServingFramework(
              f"chains; dynamic trees >= {EAGLE3_TREE_VERSION} (`Eagle3DecodingConfig`)",
              "no (`DFlashDecodingConfig` only)", "no", "EAGLE-3 only (`d2t`); DFlash / DSpark draft over the full vocab",
              "yes (modelopt checkpoint)", "Blackwell only", "yes (`tensor_parallel_size`)"),
-    launch_files=trtllm_files, readme_launch=_readme_launch,
+    launch_files=trtllm_files, kind_refusal=trtllm_kind_refusal, readme_launch=_readme_launch,
     # checked against TensorRT-LLM's source; see docs/serving.md
     full_vocab_reason=("TensorRT-LLM's DFlash drafter always takes the target's lm_head (full vocabulary) when it "
                        "loads, and the backbone it builds has no d2t, so the worker's d2t lookup finds none; it also "

@@ -52,7 +52,7 @@ Facts this module relies on (re-check on upgrades):
   `dflash_config.causal`, else causal on sliding layers), `layer_types` with the top-level
   `sliding_window`. Only the V2 model runner has the candidate head: the V1 runner refuses "DFlash
   candidate-head drafts" (config/vllm.py), and V2 is the default where Triton has a GPU.
-Which drafter kinds it takes is stated in loopspec/model/drafter_kinds.py.
+Which drafter kinds it takes, and why it refuses the rest, is `vllm_kind_refusal`.
 """
 
 from __future__ import annotations
@@ -63,22 +63,48 @@ from pathlib import Path
 import torch
 
 from loopspec.convert.bundles.common import (DTYPES, HF_TARGET, BundleParts, LaunchSettings, ServingFramework,
-                                             launch_script)
+                                             drafts_in_steps, eagle3_switch_refusal, launch_script,
+                                             serves_its_draft_vocab)
 from loopspec.convert.bundles.hf_checkpoint import full_vocab_drafter
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import Drafter
-from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK
+from loopspec.model.dflash import Drafter
+from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK, DrafterKind
 from loopspec.weights import read_json, read_safetensors, write_safetensors
 
 TITLE = "vLLM"
 DFLASH2_MIN_VERSION = "0.28"  # the release that added DFlash2 (pull request 52816)
 VLLM_DRAFTER = "vllm/drafter"  # the reduced-vocabulary drafter, for vLLM
+# the EAGLE-3 config switches its reader implements (vLLM 0.33 models/llama_eagle3.py): all four
+EAGLE3_SWITCHES_READ = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
+
+
+def vllm_kind_refusal(kind: DrafterKind) -> str | None:
+    """Why vLLM cannot serve a drafter of this kind (None: it can): z-lab DFlash (method dflash); a DSpark
+    drafter of DeepSpec's block convention with a vanilla Markov head (method dspark); every DFlash2 drafter
+    (method dflash); an EAGLE-3 drafter whose switches its reader implements (method eagle3)."""
+    if kind.name == "eagle3":
+        return eagle3_switch_refusal(kind, "vLLM", EAGLE3_SWITCHES_READ)
+    if kind.name == "dflash2":
+        return None  # method dflash: vLLM's Qwen3 DFlash2 model reads every DFlash2 field
+    if kind.plain:
+        return None  # z-lab DFlash: method dflash
+    if kind.convention is not DEEPSPEC_BLOCK:
+        return ("vLLM's DSpark drafts from the anchor's own block position (DeepSpec's block convention: position "
+                "i drafts the token at anchor+i+1), and this drafter's heads were trained in z-lab's (position i "
+                "drafts the token at anchor+i): vLLM would draft one position off")
+    if kind.markov is None:
+        return ("vLLM's Qwen3 DSpark model always builds a Markov head, and this drafter has none (markov_rank 0) "
+                "to load into it")
+    if kind.markov.head_type != "vanilla":
+        return (f"vLLM's DSpark Markov head is the vanilla one only (markov_w1, markov_w2), not this drafter's "
+                f"{kind.markov.head_type} head")
+    return None
 
 
 def vllm_method(s: LaunchSettings) -> str:
     """eagle3 for an EAGLE-3 drafter, dspark for a drafter written in DeepSpec's layout (its block
     convention), else dflash."""
-    if s.kind.drafts_in_steps:
+    if drafts_in_steps(s.kind):
         return "eagle3"
     return "dspark" if s.kind.convention is DEEPSPEC_BLOCK else "dflash"
 
@@ -89,7 +115,7 @@ def adaptive_verification(s: LaunchSettings) -> bool:
 
 
 def vllm_speculative_config(s: LaunchSettings) -> dict:
-    own_vocab_dir = s.draft_vocab is not None and not s.kind.serves_its_draft_vocab
+    own_vocab_dir = s.draft_vocab is not None and not serves_its_draft_vocab(s.kind)
     drafter = f"./{VLLM_DRAFTER}" if own_vocab_dir else "./drafter"
     spec = {"method": vllm_method(s), "model": drafter, "num_speculative_tokens": s.drafts}
     if adaptive_verification(s):
@@ -107,7 +133,7 @@ def vllm_files(s: LaunchSettings) -> dict[str, str]:
 def _write_parts(parts: BundleParts, tmp: Path) -> None:
     """vllm/drafter/ when the drafter has a reduced draft vocabulary."""
     draft_ids = parts.drafter.draft_ids
-    if draft_ids is None or parts.drafter.cfg.kind.serves_its_draft_vocab:  # an EAGLE-3 drafter/ carries its d2t
+    if draft_ids is None or serves_its_draft_vocab(parts.drafter.cfg.kind):  # an EAGLE-3 drafter/ carries its d2t
         return
     lm_head = target_lm_head(parts.target_dir, parts.target_cfg.tie_word_embeddings)
     write_vllm_drafter(full_vocab_drafter(parts.drafter), draft_ids, lm_head, tmp / VLLM_DRAFTER, DTYPES[parts.dtype])
@@ -157,7 +183,7 @@ def _manifest_entry(s: LaunchSettings) -> dict:
 
 
 def _readme_launch(s: LaunchSettings) -> list[str]:
-    if s.kind.drafts_in_steps:
+    if drafts_in_steps(s.kind):
         return ["", f"vLLM runs the EAGLE-3 drafter with `method: eagle3` and `num_speculative_tokens: {s.drafts}` "
                 "(drafter steps per verification, a chain), reading `drafter/` as its `LlamaForCausalLMEagle3` "
                 "model and the taps from `eagle_aux_hidden_state_layer_ids`."]
@@ -184,7 +210,7 @@ VLLM = ServingFramework(
              "chains (`method: eagle3`)",
              f"yes (`method: dflash`, >= {DFLASH2_MIN_VERSION}, V2 model runner)", "no", "yes (`draft_vocab_size` + `d2t`)", "yes (modelopt checkpoint)",
              "Blackwell only", "yes (`--tensor-parallel-size`)"),
-    launch_files=vllm_files, readme_launch=_readme_launch, write_parts=_write_parts,
+    launch_files=vllm_files, kind_refusal=vllm_kind_refusal, readme_launch=_readme_launch, write_parts=_write_parts,
     reduced_vocab_line=_reduced_vocab_line,
     manifest_entry=_manifest_entry, manifest_entry_with_drafting=True,
     tree_refusal=("vLLM 0.33 drafts EAGLE-3 as a chain of num_speculative_tokens: its speculative config has no "

@@ -43,7 +43,7 @@ from loopspec.decoding import SamplingParams, probabilities, sample
 from loopspec.errors import LoopspecError
 from loopspec.files import read_json, refuse_quantized, write_safetensors
 from loopspec.model.draft_head import DRAFT_CANDIDATES, StageDrafts
-from loopspec.model.drafter import D2T_FILE, Drafter, DrafterAttention, DrafterConfig, drafter_tensors
+from loopspec.model.dflash import D2T_FILE, Drafter, DrafterAttention, DrafterConfig, drafter_tensors
 from loopspec.model.drafter_kinds import ARCHITECTURE, DFLASH2_ARCHITECTURE, DrafterKind, SelectorKind, dflash2_kind
 from loopspec.model.target import MLP, RMSNorm
 from loopspec.tree import Lattice
@@ -118,7 +118,7 @@ class DFlash2Config(DrafterConfig):
 
     @classmethod
     def from_checkpoint(cls, raw: dict) -> "DFlash2Config":
-        """Read a DFlash2 config.json (module docstring); its DFlash fields as `DrafterConfig.from_zlab` does."""
+        """Read a DFlash2 config.json (module docstring); its DFlash fields as `DrafterConfig.from_checkpoint` does."""
         if not isinstance(raw, dict):
             raise LoopspecError(f"drafter config.json must hold a JSON object, got {type(raw).__name__}")
         if DFLASH2_ARCHITECTURE not in (raw.get("architectures") or []):
@@ -133,7 +133,7 @@ class DFlash2Config(DrafterConfig):
                 raise LoopspecError(f"DFlash2 drafter config.json lacks dflash_config.{name}")
             return value
 
-        base = DrafterConfig.from_zlab({**raw, "architectures": [ARCHITECTURE], "block_size": field("block_size", 16)})
+        base = DrafterConfig.from_checkpoint({**raw, "architectures": [ARCHITECTURE], "block_size": field("block_size", 16)})
         softcap = field("final_logit_softcapping", None)
         # as transformers' Qwen3 config reads them: no window without use_sliding_window, and without
         # layer_types the layers from max_window_layers on slide
@@ -165,7 +165,7 @@ class DFlash2Config(DrafterConfig):
 
     def to_zlab(self) -> dict:
         """config.json as z-lab writes a DFlash2 drafter, which every DFlash2 reader loads (an exported
-        artifact's drafter/config.json too: `block_drafter_config` reads it back)."""
+        artifact's drafter/config.json too: loopspec.model.drafters `drafter_config` reads it back)."""
         return self.to_checkpoint()
 
     def to_checkpoint(self) -> dict:
@@ -269,6 +269,7 @@ class CandidateSelector(nn.Module):
 
 class DFlash2Drafter(Drafter):
     layer_class = DFlash2Layer
+    config_class = DFlash2Config
 
     def __init__(self, cfg: DFlash2Config):
         super().__init__(cfg)  # every Linear N(0, 0.02), as a fresh DFlash drafter
@@ -294,6 +295,12 @@ class DFlash2Drafter(Drafter):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, ctx_k[i], ctx_v[i], masks[i])
         return self.norm(x)
+
+    def stage_drafts(self, hidden: torch.Tensor, anchors: torch.Tensor, head, draft_ids: torch.Tensor | None,
+                     sampling: list | None = None) -> StageDrafts:
+        """One stage's drafts: its candidate selector's walk over the head's top-k per slot
+        (`selector_stage`; a DFlash2 drafter drafts over the whole vocabulary: `draft_ids` is None)."""
+        return selector_stage(self, hidden, anchors, head, sampling)
 
     def layer_masks(self, positions: torch.Tensor, context: int, k: int,
                     mask: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -365,11 +372,14 @@ class DFlash2Drafter(Drafter):
         (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
     @classmethod
-    def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "DFlash2Drafter":
+    def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32,
+             raw: dict | None = None) -> "DFlash2Drafter":
+        """The drafter in `directory` (`raw`: its config.json, when the caller has read it)."""
         directory = Path(directory)
         if not directory.is_dir():
             raise LoopspecError(f"drafter path does not exist or is not a directory: {directory}")
-        raw = read_json(directory / "config.json", "drafter config")
+        if raw is None:
+            raw = read_json(directory / "config.json", "drafter config")
         refuse_quantized(raw, directory)
         cfg = DFlash2Config.from_checkpoint(raw)
         if (directory / D2T_FILE).is_file():
@@ -395,24 +405,6 @@ class DFlash2Drafter(Drafter):
         model = cls(cfg)
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
         return model.to(dtype).eval()
-
-
-def block_drafter_config(raw: dict) -> DrafterConfig:
-    """A block drafter's config.json by its architecture: DFlash2's (`DFlash2Config.from_checkpoint`),
-    else DFlash's or DSpark's (`DrafterConfig.from_zlab`)."""
-    if isinstance(raw, dict) and DFLASH2_ARCHITECTURE in (raw.get("architectures") or []):
-        return DFlash2Config.from_checkpoint(raw)
-    return DrafterConfig.from_zlab(raw)
-
-
-def is_dflash2_dir(directory: str | Path) -> bool:
-    """Whether a drafter directory's config.json names DFlash2's architecture."""
-    path = Path(directory) / "config.json"
-    try:
-        archs = json.loads(path.read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return False  # Drafter.load names what is wrong with it
-    return isinstance(archs, list) and DFLASH2_ARCHITECTURE in archs
 
 
 # --------------------------------------------------------------------------------------------------

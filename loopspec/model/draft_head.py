@@ -5,8 +5,14 @@ ops, so that the exported drafter graph runs exactly this too."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # annotations only: the drafter's module imports this one
+    from loopspec.model.dflash import Drafter
+    from loopspec.tree import Lattice
 
 
 def draft_head_weight(lm_head_weight: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:

@@ -11,12 +11,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter_kinds import MARKOV_HEAD_TYPES
+
+if TYPE_CHECKING:  # annotations only: the drafter's module imports this one
+    from loopspec.model.dflash import Drafter, DrafterConfig
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,6 @@ from torch import nn
 
 from loopspec.errors import LoopspecError
 from loopspec.files import read_json, read_safetensors, refuse_quantized, write_safetensors
-from loopspec.model.dflash2 import DFlash2Drafter, is_dflash2_dir
-from loopspec.model.drafter import Drafter, DrafterConfig, check_fits
 from loopspec.model.drafter_kinds import DRAFTER_KINDS, EAGLE3_ARCHITECTURE, DrafterKind, Eagle3Variant
 from loopspec.model.target import MLP, RMSNorm, TargetConfig, apply_rope, rope_inv_freq
 
@@ -105,7 +103,7 @@ class Eagle3Config:
     head_dim: int
     vocab_size: int  # the target's vocabulary (t2d covers it)
     draft_vocab_size: int  # the lm_head's rows (d2t maps them to target ids)
-    # loopspec taps (the output of target layer i); None: vLLM's default, fixed by `fit_drafter`
+    # loopspec taps (the output of target layer i); None: vLLM's default, fixed by `fit`
     target_layer_ids: list[int] | None
     num_target_layers: int | None = None
     target_hidden_size: int | None = None  # the taps' width (None: hidden_size)
@@ -122,6 +120,32 @@ class Eagle3Config:
     @property
     def kind(self) -> DrafterKind:
         return replace(DRAFTER_KINDS["eagle3"], eagle3=self.variant)
+
+    def fit(self, target: TargetConfig) -> None:
+        """Refuse a drafter that cannot run against `target`, naming what does not match; taps not
+        pinned get vLLM's default ones for this target."""
+        problems = []
+        L = target.num_layers
+        if self.num_target_layers is not None and self.num_target_layers != L:
+            problems.append(f"drafter was built for {self.num_target_layers} target layers, target has {L}")
+        if self.target_layer_ids is None:
+            ids = default_aux_layer_ids(L)
+            if len(set(ids)) != NUM_TAPS or min(ids) < 1:
+                problems.append(f"a target of {L} layers has no three distinct default EAGLE-3 taps (2, L/2, L-3 = {ids}): "
+                                "pin them with eagle_aux_hidden_state_layer_ids")
+            else:
+                self.target_layer_ids = [j - 1 for j in ids]
+        if self.target_layer_ids is not None and not all(0 <= i < L - 1 for i in self.target_layer_ids):
+            problems.append(f"aux hidden state layers {self.aux_layer_ids} out of range for a target of {L} layers")
+        if self.tap_width != target.hidden_size:
+            problems.append(f"fc reads taps of width {self.tap_width}, the target's hidden size is {target.hidden_size}")
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab size {self.vocab_size} != target's {target.vocab_size}")
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"hidden size {self.hidden_size} != target's {target.hidden_size} (the embedding is the target's)")
+        if problems:
+            raise LoopspecError("drafter does not fit the target: " + "; ".join(problems))
+        self.num_target_layers = L
 
     @property
     def first_draft(self) -> int:
@@ -144,7 +168,7 @@ class Eagle3Config:
         return None if self.target_layer_ids is None else [i + 1 for i in self.target_layer_ids]
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "Eagle3Config":
+    def from_checkpoint(cls, cfg: dict) -> "Eagle3Config":
         """Read an EAGLE-3 config.json (SpecForge / vLLM), refusing what loopspec does not run."""
         if not isinstance(cfg, dict):
             raise LoopspecError(f"EAGLE-3 config.json must hold a JSON object, got {type(cfg).__name__}")
@@ -263,6 +287,8 @@ class Eagle3Drafter(nn.Module):
     (None: the target's is borrowed); `draft_ids` the target id of every lm_head row (None: the
     identity, a full draft vocabulary)."""
 
+    config_class = Eagle3Config  # what its config.json reads into (model/drafters.py)
+
     def __init__(self, cfg: Eagle3Config, own_embedding: bool = False):
         super().__init__()
         self.cfg = cfg
@@ -372,13 +398,16 @@ class Eagle3Drafter(nn.Module):
         (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
     @classmethod
-    def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Eagle3Drafter":
+    def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32,
+             raw: dict | None = None) -> "Eagle3Drafter":
+        """The drafter in `directory` (`raw`: its config.json, when the caller has read it)."""
         directory = Path(directory)
         if not directory.is_dir():
             raise LoopspecError(f"drafter path does not exist or is not a directory: {directory}")
-        raw = read_json(directory / "config.json", "drafter config")
+        if raw is None:
+            raw = read_json(directory / "config.json", "drafter config")
         refuse_quantized(raw, directory)
-        cfg = Eagle3Config.from_hf(raw)
+        cfg = Eagle3Config.from_checkpoint(raw)
         weights = directory / "model.safetensors"
         files = [weights] if weights.is_file() else sorted(directory.glob("model-*-of-*.safetensors"))
         if not files:
@@ -402,7 +431,7 @@ class Eagle3Drafter(nn.Module):
         missing = sorted(set(want) - set(src))
         unexpected = sorted(set(src) - set(want))
         if missing or unexpected:
-            raise LoopspecError(f"EAGLE-3 weights do not match the format: "
+            raise LoopspecError("EAGLE-3 weights do not match the format: "
                                 + "; ".join(x for x in (f"missing {', '.join(missing)}" if missing else "",
                                                         f"unexpected {', '.join(unexpected)}" if unexpected else "") if x))
         for name, shape in want.items():
@@ -450,59 +479,6 @@ def draft_ids(cfg: Eagle3Config, d2t: torch.Tensor | None, t2d: torch.Tensor | N
     return None if torch.equal(ids, torch.arange(cfg.vocab_size)) else ids
 
 
-# --------------------------------------------------------------------------------------------------
-# either kind of drafter
-
-
-def is_eagle3_dir(directory: str | Path) -> bool:
-    """Whether `directory` holds an EAGLE-3 drafter (its config.json's architecture; read alone)."""
-    path = Path(directory) / "config.json"
-    try:
-        raw = json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and EAGLE3_ARCHITECTURE in (raw.get("architectures") or [])
-
-
-def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter | Eagle3Drafter":
-    """The drafter a directory holds, by its config.json's architecture: EAGLE-3, DFlash2, else DFlash / DSpark."""
-    if is_eagle3_dir(directory):
-        return Eagle3Drafter.load(directory, dtype)
-    if is_dflash2_dir(directory):
-        return DFlash2Drafter.load(directory, dtype)
-    return Drafter.load(directory, dtype)
-
-
-def fit_drafter(cfg: "DrafterConfig | Eagle3Config", target: TargetConfig) -> None:
-    """Refuse a drafter that cannot run against this target, naming what does not match; an EAGLE-3
-    drafter whose taps are not pinned gets vLLM's default ones for this target."""
-    if isinstance(cfg, DrafterConfig):
-        check_fits(cfg, target)
-        return
-    problems = []
-    L = target.num_layers
-    if cfg.num_target_layers is not None and cfg.num_target_layers != L:
-        problems.append(f"drafter was built for {cfg.num_target_layers} target layers, target has {L}")
-    if cfg.target_layer_ids is None:
-        ids = default_aux_layer_ids(L)
-        if len(set(ids)) != NUM_TAPS or min(ids) < 1:
-            problems.append(f"a target of {L} layers has no three distinct default EAGLE-3 taps (2, L/2, L-3 = {ids}): "
-                            "pin them with eagle_aux_hidden_state_layer_ids")
-        else:
-            cfg.target_layer_ids = [j - 1 for j in ids]
-    if cfg.target_layer_ids is not None and not all(0 <= i < L - 1 for i in cfg.target_layer_ids):
-        problems.append(f"aux hidden state layers {cfg.aux_layer_ids} out of range for a target of {L} layers")
-    if cfg.tap_width != target.hidden_size:
-        problems.append(f"fc reads taps of width {cfg.tap_width}, the target's hidden size is {target.hidden_size}")
-    if cfg.vocab_size != target.vocab_size:
-        problems.append(f"vocab size {cfg.vocab_size} != target's {target.vocab_size}")
-    if cfg.hidden_size != target.hidden_size:
-        problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size} (the embedding is the target's)")
-    if problems:
-        raise LoopspecError("drafter does not fit the target: " + "; ".join(problems))
-    cfg.num_target_layers = L
-
-
 def fresh_eagle3(target: TargetConfig, block_size: int = DEFAULT_BLOCK_SIZE, draft_ids: torch.Tensor | None = None,
                  intermediate_size: int | None = None, target_layer_ids: list[int] | None = None) -> Eagle3Drafter:
     """An untrained EAGLE-3 drafter shaped for `target` (its taps `target_layer_ids`, loopspec's
@@ -514,7 +490,7 @@ def fresh_eagle3(target: TargetConfig, block_size: int = DEFAULT_BLOCK_SIZE, dra
                        target_layer_ids=target_layer_ids, block_size=block_size, rms_norm_eps=target.rms_norm_eps,
                        rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
                        max_position_embeddings=target.max_position_embeddings)
-    fit_drafter(cfg, target)
+    cfg.fit(target)
     model = Eagle3Drafter(cfg)
     model.draft_ids = draft_ids
     return model

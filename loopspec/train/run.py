@@ -12,7 +12,7 @@ import torch
 
 from loopspec.errors import LoopspecError
 from loopspec.model.dflash2 import DFlash2Drafter
-from loopspec.model.drafter import Drafter, DrafterConfig, DSparkHeads, check_fits
+from loopspec.model.dflash import Drafter, DrafterConfig, DSparkHeads
 from loopspec.model.eagle3 import NUM_TAPS, Eagle3Drafter, fresh_eagle3
 from loopspec.model.target import Target, default_target_layer_ids
 from loopspec.pair import Pair, mask_token_id
@@ -50,9 +50,6 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
     if block_size is not None and block_size < 2:
         raise LoopspecError(f"block size must be at least 2, got {block_size}")
     family = train.family if train is not None else "dflash"
-    if pair.drafter is not None and not pair.drafter.cfg.kind.trains:
-        raise LoopspecError(f"loopspec train does not train {pair.drafter.cfg.kind.title} drafters yet (--init): "
-                            "it trains DFlash, DSpark, DFlash2 and EAGLE-3 drafters")
     if family == "dflash2":
         return prepare_dflash2(pair, target_spec, num_layers=num_layers, block_size=block_size,
                                target_layer_ids=target_layer_ids, num_taps=num_taps, mask_token=mask_token,
@@ -85,7 +82,7 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
     if heads is not None:
         torch.manual_seed(seed)
         drafter = drafter.with_heads(heads)
-    check_fits(drafter.cfg, target.cfg)
+    drafter.cfg.fit(target.cfg)
     if train is not None:
         train.check_drafter(drafter.cfg)
     draft_vocab = DraftVocab(drafter.draft_ids) if drafter.draft_ids is not None else None
@@ -176,7 +173,7 @@ def prepare_dflash2(pair: Pair, target_spec: str, *, num_layers, block_size, tar
                                   seed=seed)
         torch.manual_seed(seed)  # the selector's fresh codebooks, the same on every run of these flags
         drafter = DFlash2Drafter.from_dflash(base)
-    check_fits(drafter.cfg, pair.target.cfg)
+    drafter.cfg.fit(pair.target.cfg)
     train.check_drafter(drafter.cfg)
     return drafter, None
 

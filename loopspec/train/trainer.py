@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from loopspec.errors import LoopspecError
 from loopspec.model.draft_head import confidence_logits
-from loopspec.model.drafter import Drafter, DrafterConfig
+from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.model.target import Target
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}

@@ -1,6 +1,7 @@
 """The headline table of a bench.json: one line per engine and method, each figure a range over the
 run's datasets (what the README quotes, regenerated from the committed report by
-`scripts/headline_table.py`, so every number in it can be traced to that file).
+`scripts/headline_table.py`, so every number in it can be traced to that file). Used by scripts/headline_table.py
+and scripts/step_table.py only (tests/test_figures.py checks them): nothing in the package imports this module.
 
 Speed is against the same engine's `ar` (the first engine's `ar` against the other engine's), and
 for llama.cpp's rows against its plain decoding; τ counts the verifications that checked drafts,
@@ -29,7 +30,8 @@ def _identical(rows: dict[str, dict]) -> str:
 
 
 def headline_table(report: dict) -> str:
-    """Markdown table of `report` (a bench.json): engines in the order they ran, `ar` first."""
+    """Markdown table of `report` (a bench.json): engines in the order they ran, `ar` first. Used by
+    scripts/headline_table.py."""
     results, settings = report["results"], report.get("settings", {})
     engines = list(settings.get("engines", {}))
     if not engines:
@@ -86,7 +88,8 @@ def _tokens_per_verification(row: dict) -> float:
 
 def per_set_table(report: dict) -> str:
     """Markdown table of `report`: one line per engine and method, one column per dataset; a cell is
-    tok/s (τ / tokens per verification, speed against the same engine's `ar`, or llama.cpp's plain)."""
+    tok/s (τ / tokens per verification, speed against the same engine's `ar`, or llama.cpp's plain).
+    Used by scripts/headline_table.py --per-set."""
     results, engines = report["results"], list(report.get("settings", {}).get("engines", {}))
     datasets = list(dict.fromkeys(r["dataset"] for r in results))
     lines = ["| method, engine | " + " | ".join(datasets) + " |", "|---|" + "---|" * len(datasets)]
@@ -119,7 +122,7 @@ def step_table(ours: dict, genai_runs: list[dict]) -> str:
     run timed (its "peers": llama.cpp's llama-bench, ONNX Runtime GenAI) and ONNX Runtime GenAI's
     curves from separate runs (`scripts/genai_step.py --curve --json`, one or more, shown as `a / b`):
     one line per k new tokens on one row, one column per engine and context; then one line per rows
-    of one token (ours only)."""
+    of one token (ours only). Used by scripts/step_table.py."""
     def at(records: list[dict], k: int, rows: int, context: int) -> float | None:
         # a multi-row point sits at contexts spread below the nominal one: the nearest nominal context
         hits = [r["ms"] for r in records if r["k"] == k and r["rows"] == rows

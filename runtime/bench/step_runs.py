@@ -1,5 +1,6 @@
 """What the step-timing scripts share (scripts/step_times.py, cache_copy_ab.py, engine_ab.py, lone_step_ab.py): the
-comma-separated grid arguments, the record each JSON starts with (engine, CPU, date), and its writing."""
+comma-separated grid arguments, the record each JSON starts with (engine, CPU, date), and its writing. Used by
+those scripts only: nothing in the package imports this module."""
 
 from __future__ import annotations
 

@@ -15,24 +15,30 @@ from __future__ import annotations
 import torch
 
 from loopspec.engines.eagle3_context import Eagle3Context
-from loopspec.engines.eagle3_specs import EAGLE3_FUSE, EAGLE3_STEP
+from loopspec.engines.eagle3_specs import EAGLE3_ENGINES, EAGLE3_FUSE, EAGLE3_STEP
 from loopspec.engines.specs import past_width
 from loopspec.errors import LoopspecError
-from loopspec.model.drafter import StageDrafts
+from loopspec.model.dflash import StageDrafts
 from loopspec.model.eagle3 import Eagle3Config
 from loopspec.model.kv_cache import KVCache, SlotGrowth
+from loopspec.tree import DynamicTree
 
 
 class Eagle3Graphs(Eagle3Context):
+    graphs = EAGLE3_ENGINES  # the graphs it runs, beside the target's
+    cache_graph = EAGLE3_STEP  # the graph whose context K/V inputs its cache feeds
+    grows_dynamic_trees = False  # the step graph runs one entry per row: no tree attention
+
     def __init__(self, engine, cfg: Eagle3Config, rows: int, max_length: int, dtype: torch.dtype, growth: SlotGrowth):
-        """`engine`: the ArtifactEngine whose runners, device and dense copies (`_dense`) it uses."""
-        self.engine, self.max_length = engine, max_length
-        device = engine.device
-        self.states = torch.zeros(rows, max_length, cfg.hidden_size, dtype=dtype, device=device)
-        self.tokens = torch.zeros(rows, max_length + 1, dtype=torch.long)
-        self.lengths = torch.zeros(rows, dtype=torch.long)
+        """`engine`: the ArtifactEngine whose runners, device and dense copies (`dense`) it uses."""
+        self.engine, self.cfg, self.max_length = engine, cfg, max_length
+        self.dtype, self.device, self.growth = dtype, engine.device, growth
+        self._new_rows(rows)
+
+    def _new_kv(self, rows: int) -> KVCache:
         # room past max_length for a stage's later steps, whose K/V sit after the row's entries until it ends
-        self.kv = KVCache(1, rows, cfg.num_kv_heads, 2 * max_length, cfg.head_dim, dtype, device, growth)
+        return KVCache(1, rows, self.cfg.num_kv_heads, 2 * self.max_length, self.cfg.head_dim, self.dtype,
+                       self.device, self.growth)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """The target's taps [R, T, 3·H_target] → the fused states [R, T, H] (`eagle3_fuse`)."""
@@ -46,14 +52,14 @@ class Eagle3Graphs(Eagle3Context):
         key, value = self.kv.dense_prefix(rows, past_width(lengths, ids.shape[1]))  # [1, R, kvh, W, hd], with room
         out = self.engine.runners[EAGLE3_STEP].run(
             token_ids=ids, states=states.contiguous(), positions=positions.clamp_max(self.max_length - 1),
-            context_key=self.engine._dense("eagle3_key", key, per_layer=True)[0],
-            context_value=self.engine._dense("eagle3_value", value, per_layer=True)[0],
+            context_key=self.engine.dense("eagle3_key", key, per_layer=True)[0],
+            context_value=self.engine.dense("eagle3_value", value, per_layer=True)[0],
             context_lengths=lengths, logit_index=logit_index)
         self.kv.append(out["new_key"][None], out["new_value"][None], rows, counts)
         return out
 
     def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None = None, vocab_size: int | None = None) -> StageDrafts:
+              sampling: list | None = None) -> StageDrafts:
         if sampling is not None:
             raise LoopspecError("the exported EAGLE-3 graphs return each step's best drafts, not the distribution "
                                 "they come from: sample drafts on --backend torch")
@@ -78,3 +84,8 @@ class Eagle3Graphs(Eagle3Context):
         self.kv.lengths[rows] = lengths  # the later steps' K/V are dropped
         return StageDrafts(torch.stack(drafts, dim=1).cpu(), torch.stack(logprobs, dim=1).float().cpu(),
                            torch.stack(hidden, dim=1))  # [R, D, C], [R, D, C], [R, k, H]
+
+    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
+                      depth: int) -> list[DynamicTree]:
+        raise LoopspecError("the exported EAGLE-3 graphs run one entry per row a step, not a dynamic tree's "
+                            "nodes: grow it on --backend torch")

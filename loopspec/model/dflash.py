@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loopspec.decoding import DraftSampler
 from loopspec.errors import LoopspecError
 from loopspec.files import one_line, read_json, read_safetensors, refuse_quantized, write_safetensors
 # the draft-head step, the DSpark heads and the kinds are imported from here too
@@ -83,6 +84,25 @@ class DrafterConfig:
     def kind(self) -> DrafterKind:
         """What this drafter is (its family, block convention and heads): what other layers ask."""
         return drafter_kind(self)
+
+    def fit(self, target: TargetConfig) -> None:
+        """Refuse a drafter that cannot run against `target`, naming what does not match."""
+        problems = []
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"hidden size {self.hidden_size} != target's {target.hidden_size}")
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab size {self.vocab_size} != target's {target.vocab_size}")
+        if self.num_target_layers != target.num_layers:
+            problems.append(f"drafter was built for {self.num_target_layers} target layers, target has {target.num_layers}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            problems.append(f"tap ids {bad} out of range for a target with {target.num_layers} layers")
+        if self.mask_token_id is None:
+            problems.append("no mask token id (set dflash_config.mask_token_id, or mask_token_id in a DeepSpec config)")
+        elif not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask token id {self.mask_token_id} outside the vocabulary of {target.vocab_size}")
+        if problems:
+            raise LoopspecError("drafter does not fit the target: " + "; ".join(problems))
 
     @property
     def first_draft(self) -> int:
@@ -167,7 +187,7 @@ class DrafterConfig:
         return cfg
 
     @classmethod
-    def from_zlab(cls, cfg: dict) -> "DrafterConfig":
+    def from_checkpoint(cls, cfg: dict) -> "DrafterConfig":
         """Read a drafter's config.json: z-lab's `DFlashDraftModel` (mask and taps in `dflash_config`),
         or DeepSpec's `Qwen3DSparkModel` (DSpark, or DFlash with markov_rank 0: the fields at the top
         level, DeepSpec's block convention)."""
@@ -240,26 +260,6 @@ class DrafterConfig:
             raise LoopspecError(f"drafter config.json lacks {e.args[0]!r}") from None
 
 
-def check_fits(drafter: DrafterConfig, target: TargetConfig) -> None:
-    """Refuse a drafter that cannot run against this target, naming what does not match."""
-    problems = []
-    if drafter.hidden_size != target.hidden_size:
-        problems.append(f"hidden size {drafter.hidden_size} != target's {target.hidden_size}")
-    if drafter.vocab_size != target.vocab_size:
-        problems.append(f"vocab size {drafter.vocab_size} != target's {target.vocab_size}")
-    if drafter.num_target_layers != target.num_layers:
-        problems.append(f"drafter was built for {drafter.num_target_layers} target layers, target has {target.num_layers}")
-    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_layers]
-    if bad:
-        problems.append(f"tap ids {bad} out of range for a target with {target.num_layers} layers")
-    if drafter.mask_token_id is None:
-        problems.append("no mask token id (set dflash_config.mask_token_id, or mask_token_id in a DeepSpec config)")
-    elif not 0 <= drafter.mask_token_id < target.vocab_size:
-        problems.append(f"mask token id {drafter.mask_token_id} outside the vocabulary of {target.vocab_size}")
-    if problems:
-        raise LoopspecError("drafter does not fit the target: " + "; ".join(problems))
-
-
 def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, vocab_size: int) -> int:
     """The checkpoint's mask id; else the first unused embedding row; else a clear error."""
     if configured is not None:
@@ -315,6 +315,7 @@ class DrafterLayer(nn.Module):
 
 class Drafter(nn.Module):
     layer_class = DrafterLayer  # a DFlash2 drafter's layers add convolutions (model/dflash2.py)
+    config_class = DrafterConfig  # what its config.json reads into (model/drafters.py)
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -373,6 +374,18 @@ class Drafter(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
         return self.norm(x)
+
+    def stage_drafts(self, hidden: torch.Tensor, anchors: torch.Tensor, head, draft_ids: torch.Tensor | None,
+                     sampling: list | None = None) -> StageDrafts:
+        """One stage's drafts from its block's final-norm states hidden [R, k, H] (anchors [R]; `head`
+        the target's lm_head or its draft rows over `draft_ids`): the draft-head step's ranked
+        candidates, or with `sampling` (each row's SamplingParams and generator) drafts sampled from q."""
+        if sampling is not None:
+            sampler = DraftSampler(sampling, self.cfg.vocab_size, draft_ids)
+            drafts, logq, confidence, q = sample_stage(self, hidden, anchors, head, draft_ids, sampler)
+            return StageDrafts(drafts, logq, hidden, None if confidence is None else confidence.cpu(), q)
+        drafts, logprobs, confidence = draft_stage(self, hidden, anchors, head, draft_ids)  # [R, D, C] each, [R, D]
+        return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden, None if confidence is None else confidence.cpu())
 
     def grow(self, num_layers: int) -> "Drafter":
         """This drafter deepened to `num_layers`: the existing layers kept, new ones appended with their
@@ -448,13 +461,15 @@ class Drafter(nn.Module):
         write_safetensors({"d2t": (self.draft_ids - torch.arange(self.draft_ids.numel())).to(torch.int64)}, path)
 
     @classmethod
-    def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter":
+    def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32, raw: dict | None = None) -> "Drafter":
+        """The drafter in `directory` (`raw`: its config.json, when the caller has read it)."""
         directory = Path(directory)
         if not directory.is_dir():
             raise LoopspecError(f"drafter path does not exist or is not a directory: {directory}")
-        raw = read_json(directory / "config.json", "drafter config")
+        if raw is None:
+            raw = read_json(directory / "config.json", "drafter config")
         refuse_quantized(raw, directory)
-        cfg = DrafterConfig.from_zlab(raw)
+        cfg = cls.config_class.from_checkpoint(raw)
         state = drafter_tensors(directory, cfg.num_layers)
         # the config's sizes are checked against the file's tensors on the meta device (no memory)
         # before any is allocated: a size no file could hold (a rank of 2^40) is refused, not attempted
