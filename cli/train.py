@@ -147,7 +147,7 @@ def add_train(sub) -> None:
 def cmd_train(args) -> int:
     import torch
 
-    from loopspec.model.dflash import DSparkHeads
+    from loopspec.model.dspark import DSparkHeads
     from loopspec.pair import load_pair
     from loopspec.train.run import prepare_drafter, train_drafter
     from loopspec.train.trainer import TrainConfig

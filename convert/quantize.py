@@ -42,7 +42,8 @@ from loopspec.engines.staging import check_out_dir, replace_dir, staged_dir
 from loopspec.errors import LoopspecError
 from loopspec.pair import load_pair
 from loopspec.prompts import prompt_ids, read_prompts
-from loopspec.model.dflash import Drafter, require_zlab_block
+from loopspec.model.dflash import Drafter
+from loopspec.model.drafter_kinds import require_zlab_block
 from loopspec.model.target import Target
 
 DEFAULT_CALIB_SIZE = 16
@@ -235,7 +236,7 @@ def compare_drafters(target: Target, drafter: Drafter, sequences: list[CalibSequ
     quantized_drafter(taps [1, T, n·H] of a sequence) → hidden(block [1, k], anchor a) → hidden [1, k, H]: the
     quantized drafter's block at anchor a on the context of that sequence's positions before a."""
     from loopspec.convert.validate import offline_tau
-    from loopspec.model.dflash import draft_candidates
+    from loopspec.model.draft_head import draft_candidates
 
     target.set_taps(drafter.cfg.target_layer_ids)
     head = target.lm_head.weight if drafter.draft_ids is None else target.lm_head.weight[drafter.draft_ids]

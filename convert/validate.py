@@ -42,7 +42,8 @@ from loopspec.engines.protocol import Engine
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY
 from loopspec.errors import LoopspecError
 from loopspec.precisions import REGISTRY
-from loopspec.model.dflash import Drafter, draft_head_weight
+from loopspec.model.dflash import Drafter
+from loopspec.model.draft_head import draft_head_weight
 from loopspec.model.kv_cache import KVCache
 from loopspec.model.target import Target
 

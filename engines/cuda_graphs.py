@@ -31,7 +31,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import Drafter, StageDrafts, draft_stage
+from loopspec.model.dflash import Drafter
+from loopspec.model.draft_head import StageDrafts, draft_stage
 from loopspec.model.kv_cache import KVCache, KVWrite, attention_mask
 from loopspec.model.target import LayerStep, Target, TargetOutput
 

@@ -16,7 +16,8 @@ import copy
 import torch
 
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import Drafter, StageDrafts, draft_head_weight
+from loopspec.model.dflash import Drafter
+from loopspec.model.draft_head import StageDrafts, draft_head_weight
 from loopspec.model.target import Target, inference_linear
 from loopspec.tree import DynamicTree
 

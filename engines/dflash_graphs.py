@@ -17,7 +17,8 @@ import torch
 
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, past_width
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import DrafterConfig, StageDrafts
+from loopspec.model.dflash import DrafterConfig
+from loopspec.model.draft_head import StageDrafts
 from loopspec.model.kv_cache import KVCache, SlotGrowth
 from loopspec.tree import DynamicTree
 

@@ -33,7 +33,7 @@ import torch
 
 from loopspec.decoding import DraftSampler
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import StageDrafts, draft_candidates
+from loopspec.model.draft_head import StageDrafts, draft_candidates
 from loopspec.model.eagle3 import Eagle3Drafter
 from loopspec.model.kv_cache import KVCache
 from loopspec.model.target import Target

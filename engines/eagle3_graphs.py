@@ -18,7 +18,7 @@ from loopspec.engines.eagle3_context import Eagle3Context
 from loopspec.engines.eagle3_specs import EAGLE3_ENGINES, EAGLE3_FUSE, EAGLE3_STEP
 from loopspec.engines.specs import past_width
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import StageDrafts
+from loopspec.model.draft_head import StageDrafts
 from loopspec.model.eagle3 import Eagle3Config
 from loopspec.model.kv_cache import KVCache, SlotGrowth
 from loopspec.tree import DynamicTree

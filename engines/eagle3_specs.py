@@ -20,7 +20,7 @@ entries still pending as its first step. Hence two graphs:
 from __future__ import annotations
 
 from loopspec.engines.specs import MAX_BATCH, TARGET_VERIFY, EngineSpec, TensorSpec, batch_range, target_verify_spec
-from loopspec.model.dflash import DRAFT_CANDIDATES
+from loopspec.model.draft_head import DRAFT_CANDIDATES
 
 EAGLE3_FUSE = "eagle3_fuse"
 EAGLE3_STEP = "eagle3_step"

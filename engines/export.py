@@ -54,7 +54,9 @@ from loopspec.weights import file_sha256
 from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MAX_BATCH,
                                     TARGET_VERIFY, EngineSpec, engine_specs)
 from loopspec.engines.staging import check_out_dir, staged_dir
-from loopspec.model.dflash import DraftHeads, Drafter, draft_head_weight, draft_stage
+from loopspec.model.dflash import Drafter
+from loopspec.model.draft_head import draft_head_weight, draft_stage
+from loopspec.model.dspark import DraftHeads
 from loopspec.model.drafter_kinds import DrafterKind, require_quantized_export
 from loopspec.model.families import export_refusal
 from loopspec.model.target import Target

@@ -22,7 +22,8 @@ from typing import Protocol
 
 import torch
 
-from loopspec.model.dflash import DrafterConfig, StageDrafts
+from loopspec.model.dflash import DrafterConfig
+from loopspec.model.draft_head import StageDrafts
 from loopspec.model.target import TargetConfig
 from loopspec.tree import DynamicTree
 

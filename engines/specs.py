@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import DRAFT_CANDIDATES
+from loopspec.model.draft_head import DRAFT_CANDIDATES
 
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 

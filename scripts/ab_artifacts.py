@@ -20,7 +20,8 @@ from loopspec.errors import LoopspecError
 from loopspec.runtime.bench import load_prompt_sets
 from loopspec.engines.backends import artifact_engine
 from loopspec.runtime.pipeline import artifact_pipeline
-from loopspec.settings import DRAFTER_METHODS, method_variant
+from loopspec.method_names import method_variant
+from loopspec.settings import DRAFTER_METHODS
 from loopspec.stats import acceptance_length
 
 

@@ -13,7 +13,7 @@ from loopspec.errors import LoopspecError
 from loopspec.runtime.bench import load_prompt_sets
 from loopspec.runtime.decoder import Decoder, decode_all, generate
 from loopspec.runtime.pipeline import load_pipeline
-from loopspec.settings import method_variant
+from loopspec.method_names import method_variant
 
 
 def main() -> int:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from loopspec.model.dflash import Drafter, DrafterConfig, StageDrafts
+from loopspec.model.dflash import Drafter, DrafterConfig
+from loopspec.model.draft_head import StageDrafts
 from loopspec.model.families import new_target
 from loopspec.model.target import TargetConfig
 from loopspec.engines.cuda_graphs import StaticRunner

@@ -28,7 +28,7 @@ from loopspec.prompt_sets import read_prompt_source
 from loopspec.runtime.bench.run import cpu_description
 from loopspec.runtime.decoder import Decoder, decode_all
 from loopspec.runtime.pipeline import load_pipeline
-from loopspec.settings import method_variant
+from loopspec.method_names import method_variant
 from loopspec.stats import acceptance_length, tokens_per_verification
 
 

@@ -5,7 +5,8 @@ import torch
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import DrafterConfig, StageDrafts
+from loopspec.model.dflash import DrafterConfig
+from loopspec.model.draft_head import StageDrafts
 from loopspec.runtime.decoder import Decoder, decode_all, generate
 from loopspec.runtime.proposal import AdaptiveFallback
 from loopspec.engines.torch_engine import TorchEngine

@@ -16,7 +16,8 @@ from scipy.stats import chisquare
 
 import loopspec.runtime.decoder as decoder_module
 from loopspec.decoding import SamplingParams, probabilities, sample
-from loopspec.model.dflash import Drafter, DrafterConfig, StageDrafts
+from loopspec.model.dflash import Drafter, DrafterConfig
+from loopspec.model.draft_head import StageDrafts
 from loopspec.runtime.decoder import generate
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings

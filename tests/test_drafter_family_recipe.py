@@ -15,7 +15,9 @@ import torch
 from conftest import accepted_drafts, agreeing_drafter, batched_greedy_equals_plain, lively
 from loopspec.engines.backends import torch_engine
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import ARCHITECTURE, Drafter, DrafterConfig, StageDrafts
+from loopspec.model.dflash import Drafter, DrafterConfig
+from loopspec.model.draft_head import StageDrafts
+from loopspec.model.drafter_kinds import ARCHITECTURE
 from loopspec.model.drafter_kinds import DRAFTER_KINDS, DrafterKind
 from loopspec.model.drafters import DRAFTER_FAMILIES, DrafterFamily, load_drafter, register_drafter_family
 from loopspec.pair import load_pair

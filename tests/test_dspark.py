@@ -12,7 +12,9 @@ import torch
 from conftest import accepted_drafts, agreeing_drafter, lively
 from loopspec.cli import main
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import (MARKOV_HEAD_TYPES, Drafter, DrafterConfig, draft_stage, require_zlab_block)
+from loopspec.model.dflash import Drafter, DrafterConfig
+from loopspec.model.draft_head import draft_stage
+from loopspec.model.drafter_kinds import MARKOV_HEAD_TYPES, require_zlab_block
 from loopspec.pair import load_pair
 from loopspec.runtime.decoder import Decoder, decode_all, draft_round, generate
 from loopspec.engines.torch_engine import TorchEngine

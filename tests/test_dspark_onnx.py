@@ -21,7 +21,9 @@ from loopspec.engines.export import DrafterBlock, example_inputs, export_engines
 from loopspec.engines.manifest import read_manifest  # noqa: E402
 from loopspec.engines.ort_engine import EngineSession  # noqa: E402
 from loopspec.engines.specs import DRAFTER_BLOCK, drafter_block_spec, engine_specs, with_room  # noqa: E402
-from loopspec.model.dflash import MARKOV_HEAD_TYPES, MarkovHead, draft_head_weight, draft_stage  # noqa: E402
+from loopspec.model.draft_head import draft_head_weight, draft_stage  # noqa: E402
+from loopspec.model.drafter_kinds import MARKOV_HEAD_TYPES  # noqa: E402
+from loopspec.model.dspark import MarkovHead  # noqa: E402
 from loopspec.runtime.decoder import Decoder, decode_all, generate  # noqa: E402
 from loopspec.engines.ort_engine import OrtEngine  # noqa: E402
 from loopspec.engines.torch_engine import TorchEngine  # noqa: E402

@@ -19,7 +19,7 @@ from conftest import save_tiny_target, save_tiny_tokenizer
 from loopspec.cli import main
 from loopspec.convert.bundles import build_bundle
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import DRAFT_CANDIDATES
+from loopspec.model.draft_head import DRAFT_CANDIDATES
 from loopspec.model.eagle3 import Eagle3Drafter
 from test_eagle3 import DRAFT_VOCAB, LAYERS, eagle3_checkpoint
 

@@ -3,7 +3,8 @@ import torch
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import Drafter, DrafterConfig, StageDrafts
+from loopspec.model.dflash import Drafter, DrafterConfig
+from loopspec.model.draft_head import StageDrafts
 from loopspec.runtime.decoder import generate
 from loopspec.runtime.proposal import AdaptiveFallback, draft_round
 from loopspec.engines.torch_engine import TorchEngine

@@ -143,7 +143,7 @@ def test_a_dflash2_drafter_made_from_a_dflash_one_drafts_as_it_did(tiny_targets)
 
 
 def _markov_heads():
-    from loopspec.model.dflash import DSparkHeads
+    from loopspec.model.dspark import DSparkHeads
 
     return DSparkHeads(markov_rank=4)
 

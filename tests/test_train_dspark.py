@@ -11,7 +11,9 @@ import torch
 
 from conftest import lively
 from loopspec.cli import main
-from loopspec.model.dflash import Drafter, DrafterConfig, DSparkHeads, require_zlab_block
+from loopspec.model.dflash import Drafter, DrafterConfig
+from loopspec.model.drafter_kinds import require_zlab_block
+from loopspec.model.dspark import DSparkHeads
 from loopspec.errors import LoopspecError
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.train.trainer import DrafterTrainer, TrainConfig, sample_anchors

@@ -12,10 +12,12 @@ import loopspec.runtime.decoder as decoder_module
 from conftest import FAMILIES, accepted_drafts, agreeing_drafter
 from loopspec.decoding import SamplingParams, probabilities
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import Drafter, DrafterConfig, StageDrafts
+from loopspec.model.dflash import Drafter, DrafterConfig
+from loopspec.model.draft_head import StageDrafts
 from loopspec.runtime.decoder import Decoder, decode_all, generate
 from loopspec.engines.torch_engine import TorchEngine
-from loopspec.settings import DecodingSettings, method_variant, resolve_settings, variant_name
+from loopspec.method_names import method_variant, variant_name
+from loopspec.settings import DecodingSettings, resolve_settings
 from loopspec.tree import DraftTree, SuffixIndex, best_first, draft_tree, tree_masks
 from loopspec.weights import load_target_dir
 

@@ -10,7 +10,8 @@ from typing import Callable
 
 import torch
 
-from loopspec.model.dflash import DRAFT_CANDIDATES, Drafter, DrafterConfig
+from loopspec.model.dflash import Drafter, DrafterConfig
+from loopspec.model.draft_head import DRAFT_CANDIDATES
 from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK, DrafterKind
 from loopspec.model.target import TargetConfig
 from loopspec.weights import TargetSource, file_sha256

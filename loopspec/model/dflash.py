@@ -28,13 +28,10 @@ from torch import nn
 from loopspec.decoding import DraftSampler
 from loopspec.errors import LoopspecError
 from loopspec.files import one_line, read_json, read_safetensors, refuse_quantized, write_safetensors
-# the draft-head step, the DSpark heads and the kinds are imported from here too
-from loopspec.model.draft_head import (DRAFT_CANDIDATES, StageDrafts, corrected_logits,  # noqa: F401
-                                       draft_candidates, draft_head_weight, draft_stage, sample_stage,
-                                       stage_confidence)
-from loopspec.model.drafter_kinds import (ARCHITECTURE, DEEPSPEC_ARCHITECTURE, MARKOV_HEAD_TYPES,  # noqa: F401
-                                          DrafterKind, drafter_kind, require_zlab_block)
-from loopspec.model.dspark import ConfidenceHead, DraftHeads, DSparkHeads, MarkovHead  # noqa: F401
+from loopspec.model.draft_head import StageDrafts, draft_stage, sample_stage
+from loopspec.model.drafter_kinds import (ARCHITECTURE, DEEPSPEC_ARCHITECTURE, MARKOV_HEAD_TYPES, DrafterKind,
+                                          drafter_kind)
+from loopspec.model.dspark import ConfidenceHead, DSparkHeads, MarkovHead
 from loopspec.model.kv_cache import KVCache
 from loopspec.model.target import MLP, RMSNorm, RotaryTable, TargetConfig, apply_rope, default_target_layer_ids
 

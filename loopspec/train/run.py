@@ -12,7 +12,8 @@ import torch
 
 from loopspec.errors import LoopspecError
 from loopspec.model.dflash2 import DFlash2Drafter
-from loopspec.model.dflash import Drafter, DrafterConfig, DSparkHeads
+from loopspec.model.dflash import Drafter, DrafterConfig
+from loopspec.model.dspark import DSparkHeads
 from loopspec.model.eagle3 import NUM_TAPS, Eagle3Drafter, fresh_eagle3
 from loopspec.model.target import Target, default_target_layer_ids
 from loopspec.pair import Pair, mask_token_id

@@ -11,7 +11,8 @@ from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
 from loopspec.prompt_sets import BUILTIN, read_prompt_source, source_name
 from loopspec.runtime.bench.peers import PEER_METHODS
-from loopspec.settings import METHODS, method_variant
+from loopspec.method_names import method_variant
+from loopspec.settings import METHODS
 
 
 def load_prompts(source: str | Path, limit: int | None = None, all_turns: bool = False) -> list[str]:
