@@ -33,6 +33,7 @@ def int_at_least(name, least, most=None):
             bound = f">= {least}" if most is None else f"in [{least}, {most}]"
             raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {value}")
         return value
+
     return parse
 
 
@@ -47,15 +48,18 @@ def seed(name):  # seeds torch.Generator.manual_seed, which takes an unsigned 64
 def finite_float(name, positive=True):
     """A finite number > 0 (or >= 0 with positive=False): inf would pass a `> 0` check and nan fails
     every comparison, so either would surface only deep inside a long run."""
+
     def parse(text):
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number {'>' if positive else '>='} 0, "
-                                             f"got {text}")
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a finite number {'>' if positive else '>='} 0, got {text}"
+            )
         return value
+
     return parse
 
 
@@ -108,36 +112,65 @@ def add_max_new_tokens_flag(p: argparse.ArgumentParser, default: int) -> None:
 
 def add_pair_flags(p: argparse.ArgumentParser, max_context: int | None = None) -> None:
     add_target_flag(p)
-    p.add_argument("--drafter", default="default", help="'default', a z-lab DFlash or DeepSpec DSpark/DFlash drafter dir, or 'none'")
-    p.add_argument("--max-context", type=positive_int("--max-context"), default=max_context,
-                   help="KV cache length (default: the target's max_position_embeddings)" if max_context is None else
-                   f"KV cache length per row (default {max_context}: the caches hold --max-batch-size rows of it)")
+    p.add_argument(
+        "--drafter",
+        default="default",
+        help="'default', a z-lab DFlash or DeepSpec DSpark/DFlash drafter dir, or 'none'",
+    )
+    p.add_argument(
+        "--max-context",
+        type=positive_int("--max-context"),
+        default=max_context,
+        help="KV cache length (default: the target's max_position_embeddings)"
+        if max_context is None
+        else f"KV cache length per row (default {max_context}: the caches hold --max-batch-size rows of it)",
+    )
     add_mask_token_flag(p)
     add_threads_flag(p, "torch CPU threads")
     p.add_argument("--device", default="cpu", help="where the torch engine runs: cpu or cuda")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay captured CUDA graphs of the verify and draft forwards (default: on with --device cuda)")
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay captured CUDA graphs of the verify and draft forwards (default: on with --device cuda)",
+    )
 
 
 def add_backend_flags(p: argparse.ArgumentParser, side_by_side: bool = False) -> None:
-    p.add_argument("--backend", default="auto",
-                   help="auto (default: onnxruntime on the CPU when the onnx extra is installed, else torch) | "
-                        "torch | onnxruntime (engines exported once and cached, or the ones in --onnx-dir) | "
-                        "tensorrt (the plans in --trt-dir)"
-                   + ("; a comma list (torch,onnxruntime) runs every backend side by side" if side_by_side else ""))
-    p.add_argument("--onnx-dir", default=None,
-                   help="run the engines of this `loopspec convert onnx` directory (--target/--drafter unused)")
-    p.add_argument("--trt-dir", default=None,
-                   help="run the TensorRT plans of this `loopspec convert trt` directory (--target/--drafter unused)")
-    p.add_argument("--precision", default="auto",
-                   help="what the target computes with: auto (default: on onnxruntime a GGUF target runs its own "
-                        "Q4_1/Q8_0 blocks with int8 activations, the fastest CPU engine; else fp32) | fp32 (the "
-                        "reference) | gguf-int8act | gguf-fp32act (onnxruntime, GGUF target)"
-                   + ("; a comma list (fp32,gguf-int8act) runs every engine side by side" if side_by_side else ""))
-    p.add_argument("--step-costs", default=None, metavar="FILE",
-                   help="what a step costs on this engine (a table from `loopspec costs --out FILE`), for the "
-                        "verification budget of --adaptive (default: the table `loopspec costs` stored for this "
-                        "engine on this CPU, if any; else --adaptive times its rounds)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="auto (default: onnxruntime on the CPU when the onnx extra is installed, else torch) | "
+        "torch | onnxruntime (engines exported once and cached, or the ones in --onnx-dir) | "
+        "tensorrt (the plans in --trt-dir)"
+        + ("; a comma list (torch,onnxruntime) runs every backend side by side" if side_by_side else ""),
+    )
+    p.add_argument(
+        "--onnx-dir",
+        default=None,
+        help="run the engines of this `loopspec convert onnx` directory (--target/--drafter unused)",
+    )
+    p.add_argument(
+        "--trt-dir",
+        default=None,
+        help="run the TensorRT plans of this `loopspec convert trt` directory (--target/--drafter unused)",
+    )
+    p.add_argument(
+        "--precision",
+        default="auto",
+        help="what the target computes with: auto (default: on onnxruntime a GGUF target runs its own "
+        "Q4_1/Q8_0 blocks with int8 activations, the fastest CPU engine; else fp32) | fp32 (the "
+        "reference) | gguf-int8act | gguf-fp32act (onnxruntime, GGUF target)"
+        + ("; a comma list (fp32,gguf-int8act) runs every engine side by side" if side_by_side else ""),
+    )
+    p.add_argument(
+        "--step-costs",
+        default=None,
+        metavar="FILE",
+        help="what a step costs on this engine (a table from `loopspec costs --out FILE`), for the "
+        "verification budget of --adaptive (default: the table `loopspec costs` stored for this "
+        "engine on this CPU, if any; else --adaptive times its rounds)",
+    )
 
 
 def names_a_drafter(args) -> bool:
@@ -152,10 +185,20 @@ def engine_choice(args, **overrides):
     """The one value of which engine runs (loopspec.runtime.pipeline.EngineChoice), from the flags."""
     from loopspec.runtime.pipeline import EngineChoice
 
-    flags = dict(target=args.target, drafter=args.drafter, backend=args.backend, precision=args.precision,
-                 device=args.device, max_context=args.max_context, threads=args.threads,
-                 cuda_graphs=args.cuda_graphs, onnx_dir=args.onnx_dir, trt_dir=args.trt_dir,
-                 mask_token_id=args.mask_token_id, step_costs=args.step_costs)
+    flags = dict(
+        target=args.target,
+        drafter=args.drafter,
+        backend=args.backend,
+        precision=args.precision,
+        device=args.device,
+        max_context=args.max_context,
+        threads=args.threads,
+        cuda_graphs=args.cuda_graphs,
+        onnx_dir=args.onnx_dir,
+        trt_dir=args.trt_dir,
+        mask_token_id=args.mask_token_id,
+        step_costs=args.step_costs,
+    )
     return EngineChoice(**(flags | overrides))
 
 
@@ -187,22 +230,38 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
     """How a method drafts (resolved once by loopspec.settings.resolve_settings; see decoding_knobs)."""
     for name, knob in KNOBS.items():
         if knob.kind is bool:
-            p.add_argument(knob.flag, dest=name, action=argparse.BooleanOptionalAction, default=knob.unset,
-                           help=knob.help)
+            p.add_argument(
+                knob.flag, dest=name, action=argparse.BooleanOptionalAction, default=knob.unset, help=knob.help
+            )
         elif knob.kind is int:
-            p.add_argument(knob.flag, dest=name, type=int_at_least(knob.flag, knob.least), default=knob.unset,
-                           metavar=knob.metavar, help=knob.help)
+            p.add_argument(
+                knob.flag,
+                dest=name,
+                type=int_at_least(knob.flag, knob.least),
+                default=knob.unset,
+                metavar=knob.metavar,
+                help=knob.help,
+            )
         else:
-            p.add_argument(knob.flag, dest=name, type=float if knob.kind is float else None, choices=knob.choices,
-                           default=knob.unset, metavar=knob.metavar, help=knob.help)
+            p.add_argument(
+                knob.flag,
+                dest=name,
+                type=float if knob.kind is float else None,
+                choices=knob.choices,
+                default=knob.unset,
+                metavar=knob.metavar,
+                help=knob.help,
+            )
 
 
 def refuse_shared_suffix(args, why: str) -> None:
     """--shared-suffix keeps finished requests' outputs for a server's later requests: a command that
     decodes each request alone has none to give them, so it refuses the flag rather than ignore it."""
     if args.shared_suffix:
-        raise LoopspecError(f"--shared-suffix applies across a server's requests ({why}): use it with "
-                            "loopspec serve, or scripts/shared_suffix.py to measure it")
+        raise LoopspecError(
+            f"--shared-suffix applies across a server's requests ({why}): use it with "
+            "loopspec serve, or scripts/shared_suffix.py to measure it"
+        )
 
 
 def decoding_knobs(args) -> dict:
@@ -235,12 +294,21 @@ def add_grammar_flags(p: argparse.ArgumentParser) -> None:
     """At most one grammar every generated token obeys (drafts the grammar rejects are pruned before
     verification; the output equals constrained plain decoding's)."""
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--json-schema", default=None, metavar="FILE|JSON",
-                   help="structured output: a JSON value matching this JSON schema (a file, or the schema itself)")
+    g.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE|JSON",
+        help="structured output: a JSON value matching this JSON schema (a file, or the schema itself)",
+    )
     g.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
     g.add_argument("--regex", default=None, help="structured output: text matching this regular expression")
-    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
-                   help="structured output: exactly one of these strings (repeat the flag for each)")
+    g.add_argument(
+        "--choice",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="structured output: exactly one of these strings (repeat the flag for each)",
+    )
 
 
 def grammar_spec(args):
@@ -276,4 +344,3 @@ def grammar_spec(args):
 
 def add_json_flag(p: argparse.ArgumentParser, help: str | None = None) -> None:
     p.add_argument("--json", dest="json_out", default=None, help=help)
-

@@ -7,10 +7,26 @@ import argparse
 import sys
 from pathlib import Path
 
-from loopspec.cli.flags import (add_backend_flags, add_decoding_flags, add_grammar_flags, add_max_new_tokens_flag,
-                                add_pair_flags, add_sampling_flags, add_target_flag, add_threads_flag, check_step_costs,
-                                decoding_knobs, engine_choice, finite_float, grammar_spec, int_at_least,
-                                names_a_drafter, positive_int, refuse_shared_suffix, sampling)
+from loopspec.cli.flags import (
+    add_backend_flags,
+    add_decoding_flags,
+    add_grammar_flags,
+    add_max_new_tokens_flag,
+    add_pair_flags,
+    add_sampling_flags,
+    add_target_flag,
+    add_threads_flag,
+    check_step_costs,
+    decoding_knobs,
+    engine_choice,
+    finite_float,
+    grammar_spec,
+    int_at_least,
+    names_a_drafter,
+    positive_int,
+    refuse_shared_suffix,
+    sampling,
+)
 from loopspec.errors import LoopspecError
 from loopspec.files import output_dir, output_file
 
@@ -27,8 +43,12 @@ def add_generate(sub) -> None:
     add_sampling_flags(g)
     add_max_new_tokens_flag(g, 128)
     add_grammar_flags(g)
-    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="wrap the prompt in the target's chat template")
+    g.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap the prompt in the target's chat template",
+    )
 
 
 def cmd_generate(args) -> int:
@@ -48,8 +68,15 @@ def cmd_generate(args) -> int:
         raise LoopspecError(f"{grammar.param} verifies drafts by the walk: use --draft-sampling walk")
     prompt_ids = pipe.encode(args.prompt, chat=args.chat)
     stream = TextStream(pipe)
-    result = pipe.run(prompt_ids, settings, max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
-                      on_tokens=stream, grammar=grammar)
+    result = pipe.run(
+        prompt_ids,
+        settings,
+        max_new_tokens=args.max_new_tokens,
+        params=params,
+        seed=args.seed,
+        on_tokens=stream,
+        grammar=grammar,
+    )
     stream.flush()
     print()
     about = f"{settings.describe()}, {pipe.describe_engine()}"
@@ -63,8 +90,10 @@ def cmd_generate(args) -> int:
         about += f", stages/verification {result.stats.stages_histogram}"
     if settings.tree_budget or settings.uses_suffix:
         nodes = result.stats.nodes_per_round
-        about += (f", nodes/verification {sum(nodes) / max(len(nodes), 1):.1f}"
-                  f", suffix-only tokens {result.stats.suffix_tokens}")
+        about += (
+            f", nodes/verification {sum(nodes) / max(len(nodes), 1):.1f}"
+            f", suffix-only tokens {result.stats.suffix_tokens}"
+        )
     print(f"[{about}] {result.stats.summary()}", file=sys.stderr)
     return 0
 
@@ -80,13 +109,13 @@ class TextStream:
         text = self.pipe.decode(self.tokens)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
             return
-        sys.stdout.write(text[self.printed:])
+        sys.stdout.write(text[self.printed :])
         sys.stdout.flush()
         self.printed = len(text)
 
     def flush(self) -> None:
         text = self.pipe.decode(self.tokens)
-        sys.stdout.write(text[self.printed:])
+        sys.stdout.write(text[self.printed :])
         sys.stdout.flush()
 
 
@@ -101,23 +130,54 @@ def add_serve(sub) -> None:
     v.add_argument("--model-name", default=None, help="the model id clients send (default: the target's folder name)")
     v.add_argument("--max-batch-size", type=positive_int("--max-batch-size"), default=8)
     v.add_argument("--max-queue", type=positive_int("--max-queue"), default=64, help="waiting requests; more get 429")
-    v.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=64,
-                   help="a longer prompt is prefilled this many tokens a step, between the running requests' steps")
-    v.add_argument("--request-timeout", type=finite_float("--request-timeout"), default=600.0,
-                   help="seconds from arrival, queueing included")
+    v.add_argument(
+        "--prefill-chunk",
+        type=positive_int("--prefill-chunk"),
+        default=64,
+        help="a longer prompt is prefilled this many tokens a step, between the running requests' steps",
+    )
+    v.add_argument(
+        "--request-timeout",
+        type=finite_float("--request-timeout"),
+        default=600.0,
+        help="seconds from arrival, queueing included",
+    )
     v.add_argument("--max-body-bytes", type=positive_int("--max-body-bytes"), default=1 << 20)
-    v.add_argument("--max-tokens-limit", type=positive_int("--max-tokens-limit"), default=4096,
-                   help="the most max_tokens one request may ask for")
-    v.add_argument("--read-timeout", type=finite_float("--read-timeout"), default=30.0,
-                   help="seconds a request (header and body) has to arrive whole; then 408 and the connection closes")
-    v.add_argument("--max-connections", type=positive_int("--max-connections"), default=None,
-                   help="open connections (default: as many as the open-file limit allows, up to 4096)")
-    v.add_argument("--api-key", dest="api_keys", action="append", type=api_key, default=None, metavar="KEY",
-                   help="a bearer key /v1/ requests must carry ('Authorization: Bearer KEY'), else 401; repeat it "
-                        "for several; each key is a tenant: the shared suffix library never proposes one key's "
-                        "text to another (default: no keys, open to all)")
-    v.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
-                   help="uvicorn's log level")
+    v.add_argument(
+        "--max-tokens-limit",
+        type=positive_int("--max-tokens-limit"),
+        default=4096,
+        help="the most max_tokens one request may ask for",
+    )
+    v.add_argument(
+        "--read-timeout",
+        type=finite_float("--read-timeout"),
+        default=30.0,
+        help="seconds a request (header and body) has to arrive whole; then 408 and the connection closes",
+    )
+    v.add_argument(
+        "--max-connections",
+        type=positive_int("--max-connections"),
+        default=None,
+        help="open connections (default: as many as the open-file limit allows, up to 4096)",
+    )
+    v.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        type=api_key,
+        default=None,
+        metavar="KEY",
+        help="a bearer key /v1/ requests must carry ('Authorization: Bearer KEY'), else 401; repeat it "
+        "for several; each key is a tenant: the shared suffix library never proposes one key's "
+        "text to another (default: no keys, open to all)",
+    )
+    v.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's log level",
+    )
 
 
 def cmd_serve(args) -> int:
@@ -133,12 +193,19 @@ def cmd_serve(args) -> int:
     pipe = open_pipeline(choice)
     settings = pipe.settings(args.method, **decoding_knobs(args))
     check_step_costs(args, settings)
-    config = ServeConfig(settings=settings, model_name=args.model_name or choice.display_name,
-                         max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                         max_tokens_limit=args.max_tokens_limit, prefill_chunk=args.prefill_chunk,
-                         read_timeout_s=args.read_timeout, max_connections=args.max_connections,
-                         api_keys=tuple(args.api_keys or ()))
+    config = ServeConfig(
+        settings=settings,
+        model_name=args.model_name or choice.display_name,
+        max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        max_tokens_limit=args.max_tokens_limit,
+        prefill_chunk=args.prefill_chunk,
+        read_timeout_s=args.read_timeout,
+        max_connections=args.max_connections,
+        api_keys=tuple(args.api_keys or ()),
+    )
     serve(pipe, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0
 
@@ -171,18 +238,29 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def add_prompts(sub) -> None:
-    w = sub.add_parser("prompts", help="the target writes user prompts (a prompt file for `loopspec data`)",
-                       description="Sample user prompts from the target itself: its chat template up to the user's "
-                                   "text, continued until the model ends the turn. Appends {\"turns\": [text]} lines "
-                                   "to --out until it holds --count distinct prompts (re-running resumes).")
+    w = sub.add_parser(
+        "prompts",
+        help="the target writes user prompts (a prompt file for `loopspec data`)",
+        description="Sample user prompts from the target itself: its chat template up to the user's "
+        'text, continued until the model ends the turn. Appends {"turns": [text]} lines '
+        "to --out until it holds --count distinct prompts (re-running resumes).",
+    )
     add_target_flag(w)
     w.add_argument("--out", required=True, help="JSONL prompt file (appended to)")
     w.add_argument("--count", type=positive_int("--count"), required=True, help="prompts the file should hold")
-    w.add_argument("--max-prompt-tokens", type=positive_int("--max-prompt-tokens"), default=256,
-                   help="a prompt the model has not ended within this many tokens is dropped")
+    w.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int("--max-prompt-tokens"),
+        default=256,
+        help="a prompt the model has not ended within this many tokens is dropped",
+    )
     w.add_argument("--batch-size", type=positive_int("--batch-size"), default=16)
-    w.add_argument("--starts-with", default="", metavar="TEXT",
-                   help="every prompt begins with TEXT (steers the topic, e.g. 'Write a Python function')")
+    w.add_argument(
+        "--starts-with",
+        default="",
+        metavar="TEXT",
+        help="every prompt begins with TEXT (steers the topic, e.g. 'Write a Python function')",
+    )
     add_sampling_flags(w, temperature=1.0)
     add_threads_flag(w)
 
@@ -200,10 +278,21 @@ def cmd_prompts(args) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         pair = load_pair(args.target, "none")
-        report = write_prompts(target=pair.target, tokenizer=pair.tokenizer, out_path=args.out, count=args.count,
-                               stop_ids=set(pair.stop_token_ids), params=params, seed=args.seed,
-                               max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                               starts_with=args.starts_with, respond=decoder.regenerate_responses)
-    print(f"{report['prompts']} prompts in {args.out} ({report['written_this_run']} written this run from "
-          f"{report['tries_this_run']} tries)")
+        report = write_prompts(
+            target=pair.target,
+            tokenizer=pair.tokenizer,
+            out_path=args.out,
+            count=args.count,
+            stop_ids=set(pair.stop_token_ids),
+            params=params,
+            seed=args.seed,
+            max_prompt_tokens=args.max_prompt_tokens,
+            batch_size=args.batch_size,
+            starts_with=args.starts_with,
+            respond=decoder.regenerate_responses,
+        )
+    print(
+        f"{report['prompts']} prompts in {args.out} ({report['written_this_run']} written this run from "
+        f"{report['tries_this_run']} tries)"
+    )
     return 0

@@ -20,8 +20,11 @@ from loopspec.engines.protocol import Engine
 
 
 def _stage_errors(got, want, relative_error) -> dict:
-    return {"draft_ids": relative_error(got[0], want[0]), "draft_logprobs": relative_error(got[1], want[1]),
-            "state": relative_error(got[2], want[2])}
+    return {
+        "draft_ids": relative_error(got[0], want[0]),
+        "draft_logprobs": relative_error(got[1], want[1]),
+        "state": relative_error(got[2], want[2]),
+    }
 
 
 def eagle3_engine_errors(target, drafter, engine: Engine, prompt: list[int], block_size: int, relative_error) -> dict:
@@ -55,8 +58,9 @@ def eagle3_engine_errors(target, drafter, engine: Engine, prompt: list[int], blo
     return out
 
 
-def eagle3_acceptance(target, drafter, engine: Engine, sequence: list[int], prompt_len: int, block_size: int,
-                      offline_tau) -> tuple[list[int], list[int]]:
+def eagle3_acceptance(
+    target, drafter, engine: Engine, sequence: list[int], prompt_len: int, block_size: int, offline_tau
+) -> tuple[list[int], list[int]]:
     """Offline τ per anchor of the torch engine's EAGLE-3 drafter (on its own context of `sequence`) and
     of the artifact engine's, on the context row 0 holds after its own greedy decoding of it, both
     rolled back to each anchor, last first."""

@@ -28,15 +28,34 @@ from loopspec.model.dflash import Drafter
 from loopspec.model.target import Target
 
 
-def convert_onnx(target: Target, drafter: Drafter | None, out_dir: str | Path, *, target_dir: str | Path,
-                 drafter_dir: str | Path | None = None, max_context: int | None = None, block_size: int | None = None,
-                 validate: bool = True, num_threads: int | None = None, opset: int = OPSET,
-                 precision: str = "fp32", gguf_path: str | Path | None = None) -> tuple[Manifest, dict | None]:
+def convert_onnx(
+    target: Target,
+    drafter: Drafter | None,
+    out_dir: str | Path,
+    *,
+    target_dir: str | Path,
+    drafter_dir: str | Path | None = None,
+    max_context: int | None = None,
+    block_size: int | None = None,
+    validate: bool = True,
+    num_threads: int | None = None,
+    opset: int = OPSET,
+    precision: str = "fp32",
+    gguf_path: str | Path | None = None,
+) -> tuple[Manifest, dict | None]:
     """Export every engine into `out_dir` (manifest.json with provenance) and, unless `validate` is
     False, check it against the PyTorch reference (the report is stored in the manifest too).
     A `gguf-*` precision reads the target's blocks from `gguf_path`, the GGUF `target` was expanded from."""
-    manifest = export_pair(target, drafter, out_dir, target_dir=target_dir, drafter_dir=drafter_dir,
-                           max_context=max_context, block_size=block_size, opset=opset,
-                           **precision_options(target, precision, gguf_path, drafter))
+    manifest = export_pair(
+        target,
+        drafter,
+        out_dir,
+        target_dir=target_dir,
+        drafter_dir=drafter_dir,
+        max_context=max_context,
+        block_size=block_size,
+        opset=opset,
+        **precision_options(target, precision, gguf_path, drafter),
+    )
     report = validate_onnx(out_dir, target, drafter, precision, num_threads=num_threads) if validate else None
     return manifest, report

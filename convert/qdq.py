@@ -37,8 +37,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopspec.engines.export import (OPSET, DrafterBlock, DrafterContext, TargetVerify, copy_run_files, drafter_source,
-                                     example_inputs, export_graph)
+from loopspec.engines.export import (
+    OPSET,
+    DrafterBlock,
+    DrafterContext,
+    TargetVerify,
+    copy_run_files,
+    drafter_source,
+    example_inputs,
+    export_graph,
+)
 from loopspec.engines.manifest import Manifest, read_manifest, source_hashes, tool_versions, write_manifest
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY, engine_specs
 from loopspec.engines.staging import check_out_dir, staged_dir
@@ -173,16 +181,25 @@ def _register_trt_fp4_quantize() -> None:
 
     if onnx.defs.has("TRT_FP4DynamicQuantize", "trt"):
         return
-    onnx.defs.register_schema(OpSchema(
-        "TRT_FP4DynamicQuantize", "trt", 1,
-        inputs=[OpSchema.FormalParameter("x", "T1"), OpSchema.FormalParameter("scale", "T1")],
-        outputs=[OpSchema.FormalParameter("y", "T2"), OpSchema.FormalParameter("y_scale", "T3")],
-        type_constraints=[("T1", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "high precision"),
-                          ("T2", ["tensor(float4e2m1)"], "quantized values"),
-                          ("T3", ["tensor(float8e4m3fn)"], "block scales")],
-        attributes=[OpSchema.Attribute("axis", OpSchema.AttrType.INT, "blocked axis"),
-                    OpSchema.Attribute("block_size", OpSchema.AttrType.INT, "block size"),
-                    OpSchema.Attribute("scale_type", OpSchema.AttrType.INT, "block scale data type")]))
+    onnx.defs.register_schema(
+        OpSchema(
+            "TRT_FP4DynamicQuantize",
+            "trt",
+            1,
+            inputs=[OpSchema.FormalParameter("x", "T1"), OpSchema.FormalParameter("scale", "T1")],
+            outputs=[OpSchema.FormalParameter("y", "T2"), OpSchema.FormalParameter("y_scale", "T3")],
+            type_constraints=[
+                ("T1", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "high precision"),
+                ("T2", ["tensor(float4e2m1)"], "quantized values"),
+                ("T3", ["tensor(float8e4m3fn)"], "block scales"),
+            ],
+            attributes=[
+                OpSchema.Attribute("axis", OpSchema.AttrType.INT, "blocked axis"),
+                OpSchema.Attribute("block_size", OpSchema.AttrType.INT, "block size"),
+                OpSchema.Attribute("scale_type", OpSchema.AttrType.INT, "block scale data type"),
+            ],
+        )
+    )
 
 
 def _nvfp4_qdq_onnx(x, scale_2):
@@ -191,8 +208,9 @@ def _nvfp4_qdq_onnx(x, scale_2):
     from onnxscript import opset23 as op
 
     trt = onnxscript.values.Opset("trt", 1)
-    values, scales = trt.TRT_FP4DynamicQuantize(x, scale_2, axis=-1, block_size=NVFP4_BLOCK,
-                                                 scale_type=TensorProto.FLOAT8E4M3FN)
+    values, scales = trt.TRT_FP4DynamicQuantize(
+        x, scale_2, axis=-1, block_size=NVFP4_BLOCK, scale_type=TensorProto.FLOAT8E4M3FN
+    )
     return op.DequantizeLinear(values, op.DequantizeLinear(scales, scale_2), axis=-1, block_size=NVFP4_BLOCK)
 
 
@@ -205,11 +223,15 @@ def _nvfp4_dequantize_onnx(weight, block_scale, scale_2):
 def translations(precision: str) -> dict:
     """torch.onnx.export's custom_translation_table for a precision's ops."""
     if precision == "fp8":
-        return {torch.ops.loopspec.fp8_qdq.default: _fp8_qdq_onnx,
-                torch.ops.loopspec.fp8_dequantize.default: _fp8_dequantize_onnx}
+        return {
+            torch.ops.loopspec.fp8_qdq.default: _fp8_qdq_onnx,
+            torch.ops.loopspec.fp8_dequantize.default: _fp8_dequantize_onnx,
+        }
     _register_trt_fp4_quantize()
-    return {torch.ops.loopspec.nvfp4_qdq.default: _nvfp4_qdq_onnx,
-            torch.ops.loopspec.nvfp4_dequantize.default: _nvfp4_dequantize_onnx}
+    return {
+        torch.ops.loopspec.nvfp4_qdq.default: _nvfp4_qdq_onnx,
+        torch.ops.loopspec.nvfp4_dequantize.default: _nvfp4_dequantize_onnx,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -222,8 +244,13 @@ class Fp8Linear(nn.Module):
 
     exports_itself = True  # engines/export.py's `linear` calls the module instead of reading .weight
 
-    def __init__(self, weight_t: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        weight_t: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.register_buffer("weight_t", weight_t.contiguous())  # float8_e4m3fn [in, out]
         self.register_buffer("weight_scale", weight_scale.float())  # scalar or [out]
@@ -243,8 +270,11 @@ class Fp8Linear(nn.Module):
         scale = torch.cat(scales)
         if bool((scale == scale[0]).all()):
             scale = scale[0]
-        bias = None if all(p.bias is None for p in parts) else torch.cat(
-            [p.bias if p.bias is not None else torch.zeros(p.weight_t.shape[1]) for p in parts])
+        bias = (
+            None
+            if all(p.bias is None for p in parts)
+            else torch.cat([p.bias if p.bias is not None else torch.zeros(p.weight_t.shape[1]) for p in parts])
+        )
         return cls(torch.cat([p.weight_t for p in parts], dim=1), scale, parts[0].input_scale, bias)
 
     @property
@@ -264,8 +294,14 @@ class Nvfp4Linear(nn.Module):
 
     exports_itself = True
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
-                 input_scale: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_scale_2: torch.Tensor,
+        input_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.register_buffer("weight", weight.contiguous().view(torch.float4_e2m1fn_x2))  # [out, in/2] packed
         self.register_buffer("weight_scale", weight_scale.contiguous())  # float8_e4m3fn [out, in/16]
@@ -283,10 +319,18 @@ class Nvfp4Linear(nn.Module):
         _same_input_scale(parts)
         if any(not torch.equal(p.weight_scale_2, parts[0].weight_scale_2) for p in parts):
             raise LoopspecError("cannot fuse NVFP4 linears with different global weight scales")
-        bias = None if all(p.bias is None for p in parts) else torch.cat(
-            [p.bias if p.bias is not None else torch.zeros(p.weight.shape[0]) for p in parts])
-        return cls(torch.cat([p.weight.view(torch.uint8) for p in parts]), torch.cat([p.weight_scale for p in parts]),
-                   parts[0].weight_scale_2, parts[0].input_scale, bias)
+        bias = (
+            None
+            if all(p.bias is None for p in parts)
+            else torch.cat([p.bias if p.bias is not None else torch.zeros(p.weight.shape[0]) for p in parts])
+        )
+        return cls(
+            torch.cat([p.weight.view(torch.uint8) for p in parts]),
+            torch.cat([p.weight_scale for p in parts]),
+            parts[0].weight_scale_2,
+            parts[0].input_scale,
+            bias,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = nvfp4_dequantize(self.weight, self.weight_scale, self.weight_scale_2)  # [out, in]
@@ -347,17 +391,32 @@ def export_quantized_graph(module: nn.Module, spec, args: tuple, path: Path, pre
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's progress and deprecation chatter
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-            program = torch.onnx.export(module.eval(), args, None, dynamo=True, opset_version=opset,
-                                        input_names=spec.input_names, output_names=spec.output_names,
-                                        dynamic_shapes=dynamic_shapes, custom_translation_table=translations(precision))
+            program = torch.onnx.export(
+                module.eval(),
+                args,
+                None,
+                dynamo=True,
+                opset_version=opset,
+                input_names=spec.input_names,
+                output_names=spec.output_names,
+                dynamic_shapes=dynamic_shapes,
+                custom_translation_table=translations(precision),
+            )
     model = program.model_proto
     if precision == "nvfp4":
         model.ir_version = max(model.ir_version, 11)  # float4e2m1 is an IR 11 type
     path = Path(path)
     for stale in (path, path.with_name(path.name + ".data")):
         stale.unlink(missing_ok=True)
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=path.name + ".data", size_threshold=1024, convert_attribute=True)
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=path.name + ".data",
+        size_threshold=1024,
+        convert_attribute=True,
+    )
     onnx.checker.check_model(str(path))
 
 
@@ -365,11 +424,20 @@ def export_quantized_graph(module: nn.Module, spec, args: tuple, path: Path, pre
 # ONNX engines with quantized drafter (and target) graphs
 
 
-def export_quantized_engines(target: Target, drafter: Drafter, out_dir: str | Path, *, precision: str,
-                             drafter_weights: dict, target_weights: dict | None = None,
-                             target_dir: str | Path, drafter_dir: str | Path | None = None,
-                             max_context: int | None = None, block_size: int | None = None,
-                             quantization: dict | None = None) -> Manifest:
+def export_quantized_engines(
+    target: Target,
+    drafter: Drafter,
+    out_dir: str | Path,
+    *,
+    precision: str,
+    drafter_weights: dict,
+    target_weights: dict | None = None,
+    target_dir: str | Path,
+    drafter_dir: str | Path | None = None,
+    max_context: int | None = None,
+    block_size: int | None = None,
+    quantization: dict | None = None,
+) -> Manifest:
     """The four engines in one artifact directory, as `convert onnx` lays it out, with the drafter's
     graphs (and the target's, given `target_weights`) quantized: FP8 as standard Q/DQ that ONNX
     Runtime runs, NVFP4 as modelopt's pattern for TensorRT. Unquantized graphs are the fp32 export.
@@ -380,11 +448,14 @@ def export_quantized_engines(target: Target, drafter: Drafter, out_dir: str | Pa
     max_context = min([max_context or min(limits)] + limits)
     specs = engine_specs(target.cfg, drafter.cfg, max_context=max_context, block_size=block_size)
     qdrafter = qdq_copy(drafter, drafter_weights)
-    modules = {TARGET_VERIFY: TargetVerify(qdq_copy(target, target_weights) if target_weights else target,
-                                           drafter.cfg.target_layer_ids),
-               DRAFTER_CONTEXT: DrafterContext(qdrafter, from_taps=True),
-               DRAFTER_CONTEXT_HIDDEN: DrafterContext(qdrafter, from_taps=False),
-               DRAFTER_BLOCK: DrafterBlock(qdrafter, target.embed_tokens.weight, target.lm_head.weight)}
+    modules = {
+        TARGET_VERIFY: TargetVerify(
+            qdq_copy(target, target_weights) if target_weights else target, drafter.cfg.target_layer_ids
+        ),
+        DRAFTER_CONTEXT: DrafterContext(qdrafter, from_taps=True),
+        DRAFTER_CONTEXT_HIDDEN: DrafterContext(qdrafter, from_taps=False),
+        DRAFTER_BLOCK: DrafterBlock(qdrafter, target.embed_tokens.weight, target.lm_head.weight),
+    }
     quantized = [DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK] + ([TARGET_VERIFY] if target_weights else [])
 
     files = {}
@@ -397,17 +468,32 @@ def export_quantized_engines(target: Target, drafter: Drafter, out_dir: str | Pa
             else:
                 export_graph(module, specs[name], args, work / files[name], OPSET)
         copy_run_files(target_dir, drafter, work)
-        opsets = {name: (FP8_OPSET if precision == "fp8" else NVFP4_OPSET) if name in quantized else OPSET
-                  for name in modules}
-        settings = {"opset": opsets, "max_context": max_context, "block_size": specs[DRAFTER_BLOCK].ranges["block"][1],
-                    "target_layer_ids": drafter.cfg.target_layer_ids, "quantized_engines": quantized,
-                    "exporter": {"quantized": "torch.onnx.export (dynamo, custom Q/DQ translations)",
-                                 "fp32": "torch.onnx.export (TorchScript)"},
-                    "quantization": quantization or {}}
+        opsets = {
+            name: (FP8_OPSET if precision == "fp8" else NVFP4_OPSET) if name in quantized else OPSET for name in modules
+        }
+        settings = {
+            "opset": opsets,
+            "max_context": max_context,
+            "block_size": specs[DRAFTER_BLOCK].ranges["block"][1],
+            "target_layer_ids": drafter.cfg.target_layer_ids,
+            "quantized_engines": quantized,
+            "exporter": {
+                "quantized": "torch.onnx.export (dynamo, custom Q/DQ translations)",
+                "fp32": "torch.onnx.export (TorchScript)",
+            },
+            "quantization": quantization or {},
+        }
         sources = {"target": source_hashes(target_dir), "drafter": drafter_source(drafter, drafter_dir)}
-        write_manifest(work, stage="quantized", precision=precision, specs=specs, engine_files=files, sources=sources,
-                       settings=settings, tools=tool_versions(("torch", "onnx", "onnxruntime", "onnxscript",
-                                                               "nvidia-modelopt", "loopspec")))
+        write_manifest(
+            work,
+            stage="quantized",
+            precision=precision,
+            specs=specs,
+            engine_files=files,
+            sources=sources,
+            settings=settings,
+            tools=tool_versions(("torch", "onnx", "onnxruntime", "onnxscript", "nvidia-modelopt", "loopspec")),
+        )
     return Manifest(out_dir, json.loads((out_dir / "manifest.json").read_text()))
 
 
@@ -431,29 +517,44 @@ def check_onnx(onnx_dir: str | Path) -> dict:
         if precision == "fp8":
             weights = [i for i in inits.values() if i.data_type == TensorProto.FLOAT8E4M3FN and len(i.dims) == 2]
             quantize = [n for n in nodes if n.op_type == "QuantizeLinear"]
-            bad = [n.name for n in quantize if len(n.input) < 3 or _elem_type(n.input[2], inits, producers)
-                   != TensorProto.FLOAT8E4M3FN]
+            bad = [
+                n.name
+                for n in quantize
+                if len(n.input) < 3 or _elem_type(n.input[2], inits, producers) != TensorProto.FLOAT8E4M3FN
+            ]
             if bad or not quantize:
                 raise LoopspecError(f"{engine}: activation QuantizeLinear without a float8e4m3fn zero point: {bad}")
-            weight_dq = [n for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in {w.name for w in weights}]
+            weight_dq = [
+                n for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in {w.name for w in weights}
+            ]
         else:
             weights = [i for i in inits.values() if i.data_type == TensorProto.FLOAT4E2M1]
             quantize = [n for n in nodes if n.op_type == "TRT_FP4DynamicQuantize"]
-            weight_dq = [n for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in {w.name for w in weights}]
+            weight_dq = [
+                n for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in {w.name for w in weights}
+            ]
             for n in weight_dq:
                 attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
                 scale = producers.get(n.input[1])
                 block = inits.get(scale.input[0]) if scale is not None and scale.op_type == "DequantizeLinear" else None
                 w = inits[n.input[0]]
-                if (attrs.get("block_size") != NVFP4_BLOCK or attrs.get("axis") != -1 or block is None
-                        or block.data_type != TensorProto.FLOAT8E4M3FN
-                        or list(block.dims) != [w.dims[0], w.dims[1] // NVFP4_BLOCK]):
-                    raise LoopspecError(f"{engine}: float4 weight {w.name} is not dequantized by float8 block scales "
-                                        f"[out, in/16] with block_size 16")
+                if (
+                    attrs.get("block_size") != NVFP4_BLOCK
+                    or attrs.get("axis") != -1
+                    or block is None
+                    or block.data_type != TensorProto.FLOAT8E4M3FN
+                    or list(block.dims) != [w.dims[0], w.dims[1] // NVFP4_BLOCK]
+                ):
+                    raise LoopspecError(
+                        f"{engine}: float4 weight {w.name} is not dequantized by float8 block scales "
+                        f"[out, in/16] with block_size 16"
+                    )
         if not weights or len(weight_dq) != len(weights) or not quantize:
-            raise LoopspecError(f"{engine}: expected quantized weights behind DequantizeLinear and quantized "
-                                f"activations (found {len(weights)} weights, {len(weight_dq)} weight DQ, "
-                                f"{len(quantize)} activation quantizers)")
+            raise LoopspecError(
+                f"{engine}: expected quantized weights behind DequantizeLinear and quantized "
+                f"activations (found {len(weights)} weights, {len(weight_dq)} weight DQ, "
+                f"{len(quantize)} activation quantizers)"
+            )
         out[engine] = {"quantized_weights": len(weights), "activation_quantizers": len(quantize)}
     return out
 

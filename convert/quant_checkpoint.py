@@ -34,8 +34,16 @@ from loopspec.model.target import Target
 
 # Fused modules of loopspec's models → the Hugging Face modules they hold, in row order.
 HF_SPLITS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def hf_state(model: nn.Module, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
@@ -52,13 +60,19 @@ def hf_state(model: nn.Module, prefix: str = "", skip: tuple[str, ...] = ()) -> 
             plain = {k: v.detach().to(UNQUANTIZED_DTYPE) for k, v in own.items()}  # weight (+ bias)
         parts = HF_SPLITS.get(leaf) if isinstance(module, nn.Linear) else None
         if parts is None:
-            state.update(q.tensors(prefix + name + ".") if q is not None
-                         else {prefix + name + "." + k: v for k, v in plain.items()})
+            state.update(
+                q.tensors(prefix + name + ".")
+                if q is not None
+                else {prefix + name + "." + k: v for k, v in plain.items()}
+            )
             continue
         start, base = 0, prefix + name.removesuffix(leaf)
         for part, size in zip(parts, _split_sizes(model, name, module)):
-            state.update(q.rows(start, start + size).tensors(base + part + ".") if q is not None
-                         else {base + part + "." + k: v[start:start + size] for k, v in plain.items()})
+            state.update(
+                q.rows(start, start + size).tensors(base + part + ".")
+                if q is not None
+                else {base + part + "." + k: v[start : start + size] for k, v in plain.items()}
+            )
             start += size
     return {k: v.contiguous() for k, v in state.items()}
 
@@ -113,8 +127,11 @@ def export_target_checkpoint(qtarget: Target, source_dir: str | Path, out_dir: s
     state = hf_state(qtarget, prefix="model.", skip=("lm_head",))
     if not tied:
         lm_head = quantized_weight(qtarget.lm_head) if hasattr(qtarget.lm_head, "weight_quantizer") else None
-        state.update(lm_head.tensors("lm_head.") if lm_head is not None
-                     else {"lm_head.weight": qtarget.lm_head.weight.detach().to(UNQUANTIZED_DTYPE)})
+        state.update(
+            lm_head.tensors("lm_head.")
+            if lm_head is not None
+            else {"lm_head.weight": qtarget.lm_head.weight.detach().to(UNQUANTIZED_DTYPE)}
+        )
     write_safetensors(state, out_dir / "model.safetensors")
     quant, quantization_config = hf_quant_configs(qtarget, prefix="model.")
     cfg = read_json(source_dir / "config.json", "target config")
@@ -156,12 +173,17 @@ def check_checkpoint(directory: str | Path) -> dict:
             ok = w.dtype == torch.float8_e4m3fn and _fp32_scalar(scale)
         else:  # two e2m1 values per byte: [out, in/2]; one float8 scale per 16 inputs: [out, in/16]
             out, half = w.shape
-            ok = (w.dtype == torch.uint8 and scale.dtype == torch.float8_e4m3fn
-                  and tuple(scale.shape) == (out, 2 * half // NVFP4_BLOCK)
-                  and _fp32_scalar(state.get(base + "weight_scale_2")))
+            ok = (
+                w.dtype == torch.uint8
+                and scale.dtype == torch.float8_e4m3fn
+                and tuple(scale.shape) == (out, 2 * half // NVFP4_BLOCK)
+                and _fp32_scalar(state.get(base + "weight_scale_2"))
+            )
         if not ok:
-            raise LoopspecError(f"{directory}: {base}* is not a valid {algo} layout "
-                                f"(weight {w.dtype} {tuple(w.shape)}, weight_scale {scale.dtype} {tuple(scale.shape)})")
+            raise LoopspecError(
+                f"{directory}: {base}* is not a valid {algo} layout "
+                f"(weight {w.dtype} {tuple(w.shape)}, weight_scale {scale.dtype} {tuple(scale.shape)})"
+            )
         quantized += 1
     if not quantized:
         raise LoopspecError(f"{directory}: no quantized weights")

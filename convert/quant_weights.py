@@ -18,6 +18,7 @@ UNQUANTIZED_DTYPE = torch.bfloat16  # norms, embeddings and excluded layers, as 
 @dataclass
 class QuantizedWeight:
     """One calibrated Linear in deployment form (modelopt's export math)."""
+
     precision: str  # "fp8" | "nvfp4"
     weight: torch.Tensor  # fp8: float8_e4m3fn [out, in]; nvfp4: uint8 [out, in/2] (two e2m1 per byte, low nibble first)
     weight_scale: torch.Tensor  # fp8: fp32 scalar; nvfp4: float8_e4m3fn [out, in/16]
@@ -29,10 +30,15 @@ class QuantizedWeight:
     def rows(self, start: int, stop: int) -> "QuantizedWeight":
         """The slice of output rows [start, stop) (scalars shared): a fused module's parts."""
         per_row = self.weight_scale.dim() > 0
-        return QuantizedWeight(self.precision, self.weight[start:stop],
-                               self.weight_scale[start:stop] if per_row else self.weight_scale,
-                               self.weight_scale_2, self.input_scale,
-                               None if self.bias is None else self.bias[start:stop], self.block_size)
+        return QuantizedWeight(
+            self.precision,
+            self.weight[start:stop],
+            self.weight_scale[start:stop] if per_row else self.weight_scale,
+            self.weight_scale_2,
+            self.input_scale,
+            None if self.bias is None else self.bias[start:stop],
+            self.block_size,
+        )
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint tensors under `prefix` (copies: the parts of a fused module share scalars)."""
@@ -63,9 +69,15 @@ def quantized_weight(module: nn.Module) -> QuantizedWeight | None:
         raise LoopspecError("a quantized linear without a calibrated input range (was calibration run?)")
     if fmt == "fp8":
         scale = scale.float().reshape(())
-    return QuantizedWeight(fmt, packed, scale, None if scale_2 is None else scale_2.float().reshape(()),
-                           input_scale.float().reshape(()), None if module.bias is None else module.bias.detach(),
-                           block)
+    return QuantizedWeight(
+        fmt,
+        packed,
+        scale,
+        None if scale_2 is None else scale_2.float().reshape(()),
+        input_scale.float().reshape(()),
+        None if module.bias is None else module.bias.detach(),
+        block,
+    )
 
 
 def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:

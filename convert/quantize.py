@@ -69,6 +69,7 @@ DEFAULT_CALIB_PROMPTS = (
     "Translate into French: 'The library opens at nine and closes at six.'",
 )
 
+
 def require_modelopt():
     """`modelopt.torch.quantization`, or a clear error naming the extra."""
     try:
@@ -105,8 +106,9 @@ def read_calib_prompts(path: str | Path | None) -> list[str]:
 
 
 @torch.no_grad()
-def calibration_sequences(target: Target, tokenizer, prompts: list[str], calib_size: int,
-                          new_tokens: int = DEFAULT_CALIB_NEW_TOKENS) -> list[CalibSequence]:
+def calibration_sequences(
+    target: Target, tokenizer, prompts: list[str], calib_size: int, new_tokens: int = DEFAULT_CALIB_NEW_TOKENS
+) -> list[CalibSequence]:
     """The first `calib_size` prompts, each followed by the target's greedy continuation."""
     if calib_size < 1:
         raise LoopspecError(f"--calib-size must be >= 1, got {calib_size}")
@@ -157,14 +159,19 @@ def run_drafter_as_decoding(drafter: Drafter, target: Target, sequences: list[Ca
         for a in range(seq.prompt_len, T, k - 1):  # the first anchor: the token after the prompt
             block = torch.full((1, k), mask, dtype=torch.long)
             block[0, 0] = seq.tokens[a]
-            hidden = drafter(target.embed_tokens(block), torch.arange(a, a + k),
-                             ctx_k[:, :, :, :a], ctx_v[:, :, :, :a])  # [1, k, H]
+            hidden = drafter(
+                target.embed_tokens(block), torch.arange(a, a + k), ctx_k[:, :, :, :a], ctx_v[:, :, :, :a]
+            )  # [1, k, H]
             # stage 2: pseudo-features z(p+1) at p = a .. a+k-2, anchor = stage 1's last draft at a+k-1
             pseudo_k, pseudo_v = _layer_kv(drafter, hidden[:, 1:], torch.arange(a, a + k - 1))
             best = int((hidden[0, -1] @ head.T).argmax())
             block[0, 0] = best if drafter.draft_ids is None else int(drafter.draft_ids[best])
-            drafter(target.embed_tokens(block), torch.arange(a + k - 1, a + 2 * k - 1),
-                    torch.cat([ctx_k[:, :, :, :a], pseudo_k], dim=3), torch.cat([ctx_v[:, :, :, :a], pseudo_v], dim=3))
+            drafter(
+                target.embed_tokens(block),
+                torch.arange(a + k - 1, a + 2 * k - 1),
+                torch.cat([ctx_k[:, :, :, :a], pseudo_k], dim=3),
+                torch.cat([ctx_v[:, :, :, :a], pseudo_v], dim=3),
+            )
 
 
 def fuse_shared_inputs(drafter: nn.Module) -> None:
@@ -175,8 +182,9 @@ def fuse_shared_inputs(drafter: nn.Module) -> None:
     preprocess_linear_fusion(group)
 
 
-def quantize_drafter(drafter: Drafter, target: Target, calib_prompts: list[CalibSequence], precision: str,
-                     calib_size: int | None = None) -> Drafter:
+def quantize_drafter(
+    drafter: Drafter, target: Target, calib_prompts: list[CalibSequence], precision: str, calib_size: int | None = None
+) -> Drafter:
     """A modelopt-calibrated copy of `drafter` (QuantLinear modules with their quantizers' ranges);
     `drafter` itself stays as it is (the fp32 reference)."""
     require_zlab_block(drafter.cfg, "quantization")  # its calibration and export run z-lab's block
@@ -194,8 +202,9 @@ def quantize_drafter(drafter: Drafter, target: Target, calib_prompts: list[Calib
     return model
 
 
-def quantize_target(target: Target, calib_prompts: list[CalibSequence], precision: str,
-                    calib_size: int | None = None) -> Target:
+def quantize_target(
+    target: Target, calib_prompts: list[CalibSequence], precision: str, calib_size: int | None = None
+) -> Target:
     """A modelopt-calibrated copy of the target (its lm_head stays unquantized, as modelopt's configs say)."""
     cfg = modelopt_config(precision)
     mtq = require_modelopt()
@@ -208,9 +217,13 @@ def quantize_target(target: Target, calib_prompts: list[CalibSequence], precisio
     return mtq.quantize(copy.deepcopy(target).eval(), cfg, forward_loop)
 
 
-def quantize_target_checkpoint(src: str | Path, dst: str | Path, precision: str,
-                               calib_prompts: str | Path | None = None,
-                               calib_size: int = DEFAULT_CALIB_SIZE) -> Path:
+def quantize_target_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    precision: str,
+    calib_prompts: str | Path | None = None,
+    calib_size: int = DEFAULT_CALIB_SIZE,
+) -> Path:
     """An HF target checkpoint → its modelopt-quantized HF checkpoint (calibrated on `calib_prompts`
     or the built-in prompts)."""
     from loopspec.weights import load_target_dir, load_tokenizer
@@ -225,8 +238,9 @@ def quantize_target_checkpoint(src: str | Path, dst: str | Path, precision: str,
 # accuracy of a quantized drafter against the fp32 drafter
 
 
-def compare_drafters(target: Target, drafter: Drafter, sequences: list[CalibSequence], quantized_drafter,
-                     with_tau: bool = False) -> dict:
+def compare_drafters(
+    target: Target, drafter: Drafter, sequences: list[CalibSequence], quantized_drafter, with_tau: bool = False
+) -> dict:
     """The quantized drafter end to end (its context K/V from the target's taps, then draft blocks every
     k-1 positions of each response) against the fp32 PyTorch drafter on the same inputs: the draft
     logits' absolute error (max, mean, and the logits' scale) and how often the top-1 draft agrees.
@@ -256,8 +270,9 @@ def compare_drafters(target: Target, drafter: Drafter, sequences: list[CalibSequ
             if quantized:
                 hidden = quantized_hidden(block, a)
             else:
-                hidden = drafter(target.embed_tokens(block), torch.arange(a, a + k), ref_k[:, :, :, :a],
-                                 ref_v[:, :, :, :a])
+                hidden = drafter(
+                    target.embed_tokens(block), torch.arange(a, a + k), ref_k[:, :, :, :a], ref_v[:, :, :, :a]
+                )
             return hidden[0, 1:].float() @ head.T
 
         for a in range(seq.prompt_len, T, k - 1):
@@ -269,29 +284,48 @@ def compare_drafters(target: Target, drafter: Drafter, sequences: list[CalibSequ
             positions, blocks = positions + k - 1, blocks + 1
         if with_tau:
             for quantized, taus in ((False, taus_ref), (True, taus_quantized)):
-                taus += offline_tau(lambda a: draft_candidates(logits(a, quantized), drafter.draft_ids)[0][:, 0],
-                                    seq.tokens, seq.prompt_len)
+                taus += offline_tau(
+                    lambda a: draft_candidates(logits(a, quantized), drafter.draft_ids)[0][:, 0],
+                    seq.tokens,
+                    seq.prompt_len,
+                )
     if not blocks:
         raise LoopspecError("no draft block to measure (the evaluation prompts have no response tokens)")
-    out = {"max_abs": round(max_err, 4), "mean_abs": round(abs_sum / positions, 5), "logit_scale": round(scale, 3),
-           "top1_agreement": round(agree / positions, 4), "blocks": blocks, "positions": positions}
+    out = {
+        "max_abs": round(max_err, 4),
+        "mean_abs": round(abs_sum / positions, 5),
+        "logit_scale": round(scale, 3),
+        "top1_agreement": round(agree / positions, 4),
+        "blocks": blocks,
+        "positions": positions,
+    }
     if with_tau and taus_ref:
         tau_ref, tau_q = sum(taus_ref) / len(taus_ref), sum(taus_quantized) / len(taus_quantized)
-        out.update(tau_reference=round(tau_ref, 4), tau_quantized=round(tau_q, 4),
-                   tau_relative_drop=round((tau_ref - tau_q) / tau_ref, 4), anchors=len(taus_ref))
+        out.update(
+            tau_reference=round(tau_ref, 4),
+            tau_quantized=round(tau_q, 4),
+            tau_relative_drop=round((tau_ref - tau_q) / tau_ref, 4),
+            anchors=len(taus_ref),
+        )
     return out
 
 
 @torch.no_grad()
-def drafter_logit_error(onnx_dir: str | Path, target: Target, drafter: Drafter, sequences: list[CalibSequence],
-                        num_threads: int | None = None) -> dict:
+def drafter_logit_error(
+    onnx_dir: str | Path,
+    target: Target,
+    drafter: Drafter,
+    sequences: list[CalibSequence],
+    num_threads: int | None = None,
+) -> dict:
     """compare_drafters with the exported drafter run by the ONNX Runtime engine (FP8 graphs), called
     as decoding calls it: the sequence's taps appended to its context, a block drafted at each anchor."""
     from loopspec.engines.backends import artifact_engine
 
     k = drafter.cfg.block_size
-    engine = artifact_engine("onnxruntime", onnx_dir, max_context=max(len(s.tokens) for s in sequences) + k,
-                             num_threads=num_threads)
+    engine = artifact_engine(
+        "onnxruntime", onnx_dir, max_context=max(len(s.tokens) for s in sequences) + k, num_threads=num_threads
+    )
 
     def quantized_drafter(taps):
         engine.context_rollback([0], [0])
@@ -310,8 +344,13 @@ def drafter_logit_error(onnx_dir: str | Path, target: Target, drafter: Drafter, 
 
 
 @torch.no_grad()
-def emulated_drafter_check(target: Target, drafter: Drafter, weights: dict[str, QuantizedWeight],
-                           sequences: list[CalibSequence], precision: str) -> dict:
+def emulated_drafter_check(
+    target: Target,
+    drafter: Drafter,
+    weights: dict[str, QuantizedWeight],
+    sequences: list[CalibSequence],
+    precision: str,
+) -> dict:
     """compare_drafters with the quantized drafter emulated in PyTorch (qdq_copy: the Q/DQ arithmetic of
     its graphs, run eagerly — for NVFP4 the emulation of TensorRT's FP4 kernels), τ included; `passed`
     when the offline τ drop is within the precision's tolerance (convert/validate.py TOLERANCES)."""
@@ -330,8 +369,13 @@ def emulated_drafter_check(target: Target, drafter: Drafter, weights: dict[str, 
 
         def hidden(block, a):
             room = (0, 0, 0, k)  # the block's slots after the context (engines/specs.py past_width)
-            return block_module(block, torch.arange(a, a + k)[None], F.pad(ctx_k[:, :, :, :a], room),
-                                F.pad(ctx_v[:, :, :, :a], room), torch.tensor([a]))[2]
+            return block_module(
+                block,
+                torch.arange(a, a + k)[None],
+                F.pad(ctx_k[:, :, :, :a], room),
+                F.pad(ctx_v[:, :, :, :a], room),
+                torch.tensor([a]),
+            )[2]
 
         return hidden
 
@@ -346,8 +390,10 @@ def emulated_drafter_check(target: Target, drafter: Drafter, weights: dict[str, 
 # `loopspec convert quantize`
 
 REPORT = "quantize.json"
-NVFP4_EMULATED = ("NVFP4 drafter measured through a PyTorch emulation of its arithmetic on the CPU; the NVFP4 "
-                  "graphs themselves need TensorRT on a Blackwell GPU")
+NVFP4_EMULATED = (
+    "NVFP4 drafter measured through a PyTorch emulation of its arithmetic on the CPU; the NVFP4 "
+    "graphs themselves need TensorRT on a Blackwell GPU"
+)
 REJECTED_SUFFIX = ".rejected"  # where artifacts that failed validation are kept aside: OUT.rejected/
 
 
@@ -378,17 +424,29 @@ def failed_checks(validation: dict) -> list[str]:
         out.append("greedy decoding differs from PyTorch (allowed: identical)")
     a = validation.get("acceptance")
     if a is not None and not a["passed"]:
-        out.append(f"offline tau drop {a['relative_drop']:.1%} > allowed {tolerance['tau_drop']:.0%} "
-                   f"(PyTorch {a['tau_reference']:.3f}, ONNX {a['tau_onnx']:.3f})")
+        out.append(
+            f"offline tau drop {a['relative_drop']:.1%} > allowed {tolerance['tau_drop']:.0%} "
+            f"(PyTorch {a['tau_reference']:.3f}, ONNX {a['tau_onnx']:.3f})"
+        )
     if not out and not validation["passed"]:
         out.append("validation did not pass")
     return out
 
 
-def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: str,
-                  calib_prompts: str | Path | None = None, calib_size: int = DEFAULT_CALIB_SIZE,
-                  target_too: bool = False, max_context: int | None = None, mask_token_id: int | None = None,
-                  validate: bool = True, num_threads: int | None = None) -> dict:
+def quantize_pair(
+    *,
+    target: str,
+    drafter: str,
+    out_dir: str | Path,
+    precision: str,
+    calib_prompts: str | Path | None = None,
+    calib_size: int = DEFAULT_CALIB_SIZE,
+    target_too: bool = False,
+    max_context: int | None = None,
+    mask_token_id: int | None = None,
+    validate: bool = True,
+    num_threads: int | None = None,
+) -> dict:
     """Calibrate, export and check; → the report (also written to `out_dir`/quantize.json).
 
     out_dir/drafter   z-lab checkpoint, modelopt-quantized (config.json, model.safetensors, hf_quant_config.json)
@@ -422,14 +480,23 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
     target_dir, target_model, tokenizer = pair.target_dir, pair.target, pair.tokenizer  # quantizes nn.Linear
     drafter_dir, drafter_model = pair.drafter_dir, pair.drafter
     sequences = calibration_sequences(target_model, tokenizer, prompts, calib_size)
-    calibration = {"tool": "nvidia-modelopt", "config": MODELOPT_CONFIG_NAMES[precision], "algorithm": "max",
-                   "prompts": str(calib_prompts) if calib_prompts else "built-in", "calib_size": len(sequences),
-                   "tokens": sum(len(s.tokens) for s in sequences), "new_tokens_per_prompt": DEFAULT_CALIB_NEW_TOKENS}
+    calibration = {
+        "tool": "nvidia-modelopt",
+        "config": MODELOPT_CONFIG_NAMES[precision],
+        "algorithm": "max",
+        "prompts": str(calib_prompts) if calib_prompts else "built-in",
+        "calib_size": len(sequences),
+        "tokens": sum(len(s.tokens) for s in sequences),
+        "new_tokens_per_prompt": DEFAULT_CALIB_NEW_TOKENS,
+    }
     qdrafter = quantize_drafter(drafter_model, target_model, sequences, precision)
     with staged_dir(out_dir) as work:  # out_dir changes only when everything below succeeds
         export_drafter_checkpoint(qdrafter, work / "drafter")
-        report = {"precision": precision, "calibration": calibration,
-                  "checkpoints": {"drafter": check_checkpoint(work / "drafter")}}
+        report = {
+            "precision": precision,
+            "calibration": calibration,
+            "checkpoints": {"drafter": check_checkpoint(work / "drafter")},
+        }
         target_weights = None
         if target_too:
             qtarget = quantize_target(target_model, sequences, precision)
@@ -437,10 +504,18 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
             report["checkpoints"]["target"] = check_checkpoint(work / "target")
             target_weights = quantized_weights(qtarget)
         drafter_weights = quantized_weights(qdrafter)
-        export_quantized_engines(target_model, drafter_model, work / "onnx", precision=precision,
-                                 drafter_weights=drafter_weights, target_weights=target_weights,
-                                 target_dir=target_dir, drafter_dir=drafter_dir, max_context=max_context,
-                                 quantization=calibration)
+        export_quantized_engines(
+            target_model,
+            drafter_model,
+            work / "onnx",
+            precision=precision,
+            drafter_weights=drafter_weights,
+            target_weights=target_weights,
+            target_dir=target_dir,
+            drafter_dir=drafter_dir,
+            max_context=max_context,
+            quantization=calibration,
+        )
         report["onnx"] = check_onnx(work / "onnx")
         if precision == "nvfp4":
             # ONNX Runtime cannot run the NVFP4 graphs (TensorRT's FP4 op): the drafter is measured
@@ -452,34 +527,46 @@ def quantize_pair(*, target: str, drafter: str, out_dir: str | Path, precision: 
                 held_out = calibration_sequences(target_model, tokenizer, list(PROMPT_TEXTS), len(PROMPT_TEXTS))
                 check = emulated_drafter_check(target_model, drafter_model, drafter_weights, held_out, precision)
                 report["emulated"] = check
-                report["failed_checks"] = [] if check["passed"] else [
-                    f"offline tau drop {check['tau_relative_drop']:.1%} > allowed {check['tau_drop_limit']:.0%} "
-                    f"(fp32 {check['tau_reference']:.3f}, emulated nvfp4 {check['tau_quantized']:.3f})"]
+                report["failed_checks"] = (
+                    []
+                    if check["passed"]
+                    else [
+                        f"offline tau drop {check['tau_relative_drop']:.1%} > allowed {check['tau_drop_limit']:.0%} "
+                        f"(fp32 {check['tau_reference']:.3f}, emulated nvfp4 {check['tau_quantized']:.3f})"
+                    ]
+                )
         elif validate:
             from loopspec.convert.validate import PROMPT_TEXTS, validate_onnx
 
-            report["validation"] = validate_onnx(work / "onnx", target_model, drafter_model, precision,
-                                                 num_threads=num_threads)  # also recorded in onnx/manifest.json
+            report["validation"] = validate_onnx(
+                work / "onnx", target_model, drafter_model, precision, num_threads=num_threads
+            )  # also recorded in onnx/manifest.json
             held_out = calibration_sequences(target_model, tokenizer, list(PROMPT_TEXTS), len(PROMPT_TEXTS))
-            report["drafter_logits"] = drafter_logit_error(work / "onnx", target_model, drafter_model, held_out,
-                                                           num_threads)
+            report["drafter_logits"] = drafter_logit_error(
+                work / "onnx", target_model, drafter_model, held_out, num_threads
+            )
             report["failed_checks"] = failed_checks(report["validation"])
         report["seconds"] = round(time.perf_counter() - t0, 1)
         (work / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         if report.get("failed_checks"):
             replace_dir(work, rejected)  # kept aside, whole; staged_dir then has nothing left to swap in
             more = f" (and {len(report['failed_checks']) - 1} more)" if len(report["failed_checks"]) > 1 else ""
-            raise ValidationFailed(f"{precision} validation failed: {report['failed_checks'][0]}{more}; {out_dir} "
-                                   f"{untouched}, the rejected artifacts and their report are in {rejected}",
-                                   report, rejected)
+            raise ValidationFailed(
+                f"{precision} validation failed: {report['failed_checks'][0]}{more}; {out_dir} "
+                f"{untouched}, the rejected artifacts and their report are in {rejected}",
+                report,
+                rejected,
+            )
     return report
 
 
 def format_quantize_report(report: dict, out_dir: str | Path) -> str:
     out_dir = Path(out_dir)
     c = report["calibration"]
-    lines = [f"modelopt {report['precision'].upper()} calibration on {c['calib_size']} prompts ({c['tokens']} tokens, "
-             f"{c['prompts']}); calibration, export and checks took {report['seconds']} s"]
+    lines = [
+        f"modelopt {report['precision'].upper()} calibration on {c['calib_size']} prompts ({c['tokens']} tokens, "
+        f"{c['prompts']}); calibration, export and checks took {report['seconds']} s"
+    ]
     for name, info in report["checkpoints"].items():
         lines.append(f"  {out_dir / name}: {info['quant_algo']} checkpoint, {info['quantized']} quantized linears")
     engines = ", ".join(f"{e} ({v['quantized_weights']} weights)" for e, v in report["onnx"].items())
@@ -488,18 +575,24 @@ def format_quantize_report(report: dict, out_dir: str | Path) -> str:
         lines.append(f"  {report['numerics']}")
     if "emulated" in report:
         e = report["emulated"]
-        lines.append(f"  emulated drafter logits vs fp32 over {e['positions']} draft positions: max |err| "
-                     f"{e['max_abs']:.3g}, mean |err| {e['mean_abs']:.3g} (logit scale {e['logit_scale']:.3g}), "
-                     f"top-1 agreement {e['top1_agreement']:.1%}")
+        lines.append(
+            f"  emulated drafter logits vs fp32 over {e['positions']} draft positions: max |err| "
+            f"{e['max_abs']:.3g}, mean |err| {e['mean_abs']:.3g} (logit scale {e['logit_scale']:.3g}), "
+            f"top-1 agreement {e['top1_agreement']:.1%}"
+        )
         if "tau_reference" in e:
-            lines.append(f"  offline tau over {e['anchors']} anchors: fp32 {e['tau_reference']:.3f}, emulated "
-                         f"{e['tau_quantized']:.3f} (drop {e['tau_relative_drop']:+.1%}, limit {e['tau_drop_limit']:.0%}): "
-                         f"{'PASSED' if e['passed'] else 'FAILED'}")
+            lines.append(
+                f"  offline tau over {e['anchors']} anchors: fp32 {e['tau_reference']:.3f}, emulated "
+                f"{e['tau_quantized']:.3f} (drop {e['tau_relative_drop']:+.1%}, limit {e['tau_drop_limit']:.0%}): "
+                f"{'PASSED' if e['passed'] else 'FAILED'}"
+            )
     if "drafter_logits" in report:
         d = report["drafter_logits"]
-        lines.append(f"  drafter logits vs fp32 over {d['positions']} draft positions: max |err| {d['max_abs']:.3g}, "
-                     f"mean |err| {d['mean_abs']:.3g} (logit scale {d['logit_scale']:.3g}), "
-                     f"top-1 agreement {d['top1_agreement']:.1%}")
+        lines.append(
+            f"  drafter logits vs fp32 over {d['positions']} draft positions: max |err| {d['max_abs']:.3g}, "
+            f"mean |err| {d['mean_abs']:.3g} (logit scale {d['logit_scale']:.3g}), "
+            f"top-1 agreement {d['top1_agreement']:.1%}"
+        )
     if "validation" in report:
         from loopspec.convert.validate import format_report
 

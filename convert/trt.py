@@ -21,8 +21,14 @@ from pathlib import Path
 from loopspec.engines.manifest import Manifest, read_manifest, tool_versions, write_manifest
 from loopspec.weights import file_sha256
 from loopspec.engines.staging import check_out_dir, staged_dir
-from loopspec.engines.trt_engine import (builder_flags, check_precision_supported, cuda_capability, plan_arithmetic,
-                                  profile_shapes, require_tensorrt)
+from loopspec.engines.trt_engine import (
+    builder_flags,
+    check_precision_supported,
+    cuda_capability,
+    plan_arithmetic,
+    profile_shapes,
+    require_tensorrt,
+)
 from loopspec.errors import LoopspecError
 
 WEIGHT_SUFFIXES = (".onnx", ".data", ".onnx_data")  # the graphs and their external weights: replaced by plans
@@ -32,8 +38,9 @@ def _errors(parser) -> str:
     return "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors)) or "no parser message"
 
 
-def build_plan(trt, builder, logger, onnx_path: Path, spec, workspace_bytes: int | None,
-               precision: str = "fp32") -> bytes:
+def build_plan(
+    trt, builder, logger, onnx_path: Path, spec, workspace_bytes: int | None, precision: str = "fp32"
+) -> bytes:
     """Parse one ONNX graph into a strongly typed network and build its plan for the spec's ranges
     (an fp32 plan with TF32 cleared: engines/trt_engine.py plan_arithmetic)."""
     strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
@@ -63,16 +70,23 @@ def build_plan(trt, builder, logger, onnx_path: Path, spec, workspace_bytes: int
     return bytes(plan)
 
 
-def build_plans(onnx_dir: str | Path, out_dir: str | Path, precision: str | None = None,
-                workspace_gb: float | None = None, max_batch: int | None = None) -> Manifest:
+def build_plans(
+    onnx_dir: str | Path,
+    out_dir: str | Path,
+    precision: str | None = None,
+    workspace_gb: float | None = None,
+    max_batch: int | None = None,
+) -> Manifest:
     """Every engine of `onnx_dir` → a TensorRT plan in `out_dir` (written atomically) + manifest.
     `max_batch`: the most rows per call the plans take (default: the ONNX export's range)."""
     trt = require_tensorrt()
     capability, device = cuda_capability()
     source = read_manifest(onnx_dir)  # hashes verified: a changed graph is refused before building
     if precision is not None and precision != source.precision:
-        raise LoopspecError(f"{onnx_dir} holds {source.precision} graphs; a strongly typed build keeps the graph's "
-                            f"types, so {precision} plans need {precision} graphs (export or quantize them first)")
+        raise LoopspecError(
+            f"{onnx_dir} holds {source.precision} graphs; a strongly typed build keeps the graph's "
+            f"types, so {precision} plans need {precision} graphs (export or quantize them first)"
+        )
     precision = source.precision
     check_precision_supported(precision, capability, device)
     if workspace_gb is not None and workspace_gb <= 0:
@@ -86,8 +100,15 @@ def build_plans(onnx_dir: str | Path, out_dir: str | Path, precision: str | None
         for name in source.engines:
             specs[name] = source.spec(name) if max_batch is None else source.spec(name).narrowed("batch", max_batch)
             files[name] = f"{name}.plan"
-            plan = build_plan(trt, builder, logger, source.path(name), specs[name],
-                              int(workspace_gb * (1 << 30)) if workspace_gb else None, precision)
+            plan = build_plan(
+                trt,
+                builder,
+                logger,
+                source.path(name),
+                specs[name],
+                int(workspace_gb * (1 << 30)) if workspace_gb else None,
+                precision,
+            )
             (tmp / files[name]).write_bytes(plan)
         engine_files = {source.data["engines"][n]["file"] for n in source.engines}
         for rel in source.data["files"]:  # configs, tokenizer, d2t: what running the plans needs besides them
@@ -95,13 +116,27 @@ def build_plans(onnx_dir: str | Path, out_dir: str | Path, precision: str | None
                 continue
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(onnx_dir) / rel, tmp / rel)
-        settings = {**source.data.get("settings", {}), "device": device,
-                    "compute_capability": f"{capability[0]}.{capability[1]}", "workspace_gb": workspace_gb,
-                    "arithmetic": plan_arithmetic(precision)}
+        settings = {
+            **source.data.get("settings", {}),
+            "device": device,
+            "compute_capability": f"{capability[0]}.{capability[1]}",
+            "workspace_gb": workspace_gb,
+            "arithmetic": plan_arithmetic(precision),
+        }
         manifest = write_manifest(
-            tmp, stage="tensorrt", precision=precision, specs=specs, engine_files=files,
-            sources={"onnx": {"path": str(Path(onnx_dir).resolve()),
-                              "manifest_sha256": file_sha256(Path(onnx_dir) / "manifest.json")}},
-            settings=settings, tools=tool_versions(("tensorrt", "torch", "loopspec")),
-            parent={k: v for k, v in source.data.items() if k != "files"})
+            tmp,
+            stage="tensorrt",
+            precision=precision,
+            specs=specs,
+            engine_files=files,
+            sources={
+                "onnx": {
+                    "path": str(Path(onnx_dir).resolve()),
+                    "manifest_sha256": file_sha256(Path(onnx_dir) / "manifest.json"),
+                }
+            },
+            settings=settings,
+            tools=tool_versions(("tensorrt", "torch", "loopspec")),
+            parent={k: v for k, v in source.data.items() if k != "files"},
+        )
     return Manifest(out, manifest.data)

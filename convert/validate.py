@@ -49,9 +49,11 @@ from loopspec.model.target import Target
 
 # per precision: the tolerances of loopspec/precisions.py (those it validates: the ones that have some)
 TOLERANCES = {name: p.tolerance for name, p in REGISTRY.items() if p.tolerance}
-PROMPT_TEXTS = ("The quick brown fox jumps over the lazy dog because",
-                "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-                "Explain in two sentences why the sky is blue.")
+PROMPT_TEXTS = (
+    "The quick brown fox jumps over the lazy dog because",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Explain in two sentences why the sky is blue.",
+)
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -121,9 +123,11 @@ def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size:
         second = target(torch.tensor([prompt[P:]]), cache, want_taps=ref.drafter is not None, tree_mask=tree)
     logits, taps = engine.verify([prompt[P:]], want_taps=ref.drafter is not None, tree_masks=tree)
     new_key, new_value = stored(engine.cache, P, P + T)
-    errors = {"logits": relative_error(logits[:, :T], second.logits),  # a lone token runs with a padding token
-              "new_key": relative_error(new_key, cache.k[:, :, :, P:P + T]),
-              "new_value": relative_error(new_value, cache.v[:, :, :, P:P + T])}
+    errors = {
+        "logits": relative_error(logits[:, :T], second.logits),  # a lone token runs with a padding token
+        "new_key": relative_error(new_key, cache.k[:, :, :, P : P + T]),
+        "new_value": relative_error(new_value, cache.v[:, :, :, P : P + T]),
+    }
     if taps is not None:
         errors["taps"] = relative_error(taps[:, :T], second.taps)
     out[TARGET_VERIFY] = errors
@@ -135,22 +139,25 @@ def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size:
     engine.context_rollback([0], [0])
     engine.append_context(taps, [n])
     got_k, got_v = stored(engine.context.kv, 0, n)
-    out[DRAFTER_CONTEXT] = {"context_key": relative_error(got_k, ctx_k),
-                            "context_value": relative_error(got_v, ctx_v)}
+    out[DRAFTER_CONTEXT] = {"context_key": relative_error(got_k, ctx_k), "context_value": relative_error(got_v, ctx_v)}
     # the reference block on the context the engine holds: the block engine's own error
     drafts, logprobs, hidden, confidence = ref.block(prompt[-1], n, block_size, got_k, got_v)
     stage = engine.draft([0], [prompt[-1]], [n], block_size)
     got_drafts, got_logprobs, got_hidden = stage
-    out[DRAFTER_BLOCK] = {"draft_ids": relative_error(got_drafts[0], drafts),
-                          "draft_logprobs": relative_error(got_logprobs[0], logprobs),
-                          "hidden": relative_error(got_hidden[0], hidden)}
+    out[DRAFTER_BLOCK] = {
+        "draft_ids": relative_error(got_drafts[0], drafts),
+        "draft_logprobs": relative_error(got_logprobs[0], logprobs),
+        "hidden": relative_error(got_hidden[0], hidden),
+    }
     if confidence is not None:  # a DSpark drafter's acceptance estimates
         out[DRAFTER_BLOCK]["confidence"] = relative_error(stage.confidence[0], confidence)
     pseudo_k, pseudo_v = ref.context(hidden[None, 1:], n, from_taps=False)
     engine.append_pseudo_context([0], hidden[None, 1:])
     got_k, got_v = stored(engine.context.kv, n, n + block_size - 1)
-    out[DRAFTER_CONTEXT_HIDDEN] = {"context_key": relative_error(got_k, pseudo_k),
-                                   "context_value": relative_error(got_v, pseudo_v)}
+    out[DRAFTER_CONTEXT_HIDDEN] = {
+        "context_key": relative_error(got_k, pseudo_k),
+        "context_value": relative_error(got_v, pseudo_v),
+    }
     return out
 
 
@@ -188,7 +195,7 @@ def verified_greedy(engine: Engine, prompt: list[int], tokens: list[int]) -> lis
     what lossless means). The drafter context is left as it was."""
     engine.target_rollback([0])
     logits, _ = engine.verify([prompt + tokens[:-1]], want_taps=False)
-    return logits[0, len(prompt) - 1:].argmax(-1).tolist()
+    return logits[0, len(prompt) - 1 :].argmax(-1).tolist()
 
 
 def offline_tau(draft, sequence: list[int], prompt_len: int) -> list[int]:
@@ -198,7 +205,7 @@ def offline_tau(draft, sequence: list[int], prompt_len: int) -> list[int]:
     committed = []
     for a in range(prompt_len, len(sequence) - 1):
         drafts = draft(a).tolist()
-        truth = sequence[a + 1:a + 1 + len(drafts)]
+        truth = sequence[a + 1 : a + 1 + len(drafts)]
         accepted = 0
         while accepted < len(truth) and drafts[accepted] == truth[accepted]:
             accepted += 1
@@ -206,8 +213,9 @@ def offline_tau(draft, sequence: list[int], prompt_len: int) -> list[int]:
     return committed
 
 
-def acceptance(ref: Reference, engine: Engine, sequence: list[int], taps_ref: torch.Tensor, prompt_len: int,
-               block_size: int) -> tuple[list[int], list[int]]:
+def acceptance(
+    ref: Reference, engine: Engine, sequence: list[int], taps_ref: torch.Tensor, prompt_len: int, block_size: int
+) -> tuple[list[int], list[int]]:
     """Offline τ per anchor of the reference drafter (reference taps) and of the engine's drafter, on
     the context row 0 holds after `engine_greedy` (the engine's own taps through its context engine),
     rolled back to each anchor, last first."""
@@ -237,8 +245,14 @@ def validation_prompts(onnx_dir: Path, vocab_size: int) -> tuple[list[list[int]]
     return [torch.randint(0, vocab_size, (12 + 4 * i,), generator=g).tolist() for i in range(3)], "random ids"
 
 
-def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None, precision: str = "fp32",
-                  new_tokens: int = 16, num_threads: int | None = None) -> dict:
+def validate_onnx(
+    onnx_dir: str | Path,
+    target: Target,
+    drafter: Drafter | None,
+    precision: str = "fp32",
+    new_tokens: int = 16,
+    num_threads: int | None = None,
+) -> dict:
     """Validate every engine in `onnx_dir` against `target`/`drafter` (the reference modules it was
     exported from); return the report and store it in the manifest as `validation`."""
     if precision not in TOLERANCES:
@@ -251,8 +265,10 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
     # refuses what ONNX Runtime cannot run here (NVFP4), as `generate --onnx-dir` does
     engine = artifact_engine("onnxruntime", onnx_dir, num_threads=num_threads)
     if engine.has_drafter != (drafter is not None):
-        raise LoopspecError(f"{onnx_dir} {'has' if engine.has_drafter else 'has no'} drafter engines but "
-                            f"{'a' if drafter is not None else 'no'} reference drafter was given")
+        raise LoopspecError(
+            f"{onnx_dir} {'has' if engine.has_drafter else 'has no'} drafter engines but "
+            f"{'a' if drafter is not None else 'no'} reference drafter was given"
+        )
     limits = TOLERANCES[precision]
     ref = Reference(target, drafter)
     prompts, prompt_source = validation_prompts(onnx_dir, target.cfg.vocab_size)
@@ -262,14 +278,23 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
     errors = engine_errors(ref, engine, prompts[0], block_size)
     if chain:
         errors |= eagle3_engine_errors(target, drafter, engine, prompts[0], block_size, relative_error)
-    report = {"precision": precision, "tolerance": limits, "prompts": len(prompts), "prompt_source": prompt_source,
-              "new_tokens": new_tokens, "engines": {}}
+    report = {
+        "precision": precision,
+        "tolerance": limits,
+        "prompts": len(prompts),
+        "prompt_source": prompt_source,
+        "new_tokens": new_tokens,
+        "engines": {},
+    }
     for name, outputs in errors.items():
         # draft ids may differ where two logits tie within the tolerance; the τ check covers them
         worst = max(v for k, v in outputs.items() if k != "draft_ids")
         tolerance = limits.get("target" if name == TARGET_VERIFY else "drafter", limits["relative"])
-        report["engines"][name] = {"errors": outputs, "tolerance": tolerance,
-                                   "passed": tolerance is None or worst <= tolerance}
+        report["engines"][name] = {
+            "errors": outputs,
+            "tolerance": tolerance,
+            "passed": tolerance is None or worst <= tolerance,
+        }
 
     identical, agreeing, taus_ref, taus_onnx = True, [], [], []
     for prompt in prompts:
@@ -280,8 +305,9 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
         agreeing += [a == b for a, b in zip(verified, tokens)]
         if drafter is not None:
             if chain:
-                a, b = eagle3_acceptance(target, drafter, engine, prompt + ref_tokens, len(prompt), block_size,
-                                         offline_tau)
+                a, b = eagle3_acceptance(
+                    target, drafter, engine, prompt + ref_tokens, len(prompt), block_size, offline_tau
+                )
             else:
                 a, b = acceptance(ref, engine, prompt + ref_tokens, ref_taps, len(prompt), block_size)
             taus_ref += a
@@ -289,14 +315,21 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
     report["greedy_identical"] = identical
     report["verify_equals_plain"] = all(agreeing)
     report["verify_plain_agreement"] = round(float(np.mean(agreeing)), 4)  # share of positions
-    passed = (all(e["passed"] for e in report["engines"].values()) and (identical or not limits["greedy"])
-              and (all(agreeing) or not limits["verify_equals_plain"]))
+    passed = (
+        all(e["passed"] for e in report["engines"].values())
+        and (identical or not limits["greedy"])
+        and (all(agreeing) or not limits["verify_equals_plain"])
+    )
     if drafter is not None:
         tau_ref, tau_onnx = np.mean(taus_ref), np.mean(taus_onnx)
         drop = (tau_ref - tau_onnx) / tau_ref
-        report["acceptance"] = {"tau_reference": round(float(tau_ref), 4), "tau_onnx": round(float(tau_onnx), 4),
-                                "relative_drop": round(float(drop), 4), "anchors": len(taus_ref),
-                                "passed": bool(limits["tau_drop"] is None or drop <= limits["tau_drop"])}
+        report["acceptance"] = {
+            "tau_reference": round(float(tau_ref), 4),
+            "tau_onnx": round(float(tau_onnx), 4),
+            "relative_drop": round(float(drop), 4),
+            "anchors": len(taus_ref),
+            "passed": bool(limits["tau_drop"] is None or drop <= limits["tau_drop"]),
+        }
         passed &= report["acceptance"]["passed"]
     report["passed"] = bool(passed)
     report["seconds"] = round(time.perf_counter() - t0, 2)
@@ -306,19 +339,25 @@ def validate_onnx(onnx_dir: str | Path, target: Target, drafter: Drafter | None,
 
 
 def format_report(report: dict) -> str:
-    lines = [f"validation ({report['precision']}, tolerance {report['tolerance']['relative']:g} relative): "
-             f"{'PASSED' if report['passed'] else 'FAILED'} in {report['seconds']} s"]
+    lines = [
+        f"validation ({report['precision']}, tolerance {report['tolerance']['relative']:g} relative): "
+        f"{'PASSED' if report['passed'] else 'FAILED'} in {report['seconds']} s"
+    ]
     for engine, r in report["engines"].items():
         errs = ", ".join(f"{k} {v:.1e}" for k, v in r["errors"].items())
         limit = f" (limit {r['tolerance']:g})" if r.get("tolerance") != report["tolerance"]["relative"] else ""
         lines.append(f"  {engine:<24}{'ok ' if r['passed'] else 'BAD'} {errs}{limit}")
-    lines.append(f"  greedy decoding of {report['prompts']} prompts × {report['new_tokens']} tokens: "
-                 f"{'identical' if report['greedy_identical'] else 'DIFFERENT'} to PyTorch; one verification "
-                 f"of them {'equals' if report['verify_equals_plain'] else 'differs from'} the engine's plain decoding "
-                 f"({report['verify_plain_agreement']:.0%} of positions agree)")
+    lines.append(
+        f"  greedy decoding of {report['prompts']} prompts × {report['new_tokens']} tokens: "
+        f"{'identical' if report['greedy_identical'] else 'DIFFERENT'} to PyTorch; one verification "
+        f"of them {'equals' if report['verify_equals_plain'] else 'differs from'} the engine's plain decoding "
+        f"({report['verify_plain_agreement']:.0%} of positions agree)"
+    )
     if "acceptance" in report:
         a = report["acceptance"]
-        lines.append(f"  offline tau over {a['anchors']} anchors: PyTorch {a['tau_reference']:.3f}, "
-                     f"ONNX {a['tau_onnx']:.3f} (drop {a['relative_drop']:+.1%}, "
-                     f"limit {'none' if report['tolerance']['tau_drop'] is None else format(report['tolerance']['tau_drop'], '.0%')})")
+        lines.append(
+            f"  offline tau over {a['anchors']} anchors: PyTorch {a['tau_reference']:.3f}, "
+            f"ONNX {a['tau_onnx']:.3f} (drop {a['relative_drop']:+.1%}, "
+            f"limit {'none' if report['tolerance']['tau_drop'] is None else format(report['tolerance']['tau_drop'], '.0%')})"
+        )
     return "\n".join(lines)

@@ -42,8 +42,9 @@ def verifies_chains_only(settings: dict) -> bool:
     int8 activations without the order-free softmax, or arithmetic its builder declared not order-exact
     (a TensorRT plan in fp16/bf16/fp8/nvfp4: engines/trt_engine.py plan_arithmetic)."""
     arithmetic = settings.get("arithmetic", {})
-    int8_unordered = (str(arithmetic.get("activations", "")).startswith("int8")
-                      and settings.get("softmax") != ORDER_FREE_SOFTMAX)
+    int8_unordered = (
+        str(arithmetic.get("activations", "")).startswith("int8") and settings.get("softmax") != ORDER_FREE_SOFTMAX
+    )
     return int8_unordered or arithmetic.get("order_exact") is False
 
 
@@ -62,8 +63,10 @@ class ArtifactEngine:
         self._check(self.manifest)
         inputs = self.manifest.spec(TARGET_VERIFY).input_names
         if "tree_mask" not in inputs or "past_key" in inputs:
-            raise LoopspecError(f"{self.artifact_dir} was exported by an older loopspec (its target graph takes "
-                                f"{'a stacked past' if 'tree_mask' in inputs else 'no draft-tree mask'}): export it again")
+            raise LoopspecError(
+                f"{self.artifact_dir} was exported by an older loopspec (its target graph takes "
+                f"{'a stacked past' if 'tree_mask' in inputs else 'no draft-tree mask'}): export it again"
+            )
         self.target_cfg = target_config(read_json(self.artifact_dir / "target" / "config.json", "target config"))
         # the drafter's config.json read by its architecture (loopspec/model/drafters.py), and its context
         self.drafter_cfg = drafter_config(self.artifact_dir / "drafter") if self.manifest.has_drafter else None
@@ -82,16 +85,36 @@ class ArtifactEngine:
         if max_rows < 1:
             raise LoopspecError(f"max batch size must be >= 1, got {max_rows}")
         if max_rows > self.max_batch:
-            raise LoopspecError(f"max batch size {max_rows} is outside the exported engines' batch range "
-                                f"[1, {self.max_batch}] ({self.artifact_dir})")
+            raise LoopspecError(
+                f"max batch size {max_rows} is outside the exported engines' batch range "
+                f"[1, {self.max_batch}] ({self.artifact_dir})"
+            )
         t, d = self.target_cfg, self.drafter_cfg
         self.max_rows = max_rows
         self._staging: dict[str, torch.Tensor] = {}  # dense copies of the prefixes a call passes (`dense`)
-        self.cache = KVCache(t.num_layers, max_rows, t.num_kv_heads, self.max_context, t.head_dim,
-                             self._dtype(TARGET_VERIFY, "past_key_0"), self.device, self._growth(TARGET_VERIFY, "past"))
+        self.cache = KVCache(
+            t.num_layers,
+            max_rows,
+            t.num_kv_heads,
+            self.max_context,
+            t.head_dim,
+            self._dtype(TARGET_VERIFY, "past_key_0"),
+            self.device,
+            self._growth(TARGET_VERIFY, "past"),
+        )
         kind = self.drafter_context
-        self.context = (kind(self, d, max_rows, self.max_context, self._dtype(kind.cache_graph, "context_key"),
-                             self._growth(kind.cache_graph, "context")) if d is not None else None)
+        self.context = (
+            kind(
+                self,
+                d,
+                max_rows,
+                self.max_context,
+                self._dtype(kind.cache_graph, "context_key"),
+                self._growth(kind.cache_graph, "context"),
+            )
+            if d is not None
+            else None
+        )
 
     def _growth(self, engine: str, past_dim: str) -> SlotGrowth:
         # the widest past the engine takes (its spec's range): a TensorRT profile refuses a wider one
@@ -155,14 +178,21 @@ class ArtifactEngine:
             self._target([0], [context], all_logits=False)
             token = [torch.randint(0, vocab, (1,), generator=generator).tolist()]
             alone, padded = (self.run_target([0], token, width, all_logits=True) for width in (1, MIN_PRODUCT_ROWS))
-            same = same and all(torch.equal(alone[name][..., :1, :], padded[name][..., :1, :])
-                                for name in ("new_key", "new_value")) and all(
-                torch.equal(alone[name][:, :1], padded[name][:, :1]) for name in ("logits", "taps") if name in alone)
+            same = (
+                same
+                and all(
+                    torch.equal(alone[name][..., :1, :], padded[name][..., :1, :]) for name in ("new_key", "new_value")
+                )
+                and all(
+                    torch.equal(alone[name][:, :1], padded[name][:, :1]) for name in ("logits", "taps") if name in alone
+                )
+            )
         self.cache.lengths[0] = 0
         return 1 if same else MIN_PRODUCT_ROWS
 
-    def _target(self, rows: list[int], tokens: list[list[int]], all_logits: bool,
-                tree_masks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def _target(
+        self, rows: list[int], tokens: list[list[int]], all_logits: bool, tree_masks: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """`rows` run their tokens (right-padded) after their own KV — a chain, or the draft trees of
         `tree_masks` [R, T, T] — and the first len(tokens[b]) new K/V of row b are stored at its length."""
         # a lone one-token step gets a padding token (never stored, never seen) where this machine
@@ -172,32 +202,44 @@ class ArtifactEngine:
         self.cache.append(out["new_key"], out["new_value"], rows, torch.tensor([len(t) for t in tokens]))
         return out
 
-    def run_target(self, rows: list[int], tokens: list[list[int]], width: int, all_logits: bool,
-                   tree_masks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def run_target(
+        self,
+        rows: list[int],
+        tokens: list[list[int]],
+        width: int,
+        all_logits: bool,
+        tree_masks: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         """One target call over `rows`, their tokens right-padded to `width`; nothing is stored (the
         cache is left as it was): a probe, as _measure_lone_step_width and scripts/lone_step_ab.py use it."""
         ids = torch.zeros(len(tokens), width, dtype=torch.long)  # [R, T]
         for b, t in enumerate(tokens):
-            ids[b, :len(t)] = torch.tensor(t)
+            ids[b, : len(t)] = torch.tensor(t)
         counts = torch.tensor([len(t) for t in tokens])
         starts = self.cache.lengths[rows]
         if int((starts + counts).max()) > self.max_context:
-            raise LoopspecError(f"sequence of {int((starts + counts).max())} tokens exceeds the context of {self.max_context}")
+            raise LoopspecError(
+                f"sequence of {int((starts + counts).max())} tokens exceeds the context of {self.max_context}"
+            )
         past_key, past_value = self.cache.dense_prefix(rows, past_width(starts, width))  # [L, R, kvh, W, hd], with room
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         if tree_masks is None:
             tree_masks = causal.expand(len(tokens), -1, -1)
         elif tree_masks.shape[-1] < width:  # padding tokens see what a chain's would: never seen by a real token
             padded = causal.repeat(len(tokens), 1, 1)
-            padded[:, :tree_masks.shape[1], :tree_masks.shape[2]] = tree_masks
+            padded[:, : tree_masks.shape[1], : tree_masks.shape[2]] = tree_masks
             tree_masks = padded
         depths = tree_masks.sum(-1) - 1  # [R, T]: a node sits at its row's length + its depth
         out = self.runners[TARGET_VERIFY].run(
-            input_ids=ids, positions=(starts[:, None] + depths).clamp_max(self.max_context - 1),
+            input_ids=ids,
+            positions=(starts[:, None] + depths).clamp_max(self.max_context - 1),
             logit_index=torch.arange(width) if all_logits else torch.tensor([max(len(t) for t in tokens) - 1]),
-            past_lengths=starts, tree_mask=tree_masks.contiguous(),
-            **past_feeds(self.dense("past_key", past_key, per_layer=True),
-                         self.dense("past_value", past_value, per_layer=True)))
+            past_lengths=starts,
+            tree_mask=tree_masks.contiguous(),
+            **past_feeds(
+                self.dense("past_key", past_key, per_layer=True), self.dense("past_value", past_value, per_layer=True)
+            ),
+        )
         return out
 
     def prefill(self, row: int, prompt_ids: list[int], want_taps: bool, start: int = 0) -> torch.Tensor:
@@ -210,8 +252,9 @@ class ArtifactEngine:
                 self.context.append_taps([row], out["taps"], [len(prompt_ids)])
         return out["logits"][0, -1].float().cpu()
 
-    def verify(self, tokens: list[list[int]], want_taps: bool,
-               tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify(
+        self, tokens: list[list[int]], want_taps: bool, tree_masks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.context is not None:  # the tokens at the slots the target stores them in
             rows = list(range(len(tokens)))
             self.context.target_wrote(rows, self.cache.lengths[rows].tolist(), tokens)
@@ -241,8 +284,9 @@ class ArtifactEngine:
         self.context.rollback(rows, lengths)
 
     # ---- drafter ---------------------------------------------------------------------------------
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None = None) -> StageDrafts:
+    def draft(
+        self, rows: list[int], anchors: list[int], positions: list[int], block_size: int, sampling: list | None = None
+    ) -> StageDrafts:
         return self.context.draft(rows, anchors, positions, block_size, sampling)
 
     # ---- rows ------------------------------------------------------------------------------------

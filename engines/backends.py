@@ -32,17 +32,30 @@ BACKENDS = {
 }
 
 
-def torch_engine(target, drafter, max_context: int | None = None, num_threads: int | None = None,
-                 cuda_graphs: bool = False, max_rows: int = 1) -> Engine:
+def torch_engine(
+    target,
+    drafter,
+    max_context: int | None = None,
+    num_threads: int | None = None,
+    cuda_graphs: bool = False,
+    max_rows: int = 1,
+) -> Engine:
     """The pair's modules run eagerly by PyTorch (CUDA graphs an option of it on a GPU)."""
     from loopspec.engines.torch_engine import TorchEngine
 
-    return TorchEngine(target, drafter, max_context or target.cfg.max_position_embeddings, num_threads,
-                       cuda_graphs=cuda_graphs, max_rows=max_rows)
+    return TorchEngine(
+        target,
+        drafter,
+        max_context or target.cfg.max_position_embeddings,
+        num_threads,
+        cuda_graphs=cuda_graphs,
+        max_rows=max_rows,
+    )
 
 
-def artifact_engine(backend: str, directory: str | Path, max_context: int | None = None,
-                    num_threads: int | None = None) -> Engine:
+def artifact_engine(
+    backend: str, directory: str | Path, max_context: int | None = None, num_threads: int | None = None
+) -> Engine:
     """The engines an artifact directory holds, on `backend` (onnxruntime or tensorrt)."""
     if backend == "onnxruntime":
         from loopspec.engines.ort_engine import OrtEngine
@@ -52,8 +65,10 @@ def artifact_engine(backend: str, directory: str | Path, max_context: int | None
         from loopspec.engines.trt_engine import TrtEngine
 
         return TrtEngine(directory, max_context)
-    raise LoopspecError(f"backend {backend!r} runs no artifact directory "
-                        f"(choose from {', '.join(n for n, b in BACKENDS.items() if not b.from_weights)})")
+    raise LoopspecError(
+        f"backend {backend!r} runs no artifact directory "
+        f"(choose from {', '.join(n for n, b in BACKENDS.items() if not b.from_weights)})"
+    )
 
 
 def require_cuda(device) -> None:
@@ -74,8 +89,16 @@ def export_pair(target, drafter, out_dir: str | Path, **options):
     return export_engines(target, drafter, out_dir, **options)
 
 
-def cached_onnx_engine(model, draft_model, target_dir: Path, drafter_dir: Path | None, max_context: int | None,
-                       num_threads: int | None, precision: str = "fp32", gguf_path: Path | None = None) -> Engine:
+def cached_onnx_engine(
+    model,
+    draft_model,
+    target_dir: Path,
+    drafter_dir: Path | None,
+    max_context: int | None,
+    num_threads: int | None,
+    precision: str = "fp32",
+    gguf_path: Path | None = None,
+) -> Engine:
     """ONNX Runtime over the pair's export in `precision`, kept in the cache: exported on first use
     (and again when the cached files no longer match their manifest). A gguf-* precision reads the
     blocks of `gguf_path` (the target's GGUF)."""
@@ -100,6 +123,12 @@ def cached_onnx_engine(model, draft_model, target_dir: Path, drafter_dir: Path |
         except LoopspecError as e:
             print(f"[loopspec] cached ONNX engines unusable ({e}); exporting again", file=sys.stderr)
     print(f"[loopspec] exporting {precision} ONNX engines to {onnx_dir} (once)", file=sys.stderr)
-    export_pair(model, draft_model, onnx_dir, target_dir=target_dir, drafter_dir=drafter_dir,
-                **gguf_export.precision_options(model, precision, gguf_path, draft_model))
+    export_pair(
+        model,
+        draft_model,
+        onnx_dir,
+        target_dir=target_dir,
+        drafter_dir=drafter_dir,
+        **gguf_export.precision_options(model, precision, gguf_path, draft_model),
+    )
     return OrtEngine(onnx_dir, max_context, num_threads)

@@ -51,14 +51,17 @@ def key_bucket(needed: int, max_length: int) -> int:
 
 def require_cuda(device: torch.device) -> None:
     if device.type != "cuda":
-        raise LoopspecError(f"CUDA graphs need a CUDA device; the models are on {device} "
-                            "(run with --device cuda on a GPU, or --no-cuda-graphs)")
+        raise LoopspecError(
+            f"CUDA graphs need a CUDA device; the models are on {device} "
+            "(run with --device cuda on a GPU, or --no-cuda-graphs)"
+        )
     if not torch.cuda.is_available():
         raise LoopspecError("CUDA graphs need a CUDA GPU, and torch sees none")
 
 
 class VerifyPlan(NamedTuple):
     """Everything a static verify needs, built on the host (see `plan_verify`)."""
+
     bucket: int  # tokens per row, padding included
     keys: int  # the attention window: slots 0..keys-1
     ids: torch.Tensor  # [R, bucket]
@@ -70,8 +73,9 @@ class VerifyPlan(NamedTuple):
     lengths: list[int]  # each row's length after the call: start + its real tokens
 
 
-def plan_verify(starts: list[int], tokens: list[list[int]], max_length: int,
-                tree_masks: torch.Tensor | None = None) -> VerifyPlan | None:
+def plan_verify(
+    starts: list[int], tokens: list[list[int]], max_length: int, tree_masks: torch.Tensor | None = None
+) -> VerifyPlan | None:
     """Rows 0..R-1 (lengths `starts`) verify `tokens` (chains, or draft trees with `tree_masks` [R, T, T])
     → the static verify's inputs, or None when no bucket holds the widest row at these lengths.
 
@@ -86,29 +90,37 @@ def plan_verify(starts: list[int], tokens: list[list[int]], max_length: int,
     ids = torch.zeros(rows, bucket, dtype=torch.long)  # padding: token 0, after the real tokens
     tree = torch.ones(bucket, bucket, dtype=torch.bool).tril().repeat(rows, 1, 1)
     for b, t in enumerate(tokens):
-        ids[b, :len(t)] = torch.tensor(t, dtype=torch.long)
+        ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
         if tree_masks is not None:
-            tree[b, :len(t), :len(t)] = tree_masks[b, :len(t), :len(t)]
+            tree[b, : len(t), : len(t)] = tree_masks[b, : len(t), : len(t)]
     start = torch.tensor(starts, dtype=torch.long)
     positions = start[:, None] + tree.sum(-1) - 1  # [R, bucket]: a node's depth after its row's length
     row_index = torch.arange(rows).repeat_interleave(bucket)
     token_index = torch.arange(bucket).repeat(rows)
     slots = start[row_index] + token_index
     mask = attention_mask(start, bucket, keys, tree)  # [R, bucket, keys]
-    return VerifyPlan(bucket, keys, ids, positions, slots, row_index, token_index, mask,
-                      [s + len(t) for s, t in zip(starts, tokens)])
+    return VerifyPlan(
+        bucket, keys, ids, positions, slots, row_index, token_index, mask, [s + len(t) for s, t in zip(starts, tokens)]
+    )
 
 
 class BlockPlan(NamedTuple):
     """Everything a static drafter block needs, built on the host (see `plan_block`)."""
+
     keys: int  # the context window: slots 0..keys-1
     ids: torch.Tensor  # [R, k]: anchor, then MASK
     positions: torch.Tensor  # [R, k]
     context_lengths: torch.Tensor  # [R]: each row's live context slots
 
 
-def plan_block(context_lengths: list[int], anchors: list[int], positions: list[int], block_size: int,
-               mask_token_id: int, max_length: int) -> BlockPlan:
+def plan_block(
+    context_lengths: list[int],
+    anchors: list[int],
+    positions: list[int],
+    block_size: int,
+    mask_token_id: int,
+    max_length: int,
+) -> BlockPlan:
     """Rows 0..R-1 (context lengths given) draft a block [anchor, MASK × (k-1)] at positions .. +k-1."""
     keys = key_bucket(max(context_lengths), max_length)
     ids = torch.full((len(anchors), block_size), mask_token_id, dtype=torch.long)
@@ -117,9 +129,17 @@ def plan_block(context_lengths: list[int], anchors: list[int], positions: list[i
     return BlockPlan(keys, ids, block_positions, torch.tensor(context_lengths, dtype=torch.long))
 
 
-def target_verify_static(target: Target, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,
-                         slots: torch.Tensor, row_index: torch.Tensor, token_index: torch.Tensor,
-                         mask: torch.Tensor, want_taps: bool) -> TargetOutput:
+def target_verify_static(
+    target: Target,
+    cache: KVCache,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    row_index: torch.Tensor,
+    token_index: torch.Tensor,
+    mask: torch.Tensor,
+    want_taps: bool,
+) -> TargetOutput:
     """The target over ids/positions [R, T] in rows 0..R-1 of `cache` with static shapes (its lengths
     are neither read nor moved): row_index[i]'s token token_index[i] is stored at slots[i], and token t
     of row b sees the slots mask[b, t] marks among the first `keys` = mask.shape[-1].
@@ -132,9 +152,17 @@ def target_verify_static(target: Target, cache: KVCache, ids: torch.Tensor, posi
     return target._stack(target.embed_tokens(ids), step, want_taps, None)
 
 
-def drafter_block_static(drafter: Drafter, embed: torch.nn.Module, draft_head: torch.nn.Module,
-                         context: KVCache, ids: torch.Tensor, positions: torch.Tensor,
-                         context_lengths: torch.Tensor, draft_ids: torch.Tensor | None, keys: int | None = None):
+def drafter_block_static(
+    drafter: Drafter,
+    embed: torch.nn.Module,
+    draft_head: torch.nn.Module,
+    context: KVCache,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    context_lengths: torch.Tensor,
+    draft_ids: torch.Tensor | None,
+    keys: int | None = None,
+):
     """One stage over ids [R, k] at positions [R, k] against rows 0..R-1 of the context buffer, its
     first `keys` slots (default all), of which row b's first context_lengths[b] are live → StageDrafts:
     drafts [R, D, C], log-probs [R, D, C], hidden [R, k, H], confidence [R, D] or None (D = k-1 or k
@@ -203,21 +231,40 @@ class StaticRunner:
         return forward({name: t.to(self.device) for name, t in values.items()})
 
     # ---- target verify ---------------------------------------------------------------------------
-    def verify(self, tokens: list[list[int]], want_taps: bool,
-               tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def verify(
+        self, tokens: list[list[int]], want_taps: bool, tree_masks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Rows 0..R-1 verify their tokens → logits [R, T, V] (CPU), taps [R, T, n*H] or None (device),
         T the widest row; advances each row's length by its tokens. None: no bucket holds the call."""
         rows = len(tokens)
         plan = self.plan_verify(self.cache.lengths[:rows].tolist(), tokens, self.cache.max_length, tree_masks)
         if plan is None:
             return None
-        values = {"ids": plan.ids, "positions": plan.positions, "slots": plan.slots, "row_index": plan.row_index,
-                  "token_index": plan.token_index, "mask": plan.mask}
+        values = {
+            "ids": plan.ids,
+            "positions": plan.positions,
+            "slots": plan.slots,
+            "row_index": plan.row_index,
+            "token_index": plan.token_index,
+            "mask": plan.mask,
+        }
         logits, taps = self.run(
             ("verify", rows, plan.bucket, plan.keys, want_taps),
-            lambda v: tuple(target_verify_static(self.target, self.cache, v["ids"], v["positions"], v["slots"],
-                                                 v["row_index"], v["token_index"], v["mask"], want_taps)),
-            values)
+            lambda v: tuple(
+                target_verify_static(
+                    self.target,
+                    self.cache,
+                    v["ids"],
+                    v["positions"],
+                    v["slots"],
+                    v["row_index"],
+                    v["token_index"],
+                    v["mask"],
+                    want_taps,
+                )
+            ),
+            values,
+        )
         self.cache.lengths[:rows] = torch.tensor(plan.lengths)
         width = max(len(t) for t in tokens)
         return logits[:, :width].float().cpu(), (taps[:, :width].clone() if taps is not None else None)
@@ -228,17 +275,34 @@ class StaticRunner:
         (CPU), final-norm hidden states [R, k, H] (device); None for any other set of rows."""
         if rows != list(range(len(rows))):
             return None
-        plan = self.plan_block(self.context.lengths[rows].tolist(), anchors, positions, block_size,
-                               self.mask_token_id, self.context.max_length)
+        plan = self.plan_block(
+            self.context.lengths[rows].tolist(),
+            anchors,
+            positions,
+            block_size,
+            self.mask_token_id,
+            self.context.max_length,
+        )
         values = {"ids": plan.ids, "positions": plan.positions, "lengths": plan.context_lengths}
         stage = self.run(
             ("block", len(rows), block_size, plan.keys),
-            lambda v: drafter_block_static(self.drafter, self.target.embed_tokens, self.draft_head, self.context,
-                                           v["ids"], v["positions"], v["lengths"], self.draft_ids, plan.keys),
-            values)
+            lambda v: drafter_block_static(
+                self.drafter,
+                self.target.embed_tokens,
+                self.draft_head,
+                self.context,
+                v["ids"],
+                v["positions"],
+                v["lengths"],
+                self.draft_ids,
+                plan.keys,
+            ),
+            values,
+        )
         (drafts, logprobs, hidden), confidence = stage, stage.confidence  # a replay returns the captured StageDrafts
-        return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden.clone(),
-                           None if confidence is None else confidence.cpu())
+        return StageDrafts(
+            drafts.cpu(), logprobs.float().cpu(), hidden.clone(), None if confidence is None else confidence.cpu()
+        )
 
 
 class CudaGraphRunner(StaticRunner):

@@ -26,8 +26,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopspec.engines.graph_ops import (attend, fixed_linear, fused_linear, head_scales, linear, merge_heads,
-                                        qkv_heads, rms_norm, rotate_half_matrix, row_layout, swiglu)
+from loopspec.engines.graph_ops import (
+    attend,
+    fixed_linear,
+    fused_linear,
+    head_scales,
+    linear,
+    merge_heads,
+    qkv_heads,
+    rms_norm,
+    rotate_half_matrix,
+    row_layout,
+    swiglu,
+)
 from loopspec.model.dflash2 import DFlash2Drafter
 from loopspec.model.draft_head import DRAFT_CANDIDATES
 
@@ -62,8 +73,14 @@ class DFlash2Block(nn.Module):
     Takes what `DrafterBlock` takes: the target's embedding, its lm_head (or `head`, a module over the
     head's rows that exports itself), and the widest block the graph unrolls the walk for."""
 
-    def __init__(self, drafter: DFlash2Drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 max_block: int | None = None, head: nn.Module | None = None):
+    def __init__(
+        self,
+        drafter: DFlash2Drafter,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        max_block: int | None = None,
+        head: nn.Module | None = None,
+    ):
         super().__init__()
         self.drafter = drafter
         cfg = drafter.cfg
@@ -71,11 +88,23 @@ class DFlash2Block(nn.Module):
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.register_buffer("embed_weight", embed_weight.detach())
         self.head = head if head is not None else fixed_linear(lm_head_weight.detach())  # DFlash2: the whole vocabulary
-        self.qkv_proj = nn.ModuleList(fused_linear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
-                                      for l in drafter.layers)
-        self.register_buffer("qk_norm_weight", torch.stack([torch.cat([
-            l.self_attn.q_norm.weight.detach().expand(h, hd), l.self_attn.k_norm.weight.detach().expand(kvh, hd)])
-            for l in drafter.layers]))  # [N, h + kvh, hd]
+        self.qkv_proj = nn.ModuleList(
+            fused_linear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in drafter.layers
+        )
+        self.register_buffer(
+            "qk_norm_weight",
+            torch.stack(
+                [
+                    torch.cat(
+                        [
+                            l.self_attn.q_norm.weight.detach().expand(h, hd),
+                            l.self_attn.k_norm.weight.detach().expand(kvh, hd),
+                        ]
+                    )
+                    for l in drafter.layers
+                ]
+            ),
+        )  # [N, h + kvh, hd]
         self.register_buffer("rotate", rotate_half_matrix(hd))
         self.register_buffer("head_scale", head_scales(h, kvh, hd))
         # per layer (window, causal): layers that share a rule share one mask
@@ -102,7 +131,9 @@ class DFlash2Block(nn.Module):
                 block_slot = offset.clamp(0, positions.shape[1] - 1)
                 key_positions = torch.where(offset < 0, slot, positions.gather(1, block_slot))  # [B, W]
                 far = (positions[:, :, None] - key_positions[:, None, :]).abs() >= window  # [B, k, W]
-                mask = mask + torch.where(far, float("-inf"), 0.0)[:, None].repeat(1, 1, group, 1)  # rows in (g, k) order
+                mask = mask + torch.where(far, float("-inf"), 0.0)[:, None].repeat(
+                    1, 1, group, 1
+                )  # rows in (g, k) order
             masks[(window, causal)] = mask
         return slots, masks
 
@@ -120,12 +151,23 @@ class DFlash2Block(nn.Module):
             attn, convs = layer.self_attn, (layer.attention_conv, layer.mlp_conv)
             # around attention: its queries and the block's own K/V read the convolved normed states
             y, dynamic = self.prepare(convs[0], rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps))
-            q, k, v = qkv_heads(linear(y, self.qkv_proj[i]), batch, h, kvh, hd, self.qk_norm_weight[i],
-                                attn.q_norm.eps, cos, sin, self.rotate)
+            q, k, v = qkv_heads(
+                linear(y, self.qkv_proj[i]),
+                batch,
+                h,
+                kvh,
+                hd,
+                self.qk_norm_weight[i],
+                attn.q_norm.eps,
+                cos,
+                sin,
+                self.rotate,
+            )
             out = attend(q, context_key[i], context_value[i], k, v, slots, masks[self.rules[i]])
             x = x + self.finish(convs[0], linear(merge_heads(out, batch, h, hd), attn.o_proj), dynamic)
-            y, dynamic = self.prepare(convs[1], rms_norm(x, layer.post_attention_layernorm.weight,
-                                                         layer.post_attention_layernorm.eps))
+            y, dynamic = self.prepare(
+                convs[1], rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            )
             x = x + self.finish(convs[1], swiglu(y, layer.mlp), dynamic)
         hidden = rms_norm(x, d.norm.weight, d.norm.eps)  # [B, k, H]
         drafts, logprobs = self.select(hidden, block_ids[:, 0])
@@ -147,7 +189,7 @@ class DFlash2Block(nn.Module):
         ranked candidates and their log-probs [B, k-1, c] (model/dflash2.py `selector_stage`)."""
         d, cfg = self.drafter, self.drafter.cfg
         selector = d.candidate_selector
-        states = hidden[:, cfg.first_draft:]  # [B, D, H]
+        states = hidden[:, cfg.first_draft :]  # [B, D, H]
         slots = self.max_block - cfg.first_draft  # the walk is unrolled over this many; the last real state repeats
         states = torch.cat([states, states[:, -1:].expand(-1, slots, -1)], dim=1)[:, :slots]  # [B, slots, H]
         logits = linear(states, self.head)  # [B, slots, V]

@@ -30,8 +30,11 @@ class DFlashContext:
         self.device = target.embed_tokens.weight.device
         # a reduced draft vocabulary drafts over its rows of the target's lm_head only (a cheaper stage)
         self.draft_ids = drafter.draft_ids.to(self.device) if drafter.draft_ids is not None else None
-        self.draft_head = (inference_linear(draft_head_weight(target.lm_head.weight, self.draft_ids))
-                           if self.draft_ids is not None else target.lm_head)
+        self.draft_head = (
+            inference_linear(draft_head_weight(target.lm_head.weight, self.draft_ids))
+            if self.draft_ids is not None
+            else target.lm_head
+        )
         self.kv = drafter.new_context(max_length, rows)
 
     def with_rows(self, max_rows: int) -> "DFlashContext":
@@ -73,8 +76,9 @@ class DFlashContext:
         self.kv.swap_rows(a, b)
 
     # ---- drafting ---------------------------------------------------------------------------------
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None = None) -> StageDrafts:
+    def draft(
+        self, rows: list[int], anchors: list[int], positions: list[int], block_size: int, sampling: list | None = None
+    ) -> StageDrafts:
         R, k = len(rows), block_size
         lengths = self.kv.lengths[rows]  # [R]
         width = int(lengths.max())
@@ -82,7 +86,9 @@ class DFlashContext:
         mask = None
         if bool((lengths != width).any()):  # shorter contexts hide their stale slots; the block sees all
             seen = torch.arange(width + k)[None, :]
-            mask = ((seen < lengths[:, None]) | (seen >= width))[:, None, None, :].to(self.device)  # [R, 1, 1, width + k]
+            mask = ((seen < lengths[:, None]) | (seen >= width))[:, None, None, :].to(
+                self.device
+            )  # [R, 1, 1, width + k]
         ids = torch.full((R, k), self.drafter.cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor(anchors)
         pos = (torch.tensor(positions)[:, None, None] + torch.arange(k)).to(self.device)  # [R, 1, k]
@@ -90,6 +96,7 @@ class DFlashContext:
         hidden = self.drafter(self.embed(ids), pos, ctx_k, ctx_v, mask)  # [R, k, H]
         return self.drafter.stage_drafts(hidden, ids[:, 0], self.draft_head, self.draft_ids, sampling)
 
-    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
-                      depth: int) -> list[DynamicTree]:
+    def draft_dynamic(
+        self, rows: list[int], anchors: list[int], positions: list[int], top_k: int, depth: int
+    ) -> list[DynamicTree]:
         raise LoopspecError("a dynamic draft tree needs a drafter that drafts step by step (EAGLE-3)")

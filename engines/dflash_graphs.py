@@ -28,16 +28,23 @@ class DFlashGraphs:
     cache_graph = DRAFTER_BLOCK  # the graph whose context K/V inputs its cache feeds
     grows_dynamic_trees = False
 
-    def __init__(self, engine, cfg: DrafterConfig, rows: int, max_length: int, dtype: torch.dtype,
-                 growth: SlotGrowth):
+    def __init__(self, engine, cfg: DrafterConfig, rows: int, max_length: int, dtype: torch.dtype, growth: SlotGrowth):
         """`engine`: the ArtifactEngine whose runners, device and dense copies (`dense`) it uses."""
         self.engine, self.cfg, self.max_length = engine, cfg, max_length
         self.dtype, self.growth = dtype, growth
         self.kv = self._new_kv(rows)
 
     def _new_kv(self, rows: int) -> KVCache:
-        return KVCache(self.cfg.num_layers, rows, self.cfg.num_kv_heads, self.max_length, self.cfg.head_dim,
-                       self.dtype, self.engine.device, self.growth)
+        return KVCache(
+            self.cfg.num_layers,
+            rows,
+            self.cfg.num_kv_heads,
+            self.max_length,
+            self.cfg.head_dim,
+            self.dtype,
+            self.engine.device,
+            self.growth,
+        )
 
     def with_rows(self, max_rows: int) -> "DFlashGraphs":
         twin = copy.copy(self)
@@ -67,8 +74,9 @@ class DFlashGraphs:
 
     def _append(self, graph: str, name: str, rows: list[int], features: torch.Tensor, counts: list[int]) -> None:
         # each row from its own length; right padding may run past the end (clamped, never stored)
-        positions = (self.kv.lengths[rows][:, None] + torch.arange(features.shape[1])[None, :]
-                     ).clamp_max(self.max_length - 1)  # [R, T]
+        positions = (self.kv.lengths[rows][:, None] + torch.arange(features.shape[1])[None, :]).clamp_max(
+            self.max_length - 1
+        )  # [R, T]
         out = self.engine.runners[graph].run(**{name: features, "positions": positions})
         self.kv.append(out["context_key"], out["context_value"], rows, counts)
 
@@ -79,25 +87,37 @@ class DFlashGraphs:
         self.kv.swap_rows(a, b)
 
     # ---- drafting ---------------------------------------------------------------------------------
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None = None) -> StageDrafts:
+    def draft(
+        self, rows: list[int], anchors: list[int], positions: list[int], block_size: int, sampling: list | None = None
+    ) -> StageDrafts:
         if sampling is not None:
-            raise LoopspecError("the exported drafter graph returns each position's best drafts, not the "
-                                "distribution they come from: sample drafts on --backend torch")
+            raise LoopspecError(
+                "the exported drafter graph returns each position's best drafts, not the "
+                "distribution they come from: sample drafts on --backend torch"
+            )
         R, k = len(rows), block_size
         lengths = self.kv.lengths[rows]  # [R]
         context_key, context_value = self.kv.dense_prefix(rows, past_width(lengths, k))  # with room for the block
         ids = torch.full((R, k), self.cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor(anchors)
         out = self.engine.runners[DRAFTER_BLOCK].run(
-            block_ids=ids, positions=torch.tensor(positions)[:, None] + torch.arange(k),
+            block_ids=ids,
+            positions=torch.tensor(positions)[:, None] + torch.arange(k),
             context_key=self.engine.dense("context_key", context_key, per_layer=False),
             context_value=self.engine.dense("context_value", context_value, per_layer=False),
-            context_lengths=lengths)
+            context_lengths=lengths,
+        )
         confidence = out.get("confidence")  # [R, D]: declared by the spec when the drafter has a confidence head
-        return StageDrafts(out["draft_ids"].cpu(), out["draft_logprobs"].float().cpu(), out["hidden"],
-                           None if confidence is None else confidence.float().cpu())
+        return StageDrafts(
+            out["draft_ids"].cpu(),
+            out["draft_logprobs"].float().cpu(),
+            out["hidden"],
+            None if confidence is None else confidence.float().cpu(),
+        )
 
-    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
-                      depth: int) -> list[DynamicTree]:
-        raise LoopspecError("a dynamic draft tree needs a drafter that drafts step by step (EAGLE-3) on --backend torch")
+    def draft_dynamic(
+        self, rows: list[int], anchors: list[int], positions: list[int], top_k: int, depth: int
+    ) -> list[DynamicTree]:
+        raise LoopspecError(
+            "a dynamic draft tree needs a drafter that drafts step by step (EAGLE-3) on --backend torch"
+        )

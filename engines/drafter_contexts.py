@@ -26,8 +26,10 @@ class DrafterContexts:
     graphs: type
 
 
-DRAFTER_CONTEXTS = {"dflash": DrafterContexts(DFlashContext, DFlashGraphs),
-                    "eagle3": DrafterContexts(Eagle3Context, Eagle3Graphs)}
+DRAFTER_CONTEXTS = {
+    "dflash": DrafterContexts(DFlashContext, DFlashGraphs),
+    "eagle3": DrafterContexts(Eagle3Context, Eagle3Graphs),
+}
 
 
 def drafter_contexts(kind: DrafterKind) -> DrafterContexts:

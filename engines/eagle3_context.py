@@ -60,8 +60,9 @@ class Eagle3Context:
 
     def _new_kv(self, rows: int) -> KVCache:
         """The one layer's K/V of the entries already run."""
-        return KVCache(1, rows, self.cfg.num_kv_heads, self.max_length, self.cfg.head_dim, dtype=self.dtype,
-                       device=self.device)
+        return KVCache(
+            1, rows, self.cfg.num_kv_heads, self.max_length, self.cfg.head_dim, dtype=self.dtype, device=self.device
+        )
 
     def with_rows(self, max_rows: int) -> "Eagle3Context":
         twin = copy.copy(self)  # the same drafter
@@ -76,13 +77,13 @@ class Eagle3Context:
     def target_wrote(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> None:
         """The target stored tokens[i] at slots starts[i].. of rows[i] (a prefill, or a verification's)."""
         for row, start, t in zip(rows, starts, tokens):
-            self.tokens[row, start:start + len(t)] = torch.tensor(t, dtype=torch.long)
+            self.tokens[row, start : start + len(t)] = torch.tensor(t, dtype=torch.long)
 
     def target_committed(self, starts: list[int], kept: list[list[int]]) -> None:
         """As the target's cache commits: offsets kept[b] of the tokens from starts[b] move into place."""
         for b, (start, offsets) in enumerate(zip(starts, kept)):
             if offsets != list(range(len(offsets))):
-                self.tokens[b, start:start + len(offsets)] = self.tokens[b, torch.tensor(offsets) + start]
+                self.tokens[b, start : start + len(offsets)] = self.tokens[b, torch.tensor(offsets) + start]
 
     # ---- the context -----------------------------------------------------------------------------
     def append(self, rows: list[int], states: torch.Tensor, counts: list[int]) -> None:
@@ -91,7 +92,7 @@ class Eagle3Context:
             start = int(self.lengths[row])
             if start + n > self.max_length:
                 raise LoopspecError(f"sequence of {start + n} exceeds the context of {self.max_length}")
-            self.states[row, start:start + n] = states[i, :n].to(self.states.dtype)
+            self.states[row, start : start + n] = states[i, :n].to(self.states.dtype)
             self.lengths[row] = start + n
 
     def append_taps(self, rows: list[int], taps: torch.Tensor, counts: list[int]) -> None:
@@ -137,8 +138,10 @@ class Eagle3Context:
         R = len(rows)
         lengths = self.lengths[rows]
         if positions != lengths.tolist():
-            raise LoopspecError("an EAGLE-3 stage starts right after its row's context (anchor at the context's "
-                                f"length): positions {positions}, context lengths {lengths.tolist()}")
+            raise LoopspecError(
+                "an EAGLE-3 stage starts right after its row's context (anchor at the context's "
+                f"length): positions {positions}, context lengths {lengths.tolist()}"
+            )
         if bool((lengths < 1).any()):
             raise LoopspecError("an EAGLE-3 stage needs the target's taps of at least one position before the anchor")
         done = torch.minimum(self.kv.lengths[rows], lengths - 1)  # the last entry waits for its anchor
@@ -149,13 +152,14 @@ class Eagle3Context:
         states = torch.zeros(R, T, self.states.shape[-1], dtype=self.states.dtype, device=self.states.device)
         for i, row in enumerate(rows):
             first, n = int(done[i]), int(pending[i])
-            ids[i, :n] = self.tokens[row, first + 1:first + n + 1]
+            ids[i, :n] = self.tokens[row, first + 1 : first + n + 1]
             ids[i, n - 1] = anchors[i]  # the token after the last context position
-            states[i, :n] = self.states[row, first:first + n]
+            states[i, :n] = self.states[row, first : first + n]
         return lengths, done, pending, ids, states
 
-    def _first_step(self, rows: list[int], anchors: list[int], positions: list[int]
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _first_step(
+        self, rows: list[int], anchors: list[int], positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's pending entries, the last one (anchor, taps at a-1) drafting a+1; their K/V
         kept → the rows' lengths [R], the last entry's state [R, H] and its output [R, H]."""
         drafter, dev = self.drafter, self.states.device
@@ -166,13 +170,15 @@ class Eagle3Context:
         width = int(done.max())
         seen = torch.arange(width)[None, :] < done[:, None]
         past_k, past_v, mask = self._attend(rows, width, seen, T, torch.tril(torch.ones(T, T, dtype=torch.bool)))
-        out, k, v = drafter(self.embed(ids.to(dev)), states, pos.clamp_max(self.max_length - 1).to(dev),
-                            past_k, past_v, mask)
+        out, k, v = drafter(
+            self.embed(ids.to(dev)), states, pos.clamp_max(self.max_length - 1).to(dev), past_k, past_v, mask
+        )
         self.kv.append(k[None], v[None], rows, pending)
         return lengths, states[torch.arange(R), pending - 1], out[torch.arange(R), pending - 1]
 
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None = None) -> StageDrafts:
+    def draft(
+        self, rows: list[int], anchors: list[int], positions: list[int], block_size: int, sampling: list | None = None
+    ) -> StageDrafts:
         drafter, dev = self.drafter, self.states.device
         R, D = len(rows), block_size - 1
         lengths, first_state, last = self._first_step(rows, anchors, positions)  # last [R, H]: the logits read it
@@ -195,10 +201,22 @@ class Eagle3Context:
             past_k, past_v, mask = self._attend(rows, int(lengths.max()), seen, 1, None)
             if step_k:
                 past_k, past_v = torch.cat([past_k] + step_k, dim=2), torch.cat([past_v] + step_v, dim=2)
-                mask = torch.cat([mask[..., :seen.shape[1]], torch.ones(R, 1, 1, len(step_k), dtype=torch.bool,
-                                                                         device=mask.device), mask[..., seen.shape[1]:]], -1)
-            out, k, v = drafter(self.embed(token[:, None]), state[:, None],
-                                (lengths + i - 1)[:, None].clamp_max(self.max_length - 1).to(dev), past_k, past_v, mask)
+                mask = torch.cat(
+                    [
+                        mask[..., : seen.shape[1]],
+                        torch.ones(R, 1, 1, len(step_k), dtype=torch.bool, device=mask.device),
+                        mask[..., seen.shape[1] :],
+                    ],
+                    -1,
+                )
+            out, k, v = drafter(
+                self.embed(token[:, None]),
+                state[:, None],
+                (lengths + i - 1)[:, None].clamp_max(self.max_length - 1).to(dev),
+                past_k,
+                past_v,
+                mask,
+            )
             step_k.append(k)
             step_v.append(v)
             last = out[:, 0]
@@ -211,8 +229,9 @@ class Eagle3Context:
         drafts, logprobs = draft_candidates(torch.stack(logits, dim=1), self.draft_ids)  # [R, D, C] each
         return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden)
 
-    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
-                      depth: int) -> list[DynamicTree]:
+    def draft_dynamic(
+        self, rows: list[int], anchors: list[int], positions: list[int], top_k: int, depth: int
+    ) -> list[DynamicTree]:
         """EAGLE-2's dynamic tree for each of `rows` (loopspec/tree.py `DynamicTree`): step 1 as a
         stage's, its top-K drafts the first depth; then `depth` - 1 steps, each running the top-K
         nodes of the newest depth by cumulative log-prob at once, node n as the entry (n's token, the
@@ -241,19 +260,28 @@ class Eagle3Context:
             chosen = [tree.frontier(d, K) for tree in trees]  # K nodes each: depth d holds K or K·K
             n = len(chosen[0])
             tokens = torch.tensor([[tree.tokens[c] for c in nodes] for tree, nodes in zip(trees, chosen)])
-            outs = torch.stack([torch.stack([last[r] if d == 1 else state_of[r][trees[r].parents[c]] for c in nodes])
-                                for r, nodes in enumerate(chosen)])  # [R, n, H]: the parents' outputs
+            outs = torch.stack(
+                [
+                    torch.stack([last[r] if d == 1 else state_of[r][trees[r].parents[c]] for c in nodes])
+                    for r, nodes in enumerate(chosen)
+                ]
+            )  # [R, n, H]: the parents' outputs
             states = drafter.next_state(outs)  # [R, n, H]: what each node's step reads of its parent's
-            ancestry = torch.tensor([[[slot in set(tree.ancestors(c)) for slot in row_slots] for c in nodes]
-                                     for tree, nodes, row_slots in zip(trees, chosen, slots)],
-                                    dtype=torch.bool).reshape(R, n, len(slots[0]))  # [R, n, S]
-            mask = torch.cat([seen[:, None, :].expand(-1, n, -1), ancestry,
-                              torch.eye(n, dtype=torch.bool)[None].expand(R, -1, -1)], dim=-1)  # [R, n, W + S + n]
+            ancestry = torch.tensor(
+                [
+                    [[slot in set(tree.ancestors(c)) for slot in row_slots] for c in nodes]
+                    for tree, nodes, row_slots in zip(trees, chosen, slots)
+                ],
+                dtype=torch.bool,
+            ).reshape(R, n, len(slots[0]))  # [R, n, S]
+            mask = torch.cat(
+                [seen[:, None, :].expand(-1, n, -1), ancestry, torch.eye(n, dtype=torch.bool)[None].expand(R, -1, -1)],
+                dim=-1,
+            )  # [R, n, W + S + n]
             past_k, past_v = self.kv.prefix(rows, width)
             past_k, past_v = torch.cat([past_k[0]] + step_k, dim=2), torch.cat([past_v[0]] + step_v, dim=2)
             pos = (lengths + d - 1)[:, None].expand(-1, n).clamp_max(self.max_length - 1)
-            out, k, v = drafter(self.embed(tokens.to(dev)), states, pos.to(dev), past_k, past_v,
-                                mask[:, None].to(dev))
+            out, k, v = drafter(self.embed(tokens.to(dev)), states, pos.to(dev), past_k, past_v, mask[:, None].to(dev))
             step_k.append(k)
             step_v.append(v)
             for r, nodes in enumerate(chosen):

@@ -20,8 +20,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopspec.engines.eagle3_specs import EAGLE3_FUSE, EAGLE3_STEP, eagle3_engine_specs
-from loopspec.engines.export import (EXAMPLE_SIZES, TargetVerify, attend, example_inputs, fused_linear, head_scales,
-                                     linear, merge_heads, qkv_heads, rms_norm, rotate_half_matrix, row_layout, swiglu)
+from loopspec.engines.export import (
+    EXAMPLE_SIZES,
+    TargetVerify,
+    attend,
+    example_inputs,
+    fused_linear,
+    head_scales,
+    linear,
+    merge_heads,
+    qkv_heads,
+    rms_norm,
+    rotate_half_matrix,
+    row_layout,
+    swiglu,
+)
 from loopspec.engines.specs import TARGET_VERIFY, EngineSpec
 from loopspec.model.draft_head import draft_candidates
 from loopspec.model.eagle3 import Eagle3Drafter
@@ -42,8 +55,13 @@ class Eagle3Fuse(nn.Module):
         if d.input_norm is not None:
             taps = rms_norm(taps, d.input_norm.weight, d.input_norm.eps)
         if d.fc_norm is not None:
-            taps = torch.cat([rms_norm(tap, norm.weight, norm.eps)
-                              for norm, tap in zip(d.fc_norm, taps.chunk(len(d.fc_norm), dim=-1))], dim=-1)
+            taps = torch.cat(
+                [
+                    rms_norm(tap, norm.weight, norm.eps)
+                    for norm, tap in zip(d.fc_norm, taps.chunk(len(d.fc_norm), dim=-1))
+                ],
+                dim=-1,
+            )
         return linear(taps, d.fc)
 
 
@@ -84,8 +102,9 @@ class Eagle3Step(nn.Module):
         q, k, v = qkv_heads(linear(x, self.qkv_proj), batch, h, kvh, hd, None, 0.0, cos, sin, self.rotate)
         out = attend(q, context_key, context_value, k, v, slots, mask)
         x = residual + linear(merge_heads(out, batch, h, hd), layer.o_proj)
-        x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
-                       layer.mlp)  # [B, T, H]: the states the next steps take
+        x = x + swiglu(
+            rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps), layer.mlp
+        )  # [B, T, H]: the states the next steps take
         state = x.gather(1, logit_index[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]  # [B, H]
         final = rms_norm(state, d.norm.weight, d.norm.eps)  # [B, H]
         logits = linear(final, d.lm_head)  # [B, Vd]
@@ -107,18 +126,29 @@ def step_example(spec: EngineSpec, vocab_size: int) -> tuple[torch.Tensor, ...]:
     return tuple(args[name] for name in spec.input_names)
 
 
-def eagle3_engines(target: Target, drafter: Eagle3Drafter, *, max_context: int, block_size: int | None,
-                   max_batch: int, verify_target: Target | None = None
-                   ) -> tuple[dict[str, EngineSpec], dict[str, nn.Module], dict[str, tuple]]:
+def eagle3_engines(
+    target: Target,
+    drafter: Eagle3Drafter,
+    *,
+    max_context: int,
+    block_size: int | None,
+    max_batch: int,
+    verify_target: Target | None = None,
+) -> tuple[dict[str, EngineSpec], dict[str, nn.Module], dict[str, tuple]]:
     """The specs, export modules and the example inputs they need beside `example_inputs`' of a target
     with an EAGLE-3 drafter (engines/export.py exports them): target_verify with the drafter's three
     taps, eagle3_fuse and eagle3_step (the drafter's own embedding when it carries one, else the target's)."""
-    specs = eagle3_engine_specs(target.cfg, drafter.cfg, max_context=max_context, block_size=block_size,
-                                max_batch=max_batch)
+    specs = eagle3_engine_specs(
+        target.cfg, drafter.cfg, max_context=max_context, block_size=block_size, max_batch=max_batch
+    )
     embed = drafter.embed_tokens if drafter.embed_tokens is not None else target.embed_tokens
-    modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target,
-                                           drafter.cfg.target_layer_ids),
-               EAGLE3_FUSE: Eagle3Fuse(drafter), EAGLE3_STEP: Eagle3Step(drafter, embed.weight)}
+    modules = {
+        TARGET_VERIFY: TargetVerify(
+            verify_target if verify_target is not None else target, drafter.cfg.target_layer_ids
+        ),
+        EAGLE3_FUSE: Eagle3Fuse(drafter),
+        EAGLE3_STEP: Eagle3Step(drafter, embed.weight),
+    }
     return specs, modules, {EAGLE3_STEP: step_example(specs[EAGLE3_STEP], target.cfg.vocab_size)}
 
 

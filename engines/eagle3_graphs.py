@@ -37,32 +37,47 @@ class Eagle3Graphs(Eagle3Context):
 
     def _new_kv(self, rows: int) -> KVCache:
         # room past max_length for a stage's later steps, whose K/V sit after the row's entries until it ends
-        return KVCache(1, rows, self.cfg.num_kv_heads, 2 * self.max_length, self.cfg.head_dim, self.dtype,
-                       self.device, self.growth)
+        return KVCache(
+            1, rows, self.cfg.num_kv_heads, 2 * self.max_length, self.cfg.head_dim, self.dtype, self.device, self.growth
+        )
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """The target's taps [R, T, 3·H_target] → the fused states [R, T, H] (`eagle3_fuse`)."""
         return self.engine.runners[EAGLE3_FUSE].run(taps=taps.contiguous())["states"]
 
-    def _step(self, rows: list[int], ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
-              logit_index: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _step(
+        self,
+        rows: list[int],
+        ids: torch.Tensor,
+        states: torch.Tensor,
+        positions: torch.Tensor,
+        logit_index: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
         """One `eagle3_step` call: `rows`' entries ids/states/positions [R, T(, H)] after their K/V; the
         first counts[i] entries' K/V are kept at row i's K/V length."""
         lengths = self.kv.lengths[rows]
         key, value = self.kv.dense_prefix(rows, past_width(lengths, ids.shape[1]))  # [1, R, kvh, W, hd], with room
         out = self.engine.runners[EAGLE3_STEP].run(
-            token_ids=ids, states=states.contiguous(), positions=positions.clamp_max(self.max_length - 1),
+            token_ids=ids,
+            states=states.contiguous(),
+            positions=positions.clamp_max(self.max_length - 1),
             context_key=self.engine.dense("eagle3_key", key, per_layer=True)[0],
             context_value=self.engine.dense("eagle3_value", value, per_layer=True)[0],
-            context_lengths=lengths, logit_index=logit_index)
+            context_lengths=lengths,
+            logit_index=logit_index,
+        )
         self.kv.append(out["new_key"][None], out["new_value"][None], rows, counts)
         return out
 
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None = None) -> StageDrafts:
+    def draft(
+        self, rows: list[int], anchors: list[int], positions: list[int], block_size: int, sampling: list | None = None
+    ) -> StageDrafts:
         if sampling is not None:
-            raise LoopspecError("the exported EAGLE-3 graphs return each step's best drafts, not the distribution "
-                                "they come from: sample drafts on --backend torch")
+            raise LoopspecError(
+                "the exported EAGLE-3 graphs return each step's best drafts, not the distribution "
+                "they come from: sample drafts on --backend torch"
+            )
         R, D = len(rows), block_size - 1
         # step 1: each row's pending entries, the last one (anchor, taps at a-1) drafting a+1
         lengths, done, pending, ids, states = self._pending_entries(rows, anchors, positions)
@@ -78,14 +93,24 @@ class Eagle3Graphs(Eagle3Context):
                 break
             token = out["draft_ids"][:, 0].cpu()  # the chain: rank 0 (a TensorRT plan returns it on the GPU)
             self.tokens[rows, lengths + i] = token  # the drafts past the anchor, for a later stage's entries (DLoop)
-            out = self._step(rows, token[:, None], out["state"][:, None], (lengths + i - 1)[:, None],
-                             torch.zeros(R, dtype=torch.long), torch.ones(R, dtype=torch.long))
+            out = self._step(
+                rows,
+                token[:, None],
+                out["state"][:, None],
+                (lengths + i - 1)[:, None],
+                torch.zeros(R, dtype=torch.long),
+                torch.ones(R, dtype=torch.long),
+            )
             hidden.append(out["state"])
         self.kv.lengths[rows] = lengths  # the later steps' K/V are dropped
-        return StageDrafts(torch.stack(drafts, dim=1).cpu(), torch.stack(logprobs, dim=1).float().cpu(),
-                           torch.stack(hidden, dim=1))  # [R, D, C], [R, D, C], [R, k, H]
+        return StageDrafts(
+            torch.stack(drafts, dim=1).cpu(), torch.stack(logprobs, dim=1).float().cpu(), torch.stack(hidden, dim=1)
+        )  # [R, D, C], [R, D, C], [R, k, H]
 
-    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
-                      depth: int) -> list[DynamicTree]:
-        raise LoopspecError("the exported EAGLE-3 graphs run one entry per row a step, not a dynamic tree's "
-                            "nodes: grow it on --backend torch")
+    def draft_dynamic(
+        self, rows: list[int], anchors: list[int], positions: list[int], top_k: int, depth: int
+    ) -> list[DynamicTree]:
+        raise LoopspecError(
+            "the exported EAGLE-3 graphs run one entry per row a step, not a dynamic tree's "
+            "nodes: grow it on --backend torch"
+        )

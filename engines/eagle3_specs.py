@@ -31,38 +31,52 @@ def eagle3_fuse_spec(drafter, max_context: int, max_verify: int, max_batch: int 
     """Taps [B, T, 3·H_target] → states [B, T, H]. `drafter` is an Eagle3Config."""
     inputs = (TensorSpec("taps", "float32", ("batch", "tokens", drafter.num_taps * drafter.tap_width)),)
     outputs = (TensorSpec("states", "float32", ("batch", "tokens", drafter.hidden_size)),)
-    return EngineSpec(EAGLE3_FUSE, inputs, outputs,
-                      {"batch": batch_range(max_batch), "tokens": (1, min(max_verify, max_context), max_context)})
+    return EngineSpec(
+        EAGLE3_FUSE,
+        inputs,
+        outputs,
+        {"batch": batch_range(max_batch), "tokens": (1, min(max_verify, max_context), max_context)},
+    )
 
 
 def eagle3_step_spec(drafter, max_context: int, max_batch: int = MAX_BATCH) -> EngineSpec:
     """Entries + the context K/V → new K/V, and at `logit_index` the state and the drafts (see the module doc)."""
     kvh, hd = drafter.num_kv_heads, drafter.head_dim
     candidates = min(DRAFT_CANDIDATES, drafter.draft_vocab_size)
-    inputs = (TensorSpec("token_ids", "int64", ("batch", "tokens")),
-              TensorSpec("states", "float32", ("batch", "tokens", drafter.hidden_size)),
-              TensorSpec("positions", "int64", ("batch", "tokens")),
-              TensorSpec("context_key", "float32", ("batch", kvh, "context", hd)),
-              TensorSpec("context_value", "float32", ("batch", kvh, "context", hd)),
-              TensorSpec("context_lengths", "int64", ("batch",)),
-              TensorSpec("logit_index", "int64", ("batch",)))
-    outputs = (TensorSpec("draft_ids", "int64", ("batch", candidates)),
-               TensorSpec("draft_logprobs", "float32", ("batch", candidates)),
-               TensorSpec("state", "float32", ("batch", drafter.hidden_size)),
-               TensorSpec("new_key", "float32", ("batch", kvh, "tokens", hd)),
-               TensorSpec("new_value", "float32", ("batch", kvh, "tokens", hd)))
+    inputs = (
+        TensorSpec("token_ids", "int64", ("batch", "tokens")),
+        TensorSpec("states", "float32", ("batch", "tokens", drafter.hidden_size)),
+        TensorSpec("positions", "int64", ("batch", "tokens")),
+        TensorSpec("context_key", "float32", ("batch", kvh, "context", hd)),
+        TensorSpec("context_value", "float32", ("batch", kvh, "context", hd)),
+        TensorSpec("context_lengths", "int64", ("batch",)),
+        TensorSpec("logit_index", "int64", ("batch",)),
+    )
+    outputs = (
+        TensorSpec("draft_ids", "int64", ("batch", candidates)),
+        TensorSpec("draft_logprobs", "float32", ("batch", candidates)),
+        TensorSpec("state", "float32", ("batch", drafter.hidden_size)),
+        TensorSpec("new_key", "float32", ("batch", kvh, "tokens", hd)),
+        TensorSpec("new_value", "float32", ("batch", kvh, "tokens", hd)),
+    )
     # the pending entries of a stage's first step: one after a verification's accepted tokens, a whole
     # prompt after a prefill; the context has room for them after every row's length
-    ranges = {"batch": batch_range(max_batch), "tokens": (1, 1, max_context),
-              "context": (1, max_context // 2, 2 * max_context)}
+    ranges = {
+        "batch": batch_range(max_batch),
+        "tokens": (1, 1, max_context),
+        "context": (1, max_context // 2, 2 * max_context),
+    }
     return EngineSpec(EAGLE3_STEP, inputs, outputs, ranges)
 
 
-def eagle3_engine_specs(target, drafter, *, max_context: int, block_size: int | None = None,
-                        max_batch: int = MAX_BATCH) -> dict[str, EngineSpec]:
+def eagle3_engine_specs(
+    target, drafter, *, max_context: int, block_size: int | None = None, max_batch: int = MAX_BATCH
+) -> dict[str, EngineSpec]:
     """The target's graph (its three taps out) and the EAGLE-3 drafter's two, by name (a TargetConfig
     and an Eagle3Config)."""
     max_verify = block_size or drafter.block_size
-    return {TARGET_VERIFY: target_verify_spec(target, drafter.num_taps, max_context, max_verify, max_batch),
-            EAGLE3_FUSE: eagle3_fuse_spec(drafter, max_context, max_verify, max_batch),
-            EAGLE3_STEP: eagle3_step_spec(drafter, max_context, max_batch)}
+    return {
+        TARGET_VERIFY: target_verify_spec(target, drafter.num_taps, max_context, max_verify, max_batch),
+        EAGLE3_FUSE: eagle3_fuse_spec(drafter, max_context, max_verify, max_batch),
+        EAGLE3_STEP: eagle3_step_spec(drafter, max_context, max_batch),
+    }

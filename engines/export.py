@@ -43,16 +43,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopspec.engines.graph_ops import (ORDER_FREE_SOFTMAX, SOFTMAX_SUM_UNITS, attend, attend_with_keys,  # noqa: F401
-                                        fixed_linear, fused_linear, head_scales, linear, merge_heads,
-                                        order_free_softmax, qkv_heads, rms_norm, rope, rotate_half_matrix,
-                                        row_layout, swiglu)
+from loopspec.engines.graph_ops import (
+    ORDER_FREE_SOFTMAX,
+    SOFTMAX_SUM_UNITS,
+    attend,
+    attend_with_keys,  # noqa: F401
+    fixed_linear,
+    fused_linear,
+    head_scales,
+    linear,
+    merge_heads,
+    order_free_softmax,
+    qkv_heads,
+    rms_norm,
+    rope,
+    rotate_half_matrix,
+    row_layout,
+    swiglu,
+)
 from loopspec.engines.dflash2_export import DFlash2Block
 from loopspec.engines.manifest import Manifest, source_hashes, write_manifest
 from loopspec.errors import LoopspecError
 from loopspec.weights import file_sha256
-from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, MAX_BATCH,
-                                    TARGET_VERIFY, EngineSpec, engine_specs)
+from loopspec.engines.specs import (
+    DRAFTER_BLOCK,
+    DRAFTER_CONTEXT,
+    DRAFTER_CONTEXT_HIDDEN,
+    MAX_BATCH,
+    TARGET_VERIFY,
+    EngineSpec,
+    engine_specs,
+)
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.model.dflash import Drafter
 from loopspec.model.draft_head import draft_head_weight, draft_stage
@@ -79,9 +100,20 @@ class TargetVerify(nn.Module):
         self.register_buffer("rotate", rotate_half_matrix(hd))
         self.register_buffer("head_scale", head_scales(h, kvh, hd))
         if cfg.qk_norm:  # per layer [h + kvh, hd]: q_norm's weight on the query heads, k_norm's on the key heads
-            self.register_buffer("qk_norm_weight", torch.stack([torch.cat([
-                l.self_attn.q_norm.weight.detach().expand(h, hd), l.self_attn.k_norm.weight.detach().expand(kvh, hd)])
-                for l in target.layers]))
+            self.register_buffer(
+                "qk_norm_weight",
+                torch.stack(
+                    [
+                        torch.cat(
+                            [
+                                l.self_attn.q_norm.weight.detach().expand(h, hd),
+                                l.self_attn.k_norm.weight.detach().expand(kvh, hd),
+                            ]
+                        )
+                        for l in target.layers
+                    ]
+                ),
+            )
         else:
             self.qk_norm_weight = None
 
@@ -112,8 +144,9 @@ class TargetVerify(nn.Module):
             out, present_k, present_v = attend_with_keys(q, past_key[i], past_value[i], k, v, slots, mask)
             presents += [present_k, present_v]
             x = x + linear(merge_heads(out, batch, h, hd), attn.o_proj)
-            x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
-                           layer.mlp)
+            x = x + swiglu(
+                rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps), layer.mlp
+            )
             if i in self.tap_layer_ids and i != last:
                 taps[i] = x
         x = rms_norm(x, t.norm.weight, t.norm.eps)
@@ -171,8 +204,14 @@ class DrafterBlock(nn.Module):
     padded to that width and its outputs cut back: every position reads only those before it, so the
     padding changes nothing that is returned."""
 
-    def __init__(self, drafter: Drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 max_block: int | None = None, head: nn.Module | None = None):
+    def __init__(
+        self,
+        drafter: Drafter,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        max_block: int | None = None,
+        head: nn.Module | None = None,
+    ):
         super().__init__()
         self.drafter = drafter
         cfg = drafter.cfg
@@ -186,11 +225,23 @@ class DrafterBlock(nn.Module):
         self.head = head  # states [..., H] → logits over the draft rows (a block product exports itself)
         self.register_buffer("draft_to_target", draft_ids.clone() if draft_ids is not None else None)
         # q, k and v of each layer as one product, as the target's qkv_proj
-        self.qkv_proj = nn.ModuleList(fused_linear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
-                                      for l in drafter.layers)
-        self.register_buffer("qk_norm_weight", torch.stack([torch.cat([
-            l.self_attn.q_norm.weight.detach().expand(h, hd), l.self_attn.k_norm.weight.detach().expand(kvh, hd)])
-            for l in drafter.layers]))  # [N, h + kvh, hd]
+        self.qkv_proj = nn.ModuleList(
+            fused_linear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in drafter.layers
+        )
+        self.register_buffer(
+            "qk_norm_weight",
+            torch.stack(
+                [
+                    torch.cat(
+                        [
+                            l.self_attn.q_norm.weight.detach().expand(h, hd),
+                            l.self_attn.k_norm.weight.detach().expand(kvh, hd),
+                        ]
+                    )
+                    for l in drafter.layers
+                ]
+            ),
+        )  # [N, h + kvh, hd]
         self.register_buffer("rotate", rotate_half_matrix(hd))
         self.register_buffer("head_scale", head_scales(h, kvh, hd))
 
@@ -200,24 +251,43 @@ class DrafterBlock(nn.Module):
         batch, context = block_ids.shape[0], context_key.shape[3]
         cos = d.rotary.cos[positions][:, :, None] * self.head_scale  # [B, k, h + kvh, hd]
         sin = d.rotary.sin[positions][:, :, None] * self.head_scale
-        block = torch.ones_like(block_ids, dtype=torch.bool)[:, :, None] & torch.ones_like(block_ids, dtype=torch.bool)[:, None, :]
+        block = (
+            torch.ones_like(block_ids, dtype=torch.bool)[:, :, None]
+            & torch.ones_like(block_ids, dtype=torch.bool)[:, None, :]
+        )
         slots, mask = row_layout(context_lengths, context, block, kvh, h // kvh, hd)  # the block sees all of itself
         x = F.embedding(block_ids, self.embed_weight)  # [B, k, H]
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             y = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            q, k, v = qkv_heads(linear(y, self.qkv_proj[i]), batch, h, kvh, hd, self.qk_norm_weight[i],
-                                attn.q_norm.eps, cos, sin, self.rotate)
+            q, k, v = qkv_heads(
+                linear(y, self.qkv_proj[i]),
+                batch,
+                h,
+                kvh,
+                hd,
+                self.qk_norm_weight[i],
+                attn.q_norm.eps,
+                cos,
+                sin,
+                self.rotate,
+            )
             out = attend(q, context_key[i], context_value[i], k, v, slots, mask)
             x = x + linear(merge_heads(out, batch, h, hd), attn.o_proj)
-            x = x + swiglu(rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
-                           layer.mlp)
+            x = x + swiglu(
+                rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps), layer.mlp
+            )
         hidden = rms_norm(x, d.norm.weight, d.norm.eps)  # [B, k, H]
         states = hidden
-        if cfg.kind.unrolled_draft_head:  # the traced chain is unrolled over max_block positions; the last real one repeats past k
-            states = torch.cat([hidden, hidden[:, -1:].expand(-1, self.max_block, -1)], dim=1)[:, :self.max_block]  # [B, max_block, H]
-        drafts, logprobs, confidence = draft_stage(self.heads, states, block_ids[:, 0],
-                                                   lambda h: linear(h, self.head), self.draft_to_target)
+        if (
+            cfg.kind.unrolled_draft_head
+        ):  # the traced chain is unrolled over max_block positions; the last real one repeats past k
+            states = torch.cat([hidden, hidden[:, -1:].expand(-1, self.max_block, -1)], dim=1)[
+                :, : self.max_block
+            ]  # [B, max_block, H]
+        drafts, logprobs, confidence = draft_stage(
+            self.heads, states, block_ids[:, 0], lambda h: linear(h, self.head), self.draft_to_target
+        )
         width = hidden.shape[1] - cfg.first_draft  # D of this call's block
         outputs = (drafts[:, :width], logprobs[:, :width], hidden)  # [B, D, C], [B, D, C], [B, k, H]
         return outputs if confidence is None else (*outputs, confidence[:, :width])  # + [B, D]
@@ -254,7 +324,10 @@ def example_inputs(spec: EngineSpec, vocab_size: int) -> tuple[torch.Tensor, ...
             mask[2:, 1] = False
             out.append(mask.expand(shape).contiguous())
         elif t.name in LENGTH_INPUTS:  # rows of different lengths, each with room for the new tokens
-            room = EXAMPLE_SIZES[LENGTH_INPUTS[t.name]] - EXAMPLE_SIZES["tokens" if spec.name == TARGET_VERIFY else "block"]
+            room = (
+                EXAMPLE_SIZES[LENGTH_INPUTS[t.name]]
+                - EXAMPLE_SIZES["tokens" if spec.name == TARGET_VERIFY else "block"]
+            )
             out.append(room - torch.arange(shape[0]) % (room + 1))
         else:
             out.append(torch.randn(shape, generator=g))
@@ -272,15 +345,30 @@ def export_graph(module: nn.Module, spec: EngineSpec, args: tuple, path: Path, o
         # arithmetic that is traced symbolically anyway; the parity tests are the real check
         warnings.simplefilter("ignore")
         with torch.no_grad():
-            torch.onnx.export(module.eval(), args, str(traced), input_names=spec.input_names,
-                              output_names=spec.output_names, dynamic_axes=spec.dynamic_axes(),
-                              opset_version=opset, dynamo=False, do_constant_folding=True)
+            torch.onnx.export(
+                module.eval(),
+                args,
+                str(traced),
+                input_names=spec.input_names,
+                output_names=spec.output_names,
+                dynamic_axes=spec.dynamic_axes(),
+                opset_version=opset,
+                dynamo=False,
+                do_constant_folding=True,
+            )
     model = onnx.load(str(traced))
     traced.unlink()
     for extra in traced.parent.glob(traced.name + "*"):  # exporter side files of very large graphs
         extra.unlink()
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=path.name + ".data", size_threshold=1024, convert_attribute=True)
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=path.name + ".data",
+        size_threshold=1024,
+        convert_attribute=True,
+    )
     onnx.checker.check_model(str(path))
 
 
@@ -309,8 +397,9 @@ def block_graph(kind: DrafterKind):
     refused in one line (it decodes on --backend torch)."""
     graph = BLOCK_GRAPHS.get(kind.name)
     if graph is None:
-        raise LoopspecError(f"the ONNX / TensorRT export has no drafter graph for {kind.title} drafters: they run on "
-                            "--backend torch")
+        raise LoopspecError(
+            f"the ONNX / TensorRT export has no drafter graph for {kind.title} drafters: they run on --backend torch"
+        )
     return graph
 
 
@@ -322,9 +411,17 @@ def export_code_sha256() -> str:
     from loopspec.model import dflash, dflash2, draft_head, drafter_kinds, dspark
 
     h = hashlib.sha256()
-    for source in (Path(__file__), Path(specs.__file__), Path(dflash.__file__), Path(draft_head.__file__),
-                   Path(dspark.__file__), Path(drafter_kinds.__file__), Path(graph_ops.__file__),
-                   Path(dflash2_export.__file__), Path(dflash2.__file__)):
+    for source in (
+        Path(__file__),
+        Path(specs.__file__),
+        Path(dflash.__file__),
+        Path(draft_head.__file__),
+        Path(dspark.__file__),
+        Path(drafter_kinds.__file__),
+        Path(graph_ops.__file__),
+        Path(dflash2_export.__file__),
+        Path(dflash2.__file__),
+    ):
         h.update(file_sha256(source).encode())
     return h.hexdigest()
 
@@ -354,8 +451,12 @@ def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> 
     config (mask token resolved) and its d2t map."""
     (out_dir / TARGET_SUBDIR).mkdir()
     for f in sorted(Path(target_dir).iterdir()):
-        if (f.is_file() and not f.name.startswith(".") and f.suffix not in WEIGHT_SUFFIXES
-                and not f.name.endswith(".index.json")):
+        if (
+            f.is_file()
+            and not f.name.startswith(".")
+            and f.suffix not in WEIGHT_SUFFIXES
+            and not f.name.endswith(".index.json")
+        ):
             shutil.copy2(f, out_dir / TARGET_SUBDIR / f.name)
     if drafter is not None:
         (out_dir / DRAFTER_SUBDIR).mkdir()
@@ -364,12 +465,24 @@ def copy_run_files(target_dir: Path, drafter: Drafter | None, out_dir: Path) -> 
             drafter.save_d2t(out_dir / DRAFTER_SUBDIR)
 
 
-def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path, *, target_dir: str | Path,
-                   drafter_dir: str | Path | None = None, max_context: int | None = None,
-                   block_size: int | None = None, max_batch: int = MAX_BATCH, opset: int = OPSET,
-                   verify_target: Target | None = None, draft_drafter: Drafter | None = None,
-                   draft_head: nn.Module | None = None, precision: str = "fp32",
-                   extra_settings: dict | None = None, chain_graphs=None) -> Manifest:
+def export_engines(
+    target: Target,
+    drafter: Drafter | None,
+    out_dir: str | Path,
+    *,
+    target_dir: str | Path,
+    drafter_dir: str | Path | None = None,
+    max_context: int | None = None,
+    block_size: int | None = None,
+    max_batch: int = MAX_BATCH,
+    opset: int = OPSET,
+    verify_target: Target | None = None,
+    draft_drafter: Drafter | None = None,
+    draft_head: nn.Module | None = None,
+    precision: str = "fp32",
+    extra_settings: dict | None = None,
+    chain_graphs=None,
+) -> Manifest:
     """Export target_verify (+ the three drafter engines when a drafter is given) as ONNX into
     `out_dir`, with the run files and manifest.json; every engine takes 1 .. `max_batch` rows. Staged
     (engines/staging.py): an interrupted export never looks complete and never destroys the previous one.
@@ -396,22 +509,43 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
     taps = drafter.cfg.target_layer_ids if drafter is not None else []
     if drafter is not None and drafter.cfg.kind.chain:  # EAGLE-3: its fuse and step graphs (engines/eagle3_export.py)
         if chain_graphs is None:
-            raise LoopspecError(f"an {drafter.cfg.kind.title} drafter's graphs come from engines/eagle3_export.py: "
-                                "export the pair with engines/backends.py export_pair")
+            raise LoopspecError(
+                f"an {drafter.cfg.kind.title} drafter's graphs come from engines/eagle3_export.py: "
+                "export the pair with engines/backends.py export_pair"
+            )
         if draft_drafter is not None or draft_head is not None:
             require_quantized_export(drafter.cfg.kind, "a quantized drafter graph")
-        specs, modules, examples = chain_graphs(target, drafter, max_context=max_context, block_size=block_size,
-                                                max_batch=max_batch, verify_target=verify_target)
+        specs, modules, examples = chain_graphs(
+            target,
+            drafter,
+            max_context=max_context,
+            block_size=block_size,
+            max_batch=max_batch,
+            verify_target=verify_target,
+        )
     else:
-        specs, examples = engine_specs(target.cfg, drafter.cfg if drafter is not None else None,
-                                       max_context=max_context, block_size=block_size, max_batch=max_batch), {}
+        specs, examples = (
+            engine_specs(
+                target.cfg,
+                drafter.cfg if drafter is not None else None,
+                max_context=max_context,
+                block_size=block_size,
+                max_batch=max_batch,
+            ),
+            {},
+        )
         modules = {TARGET_VERIFY: TargetVerify(verify_target if verify_target is not None else target, taps)}
     if drafter is not None and not drafter.cfg.kind.chain:
         computed = draft_drafter if draft_drafter is not None else drafter
         modules[DRAFTER_CONTEXT] = DrafterContext(computed, from_taps=True)
         modules[DRAFTER_CONTEXT_HIDDEN] = DrafterContext(computed, from_taps=False)
-        modules[DRAFTER_BLOCK] = block_graph(drafter.cfg.kind)(computed, target.embed_tokens.weight, target.lm_head.weight,
-                                       max_block=specs[DRAFTER_BLOCK].ranges["block"][2], head=draft_head)
+        modules[DRAFTER_BLOCK] = block_graph(drafter.cfg.kind)(
+            computed,
+            target.embed_tokens.weight,
+            target.lm_head.weight,
+            max_block=specs[DRAFTER_BLOCK].ranges["block"][2],
+            head=draft_head,
+        )
 
     with staged_dir(out_dir) as work:
         files = {}
@@ -420,16 +554,25 @@ def export_engines(target: Target, drafter: Drafter | None, out_dir: str | Path,
             args = examples[name] if name in examples else example_inputs(specs[name], target.cfg.vocab_size)
             export_graph(module, specs[name], args, work / files[name], opset)
         copy_run_files(target_dir, drafter, work)
-        settings = {"opset": opset, "max_context": max_context, "max_batch": max_batch,
-                    "block_size": None if drafter is None else block_size or drafter.cfg.block_size, "target_layer_ids": taps,
-                    "exporter": "torch.onnx.export (TorchScript)",
-                    "kv_layout": "past in (per layer, with room for the new tokens), new out, and the past with "
-                                 "the new written in (present_*: bound in place where the backend allows)",
-                    "attention_values": "one product over [past; new]",
-                    "softmax": ORDER_FREE_SOFTMAX,
-                    "export_code_sha256": export_code_sha256(), **(extra_settings or {})}
-        sources = {"target": source_hashes(target_dir),
-                   "drafter": drafter_source(drafter, drafter_dir) if drafter is not None else None}
-        write_manifest(work, stage="onnx", precision=precision, specs=specs, engine_files=files, sources=sources,
-                       settings=settings)
+        settings = {
+            "opset": opset,
+            "max_context": max_context,
+            "max_batch": max_batch,
+            "block_size": None if drafter is None else block_size or drafter.cfg.block_size,
+            "target_layer_ids": taps,
+            "exporter": "torch.onnx.export (TorchScript)",
+            "kv_layout": "past in (per layer, with room for the new tokens), new out, and the past with "
+            "the new written in (present_*: bound in place where the backend allows)",
+            "attention_values": "one product over [past; new]",
+            "softmax": ORDER_FREE_SOFTMAX,
+            "export_code_sha256": export_code_sha256(),
+            **(extra_settings or {}),
+        }
+        sources = {
+            "target": source_hashes(target_dir),
+            "drafter": drafter_source(drafter, drafter_dir) if drafter is not None else None,
+        }
+        write_manifest(
+            work, stage="onnx", precision=precision, specs=specs, engine_files=files, sources=sources, settings=settings
+        )
     return Manifest(out_dir, json.loads((out_dir / "manifest.json").read_text()))

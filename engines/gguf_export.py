@@ -95,10 +95,25 @@ class _Q41Product(torch.autograd.Function):
     @staticmethod
     def symbolic(g, x, codes, scales, zero_points, minimum, accuracy_level: int):
         n, kb, _ = codes.type().sizes()
-        y = _typed_like(g.op("com.microsoft::MatMulNBits", x, codes, scales, zero_points, K_i=kb * BLOCK, N_i=n,
-                             bits_i=4, block_size_i=BLOCK, accuracy_level_i=accuracy_level), x, n)
-        sums = g.op("ReduceSum", _block_reshape(g, x, kb), g.op("Constant", value_t=torch.tensor([-1])),
-                    keepdims_i=0)  # [B, T, K/32]
+        y = _typed_like(
+            g.op(
+                "com.microsoft::MatMulNBits",
+                x,
+                codes,
+                scales,
+                zero_points,
+                K_i=kb * BLOCK,
+                N_i=n,
+                bits_i=4,
+                block_size_i=BLOCK,
+                accuracy_level_i=accuracy_level,
+            ),
+            x,
+            n,
+        )
+        sums = g.op(
+            "ReduceSum", _block_reshape(g, x, kb), g.op("Constant", value_t=torch.tensor([-1])), keepdims_i=0
+        )  # [B, T, K/32]
         return g.op("Add", y, g.op("MatMul", sums, minimum))
 
 
@@ -114,8 +129,21 @@ class _Q80Product(torch.autograd.Function):
     @staticmethod
     def symbolic(g, x, codes, scales, accuracy_level: int):
         n, kb, _ = codes.type().sizes()
-        return _typed_like(g.op("com.microsoft::MatMulNBits", x, codes, scales, K_i=kb * BLOCK, N_i=n, bits_i=8,
-                                block_size_i=BLOCK, accuracy_level_i=accuracy_level), x, n)
+        return _typed_like(
+            g.op(
+                "com.microsoft::MatMulNBits",
+                x,
+                codes,
+                scales,
+                K_i=kb * BLOCK,
+                N_i=n,
+                bits_i=8,
+                block_size_i=BLOCK,
+                accuracy_level_i=accuracy_level,
+            ),
+            x,
+            n,
+        )
 
 
 class Q41Linear(nn.Module):
@@ -186,8 +214,10 @@ def check_expansion(name: str, matrix: BlockMatrix, weight: torch.Tensor) -> Non
     """The blocks must be the reference's weights (the same GGUF): their expansion equals it exactly."""
     expanded = matrix.dequantize()
     if tuple(expanded.shape) != tuple(weight.shape) or not np.array_equal(expanded, weight.detach().numpy()):
-        raise LoopspecError(f"the GGUF's {name} ({matrix.kind}) does not expand to the target's weight: the GGUF "
-                            f"and the target checkpoint differ")
+        raise LoopspecError(
+            f"the GGUF's {name} ({matrix.kind}) does not expand to the target's weight: the GGUF "
+            f"and the target checkpoint differ"
+        )
 
 
 def block_target(target: Target, blocks: dict[str, BlockMatrix], precision: str) -> tuple[Target, dict]:
@@ -227,7 +257,9 @@ def block_drafter(drafter: Drafter, lm_head: BlockMatrix, precision: str) -> tup
     level = ACCURACY_LEVEL[precision]
     if level != ACCURACY_LEVEL["gguf-int8act"]:
         return None
-    require_quantized_export(drafter.cfg.kind, f"precision {precision} (its drafter graphs compute with {DRAFTER_BLOCKS} blocks)")
+    require_quantized_export(
+        drafter.cfg.kind, f"precision {precision} (its drafter graphs compute with {DRAFTER_BLOCKS} blocks)"
+    )
     out = copy.deepcopy(drafter)
     products, kept = 0, 0
     for parent in [out] + [m for layer in out.layers for m in (layer.self_attn, layer.mlp)]:
@@ -237,23 +269,26 @@ def block_drafter(drafter: Drafter, lm_head: BlockMatrix, precision: str) -> tup
             if linear.bias is not None or linear.in_features % BLOCK:  # no blocks along K: stays fp32
                 kept += 1
                 continue
-            setattr(parent, leaf, Q80Linear(quantize_blocks(linear.weight.detach().float().numpy(), DRAFTER_BLOCKS),
-                                            level))
+            setattr(
+                parent, leaf, Q80Linear(quantize_blocks(linear.weight.detach().float().numpy(), DRAFTER_BLOCKS), level)
+            )
             products += 1
     rows = lm_head if drafter.draft_ids is None else lm_head.rows(drafter.draft_ids.numpy())
     head = block_linear(rows, precision)
     if head is None:  # an F32/F16 lm_head in the GGUF: its rows as they are
         head = fixed_linear(torch.from_numpy(rows.dequantize()))
-    account = {"products": f"{products} {DRAFTER_BLOCKS} (quantized from its weights, round to nearest) "
-                           f"as {Q80Linear.__name__}" + (f", {kept} fp32 (a bias, or rows not in blocks of {BLOCK})"
-                                                         if kept else ""),
-               "draft_head": f"the GGUF's lm_head ({lm_head.kind}), {rows.shape[0]} rows",
-               "activations": ACTIVATIONS[precision]}
+    account = {
+        "products": f"{products} {DRAFTER_BLOCKS} (quantized from its weights, round to nearest) "
+        f"as {Q80Linear.__name__}" + (f", {kept} fp32 (a bias, or rows not in blocks of {BLOCK})" if kept else ""),
+        "draft_head": f"the GGUF's lm_head ({lm_head.kind}), {rows.shape[0]} rows",
+        "activations": ACTIVATIONS[precision],
+    }
     return out, head, account
 
 
-def precision_options(target: Target, precision: str, gguf_path: str | Path | None,
-                      drafter: Drafter | None = None) -> dict:
+def precision_options(
+    target: Target, precision: str, gguf_path: str | Path | None, drafter: Drafter | None = None
+) -> dict:
     """export_engines' keyword arguments for `precision`: nothing for fp32; for a `gguf-*` precision
     the target over the blocks of `gguf_path` (the GGUF `target` was expanded from), the drafter's
     block products where they pay (`block_drafter`), the manifest's account of weights and arithmetic."""
@@ -264,16 +299,26 @@ def precision_options(target: Target, precision: str, gguf_path: str | Path | No
         return {"precision": precision}
     check_precision(precision)
     if gguf_path is None:
-        raise LoopspecError(f"precision {precision} needs the target's GGUF file (a target given as 'default' or FILE.gguf)")
+        raise LoopspecError(
+            f"precision {precision} needs the target's GGUF file (a target given as 'default' or FILE.gguf)"
+        )
     cfg = target.cfg
     blocks = target_blocks(gguf_path, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings)
     verify_target, counts = block_target(target, blocks, precision)
     path = Path(gguf_path)
-    settings = {"weights": {"format": "gguf blocks", "file": source_hashes(path.parent, [path.name]),
-                            "products": counts, "embedding": "fp32 expansion (Gather)"},
-                "arithmetic": {"activations": ACTIVATIONS[precision],
-                               "matmulnbits_accuracy_level": ACCURACY_LEVEL[precision],
-                               "q4_1_minimum": "blocksum(x) @ M in fp32"}}
+    settings = {
+        "weights": {
+            "format": "gguf blocks",
+            "file": source_hashes(path.parent, [path.name]),
+            "products": counts,
+            "embedding": "fp32 expansion (Gather)",
+        },
+        "arithmetic": {
+            "activations": ACTIVATIONS[precision],
+            "matmulnbits_accuracy_level": ACCURACY_LEVEL[precision],
+            "q4_1_minimum": "blocksum(x) @ M in fp32",
+        },
+    }
     options = {"precision": precision, "verify_target": verify_target, "extra_settings": settings}
     quantized = block_drafter(drafter, blocks["lm_head.weight"], precision) if drafter is not None else None
     if quantized is not None:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -31,8 +32,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Te
     return x * cos + torch.matmul(x, rotate) * sin
 
 
-def row_layout(lengths: torch.Tensor, width: int, new_mask: torch.Tensor, num_kv_heads: int, group: int,
-               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def row_layout(
+    lengths: torch.Tensor, width: int, new_mask: torch.Tensor, num_kv_heads: int, group: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each row's T new tokens go among the `width` slots of a call's past, and what each sees.
 
     The past comes with room: `width` >= every row's length + T. Row b's new tokens take slots
@@ -56,7 +58,7 @@ def row_layout(lengths: torch.Tensor, width: int, new_mask: torch.Tensor, num_kv
 
 
 # integer units per 1.0 of the softmax's sum: 2^-40 resolution, exact int64 sums of up to 2^23 terms
-SOFTMAX_SUM_UNITS = 2.0 ** 40
+SOFTMAX_SUM_UNITS = 2.0**40
 ORDER_FREE_SOFTMAX = "order-free (exps summed as int64 units of 2^-40)"  # the manifest's name of it
 
 
@@ -75,8 +77,15 @@ def order_free_softmax(scores: torch.Tensor) -> torch.Tensor:
     return units / total.to(scores.dtype)
 
 
-def attend_with_keys(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     slots: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attend_with_keys(
+    q: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grouped-query attention of q [B, kvh, g·T, hd] (pre-scaled; query head j = kv head j // g, as
     HF's repeat_kv) over each row's [valid past ; new] keys (`row_layout`: slots, mask) → [B, kvh, g·T, hd].
     past_k/past_v [B, kvh, W, hd] are the call's past with room for the new tokens (W >= every row's
@@ -107,8 +116,18 @@ def head_scales(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tenso
     return torch.cat([torch.full((num_heads, 1), 1.0 / math.sqrt(head_dim)), torch.ones(num_kv_heads, 1)])
 
 
-def qkv_heads(qkv: torch.Tensor, batch, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm_weight,
-              eps: float, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor):
+def qkv_heads(
+    qkv: torch.Tensor,
+    batch,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    qk_norm_weight,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotate: torch.Tensor,
+):
     """The fused projection's output [B, T, (h + 2kvh)·hd] → q [B, kvh, g·T, hd] (scaled), k, v
     [B, kvh, T, hd]: q and k are normed (Qwen3) and rotated together as one [B, T, h + kvh, hd] tensor."""
     h, kvh, hd = num_heads, num_kv_heads, head_dim

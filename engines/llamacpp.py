@@ -101,11 +101,18 @@ def _target_shape(reader, path: Path) -> dict:
     layers = _field_value(reader, f"{arch}.block_count")
     tokens = reader.get_field("tokenizer.ggml.tokens")
     if arch is None or hidden is None or layers is None or tokens is None:
-        raise LoopspecError(f"{path.name} lacks the architecture, embedding length, block count or tokenizer "
-                            "metadata of a llama.cpp model")
+        raise LoopspecError(
+            f"{path.name} lacks the architecture, embedding length, block count or tokenizer "
+            "metadata of a llama.cpp model"
+        )
     context = _field_value(reader, f"{arch}.context_length")
-    return {"arch": arch, "hidden_size": int(hidden), "num_layers": int(layers), "vocab_size": len(tokens.data),
-            "context_length": None if context is None else int(context)}
+    return {
+        "arch": arch,
+        "hidden_size": int(hidden),
+        "num_layers": int(layers),
+        "vocab_size": len(tokens.data),
+        "context_length": None if context is None else int(context),
+    }
 
 
 def gguf_target_info(target_gguf: str | Path) -> dict:
@@ -137,7 +144,9 @@ def _check_fits(cfg, shape: dict, path: Path) -> None:
     if cfg.vocab_size != shape["vocab_size"]:
         problems.append(f"vocab size {cfg.vocab_size} != target's {shape['vocab_size']}")
     if cfg.num_target_layers != shape["num_layers"]:
-        problems.append(f"drafter was built for {cfg.num_target_layers} target layers, target has {shape['num_layers']}")
+        problems.append(
+            f"drafter was built for {cfg.num_target_layers} target layers, target has {shape['num_layers']}"
+        )
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < shape["num_layers"]]
     if bad:
         problems.append(f"tap ids {bad} out of range for a target with {shape['num_layers']} layers")
@@ -171,8 +180,12 @@ def _copy_tokenizer(reader, writer) -> list[str]:
 
 
 # DeepSpec's head tensors → llama.cpp's names (conversion/qwen.py's tensor map)
-HEAD_TENSORS = {"markov_head.markov_w1.weight": "markov_w1.weight", "markov_head.markov_w2.weight": "markov_w2.weight",
-                "confidence_head.proj.weight": "conf_proj.weight", "confidence_head.proj.bias": "conf_proj.bias"}
+HEAD_TENSORS = {
+    "markov_head.markov_w1.weight": "markov_w1.weight",
+    "markov_head.markov_w2.weight": "markov_w2.weight",
+    "confidence_head.proj.weight": "conf_proj.weight",
+    "confidence_head.proj.bias": "conf_proj.bias",
+}
 
 
 def _draft_tensors(drafter) -> dict[str, np.ndarray]:
@@ -183,10 +196,19 @@ def _draft_tensors(drafter) -> dict[str, np.ndarray]:
     heads = {HEAD_TENSORS[k]: state.pop(k) for k in list(state) if k in HEAD_TENSORS}
     if "markov_w2.weight" in heads and drafter.draft_ids is not None:
         heads["markov_w2.weight"] = heads["markov_w2.weight"][drafter.draft_ids.long().cpu().numpy()]
-    per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-                 "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
-                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    per_layer = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     top = {"fc": "fc", "hidden_norm": "enc.output_norm", "norm": "output_norm"}
     out = {}
     for name, w in state.items():
@@ -229,26 +251,36 @@ def dflash_gguf_refusal(kind) -> str | None:
     Markov head only; a confidence head only beside it, reading [h ; W1[prev]]. An EAGLE-3 or DFlash2
     drafter is llama.cpp's own converter's (convert/bundles/llamacpp.py says which llama.cpp takes)."""
     if kind.chain:  # llama.cpp runs it, from its own converter's eagle3 GGUF
-        return ("an EAGLE-3 drafter is llama.cpp's eagle3 architecture (draft-eagle3), converted by llama.cpp's "
-                "own convert_hf_to_gguf.py, not a dflash GGUF (loopspec convert bundle --framework llamacpp "
-                "writes it for that converter)")
+        return (
+            "an EAGLE-3 drafter is llama.cpp's eagle3 architecture (draft-eagle3), converted by llama.cpp's "
+            "own convert_hf_to_gguf.py, not a dflash GGUF (loopspec convert bundle --framework llamacpp "
+            "writes it for that converter)"
+        )
     if kind.selector is not None:  # llama.cpp runs it, from its own converter's dflash GGUF with the selector
-        return ("a DFlash2 drafter is llama.cpp's dflash architecture with its selector, converted by llama.cpp's "
-                "own convert_hf_to_gguf.py, not by loopspec (loopspec convert bundle --framework llamacpp writes "
-                "it for that converter)")
+        return (
+            "a DFlash2 drafter is llama.cpp's dflash architecture with its selector, converted by llama.cpp's "
+            "own convert_hf_to_gguf.py, not by loopspec (loopspec convert bundle --framework llamacpp writes "
+            "it for that converter)"
+        )
     if not kind.heads:
         if kind.convention is DEEPSPEC_BLOCK:  # draft-dflash drafts from block position 1; only draft-dspark from 0
-            return ("llama.cpp drafts from the anchor's own block position (DeepSpec's block convention) only "
-                    "with a Markov head (draft-dspark); this DeepSpec DFlash drafter has none")
+            return (
+                "llama.cpp drafts from the anchor's own block position (DeepSpec's block convention) only "
+                "with a Markov head (draft-dspark); this DeepSpec DFlash drafter has none"
+            )
         return None
     if kind.markov is None:
         return "llama.cpp runs a DSpark confidence head only beside a Markov head (markov_rank > 0)"
     if kind.markov.head_type != "vanilla":
-        return (f"llama.cpp's DSpark implements the vanilla Markov head only (bias = W2 · W1[prev]), not this "
-                f"drafter's {kind.markov.head_type} head")
+        return (
+            f"llama.cpp's DSpark implements the vanilla Markov head only (bias = W2 · W1[prev]), not this "
+            f"drafter's {kind.markov.head_type} head"
+        )
     if kind.confidence and not kind.confidence.reads_markov:
-        return ("llama.cpp's DSpark confidence head reads [h ; W1[prev]] (n_embd + rank inputs); this drafter's "
-                "reads h alone (confidence_head_with_markov false)")
+        return (
+            "llama.cpp's DSpark confidence head reads [h ; W1[prev]] (n_embd + rank inputs); this drafter's "
+            "reads h alone (confidence_head_with_markov false)"
+        )
     return None
 
 
@@ -311,8 +343,10 @@ def read_dflash_gguf(path: str | Path) -> dict:
     reader = _open_gguf(path, "drafter")
     keys = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     if keys.get("general.architecture") != ARCH:
-        raise LoopspecError(f"{path.name} is not a DFlash drafter GGUF (architecture "
-                            f"{keys.get('general.architecture')!r}, expected {ARCH!r})")
+        raise LoopspecError(
+            f"{path.name} is not a DFlash drafter GGUF (architecture "
+            f"{keys.get('general.architecture')!r}, expected {ARCH!r})"
+        )
     # GGUF stores dims innermost first; reversed they read as PyTorch's [out, in]
     tensors = {t.name: (tuple(int(d) for d in reversed(t.shape.tolist())), t.tensor_type.name) for t in reader.tensors}
     return {"keys": keys, "tensors": tensors}
@@ -322,10 +356,19 @@ def read_dflash_gguf(path: str | Path) -> dict:
 # llama-server
 
 
-def llama_server_command(binary: str | Path, target_gguf: str | Path, *, drafter_gguf: str | Path | None = None,
-                         draft_max: int | None = None, threads: int | str | None = None,
-                         context: int | None = None, host: str = "127.0.0.1", port: int | str = 8080,
-                         slots: int | None = None, spec: str = SPEC_TYPES[False]) -> list[str]:
+def llama_server_command(
+    binary: str | Path,
+    target_gguf: str | Path,
+    *,
+    drafter_gguf: str | Path | None = None,
+    draft_max: int | None = None,
+    threads: int | str | None = None,
+    context: int | None = None,
+    host: str = "127.0.0.1",
+    port: int | str = 8080,
+    slots: int | None = None,
+    spec: str = SPEC_TYPES[False],
+) -> list[str]:
     """llama-server's argv serving `target_gguf`, plain or with the drafter `drafter_gguf` (--spec-type
     `spec`: `spec_type(cfg)`) drafting up to `draft_max` tokens per step (llama.cpp caps it at the
     drafter's drafts per block: block_size - 1, or block_size for an anchor-drafting DSpark). `threads` and
@@ -356,8 +399,10 @@ def find_llama_server(path: str | Path | None = None) -> Path | None:
         on_path = shutil.which(str(path)) if os.sep not in str(path) else None
         path = Path(on_path or path)
         if not path.is_file() or not os.access(path, os.X_OK):
-            raise LoopspecError(f"llama-server binary {path} does not exist or is not executable "
-                                "(scripts/build_llama_server.sh builds one)")
+            raise LoopspecError(
+                f"llama-server binary {path} does not exist or is not executable "
+                "(scripts/build_llama_server.sh builds one)"
+            )
         return path
     found = shutil.which(LLAMA_SERVER)
     return Path(found) if found else None

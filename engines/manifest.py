@@ -43,11 +43,19 @@ def source_hashes(directory: str | Path | None, names: list[str] | None = None) 
     if directory is None:
         return None
     directory = Path(directory)
-    files = names if names is not None else sorted(
-        f.name for f in directory.iterdir()
-        if f.is_file() and (f.suffix in (".safetensors", ".gguf") or f.name == "config.json"))
-    return {"path": str(directory.resolve()),
-            "files": {n: file_sha256(directory / n) for n in files if (directory / n).is_file()}}
+    files = (
+        names
+        if names is not None
+        else sorted(
+            f.name
+            for f in directory.iterdir()
+            if f.is_file() and (f.suffix in (".safetensors", ".gguf") or f.name == "config.json")
+        )
+    )
+    return {
+        "path": str(directory.resolve()),
+        "files": {n: file_sha256(directory / n) for n in files if (directory / n).is_file()},
+    }
 
 
 @dataclass
@@ -73,7 +81,9 @@ class Manifest:
 
     def spec(self, engine: str) -> EngineSpec:
         if engine not in self.data["engines"]:
-            raise LoopspecError(f"{self.directory}: no engine {engine!r} in the manifest (has {', '.join(self.engines)})")
+            raise LoopspecError(
+                f"{self.directory}: no engine {engine!r} in the manifest (has {', '.join(self.engines)})"
+            )
         return EngineSpec.from_dict(self.data["engines"][engine]["spec"])
 
     def path(self, engine: str) -> Path:
@@ -84,24 +94,40 @@ class Manifest:
         (self.directory / MANIFEST).write_text(json.dumps(self.data, indent=2) + "\n")
 
 
-def write_manifest(directory: str | Path, *, stage: str, precision: str, specs: dict[str, EngineSpec],
-                   engine_files: dict[str, str], sources: dict, settings: dict | None = None,
-                   tools: dict | None = None, parent: dict | None = None) -> Manifest:
+def write_manifest(
+    directory: str | Path,
+    *,
+    stage: str,
+    precision: str,
+    specs: dict[str, EngineSpec],
+    engine_files: dict[str, str],
+    sources: dict,
+    settings: dict | None = None,
+    tools: dict | None = None,
+    parent: dict | None = None,
+) -> Manifest:
     """Hash every file under `directory` (except the manifest) and write manifest.json.
 
     engine_files: {engine name: file name relative to directory}; sources: provenance of the inputs
     (e.g. {"target": source_hashes(dir), "drafter": ...}); parent: the manifest of the previous stage."""
     directory = Path(directory)
-    files = {str(f.relative_to(directory)): file_sha256(f) for f in sorted(directory.rglob("*"))
-             if f.is_file() and f.name != MANIFEST}
+    files = {
+        str(f.relative_to(directory)): file_sha256(f)
+        for f in sorted(directory.rglob("*"))
+        if f.is_file() and f.name != MANIFEST
+    }
     for engine, name in engine_files.items():
         if name not in files:
             raise LoopspecError(f"engine {engine}: file {name} is not in {directory}")
     data = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "stage": stage, "precision": precision,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "stage": stage,
+        "precision": precision,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "tools": tools if tools is not None else tool_versions(),
-        "sources": sources, "settings": settings or {},
+        "sources": sources,
+        "settings": settings or {},
         "engines": {name: {"file": engine_files[name], "spec": spec.to_dict()} for name, spec in specs.items()},
         "files": files,
     }
@@ -123,8 +149,10 @@ def read_manifest(directory: str | Path, verify: bool = True, require_drafter: b
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise LoopspecError(f"{path} is not a loopspec artifact manifest")
     if data.get("format_version") != FORMAT_VERSION:
-        raise LoopspecError(f"{path}: manifest format version {data.get('format_version')} is not supported "
-                            f"(this loopspec reads {FORMAT_VERSION})")
+        raise LoopspecError(
+            f"{path}: manifest format version {data.get('format_version')} is not supported "
+            f"(this loopspec reads {FORMAT_VERSION})"
+        )
     for key in ("stage", "precision", "engines", "files"):
         if key not in data:
             raise LoopspecError(f"{path} lacks {key!r}")
@@ -150,6 +178,8 @@ def read_manifest(directory: str | Path, verify: bool = True, require_drafter: b
         if verify:
             actual = file_sha256(f)
             if actual != digest:
-                raise LoopspecError(f"{directory}: hash mismatch for {name} (sha256 {actual[:12]}…, manifest says "
-                                    f"{digest[:12]}…): the file changed after export; re-export it")
+                raise LoopspecError(
+                    f"{directory}: hash mismatch for {name} (sha256 {actual[:12]}…, manifest says "
+                    f"{digest[:12]}…): the file changed after export; re-export it"
+                )
     return manifest

@@ -39,9 +39,11 @@ def check_precision(precision: str, where: str) -> None:
     if precision == "nvfp4":
         raise LoopspecError(f"{where}: {NVFP4_NOT_HERE}")
     if precision not in ORT_PRECISIONS:
-        raise LoopspecError(f"{where}: precision {precision!r} cannot run on ONNX Runtime on this CPU "
-                            f"(supported: {', '.join(ORT_PRECISIONS)}); other precisions need TensorRT on a GPU "
-                            f"with those formats")
+        raise LoopspecError(
+            f"{where}: precision {precision!r} cannot run on ONNX Runtime on this CPU "
+            f"(supported: {', '.join(ORT_PRECISIONS)}); other precisions need TensorRT on a GPU "
+            f"with those formats"
+        )
 
 
 class EngineSession:
@@ -69,8 +71,10 @@ class EngineSession:
         have_in = [i.name for i in self.session.get_inputs()]
         have_out = [o.name for o in self.session.get_outputs()]
         if sorted(have_in) != sorted(spec.input_names) or sorted(have_out) != sorted(spec.output_names):
-            raise LoopspecError(f"ONNX engine {path} does not match its spec {spec.name}: inputs {have_in}, "
-                                f"outputs {have_out} (expected {spec.input_names} → {spec.output_names})")
+            raise LoopspecError(
+                f"ONNX engine {path} does not match its spec {spec.name}: inputs {have_in}, "
+                f"outputs {have_out} (expected {spec.input_names} → {spec.output_names})"
+            )
 
     def run(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
         outputs = self.session.run(self.spec.output_names, inputs)
@@ -86,8 +90,11 @@ class OrtRunner:
     def __init__(self, session: EngineSession):
         self.session = session
         spec = session.spec
-        self.in_place = {present_of(name): name for name in spec.input_names if present_of(name) != name
-                         and present_of(name) in spec.output_names}  # output → the input it writes into
+        self.in_place = {
+            present_of(name): name
+            for name in spec.input_names
+            if present_of(name) != name and present_of(name) in spec.output_names
+        }  # output → the input it writes into
 
     def run(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         arrays = {name: np.ascontiguousarray(t.numpy()) for name, t in inputs.items()}  # no copy when contiguous
@@ -104,9 +111,14 @@ class OrtRunner:
             else:
                 binding.bind_output(name, "cpu", 0, source.dtype, list(source.shape), source.ctypes.data)
         self.session.session.run_with_iobinding(binding)
-        return {name: (torch.from_numpy(arrays[self.in_place[name]]) if name in self.in_place
-                       else torch.from_numpy(value.numpy()))
-                for name, value in zip(names, binding.get_outputs())}
+        return {
+            name: (
+                torch.from_numpy(arrays[self.in_place[name]])
+                if name in self.in_place
+                else torch.from_numpy(value.numpy())
+            )
+            for name, value in zip(names, binding.get_outputs())
+        }
 
 
 @functools.cache
@@ -119,14 +131,22 @@ def value_product_block(head_dim: int, largest: int = 8192) -> int:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    graph = helper.make_graph([helper.make_node("MatMul", ["p", "v"], ["y"])], "value_product",
-                              [helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, None, None]),
-                               helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, None, head_dim])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, None, head_dim])])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["p", "v"], ["y"])],
+        "value_product",
+        [
+            helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, None, None]),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, None, head_dim]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, None, head_dim])],
+    )
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    session = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString(),
-                                   options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString(),
+        options,
+        providers=["CPUExecutionProvider"],
+    )
     rng = np.random.default_rng(0)
     block, terms, shift = 16, 12, 8
     while block <= largest:
@@ -135,8 +155,12 @@ def value_product_block(head_dim: int, largest: int = 8192) -> int:
         # the last `terms` + `shift` slots start just before the block boundary: moved past it
         start = block - terms // 2
         p_moved = np.concatenate([p[:, :, :start], np.zeros((1, 6, shift), np.float32), p[:, :, start:]], axis=2)
-        v_moved = np.concatenate([v[:, :start], rng.standard_normal((1, shift, head_dim), dtype=np.float32), v[:, start:]], axis=1)
-        if not np.array_equal(session.run(None, {"p": p, "v": v})[0], session.run(None, {"p": p_moved, "v": v_moved})[0]):
+        v_moved = np.concatenate(
+            [v[:, :start], rng.standard_normal((1, shift, head_dim), dtype=np.float32), v[:, start:]], axis=1
+        )
+        if not np.array_equal(
+            session.run(None, {"p": p, "v": v})[0], session.run(None, {"p": p_moved, "v": v_moved})[0]
+        ):
             return block
         block *= 2
     return 0
@@ -145,8 +169,9 @@ def value_product_block(head_dim: int, largest: int = 8192) -> int:
 class OrtEngine(ArtifactEngine):
     backend = "onnxruntime"
 
-    def __init__(self, onnx_dir: str | Path, max_context: int | None = None, num_threads: int | None = None,
-                 max_rows: int = 1):
+    def __init__(
+        self, onnx_dir: str | Path, max_context: int | None = None, num_threads: int | None = None, max_rows: int = 1
+    ):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.num_threads = num_threads

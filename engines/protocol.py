@@ -57,12 +57,14 @@ class DrafterContext(Protocol):
 
     def rollback(self, rows: list[int], lengths: list[int]) -> None: ...
 
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None = None) -> StageDrafts:
+    def draft(
+        self, rows: list[int], anchors: list[int], positions: list[int], block_size: int, sampling: list | None = None
+    ) -> StageDrafts:
         """One stage for each of `rows` (Engine.draft)."""
 
-    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
-                      depth: int) -> list[DynamicTree]:
+    def draft_dynamic(
+        self, rows: list[int], anchors: list[int], positions: list[int], top_k: int, depth: int
+    ) -> list[DynamicTree]:
         """EAGLE-2's dynamic tree for each of `rows` (Engine.draft_dynamic)."""
 
     def swap_rows(self, a: int, b: int) -> None: ...
@@ -105,8 +107,9 @@ class Engine(Protocol):
         earlier chunk of the same prompt holds; with `want_taps` its drafter context holds every
         prompt position's features) → the last position's logits [V]."""
 
-    def verify(self, tokens: list[list[int]], want_taps: bool,
-               tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify(
+        self, tokens: list[list[int]], want_taps: bool, tree_masks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows 0..B-1 run their tokens after their own KV → logits [B, T, V] and taps [B, T, n*H]
         (T = the longest row; padding positions are junk; taps None when not wanted). The tokens are
         a chain, or with `tree_masks` (bool [B, T, T], loopspec.tree.tree_masks) a draft tree each:
@@ -132,8 +135,9 @@ class Engine(Protocol):
     def context_rollback(self, rows: list[int], lengths: list[int]) -> None: ...
 
     # ---- drafter ---------------------------------------------------------------------------------
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None = None) -> StageDrafts:
+    def draft(
+        self, rows: list[int], anchors: list[int], positions: list[int], block_size: int, sampling: list | None = None
+    ) -> StageDrafts:
         """One stage for each of `rows`: [anchor, MASK × (k-1)] at positions .. positions+k-1 on the
         row's own context → each drafting position's C best drafts [R, D, C] (target ids, rank 0 the
         argmax), their log-probs [R, D, C], final-norm hidden states [R, k, H]. D = k-1 for z-lab's
@@ -145,8 +149,9 @@ class Engine(Protocol):
         the row's generator (C = 1, log-probs log q), and the `StageDrafts` carries q [R, D, V]
         as `.q` (loopspec.model.dflash.sample_stage)."""
 
-    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
-                      depth: int) -> list[DynamicTree]:
+    def draft_dynamic(
+        self, rows: list[int], anchors: list[int], positions: list[int], top_k: int, depth: int
+    ) -> list[DynamicTree]:
         """EAGLE-2's dynamic tree for each of `rows` (DecodingSettings.tree_kind "dynamic"; only an
         engine whose drafter kind `grows_dynamic_trees` — EAGLE-3 on the torch engine — is asked):
         `depth` drafter steps from the anchor at `positions`, each expanding the `top_k` best nodes of

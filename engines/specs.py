@@ -80,8 +80,9 @@ class EngineSpec:
                     raise LoopspecError(f"engine {self.name}: input {t.name} dim {d!r} has no range")
         for dim, (lo, opt, hi) in self.ranges.items():
             if not 0 <= lo <= opt <= hi:
-                raise LoopspecError(f"engine {self.name}: range of {dim!r} must be 0 <= min <= opt <= max, "
-                                    f"got {(lo, opt, hi)}")
+                raise LoopspecError(
+                    f"engine {self.name}: range of {dim!r} must be 0 <= min <= opt <= max, got {(lo, opt, hi)}"
+                )
 
     @property
     def input_names(self) -> list[str]:
@@ -120,19 +121,27 @@ class EngineSpec:
         lo, opt, hi = self.ranges[dim]
         if not lo <= max_value <= hi:
             raise LoopspecError(f"engine {self.name}: {dim} max {max_value} is outside the exported range [{lo}, {hi}]")
-        return EngineSpec(self.name, self.inputs, self.outputs, {**self.ranges, dim: (lo, min(opt, max_value), max_value)})
+        return EngineSpec(
+            self.name, self.inputs, self.outputs, {**self.ranges, dim: (lo, min(opt, max_value), max_value)}
+        )
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "inputs": [t.to_dict() for t in self.inputs],
-                "outputs": [t.to_dict() for t in self.outputs],
-                "ranges": {k: list(v) for k, v in self.ranges.items()}}
+        return {
+            "name": self.name,
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+            "ranges": {k: list(v) for k, v in self.ranges.items()},
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineSpec":
         try:
-            return cls(d["name"], tuple(TensorSpec.from_dict(t) for t in d["inputs"]),
-                       tuple(TensorSpec.from_dict(t) for t in d["outputs"]),
-                       {k: tuple(v) for k, v in d["ranges"].items()})
+            return cls(
+                d["name"],
+                tuple(TensorSpec.from_dict(t) for t in d["inputs"]),
+                tuple(TensorSpec.from_dict(t) for t in d["outputs"]),
+                {k: tuple(v) for k, v in d["ranges"].items()},
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise LoopspecError(f"malformed engine spec: {e!r}") from None
 
@@ -147,8 +156,9 @@ def batch_range(max_batch: int) -> tuple[int, int, int]:
     return (1, min(OPT_BATCH, max_batch), max_batch)
 
 
-def target_verify_spec(target, num_taps: int, max_context: int, max_verify: int = 16,
-                       max_batch: int = MAX_BATCH) -> EngineSpec:
+def target_verify_spec(
+    target, num_taps: int, max_context: int, max_verify: int = 16, max_batch: int = MAX_BATCH
+) -> EngineSpec:
     """Tokens + absolute positions + the cache's past K/V → logits at `logit_index`, taps, new K/V.
 
     `target` is a TargetConfig. The past comes one input per layer (`past_key_i`, `past_value_i`
@@ -163,25 +173,34 @@ def target_verify_spec(target, num_taps: int, max_context: int, max_verify: int 
     prompt token. num_taps 0: no taps output (plain `ar`)."""
     L, kvh, hd = target.num_layers, target.num_kv_heads, target.head_dim
     kv = (L, "batch", kvh)
-    past = tuple(TensorSpec(f"{kind}_{i}", "float32", ("batch", kvh, "past", hd))
-                 for i in range(L) for kind in PAST_KINDS)
-    inputs = (TensorSpec("input_ids", "int64", ("batch", "tokens")),
-              TensorSpec("positions", "int64", ("batch", "tokens")),
-              TensorSpec("logit_index", "int64", ("logits",)),
-              TensorSpec("past_lengths", "int64", ("batch",)),
-              TensorSpec("tree_mask", "bool", ("batch", "tokens", "tokens"))) + past
+    past = tuple(
+        TensorSpec(f"{kind}_{i}", "float32", ("batch", kvh, "past", hd)) for i in range(L) for kind in PAST_KINDS
+    )
+    inputs = (
+        TensorSpec("input_ids", "int64", ("batch", "tokens")),
+        TensorSpec("positions", "int64", ("batch", "tokens")),
+        TensorSpec("logit_index", "int64", ("logits",)),
+        TensorSpec("past_lengths", "int64", ("batch",)),
+        TensorSpec("tree_mask", "bool", ("batch", "tokens", "tokens")),
+    ) + past
     outputs = [TensorSpec("logits", "float32", ("batch", "logits", target.vocab_size))]
     if num_taps:
         outputs.append(TensorSpec("taps", "float32", ("batch", "tokens", num_taps * target.hidden_size)))
-    outputs += [TensorSpec("new_key", "float32", kv + ("tokens", hd)),
-                TensorSpec("new_value", "float32", kv + ("tokens", hd))]
+    outputs += [
+        TensorSpec("new_key", "float32", kv + ("tokens", hd)),
+        TensorSpec("new_value", "float32", kv + ("tokens", hd)),
+    ]
     # each past with the new K/V written into its room (`present_of`): a backend that can bind an
     # output to an input's memory (ONNX Runtime) makes the graph write into the cache in place
     outputs += [TensorSpec(present_of(t.name), "float32", t.dims) for t in past]
     max_verify = min(max_verify, max_context)
     # the past has room for the call's tokens (a one-token step's padding token too): past >= tokens
-    ranges = {"batch": batch_range(max_batch), "tokens": (1, max_verify, max_context),
-              "logits": (1, max_verify, max_context), "past": (1, max_context // 2, max_context + max_verify)}
+    ranges = {
+        "batch": batch_range(max_batch),
+        "tokens": (1, max_verify, max_context),
+        "logits": (1, max_verify, max_context),
+        "past": (1, max_context // 2, max_context + max_verify),
+    }
     return EngineSpec(TARGET_VERIFY, inputs, tuple(outputs), ranges)
 
 
@@ -210,8 +229,9 @@ def past_layers(spec: EngineSpec) -> tuple[int, int, int]:
 
 def past_feeds(past_key, past_value) -> dict:
     """target_verify's per-layer past inputs from stacked K/V [L, B, kvh, W, hd] (views, no copy)."""
-    return {f"{kind}_{i}": t[i] for i in range(past_key.shape[0])
-            for kind, t in zip(PAST_KINDS, (past_key, past_value))}
+    return {
+        f"{kind}_{i}": t[i] for i in range(past_key.shape[0]) for kind, t in zip(PAST_KINDS, (past_key, past_value))
+    }
 
 
 def _context_kv_outputs(drafter) -> tuple[TensorSpec, ...]:
@@ -222,25 +242,39 @@ def _context_kv_outputs(drafter) -> tuple[TensorSpec, ...]:
 def drafter_context_spec(drafter, max_context: int, max_verify: int = 16, max_batch: int = MAX_BATCH) -> EngineSpec:
     """Taps [B, T, n·H] + positions → every drafter layer's context K/V (the fused KV injection:
     fc → hidden_norm → one matmul for all layers' K and V → k_norm → RoPE). `drafter` is a DrafterConfig."""
-    inputs = (TensorSpec("taps", "float32", ("batch", "tokens", drafter.num_taps * drafter.hidden_size)),
-              TensorSpec("positions", "int64", ("batch", "tokens")))
-    return EngineSpec(DRAFTER_CONTEXT, inputs, _context_kv_outputs(drafter),
-                      {"batch": batch_range(max_batch), "tokens": (1, min(max_verify, max_context), max_context)})
+    inputs = (
+        TensorSpec("taps", "float32", ("batch", "tokens", drafter.num_taps * drafter.hidden_size)),
+        TensorSpec("positions", "int64", ("batch", "tokens")),
+    )
+    return EngineSpec(
+        DRAFTER_CONTEXT,
+        inputs,
+        _context_kv_outputs(drafter),
+        {"batch": batch_range(max_batch), "tokens": (1, min(max_verify, max_context), max_context)},
+    )
 
 
-def drafter_context_hidden_spec(drafter, max_context: int, block_size: int | None = None,
-                                max_batch: int = MAX_BATCH) -> EngineSpec:
+def drafter_context_hidden_spec(
+    drafter, max_context: int, block_size: int | None = None, max_batch: int = MAX_BATCH
+) -> EngineSpec:
     """The drafter's own H-dim hidden states (DLoop pseudo-features) + positions → context K/V
     (no fc / hidden_norm: pseudo-features enter where hidden_norm(fc(taps)) would)."""
     block_size = block_size or drafter.block_size
-    inputs = (TensorSpec("hidden", "float32", ("batch", "tokens", drafter.hidden_size)),
-              TensorSpec("positions", "int64", ("batch", "tokens")))
-    return EngineSpec(DRAFTER_CONTEXT_HIDDEN, inputs, _context_kv_outputs(drafter),
-                      {"batch": batch_range(max_batch), "tokens": (1, block_size - 1, max_context)})
+    inputs = (
+        TensorSpec("hidden", "float32", ("batch", "tokens", drafter.hidden_size)),
+        TensorSpec("positions", "int64", ("batch", "tokens")),
+    )
+    return EngineSpec(
+        DRAFTER_CONTEXT_HIDDEN,
+        inputs,
+        _context_kv_outputs(drafter),
+        {"batch": batch_range(max_batch), "tokens": (1, block_size - 1, max_context)},
+    )
 
 
-def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
-                       max_block: int | None = None, max_batch: int = MAX_BATCH) -> EngineSpec:
+def drafter_block_spec(
+    drafter, max_context: int, block_size: int | None = None, max_block: int | None = None, max_batch: int = MAX_BATCH
+) -> EngineSpec:
     """Block ids [anchor, MASK…] + positions + context K/V → each drafting position's best draft
     target-token ids (rank-ordered; rank 0 is the chain, the others are the branches of a draft
     tree), their log-probs and the final-norm hidden states; with a confidence head, its estimate
@@ -253,34 +287,50 @@ def drafter_block_spec(drafter, max_context: int, block_size: int | None = None,
     block_size = block_size or drafter.block_size
     max_block = max(max_block or block_size, block_size)
     N, kvh, hd = drafter.num_layers, drafter.num_kv_heads, drafter.head_dim
-    inputs = (TensorSpec("block_ids", "int64", ("batch", "block")),
-              TensorSpec("positions", "int64", ("batch", "block")),
-              TensorSpec("context_key", "float32", (N, "batch", kvh, "context", hd)),
-              TensorSpec("context_value", "float32", (N, "batch", kvh, "context", hd)),
-              TensorSpec("context_lengths", "int64", ("batch",)))
+    inputs = (
+        TensorSpec("block_ids", "int64", ("batch", "block")),
+        TensorSpec("positions", "int64", ("batch", "block")),
+        TensorSpec("context_key", "float32", (N, "batch", kvh, "context", hd)),
+        TensorSpec("context_value", "float32", (N, "batch", kvh, "context", hd)),
+        TensorSpec("context_lengths", "int64", ("batch",)),
+    )
     candidates = drafter.kind.ranked_candidates(drafter.vocab_size, DRAFT_CANDIDATES)  # a d2t map keeps more rows
-    outputs = (TensorSpec("draft_ids", "int64", ("batch", "drafts", candidates)),
-               TensorSpec("draft_logprobs", "float32", ("batch", "drafts", candidates)),
-               TensorSpec("hidden", "float32", ("batch", "block", drafter.hidden_size)))
+    outputs = (
+        TensorSpec("draft_ids", "int64", ("batch", "drafts", candidates)),
+        TensorSpec("draft_logprobs", "float32", ("batch", "drafts", candidates)),
+        TensorSpec("hidden", "float32", ("batch", "block", drafter.hidden_size)),
+    )
     outputs += tuple(TensorSpec(name, "float32", ("batch", "drafts")) for name in drafter.kind.added_graph_outputs)
-    ranges = {"batch": batch_range(max_batch), "block": (2, block_size, max_block),
-              "context": (2, max_context // 2, max_context + max_block)}  # room for the block: >= length + k
+    ranges = {
+        "batch": batch_range(max_batch),
+        "block": (2, block_size, max_block),
+        "context": (2, max_context // 2, max_context + max_block),
+    }  # room for the block: >= length + k
     return EngineSpec(DRAFTER_BLOCK, inputs, outputs, ranges)
 
 
-def engine_specs(target, drafter=None, *, max_context: int, max_verify: int | None = None,
-                 block_size: int | None = None, max_block: int | None = None,
-                 max_batch: int = MAX_BATCH) -> dict[str, EngineSpec]:
+def engine_specs(
+    target,
+    drafter=None,
+    *,
+    max_context: int,
+    max_verify: int | None = None,
+    block_size: int | None = None,
+    max_block: int | None = None,
+    max_batch: int = MAX_BATCH,
+) -> dict[str, EngineSpec]:
     """Every engine for a target (TargetConfig) and an optional drafter (DrafterConfig), by name."""
     if max_context < 2:
         raise LoopspecError(f"max context must be at least 2, got {max_context}")
     block_size = block_size or (drafter.block_size if drafter is not None else 1)
     max_verify = max_verify or block_size
-    specs = {TARGET_VERIFY: target_verify_spec(target, drafter.num_taps if drafter is not None else 0,
-                                               max_context, max_verify, max_batch)}
+    specs = {
+        TARGET_VERIFY: target_verify_spec(
+            target, drafter.num_taps if drafter is not None else 0, max_context, max_verify, max_batch
+        )
+    }
     if drafter is not None:
         specs[DRAFTER_CONTEXT] = drafter_context_spec(drafter, max_context, max_verify, max_batch)
         specs[DRAFTER_CONTEXT_HIDDEN] = drafter_context_hidden_spec(drafter, max_context, block_size, max_batch)
         specs[DRAFTER_BLOCK] = drafter_block_spec(drafter, max_context, block_size, max_block, max_batch)
     return specs
-

@@ -75,8 +75,9 @@ def staged_dir(out_dir: str | Path) -> Iterator[Path]:
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise LoopspecError(f"cannot create {out_dir}: cannot make its parent directory {parent} "
-                            f"({e.strerror or e})") from None
+        raise LoopspecError(
+            f"cannot create {out_dir}: cannot make its parent directory {parent} ({e.strerror or e})"
+        ) from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise LoopspecError(f"cannot write {out_dir}: its parent directory {parent} is not writable")
     tmp = _sibling(out_dir, ".tmp")

@@ -29,18 +29,32 @@ class TorchEngine:
     grows_dynamic_trees = True  # `draft_dynamic`, where the drafter's context grows one
     tree_span = 0
 
-    def __init__(self, target: Target, drafter, max_context: int, num_threads: int | None = None,
-                 cuda_graphs: bool = False, max_rows: int = 1):
+    def __init__(
+        self,
+        target: Target,
+        drafter,
+        max_context: int,
+        num_threads: int | None = None,
+        cuda_graphs: bool = False,
+        max_rows: int = 1,
+    ):
         if num_threads:
             torch.set_num_threads(num_threads)
-        if cuda_graphs and (target.cfg.experts is not None or target.cfg.linear_attention is not None
-                            or "sliding_attention" in target.cfg.layer_types):
-            raise LoopspecError(f"CUDA graphs replay fixed forwards over the whole cache; a {target.cfg.family} target "
-                                "routes its tokens, steps a recurrent state or keeps a window ring on the host: "
-                                "run it without --cuda-graphs")
+        if cuda_graphs and (
+            target.cfg.experts is not None
+            or target.cfg.linear_attention is not None
+            or "sliding_attention" in target.cfg.layer_types
+        ):
+            raise LoopspecError(
+                f"CUDA graphs replay fixed forwards over the whole cache; a {target.cfg.family} target "
+                "routes its tokens, steps a recurrent state or keeps a window ring on the host: "
+                "run it without --cuda-graphs"
+            )
         if cuda_graphs and drafter is not None and not drafter.cfg.kind.captured_stages:
-            raise LoopspecError(f"CUDA graphs capture a block drafter's forward and draft head, not the stages of "
-                                f"{drafter.cfg.kind.title} drafters: run it without --cuda-graphs")
+            raise LoopspecError(
+                f"CUDA graphs capture a block drafter's forward and draft head, not the stages of "
+                f"{drafter.cfg.kind.title} drafters: run it without --cuda-graphs"
+            )
         # a recurrent state follows one path: draft trees are not verified on such a target (chains are)
         self.chains_only = not target_family(target.cfg.family).trees
         # inference copies of the weights prepacked for oneDNN (the modules are shared, not copied)
@@ -62,8 +76,11 @@ class TorchEngine:
             raise LoopspecError(f"max batch size must be >= 1, got {max_rows}")
         self.max_rows = max_rows
         self.cache = self.target.new_cache(self.max_context, max_rows)
-        self.context = (drafter_contexts(drafter.cfg.kind).torch(self.drafter, self.target, self.max_context, max_rows)
-                        if drafter is not None else None)
+        self.context = (
+            drafter_contexts(drafter.cfg.kind).torch(self.drafter, self.target, self.max_context, max_rows)
+            if drafter is not None
+            else None
+        )
         self.graphs = self.static_runner() if self.cuda_graphs else None
 
     def static_runner(self):
@@ -90,8 +107,13 @@ class TorchEngine:
     @torch.inference_mode()
     def prefill(self, row: int, prompt_ids: list[int], want_taps: bool, start: int = 0) -> torch.Tensor:
         self.cache.lengths[row] = start
-        out = self.target(torch.tensor([prompt_ids], device=self.device), self.cache, want_taps=want_taps,
-                          last_logits_only=True, first_row=row)
+        out = self.target(
+            torch.tensor([prompt_ids], device=self.device),
+            self.cache,
+            want_taps=want_taps,
+            last_logits_only=True,
+            first_row=row,
+        )
         if self.context is not None:
             self.context.target_wrote([row], [start], [prompt_ids])
             if want_taps:
@@ -100,8 +122,9 @@ class TorchEngine:
         return out.logits[0, -1].float().cpu()
 
     @torch.inference_mode()
-    def verify(self, tokens: list[list[int]], want_taps: bool,
-               tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify(
+        self, tokens: list[list[int]], want_taps: bool, tree_masks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         want_taps = want_taps and self.has_drafter
         if self.graphs is not None:
             replayed = self.graphs.verify(tokens, want_taps, tree_masks)
@@ -110,7 +133,7 @@ class TorchEngine:
         width = max(len(t) for t in tokens)
         ids = torch.zeros(len(tokens), width, dtype=torch.long)  # right padding (never stored)
         for b, t in enumerate(tokens):
-            ids[b, :len(t)] = torch.tensor(t)
+            ids[b, : len(t)] = torch.tensor(t)
         counts = torch.tensor([len(t) for t in tokens])
         if self.context is not None:  # the tokens at the slots the target stores them in
             rows = list(range(len(tokens)))
@@ -143,8 +166,9 @@ class TorchEngine:
 
     # ---- drafter ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, rows: list[int], anchors: list[int], positions: list[int], block_size: int,
-              sampling: list | None = None):
+    def draft(
+        self, rows: list[int], anchors: list[int], positions: list[int], block_size: int, sampling: list | None = None
+    ):
         # drafts sampled with each row's own CPU generator run eagerly: a captured graph cannot draw them
         if self.graphs is not None and sampling is None:
             replayed = self.graphs.draft(rows, anchors, positions, block_size)
@@ -153,8 +177,9 @@ class TorchEngine:
         return self.context.draft(rows, anchors, positions, block_size, sampling)
 
     @torch.inference_mode()
-    def draft_dynamic(self, rows: list[int], anchors: list[int], positions: list[int], top_k: int,
-                      depth: int) -> list[DynamicTree]:
+    def draft_dynamic(
+        self, rows: list[int], anchors: list[int], positions: list[int], top_k: int, depth: int
+    ) -> list[DynamicTree]:
         if self.context is None:
             raise LoopspecError("a dynamic draft tree needs a drafter that drafts step by step (EAGLE-3)")
         return self.context.draft_dynamic(rows, anchors, positions, top_k, depth)

@@ -64,29 +64,34 @@ def require_tensorrt():
     try:
         import tensorrt
     except ImportError:
-        raise LoopspecError("TensorRT is not installed: pip install tensorrt (on a machine with an NVIDIA GPU)") from None
+        raise LoopspecError(
+            "TensorRT is not installed: pip install tensorrt (on a machine with an NVIDIA GPU)"
+        ) from None
     return tensorrt
 
 
 def cuda_capability() -> tuple[tuple[int, int], str]:
     """(compute capability, device name) of the current CUDA device; a clear error without one."""
     if not torch.cuda.is_available():
-        raise LoopspecError("TensorRT needs an NVIDIA GPU, and torch sees none "
-                            f"(this torch: {torch.__version__})")
+        raise LoopspecError(f"TensorRT needs an NVIDIA GPU, and torch sees none (this torch: {torch.__version__})")
     return torch.cuda.get_device_capability(), torch.cuda.get_device_name()
 
 
 def check_precision_supported(precision: str, capability: tuple[int, int], device: str = "this GPU") -> None:
     """Refuse a precision whose kernels this GPU lacks (e.g. NVFP4 without Blackwell)."""
     if precision.startswith("gguf-"):
-        raise LoopspecError(f"{precision} engines compute with ONNX Runtime's com.microsoft MatMulNBits, which "
-                            f"TensorRT does not run: use them with --backend onnxruntime")
+        raise LoopspecError(
+            f"{precision} engines compute with ONNX Runtime's com.microsoft MatMulNBits, which "
+            f"TensorRT does not run: use them with --backend onnxruntime"
+        )
     plan_precision(precision)
     need = REGISTRY[precision].min_capability
     if tuple(capability) < need:
         what = REGISTRY[precision].gpu_needed or f"compute capability {need[0]}.{need[1]}"
-        raise LoopspecError(f"{precision} engines need {what} (compute capability >= {need[0]}.{need[1]}); "
-                            f"{device} has {capability[0]}.{capability[1]}")
+        raise LoopspecError(
+            f"{precision} engines need {what} (compute capability >= {need[0]}.{need[1]}); "
+            f"{device} has {capability[0]}.{capability[1]}"
+        )
 
 
 def profile_shapes(spec: EngineSpec) -> list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
@@ -98,8 +103,14 @@ def profile_shapes(spec: EngineSpec) -> list[tuple[str, tuple[int, ...], tuple[i
 
 def torch_dtype(trt, dtype):
     """The torch dtype of a TensorRT I/O tensor type."""
-    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32,
-             trt.int64: torch.int64, trt.int8: torch.int8, trt.bool: torch.bool}
+    table = {
+        trt.float32: torch.float32,
+        trt.float16: torch.float16,
+        trt.int32: torch.int32,
+        trt.int64: torch.int64,
+        trt.int8: torch.int8,
+        trt.bool: torch.bool,
+    }
     if hasattr(trt, "bfloat16"):
         table[trt.bfloat16] = torch.bfloat16
     if dtype not in table:
@@ -160,14 +171,18 @@ class TrtEngine(ArtifactEngine):
     def _check(self, manifest: Manifest) -> None:
         where = self.artifact_dir
         if manifest.stage != "tensorrt":
-            raise LoopspecError(f"{where} holds {manifest.stage} artifacts, not TensorRT plans "
-                                "(build them with: loopspec convert trt --onnx DIR --out DIR)")
+            raise LoopspecError(
+                f"{where} holds {manifest.stage} artifacts, not TensorRT plans "
+                "(build them with: loopspec convert trt --onnx DIR --out DIR)"
+            )
         check_precision_supported(manifest.precision, self.capability, self.device_name)
         built = manifest.data.get("settings", {}).get("compute_capability")
         here = f"{self.capability[0]}.{self.capability[1]}"
         if built is not None and built != here:
-            raise LoopspecError(f"{where} was built for compute capability {built}; {self.device_name} is {here}: "
-                                "rebuild the plans on this GPU")
+            raise LoopspecError(
+                f"{where} was built for compute capability {built}; {self.device_name} is {here}: "
+                "rebuild the plans on this GPU"
+            )
 
     def _open(self, path: Path, spec: EngineSpec) -> Plan:
         return Plan(self.trt, self.runtime, path, spec, self.device)

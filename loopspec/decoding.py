@@ -68,8 +68,9 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return int(sample(probabilities(logits, params), generator))
 
 
-def tree_accept(tree, target_logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[list[int], int]:
+def tree_accept(
+    tree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[list[int], int]:
     """Walk a draft tree (loopspec.tree.DraftTree) from its root → (the accepted path as node indices,
     starting with the anchor's 0; the bonus token).
 
@@ -102,8 +103,9 @@ class DraftSampler:
     chosen token as a target id. A greedy row takes the argmax (its q one-hot there): greedy
     decoding drafts exactly as the argmax chain does."""
 
-    def __init__(self, rows: list[tuple[SamplingParams, torch.Generator]], vocab_size: int,
-                 draft_ids: torch.Tensor | None):
+    def __init__(
+        self, rows: list[tuple[SamplingParams, torch.Generator]], vocab_size: int, draft_ids: torch.Tensor | None
+    ):
         self.rows, self.vocab_size = rows, vocab_size
         self.draft_ids = draft_ids.cpu() if draft_ids is not None else None
         self.tokens: list[torch.Tensor] = []  # per position [R] target ids
@@ -116,7 +118,7 @@ class DraftSampler:
         for r, (params, generator) in enumerate(self.rows):
             if params.greedy:
                 index[r] = logits[r].argmax(-1)
-                q_rows = torch.zeros(logits.shape[-1]).index_fill_(0, index[r:r + 1], 1.0)
+                q_rows = torch.zeros(logits.shape[-1]).index_fill_(0, index[r : r + 1], 1.0)
             else:
                 q_rows = probabilities(logits[r], params)
                 index[r] = sample(q_rows, generator)
@@ -135,8 +137,13 @@ class DraftSampler:
         return tokens[..., None], q.gather(-1, tokens[..., None]).log(), q
 
 
-def speculative_accept(drafts: list[int], q: torch.Tensor, target_logits: torch.Tensor, params: SamplingParams,
-                       generator: torch.Generator | None) -> tuple[int, int]:
+def speculative_accept(
+    drafts: list[int],
+    q: torch.Tensor,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
     """Speculative sampling of a chain whose drafts were sampled from q → (how many drafts are
     accepted, the bonus token).
 
@@ -147,7 +154,7 @@ def speculative_accept(drafts: list[int], q: torch.Tensor, target_logits: torch.
     from p at row n. Each committed token is then distributed as p given its prefix (Leviathan et
     al., 2023), so the output is distributed as plain decoding's, and a position accepts with
     probability 1 - TV(p, q)."""
-    p = probabilities(target_logits[:len(drafts) + 1], params)
+    p = probabilities(target_logits[: len(drafts) + 1], params)
     for i, x in enumerate(drafts):
         ratio = float(p[i, x]) / float(q[i, x])  # q(x) > 0: x was drawn from q
         if float(torch.rand((), generator=generator)) < ratio:

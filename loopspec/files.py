@@ -73,15 +73,17 @@ def refuse_quantized(config: dict, directory: str | Path) -> None:
     """A modelopt FP8/NVFP4 checkpoint holds packed weights and scales that fp32 modules would misread."""
     quant = config.get("quantization_config") if isinstance(config, dict) else None
     if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":  # gpt-oss as published
-        raise LoopspecError(f"{directory} holds MXFP4 expert weights; load it dequantized (transformers: "
-                            "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then "
-                            "save_pretrained) and pass that directory")
+        raise LoopspecError(
+            f"{directory} holds MXFP4 expert weights; load it dequantized (transformers: "
+            "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then "
+            "save_pretrained) and pass that directory"
+        )
     if quant:
         algo = quant.get("quant_algo", "quantized") if isinstance(quant, dict) else "quantized"
-        raise LoopspecError(f"{directory} is a {algo} checkpoint for TensorRT-LLM / vLLM / SGLang; here run its "
-                            f"exported engines (--backend onnxruntime --onnx-dir) or the unquantized checkpoint")
-
-
+        raise LoopspecError(
+            f"{directory} is a {algo} checkpoint for TensorRT-LLM / vLLM / SGLang; here run its "
+            f"exported engines (--backend onnxruntime --onnx-dir) or the unquantized checkpoint"
+        )
 
 
 def one_line(error: Exception) -> str:
@@ -90,8 +92,7 @@ def one_line(error: Exception) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     if not lines:
         return type(error).__name__
-    detail = next((line for line in lines[1:] if "mismatch" in line or "Missing" in line or "Unexpected" in line),
-                  None)
+    detail = next((line for line in lines[1:] if "mismatch" in line or "Missing" in line or "Unexpected" in line), None)
     text = lines[0].rstrip(":") + (f": {detail}" if detail else "")
     rest = len(lines) - (2 if detail else 1)
     return text + (f" (and {rest} more lines)" if rest > 0 else "")

@@ -79,8 +79,9 @@ def quantize_blocks(weight: np.ndarray, kind: str) -> BlockMatrix:
         raise LoopspecError(f"cannot quantize to {kind!r} blocks (choose from {', '.join(BLOCK_BYTES)})")
     weight = np.ascontiguousarray(weight, dtype=np.float32)
     if weight.ndim != 2 or weight.shape[1] % BLOCK:
-        raise LoopspecError(f"{kind} blocks need a matrix whose rows are a multiple of {BLOCK} long, "
-                            f"got shape {weight.shape}")
+        raise LoopspecError(
+            f"{kind} blocks need a matrix whose rows are a multiple of {BLOCK} long, got shape {weight.shape}"
+        )
     data = quants.quantize(weight, GGMLQuantizationType[kind])  # uint8 [N, K/32 · bytes]
     return BlockMatrix(kind, data.reshape(weight.shape[0], -1, BLOCK_BYTES[kind]))
 
@@ -117,8 +118,9 @@ def read_tensors(path: str | Path) -> tuple[dict[str, BlockMatrix], str]:
     for t in reader.tensors:
         kind = t.tensor_type.name
         if kind not in SUPPORTED_TYPES:
-            raise LoopspecError(f"{path.name}: tensor {t.name} is {kind}; the GGUF block export supports "
-                                f"{', '.join(SUPPORTED_TYPES)}")
+            raise LoopspecError(
+                f"{path.name}: tensor {t.name} is {kind}; the GGUF block export supports {', '.join(SUPPORTED_TYPES)}"
+            )
         data = np.asarray(t.data)
         if kind in BLOCK_BYTES:
             n = data.shape[0] if data.ndim == 2 else 1
@@ -129,8 +131,9 @@ def read_tensors(path: str | Path) -> tuple[dict[str, BlockMatrix], str]:
     return out, arch
 
 
-def target_blocks(path: str | Path, num_layers: int, num_heads: int, num_kv_heads: int,
-                  tie_word_embeddings: bool) -> dict[str, BlockMatrix]:
+def target_blocks(
+    path: str | Path, num_layers: int, num_heads: int, num_kv_heads: int, tie_word_embeddings: bool
+) -> dict[str, BlockMatrix]:
     """A Llama GGUF's matrices under the names of loopspec's `Target` (qkv_proj, gate_up_proj fused;
     q/k rows in HF order): {"embed_tokens.weight", "lm_head.weight", "layers.i.self_attn.qkv_proj.weight", ...}."""
     tensors, arch = read_tensors(path)
@@ -143,8 +146,9 @@ def target_blocks(path: str | Path, num_layers: int, num_heads: int, num_kv_head
         return tensors[name]
 
     out = {"embed_tokens.weight": take("token_embd.weight")}
-    out["lm_head.weight"] = out["embed_tokens.weight"] if tie_word_embeddings or "output.weight" not in tensors \
-        else take("output.weight")
+    out["lm_head.weight"] = (
+        out["embed_tokens.weight"] if tie_word_embeddings or "output.weight" not in tensors else take("output.weight")
+    )
     for i in range(num_layers):
         b = f"blk.{i}."
         q, k = take(b + "attn_q.weight"), take(b + "attn_k.weight")

@@ -25,9 +25,12 @@ def method_variant(name: str) -> tuple[str, dict]:
     if method not in METHODS:
         raise LoopspecError(f"unknown method {method!r} in {name!r} (choose from {', '.join(METHODS)})")
     if parts and method not in DRAFTER_METHODS:
-        raise LoopspecError(f"{name!r}: only {' and '.join(DRAFTER_METHODS)} take +chain, +treeN, +suffix, +firstN "
-                            "or +thendraft")
-    overrides: dict = {"tree_budget": 0, "suffix": False, "suffix_first": 0, "suffix_then_draft": False} if parts else {}
+        raise LoopspecError(
+            f"{name!r}: only {' and '.join(DRAFTER_METHODS)} take +chain, +treeN, +suffix, +firstN or +thendraft"
+        )
+    overrides: dict = (
+        {"tree_budget": 0, "suffix": False, "suffix_first": 0, "suffix_then_draft": False} if parts else {}
+    )
     for part in parts:
         if part == "suffix":
             overrides["suffix"] = True
@@ -42,9 +45,11 @@ def method_variant(name: str) -> tuple[str, dict]:
         elif part == "dynamic" and method == "dflash":
             overrides["tree_kind"] = "dynamic"  # EAGLE-2's dynamic tree of the +treeN nodes
         elif part != "chain":
-            raise LoopspecError(f"{name!r}: unknown part {part!r} (+chain, +treeN with N >= 1, +suffix, "
-                                f"+firstN with N in {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH}, +thendraft, "
-                                "+dynamic with dflash)")
+            raise LoopspecError(
+                f"{name!r}: unknown part {part!r} (+chain, +treeN with N >= 1, +suffix, "
+                f"+firstN with N in {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH}, +thendraft, "
+                "+dynamic with dflash)"
+            )
     if overrides.get("suffix_then_draft") and not overrides["suffix_first"]:
         raise LoopspecError(f"{name!r}: +thendraft extends +firstN's copy; name a match length too")
     return method, overrides
@@ -54,9 +59,12 @@ def variant_name(settings: DecodingSettings) -> str:
     """The bench/tune name of a setting's tree and suffix choice ('dloop+tree16+suffix', 'dflash+chain')."""
     if settings.method not in DRAFTER_METHODS:
         return settings.method
-    parts = ([f"tree{settings.tree_budget}"] if settings.tree_budget else []) + (["suffix"] if settings.suffix else []) \
-        + ([f"first{settings.suffix_first}"] if settings.suffix_first else []) \
-        + (["thendraft"] if settings.suffix_then_draft else []) \
-        + (["gateconf"] if settings.gate == "confidence" else []) \
+    parts = (
+        ([f"tree{settings.tree_budget}"] if settings.tree_budget else [])
+        + (["suffix"] if settings.suffix else [])
+        + ([f"first{settings.suffix_first}"] if settings.suffix_first else [])
+        + (["thendraft"] if settings.suffix_then_draft else [])
+        + (["gateconf"] if settings.gate == "confidence" else [])
         + (["dynamic"] if settings.tree_kind == "dynamic" else [])
+    )
     return "+".join([settings.method] + (parts or ["chain"]))

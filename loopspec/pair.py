@@ -13,8 +13,12 @@ from pathlib import Path
 
 import torch
 
-from loopspec.defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DRAFTER_DIR, DEFAULT_DRAFTER_LAYERS,
-                               DEFAULT_TARGET_MASK_TOKEN_ID)
+from loopspec.defaults import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DRAFTER_DIR,
+    DEFAULT_DRAFTER_LAYERS,
+    DEFAULT_TARGET_MASK_TOKEN_ID,
+)
 from loopspec.errors import LoopspecError
 from loopspec.model.dflash import Drafter, DrafterConfig, resolve_mask_token_id
 from loopspec.model.drafters import load_drafter
@@ -64,45 +68,67 @@ def resolve_drafter_dir(drafter: str | Path, target: TargetSource) -> Path | Non
 
 def fresh_drafter(target: Target, mask: int, seed: int = 0) -> Drafter:
     """An untrained drafter shaped for `target` (lossless, but it rarely guesses right)."""
-    cfg = DrafterConfig.for_target(target.cfg, num_layers=DEFAULT_DRAFTER_LAYERS, block_size=DEFAULT_BLOCK_SIZE,
-                                   mask_token_id=mask)
+    cfg = DrafterConfig.for_target(
+        target.cfg, num_layers=DEFAULT_DRAFTER_LAYERS, block_size=DEFAULT_BLOCK_SIZE, mask_token_id=mask
+    )
     torch.manual_seed(seed)
     return Drafter(cfg).eval()
 
 
-def load_pair(target: str | Path | TargetSource = "default", drafter: str | Path | None = "default", *,
-              mask_token: int | None = None, trained: bool = False) -> Pair:
+def load_pair(
+    target: str | Path | TargetSource = "default",
+    drafter: str | Path | None = "default",
+    *,
+    mask_token: int | None = None,
+    trained: bool = False,
+) -> Pair:
     """Resolve and load both models (fp32, plain modules); the drafter is checked against the target.
     `trained`: refuse anything but a trained drafter in a directory (quantization, bundles)."""
     target = TargetSource.of(target)
     drafter_dir = resolve_drafter_dir(drafter, target)
     if trained and drafter_dir is None:
-        raise LoopspecError("this needs a trained drafter: pass --drafter DIR (the shipped one fits only "
-                            "--target default)")
+        raise LoopspecError(
+            "this needs a trained drafter: pass --drafter DIR (the shipped one fits only --target default)"
+        )
     target_dir = target.checkpoint_dir()
     model = load_target_dir(target_dir)  # first: a bad directory is named by its config, not its tokenizer
     tokenizer = load_tokenizer(target_dir)
     if drafter_dir is not None:
         draft = load_drafter(drafter_dir)
         if mask_token is not None and not draft.cfg.kind.masks_block:
-            raise LoopspecError(f"--mask-token-id {mask_token} is for a DFlash drafter; {drafter_dir} is an "
-                                f"{draft.cfg.kind.title} drafter, which fills no block with a mask token")
+            raise LoopspecError(
+                f"--mask-token-id {mask_token} is for a DFlash drafter; {drafter_dir} is an "
+                f"{draft.cfg.kind.title} drafter, which fills no block with a mask token"
+            )
         if mask_token is not None and draft.cfg.mask_token_id is not None:
-            raise LoopspecError(f"--mask-token-id {mask_token} is for a drafter whose config has no mask token; "
-                                f"{drafter_dir} has its own ({draft.cfg.mask_token_id})")
+            raise LoopspecError(
+                f"--mask-token-id {mask_token} is for a drafter whose config has no mask token; "
+                f"{drafter_dir} has its own ({draft.cfg.mask_token_id})"
+            )
         if draft.cfg.kind.masks_block and draft.cfg.mask_token_id is None:
             draft.cfg.mask_token_id = mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size)
-        description = (f"shipped ({drafter_dir.name})" if drafter_dir == DEFAULT_DRAFTER_DIR and str(drafter) == "default"
-                       else str(drafter))
+        description = (
+            f"shipped ({drafter_dir.name})"
+            if drafter_dir == DEFAULT_DRAFTER_DIR and str(drafter) == "default"
+            else str(drafter)
+        )
     elif drafter in (None, "none"):
         if mask_token is not None:
-            raise LoopspecError(f"--mask-token-id {mask_token} is a drafter's mask token: there is no drafter "
-                                "(--drafter none)")
+            raise LoopspecError(
+                f"--mask-token-id {mask_token} is a drafter's mask token: there is no drafter (--drafter none)"
+            )
         draft, description = None, "none"
     else:  # 'default' for a target we ship no drafter for
         draft = fresh_drafter(model, mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size))
         description = UNTRAINED
     if draft is not None:
         draft.cfg.fit(model.cfg)
-    return Pair(target_dir=target_dir, tokenizer=tokenizer, target=model, drafter=draft, drafter_dir=drafter_dir,
-                drafter_description=description, stop_token_ids=stop_token_ids(model.cfg, tokenizer))
+    return Pair(
+        target_dir=target_dir,
+        tokenizer=tokenizer,
+        target=model,
+        drafter=draft,
+        drafter_dir=drafter_dir,
+        drafter_description=description,
+        stop_token_ids=stop_token_ids(model.cfg, tokenizer),
+    )

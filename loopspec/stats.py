@@ -77,16 +77,20 @@ class GenerationStats:
         tau, per_verification = self.acceptance_length, self.tokens_per_verification
         acceptance = f"tau {'-' if tau is None else f'{tau:.2f}'} over {self.verifications} verifications"
         if self.drafting:  # τ counts the drafting rounds only; the speed sees every round
-            acceptance = (f"tau {'-' if tau is None else f'{tau:.2f}'} over "
-                          f"{self.verifications - self.plain_rounds} drafting verifications, "
-                          f"{'-' if per_verification is None else f'{per_verification:.2f}'} tokens/verification "
-                          f"over all {self.verifications} ({self.plain_rounds} plain)")
-        return (f"{self.new_tokens} tokens in {self.total_s:.2f}s ({self.new_tokens / max(self.total_s, 1e-9):.1f} tok/s)"
-                f" | {acceptance}"
-                f" | prefill {self.prefill_s * 1e3:.0f} ms, draft {self.draft_s * 1e3:.0f} ms,"
-                f" verify {self.verify_s * 1e3:.0f} ms, other {self.other_s * 1e3:.0f} ms"
-                f"{f' | fallback: {self.fallback_rounds} plain rounds' if self.fallback_switches else ''}"
-                f" | finish: {self.finish_reason}")
+            acceptance = (
+                f"tau {'-' if tau is None else f'{tau:.2f}'} over "
+                f"{self.verifications - self.plain_rounds} drafting verifications, "
+                f"{'-' if per_verification is None else f'{per_verification:.2f}'} tokens/verification "
+                f"over all {self.verifications} ({self.plain_rounds} plain)"
+            )
+        return (
+            f"{self.new_tokens} tokens in {self.total_s:.2f}s ({self.new_tokens / max(self.total_s, 1e-9):.1f} tok/s)"
+            f" | {acceptance}"
+            f" | prefill {self.prefill_s * 1e3:.0f} ms, draft {self.draft_s * 1e3:.0f} ms,"
+            f" verify {self.verify_s * 1e3:.0f} ms, other {self.other_s * 1e3:.0f} ms"
+            f"{f' | fallback: {self.fallback_rounds} plain rounds' if self.fallback_switches else ''}"
+            f" | finish: {self.finish_reason}"
+        )
 
 
 def acceptance_length(stats: Iterable[GenerationStats]) -> float | None:

@@ -58,13 +58,13 @@ class SuffixLibrary:
         `scope`; the oldest output (of any scope) goes when more than `capacity` are kept."""
         if not output:
             return
-        tokens = list(prompt_ids[-self.max_match:]) + list(output)
+        tokens = list(prompt_ids[-self.max_match :]) + list(output)
         book = self.scopes.setdefault(scope, _Scope())
         oid = next(self._ids)
         book.outputs[oid] = tokens
         for end in range(len(tokens) - 1):  # an n-gram ending at the last token proposes nothing
             for n in range(self.min_match, min(self.max_match, end + 1) + 1):
-                book.last_end[tuple(tokens[end - n + 1:end + 1])] = (oid, end)
+                book.last_end[tuple(tokens[end - n + 1 : end + 1])] = (oid, end)
         self.order.append((scope, oid))
         while len(self.order) > self.capacity:
             self._evict()
@@ -77,7 +77,7 @@ class SuffixLibrary:
         tokens = book.outputs.pop(oid)
         for end in range(len(tokens) - 1):
             for n in range(self.min_match, min(self.max_match, end + 1) + 1):
-                key = tuple(tokens[end - n + 1:end + 1])
+                key = tuple(tokens[end - n + 1 : end + 1])
                 if book.last_end.get(key, (None,))[0] == oid:
                     del book.last_end[key]
         if not book.outputs:
@@ -90,14 +90,14 @@ class SuffixLibrary:
         if book is None:
             return 0, -1, -1
         for n in range(min(self.max_match, len(text)), self.min_match - 1, -1):
-            hit = book.last_end.get(tuple(text[len(text) - n:]))
+            hit = book.last_end.get(tuple(text[len(text) - n :]))
             if hit is not None:
                 return n, hit[0], hit[1]
         return 0, -1, -1
 
     def continuation(self, scope: Hashable, oid: int, end: int, length: int) -> list[int]:
         """Up to `length` tokens that followed position `end` of output `oid` (fewer where it ends)."""
-        return self.scopes[scope].outputs[oid][end + 1:end + 1 + length]
+        return self.scopes[scope].outputs[oid][end + 1 : end + 1 + length]
 
     def view(self, scope: Hashable) -> "SharedSuffix":
         """What one request's own index consults: this library, read in `scope` only."""

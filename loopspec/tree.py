@@ -95,8 +95,12 @@ class DraftTree:
         tree = DraftTree.root(self.tokens[0])
         new = {0: 0}
         for node in nodes:
-            new[node] = tree.add(new[self.parents[node]], self.tokens[node], from_drafter=self.from_drafter[node],
-                                 from_suffix=self.from_suffix[node])
+            new[node] = tree.add(
+                new[self.parents[node]],
+                self.tokens[node],
+                from_drafter=self.from_drafter[node],
+                from_suffix=self.from_suffix[node],
+            )
         return tree
 
     @property
@@ -120,8 +124,9 @@ class DraftTree:
         return mask
 
 
-def best_first(anchor: int, candidates: torch.Tensor, logprobs: torch.Tensor, budget: int,
-               stage_sizes: list[int] | None = None) -> DraftTree:
+def best_first(
+    anchor: int, candidates: torch.Tensor, logprobs: torch.Tensor, budget: int, stage_sizes: list[int] | None = None
+) -> DraftTree:
     """The `budget` best nodes over per-depth candidates → a DraftTree.
 
     candidates/logprobs [D, C]: depth d+1's candidates, rank-ordered, with the drafter's log-probs.
@@ -216,8 +221,9 @@ class DynamicTree:
         chain = self.ancestors(deepest) + [deepest]
         ids, lps = [], []
         for d in range(1, D + 1):
-            nodes = [chain[d - 1]] + [n for n in self._ranked(n for n in range(len(self)) if self.depths[n] == d)
-                                      if n != chain[d - 1]][:width - 1]
+            nodes = [chain[d - 1]] + [
+                n for n in self._ranked(n for n in range(len(self)) if self.depths[n] == d) if n != chain[d - 1]
+            ][: width - 1]
             nodes += [nodes[0]] * (width - len(nodes))
             ids.append([self.tokens[n] for n in nodes])
             lps.append([self.logprobs[n] for n in nodes])
@@ -297,9 +303,18 @@ def lattice_best_first(anchor: int, lattice: Lattice, budget: int) -> DraftTree:
     return tree
 
 
-def draft_tree(anchor: int, candidates: torch.Tensor, logprobs: torch.Tensor, stage_sizes: list[int], *,
-               tree_budget: int, suffix: list[int], max_nodes: int, dynamic: DynamicTree | None = None,
-               lattice: Lattice | None = None) -> DraftTree:
+def draft_tree(
+    anchor: int,
+    candidates: torch.Tensor,
+    logprobs: torch.Tensor,
+    stage_sizes: list[int],
+    *,
+    tree_budget: int,
+    suffix: list[int],
+    max_nodes: int,
+    dynamic: DynamicTree | None = None,
+    lattice: Lattice | None = None,
+) -> DraftTree:
     """The tree one verification checks: the drafter's nodes (tree_budget 0: its argmax chain over
     every drafted depth; else the best `tree_budget` nodes: of an EAGLE-2 dynamic tree where the
     drafter grew one, of a DFlash2 selector's lattice where it has one, else best first over each
@@ -323,7 +338,7 @@ def tree_masks(trees: list[DraftTree], width: int) -> torch.Tensor:
     sees only itself (never seen by a real one)."""
     mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
     for b, tree in enumerate(trees):
-        mask[b, :len(tree), :len(tree)] = tree.ancestor_mask()
+        mask[b, : len(tree), : len(tree)] = tree.ancestor_mask()
     return mask
 
 
@@ -341,8 +356,9 @@ class SuffixIndex:
     length is the evidence that the continuation holds (a longer context agreed), and on equal
     evidence the request's own text, what it is writing now, is the better guess."""
 
-    def __init__(self, tokens: list[int] = (), min_match: int = SUFFIX_MIN_MATCH, max_match: int = SUFFIX_MAX_MATCH,
-                 shared=None):
+    def __init__(
+        self, tokens: list[int] = (), min_match: int = SUFFIX_MIN_MATCH, max_match: int = SUFFIX_MAX_MATCH, shared=None
+    ):
         self.min_match, self.max_match = min_match, max_match
         self.shared = shared
         self.tokens: list[int] = []
@@ -353,7 +369,7 @@ class SuffixIndex:
         for token in tokens:
             t = len(self.tokens) - 1  # the n-grams ending here become "earlier" once a token follows
             for n in range(self.min_match, min(self.max_match, t + 1) + 1):
-                self.last_end[tuple(self.tokens[t - n + 1:t + 1])] = t
+                self.last_end[tuple(self.tokens[t - n + 1 : t + 1])] = t
             self.tokens.append(token)
 
     def longest_match(self) -> tuple[int, int]:
@@ -361,7 +377,7 @@ class SuffixIndex:
         before, and where its latest earlier occurrence ends → (0, -1) when none did."""
         t = len(self.tokens) - 1
         for n in range(min(self.max_match, t + 1), self.min_match - 1, -1):
-            end = self.last_end.get(tuple(self.tokens[t - n + 1:t + 1]))
+            end = self.last_end.get(tuple(self.tokens[t - n + 1 : t + 1]))
             if end is not None:
                 return n, end
         return 0, -1
@@ -370,7 +386,7 @@ class SuffixIndex:
         """The shared library's match when it is longer than the text's own `own` tokens, else None."""
         if self.shared is None:
             return None
-        hit = self.shared.match(self.tokens[-self.max_match:])
+        hit = self.shared.match(self.tokens[-self.max_match :])
         return hit if hit[0] > own else None
 
     def match_length(self) -> int:

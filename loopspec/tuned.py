@@ -98,12 +98,15 @@ def check_storable(drafter_dir: str | Path) -> None:
         return  # the per-user store is created when written; a missing drafter is the loader's to report
     path = Path(drafter_dir) / "config.json"
     if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise LoopspecError(f"cannot store the tuned setting in {path}: not writable "
-                            "(copy the drafter directory somewhere writable, or pass --no-store)")
+        raise LoopspecError(
+            f"cannot store the tuned setting in {path}: not writable "
+            "(copy the drafter directory somewhere writable, or pass --no-store)"
+        )
 
 
 def _replace(path: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False,
-                                     encoding="utf-8") as f:
+    with tempfile.NamedTemporaryFile(
+        "w", dir=path.parent, prefix=f".{path.name}.", delete=False, encoding="utf-8"
+    ) as f:
         f.write(text)
     os.replace(f.name, path)

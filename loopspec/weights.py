@@ -15,9 +15,18 @@ from pathlib import Path
 import torch
 
 from loopspec.errors import LoopspecError
+
 # the file helpers, re-exported: callers that load models and read files import both from here
-from loopspec.files import (cache_root, file_sha256, one_line, read_json, read_safetensors,  # noqa: F401
-                            read_safetensors_dir, refuse_quantized, write_safetensors)
+from loopspec.files import (
+    cache_root,
+    file_sha256,
+    one_line,
+    read_json,
+    read_safetensors,  # noqa: F401
+    read_safetensors_dir,
+    refuse_quantized,
+    write_safetensors,
+)
 from loopspec.model.experts import experts_state
 from loopspec.model.families import new_target, target_config, target_family
 from loopspec.model.qwen3_5 import linear_attention_state
@@ -73,7 +82,9 @@ def hf_to_target_state(hf_state: dict[str, torch.Tensor], cfg: TargetConfig) -> 
             out.update(attention_state(take, p + "self_attn.", cfg))
         m = p + "mlp."
         if cfg.experts is not None and i in cfg.experts.sparse_layers:
-            out.update(experts_state(take, m, cfg.experts, "fused_interleaved" if layout == "gpt_oss" else "per_expert"))
+            out.update(
+                experts_state(take, m, cfg.experts, "fused_interleaved" if layout == "gpt_oss" else "per_expert")
+            )
         else:
             out[m + "gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0)
             out[m + "down_proj.weight"] = take(m + "down_proj.weight")
@@ -84,8 +95,10 @@ def hf_to_target_state(hf_state: dict[str, torch.Tensor], cfg: TargetConfig) -> 
 
 def attention_state(take, a: str, cfg: TargetConfig) -> dict[str, torch.Tensor]:
     """One attention layer's tensors under `a` (`layers.i.self_attn.`), q/k/v fused."""
-    out = {a + "qkv_proj.weight": torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"], 0),
-           a + "o_proj.weight": take(a + "o_proj.weight")}
+    out = {
+        a + "qkv_proj.weight": torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"], 0),
+        a + "o_proj.weight": take(a + "o_proj.weight"),
+    }
     if cfg.attention_bias:
         out[a + "qkv_proj.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"], 0)
         if cfg.family != "qwen2":
@@ -155,8 +168,7 @@ def gguf_to_hf_dir(gguf_path: Path, out_dir: Path | None = None) -> Path:
 
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                  dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     except Exception as e:
         raise LoopspecError(f"cannot read GGUF file {gguf_path}: {e}") from None
     # GGUF metadata may name <|im_start|> as eos; the model config has the real end-of-turn token.

@@ -42,8 +42,13 @@ FADE = 0.97
 DOUBT = 0.3  # optimism of an estimate resting on few verifications: + DOUBT / sqrt(1 + their count)
 
 
-def best_step(gains: list[list[float]], needs_drafter: list[bool], costs: StepCosts, stage_drafts: int,
-              scale: tuple[float, float] = (1.0, 1.0)) -> tuple[int, list[int]]:
+def best_step(
+    gains: list[list[float]],
+    needs_drafter: list[bool],
+    costs: StepCosts,
+    stage_drafts: int,
+    scale: tuple[float, float] = (1.0, 1.0),
+) -> tuple[int, list[int]]:
     """Before drafting: gains[b][d] = row b's expected accepted drafts if it verifies d (gains[b][0] = 0;
     len - 1 = the most it may) → (width, each row's depth). Rows that need the drafter (needs_drafter)
     cost one stage per `stage_drafts` depths over the rows drafting; the others (copies of the text)
@@ -57,17 +62,20 @@ def best_step(gains: list[list[float]], needs_drafter: list[bool], costs: StepCo
         stages = math.ceil((width - 1) / max(stage_drafts, 1))
         for taken in range(len(ranked) + 1):
             gain = free + sum(gains[b][depth[b]] for b in ranked[:taken])
-            seconds = (costs.verify(rows, width) + stages * costs.draft(taken) if taken else costs.verify(rows, width))
+            seconds = costs.verify(rows, width) + stages * costs.draft(taken) if taken else costs.verify(rows, width)
             value = (rows + gain) / (seconds * scale[1])
             if value > best_value:
                 chosen = set(ranked[:taken])
-                best_value, best = value, (width, [d if (b in chosen or not needs_drafter[b]) else 0
-                                                   for b, d in enumerate(depth)])
+                best_value, best = (
+                    value,
+                    (width, [d if (b in chosen or not needs_drafter[b]) else 0 for b, d in enumerate(depth)]),
+                )
     return best
 
 
-def best_width(survivals: list[list[float]], costs: StepCosts, drafted_s: float,
-               scale: tuple[float, float] = (1.0, 1.0)) -> int:
+def best_width(
+    survivals: list[list[float]], costs: StepCosts, drafted_s: float, scale: tuple[float, float] = (1.0, 1.0)
+) -> int:
     """After drafting: survivals[b] = row b's node survival probabilities, most likely first; the
     drafter's time `drafted_s` is spent → the width (anchor included) with the most expected
     committed tokens per second."""
@@ -135,15 +143,18 @@ class VerifyBudget:
         gains, needs = [], []
         for row, plan in zip(rows, plans):
             a = self.rate(row)
-            gains.append([0.0] + list(_cumulative(a ** i for i in range(1, plan.depth + 1))))
+            gains.append([0.0] + list(_cumulative(a**i for i in range(1, plan.depth + 1))))
             needs.append(plan.drafter_budget > 0)
         return best_step(gains, needs, self.costs, self.stage_drafts, tuple(self.scale))[1]
 
-    def after_drafting(self, rows, plans: list[RowPlan], drafted: list[Drafted], trees: list[DraftTree],
-                       drafter_rows: int) -> list[DraftTree]:
+    def after_drafting(
+        self, rows, plans: list[RowPlan], drafted: list[Drafted], trees: list[DraftTree], drafter_rows: int
+    ) -> list[DraftTree]:
         """The trees cut to the chosen width, each row keeping its most likely nodes."""
-        survival = [_survival(tree, [self.p(*e) for e in self.node_estimates(row, plan, d, tree)])
-                    for row, plan, d, tree in zip(rows, plans, drafted, trees)]
+        survival = [
+            _survival(tree, [self.p(*e) for e in self.node_estimates(row, plan, d, tree)])
+            for row, plan, d, tree in zip(rows, plans, drafted, trees)
+        ]
         survivals = [sorted(s[1:], reverse=True) for s in survival]
         stages = max((d.stages for d in drafted), default=0)
         drafted_s = stages * self.costs.draft(drafter_rows) if drafter_rows else 0.0
@@ -205,7 +216,7 @@ def _keep_likeliest(tree: DraftTree, survival: list[float], width: int) -> Draft
     """The tree's anchor and its `width - 1` likeliest other nodes (ties: the earlier node), in order."""
     if len(tree) <= width:
         return tree
-    kept = sorted(range(1, len(tree)), key=lambda n: (-survival[n], n))[:width - 1]
+    kept = sorted(range(1, len(tree)), key=lambda n: (-survival[n], n))[: width - 1]
     return tree.subtree(sorted(kept))
 
 

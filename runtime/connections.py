@@ -54,8 +54,10 @@ def connection_limit(requested: int | None, open_files: int | None) -> int:
     if requested is None:
         return DEFAULT_MAX_CONNECTIONS if room is None else max(1, min(DEFAULT_MAX_CONNECTIONS, room))
     if room is not None and requested > room:
-        raise LoopspecError(f"--max-connections {requested} needs {requested + FILES_RESERVED} open files; this "
-                            f"process may open {open_files} (raise `ulimit -Hn`, or ask for fewer connections)")
+        raise LoopspecError(
+            f"--max-connections {requested} needs {requested + FILES_RESERVED} open files; this "
+            f"process may open {open_files} (raise `ulimit -Hn`, or ask for fewer connections)"
+        )
     return requested
 
 
@@ -106,8 +108,10 @@ def install_log_filter(interval_s: float = 10.0) -> RepeatedLogFilter:
 def _response(status: int, reason: str, message: str, code: str) -> bytes:
     """A whole HTTP response in OpenAI's error shape, written straight to a connection that closes."""
     body = json.dumps(APIError(status, message, code=code).body()).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -146,18 +150,28 @@ class ConnectionGuard:
         """A new connection: held (True), or answered 503 and closed (False)."""
         if len(self.open) >= self.max_connections:
             if not self.waiting:
-                _answer_and_close(protocol, _response(503, "Service Unavailable", f"the server holds its limit of "
-                                                      f"{self.max_connections} connections, all busy; retry later",
-                                                      "too_many_connections"))
-                log.warning("connection limit of %d reached with every connection busy: a new one was refused",
-                            self.max_connections)
+                _answer_and_close(
+                    protocol,
+                    _response(
+                        503,
+                        "Service Unavailable",
+                        f"the server holds its limit of {self.max_connections} connections, all busy; retry later",
+                        "too_many_connections",
+                    ),
+                )
+                log.warning(
+                    "connection limit of %d reached with every connection busy: a new one was refused",
+                    self.max_connections,
+                )
                 self._count("refused")
                 return False
             oldest = next(iter(self.waiting))
             self.closed(oldest)
             oldest.transport.close()
-            log.warning("connection limit of %d reached: closed the connection that waited longest for its request",
-                        self.max_connections)
+            log.warning(
+                "connection limit of %d reached: closed the connection that waited longest for its request",
+                self.max_connections,
+            )
             self._count("evicted")
         self.open.add(protocol)
         self._gauge()
@@ -194,8 +208,15 @@ class ConnectionGuard:
         if protocol.request_bytes_arrived and protocol.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             if protocol.cycle is not None and not protocol.cycle.response_complete:  # the app awaits its body
                 protocol.cycle.scope["loopspec.read_timed_out"] = True
-            _answer_and_close(protocol, _response(408, "Request Timeout", f"the request did not arrive whole "
-                                                  f"within {self.read_timeout_s:g} s", "request_timeout"))
+            _answer_and_close(
+                protocol,
+                _response(
+                    408,
+                    "Request Timeout",
+                    f"the request did not arrive whole within {self.read_timeout_s:g} s",
+                    "request_timeout",
+                ),
+            )
         else:
             protocol.transport.close()
         log.warning("closed a connection whose request did not arrive whole within %g s", self.read_timeout_s)

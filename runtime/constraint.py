@@ -76,8 +76,11 @@ class GrammarSpec:
         if self.kind == "regex" and not (isinstance(self.value, str) and self.value):
             raise GrammarError("a regular expression must be a non-empty string", self.param)
         if self.kind == "choice":
-            if not (isinstance(self.value, (list, tuple)) and self.value
-                    and all(isinstance(c, str) and c for c in self.value)):
+            if not (
+                isinstance(self.value, (list, tuple))
+                and self.value
+                and all(isinstance(c, str) and c for c in self.value)
+            ):
                 raise GrammarError("choices must be a non-empty list of non-empty strings", self.param)
             object.__setattr__(self, "value", tuple(self.value))
         self.grammar()
@@ -96,8 +99,12 @@ class GrammarSpec:
             raise GrammarError(_one_line(e), self.param) from None
 
     def describe(self) -> str:
-        return {"json_object": "any JSON object", "json_schema": "a JSON schema", "regex": f"regex {self.value!r}",
-                "choice": f"one of {len(self.value or ())} choices"}[self.kind]
+        return {
+            "json_object": "any JSON object",
+            "json_schema": "a JSON schema",
+            "regex": f"regex {self.value!r}",
+            "choice": f"one of {len(self.value or ())} choices",
+        }[self.kind]
 
 
 @lru_cache(maxsize=1)
@@ -158,8 +165,11 @@ class Grammars:
             compiled = self.compiler.compile_grammar(spec.grammar())
         except RuntimeError as e:
             raise GrammarError(_one_line(e), spec.param) from None
-        constraint = Constraint(xgrammar.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids),
-                                self.vocab_size, frozenset(self.stop_token_ids))
+        constraint = Constraint(
+            xgrammar.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids),
+            self.vocab_size,
+            frozenset(self.stop_token_ids),
+        )
         if not bool(constraint.allowed().any()):  # nothing to sample: refused, not a 500 at the first token
             raise GrammarError("no token of this model's vocabulary can begin it", spec.param)
         return constraint
@@ -180,7 +190,7 @@ class Constraint:
         computed anew on every call (`allowed` keeps the one after the committed tokens). Public for
         scripts/grammar_mask_cost.py, which times it beside xgrammar's own fill of `bitmask`."""
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
+        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
         return torch.from_numpy(bits.astype(bool))
 
     def allowed(self) -> torch.Tensor:
@@ -217,8 +227,9 @@ class Constraint:
                 token = tree.tokens[child]
                 if not masks[node][token]:
                     continue
-                kept[child] = pruned.add(kept[node], token, from_drafter=tree.from_drafter[child],
-                                         from_suffix=tree.from_suffix[child])
+                kept[child] = pruned.add(
+                    kept[node], token, from_drafter=tree.from_drafter[child], from_suffix=tree.from_suffix[child]
+                )
                 if token in self.stop:  # the row ends there: whatever it would sample next is dropped
                     masks[child] = torch.ones(self.vocab_size, dtype=torch.bool)
                     continue

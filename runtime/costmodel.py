@@ -48,7 +48,9 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def verify_times(engine: Engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repeats: int = 5) -> dict[int, float]:
+def verify_times(
+    engine: Engine, lengths=(1, 2, 4, 8, 12, 16), context: int = 128, repeats: int = 5
+) -> dict[int, float]:
     """Seconds of one target verification of `n` tokens after `context` committed ones (row 0).
 
     The lengths are interleaved within each repeat, so a transient slowdown of the machine spreads
@@ -77,6 +79,7 @@ def draft_time(engine: Engine, block_size: int, context: int = 128, repeats: int
         engine.draft([0], [5], [context - 4], block_size)
         engine.append_context(taps, [4])  # a typical accepted run of 4 positions
         engine.context_rollback([0], [context - 4])
+
     return _median_time(stage, repeats)
 
 

@@ -34,8 +34,16 @@ from loopspec.errors import LoopspecError
 from loopspec.settings import DecodingSettings
 from loopspec.runtime.budget import VerifyBudget
 from loopspec.runtime.constraint import masked
-from loopspec.runtime.proposal import (AdaptiveFallback, Drafted, RowPlan, check_engine_runs, draft_round, drafter_sampling,
-                                       plan_row, row_tree)
+from loopspec.runtime.proposal import (
+    AdaptiveFallback,
+    Drafted,
+    RowPlan,
+    check_engine_runs,
+    draft_round,
+    drafter_sampling,
+    plan_row,
+    row_tree,
+)
 from loopspec.stats import GenerationStats
 from loopspec.suffix_library import SuffixLibrary
 from loopspec.tree import DraftTree, SuffixIndex, tree_masks
@@ -92,7 +100,7 @@ def path_taps(taps: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         return taps
     index = torch.zeros(len(paths), max(len(p) for p in paths), dtype=torch.long)
     for b, p in enumerate(paths):
-        index[b, :len(p)] = torch.tensor(p)
+        index[b, : len(p)] = torch.tensor(p)
     return taps.gather(1, index.to(taps.device)[..., None].expand(-1, -1, taps.shape[-1]))
 
 
@@ -111,8 +119,13 @@ class Decoder:
     With settings.shared_suffix, the decoder owns a suffix library (loopspec/suffix_library.py): a
     row that finishes files its output under its scope, and later rows of that scope propose from it."""
 
-    def __init__(self, engine: Engine, settings: DecodingSettings = DecodingSettings(),
-                 pacing: AdaptiveFallback | VerifyBudget | None = None, prefill_chunk: int | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        settings: DecodingSettings = DecodingSettings(),
+        pacing: AdaptiveFallback | VerifyBudget | None = None,
+        prefill_chunk: int | None = None,
+    ):
         check_engine_runs(engine, settings)
         self.engine, self.settings = engine, settings
         self.max_drafts = settings.drafts_with(engine.drafter_cfg)
@@ -133,10 +146,19 @@ class Decoder:
     def free_rows(self) -> int:
         return self.engine.max_rows - len(self.rows) - len(self.prefilling)
 
-    def admit(self, key: Hashable, prompt_ids: list[int], *, max_new_tokens: int,
-              params: SamplingParams = SamplingParams(), seed: int = 0, generator: torch.Generator | None = None,
-              stop_token_ids: frozenset[int] | set[int] = frozenset(), constraint=None,
-              scope: Hashable = None) -> tuple[Row, list[int]]:
+    def admit(
+        self,
+        key: Hashable,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        params: SamplingParams = SamplingParams(),
+        seed: int = 0,
+        generator: torch.Generator | None = None,
+        stop_token_ids: frozenset[int] | set[int] = frozenset(),
+        constraint=None,
+        scope: Hashable = None,
+    ) -> tuple[Row, list[int]]:
         """Prefill a new sequence into a free row → (its Row, its first token). `scope` (opaque,
         hashable): the shared suffix library's scope its suffix index reads and its output is filed
         under (the server's tenant; rows of one scope share). A row that is already
@@ -149,16 +171,27 @@ class Decoder:
         if max_new_tokens < 1:
             raise LoopspecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(prompt_ids) >= self.engine.max_context:
-            raise LoopspecError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.engine.max_context}")
+            raise LoopspecError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.engine.max_context}"
+            )
         if not self.free_rows:
             raise LoopspecError("no free row in the batch")
         if constraint is not None and self.settings.draft_sampling == "drafter" and not params.greedy:
             raise LoopspecError("structured output verifies drafts by the walk: use --draft-sampling walk")
-        row = Row(key=key, prompt_len=len(prompt_ids), max_new_tokens=max_new_tokens, params=params,
-                  generator=generator or torch.Generator().manual_seed(seed), stop_token_ids=frozenset(stop_token_ids),
-                  started=time.perf_counter(), constraint=constraint, scope=scope,
-                  suffix_index=SuffixIndex(prompt_ids, shared=None if self.library is None else self.library.view(scope))
-                  if self.settings.uses_suffix else None)
+        row = Row(
+            key=key,
+            prompt_len=len(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            params=params,
+            generator=generator or torch.Generator().manual_seed(seed),
+            stop_token_ids=frozenset(stop_token_ids),
+            started=time.perf_counter(),
+            constraint=constraint,
+            scope=scope,
+            suffix_index=SuffixIndex(prompt_ids, shared=None if self.library is None else self.library.view(scope))
+            if self.settings.uses_suffix
+            else None,
+        )
         row.stats.prompt_tokens, row.stats.drafting = len(prompt_ids), self.settings.drafting
         if self.prefill_chunk is not None and len(prompt_ids) > self.prefill_chunk:
             self.prefilling.append(Prefilling(row, list(prompt_ids), self._free_slot()))
@@ -185,10 +218,18 @@ class Decoder:
         plain = fallback is not None and not fallback.want_draft()
         plans = [plan_row(row, settings, engine, self.max_drafts, 0 if plain else self.max_drafts) for row in rows]
         if budget is not None:  # each row's depth this step, zero included
-            plans = [plan if cap >= plan.depth else plan_row(row, settings, engine, self.max_drafts, cap)
-                     for row, plan, cap in zip(rows, plans, budget.before_drafting(rows, plans))]
-        drafted = draft_round(engine, settings, [p.stage_anchor for p in plans], [p.stage_position for p in plans],
-                              [p.drafter_budget for p in plans], drafter_sampling(rows, settings))
+            plans = [
+                plan if cap >= plan.depth else plan_row(row, settings, engine, self.max_drafts, cap)
+                for row, plan, cap in zip(rows, plans, budget.before_drafting(rows, plans))
+            ]
+        drafted = draft_round(
+            engine,
+            settings,
+            [p.stage_anchor for p in plans],
+            [p.stage_position for p in plans],
+            [p.drafter_budget for p in plans],
+            drafter_sampling(rows, settings),
+        )
         trees = [row_tree(plan, d, settings, engine.tree_span) for plan, d in zip(plans, drafted)]
         if budget is not None:  # each row keeps its likeliest nodes, up to the width that pays
             trees = budget.after_drafting(rows, plans, drafted, trees, sum(p.drafter_budget > 0 for p in plans))
@@ -197,8 +238,10 @@ class Decoder:
         t1 = time.perf_counter()
         masks = None if all(t.is_chain for t in trees) else tree_masks(trees, max(len(t) for t in trees))
         logits, taps = engine.verify([t.tokens for t in trees], want_taps=settings.uses_drafter, tree_masks=masks)
-        results = [self._accept(row, tree, d, _constrained(row, tree, logits[b, :len(tree)]))
-                   for b, (row, tree, d) in enumerate(zip(rows, trees, drafted))]
+        results = [
+            self._accept(row, tree, d, _constrained(row, tree, logits[b, : len(tree)]))
+            for b, (row, tree, d) in enumerate(zip(rows, trees, drafted))
+        ]
         t2 = time.perf_counter()
         paths = [path for path, _ in results]
         if budget is not None:
@@ -230,15 +273,25 @@ class Decoder:
         try:
             if drafted.q is None or row.params.greedy:
                 return tree_accept(tree, logits, row.params, row.generator)
-            accepted, bonus = speculative_accept(tree.tokens[1:], drafted.q[:tree.drafts], logits, row.params,
-                                                 row.generator)
+            accepted, bonus = speculative_accept(
+                tree.tokens[1:], drafted.q[: tree.drafts], logits, row.params, row.generator
+            )
             return list(range(accepted + 1)), bonus
         except Exception as e:  # noqa: BLE001 — one row's failure must not end the others
             row.finish, row.error = "error", f"{type(e).__name__}: {e}"
             return [0], None
 
-    def _record(self, row: Row, plan: RowPlan, drafted: Drafted, tree: DraftTree, path: list[int], plain: bool,
-                draft_s: float, verify_s: float) -> None:
+    def _record(
+        self,
+        row: Row,
+        plan: RowPlan,
+        drafted: Drafted,
+        tree: DraftTree,
+        path: list[int],
+        plain: bool,
+        draft_s: float,
+        verify_s: float,
+    ) -> None:
         """The round in the row's stats."""
         stats, accepted = row.stats, len(path) - 1
         stats.draft_s += draft_s
@@ -273,7 +326,7 @@ class Decoder:
         """The next chunk of the oldest prefilling prompt; when it is the last, the row joins the
         live rows (its caches swapped to the end of theirs) → [(row, [its first token])], else []."""
         pending = self.prefilling[0]
-        chunk = pending.prompt_ids[pending.done:pending.done + self.prefill_chunk]
+        chunk = pending.prompt_ids[pending.done : pending.done + self.prefill_chunk]
         logits = self.engine.prefill(pending.slot, chunk, want_taps=self.settings.uses_drafter, start=pending.done)
         pending.done += len(chunk)
         if pending.done < len(pending.prompt_ids):
@@ -318,7 +371,7 @@ class Decoder:
         (its constraint advances over each); set finish when the row is done → the tokens kept."""
         for i, token in enumerate(new):
             if token in row.stop_token_ids or (row.constraint is not None and row.constraint.commit(token)):
-                new, row.finish = new[:i + 1], "stop"
+                new, row.finish = new[: i + 1], "stop"
                 break
         row.tokens += new
         if row.suffix_index is not None:
@@ -337,7 +390,7 @@ class Decoder:
     def _retire(self, b: int) -> None:
         row = self.rows[b]
         if self.library is not None and row.finish != "error":  # its output, for the scope's later rows
-            self.library.add(row.scope, row.suffix_index.tokens[:row.prompt_len], row.tokens)
+            self.library.add(row.scope, row.suffix_index.tokens[: row.prompt_len], row.tokens)
         last = len(self.rows) - 1
         if b != last:  # keep the live rows packed at the front of the caches
             self.engine.swap_rows(last, b)
@@ -365,28 +418,62 @@ def decode_all(decoder: Decoder, requests: list[dict]) -> dict[Hashable, Row]:
     return done
 
 
-def regenerate_responses(target, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: set[int],
-                         params: SamplingParams, generator: torch.Generator) -> list[tuple[list[int], str]]:
+def regenerate_responses(
+    target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_token_ids: set[int],
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> list[tuple[list[int], str]]:
     """The target's own responses to `prompts` (training data), decoded together plainly (`ar`, one
     row per prompt, each row seeded from `generator`) → per prompt (response tokens, finish reason)."""
     engine = torch_engine(target, None, max(len(p) for p in prompts) + max_new_tokens, max_rows=len(prompts))
     seeds = torch.randint(1 << 62, (len(prompts),), generator=generator).tolist()
-    done = decode_all(Decoder(engine), [dict(key=b, prompt_ids=p, max_new_tokens=max_new_tokens, params=params,
-                                             seed=seeds[b], stop_token_ids=frozenset(stop_token_ids))
-                                        for b, p in enumerate(prompts)])
+    done = decode_all(
+        Decoder(engine),
+        [
+            dict(
+                key=b,
+                prompt_ids=p,
+                max_new_tokens=max_new_tokens,
+                params=params,
+                seed=seeds[b],
+                stop_token_ids=frozenset(stop_token_ids),
+            )
+            for b, p in enumerate(prompts)
+        ],
+    )
     return [(done[b].tokens, done[b].finish if done[b].finish == "stop" else "length") for b in range(len(prompts))]
 
 
-def generate(engine: Engine, prompt_ids: list[int], settings: DecodingSettings = DecodingSettings(), *,
-             max_new_tokens: int, params: SamplingParams = SamplingParams(), seed: int = 0,
-             generator: torch.Generator | None = None, stop_token_ids: frozenset[int] | set[int] = frozenset(),
-             pacing: AdaptiveFallback | VerifyBudget | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None, constraint=None) -> GenerationResult:
+def generate(
+    engine: Engine,
+    prompt_ids: list[int],
+    settings: DecodingSettings = DecodingSettings(),
+    *,
+    max_new_tokens: int,
+    params: SamplingParams = SamplingParams(),
+    seed: int = 0,
+    generator: torch.Generator | None = None,
+    stop_token_ids: frozenset[int] | set[int] = frozenset(),
+    pacing: AdaptiveFallback | VerifyBudget | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    constraint=None,
+) -> GenerationResult:
     """Decode one request up to `max_new_tokens` after `prompt_ids`: the decoder with one row
     (`constraint`: its grammar, runtime/constraint.py)."""
     decoder = Decoder(engine, settings, pacing)
-    row, first = decoder.admit(None, prompt_ids, max_new_tokens=max_new_tokens, params=params, seed=seed,
-                               generator=generator, stop_token_ids=stop_token_ids, constraint=constraint)
+    row, first = decoder.admit(
+        None,
+        prompt_ids,
+        max_new_tokens=max_new_tokens,
+        params=params,
+        seed=seed,
+        generator=generator,
+        stop_token_ids=stop_token_ids,
+        constraint=constraint,
+    )
     if on_tokens:
         on_tokens(first)
     while decoder.rows:

@@ -99,40 +99,60 @@ class Metrics:
         with self.lock:
             lines = ["# HELP loopspec_requests_total Requests by outcome.", "# TYPE loopspec_requests_total counter"]
             lines += [f'loopspec_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()]
-            lines += ["# HELP loopspec_prompt_tokens_total Prompt tokens of admitted requests.",
-                      "# TYPE loopspec_prompt_tokens_total counter", f"loopspec_prompt_tokens_total {self.prompt_tokens}",
-                      "# HELP loopspec_generation_tokens_total Generated tokens.",
-                      "# TYPE loopspec_generation_tokens_total counter",
-                      f"loopspec_generation_tokens_total {self.generation_tokens}",
-                      "# HELP loopspec_tokens_per_second Generated tokens per second over the last "
-                      f"{self.window_s:g} s.", "# TYPE loopspec_tokens_per_second gauge",
-                      f"loopspec_tokens_per_second {tps:.3f}",
-                      "# HELP loopspec_queue_depth Requests waiting for a batch row.", "# TYPE loopspec_queue_depth gauge",
-                      f"loopspec_queue_depth {self.queue_depth}",
-                      "# HELP loopspec_running_requests Requests decoding in the batch.",
-                      "# TYPE loopspec_running_requests gauge", f"loopspec_running_requests {self.running}",
-                      "# HELP loopspec_batch_steps_total Batched draft-verify rounds.",
-                      "# TYPE loopspec_batch_steps_total counter", f"loopspec_batch_steps_total {self.steps}",
-                      "# HELP loopspec_acceptance_length Tokens committed per verification of a request "
-                      "(tau: accepted drafts + 1).", "# TYPE loopspec_acceptance_length histogram"]
+            lines += [
+                "# HELP loopspec_prompt_tokens_total Prompt tokens of admitted requests.",
+                "# TYPE loopspec_prompt_tokens_total counter",
+                f"loopspec_prompt_tokens_total {self.prompt_tokens}",
+                "# HELP loopspec_generation_tokens_total Generated tokens.",
+                "# TYPE loopspec_generation_tokens_total counter",
+                f"loopspec_generation_tokens_total {self.generation_tokens}",
+                f"# HELP loopspec_tokens_per_second Generated tokens per second over the last {self.window_s:g} s.",
+                "# TYPE loopspec_tokens_per_second gauge",
+                f"loopspec_tokens_per_second {tps:.3f}",
+                "# HELP loopspec_queue_depth Requests waiting for a batch row.",
+                "# TYPE loopspec_queue_depth gauge",
+                f"loopspec_queue_depth {self.queue_depth}",
+                "# HELP loopspec_running_requests Requests decoding in the batch.",
+                "# TYPE loopspec_running_requests gauge",
+                f"loopspec_running_requests {self.running}",
+                "# HELP loopspec_batch_steps_total Batched draft-verify rounds.",
+                "# TYPE loopspec_batch_steps_total counter",
+                f"loopspec_batch_steps_total {self.steps}",
+                "# HELP loopspec_acceptance_length Tokens committed per verification of a request "
+                "(tau: accepted drafts + 1).",
+                "# TYPE loopspec_acceptance_length histogram",
+            ]
             lines += self.tau.lines("loopspec_acceptance_length")
-            lines += ["# HELP loopspec_verifications_total Verifications of finished requests, by whether they "
-                      "checked drafts (plain: the anchor alone).", "# TYPE loopspec_verifications_total counter"]
+            lines += [
+                "# HELP loopspec_verifications_total Verifications of finished requests, by whether they "
+                "checked drafts (plain: the anchor alone).",
+                "# TYPE loopspec_verifications_total counter",
+            ]
             lines += [f'loopspec_verifications_total{{kind="{k}"}} {v}' for k, v in self.verifications.items()]
-            lines += ["# HELP loopspec_verified_tokens_total Tokens those verifications committed (over every "
-                      "round: divided by all verifications, what the speed sees).",
-                      "# TYPE loopspec_verified_tokens_total counter", f"loopspec_verified_tokens_total {self.verified_tokens}"]
-            lines += ["# HELP loopspec_time_to_first_token_seconds From arrival to the first token.",
-                      "# TYPE loopspec_time_to_first_token_seconds histogram"]
+            lines += [
+                "# HELP loopspec_verified_tokens_total Tokens those verifications committed (over every "
+                "round: divided by all verifications, what the speed sees).",
+                "# TYPE loopspec_verified_tokens_total counter",
+                f"loopspec_verified_tokens_total {self.verified_tokens}",
+            ]
+            lines += [
+                "# HELP loopspec_time_to_first_token_seconds From arrival to the first token.",
+                "# TYPE loopspec_time_to_first_token_seconds histogram",
+            ]
             lines += self.first_token.lines("loopspec_time_to_first_token_seconds")
-            lines += ["# HELP loopspec_request_duration_seconds From arrival to the end of a completed request.",
-                      "# TYPE loopspec_request_duration_seconds histogram"]
+            lines += [
+                "# HELP loopspec_request_duration_seconds From arrival to the end of a completed request.",
+                "# TYPE loopspec_request_duration_seconds histogram",
+            ]
             lines += self.latency.lines("loopspec_request_duration_seconds")
-            lines += ["# HELP loopspec_open_connections HTTP connections open.",
-                      "# TYPE loopspec_open_connections gauge",
-                      f"loopspec_open_connections {self.open_connections}",
-                      "# HELP loopspec_connections_closed_total Connections the server closed itself, by reason.",
-                      "# TYPE loopspec_connections_closed_total counter"]
-            lines += [f'loopspec_connections_closed_total{{reason="{k}"}} {v}'
-                      for k, v in self.connections_closed.items()]
+            lines += [
+                "# HELP loopspec_open_connections HTTP connections open.",
+                "# TYPE loopspec_open_connections gauge",
+                f"loopspec_open_connections {self.open_connections}",
+                "# HELP loopspec_connections_closed_total Connections the server closed itself, by reason.",
+                "# TYPE loopspec_connections_closed_total counter",
+            ]
+            lines += [
+                f'loopspec_connections_closed_total{{reason="{k}"}} {v}' for k, v in self.connections_closed.items()
+            ]
         return "\n".join(lines) + "\n"

@@ -16,19 +16,35 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed tak
 
 
 class APIError(Exception):
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-             408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-             503: "server_error", 504: "timeout_error"}
+    TYPES = {
+        400: "invalid_request_error",
+        401: "invalid_request_error",
+        404: "invalid_request_error",
+        405: "invalid_request_error",
+        408: "timeout_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        500: "server_error",
+        503: "server_error",
+        504: "timeout_error",
+    }
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 counted: bool = False):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, counted: bool = False
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.counted = counted  # already in the metrics (the scheduler counts what it ends)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,28 +142,73 @@ def _ignored(name: str, json_type: str, note: str) -> Field:
 
 FIELDS = (
     _honoured("model", {"type": "string"}),
-    _honoured("prompt", {"oneOf": [{"type": "string", "minLength": 1},
-                                   {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]},
-              (COMPLETIONS,)),
-    _honoured("messages", {"type": "array", "minItems": 1, "items": {
-        "type": "object", "required": ["role", "content"],
-        "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
-                       "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-                           "type": "object", "required": ["type", "text"],
-                           "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}}]}}}}, (CHAT,)),
+    _honoured(
+        "prompt",
+        {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            ]
+        },
+        (COMPLETIONS,),
+    ),
+    _honoured(
+        "messages",
+        {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"enum": ["system", "developer", "user", "assistant"]},
+                    "content": {
+                        "oneOf": [
+                            {"type": "string"},
+                            {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["type", "text"],
+                                    "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+                                },
+                            },
+                        ]
+                    },
+                },
+            },
+        },
+        (CHAT,),
+    ),
     _honoured("max_tokens", {"type": "integer", "minimum": 1}),
     _honoured("max_completion_tokens", {"type": "integer", "minimum": 1}, (CHAT,)),
     _honoured("temperature", {"type": "number", "minimum": 0, "maximum": 2}),
     _honoured("top_p", {"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
     _honoured("top_k", {"type": "integer", "minimum": 0}),
     _honoured("seed", {"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]}),
-    _honoured("stop", {"oneOf": [{"type": "string", "minLength": 1},
-                                 {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]}),
+    _honoured(
+        "stop",
+        {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
+            ]
+        },
+    ),
     _honoured("stream", {"type": "boolean"}),
     _honoured("user", {"type": "string"}),
-    _honoured("stream_options", {"type": "object", "additionalProperties": False, "properties": {
-        "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"enum": [None, False]},
-        "include_obfuscation": {"type": "boolean"}}}),
+    _honoured(
+        "stream_options",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "include_usage": {"type": "boolean"},
+                "continuous_usage_stats": {"enum": [None, False]},
+                "include_obfuscation": {"type": "boolean"},
+            },
+        },
+    ),
     # OpenAI's own
     _neutral_only("n", 1, "more than one choice per request"),
     _neutral_only("best_of", 1, "the best of several completions"),
@@ -163,12 +224,31 @@ FIELDS = (
     _neutral_only("functions", [], "function calls"),
     _neutral_only("function_call", None, "a forced function call"),
     _neutral_only("tool_choice", None, "a forced tool call"),
-    _honoured("response_format", {"oneOf": [
-        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
-        {"type": "object", "required": ["type", "json_schema"], "properties": {
-            "type": {"enum": ["json_schema"]}, "json_schema": {"type": "object", "required": ["schema"], "properties": {
-                "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]},
-                "description": {"type": "string"}}}}}]}),
+    _honoured(
+        "response_format",
+        {
+            "oneOf": [
+                {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+                {
+                    "type": "object",
+                    "required": ["type", "json_schema"],
+                    "properties": {
+                        "type": {"enum": ["json_schema"]},
+                        "json_schema": {
+                            "type": "object",
+                            "required": ["schema"],
+                            "properties": {
+                                "name": {"type": "string"},
+                                "schema": {"type": "object"},
+                                "strict": {"type": ["boolean", "null"]},
+                                "description": {"type": "string"},
+                            },
+                        },
+                    },
+                },
+            ]
+        },
+    ),
     _neutral_only("reasoning_effort", None, "a reasoning model's effort"),
     _neutral_only("verbosity", None, "a longer or shorter answer"),
     _neutral_only("modalities", ["text"], "output other than text"),
@@ -252,17 +332,23 @@ def check_fields(body: dict, endpoint: str) -> None:
             _text(name, "a field name")
             others = [e for e in BOTH if e != endpoint and name in endpoint_fields(e)]
             where = f"; it is a field of {ENDPOINT_PATHS[others[0]]}" if others else ""
-            raise APIError(400, f"unrecognized request field {name!r} for {ENDPOINT_PATHS[endpoint]}{where} (fields "
-                                f"this server does not know are refused rather than ignored)", name)
+            raise APIError(
+                400,
+                f"unrecognized request field {name!r} for {ENDPOINT_PATHS[endpoint]}{where} (fields "
+                f"this server does not know are refused rather than ignored)",
+                name,
+            )
         if value is None or field.use == HONOURED:
             continue
         if field.use == NEUTRAL_ONLY and not (field.neutral is not None and _is_neutral(value, field.neutral)):
             supported = "null" if field.neutral is None else f"null or {_shown(field.neutral)}"
-            raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported: {field.note} (supported: "
-                                f"{supported})", name)
+            raise APIError(
+                400, f"{name}={json.dumps(value)[:80]} is not supported: {field.note} (supported: {supported})", name
+            )
         if field.use == IGNORED and type(value) is not _JSON_TYPES[field.schema["type"]]:
-            raise APIError(400, f"{name} must be of JSON type {field.schema['type']}, got {json.dumps(value)[:80]}",
-                           name)
+            raise APIError(
+                400, f"{name} must be of JSON type {field.schema['type']}, got {json.dumps(value)[:80]}", name
+            )
 
 
 def parse_options(body: dict, config, chat: bool) -> RequestOptions:
@@ -298,24 +384,39 @@ def parse_options(body: dict, config, chat: bool) -> RequestOptions:
     for key, value in options.items():  # include_usage honoured; the others are neutral here
         if key == "include_usage" or key == "include_obfuscation":  # obfuscation pads chunks; text unchanged
             if value is not None and not isinstance(value, bool):
-                raise APIError(400, f"stream_options.{key} must be a boolean, got {json.dumps(value)[:80]}",
-                               "stream_options")
+                raise APIError(
+                    400, f"stream_options.{key} must be a boolean, got {json.dumps(value)[:80]}", "stream_options"
+                )
         elif key == "continuous_usage_stats":
             if not (value is None or value is False):
-                raise APIError(400, "stream_options.continuous_usage_stats (usage in every chunk) is not supported "
-                                    "(supported: null or false)", "stream_options")
+                raise APIError(
+                    400,
+                    "stream_options.continuous_usage_stats (usage in every chunk) is not supported "
+                    "(supported: null or false)",
+                    "stream_options",
+                )
         else:
             _text(key, "stream_options")
-            raise APIError(400, f"unrecognized field stream_options.{key} (supported: include_usage, "
-                                "include_obfuscation, continuous_usage_stats)", "stream_options")
+            raise APIError(
+                400,
+                f"unrecognized field stream_options.{key} (supported: include_usage, "
+                "include_obfuscation, continuous_usage_stats)",
+                "stream_options",
+            )
     include_usage = options.get("include_usage")
     user = body.get("user")  # whose scope the shared suffix library reads (runtime/server.py request_scope)
     if user is not None and not isinstance(user, str):
         raise APIError(400, f"user must be a string, got {json.dumps(user)[:80]}", "user")
-    return RequestOptions(params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
-                    max_tokens=max_tokens, stop=tuple(_text(s, "stop") for s in stop), stream=bool(stream),
-                    include_usage=bool(include_usage), grammar=grammar_of(body),
-                    user=_text(user, "user") if user else None)
+    return RequestOptions(
+        params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        seed=seed,
+        max_tokens=max_tokens,
+        stop=tuple(_text(s, "stop") for s in stop),
+        stream=bool(stream),
+        include_usage=bool(include_usage),
+        grammar=grammar_of(body),
+        user=_text(user, "user") if user else None,
+    )
 
 
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
@@ -324,15 +425,20 @@ GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choi
 def grammar_of(body: dict) -> GrammarSpec | None:
     """Structured output: response_format (json_object, json_schema; text is none) or one of vLLM's
     guided_json (a schema, or its JSON text), guided_regex, guided_choice — at most one of them."""
-    given = [name for name in GRAMMAR_FIELDS if body.get(name) is not None
-             and not (name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text")]
+    given = [
+        name
+        for name in GRAMMAR_FIELDS
+        if body.get(name) is not None
+        and not (name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text")
+    ]
     if len(given) > 1:
         raise APIError(400, f"{given[0]} and {given[1]} both constrain the output: send one", given[1])
     if not given:
         format_ = body.get("response_format")
         if format_ is not None and (not isinstance(format_, dict) or set(format_) != {"type"}):
-            raise APIError(400, 'response_format must be {"type": "text" | "json_object" | "json_schema", ...}',
-                           "response_format")
+            raise APIError(
+                400, 'response_format must be {"type": "text" | "json_object" | "json_schema", ...}', "response_format"
+            )
         return None
     name, value = given[0], body[given[0]]
     try:
@@ -364,11 +470,19 @@ def _response_format(value) -> GrammarSpec:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise APIError(400, "response_format.json_schema must be an object with a schema object", name)
         if set(spec) - {"name", "schema", "strict", "description"}:
-            raise APIError(400, f"unrecognized field response_format.json_schema."
-                                f"{sorted(set(spec) - {'name', 'schema', 'strict', 'description'})[0]}", name)
+            raise APIError(
+                400,
+                f"unrecognized field response_format.json_schema."
+                f"{sorted(set(spec) - {'name', 'schema', 'strict', 'description'})[0]}",
+                name,
+            )
         return GrammarSpec("json_schema", spec["schema"], name)
-    raise APIError(400, 'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
-                        '"json_schema", "json_schema": {"name": ..., "schema": {...}}}', name)
+    raise APIError(
+        400,
+        'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+        '"json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+        name,
+    )
 
 
 def completion_prompt(body: dict, pipeline) -> list[int]:
@@ -401,7 +515,9 @@ def chat_prompt(body: dict, pipeline) -> list[int]:
                 raise APIError(400, f"messages[{i}].{name} is not supported (this server has no tools)", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -432,33 +548,65 @@ def json_depth(value, limit: int) -> int:
 # --------------------------------------------------------------------------------------------------
 # OpenAPI: the request bodies parse_options / completion_prompt / chat_prompt accept, and the errors
 
-ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
 
 
 def _body_schema(endpoint: str, required: str) -> dict:
     """The OpenAPI schema of a body sent to `endpoint`: each of its FIELDS, nothing else."""
-    return {"type": "object", "required": [required], "additionalProperties": False,
-            "properties": {name: field.schema for name, field in endpoint_fields(endpoint).items()}}
+    return {
+        "type": "object",
+        "required": [required],
+        "additionalProperties": False,
+        "properties": {name: field.schema for name, field in endpoint_fields(endpoint).items()},
+    }
 
 
 COMPLETION_BODY = _body_schema(COMPLETIONS, "prompt")
 CHAT_BODY = _body_schema(CHAT, "messages")
-REPLY_SCHEMA = {"type": "object", "required": ["id", "object", "choices"],
-            "properties": {"id": {"type": "string"}, "object": {"type": "string"},
-                           "choices": {"type": "array"}, "usage": {"type": ["object", "null"]}}}
+REPLY_SCHEMA = {
+    "type": "object",
+    "required": ["id", "object", "choices"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"type": "string"},
+        "choices": {"type": "array"},
+        "usage": {"type": ["object", "null"]},
+    },
+}
 
 
 def error_responses(*statuses: int) -> dict:
     """OpenAPI `responses` for these error statuses, each in OpenAI's error shape."""
-    return {s: {"description": APIError.TYPES[s], "content": {"application/json": {"schema": ERROR_SCHEMA}}} for s in statuses}
+    return {
+        s: {"description": APIError.TYPES[s], "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+        for s in statuses
+    }
 
 
 def post_route_doc(body: dict) -> dict:
     """The OpenAPI description of a POST route taking `body` (FastAPI's add_api_route keywords)."""
-    return dict(openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
-                responses={200: {"description": "the completion (JSON), or server-sent events with stream: true",
-                                 "content": {"application/json": {"schema": REPLY_SCHEMA}, "text/event-stream": {}}},
-                           **error_responses(400, 401, 404, 413, 429, 500, 503, 504)})
+    return dict(
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
+        responses={
+            200: {
+                "description": "the completion (JSON), or server-sent events with stream: true",
+                "content": {"application/json": {"schema": REPLY_SCHEMA}, "text/event-stream": {}},
+            },
+            **error_responses(400, 401, 404, 413, 429, 500, 503, 504),
+        },
+    )

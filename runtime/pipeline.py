@@ -33,8 +33,11 @@ from loopspec.engines.backends import BACKENDS, artifact_engine, cached_onnx_eng
 # what a pair's target computes with on the torch and onnxruntime backends (loopspec/precisions.py);
 # "auto" picks the fastest this backend has for this target (`resolve_precision`). Artifact
 # directories may also hold modelopt-quantized engines (ARTIFACT_PRECISIONS).
-PRECISIONS = ("auto",) + tuple(name for name in precision_names(weights=("fp32", "gguf"))
-                               if {"torch", "onnxruntime"} & set(REGISTRY[name].backends))
+PRECISIONS = ("auto",) + tuple(
+    name
+    for name in precision_names(weights=("fp32", "gguf"))
+    if {"torch", "onnxruntime"} & set(REGISTRY[name].backends)
+)
 ARTIFACT_PRECISIONS = precision_names(weights=("modelopt",))
 
 
@@ -82,20 +85,31 @@ class Pipeline:
     def describe_engine(self) -> str:
         return f"{self.engine_name} ({describe_precision(self.engine.precision)})"
 
-    def on_backend(self, backend: str, max_context: int | None = None, num_threads: int | None = None,
-                   precision: str = "auto") -> "Pipeline":
+    def on_backend(
+        self, backend: str, max_context: int | None = None, num_threads: int | None = None, precision: str = "auto"
+    ) -> "Pipeline":
         """The same pair (tokenizer, weights, drafter) on another engine: torch, or onnxruntime over
         the pair's cached export in `precision`. Used to compare engines in one process."""
         if self.target is None or backend not in ("torch", "onnxruntime"):
-            raise LoopspecError(f"cannot run this pipeline on backend {backend!r} as well: comparing engines needs "
-                                "the target's weights and one of torch, onnxruntime")
+            raise LoopspecError(
+                f"cannot run this pipeline on backend {backend!r} as well: comparing engines needs "
+                "the target's weights and one of torch, onnxruntime"
+            )
         precision = resolve_precision(precision, backend, self.target_source)
         if (backend, precision) == (self.backend, self.engine.precision):
             return self
         max_context = max_context or self.engine.max_context
         if backend == "onnxruntime":
-            engine = cached_ort_engine(self.target, self.drafter, self.target_dir, self.drafter_dir, max_context,
-                                       num_threads, precision, self.target_source)
+            engine = cached_ort_engine(
+                self.target,
+                self.drafter,
+                self.target_dir,
+                self.drafter_dir,
+                max_context,
+                num_threads,
+                precision,
+                self.target_source,
+            )
         else:
             engine = torch_engine(self.target, self.drafter, max_context, num_threads)
         return dataclasses.replace(self, engine=engine, step_costs_file=None)  # a table is one engine's
@@ -111,8 +125,14 @@ class Pipeline:
         those of loopspec.settings.resolve_settings (loopspec.settings.KNOBS: block_size,
         gate_threshold, max_stages, tree_budget, suffix, ...). A user's tune result for a shipped
         drafter wins over the setting shipped with it (loopspec/tuned.py)."""
-        return resolve_settings(method, self.engine.drafter_cfg, engine=self.tuning_key,
-                                chains_only=self.engine.chains_only, tuned=self.user_tuned, **knobs)
+        return resolve_settings(
+            method,
+            self.engine.drafter_cfg,
+            engine=self.tuning_key,
+            chains_only=self.engine.chains_only,
+            tuned=self.user_tuned,
+            **knobs,
+        )
 
     @functools.cached_property
     def step_costs(self) -> StepCosts | None:
@@ -154,8 +174,11 @@ class Pipeline:
         return chat_ids(self.tokenizer, messages)
 
     def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode([t for t in tokens if t not in self.stop_token_ids], skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            [t for t in tokens if t not in self.stop_token_ids],
+            skip_special_tokens=False,
+            clean_up_tokenization_spaces=False,
+        )
 
     @functools.cached_property
     def grammars(self) -> Grammars:
@@ -166,18 +189,40 @@ class Pipeline:
         """A new row's grammar state for `grammar` (runtime/constraint.py)."""
         return self.grammars.constraint(grammar)
 
-    def run(self, prompt_ids: list[int], settings: DecodingSettings, *, max_new_tokens: int = 128,
-            params: SamplingParams = SamplingParams(), seed: int = 0,
-            on_tokens: Callable[[list[int]], None] | None = None, grammar: GrammarSpec | None = None) -> GenerationResult:
+    def run(
+        self,
+        prompt_ids: list[int],
+        settings: DecodingSettings,
+        *,
+        max_new_tokens: int = 128,
+        params: SamplingParams = SamplingParams(),
+        seed: int = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        grammar: GrammarSpec | None = None,
+    ) -> GenerationResult:
         """Decode one prompt with `settings` (from `settings()`); `grammar`: structured output."""
         settings.check_sampling(params.greedy)
-        return generate(self.engine, prompt_ids, settings, max_new_tokens=max_new_tokens, params=params, seed=seed,
-                        stop_token_ids=self.stop_token_ids, pacing=self.pacing(settings), on_tokens=on_tokens,
-                        constraint=None if grammar is None else self.constraint(grammar))
+        return generate(
+            self.engine,
+            prompt_ids,
+            settings,
+            max_new_tokens=max_new_tokens,
+            params=params,
+            seed=seed,
+            stop_token_ids=self.stop_token_ids,
+            pacing=self.pacing(settings),
+            on_tokens=on_tokens,
+            constraint=None if grammar is None else self.constraint(grammar),
+        )
 
 
-def resolve_backend(backend: str, device: str = "cpu", cuda_graphs: bool | None = None,
-                    onnx_dir: str | Path | None = None, trt_dir: str | Path | None = None) -> str:
+def resolve_backend(
+    backend: str,
+    device: str = "cpu",
+    cuda_graphs: bool | None = None,
+    onnx_dir: str | Path | None = None,
+    trt_dir: str | Path | None = None,
+) -> str:
     """'auto' → the default: the backend of the artifacts named (--trt-dir, --onnx-dir); PyTorch
     on a GPU or with CUDA graphs; ONNX Runtime on the CPU when its extra is installed, else PyTorch."""
     if backend != "auto":
@@ -261,15 +306,19 @@ class EngineChoice:
         if backend == "onnxruntime" and (self.device != "cpu" or self.cuda_graphs):
             raise LoopspecError("the onnxruntime backend runs on the CPU here (use --device cpu, no CUDA graphs)")
         if (backend == "tensorrt") != (self.trt_dir is not None):
-            raise LoopspecError("--backend tensorrt runs the plans of --trt-dir DIR (built by `loopspec convert trt`), "
-                                "and --trt-dir needs --backend tensorrt")
+            raise LoopspecError(
+                "--backend tensorrt runs the plans of --trt-dir DIR (built by `loopspec convert trt`), "
+                "and --trt-dir needs --backend tensorrt"
+            )
         if self.precision not in PRECISIONS and not (self.from_artifacts and self.precision in ARTIFACT_PRECISIONS):
             raise LoopspecError(f"unknown precision {self.precision!r} (choose from {', '.join(PRECISIONS)})")
         if self.step_costs is not None:
             StepCosts.load(self.step_costs)  # a table that cannot be one is refused before anything loads
         if self.from_artifacts and self.mask_token_id is not None:
-            raise LoopspecError("--mask-token-id is for a drafter loaded from its checkpoint; an exported engine "
-                                "directory carries its mask token")
+            raise LoopspecError(
+                "--mask-token-id is for a drafter loaded from its checkpoint; an exported engine "
+                "directory carries its mask token"
+            )
         if not self.from_artifacts:
             object.__setattr__(self, "target", TargetSource.of(self.target))
             self._fit_backend_to_target(chosen)
@@ -315,10 +364,19 @@ class EngineChoice:
         return self.target.display_name
 
 
-def load_pipeline(target: TargetSource | str = "default", drafter: str | None = "default", max_context: int | None = None,
-                  mask_token_id: int | None = None, num_threads: int | None = None, device: str = "cpu",
-                  cuda_graphs: bool | None = None, backend: str = "auto", onnx_dir: str | Path | None = None,
-                  trt_dir: str | Path | None = None, precision: str = "auto") -> Pipeline:
+def load_pipeline(
+    target: TargetSource | str = "default",
+    drafter: str | None = "default",
+    max_context: int | None = None,
+    mask_token_id: int | None = None,
+    num_threads: int | None = None,
+    device: str = "cpu",
+    cuda_graphs: bool | None = None,
+    backend: str = "auto",
+    onnx_dir: str | Path | None = None,
+    trt_dir: str | Path | None = None,
+    precision: str = "auto",
+) -> Pipeline:
     """The pipeline of an `EngineChoice` given as keywords (`open_pipeline` takes the value).
 
     target: 'default' | checkpoint dir | .gguf; drafter: 'default' | dir | 'none'. device: where the
@@ -332,10 +390,21 @@ def load_pipeline(target: TargetSource | str = "default", drafter: str | None = 
     artifacts in onnx_dir / trt_dir carry their own, which an explicit precision must name. The engine
     has one batch row; `Pipeline.with_rows` gives more. A max_context or num_threads that is not a
     positive integer raises InvalidValue (a ValueError)."""
-    return open_pipeline(EngineChoice(target=target, drafter=drafter, backend=backend, precision=precision,
-                                      device=device, max_context=max_context, threads=num_threads,
-                                      cuda_graphs=cuda_graphs, onnx_dir=onnx_dir, trt_dir=trt_dir,
-                                      mask_token_id=mask_token_id))
+    return open_pipeline(
+        EngineChoice(
+            target=target,
+            drafter=drafter,
+            backend=backend,
+            precision=precision,
+            device=device,
+            max_context=max_context,
+            threads=num_threads,
+            cuda_graphs=cuda_graphs,
+            onnx_dir=onnx_dir,
+            trt_dir=trt_dir,
+            mask_token_id=mask_token_id,
+        )
+    )
 
 
 def open_pipeline(choice: EngineChoice) -> Pipeline:
@@ -344,8 +413,10 @@ def open_pipeline(choice: EngineChoice) -> Pipeline:
         directory = Path(choice.onnx_dir if choice.onnx_dir is not None else choice.trt_dir)
         engine = artifact_engine(choice.backend, directory, choice.max_context, choice.threads)
         if choice.precision not in ("auto", engine.precision):
-            raise LoopspecError(f"{directory} holds {engine.precision} engines, not {choice.precision} "
-                                "(artifacts carry their precision: drop --precision or export again)")
+            raise LoopspecError(
+                f"{directory} holds {engine.precision} engines, not {choice.precision} "
+                "(artifacts carry their precision: drop --precision or export again)"
+            )
         return dataclasses.replace(artifact_pipeline(engine, directory), step_costs_file=_path(choice.step_costs))
     target = choice.target
     precision = resolve_precision(choice.precision, choice.backend, target)
@@ -359,13 +430,23 @@ def open_pipeline(choice: EngineChoice) -> Pipeline:
         model = model.to(device)
         draft_model = draft_model.to(device) if draft_model is not None else None
     if choice.backend == "onnxruntime":
-        engine = cached_ort_engine(model, draft_model, pair.target_dir, pair.drafter_dir, choice.max_context,
-                                   choice.threads, precision, target)
+        engine = cached_ort_engine(
+            model, draft_model, pair.target_dir, pair.drafter_dir, choice.max_context, choice.threads, precision, target
+        )
     else:
         engine = torch_engine(model, draft_model, choice.max_context, choice.threads, cuda_graphs=cuda_graphs)
-    return Pipeline(tokenizer=pair.tokenizer, target_dir=pair.target_dir, drafter_dir=pair.drafter_dir, target=model,
-                    drafter=draft_model, engine=engine, drafter_description=pair.drafter_description,
-                    stop_token_ids=pair.stop_token_ids, target_source=target, step_costs_file=_path(choice.step_costs))
+    return Pipeline(
+        tokenizer=pair.tokenizer,
+        target_dir=pair.target_dir,
+        drafter_dir=pair.drafter_dir,
+        target=model,
+        drafter=draft_model,
+        engine=engine,
+        drafter_description=pair.drafter_description,
+        stop_token_ids=pair.stop_token_ids,
+        target_source=target,
+        step_costs_file=_path(choice.step_costs),
+    )
 
 
 def _path(value: str | Path | None) -> Path | None:
@@ -376,16 +457,31 @@ def artifact_pipeline(engine: Engine, directory: Path) -> Pipeline:
     """The pipeline around an engine that runs from an artifact directory (its tokenizer and configs)."""
     tokenizer = load_tokenizer(directory / "target")
     description = f"exported ({directory})" if engine.has_drafter else "none"
-    return Pipeline(tokenizer=tokenizer, target_dir=directory / "target", drafter_dir=None, target=None, drafter=None,
-                    engine=engine, drafter_description=description,
-                    stop_token_ids=stop_token_ids(engine.target_cfg, tokenizer))
+    return Pipeline(
+        tokenizer=tokenizer,
+        target_dir=directory / "target",
+        drafter_dir=None,
+        target=None,
+        drafter=None,
+        engine=engine,
+        drafter_description=description,
+        stop_token_ids=stop_token_ids(engine.target_cfg, tokenizer),
+    )
 
 
-def cached_ort_engine(model: Target, draft_model: Drafter | None, target_dir: Path, drafter_dir: Path | None,
-                      max_context: int | None, num_threads: int | None, precision: str = "fp32",
-                      target: TargetSource | str | None = None) -> Engine:
+def cached_ort_engine(
+    model: Target,
+    draft_model: Drafter | None,
+    target_dir: Path,
+    drafter_dir: Path | None,
+    max_context: int | None,
+    num_threads: int | None,
+    precision: str = "fp32",
+    target: TargetSource | str | None = None,
+) -> Engine:
     """The pair's cached ONNX export in `precision` (engines/backends.py); a gguf-* precision reads
     the blocks of `target`'s GGUF ('default' or a .gguf file; a name is resolved)."""
     gguf_path = TargetSource.of(target).require_gguf("the GGUF block precisions") if precision != "fp32" else None
-    return cached_onnx_engine(model, draft_model, target_dir, drafter_dir, max_context, num_threads, precision,
-                              gguf_path)
+    return cached_onnx_engine(
+        model, draft_model, target_dir, drafter_dir, max_context, num_threads, precision, gguf_path
+    )

@@ -105,8 +105,14 @@ def gate_score(gate: str, logprobs: torch.Tensor, confidence: torch.Tensor | Non
     return float(logprobs[:, 0].sum())
 
 
-def draft_round(engine: Engine, settings: DecodingSettings, anchors: list[int], positions: list[int],
-                budgets: list[int], sampling: list | None = None) -> list[Drafted]:
+def draft_round(
+    engine: Engine,
+    settings: DecodingSettings,
+    anchors: list[int],
+    positions: list[int],
+    budgets: list[int],
+    sampling: list | None = None,
+) -> list[Drafted]:
     """Draft stages for one verification of rows 0..B-1 (DLoop: the gate decides each next stage) → what each row drafted (at most
     `budget` depths). A row with budget 0 drafts nothing.
 
@@ -140,8 +146,13 @@ def draft_round(engine: Engine, settings: DecodingSettings, anchors: list[int], 
         for b in live:  # a stage that would run past the context is shorter; those go together
             by_size.setdefault(min(k, max_context - positions[b]), []).append(b)
         for size, group in by_size.items():
-            stage = engine.draft(group, [anchors[b] for b in group], [positions[b] for b in group], size,
-                                 **({"sampling": [sampling[b] for b in group]} if sampling is not None else {}))
+            stage = engine.draft(
+                group,
+                [anchors[b] for b in group],
+                [positions[b] for b in group],
+                size,
+                **({"sampling": [sampling[b] for b in group]} if sampling is not None else {}),
+            )
             drafts, logprobs, hidden = stage  # [R, size-first, C] ids and log-probs, [R, size, H]
             confidence = stage.confidence  # [R, size-first], None without a confidence head
             for i, b in enumerate(group):
@@ -153,10 +164,13 @@ def draft_round(engine: Engine, settings: DecodingSettings, anchors: list[int], 
                 drafted = sum(d.shape[0] for d, _, _ in stages[b])
                 # the last draft sits at the anchor's position + the stage's drafts
                 next_position = positions[b] + drafts.shape[1]
-                if (len(stages[b]) >= settings.max_stages or drafted >= budgets[b]
-                        or max_context - next_position < k
-                        or gate_score(settings.gate, logprobs[i], None if confidence is None else confidence[i])
-                        < settings.gate_threshold):
+                if (
+                    len(stages[b]) >= settings.max_stages
+                    or drafted >= budgets[b]
+                    or max_context - next_position < k
+                    or gate_score(settings.gate, logprobs[i], None if confidence is None else confidence[i])
+                    < settings.gate_threshold
+                ):
                     continue
                 going.append(b)
                 # the pseudo-feature of position p is the state that drafted p+1 (the target's tap at p
@@ -178,18 +192,27 @@ def draft_round(engine: Engine, settings: DecodingSettings, anchors: list[int], 
         for d, _, _ in row_stages:  # at most `budget` depths in all
             sizes.append(min(d.shape[0], left))
             left -= sizes[-1]
-        confidence = (torch.cat([c for _, _, c in row_stages])[:n] if all(c is not None for _, _, c in row_stages)
-                      else None)
+        confidence = (
+            torch.cat([c for _, _, c in row_stages])[:n] if all(c is not None for _, _, c in row_stages) else None
+        )
         candidates = torch.cat([d for d, _, _ in row_stages])[:n]
         lattice = Lattice.join(row_lattices, candidates[:, 0].tolist(), n) if row_lattices else None
-        out.append(Drafted(candidates, torch.cat([lp for _, lp, _ in row_stages])[:n],
-                           [m for m in sizes if m], confidence, torch.cat(row_q)[:n] if row_q else None,
-                           lattice=lattice))
+        out.append(
+            Drafted(
+                candidates,
+                torch.cat([lp for _, lp, _ in row_stages])[:n],
+                [m for m in sizes if m],
+                confidence,
+                torch.cat(row_q)[:n] if row_q else None,
+                lattice=lattice,
+            )
+        )
     return out
 
 
-def dynamic_round(engine: Engine, settings: DecodingSettings, anchors: list[int], positions: list[int],
-                  budgets: list[int]) -> list[Drafted]:
+def dynamic_round(
+    engine: Engine, settings: DecodingSettings, anchors: list[int], positions: list[int], budgets: list[int]
+) -> list[Drafted]:
     """EAGLE-2's dynamic tree for rows 0..B-1 (settings.dynamic_tree): each row with a budget grows
     one of min(its depth, budget) steps (rows of one depth share the drafter's forwards) → Drafted
     carrying every node grown, and each depth's best nodes as its candidates."""
@@ -200,8 +223,9 @@ def dynamic_round(engine: Engine, settings: DecodingSettings, anchors: list[int]
         if n > 0:
             by_depth.setdefault(min(shape.depth, n), []).append(b)
     for depth, group in by_depth.items():
-        grown = engine.draft_dynamic(group, [anchors[b] for b in group], [positions[b] for b in group],
-                                     shape.top_k, depth)
+        grown = engine.draft_dynamic(
+            group, [anchors[b] for b in group], [positions[b] for b in group], shape.top_k, depth
+        )
         for b, tree in zip(group, grown):
             candidates, logprobs = tree.ranked_candidates(C)
             out[b] = Drafted(candidates, logprobs, [depth], dynamic=tree)
@@ -247,29 +271,43 @@ def check_engine_runs(engine: Engine, settings: DecodingSettings) -> None:
         raise LoopspecError(f"{settings.method} needs a drafter")
     if engine.chains_only and settings.verifies_trees:
         target = engine.target_cfg
-        why = (f"a {target.family} target's linear-attention state follows one path"
-               if target.linear_attention is not None else f"its arithmetic is not order-exact: {engine.precision}")
-        raise LoopspecError(f"this engine verifies chains exactly, not trees ({why}): "
-                            "use --tree-budget 0 --no-suffix, or --method suffix")
+        why = (
+            f"a {target.family} target's linear-attention state follows one path"
+            if target.linear_attention is not None
+            else f"its arithmetic is not order-exact: {engine.precision}"
+        )
+        raise LoopspecError(
+            f"this engine verifies chains exactly, not trees ({why}): "
+            "use --tree-budget 0 --no-suffix, or --method suffix"
+        )
     drafts = settings.uses_drafter and engine.has_drafter
     if drafts and settings.suffix_then_draft and not engine.drafter_cfg.kind.drafts_past_a_gap:
-        raise LoopspecError(f"an {engine.drafter_cfg.kind.title} drafter drafts from the end of its context only: "
-                            "drop --suffix-then-draft")
+        raise LoopspecError(
+            f"an {engine.drafter_cfg.kind.title} drafter drafts from the end of its context only: "
+            "drop --suffix-then-draft"
+        )
     if settings.gate == "confidence" and not (engine.has_drafter and engine.drafter_cfg.kind.estimates_acceptance):
-        raise LoopspecError("the confidence gate needs a drafter with a confidence head (a DSpark drafter); "
-                            "use --gate logprob")
+        raise LoopspecError(
+            "the confidence gate needs a drafter with a confidence head (a DSpark drafter); use --gate logprob"
+        )
     if settings.dynamic_tree is not None and not (engine.has_drafter and engine.drafter_cfg.kind.grows_dynamic_trees):
-        raise LoopspecError(f"--tree-kind dynamic grows the tree one drafter step per depth, each node under its own "
-                            f"path (EAGLE-3 drafters); the {engine.drafter_cfg.kind.title} drafter drafts its block "
-                            "in one forward: use --tree-kind best-first")
+        raise LoopspecError(
+            f"--tree-kind dynamic grows the tree one drafter step per depth, each node under its own "
+            f"path (EAGLE-3 drafters); the {engine.drafter_cfg.kind.title} drafter drafts its block "
+            "in one forward: use --tree-kind best-first"
+        )
     if settings.dynamic_tree is not None and not engine.grows_dynamic_trees:
-        raise LoopspecError(f"--tree-kind dynamic runs on the torch engine only (the {engine.backend} engine's "
-                            "EAGLE-3 graphs step one entry per row, without tree attention): use --backend torch, "
-                            "or --tree-kind best-first")
+        raise LoopspecError(
+            f"--tree-kind dynamic runs on the torch engine only (the {engine.backend} engine's "
+            "EAGLE-3 graphs step one entry per row, without tree attention): use --backend torch, "
+            "or --tree-kind best-first"
+        )
     if settings.draft_sampling == "drafter" and not engine.samples_drafts:
-        raise LoopspecError(f"draft sampling 'drafter' needs the drafter's whole distribution, which the "
-                            f"{engine.backend} engine's drafter does not return (it returns its top "
-                            "candidates): use --backend torch, or --draft-sampling walk")
+        raise LoopspecError(
+            f"draft sampling 'drafter' needs the drafter's whole distribution, which the "
+            f"{engine.backend} engine's drafter does not return (it returns its top "
+            "candidates): use --backend torch, or --draft-sampling walk"
+        )
 
 
 def plan_row(row, settings: DecodingSettings, engine: Engine, max_drafts: int, cap: int) -> RowPlan:
@@ -286,8 +324,11 @@ def plan_row(row, settings: DecodingSettings, engine: Engine, max_drafts: int, c
     wanted = max(0, min(max_drafts, left, room)) if settings.drafting else 0
     depth = min(wanted, cap)
     index = row.suffix_index
-    copy = (index.continuation(depth)
-            if settings.suffix_first and depth and index.match_length() >= settings.suffix_first else None)
+    copy = (
+        index.continuation(depth)
+        if settings.suffix_first and depth and index.match_length() >= settings.suffix_first
+        else None
+    )
     extends = bool(copy) and settings.suffix_then_draft
     stage_drafts = engine.drafter_cfg.drafts_per_block(settings.block_size) if settings.uses_drafter else 0
     if not settings.uses_drafter or (copy is not None and not extends):
@@ -296,11 +337,21 @@ def plan_row(row, settings: DecodingSettings, engine: Engine, max_drafts: int, c
         budget = max(0, min(stage_drafts, room - len(copy), left - len(copy)))
     else:
         budget = depth
-    return RowPlan(root=row.tokens[-1], root_position=row.position, room=room, wanted=wanted, depth=depth,
-                   copy=copy, extends=extends, stage_anchor=copy[-1] if extends else row.tokens[-1],
-                   stage_position=row.position + (len(copy) if extends else 0), drafter_budget=budget,
-                   suffix=index.continuation(depth) if copy is None and settings.suffix_branch and depth else [],
-                   uses_drafter=settings.uses_drafter, stage_drafts=stage_drafts)
+    return RowPlan(
+        root=row.tokens[-1],
+        root_position=row.position,
+        room=room,
+        wanted=wanted,
+        depth=depth,
+        copy=copy,
+        extends=extends,
+        stage_anchor=copy[-1] if extends else row.tokens[-1],
+        stage_position=row.position + (len(copy) if extends else 0),
+        drafter_budget=budget,
+        suffix=index.continuation(depth) if copy is None and settings.suffix_branch and depth else [],
+        uses_drafter=settings.uses_drafter,
+        stage_drafts=stage_drafts,
+    )
 
 
 def drafter_sampling(rows, settings: DecodingSettings) -> list | None:
@@ -322,13 +373,28 @@ def row_tree(plan: RowPlan, drafted: Drafted, settings: DecodingSettings, tree_s
         for token in drafted.candidates[:, 0].tolist():  # empty unless the drafter extends the copy
             node = tree.add(node, token, from_drafter=True)
         return tree
-    tree = draft_tree(plan.root, drafted.candidates, drafted.logprobs, drafted.stage_sizes,
-                      tree_budget=settings.tree_budget, suffix=plan.suffix, max_nodes=plan.room,
-                      dynamic=drafted.dynamic, lattice=drafted.lattice)
+    tree = draft_tree(
+        plan.root,
+        drafted.candidates,
+        drafted.logprobs,
+        drafted.stage_sizes,
+        tree_budget=settings.tree_budget,
+        suffix=plan.suffix,
+        max_nodes=plan.room,
+        dynamic=drafted.dynamic,
+        lattice=drafted.lattice,
+    )
     first = plan.root_position
     if tree_span and not tree.is_chain and first // tree_span != (first + len(tree) - 1) // tree_span:
         # the tree's slots straddle a block of the engine's value product (engines/protocol.py):
         # this round verifies the drafter's chain, which sits where plain decoding puts it
-        tree = draft_tree(plan.root, drafted.candidates, drafted.logprobs, drafted.stage_sizes,
-                          tree_budget=0, suffix=[], max_nodes=plan.room)
+        tree = draft_tree(
+            plan.root,
+            drafted.candidates,
+            drafted.logprobs,
+            drafted.stage_sizes,
+            tree_budget=0,
+            suffix=[],
+            max_nodes=plan.room,
+        )
     return tree

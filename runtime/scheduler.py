@@ -92,17 +92,17 @@ class TextTail:
             hits = [i for i in (text.find(s, start, decoded) for s in self.stop) if i >= 0]
             if hits:
                 end = max(min(hits), self.sent)
-                out, self.sent = text[self.sent:end], end
+                out, self.sent = text[self.sent : end], end
                 return out, True
         end = decoded
         hold = 0  # the longest unreleased tail that may still grow into a stop string
         for s in self.stop if not final else ():
             for n in range(min(len(s) - 1, end - self.sent), hold, -1):
-                if text[end - n:end] == s[:n]:
+                if text[end - n : end] == s[:n]:
                     hold = n
                     break
         end -= hold
-        out, self.sent = text[self.sent:end], max(self.sent, end)
+        out, self.sent = text[self.sent : end], max(self.sent, end)
         return out, False
 
     def flush(self) -> tuple[str, bool]:
@@ -112,8 +112,15 @@ class TextTail:
 
 
 class Scheduler:
-    def __init__(self, decoder: Decoder, decode_text: Callable[[list[int]], str], *,
-                 stop_token_ids: frozenset[int] = frozenset(), max_queue: int = 64, metrics: Metrics | None = None):
+    def __init__(
+        self,
+        decoder: Decoder,
+        decode_text: Callable[[list[int]], str],
+        *,
+        stop_token_ids: frozenset[int] = frozenset(),
+        max_queue: int = 64,
+        metrics: Metrics | None = None,
+    ):
         if max_queue < 1:
             raise LoopspecError(f"max queue must be >= 1, got {max_queue}")
         self.decoder, self.decode_text, self.stop_token_ids = decoder, decode_text, frozenset(stop_token_ids)
@@ -190,10 +197,16 @@ class Scheduler:
     def _admit(self, request: Request) -> None:
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         try:
-            row, first = self.decoder.admit(request, request.prompt_ids, max_new_tokens=request.max_tokens,
-                                            params=request.params, seed=seed, stop_token_ids=self.stop_token_ids,
-                                            constraint=request.constraint,
-                                            scope=request.scope)
+            row, first = self.decoder.admit(
+                request,
+                request.prompt_ids,
+                max_new_tokens=request.max_tokens,
+                params=request.params,
+                seed=seed,
+                stop_token_ids=self.stop_token_ids,
+                constraint=request.constraint,
+                scope=request.scope,
+            )
         except LoopspecError as e:
             self._fail(request, 400, str(e))
             return
@@ -255,8 +268,11 @@ class Scheduler:
         if finish:
             del self._active[request]
             request.finished = True
-            usage = {"prompt_tokens": len(request.prompt_ids), "completion_tokens": request.completion_tokens,
-                     "total_tokens": len(request.prompt_ids) + request.completion_tokens}
+            usage = {
+                "prompt_tokens": len(request.prompt_ids),
+                "completion_tokens": request.completion_tokens,
+                "total_tokens": len(request.prompt_ids) + request.completion_tokens,
+            }
             with self.metrics.lock:
                 self.metrics.requests["completed"] += 1
                 self.metrics.latency.observe(now - request.arrived)

@@ -38,9 +38,18 @@ from loopspec.settings import DecodingSettings
 from loopspec.runtime.constraint import GrammarError
 from loopspec.runtime.decoder import Decoder
 from loopspec.runtime.metrics import Metrics
-from loopspec.runtime.openai_api import (CHAT_BODY, COMPLETION_BODY, APIError, RequestOptions, chat_prompt,
-                                         completion_prompt, error_responses, json_depth, parse_options,
-                                         post_route_doc)
+from loopspec.runtime.openai_api import (
+    CHAT_BODY,
+    COMPLETION_BODY,
+    APIError,
+    RequestOptions,
+    chat_prompt,
+    completion_prompt,
+    error_responses,
+    json_depth,
+    parse_options,
+    post_route_doc,
+)
 from loopspec.runtime.scheduler import Event, QueueFull, Request, Scheduler
 
 try:  # the serve extra (fastapi brings starlette); FastAPI reads the handlers' parameter type
@@ -75,14 +84,24 @@ class ServeConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise LoopspecError(f"ServeConfig.{name} must be a finite number of seconds > 0, got {value!r}")
-        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_json_depth", "max_tokens_limit",
-                     "default_max_tokens", "max_stop_strings"):
+        for name in (
+            "max_batch_size",
+            "max_queue",
+            "max_body_bytes",
+            "max_json_depth",
+            "max_tokens_limit",
+            "default_max_tokens",
+            "max_stop_strings",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= (0 if name == "max_stop_strings" else 1)):
-                raise LoopspecError(f"ServeConfig.{name} must be an integer >= "
-                                    f"{0 if name == 'max_stop_strings' else 1}, got {value!r}")
+                raise LoopspecError(
+                    f"ServeConfig.{name} must be an integer >= {0 if name == 'max_stop_strings' else 1}, got {value!r}"
+                )
         if self.prefill_chunk is not None and not (isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 1):
-            raise LoopspecError(f"ServeConfig.prefill_chunk must be an integer >= 1 or None, got {self.prefill_chunk!r}")
+            raise LoopspecError(
+                f"ServeConfig.prefill_chunk must be an integer >= 1 or None, got {self.prefill_chunk!r}"
+            )
         if not isinstance(self.api_keys, tuple):
             raise LoopspecError(f"ServeConfig.api_keys must be a tuple of strings, got {type(self.api_keys).__name__}")
         for i, key in enumerate(self.api_keys):
@@ -103,8 +122,9 @@ def authorize(http: "HTTPRequest", keys: tuple[str, ...]) -> int | None:
         if hmac.compare_digest(token, key.encode()) and found is None:
             found = i
     if found is None:
-        raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'",
-                       code="invalid_api_key")
+        raise APIError(
+            401, "a valid API key is required: send the header 'Authorization: Bearer KEY'", code="invalid_api_key"
+        )
     return found
 
 
@@ -152,15 +172,19 @@ async def read_body(http: HTTPRequest, state: ServerState) -> dict:
     config = state.config
     declared = http.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {config.max_body_bytes}",
-                       code="request_too_large")
+        raise APIError(
+            413,
+            f"request body of {declared} bytes exceeds the limit of {config.max_body_bytes}",
+            code="request_too_large",
+        )
     chunks, size = [], 0
     try:
         async for chunk in http.stream():
             size += len(chunk)
             if size > config.max_body_bytes:
-                raise APIError(413, f"request body exceeds the limit of {config.max_body_bytes} bytes",
-                               code="request_too_large")
+                raise APIError(
+                    413, f"request body exceeds the limit of {config.max_body_bytes} bytes", code="request_too_large"
+                )
             chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone() from None
@@ -173,8 +197,9 @@ async def read_body(http: HTTPRequest, state: ServerState) -> dict:
     except UnicodeDecodeError as e:
         raise APIError(400, f"the body is not UTF-8 JSON (byte {e.start} is not UTF-8)", code="invalid_json") from None
     except RecursionError:
-        raise APIError(400, f"the JSON body nests deeper than {config.max_json_depth} levels",
-                       code="invalid_json") from None
+        raise APIError(
+            400, f"the JSON body nests deeper than {config.max_json_depth} levels", code="invalid_json"
+        ) from None
     except ValueError as e:
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -183,22 +208,34 @@ async def read_body(http: HTTPRequest, state: ServerState) -> dict:
         raise APIError(400, f"the JSON body nests deeper than {config.max_json_depth} levels", code="invalid_json")
     model = body.get("model")
     if model is not None and model != state.model_name:
-        raise APIError(404, f"the model {model!r} does not exist (this server serves {state.model_name!r})",
-                       "model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist (this server serves {state.model_name!r})",
+            "model",
+            code="model_not_found",
+        )
     return body
 
 
 def token_budget(state: ServerState, prompt_ids: list[int], options: RequestOptions) -> int:
     max_context = state.max_context
     if len(prompt_ids) >= max_context:
-        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_context} "
-                            f"tokens and the prompt must leave room for one", "messages/prompt",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_context} "
+            f"tokens and the prompt must leave room for one",
+            "messages/prompt",
+            code="context_length_exceeded",
+        )
     room = max_context - len(prompt_ids)
     if options.max_tokens is not None and options.max_tokens > room:
-        raise APIError(400, f"this model's context is {max_context} tokens; {len(prompt_ids)} in the prompt "
-                            f"+ max_tokens {options.max_tokens} exceed it", "max_tokens",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"this model's context is {max_context} tokens; {len(prompt_ids)} in the prompt "
+            f"+ max_tokens {options.max_tokens} exceed it",
+            "max_tokens",
+            code="context_length_exceeded",
+        )
     return options.max_tokens or min(state.config.default_max_tokens, room)
 
 
@@ -208,8 +245,12 @@ def request_constraint(state: ServerState, options: RequestOptions):
     if grammar is None:
         return None
     if state.config.settings.draft_sampling == "drafter" and not options.params.greedy:
-        raise APIError(400, f"{grammar.param} needs drafts verified by the walk; this server samples drafts from "
-                            "the drafter (serve with --draft-sampling walk, or send temperature 0)", grammar.param)
+        raise APIError(
+            400,
+            f"{grammar.param} needs drafts verified by the walk; this server samples drafts from "
+            "the drafter (serve with --draft-sampling walk, or send temperature 0)",
+            grammar.param,
+        )
     try:
         return state.pipeline.constraint(grammar)
     except GrammarError as e:
@@ -235,14 +276,27 @@ async def _disconnected(http: HTTPRequest) -> None:
         pass
 
 
-async def respond(http: HTTPRequest, state: ServerState, prompt_ids: list[int], options: RequestOptions, chat: bool,
-                  scope: tuple = (None, None)):
+async def respond(
+    http: HTTPRequest,
+    state: ServerState,
+    prompt_ids: list[int],
+    options: RequestOptions,
+    chat: bool,
+    scope: tuple = (None, None),
+):
     scheduler = state.scheduler
     events = _EventQueue(asyncio.get_running_loop())
-    request = Request(prompt_ids=prompt_ids, max_tokens=token_budget(state, prompt_ids, options), on_event=events,
-                      params=options.params, seed=options.seed, stop=options.stop,
-                      timeout_s=state.config.request_timeout_s, constraint=request_constraint(state, options),
-                      scope=scope)
+    request = Request(
+        prompt_ids=prompt_ids,
+        max_tokens=token_budget(state, prompt_ids, options),
+        on_event=events,
+        params=options.params,
+        seed=options.seed,
+        stop=options.stop,
+        timeout_s=state.config.request_timeout_s,
+        constraint=request_constraint(state, options),
+        scope=scope,
+    )
     try:
         scheduler.submit(request)
     except QueueFull as e:
@@ -253,8 +307,10 @@ async def respond(http: HTTPRequest, state: ServerState, prompt_ids: list[int], 
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     kind = "chat.completion" if chat else "text_completion"
     if options.stream:
-        return _SSE(_stream(events.queue, rid, kind, chat, options.include_usage, state.model_name),
-                    on_close=lambda: request.finished or scheduler.cancel(request))
+        return _SSE(
+            _stream(events.queue, rid, kind, chat, options.include_usage, state.model_name),
+            on_close=lambda: request.finished or scheduler.cancel(request),
+        )
     result, gone = asyncio.ensure_future(_collect(events.queue)), asyncio.ensure_future(_disconnected(http))
     await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
     if not result.done():  # the client gave up: stop decoding for it
@@ -265,11 +321,20 @@ async def respond(http: HTTPRequest, state: ServerState, prompt_ids: list[int], 
     text, event = result.result()
     if event.kind == "error":
         raise APIError(event.status, event.message, counted=True)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-              else {"index": 0, "text": text, "logprobs": None})
+    choice = (
+        {"index": 0, "message": {"role": "assistant", "content": text}}
+        if chat
+        else {"index": 0, "text": text, "logprobs": None}
+    )
     choice["finish_reason"] = event.finish_reason
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": state.model_name,
-            "choices": [choice], "usage": event.usage}
+    return {
+        "id": rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": [choice],
+        "usage": event.usage,
+    }
 
 
 async def completions(http: HTTPRequest):
@@ -277,8 +342,14 @@ async def completions(http: HTTPRequest):
     key = authorize(http, state.config.api_keys)
     body = await read_body(http, state)
     options = parse_options(body, state.config, chat=False)
-    return await respond(http, state, completion_prompt(body, state.pipeline), options, chat=False,
-                         scope=request_scope(key, options.user))
+    return await respond(
+        http,
+        state,
+        completion_prompt(body, state.pipeline),
+        options,
+        chat=False,
+        scope=request_scope(key, options.user),
+    )
 
 
 async def chat_completions(http: HTTPRequest):
@@ -286,32 +357,51 @@ async def chat_completions(http: HTTPRequest):
     key = authorize(http, state.config.api_keys)
     body = await read_body(http, state)
     options = parse_options(body, state.config, chat=True)
-    return await respond(http, state, chat_prompt(body, state.pipeline), options, chat=True,
-                         scope=request_scope(key, options.user))
+    return await respond(
+        http, state, chat_prompt(body, state.pipeline), options, chat=True, scope=request_scope(key, options.user)
+    )
 
 
 async def models(http: HTTPRequest):
     state = _state(http)
     authorize(http, state.config.api_keys)
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                        "owned_by": "loopspec", "max_model_len": state.max_context,
-                                        "engine": engine_info(state.pipeline)}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "loopspec",
+                "max_model_len": state.max_context,
+                "engine": engine_info(state.pipeline),
+            }
+        ],
+    }
 
 
 def engine_info(pipeline) -> dict:
     """What the served model computes with: backend, precision and its weights and arithmetic in words."""
     engine = pipeline.engine
-    return {"backend": engine.backend, "precision": engine.precision,
-            "computes_with": describe_precision(engine.precision)}
+    return {
+        "backend": engine.backend,
+        "precision": engine.precision,
+        "computes_with": describe_precision(engine.precision),
+    }
 
 
 async def health(http: HTTPRequest):
     state = _state(http)
     if not state.scheduler.alive:
         return JSONResponse(APIError(503, "the scheduler is not running").body(), status_code=503)
-    return {"status": "ok", "model": state.model_name, "method": state.config.settings.method,
-            "decoding": state.config.settings.to_dict(), "engine": engine_info(state.pipeline),
-            "max_batch_size": state.pipeline.engine.max_rows}
+    return {
+        "status": "ok",
+        "model": state.model_name,
+        "method": state.config.settings.method,
+        "decoding": state.config.settings.to_dict(),
+        "engine": engine_info(state.pipeline),
+        "max_batch_size": state.pipeline.engine.max_rows,
+    }
 
 
 async def prometheus(http: HTTPRequest):
@@ -328,8 +418,11 @@ async def api_error(http, e: APIError):
 async def http_error(http, e):
     """Routing's own errors (404 unknown path, 405 wrong method, ...) in OpenAI's shape, headers kept."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-    return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code,
-                        headers=getattr(e, "headers", None))
+    return JSONResponse(
+        APIError(e.status_code, str(e.detail), code=code).body(),
+        status_code=e.status_code,
+        headers=getattr(e, "headers", None),
+    )
 
 
 async def client_gone(http, e: ClientGone):
@@ -372,11 +465,20 @@ def create_app(pipeline, config: ServeConfig):
     from starlette.exceptions import HTTPException
 
     pipeline = pipeline.with_rows(config.max_batch_size)
-    scheduler = Scheduler(Decoder(pipeline.engine, config.settings, pipeline.pacing(config.settings),
-                                  prefill_chunk=config.prefill_chunk), pipeline.decode,
-                          stop_token_ids=pipeline.stop_token_ids, max_queue=config.max_queue, metrics=Metrics())
-    state = ServerState(pipeline=pipeline, config=config, scheduler=scheduler,
-                        model_name=config.model_name or pipeline.target_dir.name, created=int(time.time()))
+    scheduler = Scheduler(
+        Decoder(pipeline.engine, config.settings, pipeline.pacing(config.settings), prefill_chunk=config.prefill_chunk),
+        pipeline.decode,
+        stop_token_ids=pipeline.stop_token_ids,
+        max_queue=config.max_queue,
+        metrics=Metrics(),
+    )
+    state = ServerState(
+        pipeline=pipeline,
+        config=config,
+        scheduler=scheduler,
+        model_name=config.model_name or pipeline.target_dir.name,
+        created=int(time.time()),
+    )
 
     @asynccontextmanager
     async def lifespan(app):
@@ -394,13 +496,23 @@ def create_app(pipeline, config: ServeConfig):
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], **post_route_doc(CHAT_BODY))
     app.add_api_route("/v1/models", models, methods=["GET"], responses=error_responses(401))
     app.add_api_route("/health", health, methods=["GET"], responses=error_responses(503))
-    app.add_api_route("/metrics", prometheus, methods=["GET"], response_class=PlainTextResponse,
-                      responses={200: {"description": "Prometheus text exposition",
-                                       "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    app.add_api_route(
+        "/metrics",
+        prometheus,
+        methods=["GET"],
+        response_class=PlainTextResponse,
+        responses={
+            200: {
+                "description": "Prometheus text exposition",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+    )
     return app
 
 
 if StreamingResponse is not None:
+
     class _SSE(StreamingResponse):
         """Server-sent events; when the response ends for any reason (the client left included), an
         unfinished request is cancelled."""
@@ -458,20 +570,33 @@ def http_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str =
     _require_fastapi()
     import uvicorn
 
-    from loopspec.runtime.connections import (ConnectionGuard, connection_limit, guarded_protocol,
-                                              install_log_filter, raise_open_file_limit)
+    from loopspec.runtime.connections import (
+        ConnectionGuard,
+        connection_limit,
+        guarded_protocol,
+        install_log_filter,
+        raise_open_file_limit,
+    )
 
     state: ServerState = app.state.server
     limit = connection_limit(state.config.max_connections, raise_open_file_limit())
     guard = ConnectionGuard(limit, state.config.read_timeout_s, state.metrics)
     # ws="none": no WebSocket routes here, and an upgraded connection would leave the guard's keeping
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded_protocol(guard), ws="none",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=guarded_protocol(guard),
+        ws="none",
+        timeout_graceful_shutdown=5,
+    )
     install_log_filter()  # after uvicorn.Config, which configures logging
     return uvicorn.Server(config)
 
 
-def serve(pipeline, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None,
-          log_level: str = "info") -> None:
+def serve(
+    pipeline, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None, log_level: str = "info"
+) -> None:
     """Serve until interrupted."""
     http_server(create_app(pipeline, config), host=host, port=port, log_level=log_level).run()

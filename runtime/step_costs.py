@@ -42,8 +42,13 @@ class StepCosts:
 
     def __post_init__(self):
         def axis(name, values):
-            if not values or any(not isinstance(v, int) or v < 1 for v in values) or list(values) != sorted(set(values)):
+            if (
+                not values
+                or any(not isinstance(v, int) or v < 1 for v in values)
+                or list(values) != sorted(set(values))
+            ):
                 raise LoopspecError(f"step costs: {name} must be increasing positive integers, got {list(values)}")
+
         axis("rows", self.rows)
         axis("widths", self.widths)
         if self.widths[0] != 1:
@@ -90,15 +95,21 @@ class StepCosts:
         if unknown:
             raise LoopspecError(f"step costs {path}: unknown fields {', '.join(sorted(unknown))}")
         try:
-            costs = cls(**{k: tuple(tuple(r) if isinstance(r, list) else r for r in v) if isinstance(v, list) else v
-                           for k, v in data.items()})
+            costs = cls(
+                **{
+                    k: tuple(tuple(r) if isinstance(r, list) else r for r in v) if isinstance(v, list) else v
+                    for k, v in data.items()
+                }
+            )
         except LoopspecError as e:
             raise LoopspecError(f"{path}: {e}") from None
         except TypeError:
             raise LoopspecError(f"step costs {path}: verify_s must be a list of lists of seconds") from None
         if engine is not None and costs.engine != engine:
-            raise LoopspecError(f"step costs {path} were measured on the {costs.engine} engine, not {engine}: "
-                                "measure this one with `loopspec costs`")
+            raise LoopspecError(
+                f"step costs {path} were measured on the {costs.engine} engine, not {engine}: "
+                "measure this one with `loopspec costs`"
+            )
         return costs
 
 
@@ -116,8 +127,17 @@ def _interpolate(xs: tuple[int, ...], ys, x: float) -> float:
     return max(y, min(ys) * 0.5)
 
 
-def measure_step_costs(engine, engine_name: str, *, rows=ROWS, widths=WIDTHS, context: int = 256, block_size: int = 4,
-                       repeats: int = 5, progress: bool = True) -> StepCosts:
+def measure_step_costs(
+    engine,
+    engine_name: str,
+    *,
+    rows=ROWS,
+    widths=WIDTHS,
+    context: int = 256,
+    block_size: int = 4,
+    repeats: int = 5,
+    progress: bool = True,
+) -> StepCosts:
     """Time verifications of every (rows, width) and a drafter stage per row count on `engine` (an
     Engine with at least max(rows) rows) at `context` committed tokens per row; medians of `repeats`,
     widths interleaved within each repeat so a transient slowdown spreads over all of them."""
@@ -126,8 +146,10 @@ def measure_step_costs(engine, engine_name: str, *, rows=ROWS, widths=WIDTHS, co
     rows = tuple(r for r in rows if r <= engine.max_rows)
     widths = tuple(w for w in widths if context + w < engine.max_context)
     if not rows or context + 1 >= engine.max_context:
-        raise LoopspecError(f"step costs: the engine holds {engine.max_rows} rows of {engine.max_context} tokens; "
-                            f"cannot measure at a context of {context}")
+        raise LoopspecError(
+            f"step costs: the engine holds {engine.max_rows} rows of {engine.max_context} tokens; "
+            f"cannot measure at a context of {context}"
+        )
     vocab = engine.target_cfg.vocab_size
     prompt = [(10 + i * 7) % vocab for i in range(context)]
     for b in range(max(rows)):
@@ -156,8 +178,16 @@ def measure_step_costs(engine, engine_name: str, *, rows=ROWS, widths=WIDTHS, co
         if stage:
             draft_s.append(statistics.median(stage))
     bar.close()
-    return StepCosts(engine=engine_name, context=context, rows=rows, widths=widths, verify_s=tuple(verify_s),
-                     draft_s=tuple(draft_s), cpu=cpu_name(), threads=_threads())
+    return StepCosts(
+        engine=engine_name,
+        context=context,
+        rows=rows,
+        widths=widths,
+        verify_s=tuple(verify_s),
+        draft_s=tuple(draft_s),
+        cpu=cpu_name(),
+        threads=_threads(),
+    )
 
 
 def cpu_name() -> str:
@@ -198,7 +228,10 @@ def stored_step_costs(engine_name: str, store: Path | None = None) -> StepCosts 
         print(f"loopspec: note: {e}; the timing fallback decides instead", file=sys.stderr)
         return None
     if costs.cpu != cpu_name():
-        print(f"loopspec: note: the step costs in {path} were measured on {costs.cpu or 'another CPU'}, not this "
-              f"{cpu_name()}: the timing fallback decides instead (run `loopspec costs` again)", file=sys.stderr)
+        print(
+            f"loopspec: note: the step costs in {path} were measured on {costs.cpu or 'another CPU'}, not this "
+            f"{cpu_name()}: the timing fallback decides instead (run `loopspec costs` again)",
+            file=sys.stderr,
+        )
         return None
     return costs

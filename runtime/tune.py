@@ -20,8 +20,9 @@ from loopspec.stats import acceptance_length
 from loopspec.tuned import store_setting  # noqa: F401 (where a result is stored: loopspec/tuned.py)
 
 
-def measure(pipe, prompts: list[list[int]], settings, reference: list[list[int]], ar_seconds: float,
-            max_new_tokens: int) -> dict:
+def measure(
+    pipe, prompts: list[list[int]], settings, reference: list[list[int]], ar_seconds: float, max_new_tokens: int
+) -> dict:
     """One setting on the prompts (after a short warm-up): speed, τ, nodes per verification, lossless."""
     pipe.run(prompts[0], settings, max_new_tokens=8)
     t0 = time.perf_counter()
@@ -29,19 +30,30 @@ def measure(pipe, prompts: list[list[int]], settings, reference: list[list[int]]
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.tokens) for o in outs)
     nodes = [n for o in outs for n in o.stats.nodes_per_round]
-    return {"block_size": settings.block_size, "max_stages": settings.max_stages,
-            "gate_threshold": settings.gate_threshold, "tree_budget": settings.tree_budget, "suffix": settings.suffix,
-            "suffix_first": settings.suffix_first, "suffix_then_draft": settings.suffix_then_draft,
-            "tokens_per_s": tokens / seconds, "speedup_vs_ar": ar_seconds / seconds,
-            "tau": acceptance_length(o.stats for o in outs) or 1.0,
-            "nodes_per_verification": sum(nodes) / max(len(nodes), 1),
-            "lossless": [o.tokens for o in outs] == reference}
+    return {
+        "block_size": settings.block_size,
+        "max_stages": settings.max_stages,
+        "gate_threshold": settings.gate_threshold,
+        "tree_budget": settings.tree_budget,
+        "suffix": settings.suffix,
+        "suffix_first": settings.suffix_first,
+        "suffix_then_draft": settings.suffix_then_draft,
+        "tokens_per_s": tokens / seconds,
+        "speedup_vs_ar": ar_seconds / seconds,
+        "tau": acceptance_length(o.stats for o in outs) or 1.0,
+        "nodes_per_verification": sum(nodes) / max(len(nodes), 1),
+        "lossless": [o.tokens for o in outs] == reference,
+    }
 
 
 # each grid's flag and the DecodingSettings knob its values set
-GRID = {"thresholds": ("--thresholds", "gate_threshold"), "stages": ("--stages", "max_stages"),
-        "block_sizes": ("--block-sizes", "block_size"), "tree_budgets": ("--tree-budgets", "tree_budget"),
-        "suffix_firsts": ("--suffix-firsts", "suffix_first")}
+GRID = {
+    "thresholds": ("--thresholds", "gate_threshold"),
+    "stages": ("--stages", "max_stages"),
+    "block_sizes": ("--block-sizes", "block_size"),
+    "tree_budgets": ("--tree-budgets", "tree_budget"),
+    "suffix_firsts": ("--suffix-firsts", "suffix_first"),
+}
 
 
 def check_grid(**grids) -> None:
@@ -59,16 +71,32 @@ def check_grid(**grids) -> None:
                 raise LoopspecError(f"{flag} {value}: {e}") from None
 
 
-def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, max_new_tokens: int,
-          tree_budgets=(0,), suffix_options=(False,), suffix_firsts=(0,), progress: bool = True) -> list[dict]:
+def sweep(
+    pipe,
+    prompts: list[list[int]],
+    *,
+    thresholds,
+    stages,
+    block_sizes,
+    max_new_tokens: int,
+    tree_budgets=(0,),
+    suffix_options=(False,),
+    suffix_firsts=(0,),
+    progress: bool = True,
+) -> list[dict]:
     """Tokens/s of every setting on the same prompts, with losslessness checked: the DLoop grid with
     the chain, then every tree budget × suffix choice on the fastest chain setting found, then every
     chain-policy match length, each variant (copy alone; copy then the drafter), on that chain and on
     the best tree setting."""
     from tqdm import tqdm
 
-    check_grid(thresholds=thresholds, stages=stages, block_sizes=block_sizes, tree_budgets=tree_budgets,
-               suffix_firsts=suffix_firsts)
+    check_grid(
+        thresholds=thresholds,
+        stages=stages,
+        block_sizes=block_sizes,
+        tree_budgets=tree_budgets,
+        suffix_firsts=suffix_firsts,
+    )
     ar = pipe.settings("ar")
     reference = [pipe.run(p, ar, max_new_tokens=max_new_tokens).tokens for p in prompts]
     t0 = time.perf_counter()
@@ -79,8 +107,11 @@ def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, ma
     for k, s, g in itertools.product(block_sizes, stages, thresholds):
         if s == 1 and g != thresholds[0]:
             continue  # one stage: the gate never decides anything
-        grid.append(pipe.settings("dloop", block_size=k, max_stages=s, gate_threshold=g, adaptive=False,
-                                  tree_budget=0, suffix=False))
+        grid.append(
+            pipe.settings(
+                "dloop", block_size=k, max_stages=s, gate_threshold=g, adaptive=False, tree_budget=0, suffix=False
+            )
+        )
     trees = [(n, x) for n, x in itertools.product(tree_budgets, suffix_options) if (n, x) != (0, False)]
     firsts = [m for m in suffix_firsts if m]
     bar = tqdm(total=len(grid) + len(trees) + 4 * len(firsts), desc="tuning", disable=not progress, file=sys.stderr)
@@ -91,19 +122,32 @@ def sweep(pipe, prompts: list[list[int]], *, thresholds, stages, block_sizes, ma
     if trees:
         best = choose(rows)
         for budget, suffix in trees:
-            settings = pipe.settings("dloop", block_size=best["block_size"], max_stages=best["max_stages"],
-                                     gate_threshold=best["gate_threshold"], adaptive=False, tree_budget=budget,
-                                     suffix=suffix)
+            settings = pipe.settings(
+                "dloop",
+                block_size=best["block_size"],
+                max_stages=best["max_stages"],
+                gate_threshold=best["gate_threshold"],
+                adaptive=False,
+                tree_budget=budget,
+                suffix=suffix,
+            )
             rows.append(measure(pipe, prompts, settings, reference, ar_seconds, max_new_tokens))
             bar.update()
     if firsts:
         best_chain, best = choose([r for r in rows if not r["tree_budget"] and not r["suffix"]]), choose(rows)
         for base in [best_chain] + ([best] if best is not best_chain else []):
             for m, then_draft in itertools.product(firsts, (False, True)):  # both variants of the policy
-                settings = pipe.settings("dloop", block_size=base["block_size"], max_stages=base["max_stages"],
-                                         gate_threshold=base["gate_threshold"], adaptive=False,
-                                         tree_budget=base["tree_budget"], suffix=base["suffix"], suffix_first=m,
-                                         suffix_then_draft=then_draft)
+                settings = pipe.settings(
+                    "dloop",
+                    block_size=base["block_size"],
+                    max_stages=base["max_stages"],
+                    gate_threshold=base["gate_threshold"],
+                    adaptive=False,
+                    tree_budget=base["tree_budget"],
+                    suffix=base["suffix"],
+                    suffix_first=m,
+                    suffix_then_draft=then_draft,
+                )
                 rows.append(measure(pipe, prompts, settings, reference, ar_seconds, max_new_tokens))
                 bar.update()
     bar.close()
@@ -131,7 +175,10 @@ def choose(rows: list[dict]) -> dict:
 
     one_stage_tau = {r["block_size"]: r["tau"] for r in good if r["max_stages"] == 1 and chain(r)}
     chain_tau = {(r["block_size"], r["max_stages"], r["gate_threshold"]): r["tau"] for r in good if chain(r)}
-    eligible = [r for r in good
-                if (r["max_stages"] == 1 or r["tau"] > one_stage_tau.get(r["block_size"], 0.0))
-                and (plain(r) or r["tau"] > chain_tau.get((r["block_size"], r["max_stages"], r["gate_threshold"]), 0.0))]
+    eligible = [
+        r
+        for r in good
+        if (r["max_stages"] == 1 or r["tau"] > one_stage_tau.get(r["block_size"], 0.0))
+        and (plain(r) or r["tau"] > chain_tau.get((r["block_size"], r["max_stages"], r["gate_threshold"]), 0.0))
+    ]
     return max(eligible, key=lambda r: r["tokens_per_s"])

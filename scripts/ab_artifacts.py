@@ -38,13 +38,17 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     try:
-        pipes = {name: artifact_pipeline(artifact_engine("onnxruntime", d, None, args.threads), d) for name, d in (("A", args.a), ("B", args.b))}
+        pipes = {
+            name: artifact_pipeline(artifact_engine("onnxruntime", d, None, args.threads), d)
+            for name, d in (("A", args.a), ("B", args.b))
+        }
         settings = {}
         for name in args.methods:
             method, overrides = method_variant(name)
             if method in DRAFTER_METHODS:
                 overrides |= ({"block_size": args.block_size} if args.block_size else {}) | (
-                    {"adaptive": False} if args.no_adaptive else {})
+                    {"adaptive": False} if args.no_adaptive else {}
+                )
             settings[name] = {k: pipe.settings(method, **overrides) for k, pipe in pipes.items()}
         prompts = [pipes["A"].encode(t) for ps in load_prompt_sets(args.prompts, args.limit).values() for t in ps]
     except LoopspecError as e:
@@ -52,7 +56,7 @@ def main() -> int:
     totals = {(k, m): {"tokens": 0, "seconds": 0.0, "draft_s": 0.0, "stats": []} for k in pipes for m in settings}
     for i, ids in enumerate([prompts[0]] + prompts):  # the first prompt once more, uncounted: warm-up
         for m in settings:
-            for k in ("AB" if i % 2 else "BA"):
+            for k in "AB" if i % 2 else "BA":
                 t0 = time.perf_counter()
                 result = pipes[k].run(ids, settings[m][k], max_new_tokens=args.max_new_tokens)
                 seconds = time.perf_counter() - t0
@@ -68,8 +72,10 @@ def main() -> int:
         for k in pipes:
             t = totals[k, m]
             tau = acceptance_length(t["stats"])
-            row.append(f"{k} {t['tokens'] / t['seconds']:6.1f} tok/s, tau {tau if tau else 1.0:.2f}, "
-                       f"draft {t['draft_s'] / t['tokens'] * 1e3:.2f} ms/token")
+            row.append(
+                f"{k} {t['tokens'] / t['seconds']:6.1f} tok/s, tau {tau if tau else 1.0:.2f}, "
+                f"draft {t['draft_s'] / t['tokens'] * 1e3:.2f} ms/token"
+            )
         a, b = (totals[k, m]["tokens"] / totals[k, m]["seconds"] for k in pipes)
         print(f"{m:<20} " + " | ".join(row) + f" | B/A {b / a:.3f}")
     return 0

@@ -40,8 +40,14 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     reserve_json(args.json)
-    pipe = load_pipeline("default", "default", backend="onnxruntime", precision="gguf-int8act",
-                         num_threads=args.threads, max_context=max(args.contexts) + 32)
+    pipe = load_pipeline(
+        "default",
+        "default",
+        backend="onnxruntime",
+        precision="gguf-int8act",
+        num_threads=args.threads,
+        max_context=max(args.contexts) + 32,
+    )
     most = max(args.rows + [1])
     engines = {"copied": static_twin(pipe.engine, most), "grown": pipe.engine.with_rows(most)}
     g = torch.Generator().manual_seed(0)
@@ -58,13 +64,16 @@ def main() -> int:
             medians, same = alternating_steps(engines, [list(range(1, k + 1))] * rows, lengths, args.calls)
             if not same:
                 raise SystemExit(f"logits differ at k {k}, {rows} rows, context {context}")
-            result["steps"].append({"k": k, "rows": rows, "context": lengths[0],
-                                    **{f"{name}_ms": ms for name, ms in medians.items()}})
+            result["steps"].append(
+                {"k": k, "rows": rows, "context": lengths[0], **{f"{name}_ms": ms for name, ms in medians.items()}}
+            )
             progress.update()
     progress.close()
     for s in result["steps"]:
-        print(f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: copied {s['copied_ms']:7.2f} ms, "
-              f"grown {s['grown_ms']:7.2f} ms ({s['copied_ms'] / s['grown_ms']:.2f}x)")
+        print(
+            f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: copied {s['copied_ms']:7.2f} ms, "
+            f"grown {s['grown_ms']:7.2f} ms ({s['copied_ms'] / s['grown_ms']:.2f}x)"
+        )
     write_json(args.json, result)
     return 0
 

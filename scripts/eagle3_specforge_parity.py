@@ -77,13 +77,19 @@ def loopspec_chains(drafter, embed, tokens, taps):
     out, keys, values = drafter(embed[tokens[:, 1:]], drafter.fuse(taps), torch.arange(P)[None], empty, empty, causal)
     logits, drafts = torch.zeros(STEPS, P, DRAFT_VOCAB, dtype=torch.float64), torch.zeros(STEPS, P, dtype=torch.long)
     for p in range(P):
-        k, v, last = keys[:, :, :p + 1], values[:, :, :p + 1], out[:, p]
+        k, v, last = keys[:, :, : p + 1], values[:, :, : p + 1], out[:, p]
         for j in range(STEPS):
             z = drafter.logits(last)[0]
             logits[j, p], drafts[j, p] = z, to_target[z.argmax()]
             if j + 1 < STEPS:
-                o, k1, v1 = drafter(embed[drafts[j, p]][None, None], drafter.next_state(last)[:, None],
-                                    torch.tensor([[p + j + 1]]), k, v, None)
+                o, k1, v1 = drafter(
+                    embed[drafts[j, p]][None, None],
+                    drafter.next_state(last)[:, None],
+                    torch.tensor([[p + j + 1]]),
+                    k,
+                    v,
+                    None,
+                )
                 k, v, last = torch.cat([k, k1], 2), torch.cat([v, v1], 2), o[:, 0]
     return logits, drafts
 
@@ -93,11 +99,25 @@ def compare(variant: str, switches: dict, seed: int, scratch: Path, drop_tap_nor
 
     from loopspec.model.eagle3 import Eagle3Drafter
 
-    config = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=H, intermediate_size=160,
-                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                  hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
-                  vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, tie_word_embeddings=False,
-                  eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}, **switches)
+    config = dict(
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        hidden_size=H,
+        intermediate_size=160,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        tie_word_embeddings=False,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 4]},
+        **switches,
+    )
     model = specforge_model(config, seed)
     directory = scratch / f"{variant.split()[0]}-{seed}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -112,10 +132,14 @@ def compare(variant: str, switches: dict, seed: int, scratch: Path, drop_tap_nor
     with torch.no_grad():
         want_logits, want = specforge_chains(model, tokens, taps)
         got_logits, got = loopspec_chains(drafter, model.embed_tokens.weight, tokens, taps)
-    return {"variant": variant + (" — negative control: tap norms left off" if drop_tap_norms else ""), "seed": seed,
-            "max_abs_logit": float(want_logits.abs().max()),
-            "max_abs_logit_difference": float((got_logits - want_logits).abs().max()),
-            "drafts_equal": int((got == want).sum()), "drafts": got.numel()}
+    return {
+        "variant": variant + (" — negative control: tap norms left off" if drop_tap_norms else ""),
+        "seed": seed,
+        "max_abs_logit": float(want_logits.abs().max()),
+        "max_abs_logit_difference": float((got_logits - want_logits).abs().max()),
+        "drafts_equal": int((got == want).sum()),
+        "drafts": got.numel(),
+    }
 
 
 def main() -> None:
@@ -132,12 +156,29 @@ def main() -> None:
             for seed in range(args.seeds):
                 rows.append(compare(variant, switches, seed, Path(scratch)))
                 print(json.dumps(rows[-1]))
-        rows.append(compare("fc_norm (EAGLE 3.1's tap norms)", VARIANTS["fc_norm (EAGLE 3.1's tap norms)"], 0,
-                            Path(scratch), drop_tap_norms=True))
+        rows.append(
+            compare(
+                "fc_norm (EAGLE 3.1's tap norms)",
+                VARIANTS["fc_norm (EAGLE 3.1's tap norms)"],
+                0,
+                Path(scratch),
+                drop_tap_norms=True,
+            )
+        )
         print(json.dumps(rows[-1]))
-    Path(args.out).write_text(json.dumps({"specforge": "specforge/modeling/draft/llama3_eagle.py (snapshot 2026-08-08, "
-                                          "commit a6b6b023)", "dtype": "float64", "positions": POSITIONS,
-                                          "steps": STEPS, "runs": rows}, indent=1) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "specforge": "specforge/modeling/draft/llama3_eagle.py (snapshot 2026-08-08, commit a6b6b023)",
+                "dtype": "float64",
+                "positions": POSITIONS,
+                "steps": STEPS,
+                "runs": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

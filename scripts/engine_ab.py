@@ -34,12 +34,18 @@ def main() -> int:
         p.error("--names takes two different names, a,b")
     reserve_json(args.json)
     most = max(args.rows + [1])
-    engines = {name: artifact_engine("onnxruntime", d, max(args.contexts) + 32, args.threads).with_rows(most)
-               for name, d in zip(names, args.dirs)}
+    engines = {
+        name: artifact_engine("onnxruntime", d, max(args.contexts) + 32, args.threads).with_rows(most)
+        for name, d in zip(names, args.dirs)
+    }
     vocab = engines[names[0]].target_cfg.vocab_size
     g = torch.Generator().manual_seed(0)
-    result = run_record(" vs ".join(f"{n} ({d})" for n, d in zip(names, args.dirs)), args.threads, args.calls,
-                        lone_step_width={n: e.lone_step_width for n, e in engines.items()})
+    result = run_record(
+        " vs ".join(f"{n} ({d})" for n, d in zip(names, args.dirs)),
+        args.threads,
+        args.calls,
+        lone_step_width={n: e.lone_step_width for n, e in engines.items()},
+    )
     points = [(k, 1) for k in args.chains] + [(1, r) for r in args.rows]
     progress = tqdm(total=len(args.contexts) * len(points), desc="engine A/B", unit="point")
     for context in args.contexts:
@@ -50,14 +56,23 @@ def main() -> int:
                 engine.prefill(row, prompt, want_taps=False)
         for k, rows in points:
             medians, same = alternating_steps(engines, [list(range(1, k + 1))] * rows, lengths, args.calls)
-            result["steps"].append({"k": k, "rows": rows, "context": lengths[0], "same_logits": same,
-                                    **{f"{name}_ms": ms for name, ms in medians.items()}})
+            result["steps"].append(
+                {
+                    "k": k,
+                    "rows": rows,
+                    "context": lengths[0],
+                    "same_logits": same,
+                    **{f"{name}_ms": ms for name, ms in medians.items()},
+                }
+            )
             progress.update()
     progress.close()
     a, b = names
     for s in result["steps"]:
-        print(f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: {a} {s[a + '_ms']:7.2f} ms, "
-              f"{b} {s[b + '_ms']:7.2f} ms ({s[a + '_ms'] / s[b + '_ms']:.2f}x){'' if s['same_logits'] else ', logits differ'}")
+        print(
+            f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: {a} {s[a + '_ms']:7.2f} ms, "
+            f"{b} {s[b + '_ms']:7.2f} ms ({s[a + '_ms'] / s[b + '_ms']:.2f}x){'' if s['same_logits'] else ', logits differ'}"
+        )
     write_json(args.json, result)
     return 0
 

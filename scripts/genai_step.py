@@ -97,11 +97,18 @@ def time_genai(model_dir: str, ids_path: str, max_new_tokens: int) -> dict:
         if i:
             steps += times[1:]
             prefills.append(prefill)
-    print(f"onnxruntime-genai {getattr(og, '__version__', '?')}: decode step median {statistics.median(steps):.2f} ms "
-          f"({len(steps)} steps, {len(prompts)} prompts), prefill median {statistics.median(prefills) * 1e3:.0f} ms")
-    return {"version": getattr(og, "__version__", "?"), "decode_step_ms": round(statistics.median(steps), 2),
-            "decode_steps": len(steps), "prompts": len(prompts), "prefill_ms": round(statistics.median(prefills) * 1e3, 1),
-            "model": model}
+    print(
+        f"onnxruntime-genai {getattr(og, '__version__', '?')}: decode step median {statistics.median(steps):.2f} ms "
+        f"({len(steps)} steps, {len(prompts)} prompts), prefill median {statistics.median(prefills) * 1e3:.0f} ms"
+    )
+    return {
+        "version": getattr(og, "__version__", "?"),
+        "decode_step_ms": round(statistics.median(steps), 2),
+        "decode_steps": len(steps),
+        "prompts": len(prompts),
+        "prefill_ms": round(statistics.median(prefills) * 1e3, 1),
+        "model": model,
+    }
 
 
 def main() -> int:
@@ -131,13 +138,15 @@ def main() -> int:
         result["threads"] = args.threads
         model = result.pop("model")
         if args.curve:
-            result["steps"] = step_curve(model, [int(c) for c in args.contexts.split(",")],
-                                         [int(k) for k in args.chains.split(",")], args.calls)
+            result["steps"] = step_curve(
+                model, [int(c) for c in args.contexts.split(",")], [int(k) for k in args.chains.split(",")], args.calls
+            )
         if args.json:
             from datetime import datetime, timezone
 
             try:
                 from loopspec.runtime.bench.run import cpu_description  # loopspec beside GenAI: the CPU, named
+
                 result["cpu"] = cpu_description()
             except ImportError:  # GenAI's environment alone: scripts/step_times.py, its caller, names the CPU
                 pass

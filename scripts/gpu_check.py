@@ -29,9 +29,14 @@ SKIP = "SKIP:"  # a check that prints this (and exits 0) was skipped, with the r
 
 # (name, timeout in seconds): 150 + 100 + 240 + 30 = 520 s < 9 minutes, with the start-up around them
 CHECKS = (("gpu-marked tests", 150), ("graphs identity", 100), ("8B cost", 240), ("nvfp4 rule", 30))
-NOT_COVERED = ("TensorRT plans (TensorRT is not installed there)", "NVFP4 kernels (needs Blackwell, compute 10.0)",
-               "FP8 kernels through TensorRT", "the default pair (its GGUF does not travel)", "modelopt calibration",
-               "the HTTP server (no FastAPI)")
+NOT_COVERED = (
+    "TensorRT plans (TensorRT is not installed there)",
+    "NVFP4 kernels (needs Blackwell, compute 10.0)",
+    "FP8 kernels through TensorRT",
+    "the default pair (its GGUF does not travel)",
+    "modelopt calibration",
+    "the HTTP server (no FastAPI)",
+)
 
 
 def versions() -> list[str]:
@@ -39,8 +44,10 @@ def versions() -> list[str]:
 
     lines = [f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}"]
     if torch.cuda.is_available():
-        lines.append(f"GPU {torch.cuda.get_device_name()}, compute capability "
-                     f"{'.'.join(map(str, torch.cuda.get_device_capability()))}")
+        lines.append(
+            f"GPU {torch.cuda.get_device_name()}, compute capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}"
+        )
     else:
         lines.append("GPU: none seen by torch")
     found = []
@@ -59,8 +66,23 @@ def versions() -> list[str]:
 def check_gpu_tests(dry_run: bool) -> int:
     """The gpu-marked tests: CUDA-graph replay = eager (batched rows, trees), batched greedy identity;
     TensorRT parity (skipped without TensorRT). Without a GPU they all skip."""
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                             "tests/test_cuda_graphs.py", "tests/test_trt.py"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "gpu",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_cuda_graphs.py",
+            "tests/test_trt.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     tail = [line for line in result.stdout.strip().splitlines() if line.strip()]
     print("\n".join(tail[-15:]))
     summary = tail[-1] if tail else "no pytest output"
@@ -81,8 +103,15 @@ def check_graphs_identity(dry_run: bool) -> int:
 
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import lively, save_tiny_target
-    from test_cuda_graphs import (IDENTITY_METHODS, MIN_DISTINCT, StaticEngine, identity_mismatches,
-                                  identity_prompts, plain_decoding, random_drafter)
+    from test_cuda_graphs import (
+        IDENTITY_METHODS,
+        MIN_DISTINCT,
+        StaticEngine,
+        identity_mismatches,
+        identity_prompts,
+        plain_decoding,
+        random_drafter,
+    )
 
     from loopspec.engines.torch_engine import TorchEngine
     from loopspec.weights import load_target_dir
@@ -92,8 +121,11 @@ def check_graphs_identity(dry_run: bool) -> int:
         target = lively(load_target_dir(save_tiny_target("qwen3", Path(tmp) / "target", seed=2))).to(device)
     drafter = random_drafter(target).to(device)
     eager = TorchEngine(target, drafter, max_context=160)
-    graphs = (StaticEngine(target, drafter, 160) if dry_run
-              else TorchEngine(target, drafter, max_context=160, cuda_graphs=True))
+    graphs = (
+        StaticEngine(target, drafter, 160)
+        if dry_run
+        else TorchEngine(target, drafter, max_context=160, cuda_graphs=True)
+    )
     prompts = identity_prompts(2 if dry_run else 4)  # the dry run: two rows (row offsets), in seconds
     with torch.inference_mode():
         refs = plain_decoding(eager, prompts)
@@ -106,8 +138,10 @@ def check_graphs_identity(dry_run: bool) -> int:
         mismatches = identity_mismatches(graphs, prompts, refs)
     distinct = min(len(set(r)) for r in refs)
     print(f"parity max |logit graphs - eager| = {parity:.2e}; identity mismatches: {mismatches or 'none'}")
-    print(f"{FIGURE} {len(IDENTITY_METHODS)} methods x {len(prompts)} rows identical={not mismatches}, "
-          f">= {distinct} distinct tokens, parity {parity:.1e}")
+    print(
+        f"{FIGURE} {len(IDENTITY_METHODS)} methods x {len(prompts)} rows identical={not mismatches}, "
+        f">= {distinct} distinct tokens, parity {parity:.1e}"
+    )
     return 0 if not mismatches and parity <= 1e-3 and distinct >= MIN_DISTINCT else 1
 
 
@@ -127,8 +161,10 @@ def check_cost(dry_run: bool) -> int:
         mode = report["graphs"].get("on", {})
         runs = mode.get("runs", {})
         dflash = runs.get("dflash@1", {})
-        print(f"{FIGURE} graphs on: ar {runs.get('ar@1', {}).get('tokens_per_s')} tok/s, dflash "
-              f"{dflash.get('tokens_per_s')} tok/s (tau {dflash.get('tau')}, overhead {dflash.get('overhead')})")
+        print(
+            f"{FIGURE} graphs on: ar {runs.get('ar@1', {}).get('tokens_per_s')} tok/s, dflash "
+            f"{dflash.get('tokens_per_s')} tok/s (tau {dflash.get('tau')}, overhead {dflash.get('overhead')})"
+        )
     return code
 
 
@@ -154,8 +190,12 @@ def check_nvfp4_rule(dry_run: bool) -> int:
     return 0 if ok else 1
 
 
-RUNNERS = {"gpu-marked tests": check_gpu_tests, "graphs identity": check_graphs_identity, "8B cost": check_cost,
-           "nvfp4 rule": check_nvfp4_rule}
+RUNNERS = {
+    "gpu-marked tests": check_gpu_tests,
+    "graphs identity": check_graphs_identity,
+    "8B cost": check_cost,
+    "nvfp4 rule": check_nvfp4_rule,
+}
 
 
 # ---- the driver -----------------------------------------------------------------------------------
@@ -177,8 +217,8 @@ def run_check(name: str, timeout: int, dry_run: bool) -> tuple[str, float, str]:
     if result.returncode:
         print(result.stderr.rstrip()[-3000:])
     lines = result.stdout.strip().splitlines()
-    skip = next((line[len(SKIP):].strip() for line in lines if line.startswith(SKIP)), None)
-    figure = next((line[len(FIGURE):].strip() for line in reversed(lines) if line.startswith(FIGURE)), "")
+    skip = next((line[len(SKIP) :].strip() for line in lines if line.startswith(SKIP)), None)
+    figure = next((line[len(FIGURE) :].strip() for line in reversed(lines) if line.startswith(FIGURE)), "")
     if result.returncode:
         last = (result.stderr.strip().splitlines() or ["exit status %d" % result.returncode])[-1]
         return "fail", seconds, figure or last[:100]

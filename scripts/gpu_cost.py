@@ -37,13 +37,32 @@ from loopspec.runtime.decoder import Decoder, decode_all
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DLOOP_DEFAULTS, DecodingSettings
 
-QWEN3_8B = dict(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, qk_norm=True,
-                max_position_embeddings=40960)
-TINY = dict(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-            num_kv_heads=2, head_dim=16, qk_norm=True, max_position_embeddings=1024)
-FULL = dict(block=16, drafter_layers=5, prompt=128, new_tokens=64, accepts=(5, 6), batches=(1, 8), max_k=32,
-            repeats=10)
+QWEN3_8B = dict(
+    family="qwen3",
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    qk_norm=True,
+    max_position_embeddings=40960,
+)
+TINY = dict(
+    family="qwen3",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qk_norm=True,
+    max_position_embeddings=1024,
+)
+FULL = dict(block=16, drafter_layers=5, prompt=128, new_tokens=64, accepts=(5, 6), batches=(1, 8), max_k=32, repeats=10)
 DRY = dict(block=8, drafter_layers=1, prompt=12, new_tokens=10, accepts=(2, 3), batches=(1, 2), max_k=8, repeats=1)
 
 
@@ -80,9 +99,10 @@ class OracleEngine(TorchEngine):
             if chain_index == 0:
                 self.rounds[row.key] = self.rounds.get(row.key, -1) + 1
             accept = self.accepts[self.rounds.get(row.key, 0) % 2]
-            truth = (self.truth[row.key] + [0] * (block_size + 64))[start:start + block_size - 1]
-            guess = [t if chain_index + j < accept else (t + 1) % self.target_cfg.vocab_size
-                     for j, t in enumerate(truth)]
+            truth = (self.truth[row.key] + [0] * (block_size + 64))[start : start + block_size - 1]
+            guess = [
+                t if chain_index + j < accept else (t + 1) % self.target_cfg.vocab_size for j, t in enumerate(truth)
+            ]
             drafts[i, :, 0] = torch.tensor(guess)
         return StageDrafts(drafts, logprobs, hidden)
 
@@ -97,8 +117,9 @@ def build(dry_run: bool, device: torch.device, dtype: torch.dtype, block: int, d
     torch.manual_seed(0)
     with torch.device(device):
         target = new_target(cfg).to(dtype).eval()
-        drafter_cfg = DrafterConfig.for_target(cfg, num_layers=drafter_layers, block_size=block,
-                                               mask_token_id=cfg.vocab_size - 1)
+        drafter_cfg = DrafterConfig.for_target(
+            cfg, num_layers=drafter_layers, block_size=block, mask_token_id=cfg.vocab_size - 1
+        )
         drafter = Drafter(drafter_cfg).to(dtype).eval()
     return target, drafter
 
@@ -128,14 +149,17 @@ def step_costs(engine, prompt: list[int], block: int, max_k: int, repeats: int, 
 
     verify_s = {k: timed(lambda: verify(k), device, repeats) for k in range(1, max_k + 1)}
     draft_s = timed(lambda: engine.draft([0], [prompt[-1]], [length], block), device, repeats)
-    return {"t_verify_ms": {k: round(s * 1e3, 3) for k, s in verify_s.items()},
-            "t_verify_ratio": {k: round(s / verify_s[1], 3) for k, s in verify_s.items()},
-            "t_draft_ms": round(draft_s * 1e3, 3)}
+    return {
+        "t_verify_ms": {k: round(s * 1e3, 3) for k, s in verify_s.items()},
+        "t_verify_ratio": {k: round(s / verify_s[1], 3) for k, s in verify_s.items()},
+        "t_draft_ms": round(draft_s * 1e3, 3),
+    }
 
 
 @torch.inference_mode()
-def throughput(engine: OracleEngine, settings: DecodingSettings, prompts: list[list[int]], new_tokens: int,
-               device) -> dict:
+def throughput(
+    engine: OracleEngine, settings: DecodingSettings, prompts: list[list[int]], new_tokens: int, device
+) -> dict:
     twin = engine.with_rows(len(prompts))
     twin.truth = engine.truth
     requests = [dict(key=i, prompt_ids=p, max_new_tokens=new_tokens) for i, p in enumerate(prompts)]
@@ -153,8 +177,11 @@ def throughput(engine: OracleEngine, settings: DecodingSettings, prompts: list[l
     seconds = time.perf_counter() - t0
     tokens = sum(len(done[i].tokens) for i in range(len(prompts)))
     taus = [done[i].stats.acceptance_length for i in range(len(prompts)) if done[i].stats.acceptance_length]
-    return {"tokens_per_s": round(tokens / seconds, 2), "tau": round(sum(taus) / len(taus), 3) if taus else 1.0,
-            "identical": all(done[i].tokens == engine.truth[i] for i in range(len(prompts)))}
+    return {
+        "tokens_per_s": round(tokens / seconds, 2),
+        "tau": round(sum(taus) / len(taus), 3) if taus else 1.0,
+        "identical": all(done[i].tokens == engine.truth[i] for i in range(len(prompts))),
+    }
 
 
 def measure(dry_run: bool) -> dict:
@@ -166,22 +193,36 @@ def measure(dry_run: bool) -> dict:
     built_s = time.perf_counter() - t0
     vocab = target.cfg.vocab_size
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, vocab - 1, (shape["prompt"],), generator=g).tolist() for _ in range(max(shape["batches"]))]
+    prompts = [
+        torch.randint(0, vocab - 1, (shape["prompt"],), generator=g).tolist() for _ in range(max(shape["batches"]))
+    ]
     max_context = shape["prompt"] + shape["new_tokens"] + 4 * shape["block"] + 64
-    methods = {"ar": DecodingSettings(), "dflash": DecodingSettings("dflash", shape["block"]),
-               "dloop": DecodingSettings("dloop", shape["block"], **DLOOP_DEFAULTS)}
-    report = {"dry_run": dry_run, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "dtype": str(dtype).replace("torch.", ""), "target": TINY if dry_run else QWEN3_8B,
-              "drafter": {"layers": shape["drafter_layers"], "block": shape["block"]},
-              "oracle_accepts": list(shape["accepts"]), "build_s": round(built_s, 1), "graphs": {}}
+    methods = {
+        "ar": DecodingSettings(),
+        "dflash": DecodingSettings("dflash", shape["block"]),
+        "dloop": DecodingSettings("dloop", shape["block"], **DLOOP_DEFAULTS),
+    }
+    report = {
+        "dry_run": dry_run,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).replace("torch.", ""),
+        "target": TINY if dry_run else QWEN3_8B,
+        "drafter": {"layers": shape["drafter_layers"], "block": shape["block"]},
+        "oracle_accepts": list(shape["accepts"]),
+        "build_s": round(built_s, 1),
+        "graphs": {},
+    }
     for graphs in (False, True):
-        engine = OracleEngine(target, drafter, max_context, cuda_graphs=graphs, static_on_cpu=graphs and dry_run,
-                              accepts=shape["accepts"])
+        engine = OracleEngine(
+            target, drafter, max_context, cuda_graphs=graphs, static_on_cpu=graphs and dry_run, accepts=shape["accepts"]
+        )
         # the truth: plain decoding of every prompt (the oracle drafts it; every method must reproduce it)
         truth_engine = engine.with_rows(len(prompts))
         truth_engine.decoder = Decoder(truth_engine, methods["ar"])
-        done = decode_all(truth_engine.decoder, [dict(key=i, prompt_ids=p, max_new_tokens=shape["new_tokens"])
-                                                 for i, p in enumerate(prompts)])
+        done = decode_all(
+            truth_engine.decoder,
+            [dict(key=i, prompt_ids=p, max_new_tokens=shape["new_tokens"]) for i, p in enumerate(prompts)],
+        )
         engine.truth = {i: done[i].tokens for i in range(len(prompts))}
         costs = step_costs(engine.with_rows(1), prompts[0], shape["block"], shape["max_k"], shape["repeats"], device)
         runs = {}
@@ -203,17 +244,25 @@ def measure(dry_run: bool) -> dict:
 
 
 def summary(report: dict) -> str:
-    lines = [f"gpu_cost on {report['device']} ({report['dtype']}{', dry run' if report['dry_run'] else ''}); "
-             f"oracle accepts {report['oracle_accepts']}, weights built in {report['build_s']} s"]
+    lines = [
+        f"gpu_cost on {report['device']} ({report['dtype']}{', dry run' if report['dry_run'] else ''}); "
+        f"oracle accepts {report['oracle_accepts']}, weights built in {report['build_s']} s"
+    ]
     for mode, r in report["graphs"].items():
         ratios = r["t_verify_ratio"]
-        picks = ", ".join(f"k={k}: {ratios[k]}" for k in sorted(ratios) if k in (1, 2, 4, 8, 16, 32) or k == max(ratios))
-        lines.append(f"graphs {mode}: t_verify(1) {r['t_verify_ms'][1]} ms, t_verify(k)/t_verify(1) {picks}; "
-                     f"draft {r['t_draft_ms']} ms/stage")
+        picks = ", ".join(
+            f"k={k}: {ratios[k]}" for k in sorted(ratios) if k in (1, 2, 4, 8, 16, 32) or k == max(ratios)
+        )
+        lines.append(
+            f"graphs {mode}: t_verify(1) {r['t_verify_ms'][1]} ms, t_verify(k)/t_verify(1) {picks}; "
+            f"draft {r['t_draft_ms']} ms/stage"
+        )
         for name, run in r["runs"].items():
             extra = "".join(f", {key} {run[key]}" for key in ("speedup", "bound", "overhead") if key in run)
-            lines.append(f"  {name:<10} {run['tokens_per_s']:>9.1f} tok/s  tau {run['tau']:.2f}  "
-                         f"identical {run['identical']}{extra}")
+            lines.append(
+                f"  {name:<10} {run['tokens_per_s']:>9.1f} tok/s  tau {run['tau']:.2f}  "
+                f"identical {run['identical']}{extra}"
+            )
     return "\n".join(lines)
 
 
@@ -231,8 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    broken = [f"{mode}/{name}" for mode, r in report["graphs"].items() for name, run in r["runs"].items()
-              if not run["identical"]]
+    broken = [
+        f"{mode}/{name}"
+        for mode, r in report["graphs"].items()
+        for name, run in r["runs"].items()
+        if not run["identical"]
+    ]
     if broken:
         print(f"gpu_cost: output differs from plain decoding: {', '.join(broken)}", file=sys.stderr)
         return 1

@@ -20,17 +20,32 @@ import time
 
 from loopspec.runtime.step_costs import cpu_name
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
-    "email": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
-    "role": {"enum": ["admin", "user", "guest"]}, "active": {"type": "boolean"}},
-    "required": ["name", "age", "email", "tags", "role", "active"], "additionalProperties": False}
-SCHEMA_TEXT = json.dumps({"name": "Ada Lovelace", "age": 36, "email": "ada@example.org",
-                          "tags": ["mathematics", "engines", "poetry"], "role": "admin", "active": True}, separators=(", ", ": "))
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0},
+        "email": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "email", "tags", "role", "active"],
+    "additionalProperties": False,
+}
+SCHEMA_TEXT = json.dumps(
+    {
+        "name": "Ada Lovelace",
+        "age": 36,
+        "email": "ada@example.org",
+        "tags": ["mathematics", "engines", "poetry"],
+        "role": "admin",
+        "active": True,
+    },
+    separators=(", ", ": "),
+)
 REGEX = r"[A-Z][a-z]+ (\d{1,3}|many) (apples|pears|plums)(, [a-z]+ [0-9]{2,4})*\."
 REGEX_TEXT = "Alice 42 pears, bob 1234, carol 56, dave 789, erin 2025, frank 31, grace 777."
-
-
 
 
 def walk(fill, advance, rollback, tokens: list[int], repeats: int) -> dict:
@@ -51,7 +66,8 @@ def walk(fill, advance, rollback, tokens: list[int], repeats: int) -> dict:
             times["rollback"].append(time.perf_counter() - t0)
     return {f"{name}_us_median": round(statistics.median(v) * 1e6, 2) for name, v in times.items()} | {
         "mask_us_p90": round(sorted(times["mask"])[int(0.9 * len(times["mask"]))] * 1e6, 2),
-        "mask_us_mean": round(statistics.fmean(times["mask"]) * 1e6, 2)}
+        "mask_us_mean": round(statistics.fmean(times["mask"]) * 1e6, 2),
+    }
 
 
 def llguidance_case(tokenizer, grammar_of, text: str, repeats: int) -> dict:
@@ -85,10 +101,18 @@ def llguidance_case(tokenizer, grammar_of, text: str, repeats: int) -> dict:
     def advance(token):
         assert matcher.consume_token(token)
 
-    out = walk(lambda: llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0), advance,
-               lambda: matcher.rollback(1), tokens, repeats)
-    return {"tokens": len(tokens), "compile_ms": round(compile_s * 1e3, 2),
-            "tokenizer_setup_ms": round(tokenizer_s * 1e3, 1)} | out
+    out = walk(
+        lambda: llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0),
+        advance,
+        lambda: matcher.rollback(1),
+        tokens,
+        repeats,
+    )
+    return {
+        "tokens": len(tokens),
+        "compile_ms": round(compile_s * 1e3, 2),
+        "tokenizer_setup_ms": round(tokenizer_s * 1e3, 1),
+    } | out
 
 
 def xgrammar_case(tokenizer, spec, text: str, repeats: int) -> dict:
@@ -110,12 +134,17 @@ def xgrammar_case(tokenizer, spec, text: str, repeats: int) -> dict:
     def advance(token):
         assert matcher.accept_token(token), f"xgrammar refuses token {token}"
 
-    out = walk(lambda: matcher.fill_next_token_bitmask(bitmask), advance, lambda: matcher.rollback(1), tokens,
-               repeats)
+    out = walk(lambda: matcher.fill_next_token_bitmask(bitmask), advance, lambda: matcher.rollback(1), tokens, repeats)
     allowed = walk(constraint.current_mask, advance, lambda: matcher.rollback(1), tokens, repeats)
-    return {"tokens": len(tokens), "compile_ms": round(compile_s * 1e3, 2),
-            "tokenizer_setup_ms": round(tokenizer_s * 1e3, 1)} | out | {
-        "allowed_us_median": allowed["mask_us_median"]}
+    return (
+        {
+            "tokens": len(tokens),
+            "compile_ms": round(compile_s * 1e3, 2),
+            "tokenizer_setup_ms": round(tokenizer_s * 1e3, 1),
+        }
+        | out
+        | {"allowed_us_median": allowed["mask_us_median"]}
+    )
 
 
 def main() -> None:
@@ -136,31 +165,48 @@ def main() -> None:
     schema = json.dumps(SCHEMA)  # llguidance: its default JSON whitespace, as loopspec's (", ", ": ")
     results = {
         "json_schema": {
-            "llguidance": llguidance_case(tokenizer, lambda m: m.grammar_from_json_schema(
-                schema, overrides={"item_separator": ", ", "key_separator": ": "}), SCHEMA_TEXT,
-                                          args.repeats),
-            "xgrammar": xgrammar_case(tokenizer, GrammarSpec("json_schema", SCHEMA), SCHEMA_TEXT, args.repeats)},
+            "llguidance": llguidance_case(
+                tokenizer,
+                lambda m: m.grammar_from_json_schema(schema, overrides={"item_separator": ", ", "key_separator": ": "}),
+                SCHEMA_TEXT,
+                args.repeats,
+            ),
+            "xgrammar": xgrammar_case(tokenizer, GrammarSpec("json_schema", SCHEMA), SCHEMA_TEXT, args.repeats),
+        },
         "regex": {
             "llguidance": llguidance_case(tokenizer, lambda m: m.grammar_from_regex(REGEX), REGEX_TEXT, args.repeats),
-            "xgrammar": xgrammar_case(tokenizer, GrammarSpec("regex", REGEX), REGEX_TEXT, args.repeats)},
+            "xgrammar": xgrammar_case(tokenizer, GrammarSpec("regex", REGEX), REGEX_TEXT, args.repeats),
+        },
     }
-    report = {"what": "µs per token: next-token mask fill, advance (consume), rollback; medians of "
-                      f"{args.repeats} walks over a valid sample",
-              "cpu": cpu_name(), "cores": __import__("os").cpu_count(), "note": args.note,
-              "tokenizer": "SmolLM2-135M-Instruct (the default target)", "vocab_size": vocab,
-              "versions": {"llguidance": llguidance.get_version() if hasattr(llguidance, "get_version") else "?",
-                           "xgrammar": getattr(xgrammar, "__version__", "?")},
-              "schema": SCHEMA, "schema_sample": SCHEMA_TEXT, "regex": REGEX, "regex_sample": REGEX_TEXT,
-              "results": results}
+    report = {
+        "what": "µs per token: next-token mask fill, advance (consume), rollback; medians of "
+        f"{args.repeats} walks over a valid sample",
+        "cpu": cpu_name(),
+        "cores": __import__("os").cpu_count(),
+        "note": args.note,
+        "tokenizer": "SmolLM2-135M-Instruct (the default target)",
+        "vocab_size": vocab,
+        "versions": {
+            "llguidance": llguidance.get_version() if hasattr(llguidance, "get_version") else "?",
+            "xgrammar": getattr(xgrammar, "__version__", "?"),
+        },
+        "schema": SCHEMA,
+        "schema_sample": SCHEMA_TEXT,
+        "regex": REGEX,
+        "regex_sample": REGEX_TEXT,
+        "results": results,
+    }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
         f.write("\n")
     for grammar, libs in results.items():
         for lib, r in libs.items():
-            print(f"{grammar:12s} {lib:11s} mask {r['mask_us_median']:6.1f} µs (mean {r['mask_us_mean']:.1f}, p90 {r['mask_us_p90']:.1f})  "
-                  f"advance {r['advance_us_median']:6.1f} µs  rollback {r['rollback_us_median']:6.1f} µs  "
-                  f"compile {r['compile_ms']:.1f} ms" + (f"  loopspec's bool mask {r['allowed_us_median']:.1f} µs"
-                                                         if "allowed_us_median" in r else ""))
+            print(
+                f"{grammar:12s} {lib:11s} mask {r['mask_us_median']:6.1f} µs (mean {r['mask_us_mean']:.1f}, p90 {r['mask_us_p90']:.1f})  "
+                f"advance {r['advance_us_median']:6.1f} µs  rollback {r['rollback_us_median']:6.1f} µs  "
+                f"compile {r['compile_ms']:.1f} ms"
+                + (f"  loopspec's bool mask {r['allowed_us_median']:.1f} µs" if "allowed_us_median" in r else "")
+            )
 
 
 if __name__ == "__main__":

@@ -35,12 +35,27 @@ PROMPT_TOKENS = 128
 def hybrid_config(hidden: int, layers: int, full_every: int, vocab: int) -> dict:
     """An HF-style Qwen3.5 text config.json dict: every `full_every`-th layer full attention."""
     types = ["full_attention" if (i + 1) % full_every == 0 else "linear_attention" for i in range(layers)]
-    return dict(model_type="qwen3_5_text", vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
-                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
-                linear_num_value_heads=4, layer_types=types, rms_norm_eps=1e-6, max_position_embeddings=4096,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-                eos_token_id=None, tie_word_embeddings=False)
+    return dict(
+        model_type="qwen3_5_text",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=types,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        eos_token_id=None,
+        tie_word_embeddings=False,
+    )
 
 
 def random_target(hf: dict, seed: int):
@@ -57,7 +72,9 @@ def random_target(hf: dict, seed: int):
     return target.eval()
 
 
-def timed_rounds(engines: list, width: int, keep: int, reps: int, warmup: int, rng: torch.Generator) -> list[list[float]]:
+def timed_rounds(
+    engines: list, width: int, keep: int, reps: int, warmup: int, rng: torch.Generator
+) -> list[list[float]]:
     """ms of `reps` verifications of `width` tokens on row 0 of each engine (after `warmup` untimed
     ones), each followed by a commit of its first `keep` tokens; every engine starts from the same
     fresh prefill and verifies the same tokens, the engines taking turns (so that a drift of the
@@ -100,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     hf = hybrid_config(hidden=256, layers=8, full_every=4, vocab=1000)
-    engine = torch_engine(random_target(hf, seed=0), None, PROMPT_TOKENS + (args.warmup + args.reps) * max(args.widths) + 8)
+    engine = torch_engine(
+        random_target(hf, seed=0), None, PROMPT_TOKENS + (args.warmup + args.reps) * max(args.widths) + 8
+    )
     without = engine.with_rows(1)  # the same modules, caches of its own
     without.cache.snapshot_window = 0  # keeps no state inside a forward (and so never rolls back)
     rng = torch.Generator().manual_seed(1)
@@ -110,19 +129,33 @@ def main(argv: list[str] | None = None) -> int:
         kept, unkept = timed_rounds([engine, without], k, k, args.reps, args.warmup, rng)
         median[f"keep-all k={k}, snapshots"] = statistics.median(kept)
         median[f"keep-all k={k}, no snapshots"] = statistics.median(unkept)
-    shares = {f"k={k}": (median[f"keep-all k={k}, snapshots"] - median[f"keep-all k={k}, no snapshots"])
-              / median[f"keep-all k={k}, snapshots"] for k in args.widths}
+    shares = {
+        f"k={k}": (median[f"keep-all k={k}, snapshots"] - median[f"keep-all k={k}, no snapshots"])
+        / median[f"keep-all k={k}, snapshots"]
+        for k in args.widths
+    }
     for name, ms in median.items():
         print(f"{name:32s} {ms:8.3f} ms  ({ms / median['plain']:.2f}× a plain step)")
     for k, share in shares.items():
         print(f"snapshot share of a verification, {k}: {100 * share:.1f} %")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        report = dict(cpu=cpu_model(), cores=os.cpu_count(), load_average=list(os.getloadavg()),
-                      torch=torch.__version__, threads=args.threads, dtype="fp32", rows=1,
-                      prompt_tokens=PROMPT_TOKENS, config=hf, repetitions=args.reps, warmup=args.warmup,
-                      median_ms=median, ratio_to_plain={k: v / median["plain"] for k, v in median.items()},
-                      snapshot_share=shares)
+        report = dict(
+            cpu=cpu_model(),
+            cores=os.cpu_count(),
+            load_average=list(os.getloadavg()),
+            torch=torch.__version__,
+            threads=args.threads,
+            dtype="fp32",
+            rows=1,
+            prompt_tokens=PROMPT_TOKENS,
+            config=hf,
+            repetitions=args.reps,
+            warmup=args.warmup,
+            median_ms=median,
+            ratio_to_plain={k: v / median["plain"] for k, v in median.items()},
+            snapshot_share=shares,
+        )
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -65,10 +65,32 @@ def start_server(args, method: str, port: int) -> subprocess.Popen:
     method, _, variant = method.partition("+")  # dloop+budget: with --step-costs (the verification budget)
     if variant and (variant != "budget" or not args.step_costs):
         raise SystemExit(f"unknown method variant +{variant} (+budget needs --step-costs FILE)")
-    cmd = [sys.executable, "-m", "loopspec.cli", "serve", "--method", method, "--port", str(port),
-           "--target", args.target, "--drafter", args.drafter, "--max-batch-size", str(args.max_batch_size),
-           "--max-context", str(args.max_context), "--threads", str(args.threads), "--log-level", "warning",
-           "--model-name", "model", "--backend", args.backend] + (["--step-costs", args.step_costs] if variant else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "loopspec.cli",
+        "serve",
+        "--method",
+        method,
+        "--port",
+        str(port),
+        "--target",
+        args.target,
+        "--drafter",
+        args.drafter,
+        "--max-batch-size",
+        str(args.max_batch_size),
+        "--max-context",
+        str(args.max_context),
+        "--threads",
+        str(args.threads),
+        "--log-level",
+        "warning",
+        "--model-name",
+        "model",
+        "--backend",
+        args.backend,
+    ] + (["--step-costs", args.step_costs] if variant else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     return wait_healthy(subprocess.Popen(cmd, env=env), port, "loopspec serve")
 
@@ -84,12 +106,14 @@ def start_llama_server(args, port: int) -> subprocess.Popen:
 
     gguf = TargetSource.of(args.target).require_gguf("the llama-server peer")
     slots = max(int(c) for c in args.concurrency.split(",") if c)
-    cmd = llama_server_command(args.llama_server, gguf, threads=args.threads, context=args.max_context * slots,
-                               port=port, slots=slots)
+    cmd = llama_server_command(
+        args.llama_server, gguf, threads=args.threads, context=args.max_context * slots, port=port, slots=slots
+    )
     if " amx_tile" in open("/proc/cpuinfo").read():
         cmd.append("--no-repack")
-    return wait_healthy(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port,
-                        "llama-server")
+    return wait_healthy(
+        subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port, "llama-server"
+    )
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, name: str) -> subprocess.Popen:
@@ -113,8 +137,13 @@ async def one_request(client, prompt: str, max_tokens: int, gate: asyncio.Semaph
         first = None
         text, finish, usage, pieces = [], None, None, 0
         stream = await client.chat.completions.create(
-            model="model", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True})
+            model="model",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         async for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage
@@ -127,8 +156,13 @@ async def one_request(client, prompt: str, max_tokens: int, gate: asyncio.Semaph
                     finish = choice.finish_reason
         end = time.perf_counter()
     # a server that reports no usage streams one token per piece (llama-server does)
-    return {"text": "".join(text), "finish": finish, "tokens": usage.completion_tokens if usage else pieces,
-            "latency_s": end - t0, "ttft_s": (first or end) - t0}
+    return {
+        "text": "".join(text),
+        "finish": finish,
+        "tokens": usage.completion_tokens if usage else pieces,
+        "latency_s": end - t0,
+        "ttft_s": (first or end) - t0,
+    }
 
 
 async def run_level(url: str, prompts: list[str], max_tokens: int, concurrency: int, timeout: float) -> dict:
@@ -144,11 +178,18 @@ async def run_level(url: str, prompts: list[str], max_tokens: int, concurrency: 
     ok = [r for r in results if not isinstance(r, BaseException)]
     tokens = sum(r["tokens"] for r in ok)
     latencies = sorted(r["latency_s"] for r in ok) or [float("nan")]
-    return {"concurrency": concurrency, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "mean_latency_s": sum(r["latency_s"] for r in ok) / max(1, len(ok)),
-            "p50_latency_s": percentile(latencies, 50), "p99_latency_s": percentile(latencies, 99),
-            "mean_ttft_s": sum(r["ttft_s"] for r in ok) / max(1, len(ok)),
-            "errors": errors, "results": [None if isinstance(r, BaseException) else r for r in results]}
+    return {
+        "concurrency": concurrency,
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "mean_latency_s": sum(r["latency_s"] for r in ok) / max(1, len(ok)),
+        "p50_latency_s": percentile(latencies, 50),
+        "p99_latency_s": percentile(latencies, 99),
+        "mean_ttft_s": sum(r["ttft_s"] for r in ok) / max(1, len(ok)),
+        "errors": errors,
+        "results": [None if isinstance(r, BaseException) else r for r in results],
+    }
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -191,13 +232,19 @@ def acceptance(url: str) -> dict:
         found = re.search(pattern, text, re.M)
         return float(found.group(1)) if found else 0.0
 
-    tau_sum, tau_count = value(r"^loopspec_acceptance_length_sum (\S+)$"), value(r"^loopspec_acceptance_length_count (\S+)$")
+    tau_sum, tau_count = (
+        value(r"^loopspec_acceptance_length_sum (\S+)$"),
+        value(r"^loopspec_acceptance_length_count (\S+)$"),
+    )
     drafting = value(r'^loopspec_verifications_total\{kind="drafting"\} (\S+)$')
     plain = value(r'^loopspec_verifications_total\{kind="plain"\} (\S+)$')
     tokens = value(r"^loopspec_verified_tokens_total (\S+)$")
-    return {"mean_tau": tau_sum / tau_count if tau_count else None,
-            "tokens_per_verification": tokens / (drafting + plain) if drafting + plain else None,
-            "plain_verifications": int(plain), "verifications": int(drafting + plain)}
+    return {
+        "mean_tau": tau_sum / tau_count if tau_count else None,
+        "tokens_per_verification": tokens / (drafting + plain) if drafting + plain else None,
+        "plain_verifications": int(plain),
+        "verifications": int(drafting + plain),
+    }
 
 
 def main() -> int:
@@ -217,9 +264,12 @@ def main() -> int:
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server, for the method llama-server")
     p.add_argument("--plot", default=None, help="a PNG of tokens/s and p99 latency per concurrency")
-    p.add_argument("--step-costs", default=None,
-                   help="a `loopspec costs --out` table: a method written METHOD+budget serves with it (the "
-                        "verification budget); METHOD alone with the timing fallback, unless a table is stored")
+    p.add_argument(
+        "--step-costs",
+        default=None,
+        help="a `loopspec costs --out` table: a method written METHOD+budget serves with it (the "
+        "verification budget); METHOD alone with the timing fallback, unless a table is stored",
+    )
     args = p.parse_args()
     methods = [m for m in args.methods.split(",") if m]
     if LLAMA_SERVER in methods and not args.llama_server:
@@ -229,7 +279,7 @@ def main() -> int:
     levels = [int(c) for c in args.concurrency.split(",") if c]
     if levels[0] != 1:
         raise SystemExit("--concurrency must start with 1: requests alone are the reference")
-    prompts = (PROMPTS * (args.requests // len(PROMPTS) + 1))[:args.requests]
+    prompts = (PROMPTS * (args.requests // len(PROMPTS) + 1))[: args.requests]
     deadline = time.monotonic() + args.max_seconds
     reference, rows, failures = None, [], []
     for method in methods:
@@ -241,30 +291,37 @@ def main() -> int:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SystemExit("the load test ran out of its --max-seconds")
-                run = asyncio.run(asyncio.wait_for(
-                    run_level(url, prompts, args.max_tokens, level, args.timeout), left))
+                run = asyncio.run(asyncio.wait_for(run_level(url, prompts, args.max_tokens, level, args.timeout), left))
                 texts = [r["text"] if r else None for r in run["results"]]
                 if reference is None:
                     reference = texts
                 compared = method != LLAMA_SERVER  # llama.cpp's arithmetic gives other text at places
-                bad = [i for i, r in enumerate(run["results"]) if r is None or r["finish"] not in ("stop", "length")
-                       or (compared and r["text"] != reference[i])]
+                bad = [
+                    i
+                    for i, r in enumerate(run["results"])
+                    if r is None or r["finish"] not in ("stop", "length") or (compared and r["text"] != reference[i])
+                ]
                 failures += [f"{method} c={level}: {e}" for e in run["errors"]]
                 failures += [f"{method} c={level}: request {i} differs from alone or did not finish" for i in bad]
-                rows.append({"method": method, **{k: v for k, v in run.items() if k != "results"},
-                             "equal_to_alone": not bad})
-                print(f"{method:>12} c={level:<3} {run['tokens']:5d} tokens in {run['wall_s']:6.1f} s = "
-                      f"{run['tokens_per_s']:6.1f} tok/s | latency mean {run['mean_latency_s']:5.1f} s, p50 "
-                      f"{run['p50_latency_s']:5.1f} s, p99 {run['p99_latency_s']:5.1f} s, ttft {run['mean_ttft_s']:5.2f} s"
-                      f" | errors {len(run['errors'])} | equal to alone: {not bad if compared else 'not compared'}",
-                      flush=True)
+                rows.append(
+                    {"method": method, **{k: v for k, v in run.items() if k != "results"}, "equal_to_alone": not bad}
+                )
+                print(
+                    f"{method:>12} c={level:<3} {run['tokens']:5d} tokens in {run['wall_s']:6.1f} s = "
+                    f"{run['tokens_per_s']:6.1f} tok/s | latency mean {run['mean_latency_s']:5.1f} s, p50 "
+                    f"{run['p50_latency_s']:5.1f} s, p99 {run['p99_latency_s']:5.1f} s, ttft {run['mean_ttft_s']:5.2f} s"
+                    f" | errors {len(run['errors'])} | equal to alone: {not bad if compared else 'not compared'}",
+                    flush=True,
+                )
             if method != LLAMA_SERVER:
                 seen = acceptance(url)
                 rows.append({"method": method, **seen})
                 if seen["verifications"]:
-                    print(f"{method:>12} over the run: tau {seen['mean_tau'] or 1:.2f} (drafting rounds), "
-                          f"{seen['tokens_per_verification']:.2f} tokens/verification over all "
-                          f"{seen['verifications']} ({seen['plain_verifications']} plain)")
+                    print(
+                        f"{method:>12} over the run: tau {seen['mean_tau'] or 1:.2f} (drafting rounds), "
+                        f"{seen['tokens_per_verification']:.2f} tokens/verification over all "
+                        f"{seen['verifications']} ({seen['plain_verifications']} plain)"
+                    )
         finally:
             server.terminate()
             server.wait(30)
@@ -274,8 +331,12 @@ def main() -> int:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "cpu": cpu_description(), "rows": rows, "failures": failures}, f, indent=2)
     if args.plot:
-        plot(rows, args.plot, f"{args.requests} greedy chat requests of {args.max_tokens} tokens per level; "
-                              f"{args.threads} threads; backend {args.backend}")
+        plot(
+            rows,
+            args.plot,
+            f"{args.requests} greedy chat requests of {args.max_tokens} tokens per level; "
+            f"{args.threads} threads; backend {args.backend}",
+        )
     for line in failures:
         print("FAIL", line)
     print("OK: no errors, every output equal to the request alone" if not failures else f"{len(failures)} failures")

@@ -28,8 +28,14 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     reserve_json(args.json)
-    pipe = load_pipeline("default", "default", backend="onnxruntime", precision="gguf-int8act",
-                         num_threads=args.threads, max_context=max(args.contexts) + 32)
+    pipe = load_pipeline(
+        "default",
+        "default",
+        backend="onnxruntime",
+        precision="gguf-int8act",
+        num_threads=args.threads,
+        max_context=max(args.contexts) + 32,
+    )
     engine = pipe.engine
     g = torch.Generator().manual_seed(0)
     result = run_record(pipe.engine_name, args.threads, args.calls, lone_step_width=engine.lone_step_width)
@@ -44,13 +50,22 @@ def main() -> int:
                 out[width] = engine.run_target([0], token, width, all_logits=True)
                 times[width].append((time.perf_counter() - start) * 1000)
             alone, padded = out[1], out[MIN_PRODUCT_ROWS]
-            same = same and torch.equal(alone["logits"][:, :1], padded["logits"][:, :1]) and torch.equal(
-                alone["new_key"][..., :1, :], padded["new_key"][..., :1, :])
-        record = {"context": context, "alone_ms": round(statistics.median(times[1]), 2),
-                  "padded_ms": round(statistics.median(times[MIN_PRODUCT_ROWS]), 2), "same_bits": same}
+            same = (
+                same
+                and torch.equal(alone["logits"][:, :1], padded["logits"][:, :1])
+                and torch.equal(alone["new_key"][..., :1, :], padded["new_key"][..., :1, :])
+            )
+        record = {
+            "context": context,
+            "alone_ms": round(statistics.median(times[1]), 2),
+            "padded_ms": round(statistics.median(times[MIN_PRODUCT_ROWS]), 2),
+            "same_bits": same,
+        }
         result["steps"].append(record)
-        print(f"{context:5d} positions: alone {record['alone_ms']:6.2f} ms, with a padding token "
-              f"{record['padded_ms']:6.2f} ms, same bits: {same}")
+        print(
+            f"{context:5d} positions: alone {record['alone_ms']:6.2f} ms, with a padding token "
+            f"{record['padded_ms']:6.2f} ms, same bits: {same}"
+        )
     print(f"the engine's lone step width on this machine: {engine.lone_step_width}")
     write_json(args.json, result)
     return 0

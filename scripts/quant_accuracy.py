@@ -54,15 +54,26 @@ def main() -> int:
         rows[precision] = Q.emulated_drafter_check(pair.target, pair.drafter, weights, held_out, precision)
         rows[precision]["quantized_linears"] = len(weights)
         rows[precision]["seconds"] = round(time.perf_counter() - t0, 1)
-    report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "target": args.target, "drafter": args.drafter,
-              "calib_size": len(calibration), "held_out_prompts": len(held_out), "precisions": rows}
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": cpu_name(),
+        "target": args.target,
+        "drafter": args.drafter,
+        "calib_size": len(calibration),
+        "held_out_prompts": len(held_out),
+        "precisions": rows,
+    }
     print(f"{report['date']}, {report['cpu']}: {len(calibration)} calibration prompts, {len(held_out)} held-out")
-    print(f"{'precision':<10}{'max |err|':>10}{'mean |err|':>11}{'scale':>8}{'top-1':>8}{'tau fp32':>9}"
-          f"{'tau q':>8}{'drop':>8}{'s':>7}")
+    print(
+        f"{'precision':<10}{'max |err|':>10}{'mean |err|':>11}{'scale':>8}{'top-1':>8}{'tau fp32':>9}"
+        f"{'tau q':>8}{'drop':>8}{'s':>7}"
+    )
     for precision, r in rows.items():
-        print(f"{precision:<10}{r['max_abs']:>10.3g}{r['mean_abs']:>11.3g}{r['logit_scale']:>8.3g}"
-              f"{r['top1_agreement']:>8.1%}{r['tau_reference']:>9.3f}{r['tau_quantized']:>8.3f}"
-              f"{r['tau_relative_drop']:>+8.1%}{r['seconds']:>7.1f}")
+        print(
+            f"{precision:<10}{r['max_abs']:>10.3g}{r['mean_abs']:>11.3g}{r['logit_scale']:>8.3g}"
+            f"{r['top1_agreement']:>8.1%}{r['tau_reference']:>9.3f}{r['tau_quantized']:>8.3f}"
+            f"{r['tau_relative_drop']:>+8.1%}{r['seconds']:>7.1f}"
+        )
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -50,13 +50,29 @@ def cpu_has_amx() -> bool:
     return " amx_tile" in Path("/proc/cpuinfo").read_text()
 
 
-def llama_bench_curve(binary: str, gguf: str, threads: int, contexts: list[int], chains: list[int],
-                      repetitions: int) -> dict:
+def llama_bench_curve(
+    binary: str, gguf: str, threads: int, contexts: list[int], chains: list[int], repetitions: int
+) -> dict:
     """llama-bench's step at each context: k = 1 from a 16-token generation test (ms per token), k > 1
     from a k-token prompt test (ms per batch), both at that depth."""
     batches = [k for k in chains if k > 1]
-    command = [binary, "-m", gguf, "-t", str(threads), "-r", str(repetitions), "-o", "json",
-               "-d", ",".join(map(str, contexts)), "-p", ",".join(map(str, batches or [0])), "-n", "16"]
+    command = [
+        binary,
+        "-m",
+        gguf,
+        "-t",
+        str(threads),
+        "-r",
+        str(repetitions),
+        "-o",
+        "json",
+        "-d",
+        ",".join(map(str, contexts)),
+        "-p",
+        ",".join(map(str, batches or [0])),
+        "-n",
+        "16",
+    ]
     if cpu_has_amx():
         command += ["--repack", "0"]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
@@ -68,8 +84,11 @@ def llama_bench_curve(binary: str, gguf: str, threads: int, contexts: list[int],
         elif n_prompt == 0 and n_gen > 0 and 1 in chains:
             steps.append({"k": 1, "rows": 1, "context": depth, "ms": round(1000 / per_s, 2)})
     build = json.loads(out)[0]
-    return {"command": " ".join(command), "build": f"{build.get('build_commit', '?')} ({build.get('build_number', '?')})",
-            "steps": sorted(steps, key=lambda s: (s["context"], s["k"]))}
+    return {
+        "command": " ".join(command),
+        "build": f"{build.get('build_commit', '?')} ({build.get('build_number', '?')})",
+        "steps": sorted(steps, key=lambda s: (s["context"], s["k"])),
+    }
 
 
 def genai_curve(python: str, model: str, threads: int, contexts: list[int], chains: list[int], calls: int) -> dict:
@@ -78,9 +97,30 @@ def genai_curve(python: str, model: str, threads: int, contexts: list[int], chai
     with tempfile.TemporaryDirectory() as tmp:
         ids, out = Path(tmp) / "ids.json", Path(tmp) / "genai.json"
         ids.write_text(json.dumps([[100 + i for i in range(32)]]))  # one short prompt: its warm-up
-        subprocess.run([python, str(script), "--model", model, "--ids", str(ids), "--max-new-tokens", "16", "--curve",
-                        "--contexts", ",".join(map(str, contexts)), "--chains", ",".join(map(str, chains)),
-                        "--calls", str(calls), "--threads", str(threads), "--json", str(out)], check=True)
+        subprocess.run(
+            [
+                python,
+                str(script),
+                "--model",
+                model,
+                "--ids",
+                str(ids),
+                "--max-new-tokens",
+                "16",
+                "--curve",
+                "--contexts",
+                ",".join(map(str, contexts)),
+                "--chains",
+                ",".join(map(str, chains)),
+                "--calls",
+                str(calls),
+                "--threads",
+                str(threads),
+                "--json",
+                str(out),
+            ],
+            check=True,
+        )
         result = json.loads(out.read_text())
     return {"version": result.get("version"), "model": model, "threads": threads, "steps": result["steps"]}
 
@@ -97,7 +137,9 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench: its step on the default GGUF, first")
     p.add_argument("--genai-python", metavar="PY", help="the Python of an environment with onnxruntime-genai")
-    p.add_argument("--genai-model", metavar="DIR", help="GenAI's int4 build of the default target (its builder's output)")
+    p.add_argument(
+        "--genai-model", metavar="DIR", help="GenAI's int4 build of the default target (its builder's output)"
+    )
     args = p.parse_args()
     if (args.genai_python is None) != (args.genai_model is None):
         p.error("--genai-python and --genai-model go together")
@@ -108,13 +150,21 @@ def main() -> int:
     if args.llama_bench:
         from loopspec.weights import default_gguf_path
 
-        peers["llama.cpp"] = llama_bench_curve(args.llama_bench, str(default_gguf_path()), args.threads,
-                                               args.contexts, args.chains, repetitions=5)
+        peers["llama.cpp"] = llama_bench_curve(
+            args.llama_bench, str(default_gguf_path()), args.threads, args.contexts, args.chains, repetitions=5
+        )
     if args.genai_python:
-        peers["onnxruntime-genai"] = genai_curve(args.genai_python, args.genai_model, args.threads, args.contexts,
-                                                 args.chains, args.calls)
-    pipe = load_pipeline("default", "default", backend="onnxruntime", precision=args.precision,
-                         num_threads=args.threads, max_context=max(args.contexts + [args.prefill_tokens]) + 32)
+        peers["onnxruntime-genai"] = genai_curve(
+            args.genai_python, args.genai_model, args.threads, args.contexts, args.chains, args.calls
+        )
+    pipe = load_pipeline(
+        "default",
+        "default",
+        backend="onnxruntime",
+        precision=args.precision,
+        num_threads=args.threads,
+        max_context=max(args.contexts + [args.prefill_tokens]) + 32,
+    )
     engine = pipe.engine.with_rows(max(args.rows))
     g = torch.Generator().manual_seed(0)
     result = run_record(pipe.engine_name, args.threads, args.calls)
@@ -128,7 +178,8 @@ def main() -> int:
         def step(tokens: list[list[int]]):
             def call():
                 engine.verify(tokens, want_taps=False)
-                engine.target_rollback(lengths[:len(tokens)])
+                engine.target_rollback(lengths[: len(tokens)])
+
             return call
 
         for k in args.chains:
@@ -146,8 +197,10 @@ def main() -> int:
     prompt = torch.randint(0, VOCAB, (args.prefill_tokens,), generator=g).tolist()
     start = time.perf_counter()
     engine.prefill(0, prompt, want_taps=False)
-    result["prefill"] = {"tokens": args.prefill_tokens,
-                         "tokens_per_s": round(args.prefill_tokens / (time.perf_counter() - start), 1)}
+    result["prefill"] = {
+        "tokens": args.prefill_tokens,
+        "tokens_per_s": round(args.prefill_tokens / (time.perf_counter() - start), 1),
+    }
     for s in result["steps"]:
         print(f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: {s['ms']:7.2f} ms")
     print(f"prefill of {args.prefill_tokens} tokens: {result['prefill']['tokens_per_s']} tokens/s")

@@ -6,19 +6,43 @@ import torch
 FAMILIES = ["llama", "qwen2", "qwen3"]
 
 
-def tiny_hf_config(family: str, vocab_size: int = 128, num_layers: int = 6, tie: bool | None = None,
-                   rope_scaling: dict | None = None, hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2):
+def tiny_hf_config(
+    family: str,
+    vocab_size: int = 128,
+    num_layers: int = 6,
+    tie: bool | None = None,
+    rope_scaling: dict | None = None,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+):
     """A tiny random transformers config of the given family (GQA, 2 kv heads)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=96, num_hidden_layers=num_layers,
-                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     if family == "llama":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
-        cfg = LlamaConfig(**common, rope_parameters=rope_scaling or rope,
-                          tie_word_embeddings=True if tie is None else tie)
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+        }
+        cfg = LlamaConfig(
+            **common, rope_parameters=rope_scaling or rope, tie_word_embeddings=True if tie is None else tie
+        )
     elif family == "qwen2":
         cfg = Qwen2Config(**common, tie_word_embeddings=False if tie is None else tie)
     else:
@@ -103,8 +127,9 @@ def lively(target, scale: float = 8.0):
     return target
 
 
-def save_trained_like_drafter(target_dir: Path, drafter_dir: Path, out_dir: Path, strength: float = 3.0,
-                              rank: int = 2, rounds: int = 3) -> Path:
+def save_trained_like_drafter(
+    target_dir: Path, drafter_dir: Path, out_dir: Path, strength: float = 3.0, rank: int = 2, rounds: int = 3
+) -> Path:
     """A copy of a random drafter whose every matrix also carries the dominant directions of its own
     inputs, saved to `out_dir`.
 
@@ -126,20 +151,25 @@ def save_trained_like_drafter(target_dir: Path, drafter_dir: Path, out_dir: Path
     target.set_taps(drafter.cfg.target_layer_ids)
     linears = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear)]  # (the lm_head is the target's)
     random_weights = [m.weight.detach().clone() for m in linears]
-    outputs = [torch.randn(m.weight.shape[0], rank, generator=torch.Generator().manual_seed(11 + i))
-               for i, m in enumerate(linears)]
+    outputs = [
+        torch.randn(m.weight.shape[0], rank, generator=torch.Generator().manual_seed(11 + i))
+        for i, m in enumerate(linears)
+    ]
     for _ in range(rounds):
         seen = {id(m): [] for m in linears}
-        hooks = [m.register_forward_hook(lambda m, args, out: seen[id(m)].append(args[0].reshape(-1, args[0].shape[-1])))
-                 for m in linears]
+        hooks = [
+            m.register_forward_hook(lambda m, args, out: seen[id(m)].append(args[0].reshape(-1, args[0].shape[-1])))
+            for m in linears
+        ]
         run_drafter_as_decoding(drafter, target, sequences)
         for h in hooks:
             h.remove()
         with torch.no_grad():
             for linear, weight, out in zip(linears, random_weights, outputs):
                 _, values, vh = torch.linalg.svd(torch.cat(seen[id(linear)]), full_matrices=False)
-                term = sum(float(values[i] / values[0]) * torch.outer(out[:, i] / out[:, i].norm(), vh[i])
-                           for i in range(rank))
+                term = sum(
+                    float(values[i] / values[0]) * torch.outer(out[:, i] / out[:, i].norm(), vh[i]) for i in range(rank)
+                )
                 linear.weight.copy_(weight + strength * weight.norm() / 4 * term)
     drafter.save(out_dir, dtype=torch.float32)
     return out_dir
@@ -151,8 +181,10 @@ def generated_texts_on_both_backends(target_dir, drafter_dir, onnx_dir, capsys, 
     from loopspec.cli import main
 
     texts = {}
-    for backend in (["--backend", "torch", "--target", str(target_dir), "--drafter", str(drafter_dir)],
-                    ["--backend", "onnxruntime", "--onnx-dir", str(onnx_dir)]):
+    for backend in (
+        ["--backend", "torch", "--target", str(target_dir), "--drafter", str(drafter_dir)],
+        ["--backend", "onnxruntime", "--onnx-dir", str(onnx_dir)],
+    ):
         for method in ("ar", "dloop"):
             argv = ["generate", "--prompt", "abc", "--method", method, "--max-new-tokens", str(max_new_tokens)]
             assert main(argv + backend) == 0
@@ -180,8 +212,9 @@ def target_greedy(target, prompt, new_tokens: int) -> list[int]:
     return tokens
 
 
-def agreeing_drafter(target, prompt_list, cfg, *, new_tokens: int = 40, steps: int = 80, seed: int = 0,
-                     also_engines=(), also_texts=()):
+def agreeing_drafter(
+    target, prompt_list, cfg, *, new_tokens: int = 40, steps: int = 80, seed: int = 0, also_engines=(), also_texts=()
+):
     """A tiny drafter of `cfg` (a DrafterConfig) trained in-test until it drafts what `target`
     continues `prompt_list` with greedily — the module itself, and each of `also_engines` (e.g. an int8
     export, whose roundings take other tokens at places, and differently on other CPUs): it overfits
@@ -245,7 +278,9 @@ def batched_greedy_equals_plain(engine, prompts, settings, new_tokens: int = 40)
 
     refs = [generate(engine, p, DecodingSettings(), max_new_tokens=new_tokens).tokens for p in prompts]
     assert len({tuple(r) for r in refs}) == len(prompts) and min(len(set(r)) for r in refs) >= 3
-    done = decode_all(Decoder(engine.with_rows(len(prompts)), settings),
-                      [dict(key=i, prompt_ids=p, max_new_tokens=new_tokens) for i, p in enumerate(prompts)])
+    done = decode_all(
+        Decoder(engine.with_rows(len(prompts)), settings),
+        [dict(key=i, prompt_ids=p, max_new_tokens=new_tokens) for i, p in enumerate(prompts)],
+    )
     assert [done[i].tokens for i in range(len(prompts))] == refs
     return accepted_drafts(done.values())

@@ -15,11 +15,14 @@ from loopspec.weights import load_target_dir
 
 from conftest import FAMILIES, accepted_drafts, agreeing_drafter, lively
 
-METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
-           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
-           "tree": Method("dflash", block_size=5, tree_budget=8, suffix=True),
-           "dloop-tree": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, tree_budget=10, suffix=True),
-           "suffix": Method("suffix", block_size=6)}
+METHODS = {
+    "ar": Method(),
+    "dflash": Method("dflash", block_size=5),
+    "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
+    "tree": Method("dflash", block_size=5, tree_budget=8, suffix=True),
+    "dloop-tree": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, tree_budget=10, suffix=True),
+    "suffix": Method("suffix", block_size=6),
+}
 
 
 # the fewest drafts the batched rows must have accepted, of their 200 tokens: measured 142 to 168 for the
@@ -29,13 +32,21 @@ MIN_ACCEPTED = {"ar": 0, "dflash": 80, "dloop": 80, "tree": 80, "dloop-tree": 80
 
 def prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 120, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, 120, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def alone(engine, prompt, method: Method, max_new_tokens, params=SamplingParams(), seed=0, stop=frozenset()):
-    return generate(engine, prompt, method, max_new_tokens=max_new_tokens, params=params, stop_token_ids=stop,
-                    generator=torch.Generator().manual_seed(seed))
+    return generate(
+        engine,
+        prompt,
+        method,
+        max_new_tokens=max_new_tokens,
+        params=params,
+        stop_token_ids=stop,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 GREEDY_PROMPTS = prompts(5, seed=2)
@@ -66,13 +77,13 @@ def test_ragged_forward_equals_rows_alone(engines):
     new = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
     ids = torch.zeros(3, 5, dtype=torch.long)
     for b, t in enumerate(new):
-        ids[b, :len(t)] = torch.tensor(t)
+        ids[b, : len(t)] = torch.tensor(t)
     out = target(ids, cache, counts=torch.tensor([3, 1, 5]))
     assert cache.lengths.tolist() == [len(p) + len(t) for p, t in zip(rows, new)]
     for b, t in enumerate(new):
         ref = target(torch.tensor([t]), singles[b])
-        assert (out.logits[b, :len(t)] - ref.logits[0]).abs().max() < 1e-4
-        assert (out.taps[b, :len(t)] - ref.taps[0]).abs().max() < 1e-4
+        assert (out.logits[b, : len(t)] - ref.logits[0]).abs().max() < 1e-4
+        assert (out.taps[b, : len(t)] - ref.taps[0]).abs().max() < 1e-4
         n = cache.lengths[b]
         assert torch.allclose(cache.k[:, b, :, :n], singles[b].k[:, 0, :, :n], atol=1e-5)
     with pytest.raises(LoopspecError, match="exceeds the context"):
@@ -93,8 +104,11 @@ def test_batched_greedy_equals_alone(family, name, engines):
     if name.startswith("dloop"):
         assert max(max(done[i].stats.stages_per_round) for i in range(5)) == 3
     if method.tree_budget:  # the trees really branched: a round verified more nodes than its stages' chain
-        assert any(nodes > stages * (method.block_size - 1) for i in range(5)
-                   for nodes, stages in zip(done[i].stats.nodes_per_round, done[i].stats.stages_per_round))
+        assert any(
+            nodes > stages * (method.block_size - 1)
+            for i in range(5)
+            for nodes, stages in zip(done[i].stats.nodes_per_round, done[i].stats.stages_per_round)
+        )
 
 
 def test_admit_and_retire_between_steps(engines):
@@ -118,7 +132,7 @@ def test_admit_and_retire_between_steps(engines):
                 done[i] = row
         assert len(decoder.rows) <= 3
         for row, new in decoder.step():
-            assert row.tokens[-len(new):] == new if new else True
+            assert row.tokens[-len(new) :] == new if new else True
             if row.finish:
                 done[row.key] = row
     assert admitted_mid_run >= 3
@@ -141,7 +155,7 @@ def test_ragged_acceptance_with_oracle_drafts(engines):
             for i, b in enumerate(rows):
                 row = decoder.rows[b]
                 start = positions[i] - row.prompt_len + 1  # index in refs of the token after the anchor
-                guess = (refs[row.key] + [0] * 64)[start:start + block_size - 1]
+                guess = (refs[row.key] + [0] * 64)[start : start + block_size - 1]
                 chain_index = start - len(row.tokens)  # which draft of this round's chain
                 for j in range(len(guess)):
                     if chain_index + j == wrong_at[row.key]:
@@ -163,13 +177,19 @@ def test_sampled_rows_reproduce_their_seed(name, engines):
     """T > 0: a row's tokens depend on its own seed only: the same as the request alone with that seed."""
     engine, method = engines["llama"], METHODS[name]
     ps = prompts(4, seed=5)
-    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
-              SamplingParams(), SamplingParams(temperature=1.3, top_k=20)]
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(),
+        SamplingParams(temperature=1.3, top_k=20),
+    ]
     seeds = [11, 12, 13, 14]
     refs = [alone(engine, p, method, 30, params=q, seed=s).tokens for p, q, s in zip(ps, params, seeds)]
     decoder = Decoder(engine.with_rows(4), method)
-    reqs = [dict(key=i, prompt_ids=p, max_new_tokens=30, params=q, seed=s)
-            for i, (p, q, s) in enumerate(zip(ps, params, seeds))]
+    reqs = [
+        dict(key=i, prompt_ids=p, max_new_tokens=30, params=q, seed=s)
+        for i, (p, q, s) in enumerate(zip(ps, params, seeds))
+    ]
     done = decode_all(decoder, reqs)
     assert [done[i].tokens for i in range(4)] == refs
     assert refs[0] != alone(engine, ps[0], method, 30, params=params[0], seed=99).tokens
@@ -182,12 +202,14 @@ def test_stop_tokens_and_context_end(engines):
     assert ref.stats.finish_reason == "context"
     stop = ref.tokens[9]
     decoder = Decoder(engine.with_rows(3), METHODS["dloop"])
-    reqs = [dict(key=0, prompt_ids=ps[0], max_new_tokens=200),
-            dict(key=1, prompt_ids=ps[0], max_new_tokens=200, stop_token_ids=frozenset({stop})),
-            dict(key=2, prompt_ids=ps[1], max_new_tokens=3)]
+    reqs = [
+        dict(key=0, prompt_ids=ps[0], max_new_tokens=200),
+        dict(key=1, prompt_ids=ps[0], max_new_tokens=200, stop_token_ids=frozenset({stop})),
+        dict(key=2, prompt_ids=ps[1], max_new_tokens=3),
+    ]
     done = decode_all(decoder, reqs)
     assert done[0].tokens == ref.tokens and done[0].finish == "context"
-    assert done[1].tokens == ref.tokens[:ref.tokens.index(stop) + 1] and done[1].finish == "stop"
+    assert done[1].tokens == ref.tokens[: ref.tokens.index(stop) + 1] and done[1].finish == "stop"
     assert done[2].tokens == alone(engine, ps[1], Method(), 3).tokens and done[2].finish == "length"
 
 
@@ -247,6 +269,7 @@ def test_onnxruntime_engine_batches_its_rows(engines, tiny_targets, tmp_path):
     ps = prompts(3, seed=10)
     refs = [alone(engine, p, Method(), 20).tokens for p in ps]
     for method in METHODS.values():
-        done = decode_all(Decoder(batch, method),
-                               [dict(key=i, prompt_ids=p, max_new_tokens=20) for i, p in enumerate(ps)])
+        done = decode_all(
+            Decoder(batch, method), [dict(key=i, prompt_ids=p, max_new_tokens=20) for i, p in enumerate(ps)]
+        )
         assert [done[i].tokens for i in range(3)] == refs

@@ -24,16 +24,20 @@ from loopspec.weights import load_target_dir  # noqa: E402
 from conftest import FAMILIES, accepted_drafts, agreeing_drafter, lively  # noqa: E402
 
 CONTEXT = 160
-METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
-           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
-           "dloop-tree": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, tree_budget=10, suffix=True),
-           "suffix": Method("suffix", block_size=6)}
+METHODS = {
+    "ar": Method(),
+    "dflash": Method("dflash", block_size=5),
+    "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
+    "dloop-tree": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, tree_budget=10, suffix=True),
+    "suffix": Method("suffix", block_size=6),
+}
 
 
 def prompts(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 120, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, 120, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 BATCH_PROMPTS, BATCH_BUDGETS = prompts(7, seed=2), [40, 9, 33, 1, 40, 17, 26]
@@ -43,8 +47,14 @@ MIN_ACCEPTED = {"ar": 0, "dflash": 40, "dloop": 40, "dloop-tree": 40, "suffix": 
 
 
 def alone(engine, prompt, method: Method, max_new_tokens, params=SamplingParams(), seed=0):
-    return generate(engine, prompt, method, max_new_tokens=max_new_tokens, params=params,
-                    generator=torch.Generator().manual_seed(seed))
+    return generate(
+        engine,
+        prompt,
+        method,
+        max_new_tokens=max_new_tokens,
+        params=params,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +124,8 @@ def test_batched_calls_match_the_torch_batch_engine(pairs):
     (lt, tt), (lo, to) = tb.verify(tokens, want_taps=True), ob.verify(tokens, want_taps=True)
     assert lo.shape == (3, 5, 128) and to.shape == tt.shape
     for b, t in enumerate(tokens):
-        assert (lo[b, :len(t)] - lt[b, :len(t)]).abs().max() < 1e-4
-        assert (to[b, :len(t)] - tt[b, :len(t)]).abs().max() < 1e-4
+        assert (lo[b, : len(t)] - lt[b, : len(t)]).abs().max() < 1e-4
+        assert (to[b, : len(t)] - tt[b, : len(t)]).abs().max() < 1e-4
     kept = [len(p) + n for p, n in zip(ps, [2, 1, 4])]
     for e, taps in ((tb, tt), (ob, to)):
         e.target_rollback(kept)
@@ -125,7 +135,7 @@ def test_batched_calls_match_the_torch_batch_engine(pairs):
     assert "past_key" not in ob._staging and ob.cache.slots % 32 == 0 and ob.cache.slots >= max(kept)
     n = kept[1]
     assert torch.allclose(ob.cache.k[:, 1, :, :n], tb.cache.k[:, 1, :, :n], atol=1e-4)
-    assert torch.allclose(ob.context.kv.v[:, 2, :, :kept[2]], tb.context.kv.v[:, 2, :, :kept[2]], atol=1e-4)
+    assert torch.allclose(ob.context.kv.v[:, 2, :, : kept[2]], tb.context.kv.v[:, 2, :, : kept[2]], atol=1e-4)
 
     rows, anchors = [2, 0], [7, 9]
     positions = [kept[r] for r in rows]
@@ -135,7 +145,9 @@ def test_batched_calls_match_the_torch_batch_engine(pairs):
     for e, hidden in ((tb, ht), (ob, ho)):  # DLoop's second stage on its pseudo-context
         e.append_pseudo_context(rows, hidden[:, 1:])
     assert ob.context_lengths(rows) == [p + 4 for p in positions]
-    (dt, pt, _), (do, po, _) = (e.draft(rows, [int(d[-1, 0]) for d in dt], [p + 4 for p in positions], 5) for e in (tb, ob))
+    (dt, pt, _), (do, po, _) = (
+        e.draft(rows, [int(d[-1, 0]) for d in dt], [p + 4 for p in positions], 5) for e in (tb, ob)
+    )
     assert torch.equal(do, dt) and (po - pt).abs().max() < 1e-4
     for e in (tb, ob):
         e.context_rollback(rows, positions)
@@ -173,12 +185,18 @@ def test_sampled_rows_reproduce_their_seed(name, pairs):
     _, ort_engine = pairs["llama"]
     method = METHODS[name]
     ps = prompts(4, seed=5)
-    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
-              SamplingParams(), SamplingParams(temperature=1.3, top_k=20)]
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(),
+        SamplingParams(temperature=1.3, top_k=20),
+    ]
     seeds = [11, 12, 13, 14]
     refs = [alone(ort_engine, p, method, 30, params=q, seed=s).tokens for p, q, s in zip(ps, params, seeds)]
-    reqs = [dict(key=i, prompt_ids=p, max_new_tokens=30, params=q, seed=s)
-            for i, (p, q, s) in enumerate(zip(ps, params, seeds))]
+    reqs = [
+        dict(key=i, prompt_ids=p, max_new_tokens=30, params=q, seed=s)
+        for i, (p, q, s) in enumerate(zip(ps, params, seeds))
+    ]
     done = decode_all(Decoder(ort_engine.with_rows(4), method), reqs)
     assert [done[i].tokens for i in range(4)] == refs
     assert refs[0] != alone(ort_engine, ps[0], method, 30, params=params[0], seed=99).tokens
@@ -200,14 +218,17 @@ def test_bad_max_rows_and_old_exports(pairs, tmp_path):
     spec["inputs"] = [t for t in spec["inputs"] if t["name"] != "tree_mask"]
     manifest.save()
     assert "tree_mask" not in json.dumps(read_manifest(old).spec("target_verify").to_dict()["inputs"])
-    with pytest.raises(LoopspecError, match="older loopspec .its target graph takes no draft-tree mask.: export it again"):
+    with pytest.raises(
+        LoopspecError, match="older loopspec .its target graph takes no draft-tree mask.: export it again"
+    ):
         OrtEngine(old)
     stacked = tmp_path / "stacked"  # an export whose past came stacked, without room: refused the same way
     shutil.copytree(ort_engine.artifact_dir, stacked)
     manifest = read_manifest(stacked)
     spec = manifest.data["engines"]["target_verify"]["spec"]
     spec["inputs"] = [t for t in spec["inputs"] if not t["name"].startswith(("past_key_", "past_value_"))] + [
-        {"name": "past_key", "dtype": "float32", "dims": [1, "batch", 1, "past", 8]}]
+        {"name": "past_key", "dtype": "float32", "dims": [1, "batch", 1, "past", 8]}
+    ]
     manifest.save()
     with pytest.raises(LoopspecError, match="older loopspec .its target graph takes a stacked past.: export it again"):
         OrtEngine(stacked)
@@ -255,16 +276,37 @@ def test_fp8_qdq_engines_batch_their_rows(tiny_pair, tmp_path):
 
     target_dir, drafter_dir = tiny_pair
     out = tmp_path / "fp8"
-    assert main(["convert", "quantize", "--precision", "fp8", "--target", str(target_dir), "--drafter", str(drafter_dir),
-                 "--out", str(out), "--calib-size", "2", "--max-context", "128", "--no-validate"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "quantize",
+                "--precision",
+                "fp8",
+                "--target",
+                str(target_dir),
+                "--drafter",
+                str(drafter_dir),
+                "--out",
+                str(out),
+                "--calib-size",
+                "2",
+                "--max-context",
+                "128",
+                "--no-validate",
+            ]
+        )
+        == 0
+    )
     engine = OrtEngine(out / "onnx", 128)
     assert engine.manifest.precision == "fp8" and engine.max_batch == 16
     ps = prompts(4, seed=6)
     method = Method("dloop", block_size=6, max_stages=3, gate_threshold=-1e9)
     plain = [alone(engine, p, METHODS["ar"], 24).tokens for p in ps]
     refs = [alone(engine, p, method, 24).tokens for p in ps]
-    done = decode_all(Decoder(engine.with_rows(4), method),
-                           [dict(key=i, prompt_ids=p, max_new_tokens=24) for i, p in enumerate(ps)])
+    done = decode_all(
+        Decoder(engine.with_rows(4), method), [dict(key=i, prompt_ids=p, max_new_tokens=24) for i, p in enumerate(ps)]
+    )
     assert [done[i].tokens for i in range(4)] == refs
     for i in range(4):  # the FP8 drafter changes what is drafted, never what is committed
         assert refs[i] == plain[i] and done[i].tokens == plain[i], i

@@ -11,11 +11,26 @@ from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
 from loopspec.runtime.pipeline import EngineChoice
 from loopspec.weights import TargetSource
-from loopspec.runtime.bench import (BenchOutput, BenchPlan, Runs, acceptance_stats, load_prompt_sets, median_run, run_bench,
-                                    verifications_saved)
+from loopspec.runtime.bench import (
+    BenchOutput,
+    BenchPlan,
+    Runs,
+    acceptance_stats,
+    load_prompt_sets,
+    median_run,
+    run_bench,
+    verifications_saved,
+)
 
-PLOTS = ("speedup.png", "acceptance.png", "tau_histogram.png", "time_split.png", "dloop_stages.png", "tree_budget.png",
-         "cost_model.png")
+PLOTS = (
+    "speedup.png",
+    "acceptance.png",
+    "tau_histogram.png",
+    "time_split.png",
+    "dloop_stages.png",
+    "tree_budget.png",
+    "cost_model.png",
+)
 METHODS = ("ar", "dflash", "dloop", "dflash+chain", "dflash+tree8", "dflash+tree8+suffix", "suffix", "hf", "hf-lookup")
 
 
@@ -35,10 +50,31 @@ def report_dir(tiny_pair, tmp_path_factory):
     (root / "alpha.jsonl").write_text('{"turns": ["abc def"]}\n{"turns": ["xyz"]}\n')
     (root / "beta.jsonl").write_text('{"turns": ["hello there"]}\n')
     out = root / "report"
-    code = main(["bench", "--prompts", str(root / "alpha.jsonl"), str(root / "beta.jsonl"), "--target", str(target),
-                 "--drafter", str(drafter), "--methods", ",".join(METHODS), "--max-new-tokens", "14",
-                 "--repeats", "2", "--gate-threshold=-1000", "--max-stages", "3", "--no-adaptive", "--cost-model",
-                 "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "--prompts",
+            str(root / "alpha.jsonl"),
+            str(root / "beta.jsonl"),
+            "--target",
+            str(target),
+            "--drafter",
+            str(drafter),
+            "--methods",
+            ",".join(METHODS),
+            "--max-new-tokens",
+            "14",
+            "--repeats",
+            "2",
+            "--gate-threshold=-1000",
+            "--max-stages",
+            "3",
+            "--no-adaptive",
+            "--cost-model",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     return out
 
@@ -50,8 +86,7 @@ def test_out_writes_json_markdown_and_plots(report_dir):
     assert report["settings"]["command"].startswith("loopspec bench --prompts")
     assert report["settings"]["repeats"] == 2
     results = report["results"]
-    assert [(r["dataset"], r["method"]) for r in results] == [
-        (d, m) for d in ("alpha", "beta") for m in METHODS]
+    assert [(r["dataset"], r["method"]) for r in results] == [(d, m) for d in ("alpha", "beta") for m in METHODS]
     for name in PLOTS:
         image = imread(report_dir / name)
         assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0  # drawn, not blank
@@ -63,7 +98,10 @@ def test_out_writes_json_markdown_and_plots(report_dir):
     for name in PLOTS:
         assert f"]({name})" in md
     backend = results[0]["backend"]  # the default: onnxruntime where installed, else torch
-    assert backend in ("onnxruntime fp32", "torch fp32") and f"| dflash ({backend}) |" in md.split("## Speedup over `ar`")[1]
+    assert (
+        backend in ("onnxruntime fp32", "torch fp32")
+        and f"| dflash ({backend}) |" in md.split("## Speedup over `ar`")[1]
+    )
 
 
 def test_rows_are_lossless_and_consistent(report_dir):
@@ -116,8 +154,12 @@ def test_timing_columns_from_known_run_times():
 
     engine = "torch fp32"
     # wall seconds per call: the warm-up first (prompt 0 only), then three repeats
-    wall = {("ar", 0): [100.0, 4.0, 1.0, 2.0], ("ar", 1): [2.0, 9.0, 1.0],  # medians 2.0, 2.0
-            ("dflash", 0): [100.0, 0.9, 1.0, 3.0], ("dflash", 1): [0.6, 0.2, 0.7]}  # medians 1.0, 0.6
+    wall = {
+        ("ar", 0): [100.0, 4.0, 1.0, 2.0],
+        ("ar", 1): [2.0, 9.0, 1.0],  # medians 2.0, 2.0
+        ("dflash", 0): [100.0, 0.9, 1.0, 3.0],
+        ("dflash", 1): [0.6, 0.2, 0.7],
+    }  # medians 1.0, 0.6
     calls = {key: iter(times) for key, times in wall.items()}
     tokens = list(range(10, 18))  # 8 tokens, the same for both methods
 
@@ -125,21 +167,37 @@ def test_timing_columns_from_known_run_times():
         method, _ = run
         seconds = next(calls[method, i])
         if method == "ar":  # 8 plain rounds; a tenth of the time prefilling, half verifying
-            stats = GenerationStats(accepted_per_round=[0] * 8, stages_per_round=[0] * 8,
-                                    prefill_s=0.1 * seconds, verify_s=0.5 * seconds)
+            stats = GenerationStats(
+                accepted_per_round=[0] * 8, stages_per_round=[0] * 8, prefill_s=0.1 * seconds, verify_s=0.5 * seconds
+            )
         else:  # drafting rounds accepting 3, 1 and 0 drafts and one plain round commit 4 + 2 + 1 + 1 = 8 tokens;
             # drafting a fifth of the time
-            stats = GenerationStats(drafting=True, accepted_per_round=[3, 1, 0, 0], stages_per_round=[1, 1, 1, 0],
-                                    nodes_per_round=[5, 5, 5, 0], prefill_s=0.1 * seconds, draft_s=0.2 * seconds,
-                                    verify_s=0.5 * seconds)
+            stats = GenerationStats(
+                drafting=True,
+                accepted_per_round=[3, 1, 0, 0],
+                stages_per_round=[1, 1, 1, 0],
+                nodes_per_round=[5, 5, 5, 0],
+                prefill_s=0.1 * seconds,
+                draft_s=0.2 * seconds,
+                verify_s=0.5 * seconds,
+            )
         return list(tokens), seconds, stats
 
     order = [("ar", engine), ("dflash", engine)]
-    runs = Runs(order=order, decoding={order[0]: DecodingSettings(), order[1]: DecodingSettings("dflash", 6)},
-                reported=set(order), reference=order[0], plain={order[0]: order[0], order[1]: order[0]})
-    ar, dflash = measure_sets({"set": [[1, 2], [3, 4]]}, runs, run_once,
-                              BenchPlan(prompt_sets=("set",), methods=("ar", "dflash"), max_new_tokens=8, repeats=3),
-                              progress=SimpleNamespace(set_description=lambda text: None, update=lambda: None))
+    runs = Runs(
+        order=order,
+        decoding={order[0]: DecodingSettings(), order[1]: DecodingSettings("dflash", 6)},
+        reported=set(order),
+        reference=order[0],
+        plain={order[0]: order[0], order[1]: order[0]},
+    )
+    ar, dflash = measure_sets(
+        {"set": [[1, 2], [3, 4]]},
+        runs,
+        run_once,
+        BenchPlan(prompt_sets=("set",), methods=("ar", "dflash"), max_new_tokens=8, repeats=3),
+        progress=SimpleNamespace(set_description=lambda text: None, update=lambda: None),
+    )
     assert all(next(it, None) is None for it in calls.values())  # one warm-up, three repeats each, no more
     # ar: 2.0 + 2.0 = 4 s for 16 tokens; prefill 0.2 + 0.2, verify 1.0 + 1.0, the rest 1.6
     assert (ar.seconds, ar.new_tokens, ar.tokens_per_s) == pytest.approx((4.0, 16, 4.0))
@@ -159,9 +217,12 @@ def test_the_stats_line_counts_plain_rounds_beside_tau():
     and how many were plain, so a fallback-heavy request cannot pass for a fast one."""
     from loopspec.stats import GenerationStats
 
-    drafting = GenerationStats(new_tokens=10, drafting=True, accepted_per_round=[3, 0, 2, 0, 0],
-                               stages_per_round=[1, 0, 1, 1, 0])
-    assert drafting.acceptance_length == pytest.approx(8 / 3) and drafting.tokens_per_verification == pytest.approx(10 / 5)
+    drafting = GenerationStats(
+        new_tokens=10, drafting=True, accepted_per_round=[3, 0, 2, 0, 0], stages_per_round=[1, 0, 1, 1, 0]
+    )
+    assert drafting.acceptance_length == pytest.approx(8 / 3) and drafting.tokens_per_verification == pytest.approx(
+        10 / 5
+    )
     assert "tau 2.67 over 3 drafting verifications, 2.00 tokens/verification over all 5 (2 plain)" in drafting.summary()
     plain = GenerationStats(new_tokens=4, accepted_per_round=[0, 0, 0], stages_per_round=[0, 0, 0])
     assert plain.plain_rounds == 0 and "tau 1.00 over 3 verifications |" in plain.summary()
@@ -190,10 +251,16 @@ def test_median_run_picks_the_median_wall_time():
 
 def test_repeats_and_several_prompt_sets_through_the_api(tiny_pair, prompt_sets):
     target, drafter = tiny_pair
-    results = run_bench(BenchPlan([str(p) for p in prompt_sets], ["ar", "dflash"], max_new_tokens=8, repeats=3),
-                        EngineChoice(str(target), str(drafter), backend="torch"))
-    assert [(r.dataset, r.method) for r in results] == [("alpha", "ar"), ("alpha", "dflash"),
-                                                        ("beta", "ar"), ("beta", "dflash")]
+    results = run_bench(
+        BenchPlan([str(p) for p in prompt_sets], ["ar", "dflash"], max_new_tokens=8, repeats=3),
+        EngineChoice(str(target), str(drafter), backend="torch"),
+    )
+    assert [(r.dataset, r.method) for r in results] == [
+        ("alpha", "ar"),
+        ("alpha", "dflash"),
+        ("beta", "ar"),
+        ("beta", "dflash"),
+    ]
     assert all(r.repeats == 3 and r.same_across_repeats and r.identical_to_ar for r in results)
     assert [r.prompts for r in results] == [2, 2, 1, 1]
 
@@ -214,12 +281,14 @@ def test_bench_bad_out_and_methods(capsys, tiny_pair, prompt_sets, tmp_path):
     a, _ = prompt_sets
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("x")
-    cases = ((["--out", str(a_file)], "--out is not a directory"),
-             (["--methods", "ar,dflash,ar"], "named twice"),
-             (["--methods", "ar,hf", "--temperature", "1"], "greedy only"),
-             (["--methods", "ar,dflash+treeX"], "unknown part"),
-             (["--methods", "ar,suffix+tree8"], "only dflash and dloop"),
-             (["--methods", "ar,magic"], "unknown method"))
+    cases = (
+        (["--out", str(a_file)], "--out is not a directory"),
+        (["--methods", "ar,dflash,ar"], "named twice"),
+        (["--methods", "ar,hf", "--temperature", "1"], "greedy only"),
+        (["--methods", "ar,dflash+treeX"], "unknown part"),
+        (["--methods", "ar,suffix+tree8"], "only dflash and dloop"),
+        (["--methods", "ar,magic"], "unknown method"),
+    )
     for extra, needle in cases:
         code = main(["bench", "--prompts", str(a), "--target", str(target), "--drafter", str(drafter), *extra])
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -231,12 +300,15 @@ def test_backends_side_by_side_in_one_run(tiny_pair, prompt_sets, tmp_path):
     ar on the first backend is the reference for speedup and identity."""
     pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
     target, drafter = tiny_pair
-    results = run_bench(BenchPlan([str(prompt_sets[0])], ["ar", "dflash", "dloop"], max_new_tokens=12),
-                        [EngineChoice(str(target), str(drafter), backend=b) for b in ("torch", "onnxruntime")],
-                        {"adaptive": False, "gate_threshold": -1000, "max_stages": 2},
-                        BenchOutput(out_dir=str(tmp_path / "out")))
-    assert [(r.method, r.backend) for r in results] == [(m, b) for b in ("torch fp32", "onnxruntime fp32")
-                                                         for m in ("ar", "dflash", "dloop")]
+    results = run_bench(
+        BenchPlan([str(prompt_sets[0])], ["ar", "dflash", "dloop"], max_new_tokens=12),
+        [EngineChoice(str(target), str(drafter), backend=b) for b in ("torch", "onnxruntime")],
+        {"adaptive": False, "gate_threshold": -1000, "max_stages": 2},
+        BenchOutput(out_dir=str(tmp_path / "out")),
+    )
+    assert [(r.method, r.backend) for r in results] == [
+        (m, b) for b in ("torch fp32", "onnxruntime fp32") for m in ("ar", "dflash", "dloop")
+    ]
     assert all(r.identical_to_ar for r in results)
     assert results[0].speedup_vs_ar == 1.0
     by = {(r.method, r.backend): r for r in results}
@@ -256,14 +328,19 @@ def test_llamacpp_rows_are_skipped_with_a_reason_without_a_binary(tiny_pair, pro
     target, drafter = tiny_pair
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no llama-server to find
     report = tmp_path / "b.json"
-    results = run_bench(BenchPlan([str(prompt_sets[1])], ["ar", "dflash", "llamacpp", "llamacpp-dflash"], max_new_tokens=8),
-                        EngineChoice(str(target), str(drafter), backend="torch"), output=BenchOutput(json_out=str(report)))
+    results = run_bench(
+        BenchPlan([str(prompt_sets[1])], ["ar", "dflash", "llamacpp", "llamacpp-dflash"], max_new_tokens=8),
+        EngineChoice(str(target), str(drafter), backend="torch"),
+        output=BenchOutput(json_out=str(report)),
+    )
     assert [r.method for r in results] == ["ar", "dflash"]
     skipped = json.loads(report.read_text())["settings"]["skipped"]
     assert set(skipped) == {"llamacpp", "llamacpp-dflash"} and "no llama-server on PATH" in skipped["llamacpp"]
     with pytest.raises(LoopspecError, match="does not exist or is not executable"):
-        run_bench(BenchPlan([str(prompt_sets[1])], ["ar", "llamacpp"], llama_server=str(tmp_path / "llama-server")),
-                  EngineChoice(str(target), "none", backend="torch"))
+        run_bench(
+            BenchPlan([str(prompt_sets[1])], ["ar", "llamacpp"], llama_server=str(tmp_path / "llama-server")),
+            EngineChoice(str(target), "none", backend="torch"),
+        )
     with pytest.raises(LoopspecError, match="greedy only"):
         BenchPlan([str(prompt_sets[1])], ["ar", "llamacpp"], params=SamplingParams(temperature=0.7))
 
@@ -279,15 +356,18 @@ def test_a_llama_server_that_dies_at_load_is_a_skipped_row(tiny_pair, prompt_set
     gguf.write_bytes(b"GGUF")  # never read: the server dies first
     calls = tmp_path / "calls.txt"
     binary = tmp_path / "llama-server"
-    binary.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'load_tensors: repacking'\n"
-                      "echo 'Segmentation fault'\nexit 139\n")
+    binary.write_text(
+        f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'load_tensors: repacking'\necho 'Segmentation fault'\nexit 139\n"
+    )
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
     # the tiny checkpoint directory for loopspec's engines, with a GGUF file beside it for llama.cpp
     source = TargetSource(name=str(target), is_default=False, gguf=gguf, directory=target)
     report = tmp_path / "b.json"
-    results = run_bench(BenchPlan([str(prompt_sets[1])], ["ar", "dflash", "llamacpp"], max_new_tokens=8,
-                                  llama_server=str(binary)),
-                        EngineChoice(source, str(drafter), backend="torch"), output=BenchOutput(json_out=str(report)))
+    results = run_bench(
+        BenchPlan([str(prompt_sets[1])], ["ar", "dflash", "llamacpp"], max_new_tokens=8, llama_server=str(binary)),
+        EngineChoice(source, str(drafter), backend="torch"),
+        output=BenchOutput(json_out=str(report)),
+    )
     assert [r.method for r in results] == ["ar", "dflash"]
     why = json.loads(report.read_text())["settings"]["skipped"]["llamacpp"]
     assert "exited with code 139 at load (load_tensors: repacking | Segmentation fault)" in why and "--no-repack" in why
@@ -308,16 +388,21 @@ def test_llamacpp_peers_beside_the_default_engines(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"turns": ["Write a Python function that returns the n-th Fibonacci number."]}\n')
     report = tmp_path / "b.json"
-    results = run_bench(BenchPlan([str(prompts)], ["ar", "llamacpp", "llamacpp-dflash"], max_new_tokens=32, repeats=2),
-                        EngineChoice(backend="torch", threads=2), output=BenchOutput(json_out=str(report)))
+    results = run_bench(
+        BenchPlan([str(prompts)], ["ar", "llamacpp", "llamacpp-dflash"], max_new_tokens=32, repeats=2),
+        EngineChoice(backend="torch", threads=2),
+        output=BenchOutput(json_out=str(report)),
+    )
     by = {r.method: r for r in results}
     assert by["llamacpp"].backend == by["llamacpp-dflash"].backend == "llama.cpp"
     assert by["llamacpp"].new_tokens == by["llamacpp-dflash"].new_tokens == 32
     assert by["llamacpp"].same_across_repeats and by["llamacpp-dflash"].same_across_repeats
     assert by["llamacpp"].tau == 1.0 and by["llamacpp-dflash"].tau > 1.0  # drafts were accepted
     assert by["llamacpp-dflash"].identical_to_ar in (True, False)  # compared with llamacpp's own output
-    print(f"llamacpp-dflash: tau {by['llamacpp-dflash'].tau:.2f}, output identical to llamacpp's plain output: "
-          f"{by['llamacpp-dflash'].identical_to_ar}")
+    print(
+        f"llamacpp-dflash: tau {by['llamacpp-dflash'].tau:.2f}, output identical to llamacpp's plain output: "
+        f"{by['llamacpp-dflash'].identical_to_ar}"
+    )
     assert 0.0 <= by["llamacpp"].fp32_matching_prefix <= 32
     command = json.loads(report.read_text())["settings"]["llamacpp"]["llamacpp-dflash"]
     assert "--spec-type" in command and "draft-dflash" in command

@@ -22,15 +22,21 @@ MS = 1e-3
 
 
 def table(verify_ms, draft_ms=(), rows=(1, 2), widths=(1, 2, 3, 4)):
-    return StepCosts(engine="torch fp32", context=64, rows=rows, widths=widths,
-                     verify_s=tuple(tuple(t * MS for t in r) for r in verify_ms), draft_s=tuple(t * MS for t in draft_ms))
+    return StepCosts(
+        engine="torch fp32",
+        context=64,
+        rows=rows,
+        widths=widths,
+        verify_s=tuple(tuple(t * MS for t in r) for r in verify_ms),
+        draft_s=tuple(t * MS for t in draft_ms),
+    )
 
 
 HAND = table([(10, 11, 12, 20), (12, 13, 14, 24)], (3, 4))
 
 
 def chain_gains(a, most):
-    return [sum(a ** i for i in range(1, d + 1)) for d in range(most + 1)]
+    return [sum(a**i for i in range(1, d + 1)) for d in range(most + 1)]
 
 
 def test_best_step_matches_the_hand_computed_optimum():
@@ -69,6 +75,7 @@ def test_subtree_keeps_the_likeliest_nodes_as_a_tree():
     tree.add_branch([1, 9], 4)  # node 4: 9 under node 1
     budget = VerifyBudget(HAND, Method("dflash", block_size=4), 3)
     from loopspec.runtime.budget import _keep_likeliest, _survival
+
     survival = _survival(tree, [1.0, 0.9, 0.3, 0.9, 0.6])  # node 3 (0.243) is less likely than node 4 (0.54)
     kept = _keep_likeliest(tree, survival, 4)
     assert kept.tokens == [7, 1, 2, 9] and kept.parents == [-1, 0, 1, 1]
@@ -84,11 +91,15 @@ def step_costs_file(tmp_path, **changes):
 
 def test_bad_step_cost_tables_are_refused_in_one_line(tmp_path):
     assert StepCosts.load(step_costs_file(tmp_path), engine="torch fp32") == HAND
-    cases = {"missing verify_s": {"verify_s": None}, "rows must be increasing": {"rows": [2, 1]},
-             "widths must start at 1": {"widths": [2, 3, 4, 5]},
-             "must be 2 rows of 4 times": {"verify_s": [[0.01, 0.011, 0.012, 0.02]]},
-             "seconds in \\(0, 60\\)": {"verify_s": [[0.01, -1, 0.012, 0.02], [0.01, 0.01, 0.01, 0.01]]},
-             "unknown fields": {"speed": 3}, "one per row count": {"draft_s": [0.003]}}
+    cases = {
+        "missing verify_s": {"verify_s": None},
+        "rows must be increasing": {"rows": [2, 1]},
+        "widths must start at 1": {"widths": [2, 3, 4, 5]},
+        "must be 2 rows of 4 times": {"verify_s": [[0.01, 0.011, 0.012, 0.02]]},
+        "seconds in \\(0, 60\\)": {"verify_s": [[0.01, -1, 0.012, 0.02], [0.01, 0.01, 0.01, 0.01]]},
+        "unknown fields": {"speed": 3},
+        "one per row count": {"draft_s": [0.003]},
+    }
     for message, change in cases.items():
         data = json.loads(HAND.to_json()) | change
         if change.get("verify_s", 1) is None:
@@ -124,17 +135,26 @@ def engine(tiny_targets):
     return TorchEngine(target, agreeing_drafter(target, PROMPTS[:2], cfg), max_context=160)
 
 
-@pytest.mark.parametrize("method", [Method("dflash", block_size=5, adaptive=True),
-                                    Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, adaptive=True,
-                                           tree_budget=6, suffix=True)], ids=["dflash", "dloop-tree"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        Method("dflash", block_size=5, adaptive=True),
+        Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, adaptive=True, tree_budget=6, suffix=True),
+    ],
+    ids=["dflash", "dloop-tree"],
+)
 def test_the_budget_changes_what_is_verified_never_the_output(engine, method):
     """Greedy: batched with the budget on, every row commits plain decoding's tokens, rows verify different
     counts in one step (the well-drafted rows more), and each row alone commits the same."""
     # the table is the truth here (a measured one would make the choices, and so this test, depend on
     # the machine's timing): verifying more costs little, a drafter stage 0.15 of a one-row step per
     # row, so drafting pays for the rows whose drafts are accepted and not for the others
-    costs = table([[10 * (1 + 0.1 * (n - 1)) * (1 + 0.08 * (w - 1)) for w in (1, 2, 4, 8)] for n in (1, 2, 4)],
-                  [1.5 * n for n in (1, 2, 4)], rows=(1, 2, 4), widths=(1, 2, 4, 8))
+    costs = table(
+        [[10 * (1 + 0.1 * (n - 1)) * (1 + 0.08 * (w - 1)) for w in (1, 2, 4, 8)] for n in (1, 2, 4)],
+        [1.5 * n for n in (1, 2, 4)],
+        rows=(1, 2, 4),
+        widths=(1, 2, 4, 8),
+    )
     refs = [generate(engine, p, Method(), max_new_tokens=40).tokens for p in PROMPTS]
     widths_seen = []
 
@@ -160,8 +180,16 @@ def test_the_budget_changes_what_is_verified_never_the_output(engine, method):
 
 
 def test_a_step_cost_table_is_measured_on_the_engine(engine, tmp_path):
-    costs = measure_step_costs(engine.with_rows(2), "torch fp32", rows=(1, 2, 4), widths=(1, 3), context=16,
-                               block_size=5, repeats=1, progress=False)
+    costs = measure_step_costs(
+        engine.with_rows(2),
+        "torch fp32",
+        rows=(1, 2, 4),
+        widths=(1, 3),
+        context=16,
+        block_size=5,
+        repeats=1,
+        progress=False,
+    )
     assert costs.rows == (1, 2) and costs.widths == (1, 3)  # rows past the engine's are left out
     assert len(costs.verify_s) == 2 and all(t > 0 for r in costs.verify_s for t in r) and len(costs.draft_s) == 2
     (tmp_path / "t.json").write_text(costs.to_json())

@@ -18,27 +18,74 @@ from loopspec.weights import file_sha256, load_target_dir, read_safetensors, wri
 
 # Documented field names (TensorRT-LLM LLM API reference: DFlashDecodingConfig, CudaGraphConfig, LlmArgs;
 # vLLM SpeculativeConfig). A bundle key outside these would be rejected or ignored by the engine.
-TRTLLM_DFLASH_FIELDS = {"max_draft_len", "max_total_draft_tokens", "speculative_model", "max_concurrency",
-                        "draft_len_schedule", "load_format", "acceptance_rate_window_size",
-                        "acceptance_rate_threshold", "use_rejection_sampling", "allow_advanced_sampling",
-                        "advanced_sampling_mode", "enable_penalty", "mask_token_id", "target_layer_ids",
-                        "decoding_type", "attention_backend"}
+TRTLLM_DFLASH_FIELDS = {
+    "max_draft_len",
+    "max_total_draft_tokens",
+    "speculative_model",
+    "max_concurrency",
+    "draft_len_schedule",
+    "load_format",
+    "acceptance_rate_window_size",
+    "acceptance_rate_threshold",
+    "use_rejection_sampling",
+    "allow_advanced_sampling",
+    "advanced_sampling_mode",
+    "enable_penalty",
+    "mask_token_id",
+    "target_layer_ids",
+    "decoding_type",
+    "attention_backend",
+}
 TRTLLM_CUDA_GRAPH_FIELDS = {"batch_sizes", "max_batch_size", "enable_padding"}
-TRTLLM_TOP_LEVEL = {"tensor_parallel_size", "max_batch_size", "max_seq_len", "max_num_tokens", "cuda_graph_config",
-                    "speculative_config"}
-VLLM_SPECULATIVE_FIELDS = {"method", "model", "num_speculative_tokens", "quantization", "max_model_len",
-                           "draft_tensor_parallel_size", "revision", "attention_backend",
-                           "enable_adaptive_verification"}
+TRTLLM_TOP_LEVEL = {
+    "tensor_parallel_size",
+    "max_batch_size",
+    "max_seq_len",
+    "max_num_tokens",
+    "cuda_graph_config",
+    "speculative_config",
+}
+VLLM_SPECULATIVE_FIELDS = {
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "quantization",
+    "max_model_len",
+    "draft_tensor_parallel_size",
+    "revision",
+    "attention_backend",
+    "enable_adaptive_verification",
+}
 # TensorRT-LLM LLM API reference, DSparkDecodingConfig as of 1.3.0rc27 (the first release that has it)
-TRTLLM_DSPARK_FIELDS = {"max_draft_len", "max_total_draft_tokens", "speculative_model", "max_concurrency",
-                        "draft_len_schedule", "load_format", "acceptance_rate_window_size",
-                        "acceptance_rate_threshold", "use_rejection_sampling", "allow_advanced_sampling",
-                        "advanced_sampling_mode", "enable_penalty", "mask_token_id", "target_layer_ids",
-                        "block_size", "markov_rank", "markov_head_type", "decoding_type", "attention_backend"}
+TRTLLM_DSPARK_FIELDS = {
+    "max_draft_len",
+    "max_total_draft_tokens",
+    "speculative_model",
+    "max_concurrency",
+    "draft_len_schedule",
+    "load_format",
+    "acceptance_rate_window_size",
+    "acceptance_rate_threshold",
+    "use_rejection_sampling",
+    "allow_advanced_sampling",
+    "advanced_sampling_mode",
+    "enable_penalty",
+    "mask_token_id",
+    "target_layer_ids",
+    "block_size",
+    "markov_rank",
+    "markov_head_type",
+    "decoding_type",
+    "attention_backend",
+}
 # ... and what 1.4.0rc4 adds for confidence scheduling: files a bundle cannot measure, so never written
-TRTLLM_DSPARK_CONFIDENCE_FIELDS = {"enable_confidence_scheduling", "confidence_cost_table_path",
-                                   "confidence_calibration_path", "confidence_min_predicted_gain",
-                                   "enable_fused_confidence_scheduler"}
+TRTLLM_DSPARK_CONFIDENCE_FIELDS = {
+    "enable_confidence_scheduling",
+    "confidence_cost_table_path",
+    "confidence_calibration_path",
+    "confidence_min_predicted_gain",
+    "enable_fused_confidence_scheduler",
+}
 
 
 def launch_argv(path):
@@ -62,10 +109,20 @@ def bundle(tiny_pair, tmp_path_factory):
 
 def test_structure_and_manifest(bundle, tiny_pair):
     out, manifest = bundle
-    for rel in ("drafter/config.json", "drafter/model.safetensors", "target/config.json",
-                "target/model.safetensors", "target/tokenizer.json", "target/tokenizer_config.json",
-                "trtllm/extra_llm_api_options.yaml", "trtllm/launch.sh", "vllm/launch.sh", "sglang/launch.sh",
-                "README.md", "manifest.json"):
+    for rel in (
+        "drafter/config.json",
+        "drafter/model.safetensors",
+        "target/config.json",
+        "target/model.safetensors",
+        "target/tokenizer.json",
+        "target/tokenizer_config.json",
+        "trtllm/extra_llm_api_options.yaml",
+        "trtllm/launch.sh",
+        "vllm/launch.sh",
+        "sglang/launch.sh",
+        "README.md",
+        "manifest.json",
+    ):
         assert (out / rel).is_file(), rel
     assert not (out / "drafter" / "d2t.safetensors").exists() and not (out / "vllm" / "drafter").exists()
     assert manifest["engines"] == ["trtllm", "vllm", "sglang"]
@@ -203,7 +260,9 @@ def test_reduced_vocab_drafter_is_kept_for_vllm_and_stripped_for_the_others(tiny
     assert torch.equal(Drafter.load(vllm_dir).draft_ids, draft_ids)  # loopspec reads it back too
 
     # each launch points at the drafter it can use
-    assert json.loads(flag(launch_argv(out / "vllm" / "launch.sh"), "--speculative-config"))["model"] == "./vllm/drafter"
+    assert (
+        json.loads(flag(launch_argv(out / "vllm" / "launch.sh"), "--speculative-config"))["model"] == "./vllm/drafter"
+    )
     assert flag(launch_argv(out / "sglang" / "launch.sh"), "--speculative-draft-model-path") == "./drafter"
     import yaml
 
@@ -235,15 +294,18 @@ def test_untied_target_lm_head_rows(tiny_targets):
     from loopspec.convert.bundles.vllm import target_lm_head
 
     qwen3 = tiny_targets["qwen3"]  # untied: its own lm_head.weight
-    assert torch.equal(target_lm_head(qwen3, tied=False), read_safetensors(qwen3 / "model.safetensors")["lm_head.weight"])
+    assert torch.equal(
+        target_lm_head(qwen3, tied=False), read_safetensors(qwen3 / "model.safetensors")["lm_head.weight"]
+    )
 
 
 def test_target_config_carries_rope_theta_beside_rope_parameters(tmp_path):
     from loopspec.model.dflash import DrafterConfig
     from loopspec.weights import load_target_dir
 
-    target_dir = save_tiny_target("llama", tmp_path / "target", rope_scaling={"rope_type": "default",
-                                                                              "rope_theta": 123456.0})
+    target_dir = save_tiny_target(
+        "llama", tmp_path / "target", rope_scaling={"rope_type": "default", "rope_theta": 123456.0}
+    )
     save_tiny_tokenizer(target_dir)
     source = json.loads((target_dir / "config.json").read_text())
     assert source.get("rope_theta") is None and source["rope_parameters"]["rope_theta"] == 123456.0
@@ -263,11 +325,16 @@ def test_max_batch_size_and_max_context_size_every_engine(tiny_pair, tmp_path):
     target_dir, drafter_dir = tiny_pair  # block size 6
     for batch, context, tokens in ((4, 256, 256), (64, 128, 64 * 6)):  # tokens: a whole prompt, or every block
         out = tmp_path / f"b{batch}"
-        manifest = build_bundle(str(target_dir), str(drafter_dir), out, "all", max_batch_size=batch,
-                                max_context=context)
+        manifest = build_bundle(
+            str(target_dir), str(drafter_dir), out, "all", max_batch_size=batch, max_context=context
+        )
         assert (manifest["max_batch_size"], manifest["max_context"]) == (batch, context)
         options = yaml.safe_load((out / "trtllm" / "extra_llm_api_options.yaml").read_text())
-        assert (options["max_batch_size"], options["max_seq_len"], options["max_num_tokens"]) == (batch, context, tokens)
+        assert (options["max_batch_size"], options["max_seq_len"], options["max_num_tokens"]) == (
+            batch,
+            context,
+            tokens,
+        )
         assert options["cuda_graph_config"]["max_batch_size"] == batch
         vllm = launch_argv(out / "vllm" / "launch.sh")
         assert (flag(vllm, "--max-num-seqs"), flag(vllm, "--max-model-len")) == (str(batch), str(context))
@@ -357,8 +424,14 @@ def test_a_failed_rebuild_keeps_the_previous_bundle(tiny_pair, tmp_path):
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     # fails inside the build: the drafter is already written when the target's calibration file is read
     with pytest.raises(LoopspecError, match="calibration prompt file does not exist"):
-        build_bundle(str(target_dir), str(drafter_dir), out, "trtllm", precision="fp8",
-                     calib_prompts=str(tmp_path / "missing.jsonl"))
+        build_bundle(
+            str(target_dir),
+            str(drafter_dir),
+            out,
+            "trtllm",
+            precision="fp8",
+            calib_prompts=str(tmp_path / "missing.jsonl"),
+        )
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no temporary left beside it
 
@@ -370,7 +443,6 @@ def test_docs_carry_the_support_matrix():
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
     assert support_matrix_markdown() in docs
-
 
 
 def test_each_serving_framework_is_one_module_and_one_registry_row():
@@ -428,19 +500,72 @@ def test_cli_convert_bundle(tiny_pair, tmp_path, capsys):
 
     target_dir, drafter_dir = tiny_pair
     out = tmp_path / "cli"
-    assert main(["convert", "bundle", "--framework", "vllm,sglang", "--target", str(target_dir),
-                 "--drafter", str(drafter_dir), "--tp", "2", "--max-batch-size", "3", "--max-context", "200",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "bundle",
+                "--framework",
+                "vllm,sglang",
+                "--target",
+                str(target_dir),
+                "--drafter",
+                str(drafter_dir),
+                "--tp",
+                "2",
+                "--max-batch-size",
+                "3",
+                "--max-context",
+                "200",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"sh {out / 'vllm' / 'launch.sh'}" in printed and "tensor parallel 2" in printed
     vllm = launch_argv(out / "vllm" / "launch.sh")
     assert (flag(vllm, "--max-num-seqs"), flag(vllm, "--max-model-len")) == ("3", "200")
-    assert main(["convert", "bundle", "--framework", "vllm", "--target", str(target_dir), "--drafter", str(drafter_dir),
-                 "--max-context", "100000", "--out", str(tmp_path / "long")]) == 2
-    assert capsys.readouterr().err.strip() == ("loopspec: error: max context must be between 1 and the target's "
-                                               "512 positions, got 100000")
-    assert main(["convert", "bundle", "--framework", "tgi", "--target", str(target_dir), "--drafter",
-                 str(drafter_dir), "--out", str(tmp_path / "bad")]) == 2
+    assert (
+        main(
+            [
+                "convert",
+                "bundle",
+                "--framework",
+                "vllm",
+                "--target",
+                str(target_dir),
+                "--drafter",
+                str(drafter_dir),
+                "--max-context",
+                "100000",
+                "--out",
+                str(tmp_path / "long"),
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.strip() == (
+        "loopspec: error: max context must be between 1 and the target's 512 positions, got 100000"
+    )
+    assert (
+        main(
+            [
+                "convert",
+                "bundle",
+                "--framework",
+                "tgi",
+                "--target",
+                str(target_dir),
+                "--drafter",
+                str(drafter_dir),
+                "--out",
+                str(tmp_path / "bad"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err == "loopspec: error: unknown engine tgi (choose from trtllm, vllm, sglang, llamacpp or all)"
 
@@ -462,9 +587,22 @@ def test_serve_script_builds_then_launches(tiny_pair, tmp_path):
     env = {**os.environ, "PATH": os.pathsep.join([str(bin_dir), "/usr/bin", "/bin"])}
     target_dir, drafter_dir = tiny_pair
     out = tmp_path / "served"
-    run = subprocess.run([str(root / "scripts" / "serve_vllm.sh"), str(out), "--target", str(target_dir),
-                          "--drafter", str(drafter_dir), "--", "--port", "8123"], capture_output=True, text=True,
-                         env=env)
+    run = subprocess.run(
+        [
+            str(root / "scripts" / "serve_vllm.sh"),
+            str(out),
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--",
+            "--port",
+            "8123",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert (out / "vllm" / "launch.sh").is_file() and not (out / "trtllm").exists()
     assert run.returncode == 127 and "vllm" in run.stderr and "not found" in run.stderr
 
@@ -499,14 +637,25 @@ def test_dspark_drafter_in_trtllm_vllm_and_sglang(confidence, target_dir, tmp_pa
     assert set(options) <= TRTLLM_TOP_LEVEL
     spec = options["speculative_config"]
     assert set(spec) <= TRTLLM_DSPARK_FIELDS and not set(spec) & TRTLLM_DSPARK_CONFIDENCE_FIELDS
-    assert spec == {"decoding_type": "DSpark", "speculative_model": "./drafter", "max_draft_len": BLOCK,
-                    "block_size": BLOCK, "mask_token_id": MASK, "target_layer_ids": cfg.target_layer_ids,
-                    "markov_rank": RANK, "markov_head_type": "vanilla"}  # every block position drafts
+    assert spec == {
+        "decoding_type": "DSpark",
+        "speculative_model": "./drafter",
+        "max_draft_len": BLOCK,
+        "block_size": BLOCK,
+        "mask_token_id": MASK,
+        "target_layer_ids": cfg.target_layer_ids,
+        "markov_rank": RANK,
+        "markov_head_type": "vanilla",
+    }  # every block position drafts
 
     vllm = json.loads(flag(launch_argv(out / "vllm" / "launch.sh"), "--speculative-config"))
     assert set(vllm) <= VLLM_SPECULATIVE_FIELDS
-    assert vllm == {"method": "dspark", "model": "./drafter", "num_speculative_tokens": BLOCK,
-                    **({"enable_adaptive_verification": True} if confidence else {})}
+    assert vllm == {
+        "method": "dspark",
+        "model": "./drafter",
+        "num_speculative_tokens": BLOCK,
+        **({"enable_adaptive_verification": True} if confidence else {}),
+    }
 
     sgl = launch_argv(out / "sglang" / "launch.sh")
     assert flag(sgl, "--speculative-algorithm") == "DSPARK"
@@ -541,12 +690,15 @@ def test_deepspec_dflash_drafter_goes_to_trtllm_as_dspark_and_sglang_refuses_it(
     assert "\n" not in str(e.value) and "requires a Markov head" in str(e.value)
 
 
-@pytest.mark.parametrize("engine,kw,words", [
-    ("trtllm", {"head_type": "gated"}, "vanilla Markov head only"),
-    ("trtllm", {"anchor_predicts": False}, "one position off"),
-    ("sglang", {"anchor_predicts": False}, "one position off"),
-    ("vllm", {"anchor_predicts": False}, "one position off"),
-])
+@pytest.mark.parametrize(
+    "engine,kw,words",
+    [
+        ("trtllm", {"head_type": "gated"}, "vanilla Markov head only"),
+        ("trtllm", {"anchor_predicts": False}, "one position off"),
+        ("sglang", {"anchor_predicts": False}, "one position off"),
+        ("vllm", {"anchor_predicts": False}, "one position off"),
+    ],
+)
 def test_dspark_drafters_an_engine_cannot_run_are_refused_in_one_line(engine, kw, words, target_dir, tmp_path):
     with pytest.raises(LoopspecError) as e:
         dspark_bundle(target_dir, tmp_path, engine, **kw)

@@ -23,17 +23,31 @@ from loopspec.weights import load_target_dir, load_tokenizer  # noqa: E402
 from conftest import accepted_drafts, agreeing_drafter, lively, save_tiny_target, save_tiny_tokenizer  # noqa: E402
 
 STOP = frozenset({2})
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "ok": {"type": "boolean"}, "kind": {"enum": ["cat", "dog", "owl"]}},
-          "required": ["name", "ok", "kind"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["cat", "dog", "owl"]},
+    },
+    "required": ["name", "ok", "kind"],
+    "additionalProperties": False,
+}
 REGEX = r"[a-z]{2,5}( [a-z]{2,5}){1,4}\."
 CHOICES = ("alpha", "beta gamma", "delta")
-SPECS = {"schema": GrammarSpec("json_schema", SCHEMA), "regex": GrammarSpec("regex", REGEX),
-         "choice": GrammarSpec("choice", CHOICES)}
+SPECS = {
+    "schema": GrammarSpec("json_schema", SCHEMA),
+    "regex": GrammarSpec("regex", REGEX),
+    "choice": GrammarSpec("choice", CHOICES),
+}
 PROMPTS = {"schema": [5, 40, 41, 9, 77], "regex": [60, 61, 12, 33, 70, 71, 72], "choice": [90, 14, 3]}
-METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=6),
-           "dloop": Method("dloop", block_size=6, max_stages=3, gate_threshold=-1e9),
-           "tree": Method("dflash", block_size=6, tree_budget=8, suffix=True), "suffix": Method("suffix", block_size=6)}
+METHODS = {
+    "ar": Method(),
+    "dflash": Method("dflash", block_size=6),
+    "dloop": Method("dloop", block_size=6, max_stages=3, gate_threshold=-1e9),
+    "tree": Method("dflash", block_size=6, tree_budget=8, suffix=True),
+    "suffix": Method("suffix", block_size=6),
+}
 NEW = 48
 GREEDY, SEEDED = SamplingParams(), SamplingParams(temperature=0.7)
 
@@ -64,8 +78,14 @@ def setup(tmp_path_factory):
     texts = []
     for kind, prompt in PROMPTS.items():
         for params in (GREEDY, SEEDED):
-            out = generate(plain, prompt, max_new_tokens=NEW, params=params, stop_token_ids=STOP,
-                           constraint=grammars.constraint(SPECS[kind])).tokens
+            out = generate(
+                plain,
+                prompt,
+                max_new_tokens=NEW,
+                params=params,
+                stop_token_ids=STOP,
+                constraint=grammars.constraint(SPECS[kind]),
+            ).tokens
             texts.append((prompt, out))
     cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=6, mask_token_id=127)
     drafter = agreeing_drafter(target, list(PROMPTS.values()), cfg, also_texts=texts, steps=120)
@@ -80,8 +100,16 @@ def run(engine, grammars, kind, method, params, constraint_class=None):
     constraint = grammars.constraint(SPECS[kind])
     if constraint_class is not None:  # a planted bug: the same matcher behind another class
         constraint = constraint_class(constraint.matcher, constraint.vocab_size, constraint.stop)
-    return generate(engine.with_rows(1), PROMPTS[kind], METHODS[method], max_new_tokens=NEW, params=params, seed=3,
-                    stop_token_ids=STOP, constraint=constraint)
+    return generate(
+        engine.with_rows(1),
+        PROMPTS[kind],
+        METHODS[method],
+        max_new_tokens=NEW,
+        params=params,
+        seed=3,
+        stop_token_ids=STOP,
+        constraint=constraint,
+    )
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -114,8 +142,14 @@ def test_drafts_the_grammar_rejects_are_pruned(setup):
         return pruned
 
     constraint.prune = record
-    generate(engine.with_rows(1), PROMPTS["regex"], METHODS["tree"], max_new_tokens=NEW, stop_token_ids=STOP,
-             constraint=constraint)
+    generate(
+        engine.with_rows(1),
+        PROMPTS["regex"],
+        METHODS["tree"],
+        max_new_tokens=NEW,
+        stop_token_ids=STOP,
+        constraint=constraint,
+    )
     assert sum(len(t) - len(p) for t, p in verified) > 0  # some drafts were outside the grammar
     checker = grammars.constraint(SPECS["regex"])
     for tree, pruned in verified[:1]:  # the first round: the matcher at the prompt's end, anchor included
@@ -135,13 +169,22 @@ def test_batch_invariance_across_grammars(setup):
     kinds = ["schema", None, "regex", "choice"]
     for method in ("dflash", "tree"):
         for params in (GREEDY, SEEDED):
+
             def request(i, kind):
                 prompt = PROMPTS[kind] if kind else [50, 51, 52]
-                return dict(key=i, prompt_ids=prompt, max_new_tokens=NEW if kind else 20, params=params, seed=10 + i,
-                            stop_token_ids=STOP, constraint=grammars.constraint(SPECS[kind]) if kind else None)
+                return dict(
+                    key=i,
+                    prompt_ids=prompt,
+                    max_new_tokens=NEW if kind else 20,
+                    params=params,
+                    seed=10 + i,
+                    stop_token_ids=STOP,
+                    constraint=grammars.constraint(SPECS[kind]) if kind else None,
+                )
 
-            together = decode_all(Decoder(engine.with_rows(4), METHODS[method]),
-                                  [request(i, k) for i, k in enumerate(kinds)])
+            together = decode_all(
+                Decoder(engine.with_rows(4), METHODS[method]), [request(i, k) for i, k in enumerate(kinds)]
+            )
             for i, kind in enumerate(kinds):
                 alone = decode_all(Decoder(engine.with_rows(1), METHODS[method]), [request(i, kind)])
                 assert together[i].tokens == alone[i].tokens, (method, kind)
@@ -177,15 +220,20 @@ def test_a_wrong_state_mask_is_caught(setup, bug):
             except LoopspecError:  # the committed token broke the grammar
                 caught += 1
                 continue
-            caught += (result.tokens != reference.tokens or not valid(kind, text_of(tokenizer, result.tokens)))
+            caught += result.tokens != reference.tokens or not valid(kind, text_of(tokenizer, result.tokens))
     assert caught > 0
 
 
 def test_bad_grammars_are_refused_naming_their_source():
-    for kind, value, param in (("regex", "a(b", "guided_regex"), ("json_schema", {"type": "objectx"}, "guided_json"),
-                               ("json_schema", {"type": "integer", "minimum": "x"}, "response_format"),
-                               ("choice", [], "guided_choice"), ("choice", ["a", 3], "guided_choice"),
-                               ("json_schema", [1], "--json-schema"), ("regex", "", "--regex")):
+    for kind, value, param in (
+        ("regex", "a(b", "guided_regex"),
+        ("json_schema", {"type": "objectx"}, "guided_json"),
+        ("json_schema", {"type": "integer", "minimum": "x"}, "response_format"),
+        ("choice", [], "guided_choice"),
+        ("choice", ["a", 3], "guided_choice"),
+        ("json_schema", [1], "--json-schema"),
+        ("regex", "", "--regex"),
+    ):
         with pytest.raises(GrammarError) as e:
             GrammarSpec(kind, value, param)
         assert e.value.param == param and str(e.value).startswith(param) and "\n" not in str(e.value)
@@ -203,8 +251,9 @@ def test_drafter_sampling_with_a_grammar_is_refused(setup):
     engine, grammars, _ = setup
     settings = Method("dflash", block_size=6, draft_sampling="drafter")
     with pytest.raises(LoopspecError, match="draft-sampling walk"):
-        Decoder(engine.with_rows(1), settings).admit(0, [5, 6], max_new_tokens=4, params=SEEDED,
-                                                      constraint=grammars.constraint(SPECS["choice"]))
+        Decoder(engine.with_rows(1), settings).admit(
+            0, [5, 6], max_new_tokens=4, params=SEEDED, constraint=grammars.constraint(SPECS["choice"])
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,8 +268,9 @@ def server(tiny_pair, tmp_path_factory):
     from loopspec.runtime.pipeline import load_pipeline
 
     target_dir, drafter_dir = tiny_pair
-    with ServerThread(make_app(load_pipeline(str(target_dir), str(drafter_dir), max_context=CONTEXT,
-                                             backend="torch"))) as s:
+    with ServerThread(
+        make_app(load_pipeline(str(target_dir), str(drafter_dir), max_context=CONTEXT, backend="torch"))
+    ) as s:
         yield s
 
 
@@ -230,14 +280,23 @@ def post(server, path, body):
     return httpx.post(server.url + path, json=body, timeout=120)
 
 
-@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": "abc"}),
-                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abc"}]})])
+@pytest.mark.parametrize(
+    "path, base",
+    [
+        ("/v1/completions", {"prompt": "abc"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abc"}]}),
+    ],
+)
 def test_server_answers_valid_structured_output(server, path, base):
     chat = "chat" in path
-    for extra, kind in (({"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}},
-                         "schema"), ({"guided_json": SCHEMA}, "schema"), ({"guided_json": json.dumps(SCHEMA)}, "schema"),
-                        ({"guided_regex": REGEX}, "regex"), ({"guided_choice": list(CHOICES)}, "choice"),
-                        ({"response_format": {"type": "json_object"}, "max_tokens": 8}, None)):
+    for extra, kind in (
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}}, "schema"),
+        ({"guided_json": SCHEMA}, "schema"),
+        ({"guided_json": json.dumps(SCHEMA)}, "schema"),
+        ({"guided_regex": REGEX}, "regex"),
+        ({"guided_choice": list(CHOICES)}, "choice"),
+        ({"response_format": {"type": "json_object"}, "max_tokens": 8}, None),
+    ):
         response = post(server, path, {**base, "max_tokens": 64, "temperature": 0, **extra})
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
@@ -248,15 +307,28 @@ def test_server_answers_valid_structured_output(server, path, base):
             assert text.startswith("{"), text
 
 
-@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": "abc"}),
-                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abc"}]})])
+@pytest.mark.parametrize(
+    "path, base",
+    [
+        ("/v1/completions", {"prompt": "abc"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abc"}]}),
+    ],
+)
 def test_server_refuses_bad_grammars_naming_the_field(server, path, base):
-    for field, value in (("guided_json", {"type": "objectx"}), ("guided_json", "{not json"), ("guided_regex", "a(b"),
-                         ("guided_choice", []), ("guided_choice", ["a", 1]), ("guided_regex", "\\x1f"),
-                         ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
-                         ("response_format", {"type": "json_schema",
-                                              "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": "x"}}}),
-                         ("response_format", {"type": "yaml"})):
+    for field, value in (
+        ("guided_json", {"type": "objectx"}),
+        ("guided_json", "{not json"),
+        ("guided_regex", "a(b"),
+        ("guided_choice", []),
+        ("guided_choice", ["a", 1]),
+        ("guided_regex", "\\x1f"),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": "x"}}},
+        ),
+        ("response_format", {"type": "yaml"}),
+    ):
         response = post(server, path, {**base, field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
     both = post(server, path, {**base, "guided_regex": "a+", "guided_choice": ["a"]})
@@ -275,10 +347,27 @@ def test_cli_generates_structured_output(tiny_pair, capsys, tmp_path):
     target_dir, drafter_dir = tiny_pair
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
-    base = ["generate", "--prompt", "abc", "--backend", "torch", "--target", str(target_dir), "--drafter",
-            str(drafter_dir), "--max-new-tokens", "64", "--method", "dflash"]
-    for flags, kind in ((["--json-schema", str(schema)], "schema"), (["--json-schema", json.dumps(SCHEMA)], "schema"),
-                        (["--regex", REGEX], "regex"), (["--choice", CHOICES[0], "--choice", CHOICES[1]], "choice")):
+    base = [
+        "generate",
+        "--prompt",
+        "abc",
+        "--backend",
+        "torch",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(drafter_dir),
+        "--max-new-tokens",
+        "64",
+        "--method",
+        "dflash",
+    ]
+    for flags, kind in (
+        (["--json-schema", str(schema)], "schema"),
+        (["--json-schema", json.dumps(SCHEMA)], "schema"),
+        (["--regex", REGEX], "regex"),
+        (["--choice", CHOICES[0], "--choice", CHOICES[1]], "choice"),
+    ):
         assert main(base + flags) == 0
         captured = capsys.readouterr()
         assert valid(kind, captured.out.rstrip("\n")), (flags, captured.out)
@@ -289,11 +378,14 @@ def test_cli_refuses_bad_grammar_flags_in_one_line(capsys, tmp_path):
     from loopspec.cli import main
 
     base = ["generate", "--prompt", "abc", "--target", str(tmp_path / "never-read")]
-    for flags, words in ((["--regex", "a("], "--regex"), (["--json-schema", "{nope"], "--json-schema"),
-                         (["--json-schema", str(tmp_path / "missing.json")], "--json-schema"),
-                         (["--json-schema", '{"type": "objectx"}'], "--json-schema"),
-                         (["--regex", "a+", "--choice", "a"], "not allowed with"),
-                         (["--choice", ""], "--choice")):
+    for flags, words in (
+        (["--regex", "a("], "--regex"),
+        (["--json-schema", "{nope"], "--json-schema"),
+        (["--json-schema", str(tmp_path / "missing.json")], "--json-schema"),
+        (["--json-schema", '{"type": "objectx"}'], "--json-schema"),
+        (["--regex", "a+", "--choice", "a"], "not allowed with"),
+        (["--choice", ""], "--choice"),
+    ):
         with pytest.raises(SystemExit) as e:
             raise SystemExit(main(base + flags))
         assert e.value.code == 2
@@ -308,9 +400,15 @@ def test_default_model_writes_schema_valid_json_as_constrained_ar():
     from loopspec.runtime.pipeline import load_pipeline
 
     pipe = load_pipeline("default", "default", backend="torch")
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     ids = pipe.encode("Describe a person as JSON with a name and an age.")
     spec = GrammarSpec("json_schema", schema)
     ar = pipe.run(ids, pipe.settings("ar"), max_new_tokens=48, grammar=spec)
@@ -331,8 +429,15 @@ def test_the_verification_budget_keeps_constrained_output(setup):
     accepted = 0
     for kind in SPECS:
         reference = run(engine, grammars, kind, "ar", GREEDY)
-        result = generate(engine.with_rows(1), PROMPTS[kind], method, max_new_tokens=NEW, stop_token_ids=STOP,
-                          constraint=grammars.constraint(SPECS[kind]), pacing=VerifyBudget(costs, method, 5))
+        result = generate(
+            engine.with_rows(1),
+            PROMPTS[kind],
+            method,
+            max_new_tokens=NEW,
+            stop_token_ids=STOP,
+            constraint=grammars.constraint(SPECS[kind]),
+            pacing=VerifyBudget(costs, method, 5),
+        )
         assert result.tokens == reference.tokens, kind
         accepted += accepted_drafts([result])
     assert accepted >= 10

@@ -15,8 +15,14 @@ from loopspec.cli import main
 from loopspec.errors import LoopspecError
 from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.engines import cuda_graphs
-from loopspec.engines.cuda_graphs import (StaticRunner, drafter_block_static, key_bucket, plan_block, plan_verify,
-                                          target_verify_static)
+from loopspec.engines.cuda_graphs import (
+    StaticRunner,
+    drafter_block_static,
+    key_bucket,
+    plan_block,
+    plan_verify,
+    target_verify_static,
+)
 from loopspec.runtime.decoder import Decoder, decode_all, generate
 from loopspec.engines.torch_engine import TorchEngine
 from loopspec.settings import DecodingSettings
@@ -46,8 +52,9 @@ def test_padded_static_verify_equals_eager(family, tree, tiny_targets):
     tree_masks = None
     if tree:  # row 0: tokens 1 and 2 are siblings under token 0, 3 is 2's child, 4 is 1's; row 1: 1, 2 siblings
         tree_masks = torch.zeros(2, 5, 5, dtype=torch.bool)
-        tree_masks[0] = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0],
-                                      [1, 1, 0, 0, 1]], dtype=torch.bool)
+        tree_masks[0] = torch.tensor(
+            [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 0, 0, 1]], dtype=torch.bool
+        )
         tree_masks[1, :3, :3] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     static_cache = target.new_cache(256, rows=2)
     eager = []
@@ -56,15 +63,23 @@ def test_padded_static_verify_equals_eager(family, tree, tiny_targets):
         cache = target.new_cache(256)
         target(prompt, cache)
         n = len(new[b])
-        out = target(torch.tensor([new[b]]), cache,
-                     tree_mask=tree_masks[b:b + 1, :n, :n] if tree else None)
+        out = target(torch.tensor([new[b]]), cache, tree_mask=tree_masks[b : b + 1, :n, :n] if tree else None)
         eager.append((out, cache))
     static_cache.k[:, 0, :, 9:] = 7.0  # stale slots past each row's length must stay invisible
     static_cache.v[:, 1, :, 14:] = -3.0
     plan = plan_verify([9, 14], new, static_cache.max_length, tree_masks)
     assert (plan.bucket, plan.keys, plan.lengths) == (8, 64, [14, 17])  # a window of the 256-slot cache
-    static = target_verify_static(target, static_cache, plan.ids, plan.positions, plan.slots, plan.row_index,
-                                  plan.token_index, plan.mask, want_taps=True)
+    static = target_verify_static(
+        target,
+        static_cache,
+        plan.ids,
+        plan.positions,
+        plan.slots,
+        plan.row_index,
+        plan.token_index,
+        plan.mask,
+        want_taps=True,
+    )
     for b, (out, cache) in enumerate(eager):
         n, length = len(new[b]), plan.lengths[b]
         torch.testing.assert_close(static.logits[b, :n], out.logits[0], rtol=1e-5, atol=1e-5)
@@ -86,17 +101,30 @@ def test_static_drafter_block_equals_eager(tiny_targets):
     k = 6
     plan = plan_block([11, 7], [42, 17], [11, 7], k, 127, context.max_length)
     for keys in (None, plan.keys):  # the whole buffer, a 64-slot window
-        drafts, logprobs, static_hidden = drafter_block_static(drafter, target.embed_tokens, target.lm_head, context,
-                                                               plan.ids, plan.positions, plan.context_lengths, None,
-                                                               keys)
+        drafts, logprobs, static_hidden = drafter_block_static(
+            drafter,
+            target.embed_tokens,
+            target.lm_head,
+            context,
+            plan.ids,
+            plan.positions,
+            plan.context_lengths,
+            None,
+            keys,
+        )
         for b, length in enumerate((11, 7)):
-            ids = plan.ids[b:b + 1]
-            hidden = drafter(target.embed_tokens(ids), plan.positions[b], context.k[:, b:b + 1, :, :length],
-                             context.v[:, b:b + 1, :, :length])
+            ids = plan.ids[b : b + 1]
+            hidden = drafter(
+                target.embed_tokens(ids),
+                plan.positions[b],
+                context.k[:, b : b + 1, :, :length],
+                context.v[:, b : b + 1, :, :length],
+            )
             logits = target.lm_head(hidden[0, 1:])
             assert torch.equal(drafts[b], logits.topk(drafts.shape[2], -1).indices)  # rank 0 the argmax
-            torch.testing.assert_close(logprobs[b], logits.log_softmax(-1).topk(drafts.shape[2], -1).values,
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                logprobs[b], logits.log_softmax(-1).topk(drafts.shape[2], -1).values, rtol=1e-5, atol=1e-5
+            )
             torch.testing.assert_close(static_hidden[b], hidden[0], rtol=1e-5, atol=1e-5)
 
 
@@ -110,8 +138,17 @@ def test_cuda_graphs_on_cpu_is_a_clear_error(tiny_targets, tiny_pair, capsys):
     with pytest.raises(LoopspecError, match="CUDA graphs need a CUDA device"):
         TorchEngine(target, random_drafter(target), max_context=64, cuda_graphs=True)
     target_dir, drafter_dir = tiny_pair
-    argv = ["generate", "--target", str(target_dir), "--drafter", str(drafter_dir), "--prompt", "hi",
-            "--max-new-tokens", "4"]
+    argv = [
+        "generate",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(drafter_dir),
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "4",
+    ]
     assert main(argv + ["--cuda-graphs"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("loopspec: error: CUDA graphs need a CUDA device") and "\n" not in err
@@ -126,17 +163,21 @@ def test_cuda_graphs_on_cpu_is_a_clear_error(tiny_targets, tiny_pair, capsys):
 # --------------------------------------------------------------------------------------------------
 # the identity check, on the CPU through the StaticRunner, and its power
 
-IDENTITY_METHODS = {"ar": DecodingSettings(), "dflash": DecodingSettings("dflash", 6),
-                    "dloop": DecodingSettings("dloop", 6, 3, -1e9),
-                    "tree": DecodingSettings("dloop", 6, 3, -1e9, tree_budget=20, suffix=True)}
+IDENTITY_METHODS = {
+    "ar": DecodingSettings(),
+    "dflash": DecodingSettings("dflash", 6),
+    "dloop": DecodingSettings("dloop", 6, 3, -1e9),
+    "tree": DecodingSettings("dloop", 6, 3, -1e9, tree_budget=20, suffix=True),
+}
 NEW_TOKENS = 24
 MIN_DISTINCT = 8  # lively targets: a constant output would hide a row reading the wrong slots
 
 
 def identity_prompts(n: int = 4, seed: int = 7) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 120, (int(torch.randint(8, 30, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, 120, (int(torch.randint(8, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def plain_decoding(engine, prompts) -> list[list[int]]:
@@ -240,8 +281,9 @@ def test_the_identity_check_catches_a_planted_bug(bug, lively_pair):
     class MutantEngine(StaticEngine):
         runner = Mutant
 
-    caught = identity_mismatches(MutantEngine(target, drafter, 160), prompts, refs,
-                                 {"dflash": IDENTITY_METHODS["dflash"]})
+    caught = identity_mismatches(
+        MutantEngine(target, drafter, 160), prompts, refs, {"dflash": IDENTITY_METHODS["dflash"]}
+    )
     assert caught, f"{bug.__name__} went unnoticed"
 
 
@@ -272,8 +314,8 @@ def test_replay_equals_eager(family, tiny_targets):
         (el, et), (gl, gt) = eager.verify(tokens, want_taps=True), graphs.verify(tokens, want_taps=True)
         assert el.device.type == gl.device.type == "cpu" and gt.device.type == "cuda"
         for b, t in enumerate(tokens):  # the real tokens of each row (padding positions are junk)
-            torch.testing.assert_close(gl[b, :len(t)], el[b, :len(t)], rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(gt[b, :len(t)], et[b, :len(t)], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(gl[b, : len(t)], el[b, : len(t)], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(gt[b, : len(t)], et[b, : len(t)], rtol=1e-4, atol=1e-4)
         for engine, taps in ((eager, et), (graphs, gt)):
             engine.append_context(taps, [len(t) for t in tokens])
         positions = eager.cache.lengths[:2].tolist()
@@ -295,7 +337,7 @@ def test_replay_equals_eager(family, tiny_targets):
     masks = tree_masks(trees, max(len(t) for t in trees))
     (el, _), (gl, _) = (e.verify([t.tokens for t in trees], want_taps=True, tree_masks=masks) for e in (eager, graphs))
     for b, t in enumerate(trees):
-        torch.testing.assert_close(gl[b, :len(t)], el[b, :len(t)], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(gl[b, : len(t)], el[b, : len(t)], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -73,15 +73,18 @@ def test_top_k_off_or_at_least_vocab_is_plain_softmax():
 HAND = torch.tensor([0.05, 0.5, 0.3, 0.15])
 
 
-@pytest.mark.parametrize("top_p, expected", [
-    (1e-6, [0.0, 1.0, 0.0, 0.0]),  # never empty: the most likely token is always kept
-    (0.4, [0.0, 1.0, 0.0, 0.0]),  # 0.5 already reaches 0.4
-    (0.7, [0.0, 0.5 / 0.8, 0.3 / 0.8, 0.0]),  # 0.5 < 0.7 <= 0.8
-    (0.8 - 1e-3, [0.0, 0.5 / 0.8, 0.3 / 0.8, 0.0]),
-    (0.9, [0.0, 0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95]),  # 0.8 < 0.9 <= 0.95
-    (0.99, [0.05, 0.5, 0.3, 0.15]),  # needs every token
-    (1.0, [0.05, 0.5, 0.3, 0.15]),
-])
+@pytest.mark.parametrize(
+    "top_p, expected",
+    [
+        (1e-6, [0.0, 1.0, 0.0, 0.0]),  # never empty: the most likely token is always kept
+        (0.4, [0.0, 1.0, 0.0, 0.0]),  # 0.5 already reaches 0.4
+        (0.7, [0.0, 0.5 / 0.8, 0.3 / 0.8, 0.0]),  # 0.5 < 0.7 <= 0.8
+        (0.8 - 1e-3, [0.0, 0.5 / 0.8, 0.3 / 0.8, 0.0]),
+        (0.9, [0.0, 0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95]),  # 0.8 < 0.9 <= 0.95
+        (0.99, [0.05, 0.5, 0.3, 0.15]),  # needs every token
+        (1.0, [0.05, 0.5, 0.3, 0.15]),
+    ],
+)
 def test_top_p_hand_computed(top_p, expected):
     probs = probabilities(HAND.log(), SamplingParams(temperature=1.0, top_p=top_p))
     torch.testing.assert_close(probs, torch.tensor(expected), rtol=1e-5, atol=1e-6)
@@ -120,12 +123,23 @@ def test_top_k_then_top_p():
 # SamplingParams
 
 
-@pytest.mark.parametrize("kw", [
-    dict(temperature=-0.1), dict(temperature=-1), dict(temperature=float("nan")), dict(temperature=float("-inf")),
-    dict(temperature=float("inf")),
-    dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.0001), dict(top_p=2.0), dict(top_p=float("nan")),
-    dict(top_k=-1), dict(top_k=-10),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-0.1),
+        dict(temperature=-1),
+        dict(temperature=float("nan")),
+        dict(temperature=float("-inf")),
+        dict(temperature=float("inf")),
+        dict(top_p=0.0),
+        dict(top_p=-0.5),
+        dict(top_p=1.0001),
+        dict(top_p=2.0),
+        dict(top_p=float("nan")),
+        dict(top_k=-1),
+        dict(top_k=-10),
+    ],
+)
 def test_sampling_params_rejects_bad_values(kw):
     with pytest.raises(LoopspecError):
         SamplingParams(**kw)
@@ -177,7 +191,10 @@ def test_greedy_chain_first_mismatch(i):
     drafts[i] = (drafts[i] + 1) % 16
     if i + 1 < 4:
         drafts[i + 1] = (drafts[i + 1] + 3) % 16  # later mismatches do not matter
-    assert tree_accept(DraftTree.chain(3, drafts.tolist()), logits, GREEDY, None) == (list(range(i + 1)), int(choice[i]))
+    assert tree_accept(DraftTree.chain(3, drafts.tolist()), logits, GREEDY, None) == (
+        list(range(i + 1)),
+        int(choice[i]),
+    )
 
 
 def test_greedy_no_drafts_is_the_argmax():

@@ -64,9 +64,11 @@ def test_greedy_dflash_equals_ar_on_default(pipe, prompt):
     assert len(ar.tokens) > 0
     loop = pipe.run(ids, pipe.settings("dloop", gate_threshold=-3.0, max_stages=3), max_new_tokens=48)
     assert loop.tokens == ar.tokens
-    for settings in (pipe.settings("dflash", tree_budget=16, suffix=True),
-                     pipe.settings("dloop", gate_threshold=-3.0, max_stages=3, tree_budget=24, suffix=True),
-                     pipe.settings("suffix")):
+    for settings in (
+        pipe.settings("dflash", tree_budget=16, suffix=True),
+        pipe.settings("dloop", gate_threshold=-3.0, max_stages=3, tree_budget=24, suffix=True),
+        pipe.settings("suffix"),
+    ):
         tree = pipe.run(ids, settings, max_new_tokens=48)
         assert tree.tokens == ar.tokens, settings.describe()
         if settings.tree_budget:
@@ -80,15 +82,23 @@ def test_trees_batched_on_the_default_pair(pipe):
     settings = pipe.settings("dloop", tree_budget=16, suffix=True, adaptive=False)
     prompts = [pipe.encode(p) for p in PROMPTS]
     refs = [pipe.run(ids, pipe.settings("ar"), max_new_tokens=40).tokens for ids in prompts]
-    done = decode_all(Decoder(pipe.engine.with_rows(3), settings),
-                      [dict(key=i, prompt_ids=ids, max_new_tokens=40, stop_token_ids=pipe.stop_token_ids)
-                       for i, ids in enumerate(prompts)])
+    done = decode_all(
+        Decoder(pipe.engine.with_rows(3), settings),
+        [
+            dict(key=i, prompt_ids=ids, max_new_tokens=40, stop_token_ids=pipe.stop_token_ids)
+            for i, ids in enumerate(prompts)
+        ],
+    )
     assert [done[i].tokens for i in range(3)] == refs
 
 
 def test_cli_generate_default():
-    proc = subprocess.run([sys.executable, "-m", "loopspec.cli", "generate", "--prompt", PROMPTS[1],
-                           "--max-new-tokens", "16"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loopspec.cli", "generate", "--prompt", PROMPTS[1], "--max-new-tokens", "16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tau" in proc.stderr and "drafter:" in proc.stderr
@@ -108,12 +118,17 @@ def test_bench_compares_the_fp32_and_4_bit_engines(tmp_path):
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"turns": ["Write a Python function that reverses a string."]}\n')
-    results = run_bench(BenchPlan([str(prompts)], ["ar", "dloop"], max_new_tokens=24),
-                        [EngineChoice(backend="onnxruntime", precision=p, threads=1) for p in ("fp32", "gguf-int8act")],
-                        output=BenchOutput(json_out=str(tmp_path / "b.json")))
+    results = run_bench(
+        BenchPlan([str(prompts)], ["ar", "dloop"], max_new_tokens=24),
+        [EngineChoice(backend="onnxruntime", precision=p, threads=1) for p in ("fp32", "gguf-int8act")],
+        output=BenchOutput(json_out=str(tmp_path / "b.json")),
+    )
     assert [(r.method, r.backend) for r in results] == [
-        ("ar", "onnxruntime fp32"), ("dloop", "onnxruntime fp32"),
-        ("ar", "onnxruntime gguf-int8act"), ("dloop", "onnxruntime gguf-int8act")]
+        ("ar", "onnxruntime fp32"),
+        ("dloop", "onnxruntime fp32"),
+        ("ar", "onnxruntime gguf-int8act"),
+        ("dloop", "onnxruntime gguf-int8act"),
+    ]
     by = {(r.method, r.backend): r for r in results}
     assert by["dloop", "onnxruntime fp32"].identical_to_ar and by["dloop", "onnxruntime gguf-int8act"].identical_to_ar
     assert by["ar", "onnxruntime gguf-int8act"].identical_to_ar is None  # another arithmetic: not fp32's plain run
@@ -139,8 +154,9 @@ def test_bench_compares_the_fp32_and_4_bit_engines(tmp_path):
     assert engines["onnxruntime gguf-int8act"]["decoding"]["dloop"]["tree_budget"] == 0  # its tuned setting: the chain
 
 
-@pytest.mark.parametrize("precision, methods", [("gguf-int8act", ("ar", "dflash", "dloop", "suffix")),
-                                                ("fp32", ("ar", "dloop"))])
+@pytest.mark.parametrize(
+    "precision, methods", [("gguf-int8act", ("ar", "dflash", "dloop", "suffix")), ("fp32", ("ar", "dloop"))]
+)
 def test_the_server_on_the_default_engine_answers_each_request_as_alone(precision, methods):
     """16 concurrent greedy chat requests of different lengths through `serve` on the default CPU
     engine (ONNX Runtime over the GGUF's blocks, int8 activations) and on fp32: each reply equals the
@@ -155,24 +171,43 @@ def test_the_server_on_the_default_engine_answers_each_request_as_alone(precisio
     from loopspec.runtime.server import ServeConfig, create_app
 
     # a short context: 16 rows of the full 8192-token cache are 6 GB of K/V per app
-    pipe = load_pipeline("default", "default", max_context=512, backend="onnxruntime", num_threads=2,
-                         precision=precision)
+    pipe = load_pipeline(
+        "default", "default", max_context=512, backend="onnxruntime", num_threads=2, precision=precision
+    )
     assert pipe.engine.precision == precision
-    topics = ["a haiku about caches", "why the sky is blue", "a Python function that reverses a list",
-              "the rules of chess in one paragraph", "what 17 * 23 is", "three facts about owls",
-              "a limerick about a cat", "how a hash map works", "the capital of Japan",
-              "a SQL query that counts rows per day", "the difference between TCP and UDP",
-              "a short story about a robot, in two sentences", "what RoPE is", "a recipe for pancakes",
-              "a regular expression for e-mail addresses", "why 0.1 + 0.2 != 0.3 in floating point"]
-    messages = [[{"role": "user", "content": ("Please, briefly: " * (i % 4)) + "Write " + t + "."}]
-                for i, t in enumerate(topics)]
-    settings = {"ar": pipe.settings("ar"), "dflash": pipe.settings("dflash", adaptive=False),
-                "dloop": pipe.settings("dloop", tree_budget=8, suffix=True, adaptive=False),
-                "suffix": pipe.settings("suffix", adaptive=False)}
+    topics = [
+        "a haiku about caches",
+        "why the sky is blue",
+        "a Python function that reverses a list",
+        "the rules of chess in one paragraph",
+        "what 17 * 23 is",
+        "three facts about owls",
+        "a limerick about a cat",
+        "how a hash map works",
+        "the capital of Japan",
+        "a SQL query that counts rows per day",
+        "the difference between TCP and UDP",
+        "a short story about a robot, in two sentences",
+        "what RoPE is",
+        "a recipe for pancakes",
+        "a regular expression for e-mail addresses",
+        "why 0.1 + 0.2 != 0.3 in floating point",
+    ]
+    messages = [
+        [{"role": "user", "content": ("Please, briefly: " * (i % 4)) + "Write " + t + "."}]
+        for i, t in enumerate(topics)
+    ]
+    settings = {
+        "ar": pipe.settings("ar"),
+        "dflash": pipe.settings("dflash", adaptive=False),
+        "dloop": pipe.settings("dloop", tree_budget=8, suffix=True, adaptive=False),
+        "suffix": pipe.settings("suffix", adaptive=False),
+    }
     for name in methods:
         decoding = settings[name]
         app = create_app(pipe, ServeConfig(settings=decoding, model_name="default", max_batch_size=16))
         with TestClient(app) as client:
+
             def chat(m, client=client):
                 body = {"model": "default", "messages": m, "max_tokens": 32, "temperature": 0}
                 reply = client.post("/v1/chat/completions", json=body)
@@ -195,10 +230,19 @@ def test_default_target_writes_user_prompts(pipe, tmp_path):
     prefix = pipe.tokenizer.decode(user_turn_prefix_ids(pipe.tokenizer))
     assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_end|>\n<|im_start|>user\n")
     path = tmp_path / "self.jsonl"
-    report = write_prompts(target=pipe.target, tokenizer=pipe.tokenizer, out_path=path, count=3,
-                           stop_ids=set(pipe.stop_token_ids), params=SamplingParams(temperature=1.0),
-                           max_prompt_tokens=96, batch_size=6, starts_with="Write a Python function",
-                           progress=False, respond=regenerate_responses)
+    report = write_prompts(
+        target=pipe.target,
+        tokenizer=pipe.tokenizer,
+        out_path=path,
+        count=3,
+        stop_ids=set(pipe.stop_token_ids),
+        params=SamplingParams(temperature=1.0),
+        max_prompt_tokens=96,
+        batch_size=6,
+        starts_with="Write a Python function",
+        progress=False,
+        respond=regenerate_responses,
+    )
     texts = [json.loads(line)["turns"][0] for line in path.read_text().splitlines()]
     assert report["prompts"] == 3 == len(set(texts))
     assert all(t.startswith("Write a Python function") and "<|im_" not in t for t in texts)

@@ -53,36 +53,74 @@ def dflash2_checkpoint(directory, *, seed=0, drop=(), tensors=None, draft_change
     names); `drop` leaves tensors out, `tensors` replaces some → (directory, config, tensors in fp64)."""
     from safetensors.torch import save_file
 
-    draft = {"block_size": BLOCK, "mask_token_id": MASK, "target_layer_ids": TAPS, "conv_kernel_size": 2,
-             "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
+    draft = {
+        "block_size": BLOCK,
+        "mask_token_id": MASK,
+        "target_layer_ids": TAPS,
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 8,
+        "selector_top_k": 6,
+    }
     draft.update(draft_changes or {})
-    cfg = {"architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": HIDDEN,
-           "intermediate_size": INTER, "num_hidden_layers": DRAFT_LAYERS, "num_attention_heads": HEADS,
-           "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-           "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}, "max_position_embeddings": 512,
-           "vocab_size": VOCAB, "num_target_layers": LAYERS, "is_causal": False, "use_sliding_window": True,
-           "sliding_window": 6, "layer_types": ["sliding_attention"] * DRAFT_LAYERS, "tie_word_embeddings": False,
-           "dtype": "float32", "dflash_config": draft}
+    cfg = {
+        "architectures": ["DFlash2DraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTER,
+        "num_hidden_layers": DRAFT_LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"},
+        "max_position_embeddings": 512,
+        "vocab_size": VOCAB,
+        "num_target_layers": LAYERS,
+        "is_causal": False,
+        "use_sliding_window": True,
+        "sliding_window": 6,
+        "layer_types": ["sliding_attention"] * DRAFT_LAYERS,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+        "dflash_config": draft,
+    }
     cfg.update(config_changes)
     taps, groups = draft["conv_kernel_size"], HIDDEN // draft["conv_group_size"]
     g = torch.Generator().manual_seed(seed)
     w = lambda *shape, s=0.15: torch.randn(*shape, generator=g, dtype=torch.float64) * s  # noqa: E731
     norm = lambda n: 1 + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)  # noqa: E731
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    sd = {"fc.weight": w(HIDDEN, len(TAPS) * HIDDEN), "hidden_norm.weight": norm(HIDDEN), "norm.weight": norm(HIDDEN),
-          "candidate_selector.hidden_projection.weight": w(draft["selector_rank"], HIDDEN, s=0.3),
-          "candidate_selector.predecessor_codebook": w(VOCAB, draft["selector_rank"], s=1.0),
-          "candidate_selector.successor_codebook": w(VOCAB, draft["selector_rank"], s=1.0)}
+    sd = {
+        "fc.weight": w(HIDDEN, len(TAPS) * HIDDEN),
+        "hidden_norm.weight": norm(HIDDEN),
+        "norm.weight": norm(HIDDEN),
+        "candidate_selector.hidden_projection.weight": w(draft["selector_rank"], HIDDEN, s=0.3),
+        "candidate_selector.predecessor_codebook": w(VOCAB, draft["selector_rank"], s=1.0),
+        "candidate_selector.successor_codebook": w(VOCAB, draft["selector_rank"], s=1.0),
+    }
     for i in range(DRAFT_LAYERS):
         p = f"layers.{i}."
-        sd.update({p + "input_layernorm.weight": norm(HIDDEN), p + "post_attention_layernorm.weight": norm(HIDDEN),
-                   p + "self_attn.q_proj.weight": w(q, HIDDEN), p + "self_attn.k_proj.weight": w(kv, HIDDEN),
-                   p + "self_attn.v_proj.weight": w(kv, HIDDEN), p + "self_attn.o_proj.weight": w(HIDDEN, q),
-                   p + "self_attn.q_norm.weight": norm(HEAD_DIM), p + "self_attn.k_norm.weight": norm(HEAD_DIM),
-                   p + "mlp.gate_proj.weight": w(INTER, HIDDEN), p + "mlp.up_proj.weight": w(INTER, HIDDEN),
-                   p + "mlp.down_proj.weight": w(HIDDEN, INTER)})
+        sd.update(
+            {
+                p + "input_layernorm.weight": norm(HIDDEN),
+                p + "post_attention_layernorm.weight": norm(HIDDEN),
+                p + "self_attn.q_proj.weight": w(q, HIDDEN),
+                p + "self_attn.k_proj.weight": w(kv, HIDDEN),
+                p + "self_attn.v_proj.weight": w(kv, HIDDEN),
+                p + "self_attn.o_proj.weight": w(HIDDEN, q),
+                p + "self_attn.q_norm.weight": norm(HEAD_DIM),
+                p + "self_attn.k_norm.weight": norm(HEAD_DIM),
+                p + "mlp.gate_proj.weight": w(INTER, HIDDEN),
+                p + "mlp.up_proj.weight": w(INTER, HIDDEN),
+                p + "mlp.down_proj.weight": w(HIDDEN, INTER),
+            }
+        )
         for conv in ("attention_conv", "mlp_conv"):
-            sd[p + conv + ".base_kernel"] = w(2, taps, HIDDEN, s=0.5) + torch.tensor([1.0] + [0.0] * (taps - 1))[:, None]
+            sd[p + conv + ".base_kernel"] = (
+                w(2, taps, HIDDEN, s=0.5) + torch.tensor([1.0] + [0.0] * (taps - 1))[:, None]
+            )
             sd[p + conv + ".kernel_projection.weight"] = w(2 * taps * groups, HIDDEN, s=0.3)
     sd.update(tensors or {})
     for name in drop:
@@ -106,7 +144,7 @@ def rope(x, positions, theta):  # x [heads, T, hd], rotate-half
     inv_freq = 1.0 / theta ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.int64).float() / HEAD_DIM)
     angles = torch.tensor(positions, dtype=torch.float32)[:, None] * inv_freq[None]
     cos, sin = (f(torch.cat([angles, angles], -1)).double() for f in (torch.cos, torch.sin))
-    return x * cos + torch.cat([-x[..., HEAD_DIM // 2:], x[..., :HEAD_DIM // 2]], -1) * sin
+    return x * cos + torch.cat([-x[..., HEAD_DIM // 2 :], x[..., : HEAD_DIM // 2]], -1) * sin
 
 
 def reference_conv(y, base, dynamic, group_size):
@@ -140,9 +178,14 @@ def reference_stage(sd, cfg, taps, embed, lm_head, anchor):
         def keys(src, positions):
             kk = rms((src @ sd[p + "k_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM), sd[p + "k_norm.weight"])
             return rope(kk.transpose(0, 1), positions, theta), (src @ sd[p + "v_proj.weight"].T).view(
-                -1, KV_HEADS, HEAD_DIM).transpose(0, 1)
-        q = rope(rms((h @ sd[p + "q_proj.weight"].T).view(k, HEADS, HEAD_DIM), sd[p + "q_norm.weight"]).transpose(0, 1),
-                 block, theta)
+                -1, KV_HEADS, HEAD_DIM
+            ).transpose(0, 1)
+
+        q = rope(
+            rms((h @ sd[p + "q_proj.weight"].T).view(k, HEADS, HEAD_DIM), sd[p + "q_norm.weight"]).transpose(0, 1),
+            block,
+            theta,
+        )
         (kc, vc), (kb, vb) = keys(features, list(range(N))), keys(h, block)
         K = torch.cat([kc, kb], 1).repeat_interleave(HEADS // KV_HEADS, 0)
         V = torch.cat([vc, vb], 1).repeat_interleave(HEADS // KV_HEADS, 0)
@@ -151,16 +194,20 @@ def reference_stage(sd, cfg, taps, embed, lm_head, anchor):
             seen &= (torch.tensor(block)[:, None] - key_positions[None]).abs() < window
         if cfg["is_causal"]:
             seen[:, N:] &= torch.ones(k, k, dtype=torch.bool).tril()
-        att = (q @ K.transpose(1, 2) / HEAD_DIM ** 0.5).masked_fill(~seen, float("-inf")).softmax(-1) @ V
+        att = (q @ K.transpose(1, 2) / HEAD_DIM**0.5).masked_fill(~seen, float("-inf")).softmax(-1) @ V
         return att.transpose(0, 1).reshape(k, -1) @ sd[p + "o_proj.weight"].T
 
     def mlp(i, h):
         p = f"layers.{i}.mlp."
-        return (F.silu(h @ sd[p + "gate_proj.weight"].T) * (h @ sd[p + "up_proj.weight"].T)) @ sd[p + "down_proj.weight"].T
+        return (F.silu(h @ sd[p + "gate_proj.weight"].T) * (h @ sd[p + "up_proj.weight"].T)) @ sd[
+            p + "down_proj.weight"
+        ].T
 
     for i in range(cfg["num_hidden_layers"]):
-        for norm, conv, sublayer in (("input_layernorm", "attention_conv", attention),
-                                     ("post_attention_layernorm", "mlp_conv", mlp)):
+        for norm, conv, sublayer in (
+            ("input_layernorm", "attention_conv", attention),
+            ("post_attention_layernorm", "mlp_conv", mlp),
+        ):
             p = f"layers.{i}.{conv}."
             xn = rms(x, sd[f"layers.{i}.{norm}.weight"])
             dynamic = (xn @ sd[p + "kernel_projection.weight"].T).view(k, 2, n_taps, groups)
@@ -175,8 +222,9 @@ def reference_stage(sd, cfg, taps, embed, lm_head, anchor):
     u = states @ sd["candidate_selector.hidden_projection.weight"].T
     previous, path, scores = anchor, [], []
     for i in range(k - 1):
-        edge = (sd["candidate_selector.predecessor_codebook"][previous] * u[i]) @ \
-            sd["candidate_selector.successor_codebook"][candidates[i]].T
+        edge = (sd["candidate_selector.predecessor_codebook"][previous] * u[i]) @ sd[
+            "candidate_selector.successor_codebook"
+        ][candidates[i]].T
         scores.append(unary[i] + edge)
         previous = int(candidates[i, scores[-1].argmax()])
         path.append(previous)
@@ -207,7 +255,7 @@ def stage_against_reference(engine, sd, cfg, target_dir) -> float:
     engine.prefill(0, PROMPT, want_taps=True)
     drafts, logprobs, hidden = engine.draft([0], [ANCHOR], [len(PROMPT)], BLOCK)
     path, candidates, scores, final = reference_stage(sd, cfg, taps, embed, lm_head, ANCHOR)
-    order = scores.sort(dim=-1, descending=True, stable=True).indices[:, :drafts.shape[-1]]
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[:, : drafts.shape[-1]]
     if drafts[0, :, 0].tolist() != path or not torch.equal(drafts[0], candidates.gather(-1, order)):
         return float("inf")
     want = torch.log_softmax(scores, -1).gather(-1, order)
@@ -218,11 +266,20 @@ def stage_against_reference(engine, sd, cfg, target_dir) -> float:
     return float((hidden[0] - final).abs().max())
 
 
-CONFIGS = {"window": ({}, {}),
-           "no window": ({"use_sliding_window": False}, {}),
-           "causal, 3 taps, scales, softcap": ({"is_causal": True},
-                                               {"conv_kernel_size": 3, "conv_group_size": 8, "output_multiplier": 0.4,
-                                                "final_logit_softcapping": 3.0, "input_embedding_scale": 1.7})}
+CONFIGS = {
+    "window": ({}, {}),
+    "no window": ({"use_sliding_window": False}, {}),
+    "causal, 3 taps, scales, softcap": (
+        {"is_causal": True},
+        {
+            "conv_kernel_size": 3,
+            "conv_group_size": 8,
+            "output_multiplier": 0.4,
+            "final_logit_softcapping": 3.0,
+            "input_embedding_scale": 1.7,
+        },
+    ),
+}
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -254,27 +311,53 @@ def test_planted_bugs_fail_the_reference_comparison(target_dir, tmp_path, monkey
     monkeypatch.undo()
     target, drafter = fp64_pair(target_dir, directory)
     selector = drafter.candidate_selector
-    selector.predecessor_codebook, selector.successor_codebook = selector.successor_codebook, selector.predecessor_codebook
+    selector.predecessor_codebook, selector.successor_codebook = (
+        selector.successor_codebook,
+        selector.predecessor_codebook,
+    )
     assert stage_against_reference(TorchEngine(target, drafter, max_context=64), sd, cfg, target_dir) > 1e-3
     target, drafter = fp64_pair(target_dir, directory)
     edges = type(drafter.candidate_selector).edges
-    monkeypatch.setattr(type(drafter.candidate_selector), "edges",
-                        lambda self, previous, projected, candidates: edges(self, candidates[:, 0], projected, candidates))
+    monkeypatch.setattr(
+        type(drafter.candidate_selector),
+        "edges",
+        lambda self, previous, projected, candidates: edges(self, candidates[:, 0], projected, candidates),
+    )
     assert stage_against_reference(TorchEngine(target, drafter, max_context=64), sd, cfg, target_dir) > 1e-3
 
 
 def test_the_published_config_and_tensor_shapes():
     """z-lab's published DFlash2 config (its fields as published) makes exactly the published tensors."""
-    published = {"architectures": ["DFlash2DraftModel"], "is_causal": False, "head_dim": 128, "hidden_size": 6656,
-                 "intermediate_size": 19968, "layer_types": ["sliding_attention"] * 5, "max_position_embeddings": 131072,
-                 "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8,
-                 "num_target_layers": 52, "rms_norm_eps": 1e-05,
-                 "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "sliding_window": 2048,
-                 "use_sliding_window": True, "vocab_size": 202048,
-                 "dflash_config": {"block_size": 16, "conv_group_size": 16, "conv_kernel_size": 2,
-                                   "final_logit_softcapping": 20.0, "mask_token_id": 201818,
-                                   "output_multiplier": 0.19611613513818404, "selector_rank": 256,
-                                   "selector_top_k": 16, "target_layer_ids": [1, 13, 25, 37, 49]}}
+    published = {
+        "architectures": ["DFlash2DraftModel"],
+        "is_causal": False,
+        "head_dim": 128,
+        "hidden_size": 6656,
+        "intermediate_size": 19968,
+        "layer_types": ["sliding_attention"] * 5,
+        "max_position_embeddings": 131072,
+        "model_type": "qwen3",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 5,
+        "num_key_value_heads": 8,
+        "num_target_layers": 52,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+        "sliding_window": 2048,
+        "use_sliding_window": True,
+        "vocab_size": 202048,
+        "dflash_config": {
+            "block_size": 16,
+            "conv_group_size": 16,
+            "conv_kernel_size": 2,
+            "final_logit_softcapping": 20.0,
+            "mask_token_id": 201818,
+            "output_multiplier": 0.19611613513818404,
+            "selector_rank": 256,
+            "selector_top_k": 16,
+            "target_layer_ids": [1, 13, 25, 37, 49],
+        },
+    }
     cfg = DFlash2Config.from_checkpoint(published)
     assert (cfg.block_size, cfg.sliding_window, cfg.final_logit_softcapping, cfg.is_causal) == (16, 2048, 20.0, False)
     assert cfg.kind.title == "DFlash2" and cfg.kind.selector.top_k == 16 and not cfg.kind.plain
@@ -283,8 +366,11 @@ def test_the_published_config_and_tensor_shapes():
     assert shapes["layers.4.attention_conv.base_kernel"] == [2, 2, 6656]
     assert shapes["layers.0.mlp_conv.kernel_projection.weight"] == [1664, 6656]
     assert shapes["candidate_selector.hidden_projection.weight"] == [256, 6656]
-    assert shapes["candidate_selector.predecessor_codebook"] == shapes["candidate_selector.successor_codebook"] \
+    assert (
+        shapes["candidate_selector.predecessor_codebook"]
+        == shapes["candidate_selector.successor_codebook"]
         == [202048, 256]
+    )
     assert shapes["fc.weight"] == [6656, 33280] and len(shapes) == 3 + 3 + 5 * 15
     assert DFlash2Config.from_checkpoint(cfg.to_checkpoint()) == cfg
 
@@ -312,14 +398,22 @@ def test_batched_rows_draft_as_each_alone(target_dir, tmp_path):
     for b, (p, a) in enumerate(zip(prompts, anchors)):
         engine = TorchEngine(target, drafter, max_context=64)
         engine.prefill(0, p, want_taps=True)
-        alone.append((engine.draft([0], [a], [len(p)], BLOCK),
-                      engine.draft([0], [a], [len(p)], BLOCK, sampling=[(laws[b], torch.Generator().manual_seed(b))])))
+        alone.append(
+            (
+                engine.draft([0], [a], [len(p)], BLOCK),
+                engine.draft([0], [a], [len(p)], BLOCK, sampling=[(laws[b], torch.Generator().manual_seed(b))]),
+            )
+        )
     engine = TorchEngine(target, drafter, max_context=64, max_rows=3)
     for b, p in enumerate(prompts):
         engine.prefill(b, p, want_taps=True)
     order = (2, 0, 1)
-    rows = dict(rows=list(order), anchors=[anchors[b] for b in order], positions=[len(prompts[b]) for b in order],
-                block_size=BLOCK)
+    rows = dict(
+        rows=list(order),
+        anchors=[anchors[b] for b in order],
+        positions=[len(prompts[b]) for b in order],
+        block_size=BLOCK,
+    )
     batched = engine.draft(**rows)
     sampled = engine.draft(**rows, sampling=[(laws[b], torch.Generator().manual_seed(b)) for b in order])
     for i, b in enumerate(order):
@@ -338,8 +432,13 @@ def test_sampled_q_is_the_selectors_softmax_over_its_candidates(target_dir, tmp_
     engine.prefill(0, PROMPT, want_taps=True)
     greedy = engine.draft([0], [ANCHOR], [len(PROMPT)], BLOCK)
     T = 0.7
-    stage = engine.draft([0], [ANCHOR], [len(PROMPT)], BLOCK,
-                         sampling=[(SamplingParams(temperature=T), torch.Generator().manual_seed(0))])
+    stage = engine.draft(
+        [0],
+        [ANCHOR],
+        [len(PROMPT)],
+        BLOCK,
+        sampling=[(SamplingParams(temperature=T), torch.Generator().manual_seed(0))],
+    )
     q = stage.q[0]  # [D, V]
     assert torch.allclose(q.sum(-1), torch.ones(BLOCK - 1), atol=1e-6) and bool(((q > 0).sum(-1) == 6).all())
     want = torch.softmax(greedy[1][0, 0].double() / T, -1)
@@ -360,20 +459,32 @@ def bad_checkpoints(root):
     del cfg["dflash_config"]["selector_rank"]
     (rankless / "config.json").write_text(json.dumps(cfg))
     return {
-        "no successor codebook": (dflash2_checkpoint(root / "a", drop=("candidate_selector.successor_codebook",))[0],
-                                  "lacks candidate_selector.successor_codebook"),
-        "no projection": (dflash2_checkpoint(root / "b", drop=("candidate_selector.hidden_projection.weight",))[0],
-                          "lacks candidate_selector.hidden_projection.weight"),
-        "three taps in the file": (dflash2_checkpoint(root / "c", tensors={"layers.0.attention_conv.base_kernel":
-                                                                          torch.zeros(2, 3, H)})[0],
-                                   "size mismatch for layers.0.attention_conv.base_kernel: [2, 3, 64]"),
-        "groups of 8 in the file": (dflash2_checkpoint(root / "d", tensors={"layers.1.mlp_conv.kernel_projection.weight":
-                                                                           torch.zeros(32, H)})[0],
-                                    "size mismatch for layers.1.mlp_conv.kernel_projection.weight"),
-        "top-k past the vocabulary": (dflash2_checkpoint(root / "e", draft_changes={"selector_top_k": 200})[0],
-                                      "selector_top_k 200 is larger than the vocabulary of 128"),
-        "group size 24": (dflash2_checkpoint(root / "f", draft_changes={"conv_group_size": 24})[0],
-                          "conv_group_size 24 does not divide hidden_size 64"),
+        "no successor codebook": (
+            dflash2_checkpoint(root / "a", drop=("candidate_selector.successor_codebook",))[0],
+            "lacks candidate_selector.successor_codebook",
+        ),
+        "no projection": (
+            dflash2_checkpoint(root / "b", drop=("candidate_selector.hidden_projection.weight",))[0],
+            "lacks candidate_selector.hidden_projection.weight",
+        ),
+        "three taps in the file": (
+            dflash2_checkpoint(root / "c", tensors={"layers.0.attention_conv.base_kernel": torch.zeros(2, 3, H)})[0],
+            "size mismatch for layers.0.attention_conv.base_kernel: [2, 3, 64]",
+        ),
+        "groups of 8 in the file": (
+            dflash2_checkpoint(root / "d", tensors={"layers.1.mlp_conv.kernel_projection.weight": torch.zeros(32, H)})[
+                0
+            ],
+            "size mismatch for layers.1.mlp_conv.kernel_projection.weight",
+        ),
+        "top-k past the vocabulary": (
+            dflash2_checkpoint(root / "e", draft_changes={"selector_top_k": 200})[0],
+            "selector_top_k 200 is larger than the vocabulary of 128",
+        ),
+        "group size 24": (
+            dflash2_checkpoint(root / "f", draft_changes={"conv_group_size": 24})[0],
+            "conv_group_size 24 does not divide hidden_size 64",
+        ),
         "no rank": (rankless, "lacks dflash_config.selector_rank"),
         "a d2t map": (d2t, "reduced draft vocabulary"),
         "is_causal a string": (dflash2_checkpoint(root / "i", is_causal="no")[0], "is_causal must be true or false"),
@@ -385,8 +496,21 @@ def test_bad_checkpoints_are_refused_in_one_line(target_dir, tmp_path, capsys):
         with pytest.raises(LoopspecError) as e:
             load_pair(target_dir, directory)
         assert words in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
-        code = main(["generate", "--prompt", "x", "--target", str(target_dir), "--drafter", str(directory),
-                     "--backend", "torch", "--max-new-tokens", "2"])
+        code = main(
+            [
+                "generate",
+                "--prompt",
+                "x",
+                "--target",
+                str(target_dir),
+                "--drafter",
+                str(directory),
+                "--backend",
+                "torch",
+                "--max-new-tokens",
+                "2",
+            ]
+        )
         lines = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and words in lines[0], (name, lines)
 
@@ -401,7 +525,9 @@ def test_quantization_training_and_cuda_graphs_refuse_it_naming_the_kind(target_
     pair = load_pair(target_dir, directory)
     kind = pair.drafter.cfg.kind
     assert block_graph(kind) is DFlash2Block  # its block graph exports
-    with pytest.raises(LoopspecError, match="quantization does not take DFlash2 drafters: their graphs are exported in fp32"):
+    with pytest.raises(
+        LoopspecError, match="quantization does not take DFlash2 drafters: their graphs are exported in fp32"
+    ):
         require_zlab_block(pair.drafter.cfg, "quantization")
     with pytest.raises(LoopspecError, match="cannot serve this DFlash2 drafter.*DFlashDecodingConfig") as e:
         build_bundle(target_dir, str(directory), tmp_path / "bundle-trtllm", "trtllm")
@@ -429,8 +555,13 @@ def block_loss(drafter, embed, head, tokens, anchors, taps):
     mask = ((slots[None] < anchors[:, None]) | (slots[None] >= T))[:, None, None]  # [A, 1, 1, T + k]
     ids = torch.full((A, k), MASK)
     ids[:, 0] = tokens[anchors]
-    hidden = drafter(F.embedding(ids, embed), (anchors[:, None] + torch.arange(k))[:, None],
-                     ctx_k.expand(-1, A, -1, -1, -1), ctx_v.expand(-1, A, -1, -1, -1), mask)  # [A, k, H]
+    hidden = drafter(
+        F.embedding(ids, embed),
+        (anchors[:, None] + torch.arange(k))[:, None],
+        ctx_k.expand(-1, A, -1, -1, -1),
+        ctx_v.expand(-1, A, -1, -1, -1),
+        mask,
+    )  # [A, k, H]
     states = hidden[:, 1:]
     at = anchors[:, None] + torch.arange(1, k)  # [A, D]: the token each slot drafts
     valid = at < T
@@ -450,10 +581,23 @@ def agreeing_dflash2(target, texts, steps=120, seed=0) -> DFlash2Drafter:
     """A tiny DFlash2 drafter trained here until its stages draft `texts` ((prompt, continuation) pairs
     of `target`): drafts that are accepted, so identity tests compare something."""
     torch.manual_seed(seed)
-    base = DrafterConfig.for_target(target.cfg, num_layers=DRAFT_LAYERS, block_size=BLOCK, target_layer_ids=TAPS,
-                                    mask_token_id=MASK, intermediate_size=INTER)
-    cfg = DFlash2Config.over(base, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=6,
-                             sliding_window=24, layer_types=("sliding_attention",) * DRAFT_LAYERS)
+    base = DrafterConfig.for_target(
+        target.cfg,
+        num_layers=DRAFT_LAYERS,
+        block_size=BLOCK,
+        target_layer_ids=TAPS,
+        mask_token_id=MASK,
+        intermediate_size=INTER,
+    )
+    cfg = DFlash2Config.over(
+        base,
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=8,
+        selector_top_k=6,
+        sliding_window=24,
+        layer_types=("sliding_attention",) * DRAFT_LAYERS,
+    )
     drafter = DFlash2Drafter(cfg)
     target.set_taps(cfg.target_layer_ids)
     embed, head = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()
@@ -474,8 +618,9 @@ def agreeing_dflash2(target, texts, steps=120, seed=0) -> DFlash2Drafter:
 
 def prompts(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 120, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, 120, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 PROMPTS = prompts(4, seed=7)
@@ -489,16 +634,21 @@ def engine(target_dir):
     target = lively(load_target_dir(target_dir))
     plain = TorchEngine(target, None, max_context=128)
     texts = [(p, generate(plain, p, Method(), max_new_tokens=40).tokens) for p in PROMPTS]
-    texts += [(p, generate(plain, p, Method(), max_new_tokens=30, params=T1, seed=s).tokens)
-              for s, p in zip(SEEDS, PROMPTS)]
+    texts += [
+        (p, generate(plain, p, Method(), max_new_tokens=30, params=T1, seed=s).tokens) for s, p in zip(SEEDS, PROMPTS)
+    ]
     return TorchEngine(target, agreeing_dflash2(target, texts), max_context=128)
 
 
-@pytest.mark.parametrize("settings", [Method("dflash", block_size=BLOCK),
-                                      Method("dflash", block_size=BLOCK, tree_budget=8),
-                                      Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0),
-                                      Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0,
-                                             tree_budget=10)])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        Method("dflash", block_size=BLOCK),
+        Method("dflash", block_size=BLOCK, tree_budget=8),
+        Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0),
+        Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0, tree_budget=10),
+    ],
+)
 def test_greedy_dflash_and_dloop_commit_plain_decodings_tokens(settings, engine):
     accepted = 0
     for p in PROMPTS:
@@ -530,11 +680,16 @@ def test_drafts_sampled_from_the_selectors_q_reproduce_their_seed_batched(engine
     generator; a row batched commits what it commits alone, and a greedy row commits ar's tokens."""
     settings = Method("dflash", block_size=BLOCK, draft_sampling="drafter")
     params = [T1, SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
-    alone = [generate(engine, p, settings, max_new_tokens=24, params=q, seed=s)
-             for p, q, s in zip(PROMPTS, params, SEEDS)]
-    done = decode_all(Decoder(engine.with_rows(3), settings),
-                      [dict(key=i, prompt_ids=p, max_new_tokens=24, params=q, seed=s)
-                       for i, (p, q, s) in enumerate(zip(PROMPTS, params, SEEDS))])
+    alone = [
+        generate(engine, p, settings, max_new_tokens=24, params=q, seed=s) for p, q, s in zip(PROMPTS, params, SEEDS)
+    ]
+    done = decode_all(
+        Decoder(engine.with_rows(3), settings),
+        [
+            dict(key=i, prompt_ids=p, max_new_tokens=24, params=q, seed=s)
+            for i, (p, q, s) in enumerate(zip(PROMPTS, params, SEEDS))
+        ],
+    )
     assert [done[i].tokens for i in range(3)] == [r.tokens for r in alone]
     assert alone[2].tokens == generate(engine, PROMPTS[2], Method(), max_new_tokens=24).tokens
     assert accepted_drafts(alone) >= FLOOR_REAL_Q, accepted_drafts(alone)
@@ -542,8 +697,19 @@ def test_drafts_sampled_from_the_selectors_q_reproduce_their_seed_batched(engine
 
 def test_cli_generates_with_a_dflash2_drafter_what_ar_does(target_dir, tmp_path, capsys):
     directory, _, _ = dflash2_checkpoint(tmp_path / "d2")
-    base = ["generate", "--prompt", "hello world", "--target", str(target_dir), "--drafter", str(directory),
-            "--max-new-tokens", "12", "--backend", "torch"]  # on onnxruntime: tests/test_dflash2_onnx.py
+    base = [
+        "generate",
+        "--prompt",
+        "hello world",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(directory),
+        "--max-new-tokens",
+        "12",
+        "--backend",
+        "torch",
+    ]  # on onnxruntime: tests/test_dflash2_onnx.py
     texts = {}
     for method in ("ar", "dflash", "dloop"):
         assert main(base + ["--method", method] + (["--block-size", str(BLOCK)] if method != "ar" else [])) == 0
@@ -568,9 +734,14 @@ def law_engine(target) -> TorchEngine:
     dynamic convolutions on) and keeps 4 of the 8 tokens per slot: q is far from the head's softmax
     and zero on half the vocabulary."""
     torch.manual_seed(4)
-    cfg = DFlash2Config.over(DrafterConfig.for_target(target.cfg, num_layers=1, block_size=3, mask_token_id=LAW_MASK),
-                             conv_kernel_size=2, conv_group_size=8, selector_rank=4, selector_top_k=4,
-                             output_multiplier=0.3)  # a flatter head: its top 4 hold ~85 % of its mass, not 97 %
+    cfg = DFlash2Config.over(
+        DrafterConfig.for_target(target.cfg, num_layers=1, block_size=3, mask_token_id=LAW_MASK),
+        conv_kernel_size=2,
+        conv_group_size=8,
+        selector_rank=4,
+        selector_top_k=4,
+        output_multiplier=0.3,
+    )  # a flatter head: its top 4 hold ~85 % of its mass, not 97 %
     drafter = DFlash2Drafter(cfg)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():

@@ -21,8 +21,15 @@ from loopspec.model.drafters import load_drafter
 from test_dflash2 import BLOCK, HIDDEN, LAYERS, MASK, TAPS, dflash2_checkpoint
 from test_eagle3_bundles import flag, launch_argv, llamacpp_converter, one_line_error
 
-DRAFT_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "conv_kernel_size", "conv_group_size",
-                "selector_rank", "selector_top_k")
+DRAFT_FIELDS = (
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -44,11 +51,17 @@ def test_vllm_and_sglang_read_the_dflash2_drafter_from_drafter_dir(target_dir, d
     manifest = build_bundle(target_dir, str(drafter_dir), out, "vllm,sglang")
     drafts = BLOCK - 1
     argv = launch_argv(out / "vllm" / "launch.sh")
-    assert json.loads(flag(argv, "--speculative-config")) == {"method": "dflash", "model": "./drafter",
-                                                              "num_speculative_tokens": drafts}
+    assert json.loads(flag(argv, "--speculative-config")) == {
+        "method": "dflash",
+        "model": "./drafter",
+        "num_speculative_tokens": drafts,
+    }
     argv = launch_argv(out / "sglang" / "launch.sh")
-    assert (flag(argv, "--speculative-algorithm"), flag(argv, "--speculative-draft-model-path"),
-            flag(argv, "--speculative-num-draft-tokens")) == ("DFLASH", "./drafter", str(BLOCK))
+    assert (
+        flag(argv, "--speculative-algorithm"),
+        flag(argv, "--speculative-draft-model-path"),
+        flag(argv, "--speculative-num-draft-tokens"),
+    ) == ("DFLASH", "./drafter", str(BLOCK))
     assert "--speculative-dspark-block-size" not in argv
     assert not (out / "vllm" / "drafter").exists()  # the full vocabulary: the selector's codebooks span it
 
@@ -56,18 +69,39 @@ def test_vllm_and_sglang_read_the_dflash2_drafter_from_drafter_dir(target_dir, d
     assert config["architectures"] == ["DFlash2DraftModel"] and config["model_type"] == "qwen3"
     # vLLM's DFlash2 model reads these from dflash_config only, never the top level
     assert {k: config["dflash_config"][k] for k in DRAFT_FIELDS} == {
-        "block_size": BLOCK, "mask_token_id": MASK, "target_layer_ids": TAPS, "conv_kernel_size": 2,
-        "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
-    assert (config["is_causal"], config["use_sliding_window"], config["sliding_window"], config["layer_types"]) == \
-        (False, True, 6, ["sliding_attention"] * 2)
+        "block_size": BLOCK,
+        "mask_token_id": MASK,
+        "target_layer_ids": TAPS,
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 8,
+        "selector_top_k": 6,
+    }
+    assert (config["is_causal"], config["use_sliding_window"], config["sliding_window"], config["layer_types"]) == (
+        False,
+        True,
+        6,
+        ["sliding_attention"] * 2,
+    )
     assert "draft_vocab_size" not in config
 
-    assert (manifest["drafter_kind"], manifest["block_convention"], manifest["drafts_per_block"]) == ("DFlash2", "z-lab", drafts)
+    assert (manifest["drafter_kind"], manifest["block_convention"], manifest["drafts_per_block"]) == (
+        "DFlash2",
+        "z-lab",
+        drafts,
+    )
     assert manifest["vllm"] == {"method": "dflash", "num_speculative_tokens": drafts}
     assert manifest["draft_vocab"] == {"vllm": "full", "sglang": "full"} and manifest["mask_token_id"] == MASK
     readme = (out / "README.md").read_text()
-    for words in ("Drafting: DFlash2", "top 6 candidates", 'architectures: ["DFlash2DraftModel"]', "vLLM (>= 0.28)",
-                  "SGLang (>= 0.5.19)", "V2 model runner", "| DFlash2 |"):
+    for words in (
+        "Drafting: DFlash2",
+        "top 6 candidates",
+        'architectures: ["DFlash2DraftModel"]',
+        "vLLM (>= 0.28)",
+        "SGLang (>= 0.5.19)",
+        "V2 model runner",
+        "| DFlash2 |",
+    ):
         assert words in readme, words
 
 
@@ -111,12 +145,28 @@ def test_each_frameworks_rule_at_its_boundary(drafter_dir):
 def test_each_refusal_is_one_line(target_dir, drafter_dir, tmp_path, capsys):
     base = ["convert", "bundle", "--target", str(target_dir), "--drafter", str(drafter_dir)]
     line = one_line_error(capsys, base + ["--framework", "trtllm", "--out", str(tmp_path / "t")])
-    for words in ("TensorRT-LLM >= 1.3 cannot serve this DFlash2 drafter", "DFlashDecodingConfig",
-                  "engines that can: vLLM, SGLang, llama.cpp"):
+    for words in (
+        "TensorRT-LLM >= 1.3 cannot serve this DFlash2 drafter",
+        "DFlashDecodingConfig",
+        "engines that can: vLLM, SGLang, llama.cpp",
+    ):
         assert words in line, line
     scaled = dflash2_checkpoint(tmp_path / "scaled", draft_changes={"input_embedding_scale": 2.0})[0]
-    line = one_line_error(capsys, ["convert", "bundle", "--target", str(target_dir), "--drafter", str(scaled),
-                                   "--framework", "vllm,sglang", "--out", str(tmp_path / "s")])
+    line = one_line_error(
+        capsys,
+        [
+            "convert",
+            "bundle",
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(scaled),
+            "--framework",
+            "vllm,sglang",
+            "--out",
+            str(tmp_path / "s"),
+        ],
+    )
     assert "SGLang cannot serve this DFlash2 drafter" in line and "input_embedding_scale (2 in this drafter)" in line
     assert not (tmp_path / "t").exists() and not (tmp_path / "s").exists()
     with pytest.raises(LoopspecError, match="EAGLE-3 drafter's chain or tree.*trained block of 5") as e:
@@ -137,8 +187,16 @@ def default_target_dflash2(directory: Path, top_k: int = 16) -> DFlash2Drafter:
 
     target = target_config(read_json(TargetSource.of("default").checkpoint_dir() / "config.json", "target config"))
     base = DrafterConfig.for_target(target, num_layers=1, block_size=6, mask_token_id=DEFAULT_TARGET_MASK_TOKEN_ID)
-    cfg = DFlash2Config.over(base, conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=top_k,
-                             sliding_window=64, layer_types=("sliding_attention",), is_causal=False)
+    cfg = DFlash2Config.over(
+        base,
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=4,
+        selector_top_k=top_k,
+        sliding_window=64,
+        layer_types=("sliding_attention",),
+        is_causal=False,
+    )
     torch.manual_seed(0)
     model = DFlash2Drafter(cfg)
     model.save(directory, dtype=torch.float32)
@@ -153,16 +211,25 @@ def test_llamacpp_bundle_is_what_llamacpps_converter_reads(tmp_path):
     out = tmp_path / "bundle"
     manifest = build_bundle("default", str(tmp_path / "drafter"), out, "llamacpp")
     argv = launch_argv(out / "llamacpp" / "launch.sh")
-    assert (flag(argv, "-md"), flag(argv, "--spec-type"), flag(argv, "--spec-draft-n-max")) == \
-        ("./llamacpp/drafter.gguf", "draft-dflash", "5")
+    assert (flag(argv, "-md"), flag(argv, "--spec-type"), flag(argv, "--spec-draft-n-max")) == (
+        "./llamacpp/drafter.gguf",
+        "draft-dflash",
+        "5",
+    )
     assert "|| sh ./llamacpp/convert.sh" in (out / "llamacpp" / "launch.sh").read_text()
     convert = (out / "llamacpp" / "convert.sh").read_text()
     assert "./llamacpp/dflash2" in convert and "--target-model-dir ./llamacpp/target-config" in convert
     assert {"config.json", "tokenizer.json"} <= {p.name for p in (out / "llamacpp" / "target-config").iterdir()}
-    assert manifest["llamacpp"] == {"target": "llamacpp/target.gguf", "drafter": "llamacpp/drafter.gguf",
-                                    "drafter_dtype": "f32", "spec_type": "draft-dflash", "draft_max": 5,
-                                    "drafter_source": "llamacpp/dflash2", "converter_target_dir": "llamacpp/target-config",
-                                    "convert": "llamacpp/convert.sh"}
+    assert manifest["llamacpp"] == {
+        "target": "llamacpp/target.gguf",
+        "drafter": "llamacpp/drafter.gguf",
+        "drafter_dtype": "f32",
+        "spec_type": "draft-dflash",
+        "draft_max": 5,
+        "drafter_source": "llamacpp/dflash2",
+        "converter_target_dir": "llamacpp/target-config",
+        "convert": "llamacpp/convert.sh",
+    }
     written = DFlash2Drafter.load(out / "llamacpp" / "dflash2")
     assert written.cfg == model.cfg
     for name, tensor in model.state_dict().items():
@@ -171,20 +238,30 @@ def test_llamacpp_bundle_is_what_llamacpps_converter_reads(tmp_path):
 
     converter = llamacpp_converter()
     if converter is None:
-        pytest.skip("no llama.cpp converter: set LLAMACPP_CONVERT to llama.cpp's convert_hf_to_gguf.py "
-                    "(scripts/build_llama_server.sh keeps it) and PYTHON to a Python with its requirements")
+        pytest.skip(
+            "no llama.cpp converter: set LLAMACPP_CONVERT to llama.cpp's convert_hf_to_gguf.py "
+            "(scripts/build_llama_server.sh keeps it) and PYTHON to a Python with its requirements"
+        )
     python, script = converter
-    run = subprocess.run(["sh", str(out / "llamacpp" / "convert.sh")], capture_output=True, text=True,
-                         env={**os.environ, "LLAMACPP_CONVERT": script, "PYTHON": python})
+    run = subprocess.run(
+        ["sh", str(out / "llamacpp" / "convert.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LLAMACPP_CONVERT": script, "PYTHON": python},
+    )
     if run.returncode and "No module named" in run.stderr:
         pytest.skip(f"the converter's Python lacks a requirement: {run.stderr.strip().splitlines()[-1]}")
     assert run.returncode == 0, run.stderr[-2000:]
-    gguf = pytest.importorskip("gguf", reason="needs the gguf package (a loopspec dependency) to read the converted drafter")
+    gguf = pytest.importorskip(
+        "gguf", reason="needs the gguf package (a loopspec dependency) to read the converted drafter"
+    )
     reader = gguf.GGUFReader(str(out / "llamacpp" / "drafter.gguf"))
     field = lambda key: reader.fields[key].contents()  # noqa: E731
     assert field("general.architecture") == "dflash"
-    assert [field(f"dflash.{k}") for k in ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank",
-                                           "selector_top_k")] == [6, 2, 16, 4, 16]
+    assert [
+        field(f"dflash.{k}")
+        for k in ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    ] == [6, 2, 16, 4, 16]
     assert list(field("dflash.target_layers")) == [i + 1 for i in model.cfg.target_layer_ids]
     assert field("dflash.attention.sliding_window") == 64 and field("dflash.attention.causal") is False
     tensors = {t.name: t for t in reader.tensors}
@@ -213,18 +290,32 @@ def engines_python() -> str | None:
 def test_the_engines_own_configuration_code_takes_the_bundle(target_dir, drafter_dir, tmp_path):
     python = engines_python()
     if python is None:
-        pytest.skip("needs a Python with vLLM 0.33 and SGLang 0.5.23 (set LOOPSPEC_ENGINES_PYTHON to the "
-                    "venv scripts/check_bundles.sh builds)")
+        pytest.skip(
+            "needs a Python with vLLM 0.33 and SGLang 0.5.23 (set LOOPSPEC_ENGINES_PYTHON to the "
+            "venv scripts/check_bundles.sh builds)"
+        )
     out = tmp_path / "dflash2"
     build_bundle(target_dir, str(drafter_dir), out, "vllm,sglang")
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
-    run = subprocess.run([python, str(ROOT / "scripts" / "check_bundles_parsers.py"), str(out)], env=env,
-                         capture_output=True, text=True, timeout=900)
+    env = {
+        **os.environ,
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    run = subprocess.run(
+        [python, str(ROOT / "scripts" / "check_bundles_parsers.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [line for line in run.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     vllm = [line for line in lines if line.startswith(("PASS vllm", "FAIL vllm"))]
     assert len(vllm) == 1 and vllm[0].startswith("PASS") and "DFlash2DraftModel on the V2 runner" in vllm[0], lines
     assert "dflash k=4" in vllm[0] and "selector rank 8 top-k 6" in vllm[0], vllm
-    assert any(line.startswith("PASS sglang") and "prepare_server_args: DFLASH 5 tokens" in line for line in lines), lines
+    assert any(line.startswith("PASS sglang") and "prepare_server_args: DFLASH 5 tokens" in line for line in lines), (
+        lines
+    )
     for line in lines:  # SGLang's config package needs a CPU torchvision; anything else failing is a finding
         assert line.startswith("PASS") or "torchvision" in line, line

@@ -85,8 +85,9 @@ def rows_drafted(engine, block_size, rows=(2, 0, 1)):
     in that order → StageDrafts (rows in that order)."""
     for b, p in enumerate(ROW_PROMPTS):  # a prefill starts its row's caches afresh
         engine.prefill(b, p, want_taps=True)
-    return engine.draft(list(rows), [ROW_ANCHORS[b] for b in rows],
-                        [len(ROW_PROMPTS[b]) + ROW_GAPS[b] for b in rows], block_size)
+    return engine.draft(
+        list(rows), [ROW_ANCHORS[b] for b in rows], [len(ROW_PROMPTS[b]) + ROW_GAPS[b] for b in rows], block_size
+    )
 
 
 def parity(target, drafter, onnx_dir, block_sizes=(BLOCK, 3, 2)) -> dict:
@@ -203,11 +204,15 @@ def engines(dflash2_target_dir, tmp_path_factory):
     return {"torch": TorchEngine(target, drafter, max_context=128), "onnxruntime": OrtEngine(onnx_dir, 128)}
 
 
-@pytest.mark.parametrize("settings", [Method("dflash", block_size=BLOCK),
-                                      Method("dflash", block_size=BLOCK, tree_budget=8),
-                                      Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0),
-                                      Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0,
-                                             tree_budget=10)])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        Method("dflash", block_size=BLOCK),
+        Method("dflash", block_size=BLOCK, tree_budget=8),
+        Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0),
+        Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0, tree_budget=10),
+    ],
+)
 def test_greedy_dflash_and_dloop_on_onnxruntime_commit_plain_decodings_tokens(settings, engines):
     engine, accepted, rounds = engines["onnxruntime"], 0, {}
     for p in PROMPTS:
@@ -223,8 +228,10 @@ def test_greedy_dflash_and_dloop_on_onnxruntime_commit_plain_decodings_tokens(se
     # a chain: the same drafts accepted, round by round, as on the torch engine (a tree differs there: the
     # torch engine's is the selector lattice's best paths, the graph's ranks each slot after the walk's token)
     if not settings.verifies_trees:
-        assert rounds == {tuple(p): generate(engines["torch"], p, settings, max_new_tokens=40).stats.accepted_per_round
-                          for p in PROMPTS}
+        assert rounds == {
+            tuple(p): generate(engines["torch"], p, settings, max_new_tokens=40).stats.accepted_per_round
+            for p in PROMPTS
+        }
 
 
 def test_batched_rows_on_onnxruntime_commit_what_each_commits_alone(engines):
@@ -239,11 +246,22 @@ def test_batched_rows_on_onnxruntime_commit_what_each_commits_alone(engines):
 def test_cli_generates_on_onnxruntime_what_torch_ar_does(dflash2_target_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the first-use ONNX export goes there
     directory, _, _ = dflash2_checkpoint(tmp_path / "d2")
-    base = ["generate", "--prompt", "hello world", "--target", str(dflash2_target_dir), "--drafter", str(directory),
-            "--max-new-tokens", "12"]
+    base = [
+        "generate",
+        "--prompt",
+        "hello world",
+        "--target",
+        str(dflash2_target_dir),
+        "--drafter",
+        str(directory),
+        "--max-new-tokens",
+        "12",
+    ]
     texts = {}
     for backend, method in (("torch", "ar"), ("onnxruntime", "dflash"), ("onnxruntime", "dloop")):
-        argv = base + ["--backend", backend, "--method", method] + (["--block-size", str(BLOCK)] if method != "ar" else [])
+        argv = (
+            base + ["--backend", backend, "--method", method] + (["--block-size", str(BLOCK)] if method != "ar" else [])
+        )
         assert main(argv) == 0
         texts[(backend, method)] = capsys.readouterr().out
     assert len(set(texts.values())) == 1 and texts[("torch", "ar")].strip(), texts
@@ -252,7 +270,9 @@ def test_cli_generates_on_onnxruntime_what_torch_ar_does(dflash2_target_dir, tmp
 
 def test_quantized_drafter_graphs_refuse_it_in_one_line(exported):
     _, drafter, _ = exported["window"]
-    with pytest.raises(LoopspecError, match="quantization does not take DFlash2 drafters: their graphs are exported in fp32") as e:
+    with pytest.raises(
+        LoopspecError, match="quantization does not take DFlash2 drafters: their graphs are exported in fp32"
+    ) as e:
         require_zlab_block(drafter.cfg, "quantization")
     assert "\n" not in str(e.value)
 
@@ -260,8 +280,10 @@ def test_quantized_drafter_graphs_refuse_it_in_one_line(exported):
 # --------------------------------------------------------------------------------------------------
 # TensorRT: plans built from the same fp32 graphs (needs TensorRT and a CUDA GPU; skipped here)
 
-needs_trt_gpu = pytest.mark.skipif(not (importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()),
-                                   reason="needs TensorRT and a CUDA GPU")
+needs_trt_gpu = pytest.mark.skipif(
+    not (importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()),
+    reason="needs TensorRT and a CUDA GPU",
+)
 
 
 @pytest.mark.gpu
@@ -270,8 +292,21 @@ def test_trt_plans_run_the_selector_walk(dflash2_target_dir, tmp_path):
     from loopspec.engines.trt_engine import TrtEngine
 
     directory, _, _ = dflash2_checkpoint(tmp_path / "d2")
-    assert main(["convert", "onnx", "--target", str(dflash2_target_dir), "--drafter", str(directory),
-                 "--out", str(tmp_path / "onnx")]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "onnx",
+                "--target",
+                str(dflash2_target_dir),
+                "--drafter",
+                str(directory),
+                "--out",
+                str(tmp_path / "onnx"),
+            ]
+        )
+        == 0
+    )
     assert main(["convert", "trt", "--onnx", str(tmp_path / "onnx"), "--out", str(tmp_path / "plans")]) == 0
     target, drafter = load_fp32(dflash2_target_dir, directory)
     engines = (TorchEngine(target.cuda(), drafter.cuda(), max_context=64), TrtEngine(tmp_path / "plans", 64))
@@ -281,6 +316,8 @@ def test_trt_plans_run_the_selector_walk(dflash2_target_dir, tmp_path):
     assert torch.equal(rd, td)
     torch.testing.assert_close(rp, tp, rtol=1e-3, atol=1e-3)
     ar = generate(engines[1], PROMPT, max_new_tokens=20).tokens
-    for settings in (Method("dflash", block_size=BLOCK), Method("dloop", block_size=BLOCK, max_stages=3,
-                                                                  gate_threshold=-2.0)):
+    for settings in (
+        Method("dflash", block_size=BLOCK),
+        Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0),
+    ):
         assert generate(engines[1], PROMPT, settings, max_new_tokens=20).tokens == ar

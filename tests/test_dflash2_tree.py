@@ -13,8 +13,17 @@ import pytest
 import torch
 
 from conftest import accepted_drafts, batched_greedy_equals_plain, lively
-from test_dflash2 import (ANCHOR, BLOCK, PROMPT, PROMPTS, agreeing_dflash2, dflash2_checkpoint, law_engine,
-                          law_target, target_dir)  # noqa: F401 (law_target, target_dir: fixtures)
+from test_dflash2 import (
+    ANCHOR,
+    BLOCK,
+    PROMPT,
+    PROMPTS,
+    agreeing_dflash2,
+    dflash2_checkpoint,
+    law_engine,
+    law_target,
+    target_dir,
+)  # noqa: F401 (law_target, target_dir: fixtures)
 from test_distribution import P_FAIL, P_PASS, PROMPT as LAW_PROMPT, RUNS, exact_distribution, gof_pvalue, seeds
 from test_real_q import committed_counts
 from test_eagle3_tree import walk_without_residual
@@ -84,8 +93,9 @@ def test_a_later_stage_hangs_under_the_walk_only():
     walk = [int(first.candidates[0, 0]), int(first.candidates[1, walk_index])] + second.candidates[:, 0].tolist()
     joined = Lattice.join([first, second], walk, 4)
     assert joined.candidates.shape == (4, 3)
-    assert bool((joined.logprobs[2, [0, 1]] == NEG).all()) and torch.equal(joined.logprobs[2, walk_index],
-                                                                           second.logprobs[0, 0])
+    assert bool((joined.logprobs[2, [0, 1]] == NEG).all()) and torch.equal(
+        joined.logprobs[2, walk_index], second.logprobs[0, 0]
+    )
     tree = lattice_best_first(7, joined, 40)
     for node in range(1, len(tree)):
         if tree.depths[node] == 3:
@@ -116,12 +126,13 @@ def test_the_stage_lattice_is_the_selectors_score_from_every_predecessor(target_
     for i in range(D):
         previous = [ANCHOR] if i == 0 else candidates[i - 1]
         for a, p in enumerate(previous):
-            scores = torch.tensor([float(unary[i, c] + (A[p] * u[i] * B[c]).sum()) for c in candidates[i]],
-                                  dtype=torch.float64)
+            scores = torch.tensor(
+                [float(unary[i, c] + (A[p] * u[i] * B[c]).sum()) for c in candidates[i]], dtype=torch.float64
+            )
             assert torch.allclose(lattice.logprobs[i, a], torch.log_softmax(scores, -1), rtol=0, atol=1e-9)
         row = 0 if i == 0 else candidates[i - 1].index(walk[i - 1])
         ranked = lattice.logprobs[i, row].sort(descending=True, stable=True)
-        assert torch.allclose(ranked.values[:stage[1].shape[-1]].float(), stage[1][0, i], atol=1e-6)
+        assert torch.allclose(ranked.values[: stage[1].shape[-1]].float(), stage[1][0, i], atol=1e-6)
         assert candidates[i][int(ranked.indices[0])] == walk[i]  # the walk takes its row's best
 
 
@@ -142,8 +153,11 @@ def engine(target_dir):
 TREE = Method("dflash", block_size=BLOCK, tree_budget=10)
 
 
-@pytest.mark.parametrize("settings", [TREE, Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0,
-                                                   tree_budget=12)], ids=["dflash", "dloop"])
+@pytest.mark.parametrize(
+    "settings",
+    [TREE, Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0, tree_budget=12)],
+    ids=["dflash", "dloop"],
+)
 def test_greedy_lattice_tree_commits_plain_decodings_tokens(settings, engine, plain):
     accepted = 0
     for p, ar in zip(PROMPTS, plain):
@@ -181,14 +195,19 @@ def test_lattice_tree_commits_the_targets_exact_law(law_target):
     counts, first = committed_counts(engine, 4, settings, seeds(51))
     hist = torch.bincount(torch.tensor(first), minlength=3)
     assert int(hist[1:].sum()) > 0.2 * RUNS, hist
-    assert gof_pvalue(counts, exact_distribution(law_target, LAW_PROMPT, 4, SamplingParams(temperature=1.0)),
-                      min_cells=60) > P_PASS
+    assert (
+        gof_pvalue(counts, exact_distribution(law_target, LAW_PROMPT, 4, SamplingParams(temperature=1.0)), min_cells=60)
+        > P_PASS
+    )
 
 
 def test_a_wrong_tree_acceptance_is_rejected(law_target, monkeypatch):
     """Power: the same lattice trees walked without the residual between siblings leave the law."""
     monkeypatch.setattr(decoder_module, "tree_accept", walk_without_residual)
-    counts, _ = committed_counts(law_engine(law_target), 4, Method("dflash", block_size=3, tree_budget=5),
-                                 seeds(52, RUNS // 2))
-    assert gof_pvalue(counts, exact_distribution(law_target, LAW_PROMPT, 4, SamplingParams(temperature=1.0)),
-                      min_cells=40) < P_FAIL
+    counts, _ = committed_counts(
+        law_engine(law_target), 4, Method("dflash", block_size=3, tree_budget=5), seeds(52, RUNS // 2)
+    )
+    assert (
+        gof_pvalue(counts, exact_distribution(law_target, LAW_PROMPT, 4, SamplingParams(temperature=1.0)), min_cells=40)
+        < P_FAIL
+    )

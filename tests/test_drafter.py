@@ -42,19 +42,21 @@ def expected_keys_and_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     out = {"fc.weight": (H, cfg.num_taps * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        out.update({
-            p + "self_attn.q_proj.weight": (q, H),
-            p + "self_attn.k_proj.weight": (kv, H),
-            p + "self_attn.v_proj.weight": (kv, H),
-            p + "self_attn.o_proj.weight": (H, q),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (I, H),
-            p + "mlp.up_proj.weight": (I, H),
-            p + "mlp.down_proj.weight": (H, I),
-            p + "input_layernorm.weight": (H,),
-            p + "post_attention_layernorm.weight": (H,),
-        })
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": (q, H),
+                p + "self_attn.k_proj.weight": (kv, H),
+                p + "self_attn.v_proj.weight": (kv, H),
+                p + "self_attn.o_proj.weight": (H, q),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (I, H),
+                p + "mlp.up_proj.weight": (I, H),
+                p + "mlp.down_proj.weight": (H, I),
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+            }
+        )
     return out
 
 
@@ -174,8 +176,9 @@ def ref_rotate(x, cos, sin):
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def reference_stage(sd: dict, zlab: dict, taps: torch.Tensor, block: torch.Tensor, block_start: int,
-                    inv_freq: torch.Tensor) -> torch.Tensor:
+def reference_stage(
+    sd: dict, zlab: dict, taps: torch.Tensor, block: torch.Tensor, block_start: int, inv_freq: torch.Tensor
+) -> torch.Tensor:
     """One DFlash stage from the z-lab tensors and config.json alone, in fp64.
 
     taps [C, n*H] at positions 0..C-1; block [k, H] (already embedded) at block_start..block_start+k-1.
@@ -214,7 +217,11 @@ def reference_stage(sd: dict, zlab: dict, taps: torch.Tensor, block: torch.Tenso
         x = x + attn @ sd[a + "o_proj.weight"].T
         h = ref_rms(x, sd[p + "post_attention_layernorm.weight"], eps)
         m = p + "mlp."
-        x = x + (F.silu(h @ sd[m + "gate_proj.weight"].T) * (h @ sd[m + "up_proj.weight"].T)) @ sd[m + "down_proj.weight"].T
+        x = (
+            x
+            + (F.silu(h @ sd[m + "gate_proj.weight"].T) * (h @ sd[m + "up_proj.weight"].T))
+            @ sd[m + "down_proj.weight"].T
+        )
     return ref_rms(x, sd["norm.weight"], eps)
 
 
@@ -377,9 +384,20 @@ def test_grow_keeps_the_drafts_then_trains_the_new_layer(tiny_targets, tmp_path)
 
 def big_target_cfg(num_layers: int = 30) -> TargetConfig:
     """SmolLM2-135M's shape (only the config; nothing is built)."""
-    return TargetConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                        num_layers=num_layers, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+    return TargetConfig(
+        family="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=num_layers,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
 
 
 def test_for_target_defaults():
@@ -391,14 +409,20 @@ def test_for_target_defaults():
     assert one.num_layers == 1 and one.target_layer_ids == [15]
     assert DrafterConfig.for_target(big_target_cfg(36), num_layers=5).target_layer_ids == [1, 9, 17, 25, 33]
     for cfg in (five, one):
-        assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
-            (576, 1536, 9, 3, 64)
+        assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+            576,
+            1536,
+            9,
+            3,
+            64,
+        )
         assert cfg.vocab_size == 49152 and cfg.num_target_layers == 30
         assert cfg.rms_norm_eps == 1e-5 and cfg.rope_theta == 100000.0 and cfg.rope_scaling is None
         assert cfg.max_position_embeddings == 8192
         assert cfg.block_size == 16 and cfg.mask_token_id is None
-    custom = DrafterConfig.for_target(t, num_layers=2, target_layer_ids=[3, 29], intermediate_size=256,
-                                      block_size=4, mask_token_id=49151)
+    custom = DrafterConfig.for_target(
+        t, num_layers=2, target_layer_ids=[3, 29], intermediate_size=256, block_size=4, mask_token_id=49151
+    )
     assert custom.target_layer_ids == [3, 29] and custom.intermediate_size == 256
     assert custom.block_size == 4 and custom.mask_token_id == 49151
     assert Drafter(DrafterConfig.for_target(big_target_cfg(6), num_layers=5)).fc.weight.shape == (576, 5 * 576)
@@ -428,8 +452,17 @@ def test_zlab_config_dict_round_trip():
 
 
 def tiny_target_cfg() -> TargetConfig:
-    return TargetConfig(family="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=6,
-                        num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True)
+    return TargetConfig(
+        family="qwen3",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        qk_norm=True,
+    )
 
 
 def test_fit_accepts_a_matching_drafter():
@@ -438,15 +471,18 @@ def test_fit_accepts_a_matching_drafter():
     DrafterConfig.for_target(t, target_layer_ids=[0, 5], mask_token_id=0).fit(t)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"hidden_size": 32}, r"hidden size 32 != target's 64"),
-    ({"vocab_size": 256}, r"vocab size 256 != target's 128"),
-    ({"target_layer_ids": [1, 6]}, r"tap ids \[6\] out of range .* 6 layers"),
-    ({"target_layer_ids": [-1, 3]}, r"tap ids \[-1\] out of range"),
-    ({"num_target_layers": 30}, r"built for 30 target layers, target has 6"),
-    ({"mask_token_id": None}, r"no mask token id"),
-    ({"mask_token_id": 128}, r"mask token id 128 outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_size": 32}, r"hidden size 32 != target's 64"),
+        ({"vocab_size": 256}, r"vocab size 256 != target's 128"),
+        ({"target_layer_ids": [1, 6]}, r"tap ids \[6\] out of range .* 6 layers"),
+        ({"target_layer_ids": [-1, 3]}, r"tap ids \[-1\] out of range"),
+        ({"num_target_layers": 30}, r"built for 30 target layers, target has 6"),
+        ({"mask_token_id": None}, r"no mask token id"),
+        ({"mask_token_id": 128}, r"mask token id 128 outside the vocabulary"),
+    ],
+)
 def test_fit_refuses(change, message):
     t = tiny_target_cfg()
     drafter = dataclasses.replace(DrafterConfig.for_target(t, num_layers=2, mask_token_id=MASK), **change)
@@ -534,13 +570,16 @@ def test_load_config_missing_field(saved):
 # Design §8: "missing or corrupt files ... rejected with a clear message". A config.json that is valid
 # JSON but not a z-lab config object (or has fields of the wrong type) must give a LoopspecError too,
 # not an AttributeError / TypeError / ZeroDivisionError from deep inside the loader.
-@pytest.mark.parametrize("mutate", [
-    pytest.param(lambda cfg: [1, 2], id="json-list"),
-    pytest.param(lambda cfg: None, id="json-null"),
-    pytest.param(lambda cfg: {**cfg, "dflash_config": [MASK]}, id="dflash_config-not-object"),
-    pytest.param(lambda cfg: {**cfg, "hidden_size": "64"}, id="hidden_size-string"),
-    pytest.param(lambda cfg: {**cfg, "num_attention_heads": 0, "head_dim": None}, id="zero-heads"),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda cfg: [1, 2], id="json-list"),
+        pytest.param(lambda cfg: None, id="json-null"),
+        pytest.param(lambda cfg: {**cfg, "dflash_config": [MASK]}, id="dflash_config-not-object"),
+        pytest.param(lambda cfg: {**cfg, "hidden_size": "64"}, id="hidden_size-string"),
+        pytest.param(lambda cfg: {**cfg, "num_attention_heads": 0, "head_dim": None}, id="zero-heads"),
+    ],
+)
 def test_load_malformed_config_values(saved, mutate):
     _, d = saved
     cfg = json.loads((d / "config.json").read_text())
@@ -568,14 +607,17 @@ def _rewrite(d, edit):
     save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s.update({"fc.weight": torch.zeros(64, 3 * 64)}), r"size mismatch for fc\.weight"),
-    (lambda s: s.update({"layers.1.self_attn.k_proj.weight": torch.zeros(32, 64)}), r"k_proj"),
-    (lambda s: s.update({"layers.0.mlp.gate_proj.weight": torch.zeros(50, 64)}), r"gate"),
-    (lambda s: s.pop("layers.1.mlp.down_proj.weight"), r"Missing key.*layers\.1\.mlp\.down_proj"),
-    (lambda s: s.pop("norm.weight"), r"Missing key.*norm\.weight"),
-    (lambda s: s.update({"layers.2.input_layernorm.weight": torch.ones(64)}), r"Unexpected key.*layers\.2"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s.update({"fc.weight": torch.zeros(64, 3 * 64)}), r"size mismatch for fc\.weight"),
+        (lambda s: s.update({"layers.1.self_attn.k_proj.weight": torch.zeros(32, 64)}), r"k_proj"),
+        (lambda s: s.update({"layers.0.mlp.gate_proj.weight": torch.zeros(50, 64)}), r"gate"),
+        (lambda s: s.pop("layers.1.mlp.down_proj.weight"), r"Missing key.*layers\.1\.mlp\.down_proj"),
+        (lambda s: s.pop("norm.weight"), r"Missing key.*norm\.weight"),
+        (lambda s: s.update({"layers.2.input_layernorm.weight": torch.ones(64)}), r"Unexpected key.*layers\.2"),
+    ],
+)
 def test_load_weights_that_do_not_match_config(saved, edit, message):
     _, d = saved
     _rewrite(d, edit)
@@ -585,7 +627,9 @@ def test_load_weights_that_do_not_match_config(saved, edit, message):
 
 def test_load_ignores_embed_tokens_and_lm_head(saved):
     drafter, d = saved
-    _rewrite(d, lambda s: s.update({"embed_tokens.weight": torch.randn(128, 64), "lm_head.weight": torch.randn(128, 64)}))
+    _rewrite(
+        d, lambda s: s.update({"embed_tokens.weight": torch.randn(128, 64), "lm_head.weight": torch.randn(128, 64)})
+    )
     assert {"embed_tokens.weight", "lm_head.weight"} <= file_keys_and_shapes(d / "model.safetensors").keys()
     loaded = Drafter.load(d)
     assert not any("embed" in k or "lm_head" in k for k in loaded.state_dict())

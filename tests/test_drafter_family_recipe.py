@@ -31,6 +31,7 @@ PROMPTS = [[3, 17, 42, 9, 88, 5], [61, 2, 33, 70, 12], [7, 7, 101, 54, 19, 23, 4
 
 # ---- the family: its config, its model, its registry row ------------------------------------------
 
+
 class ToyConfig(DrafterConfig):
     """A DFlash block drafter's config saved under the toy's architecture."""
 
@@ -74,9 +75,12 @@ def toy_pair(target_dir, tmp_path_factory):
     agree with the tiny target, saved under the toy's architecture."""
     register_drafter_family(TOY)
     target = lively(load_target_dir(target_dir))
-    cfg = ToyConfig(**{f.name: getattr(DrafterConfig.for_target(target.cfg, num_layers=1, block_size=6,
-                                                                mask_token_id=127), f.name)
-                       for f in fields(DrafterConfig)})
+    cfg = ToyConfig(
+        **{
+            f.name: getattr(DrafterConfig.for_target(target.cfg, num_layers=1, block_size=6, mask_token_id=127), f.name)
+            for f in fields(DrafterConfig)
+        }
+    )
     trained = agreeing_drafter(target, PROMPTS, cfg, new_tokens=30, steps=60)
     toy = ToyDrafter(cfg)
     toy.load_state_dict(trained.state_dict())

@@ -24,11 +24,24 @@ from loopspec.weights import load_target_dir
 RANK, BLOCK, MASK = 8, 5, 127
 
 
-def dspark_config(target_cfg, head_type="vanilla", anchor_predicts=True, rank=RANK, confidence=True,
-                  with_markov=True, block_size=BLOCK) -> DrafterConfig:
+def dspark_config(
+    target_cfg,
+    head_type="vanilla",
+    anchor_predicts=True,
+    rank=RANK,
+    confidence=True,
+    with_markov=True,
+    block_size=BLOCK,
+) -> DrafterConfig:
     cfg = DrafterConfig.for_target(target_cfg, num_layers=2, block_size=block_size, mask_token_id=MASK)
-    return replace(cfg, anchor_predicts=anchor_predicts, markov_rank=rank, markov_head_type=head_type,
-                   confidence_head=confidence, confidence_with_markov=with_markov and confidence and rank > 0)
+    return replace(
+        cfg,
+        anchor_predicts=anchor_predicts,
+        markov_rank=rank,
+        markov_head_type=head_type,
+        confidence_head=confidence,
+        confidence_with_markov=with_markov and confidence and rank > 0,
+    )
 
 
 def liven_heads(drafter: Drafter, seed: int = 0) -> Drafter:
@@ -56,15 +69,21 @@ def target(tiny_targets):
 # the heads against an fp64 reference
 
 
-def reference_heads(sd: dict, cfg: DrafterConfig, lm_head: torch.Tensor, hidden: torch.Tensor,
-                    anchor: int, rows: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor, list[float] | None]:
+def reference_heads(
+    sd: dict,
+    cfg: DrafterConfig,
+    lm_head: torch.Tensor,
+    hidden: torch.Tensor,
+    anchor: int,
+    rows: torch.Tensor | None = None,
+) -> tuple[list[int], torch.Tensor, list[float] | None]:
     """One block, position by position in fp64 from the definitions: hidden [k, H] → the greedy
     chain (target ids), the corrected logits [D, V or Vd], and the confidence per drafting position.
     `rows`: the target ids a reduced draft vocabulary drafts over (None: all)."""
     d = {k: v.double() for k, v in sd.items()}
     rows = torch.arange(lm_head.shape[0]) if rows is None else rows
     sig = lambda x: 1.0 / (1.0 + torch.exp(-x))  # noqa: E731
-    drafting = hidden.double()[(0 if cfg.anchor_predicts else 1):]
+    drafting = hidden.double()[(0 if cfg.anchor_predicts else 1) :]
     prev, state, chain, logits, confidence = anchor, torch.zeros(cfg.markov_rank, dtype=torch.float64), [], [], []
     for h in drafting:
         z = lm_head.double()[rows] @ h
@@ -77,7 +96,7 @@ def reference_heads(sd: dict, cfg: DrafterConfig, lm_head: torch.Tensor, hidden:
             else:
                 r = cfg.markov_rank
                 joint = d["markov_head.joint_proj.weight"] @ torch.cat([state, e, h]) + d["markov_head.joint_proj.bias"]
-                gate, cand, out = joint[:r], joint[r:2 * r], joint[2 * r:]
+                gate, cand, out = joint[:r], joint[r : 2 * r], joint[2 * r :]
                 state = sig(gate) * state + (1 - sig(gate)) * torch.tanh(cand)
                 u = torch.tanh(out)
             z = z + d["markov_head.markov_w2.weight"][rows] @ u
@@ -103,7 +122,7 @@ def test_markov_and_confidence_match_the_fp64_reference(kind, anchor_predicts, t
     drafts, logprobs, confidence = draft_stage(drafter, hidden, anchors, lambda h: h @ lm_head.T, None)
     D = drafter.cfg.drafts_per_block(BLOCK)
     assert drafts.shape[:2] == logprobs.shape[:2] == confidence.shape == (3, D)
-    base_chain = (hidden[:, drafter.cfg.first_draft:] @ lm_head.T).argmax(-1)  # [R, D]
+    base_chain = (hidden[:, drafter.cfg.first_draft :] @ lm_head.T).argmax(-1)  # [R, D]
     for b in range(3):
         chain, logits, conf = reference_heads(drafter.state_dict(), drafter.cfg, lm_head, hidden[b], int(anchors[b]))
         assert drafts[b, :, 0].tolist() == chain
@@ -119,7 +138,9 @@ def test_confidence_without_the_markov_input(rank, target):
     drafter = dspark_drafter(target, rank=rank, with_markov=False).double()
     assert drafter.confidence_head.proj.weight.shape == (1, drafter.cfg.hidden_size)
     lm_head = target.lm_head.weight.detach().double()
-    hidden = torch.randn(2, BLOCK, drafter.cfg.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    hidden = torch.randn(
+        2, BLOCK, drafter.cfg.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64
+    )
     drafts, _, confidence = draft_stage(drafter, hidden, torch.tensor([3, 4]), lambda h: h @ lm_head.T, None)
     for b in range(2):
         chain, _, conf = reference_heads(drafter.state_dict(), drafter.cfg, lm_head, hidden[b], [3, 4][b])
@@ -132,12 +153,16 @@ def test_reduced_draft_vocabulary_corrects_over_its_rows(target):
     drafter = dspark_drafter(target, head_type="gated").double()
     draft_ids = torch.randperm(128, generator=torch.Generator().manual_seed(3))[:40].sort().values
     lm_head = target.lm_head.weight.detach().double()
-    hidden = torch.randn(2, BLOCK, drafter.cfg.hidden_size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    drafts, logprobs, confidence = draft_stage(drafter, hidden, torch.tensor([9, 60]),
-                                               lambda h: h @ lm_head[draft_ids].T, draft_ids)
+    hidden = torch.randn(
+        2, BLOCK, drafter.cfg.hidden_size, generator=torch.Generator().manual_seed(4), dtype=torch.float64
+    )
+    drafts, logprobs, confidence = draft_stage(
+        drafter, hidden, torch.tensor([9, 60]), lambda h: h @ lm_head[draft_ids].T, draft_ids
+    )
     for b in range(2):
-        chain, logits, conf = reference_heads(drafter.state_dict(), drafter.cfg, lm_head, hidden[b], [9, 60][b],
-                                              rows=draft_ids)
+        chain, logits, conf = reference_heads(
+            drafter.state_dict(), drafter.cfg, lm_head, hidden[b], [9, 60][b], rows=draft_ids
+        )
         assert drafts[b, :, 0].tolist() == chain and set(drafts[b].flatten().tolist()) <= set(draft_ids.tolist())
         assert torch.allclose(logprobs[b], torch.log_softmax(logits, -1).topk(drafts.shape[-1], -1).values, atol=1e-10)
         assert torch.allclose(confidence[b].double(), torch.tensor(conf, dtype=torch.float64), atol=1e-6)
@@ -147,17 +172,39 @@ def test_reduced_draft_vocabulary_corrects_over_its_rows(target):
 # DeepSpec checkpoints
 
 
-def deepspec_checkpoint(directory, target_dir, *, layers=2, rank=RANK, kind="vanilla", confidence=True,
-                        with_markov=True, block_size=BLOCK, seed=0, **config_changes):
+def deepspec_checkpoint(
+    directory,
+    target_dir,
+    *,
+    layers=2,
+    rank=RANK,
+    kind="vanilla",
+    confidence=True,
+    with_markov=True,
+    block_size=BLOCK,
+    seed=0,
+    **config_changes,
+):
     """A DeepSpec-format drafter directory: the target's config.json + DeepSpec's fields, and a
     model.safetensors under exactly DeepSpec's key names (frozen embed/lm_head copies included)."""
     from safetensors.torch import save_file
 
     cfg = json.loads((target_dir / "config.json").read_text())
-    cfg.update({"architectures": ["Qwen3DSparkModel"], "num_hidden_layers": layers, "block_size": block_size,
-                "num_target_layers": cfg["num_hidden_layers"], "target_layer_ids": [1, 3], "mask_token_id": MASK,
-                "num_anchors": 512, "markov_rank": rank, "layer_types": ["full_attention"] * layers,
-                "enable_confidence_head": confidence, "tie_word_embeddings": False})
+    cfg.update(
+        {
+            "architectures": ["Qwen3DSparkModel"],
+            "num_hidden_layers": layers,
+            "block_size": block_size,
+            "num_target_layers": cfg["num_hidden_layers"],
+            "target_layer_ids": [1, 3],
+            "mask_token_id": MASK,
+            "num_anchors": 512,
+            "markov_rank": rank,
+            "layer_types": ["full_attention"] * layers,
+            "enable_confidence_head": confidence,
+            "tie_word_embeddings": False,
+        }
+    )
     if rank:
         cfg["markov_head_type"] = kind
     if confidence:
@@ -168,23 +215,40 @@ def deepspec_checkpoint(directory, target_dir, *, layers=2, rank=RANK, kind="van
     g = torch.Generator().manual_seed(seed)
     w = lambda *shape, s=0.1: (torch.randn(*shape, generator=g) * s).to(torch.bfloat16)  # noqa: E731
     norm = lambda n: (1 + 0.2 * torch.randn(n, generator=g)).to(torch.bfloat16)  # noqa: E731
-    sd = {"embed_tokens.weight": w(V, H), "lm_head.weight": w(V, H), "norm.weight": norm(H),
-          "fc.weight": w(H, 2 * H), "hidden_norm.weight": norm(H)}
+    sd = {
+        "embed_tokens.weight": w(V, H),
+        "lm_head.weight": w(V, H),
+        "norm.weight": norm(H),
+        "fc.weight": w(H, 2 * H),
+        "hidden_norm.weight": norm(H),
+    }
     for i in range(layers):
         p = f"layers.{i}."
-        sd.update({p + "self_attn.q_proj.weight": w(nq * hd, H), p + "self_attn.k_proj.weight": w(nkv * hd, H),
-                   p + "self_attn.v_proj.weight": w(nkv * hd, H), p + "self_attn.o_proj.weight": w(H, nq * hd),
-                   p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
-                   p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H),
-                   p + "mlp.down_proj.weight": w(H, I), p + "input_layernorm.weight": norm(H),
-                   p + "post_attention_layernorm.weight": norm(H)})
+        sd.update(
+            {
+                p + "self_attn.q_proj.weight": w(nq * hd, H),
+                p + "self_attn.k_proj.weight": w(nkv * hd, H),
+                p + "self_attn.v_proj.weight": w(nkv * hd, H),
+                p + "self_attn.o_proj.weight": w(H, nq * hd),
+                p + "self_attn.q_norm.weight": norm(hd),
+                p + "self_attn.k_norm.weight": norm(hd),
+                p + "mlp.gate_proj.weight": w(I, H),
+                p + "mlp.up_proj.weight": w(I, H),
+                p + "mlp.down_proj.weight": w(H, I),
+                p + "input_layernorm.weight": norm(H),
+                p + "post_attention_layernorm.weight": norm(H),
+            }
+        )
     if rank:
-        sd.update({"markov_head.markov_w1.weight": w(V, rank, s=1.0), "markov_head.markov_w2.weight": w(V, rank, s=1.0)})
+        sd.update(
+            {"markov_head.markov_w1.weight": w(V, rank, s=1.0), "markov_head.markov_w2.weight": w(V, rank, s=1.0)}
+        )
         if kind == "gated":
             sd.update({"markov_head.gate_proj.weight": w(rank, H + rank), "markov_head.gate_proj.bias": w(rank)})
         if kind == "rnn":
-            sd.update({"markov_head.joint_proj.weight": w(3 * rank, 2 * rank + H),
-                       "markov_head.joint_proj.bias": w(3 * rank)})
+            sd.update(
+                {"markov_head.joint_proj.weight": w(3 * rank, 2 * rank + H), "markov_head.joint_proj.bias": w(3 * rank)}
+            )
     if confidence:
         width = H + (rank if with_markov else 0)
         sd.update({"confidence_head.proj.weight": w(1, width), "confidence_head.proj.bias": w(1)})
@@ -206,14 +270,19 @@ def test_deepspec_dspark_checkpoint_loads_and_round_trips(kind, target_dir, tmp_
     for name, t in sd.items():  # every head tensor and backbone tensor lands under its own name
         if name.startswith(("markov_head.", "confidence_head.", "fc.", "layers.0.self_attn.q_proj")):
             assert torch.equal(state[name], t.float()), name
-    assert torch.equal(state["layers.1.mlp.gate_up_proj.weight"],
-                       torch.cat([sd["layers.1.mlp.gate_proj.weight"], sd["layers.1.mlp.up_proj.weight"]]).float())
+    assert torch.equal(
+        state["layers.1.mlp.gate_up_proj.weight"],
+        torch.cat([sd["layers.1.mlp.gate_proj.weight"], sd["layers.1.mlp.up_proj.weight"]]).float(),
+    )
     d.save(tmp_path / "ours", dtype=torch.float32)
     written = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert written["architectures"] == ["Qwen3DSparkModel"]  # a z-lab name would make readers draft off by one
     assert (written["mask_token_id"], written["target_layer_ids"], written["markov_rank"]) == (MASK, [1, 3], RANK)
-    assert (written["markov_head_type"], written["enable_confidence_head"], written["confidence_head_with_markov"]) \
-        == (kind, True, True)
+    assert (written["markov_head_type"], written["enable_confidence_head"], written["confidence_head_with_markov"]) == (
+        kind,
+        True,
+        True,
+    )
     back = Drafter.load(tmp_path / "ours")
     assert back.cfg == d.cfg
     assert all(torch.equal(back.state_dict()[k], v) for k, v in state.items())
@@ -228,32 +297,58 @@ def test_deepspec_dflash_checkpoint_has_the_anchor_convention_and_no_heads(targe
         require_zlab_block(d.cfg, "quantization")
 
 
-
 KIND_CASES = {  # (config changes) → (name, title, block convention, drafts of a block of 8, heads, graph outputs)
     "z-lab dflash": ({}, ("dflash", "z-lab DFlash", "z-lab", 7, (), ())),
-    "deepspec dflash": ({"anchor_predicts": True},
-                        ("dflash", "DeepSpec DFlash", "deepspec", 8, (), ())),
-    "deepspec dspark": ({"anchor_predicts": True, "markov_rank": 4, "confidence_head": True,
-                         "confidence_with_markov": True},
-                        ("dspark", "DSpark (vanilla Markov head of rank 4, confidence head; DeepSpec's block convention)",
-                         "deepspec", 8, ("markov_head", "confidence_head"), ("confidence",))),
-    "z-lab gated": ({"markov_rank": 2, "markov_head_type": "gated"},
-                    ("dspark", "DSpark (gated Markov head of rank 2; z-lab's block convention)", "z-lab", 7,
-                     ("markov_head",), ())),
-    "confidence only": ({"anchor_predicts": True, "confidence_head": True},
-                        ("dspark", "DSpark (confidence head; DeepSpec's block convention)", "deepspec", 8,
-                         ("confidence_head",), ("confidence",))),
+    "deepspec dflash": ({"anchor_predicts": True}, ("dflash", "DeepSpec DFlash", "deepspec", 8, (), ())),
+    "deepspec dspark": (
+        {"anchor_predicts": True, "markov_rank": 4, "confidence_head": True, "confidence_with_markov": True},
+        (
+            "dspark",
+            "DSpark (vanilla Markov head of rank 4, confidence head; DeepSpec's block convention)",
+            "deepspec",
+            8,
+            ("markov_head", "confidence_head"),
+            ("confidence",),
+        ),
+    ),
+    "z-lab gated": (
+        {"markov_rank": 2, "markov_head_type": "gated"},
+        ("dspark", "DSpark (gated Markov head of rank 2; z-lab's block convention)", "z-lab", 7, ("markov_head",), ()),
+    ),
+    "confidence only": (
+        {"anchor_predicts": True, "confidence_head": True},
+        (
+            "dspark",
+            "DSpark (confidence head; DeepSpec's block convention)",
+            "deepspec",
+            8,
+            ("confidence_head",),
+            ("confidence",),
+        ),
+    ),
 }
 # which serving framework takes which kind (a refusal's words), as the frameworks' sources say
 SERVED = {
     "z-lab dflash": {"trtllm": None, "vllm": None, "sglang": None, "llamacpp": None},
-    "deepspec dflash": {"trtllm": None, "vllm": "always builds a Markov head",
-                        "sglang": "requires a Markov head", "llamacpp": "only with a Markov head"},
+    "deepspec dflash": {
+        "trtllm": None,
+        "vllm": "always builds a Markov head",
+        "sglang": "requires a Markov head",
+        "llamacpp": "only with a Markov head",
+    },
     "deepspec dspark": {"trtllm": None, "vllm": None, "sglang": None, "llamacpp": None},
-    "z-lab gated": {"trtllm": "one position off", "vllm": "one position off",
-                    "sglang": "one position off", "llamacpp": "vanilla Markov head only"},
-    "confidence only": {"trtllm": None, "vllm": "always builds a Markov head",
-                        "sglang": "requires a Markov head", "llamacpp": "only beside a Markov head"},
+    "z-lab gated": {
+        "trtllm": "one position off",
+        "vllm": "one position off",
+        "sglang": "one position off",
+        "llamacpp": "vanilla Markov head only",
+    },
+    "confidence only": {
+        "trtllm": None,
+        "vllm": "always builds a Markov head",
+        "sglang": "requires a Markov head",
+        "llamacpp": "only beside a Markov head",
+    },
 }
 
 
@@ -283,15 +378,23 @@ def bad_checkpoints(root, target_dir):
     cases = {
         "hidden size": (deepspec_checkpoint(root / "wide", target_dir, hidden_size=96)[0], "hidden size 96"),
         "vocab": (deepspec_checkpoint(root / "vocab", target_dir, vocab_size=200)[0], "vocab size 200"),
-        "tap out of range": (deepspec_checkpoint(root / "taps", target_dir, target_layer_ids=[-1, 3])[0],
-                             "tap ids [-1] out of range"),
-        "unknown head": (deepspec_checkpoint(root / "head", target_dir, markov_head_type="lstm")[0],
-                         "unknown markov_head_type 'lstm'"),
+        "tap out of range": (
+            deepspec_checkpoint(root / "taps", target_dir, target_layer_ids=[-1, 3])[0],
+            "tap ids [-1] out of range",
+        ),
+        "unknown head": (
+            deepspec_checkpoint(root / "head", target_dir, markov_head_type="lstm")[0],
+            "unknown markov_head_type 'lstm'",
+        ),
         "bad rank": (deepspec_checkpoint(root / "rank", target_dir, markov_rank=-2)[0], "markov_rank"),
-        "head weights missing": (deepspec_checkpoint(root / "missing", target_dir, kind="vanilla",
-                                                     markov_head_type="gated")[0], "markov_head.gate_proj"),
-        "rank mismatch": (deepspec_checkpoint(root / "rank16", target_dir, markov_rank=16)[0],
-                          "markov_head.markov_w1.weight"),
+        "head weights missing": (
+            deepspec_checkpoint(root / "missing", target_dir, kind="vanilla", markov_head_type="gated")[0],
+            "markov_head.gate_proj",
+        ),
+        "rank mismatch": (
+            deepspec_checkpoint(root / "rank16", target_dir, markov_rank=16)[0],
+            "markov_head.markov_w1.weight",
+        ),
     }
     return cases
 
@@ -301,8 +404,21 @@ def test_bad_deepspec_checkpoints_give_one_clear_line(target_dir, tmp_path, caps
         with pytest.raises(LoopspecError) as e:
             load_pair(target_dir, directory)
         assert words in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
-        code = main(["generate", "--prompt", "x", "--target", str(target_dir), "--drafter", str(directory),
-                     "--backend", "torch", "--max-new-tokens", "2"])
+        code = main(
+            [
+                "generate",
+                "--prompt",
+                "x",
+                "--target",
+                str(target_dir),
+                "--drafter",
+                str(directory),
+                "--backend",
+                "torch",
+                "--max-new-tokens",
+                "2",
+            ]
+        )
         err = capsys.readouterr().err
         lines = [line for line in err.strip().splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and words in lines[0], (name, err)
@@ -310,8 +426,19 @@ def test_bad_deepspec_checkpoints_give_one_clear_line(target_dir, tmp_path, caps
 
 def test_cli_generates_with_a_deepspec_drafter_what_ar_does(target_dir, tmp_path, capsys, monkeypatch):
     src, _ = deepspec_checkpoint(tmp_path / "dspark", target_dir, kind="rnn")
-    base = ["generate", "--prompt", "hello world", "--target", str(target_dir), "--drafter", str(src),
-            "--backend", "torch", "--max-new-tokens", "16"]
+    base = [
+        "generate",
+        "--prompt",
+        "hello world",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(src),
+        "--backend",
+        "torch",
+        "--max-new-tokens",
+        "16",
+    ]
     texts = {}
     for extra in (["--method", "ar"], ["--method", "dflash"], ["--method", "dloop", "--tree-budget", "8"]):
         assert main(base + extra) == 0
@@ -352,11 +479,14 @@ def repeating_prompt(seed: int) -> list[int]:
     return line + [5] + line + [6] + line[:3]
 
 
-SETTINGS = {"dflash chain": DecodingSettings("dflash", block_size=BLOCK),
-            "dflash tree": DecodingSettings("dflash", block_size=BLOCK, tree_budget=12),
-            "dloop chain": DecodingSettings("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-1e9),
-            "dloop tree+suffix": DecodingSettings("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-1e9,
-                                                  tree_budget=20, suffix=True)}
+SETTINGS = {
+    "dflash chain": DecodingSettings("dflash", block_size=BLOCK),
+    "dflash tree": DecodingSettings("dflash", block_size=BLOCK, tree_budget=12),
+    "dloop chain": DecodingSettings("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-1e9),
+    "dloop tree+suffix": DecodingSettings(
+        "dloop", block_size=BLOCK, max_stages=3, gate_threshold=-1e9, tree_budget=20, suffix=True
+    ),
+}
 
 
 REPEATING_PROMPTS = [repeating_prompt(s) for s in range(3)]
@@ -373,6 +503,7 @@ def agreeing_dspark(target):
             cfg = dspark_config(target.cfg, head_type=kind, anchor_predicts=anchor_predicts)
             trained[kind, anchor_predicts] = agreeing_drafter(target, REPEATING_PROMPTS, cfg)
         return trained[kind, anchor_predicts]
+
     return drafter
 
 
@@ -389,12 +520,16 @@ def test_greedy_dspark_decoding_equals_ar(kind, anchor_predicts, name, target, a
     drafted = max(n for o in outs for n in o.stats.nodes_per_round)
     per_stage = BLOCK - 1 + anchor_predicts  # drafts a stage makes: k in DeepSpec's convention, k-1 in z-lab's
     if settings.tree_budget:  # the trees branched: a round verified more nodes than its stages' chain
-        assert any(nodes > stages * per_stage for o in outs
-                   for nodes, stages in zip(o.stats.nodes_per_round, o.stats.stages_per_round))
+        assert any(
+            nodes > stages * per_stage
+            for o in outs
+            for nodes, stages in zip(o.stats.nodes_per_round, o.stats.stages_per_round)
+        )
     else:  # a chain verifies every draft the stages made: k a stage in DeepSpec's convention, k-1 in z-lab's
         assert drafted == settings.drafts_with(drafter.cfg) == settings.max_stages * (BLOCK - 1 + anchor_predicts)
-    done = decode_all(Decoder(engine.with_rows(3), settings),
-                      [dict(key=i, prompt_ids=p, max_new_tokens=30) for i, p in enumerate(ps)])
+    done = decode_all(
+        Decoder(engine.with_rows(3), settings), [dict(key=i, prompt_ids=p, max_new_tokens=30) for i, p in enumerate(ps)]
+    )
     assert [done[i].tokens for i in range(3)] == refs  # batched rows too
 
 
@@ -410,7 +545,9 @@ def test_static_runner_drafts_what_the_eager_engine_drafts(target):
     refs = [generate(eager, p, max_new_tokens=24).tokens for p in ps]
     for settings in (SETTINGS["dflash tree"], SETTINGS["dloop chain"]):
         batch = static.with_rows(3)  # its own caches and runner
-        done = decode_all(Decoder(batch, settings), [dict(key=i, prompt_ids=p, max_new_tokens=24) for i, p in enumerate(ps)])
+        done = decode_all(
+            Decoder(batch, settings), [dict(key=i, prompt_ids=p, max_new_tokens=24) for i, p in enumerate(ps)]
+        )
         assert [done[i].tokens for i in range(3)] == refs
         assert any(key[0] == "block" for key in batch.graphs.keys)
     engines = (eager.with_rows(2), static.with_rows(2))
@@ -468,8 +605,9 @@ def test_confidence_gate_adds_a_stage_exactly_when_the_estimates_say_so(anchor_p
     assert opened and closed  # both sides of the gate were exercised
     refs = [generate(engine, p, max_new_tokens=30).tokens for p in ps]
     assert [generate(engine, p, settings, max_new_tokens=30).tokens for p in ps] == refs
-    done = decode_all(Decoder(engine.with_rows(4), settings),
-                      [dict(key=i, prompt_ids=p, max_new_tokens=30) for i, p in enumerate(ps)])
+    done = decode_all(
+        Decoder(engine.with_rows(4), settings), [dict(key=i, prompt_ids=p, max_new_tokens=30) for i, p in enumerate(ps)]
+    )
     assert [done[i].tokens for i in range(4)] == refs
 
 
@@ -482,10 +620,29 @@ def test_confidence_gate_is_refused_where_it_cannot_apply(target, target_dir, tm
     with pytest.raises(LoopspecError, match="unknown gate"):
         DecodingSettings("dloop", BLOCK, 2, gate="entropy")
     drafter_dir, _ = deepspec_checkpoint(tmp_path / "no-confidence", target_dir, confidence=False)
-    for bad, says in ((["--gate", "entropy", "--method", "dloop"], "unknown gate 'entropy'"),
-                      (["--gate", "confidence", "--method", "dflash"], "needs dloop"),
-                      (["--gate", "confidence", "--method", "dloop"], "needs a drafter with a confidence head")):
-        assert main(["generate", "--target", str(target_dir), "--drafter", str(drafter_dir), "--backend", "torch",
-                     "--prompt", "hi", "--max-new-tokens", "4"] + bad) == 2
+    for bad, says in (
+        (["--gate", "entropy", "--method", "dloop"], "unknown gate 'entropy'"),
+        (["--gate", "confidence", "--method", "dflash"], "needs dloop"),
+        (["--gate", "confidence", "--method", "dloop"], "needs a drafter with a confidence head"),
+    ):
+        assert (
+            main(
+                [
+                    "generate",
+                    "--target",
+                    str(target_dir),
+                    "--drafter",
+                    str(drafter_dir),
+                    "--backend",
+                    "torch",
+                    "--prompt",
+                    "hi",
+                    "--max-new-tokens",
+                    "4",
+                ]
+                + bad
+            )
+            == 2
+        )
         err = capsys.readouterr().err.strip()
         assert err.startswith("loopspec: error:") and says in err and "\n" not in err, err

@@ -31,10 +31,22 @@ from loopspec.weights import load_target_dir, read_safetensors  # noqa: E402
 
 # DeepSpec's key names (its Qwen3DSparkModel parameters, without the embed_tokens / lm_head copies)
 BACKBONE_KEYS = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
-    f"layers.{i}.{name}.weight" for i in range(2) for name in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-        "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-        "post_attention_layernorm")]
+    f"layers.{i}.{name}.weight"
+    for i in range(2)
+    for name in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    )
+]
 MARKOV_KEYS = ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
 CONFIDENCE_KEYS = ["confidence_head.proj.weight", "confidence_head.proj.bias"]
 
@@ -95,24 +107,42 @@ def cli_error(argv, capsys) -> str:
 
 
 @pytest.mark.parametrize("confidence,with_markov", [(True, True), (True, False), (False, False)])
-def test_vllm_bundle_is_deepspec_layout_and_drafts_as_the_original(confidence, with_markov, target_dir, target,
-                                                                   tmp_path):
+def test_vllm_bundle_is_deepspec_layout_and_drafts_as_the_original(
+    confidence, with_markov, target_dir, target, tmp_path
+):
     model = original(target, confidence=confidence, with_markov=with_markov)
     out = tmp_path / "bundle"
     manifest = build_bundle(str(target_dir), saved(model, tmp_path / "src"), out, "all", dtype="float32")
     assert manifest["engines"] == ["trtllm", "vllm", "sglang"]  # 'all': every HF engine runs these heads
     cfg = json.loads((out / "drafter" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
-    assert {k: cfg[k] for k in ("block_size", "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
-                                "enable_confidence_head", "tie_word_embeddings")} == {
-        "block_size": BLOCK, "mask_token_id": MASK, "target_layer_ids": model.cfg.target_layer_ids,
-        "markov_rank": RANK, "markov_head_type": "vanilla", "enable_confidence_head": confidence,
-        "tie_word_embeddings": False}
+    assert {
+        k: cfg[k]
+        for k in (
+            "block_size",
+            "mask_token_id",
+            "target_layer_ids",
+            "markov_rank",
+            "markov_head_type",
+            "enable_confidence_head",
+            "tie_word_embeddings",
+        )
+    } == {
+        "block_size": BLOCK,
+        "mask_token_id": MASK,
+        "target_layer_ids": model.cfg.target_layer_ids,
+        "markov_rank": RANK,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": confidence,
+        "tie_word_embeddings": False,
+    }
     assert cfg.get("confidence_head_with_markov") == (with_markov if confidence else None)
     weights = read_safetensors(out / "drafter" / "model.safetensors")
     assert sorted(weights) == sorted(BACKBONE_KEYS + MARKOV_KEYS + (CONFIDENCE_KEYS if confidence else []))
     source = model.state_dict()
-    for name in MARKOV_KEYS + (CONFIDENCE_KEYS if confidence else []) + ["fc.weight", "layers.1.self_attn.q_proj.weight"]:
+    for name in (
+        MARKOV_KEYS + (CONFIDENCE_KEYS if confidence else []) + ["fc.weight", "layers.1.self_attn.q_proj.weight"]
+    ):
         assert torch.equal(weights[name], source[name]), name
 
     spec = launch_argv(out / "vllm" / "launch.sh")
@@ -128,9 +158,16 @@ def test_vllm_bundle_is_deepspec_layout_and_drafts_as_the_original(confidence, w
     trtllm = (out / "trtllm" / "extra_llm_api_options.yaml").read_text()
     assert "confidence" not in trtllm and "ragged" not in trtllm
     assert not any("dspark-sps" in a or "confidence-sts" in a for a in launch_argv(out / "sglang" / "launch.sh"))
-    named = ("`confidence_sps_table_path`", "`confidence_sps_live_fingerprint_path`", "`schema_version: 2`",
-             "`engine_fingerprint`", "`confidence_admission_receipt_path`", "`--speculative-dspark-sps-table-path`",
-             "`--speculative-dspark-confidence-sts-path`", "times loopspec's engine")
+    named = (
+        "`confidence_sps_table_path`",
+        "`confidence_sps_live_fingerprint_path`",
+        "`schema_version: 2`",
+        "`engine_fingerprint`",
+        "`confidence_admission_receipt_path`",
+        "`--speculative-dspark-sps-table-path`",
+        "`--speculative-dspark-confidence-sts-path`",
+        "times loopspec's engine",
+    )
     assert all((words in readme) == confidence for words in named), [w for w in named if (w in readme) != confidence]
 
     back = load_pair(out / "target", out / "drafter").drafter  # loopspec's own loader, through the bundle's target
@@ -138,7 +175,10 @@ def test_vllm_bundle_is_deepspec_layout_and_drafts_as_the_original(confidence, w
     assert all(torch.equal(back.state_dict()[k], v) for k, v in source.items())
     prompts, anchors = [[5, 9, 13, 40, 3, 77], [8, 8, 30, 2]], [11, 12]
     with torch.inference_mode():
-        (want, want_conf), (got, got_conf) = one_stage(target, model, prompts, anchors), one_stage(target, back, prompts, anchors)
+        (want, want_conf), (got, got_conf) = (
+            one_stage(target, model, prompts, anchors),
+            one_stage(target, back, prompts, anchors),
+        )
     assert got.shape[1] == BLOCK and torch.equal(got, want)
     assert (got_conf is None) == (not confidence) and (got_conf is None or torch.equal(got_conf, want_conf))
 
@@ -152,15 +192,16 @@ def test_vllm_reduced_vocabulary_carries_the_markov_rows(target_dir, target, tmp
     assert json.loads((reduced / "config.json").read_text())["draft_vocab_size"] == 40
     ids = model.draft_ids
     w = read_safetensors(reduced / "model.safetensors")
-    assert torch.equal(w["markov_head.markov_w2.weight"], model.markov_head.markov_w2.weight[ids])  # bias over the draft rows
+    assert torch.equal(
+        w["markov_head.markov_w2.weight"], model.markov_head.markov_w2.weight[ids]
+    )  # bias over the draft rows
     assert torch.equal(w["markov_head.markov_w1.weight"], model.markov_head.markov_w1.weight)  # indexed by target ids
     assert torch.equal(read_safetensors(reduced / "d2t.safetensors")["d2t"], ids - torch.arange(40))
     full = read_safetensors(out / "drafter" / "model.safetensors")  # drafter/ stays full-vocabulary
     assert torch.equal(full["markov_head.markov_w2.weight"], model.markov_head.markov_w2.weight)
 
 
-def test_engines_that_cannot_run_a_drafter_are_refused_in_one_line(target_dir, target, gguf_target, tmp_path,
-                                                                   capsys):
+def test_engines_that_cannot_run_a_drafter_are_refused_in_one_line(target_dir, target, gguf_target, tmp_path, capsys):
     saved(original(target), tmp_path / "deepspec")
     zlab = saved(original(target, anchor_predicts=False), tmp_path / "zlab")
     gated = saved(original(target, head_type="gated"), tmp_path / "gated")
@@ -183,12 +224,16 @@ def test_engines_that_cannot_run_a_drafter_are_refused_in_one_line(target_dir, t
     ]
     for engine, tgt, drafter, words in cases:
         out = tmp_path / f"out-{engine}"
-        line = cli_error(["convert", "bundle", "--framework", engine, "--target", tgt, "--drafter", drafter,
-                          "--out", str(out)], capsys)
+        line = cli_error(
+            ["convert", "bundle", "--framework", engine, "--target", tgt, "--drafter", drafter, "--out", str(out)],
+            capsys,
+        )
         assert words in line, (engine, drafter, line)
         assert not out.exists()
-    line = cli_error(["convert", "bundle", "--framework", "vllm", "--target", hf, "--drafter", zlab, "--out",
-                      str(tmp_path / "x")], capsys)
+    line = cli_error(
+        ["convert", "bundle", "--framework", "vllm", "--target", hf, "--drafter", zlab, "--out", str(tmp_path / "x")],
+        capsys,
+    )
     assert "engines that can: llama.cpp" in line  # the refusal names where it can go
     with pytest.raises(LoopspecError, match="vanilla Markov head only"):
         write_dflash_gguf(Drafter.load(gated), gguf_target["path"], tmp_path / "gated.gguf")
@@ -202,8 +247,10 @@ def test_engines_that_cannot_run_a_drafter_are_refused_in_one_line(target_dir, t
 def gguf_tensors(path) -> dict:
     """{name: (ggml ne as stored, type name, values in PyTorch [out, in] layout)}."""
     reader = gguf.GGUFReader(str(path))
-    return {t.name: (t.shape.tolist(), t.tensor_type.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))))
-            for t in reader.tensors}
+    return {
+        t.name: (t.shape.tolist(), t.tensor_type.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))))
+        for t in reader.tensors
+    }
 
 
 def gguf_keys(path) -> dict:
@@ -218,14 +265,18 @@ def test_gguf_carries_the_heads_in_llamacpps_layout(anchor_predicts, target, ggu
     keys = gguf_keys(path)
     assert keys["general.architecture"] == "dflash"  # the pinned llama.cpp's DSpark is dflash + the Markov tensors
     assert keys["dflash.sample_from_anchor"] is anchor_predicts and keys["dflash.has_confidence_head"] is True
-    assert keys["dflash.block_size"] == BLOCK and keys["dflash.target_layers"] == [i + 1 for i in model.cfg.target_layer_ids]
+    assert keys["dflash.block_size"] == BLOCK and keys["dflash.target_layers"] == [
+        i + 1 for i in model.cfg.target_layer_ids
+    ]
     assert keys["tokenizer.ggml.mask_token_id"] == MASK and keys["general.name"] == "tiny DSpark drafter"
     t = gguf_tensors(path)
     H, V = model.cfg.hidden_size, model.cfg.vocab_size
-    expected = {"markov_w1.weight": ([RANK, V], model.markov_head.markov_w1.weight),  # ggml {r, n_vocab}
-                "markov_w2.weight": ([RANK, V], model.markov_head.markov_w2.weight),
-                "conf_proj.weight": ([H + RANK, 1], model.confidence_head.proj.weight),  # ggml {n_embd + r, 1}
-                "conf_proj.bias": ([1], model.confidence_head.proj.bias)}
+    expected = {
+        "markov_w1.weight": ([RANK, V], model.markov_head.markov_w1.weight),  # ggml {r, n_vocab}
+        "markov_w2.weight": ([RANK, V], model.markov_head.markov_w2.weight),
+        "conf_proj.weight": ([H + RANK, 1], model.confidence_head.proj.weight),  # ggml {n_embd + r, 1}
+        "conf_proj.bias": ([1], model.confidence_head.proj.bias),
+    }
     for name, (ne, weight) in expected.items():
         shape, kind, values = t[name]
         assert shape == ne and kind == "F32", name
@@ -282,11 +333,19 @@ def test_dspark_gguf_drafts_in_llama_server(tmp_path):
     tcfg = target_config(json.loads((target_dir / "config.json").read_text()))
     model = original_for(tcfg)
     drafter_gguf = write_dflash_gguf(model, target_gguf_path("default"), tmp_path / "dspark.gguf")
-    peer = LlamaServerPeer(binary, target_gguf_path("default"), drafter_gguf, BLOCK, min(2, os.cpu_count() or 1),
-                           context=2048, spec=spec_type(model.cfg))
+    peer = LlamaServerPeer(
+        binary,
+        target_gguf_path("default"),
+        drafter_gguf,
+        BLOCK,
+        min(2, os.cpu_count() or 1),
+        context=2048,
+        spec=spec_type(model.cfg),
+    )
     try:
-        ids = load_tokenizer(target_dir).apply_chat_template([{"role": "user", "content": "Count to ten."}],
-                                                             add_generation_prompt=True)
+        ids = load_tokenizer(target_dir).apply_chat_template(
+            [{"role": "user", "content": "Count to ten."}], add_generation_prompt=True
+        )
         ids = [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
         run = peer.run(ids, "llamacpp-dflash", 16)
         assert len(run.tokens) == 16 and run.drafted > 0, run
@@ -298,8 +357,8 @@ def original_for(target_cfg) -> Drafter:
     """A random DeepSpec-convention DSpark drafter (vanilla head, confidence head) for `target_cfg`."""
     from loopspec.model.dflash import DrafterConfig
 
-    cfg = DrafterConfig.for_target(target_cfg, num_layers=1, block_size=BLOCK,
-                                   mask_token_id=target_cfg.vocab_size - 1)
+    cfg = DrafterConfig.for_target(target_cfg, num_layers=1, block_size=BLOCK, mask_token_id=target_cfg.vocab_size - 1)
     torch.manual_seed(0)
-    return Drafter(replace(cfg, anchor_predicts=True, markov_rank=RANK, confidence_head=True,
-                           confidence_with_markov=True)).eval()
+    return Drafter(
+        replace(cfg, anchor_predicts=True, markov_rank=RANK, confidence_head=True, confidence_with_markov=True)
+    ).eval()

@@ -65,19 +65,33 @@ def check_block_parity(session, drafter, target, k=BLOCK, seed=0):
     ids = torch.full((len(CONTEXTS), k), MASK, dtype=torch.long)
     ids[:, 0] = anchors
     positions = torch.tensor(CONTEXTS)[:, None] + torch.arange(k)  # [R, k]: each block right after its context
-    out = session.run(block_ids=ids.numpy(), positions=positions.numpy(), context_key=with_room(ctx_k.numpy(), k),
-                      context_value=with_room(ctx_v.numpy(), k), context_lengths=torch.tensor(CONTEXTS).numpy())
+    out = session.run(
+        block_ids=ids.numpy(),
+        positions=positions.numpy(),
+        context_key=with_room(ctx_k.numpy(), k),
+        context_value=with_room(ctx_v.numpy(), k),
+        context_lengths=torch.tensor(CONTEXTS).numpy(),
+    )
     head = draft_head_weight(target.lm_head.weight, drafter.draft_ids)
     D = cfg.drafts_per_block(k)
     assert out["draft_ids"].shape[:2] == (len(CONTEXTS), D)
     assert ("confidence" in out) == cfg.confidence_head
     for b, length in enumerate(CONTEXTS):
         with torch.inference_mode():
-            hidden = drafter(target.embed_tokens(ids[b:b + 1]), positions[b], ctx_k[:, b:b + 1, :, :length],
-                             ctx_v[:, b:b + 1, :, :length])  # [1, k, H]
-            drafts, logprobs, confidence = draft_stage(drafter, hidden, ids[b:b + 1, 0], lambda h: F.linear(h, head),
-                                                       drafter.draft_ids)  # [1, D, C] each, [1, D]
-        assert torch.equal(torch.from_numpy(out["draft_ids"][b]), drafts[0]), (b, out["draft_ids"][b, :, 0], drafts[0, :, 0])
+            hidden = drafter(
+                target.embed_tokens(ids[b : b + 1]),
+                positions[b],
+                ctx_k[:, b : b + 1, :, :length],
+                ctx_v[:, b : b + 1, :, :length],
+            )  # [1, k, H]
+            drafts, logprobs, confidence = draft_stage(
+                drafter, hidden, ids[b : b + 1, 0], lambda h: F.linear(h, head), drafter.draft_ids
+            )  # [1, D, C] each, [1, D]
+        assert torch.equal(torch.from_numpy(out["draft_ids"][b]), drafts[0]), (
+            b,
+            out["draft_ids"][b, :, 0],
+            drafts[0, :, 0],
+        )
         torch.testing.assert_close(torch.from_numpy(out["draft_logprobs"][b]), logprobs[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(torch.from_numpy(out["hidden"][b]), hidden[0], atol=1e-5, rtol=1e-5)
         if cfg.confidence_head:
@@ -86,8 +100,11 @@ def check_block_parity(session, drafter, target, k=BLOCK, seed=0):
 
 
 # every head type, with no confidence head / one on h alone / one that reads W1[prev] too, both conventions
-CONFIDENCE = {"none": dict(confidence=False), "alone": dict(confidence=True, with_markov=False),
-              "with_markov": dict(confidence=True, with_markov=True)}
+CONFIDENCE = {
+    "none": dict(confidence=False),
+    "alone": dict(confidence=True, with_markov=False),
+    "with_markov": dict(confidence=True, with_markov=True),
+}
 CASES = [(kind, conf, anchor) for kind in MARKOV_HEAD_TYPES for conf in CONFIDENCE for anchor in (True, False)]
 
 
@@ -96,11 +113,12 @@ def test_block_graph_runs_the_markov_and_confidence_heads(kind, confidence, anch
     drafter = dspark_drafter(target, head_type=kind, anchor_predicts=anchor_predicts, **CONFIDENCE[confidence])
     session = block_session(drafter, target, tmp_path / "block.onnx")
     assert session.spec.output_names == ["draft_ids", "draft_logprobs", "hidden"] + (
-        ["confidence"] if drafter.cfg.confidence_head else [])
+        ["confidence"] if drafter.cfg.confidence_head else []
+    )
     out = check_block_parity(session, drafter, target)
     check_block_parity(session, drafter, target, k=3, seed=1)  # a shorter block than the graph unrolls
     # the heads are live: without the Markov bias the chain would differ somewhere
-    hidden = torch.from_numpy(out["hidden"])[:, drafter.cfg.first_draft:]
+    hidden = torch.from_numpy(out["hidden"])[:, drafter.cfg.first_draft :]
     assert not torch.equal(torch.from_numpy(out["draft_ids"][:, :, 0]), (hidden @ target.lm_head.weight.T).argmax(-1))
 
 
@@ -123,6 +141,7 @@ def latent_without_bias(original):
     def latent(self, prev, h, state):
         u, state = original(self, prev, h, state)
         return u * 0, state
+
     return latent
 
 
@@ -133,6 +152,7 @@ def latent_one_position_late(original):
     def latent(self, prev, h, state):
         seen.append(prev)
         return original(self, seen[-2] if len(seen) > 1 else prev, h, state)
+
     return latent
 
 
@@ -152,7 +172,10 @@ def test_spec_declares_confidence_once(target):
     specs = engine_specs(target.cfg, with_conf, max_context=128)
     block = specs[DRAFTER_BLOCK]
     assert block.output_names == ["draft_ids", "draft_logprobs", "hidden", "confidence"]
-    assert block.outputs[-1].dims == ("batch", "drafts") and block.dynamic_axes()["confidence"] == {0: "batch", 1: "drafts"}
+    assert block.outputs[-1].dims == ("batch", "drafts") and block.dynamic_axes()["confidence"] == {
+        0: "batch",
+        1: "drafts",
+    }
     assert list(block.profile_shapes()) == block.input_names  # a TensorRT profile covers inputs only
     plain = engine_specs(target.cfg, dspark_drafter(target, confidence=False).cfg, max_context=128)[DRAFTER_BLOCK]
     assert plain.output_names == ["draft_ids", "draft_logprobs", "hidden"]
@@ -162,9 +185,11 @@ def test_spec_declares_confidence_once(target):
 # the whole engine set: decoding, validation
 
 
-DRAFTERS = {"rnn deepspec + confidence": dict(head_type="rnn"),
-            "gated z-lab + confidence alone": dict(head_type="gated", anchor_predicts=False, with_markov=False),
-            "vanilla deepspec, d2t": dict(head_type="vanilla", confidence=False)}
+DRAFTERS = {
+    "rnn deepspec + confidence": dict(head_type="rnn"),
+    "gated z-lab + confidence alone": dict(head_type="gated", anchor_predicts=False, with_markov=False),
+    "vanilla deepspec, d2t": dict(head_type="vanilla", confidence=False),
+}
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +240,10 @@ def test_ort_greedy_dspark_decoding_equals_ar(name, setting, exported):
     alone = [generate(engine, p, settings, max_new_tokens=30) for p in prompts]
     assert [o.tokens for o in alone] == refs
     assert max(n for o in alone for n in o.stats.nodes_per_round) > 1  # drafts were verified
-    done = decode_all(Decoder(engine.with_rows(3), settings),
-                      [dict(key=i, prompt_ids=p, max_new_tokens=30) for i, p in enumerate(prompts)])
+    done = decode_all(
+        Decoder(engine.with_rows(3), settings),
+        [dict(key=i, prompt_ids=p, max_new_tokens=30) for i, p in enumerate(prompts)],
+    )
     assert [done[i].tokens for i in range(3)] == refs  # batched rows: each equals itself alone
 
 
@@ -274,15 +301,19 @@ def test_cli_converts_a_deepspec_dspark_drafter(deepspec_pair, tmp_path, capsys)
     assert "PASSED" in printed and "confidence" in printed
     from conftest import generated_texts_on_both_backends
 
-    texts = [t for ts in generated_texts_on_both_backends(target_dir, drafter_dir, out, capsys, 16).values() for t in ts]
+    texts = [
+        t for ts in generated_texts_on_both_backends(target_dir, drafter_dir, out, capsys, 16).values() for t in ts
+    ]
     assert len(set(texts)) == 1 and texts[0].strip()
 
 
 # --------------------------------------------------------------------------------------------------
 # TensorRT: plans built from the same ONNX graphs (needs TensorRT and a CUDA GPU; skipped here)
 
-needs_trt_gpu = pytest.mark.skipif(not (importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()),
-                                   reason="needs TensorRT and a CUDA GPU")
+needs_trt_gpu = pytest.mark.skipif(
+    not (importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()),
+    reason="needs TensorRT and a CUDA GPU",
+)
 
 
 @pytest.mark.gpu
@@ -293,11 +324,27 @@ def test_trt_plans_run_the_dspark_heads(deepspec_pair, tmp_path):
     from loopspec.engines.trt_engine import TrtEngine
 
     target_dir, drafter_dir = deepspec_pair
-    assert main(["convert", "onnx", "--target", str(target_dir), "--drafter", str(drafter_dir),
-                 "--out", str(tmp_path / "onnx")]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "onnx",
+                "--target",
+                str(target_dir),
+                "--drafter",
+                str(drafter_dir),
+                "--out",
+                str(tmp_path / "onnx"),
+            ]
+        )
+        == 0
+    )
     assert main(["convert", "trt", "--onnx", str(tmp_path / "onnx"), "--out", str(tmp_path / "plans")]) == 0
     pair = load_pair(target_dir, drafter_dir)
-    engines = (TorchEngine(pair.target.cuda(), pair.drafter.cuda(), max_context=128), TrtEngine(tmp_path / "plans", 128))
+    engines = (
+        TorchEngine(pair.target.cuda(), pair.drafter.cuda(), max_context=128),
+        TrtEngine(tmp_path / "plans", 128),
+    )
     prompt = repeating_prompt(0)
     for engine in engines:
         engine.prefill(0, prompt, want_taps=True)

@@ -37,18 +37,33 @@ def target_dir(tmp_path_factory):
     return d
 
 
-def eagle3_checkpoint(directory, *, aux_ids=None, draft_vocab=DRAFT_VOCAB, seed=0, drop=(), tensors=None,
-                      **config_changes):
+def eagle3_checkpoint(
+    directory, *, aux_ids=None, draft_vocab=DRAFT_VOCAB, seed=0, drop=(), tensors=None, **config_changes
+):
     """A SpecForge-layout EAGLE-3 drafter directory: config.json as SpecForge writes it (the taps pinned
     only with `aux_ids`) and model.safetensors under SpecForge's names; `drop` leaves tensors out,
     `tensors` replaces some. → (directory, the tensors in fp64)."""
     from safetensors.torch import save_file
 
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
-           "intermediate_size": INTER, "num_hidden_layers": 1, "num_attention_heads": HEADS,
-           "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-           "rope_theta": 5000.0, "rope_scaling": None, "max_position_embeddings": 512, "vocab_size": VOCAB,
-           "draft_vocab_size": draft_vocab, "tie_word_embeddings": False, "torch_dtype": "float32"}
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTER,
+        "num_hidden_layers": 1,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 5000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 512,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": draft_vocab,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
     if aux_ids is not None:
         cfg["eagle_aux_hidden_state_layer_ids"] = aux_ids
     cfg.update(config_changes)
@@ -56,12 +71,21 @@ def eagle3_checkpoint(directory, *, aux_ids=None, draft_vocab=DRAFT_VOCAB, seed=
     w = lambda *shape, s=0.15: torch.randn(*shape, generator=g, dtype=torch.float64) * s  # noqa: E731
     norm = lambda n: 1 + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)  # noqa: E731
     H, q, kv = HIDDEN, HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    sd = {"fc.weight": w(H, 3 * H), "midlayer.hidden_norm.weight": norm(H), "midlayer.input_layernorm.weight": norm(H),
-          "midlayer.self_attn.q_proj.weight": w(q, 2 * H), "midlayer.self_attn.k_proj.weight": w(kv, 2 * H),
-          "midlayer.self_attn.v_proj.weight": w(kv, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, q),
-          "midlayer.post_attention_layernorm.weight": norm(H), "midlayer.mlp.gate_proj.weight": w(INTER, H),
-          "midlayer.mlp.up_proj.weight": w(INTER, H), "midlayer.mlp.down_proj.weight": w(H, INTER),
-          "norm.weight": norm(H), "lm_head.weight": w(draft_vocab, H, s=0.5)}
+    sd = {
+        "fc.weight": w(H, 3 * H),
+        "midlayer.hidden_norm.weight": norm(H),
+        "midlayer.input_layernorm.weight": norm(H),
+        "midlayer.self_attn.q_proj.weight": w(q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": w(kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": w(kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": w(H, q),
+        "midlayer.post_attention_layernorm.weight": norm(H),
+        "midlayer.mlp.gate_proj.weight": w(INTER, H),
+        "midlayer.mlp.up_proj.weight": w(INTER, H),
+        "midlayer.mlp.down_proj.weight": w(H, INTER),
+        "norm.weight": norm(H),
+        "lm_head.weight": w(draft_vocab, H, s=0.5),
+    }
     ids = torch.randperm(VOCAB, generator=g)[:draft_vocab].sort().values  # the target ids of the draft rows
     sd["d2t"] = ids - torch.arange(draft_vocab)
     sd["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, ids, True)
@@ -69,8 +93,10 @@ def eagle3_checkpoint(directory, *, aux_ids=None, draft_vocab=DRAFT_VOCAB, seed=
     for name in drop:
         sd.pop(name)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in sd.items()},
-              str(directory / "model.safetensors"))
+    save_file(
+        {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in sd.items()},
+        str(directory / "model.safetensors"),
+    )
     (directory / "config.json").write_text(json.dumps(cfg))
     return directory, {k: (v.float().double() if v.is_floating_point() else v) for k, v in sd.items()}
 
@@ -107,24 +133,26 @@ def reference_chain(sd, hidden_states, embed, ids, anchor, steps, aux_ids, theta
     def rope(x, pos):  # x [heads, T, hd]
         ang = torch.tensor(pos, dtype=torch.float64)[:, None] * inv_freq[None]
         cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-        return x * cos + torch.cat([-x[..., HEAD_DIM // 2:], x[..., :HEAD_DIM // 2]], -1) * sin
+        return x * cos + torch.cat([-x[..., HEAD_DIM // 2 :], x[..., : HEAD_DIM // 2]], -1) * sin
 
     keys, values = [], []
 
     def layer(token, state, pos):  # one entry → its output before the final norm; K/V kept
-        x = torch.cat([rms(embed[token], sd["midlayer.input_layernorm.weight"]),
-                       rms(state, sd["midlayer.hidden_norm.weight"])])
+        x = torch.cat(
+            [rms(embed[token], sd["midlayer.input_layernorm.weight"]), rms(state, sd["midlayer.hidden_norm.weight"])]
+        )
         q = rope((sd["midlayer.self_attn.q_proj.weight"] @ x).view(HEADS, 1, HEAD_DIM), [pos])
         keys.append(rope((sd["midlayer.self_attn.k_proj.weight"] @ x).view(KV_HEADS, 1, HEAD_DIM), [pos]))
         values.append((sd["midlayer.self_attn.v_proj.weight"] @ x).view(KV_HEADS, 1, HEAD_DIM))
         K = torch.cat(keys, 1).repeat_interleave(HEADS // KV_HEADS, 0)
         V = torch.cat(values, 1).repeat_interleave(HEADS // KV_HEADS, 0)
-        att = torch.softmax(q @ K.transpose(1, 2) / HEAD_DIM ** 0.5, -1) @ V  # [heads, 1, hd]
+        att = torch.softmax(q @ K.transpose(1, 2) / HEAD_DIM**0.5, -1) @ V  # [heads, 1, hd]
         residual = rms(state, sd["midlayer.hidden_norm.weight"]) if "norm_before_residual" in switches else state
         h = residual + sd["midlayer.self_attn.o_proj.weight"] @ att.reshape(-1)
         m = rms(h, sd["midlayer.post_attention_layernorm.weight"])
-        mlp = sd["midlayer.mlp.down_proj.weight"] @ (F.silu(sd["midlayer.mlp.gate_proj.weight"] @ m)
-                                                     * (sd["midlayer.mlp.up_proj.weight"] @ m))
+        mlp = sd["midlayer.mlp.down_proj.weight"] @ (
+            F.silu(sd["midlayer.mlp.gate_proj.weight"] @ m) * (sd["midlayer.mlp.up_proj.weight"] @ m)
+        )
         return h + mlp
 
     def logits(out):
@@ -166,8 +194,9 @@ def stage_against_reference(engine, sd, target_dir, aux_ids, prompt=PROMPT, anch
     hidden_states, embed, last_logits = hf_hidden_states(target_dir, prompt)
     engine.prefill(0, prompt, want_taps=True)
     drafts, logprobs, hidden = engine.draft([0], [anchor], [len(prompt)], BLOCK)
-    chain, logits, states, fused = reference_chain(sd, hidden_states, embed, prompt, anchor, BLOCK - 1, aux_ids,
-                                                   switches=switches)
+    chain, logits, states, fused = reference_chain(
+        sd, hidden_states, embed, prompt, anchor, BLOCK - 1, aux_ids, switches=switches
+    )
     draft_to_target = torch.arange(sd["d2t"].numel()) + sd["d2t"]
     want_ids = draft_to_target[logits.topk(drafts.shape[-1], -1).indices]
     if drafts[0, :, 0].tolist() != chain or not torch.equal(drafts[0], want_ids):
@@ -192,9 +221,11 @@ def fp64_pair(target_dir, drafter_dir):
 
 # the taps as vLLM numbers them (the streams entering layers j): its default (2, L/2, L-3); pinned at the
 # top level (vLLM's numbering), listed out of order; pinned in eagle_config (SGLang's: layer outputs j-1)
-TAP_CONFIGS = {"default": ({}, [2, LAYERS // 2, LAYERS - 3]),
-               "vllm": ({"eagle_aux_hidden_state_layer_ids": [4, 1, 6]}, [1, 4, 6]),
-               "sglang": ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 0, 5]}}, [1, 4, 6])}
+TAP_CONFIGS = {
+    "default": ({}, [2, LAYERS // 2, LAYERS - 3]),
+    "vllm": ({"eagle_aux_hidden_state_layer_ids": [4, 1, 6]}, [1, 4, 6]),
+    "sglang": ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 0, 5]}}, [1, 4, 6]),
+}
 
 
 @pytest.mark.parametrize("taps", TAP_CONFIGS)
@@ -212,10 +243,12 @@ def test_specforge_checkpoint_stage_equals_the_fp64_reference(taps, target_dir, 
 
 # EAGLE 3.1 (fc_norm + norm_output), and the other switches trainers' checkpoints turn on, each with
 # the tensors it adds under the names its readers load (SGLang's older aux_norm_* names included)
-SWITCHES = {"eagle3.1": ({"fc_norm": True, "norm_output": True}, ("fc_norm", "norm_output")),
-            "fc_norm (SGLang's older names)": ({"use_aux_norm": True}, ("fc_norm",)),
-            "norm_before_fc in eagle_config": ({"eagle_config": {"norm_before_fc": True}}, ("norm_before_fc",)),
-            "norm_before_residual": ({"norm_before_residual": True}, ("norm_before_residual",))}
+SWITCHES = {
+    "eagle3.1": ({"fc_norm": True, "norm_output": True}, ("fc_norm", "norm_output")),
+    "fc_norm (SGLang's older names)": ({"use_aux_norm": True}, ("fc_norm",)),
+    "norm_before_fc in eagle_config": ({"eagle_config": {"norm_before_fc": True}}, ("norm_before_fc",)),
+    "norm_before_residual": ({"norm_before_residual": True}, ("norm_before_residual",)),
+}
 
 
 def switch_tensors(switches, old_names=False, seed=5):
@@ -223,8 +256,11 @@ def switch_tensors(switches, old_names=False, seed=5):
     norm = lambda n: 1 + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)  # noqa: E731
     out = {}
     if "fc_norm" in switches:
-        names = [f"aux_norm_{x}.weight" for x in ("low", "mid", "high")] if old_names else \
-            [f"fc_norm.{i}.weight" for i in range(3)]
+        names = (
+            [f"aux_norm_{x}.weight" for x in ("low", "mid", "high")]
+            if old_names
+            else [f"fc_norm.{i}.weight" for i in range(3)]
+        )
         out.update({name: norm(HIDDEN) for name in names})
     if "norm_before_fc" in switches:
         out["input_norm.weight"] = norm(3 * HIDDEN)
@@ -240,8 +276,12 @@ def test_eagle3_1_and_other_switches_stage_equals_the_fp64_reference(variant, ta
         sd.update({f"fc_norm.{i}.weight": sd.pop(f"aux_norm_{x}.weight") for i, x in enumerate(("low", "mid", "high"))})
     target, drafter = fp64_pair(target_dir, directory)
     assert drafter.cfg.kind.eagle3.switched_on == switches and all(s in drafter.cfg.kind.title for s in switches)
-    assert stage_against_reference(TorchEngine(target, drafter, max_context=64), sd, target_dir, [2, 4, 5],
-                                   switches=switches) <= 1e-9
+    assert (
+        stage_against_reference(
+            TorchEngine(target, drafter, max_context=64), sd, target_dir, [2, 4, 5], switches=switches
+        )
+        <= 1e-9
+    )
     # written back with its switches at the top level (where every reader looks) and its tensors' names
     drafter.save(tmp_path / "saved", dtype=torch.float64)
     again = Eagle3Drafter.load(tmp_path / "saved", dtype=torch.float64)
@@ -256,12 +296,20 @@ def test_a_switch_the_drafter_ignored_fails_the_reference_comparison(target_dir,
     directory, sd = eagle3_checkpoint(tmp_path / "eagle3", tensors=switch_tensors(switches), **config)
     target, drafter = fp64_pair(target_dir, directory)
     drafter.next_state = lambda out: out
-    assert stage_against_reference(TorchEngine(target, drafter, max_context=64), sd, target_dir, [2, 4, 5],
-                                   switches=switches) > 1e-3
+    assert (
+        stage_against_reference(
+            TorchEngine(target, drafter, max_context=64), sd, target_dir, [2, 4, 5], switches=switches
+        )
+        > 1e-3
+    )
     target, drafter = fp64_pair(target_dir, directory)
     drafter.fc_norm = None
-    assert stage_against_reference(TorchEngine(target, drafter, max_context=64), sd, target_dir, [2, 4, 5],
-                                   switches=switches) > 1e-3
+    assert (
+        stage_against_reference(
+            TorchEngine(target, drafter, max_context=64), sd, target_dir, [2, 4, 5], switches=switches
+        )
+        > 1e-3
+    )
 
 
 def test_full_draft_vocabulary_without_maps(target_dir, tmp_path):
@@ -331,25 +379,40 @@ def bad_checkpoints(root):
         "no t2d": (eagle3_checkpoint(root / "b", drop=("t2d",))[0], "lacks t2d"),
         "no fc": (eagle3_checkpoint(root / "c", drop=("fc.weight",))[0], "lacks fc.weight"),
         "four taps": (eagle3_checkpoint(root / "d", aux_ids=[1, 2, 3, 4])[0], "exactly 3"),
-        "d2t past the vocab": (eagle3_checkpoint(root / "e", tensors={"d2t": torch.full((DRAFT_VOCAB,), VOCAB)})[0],
-                               "outside the target's vocabulary"),
-        "fc of two taps": (eagle3_checkpoint(root / "f", tensors={"fc.weight": torch.zeros(H, 2 * H)})[0],
-                           "fc.weight is [64, 128] in the file"),
-        "lm_head rows": (eagle3_checkpoint(root / "g", tensors={"lm_head.weight": torch.zeros(DRAFT_VOCAB + 1, H)})[0],
-                         "lm_head.weight"),
+        "d2t past the vocab": (
+            eagle3_checkpoint(root / "e", tensors={"d2t": torch.full((DRAFT_VOCAB,), VOCAB)})[0],
+            "outside the target's vocabulary",
+        ),
+        "fc of two taps": (
+            eagle3_checkpoint(root / "f", tensors={"fc.weight": torch.zeros(H, 2 * H)})[0],
+            "fc.weight is [64, 128] in the file",
+        ),
+        "lm_head rows": (
+            eagle3_checkpoint(root / "g", tensors={"lm_head.weight": torch.zeros(DRAFT_VOCAB + 1, H)})[0],
+            "lm_head.weight",
+        ),
         "two layers": (eagle3_checkpoint(root / "h", num_hidden_layers=2)[0], "one-layer"),
         "tap past the target": (eagle3_checkpoint(root / "i", aux_ids=[2, 4, 8])[0], "out of range"),
-        "t2d disagrees": (eagle3_checkpoint(root / "j", tensors={"t2d": torch.ones(VOCAB, dtype=torch.bool)})[0],
-                          "t2d marks"),
-        "taps named twice": (eagle3_checkpoint(root / "k", aux_ids=[2, 4, 5],
-                                               eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 5]})[0],
-                             "name different target layers"),
-        "a switch where no reader looks": (eagle3_checkpoint(root / "l", eagle_config={"norm_output": True})[0],
-                                           "read norm_output at the top level only"),
+        "t2d disagrees": (
+            eagle3_checkpoint(root / "j", tensors={"t2d": torch.ones(VOCAB, dtype=torch.bool)})[0],
+            "t2d marks",
+        ),
+        "taps named twice": (
+            eagle3_checkpoint(
+                root / "k", aux_ids=[2, 4, 5], eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+            )[0],
+            "name different target layers",
+        ),
+        "a switch where no reader looks": (
+            eagle3_checkpoint(root / "l", eagle_config={"norm_output": True})[0],
+            "read norm_output at the top level only",
+        ),
         "a switch not a bool": (eagle3_checkpoint(root / "m", fc_norm="yes")[0], "fc_norm must be true or false"),
         "fc_norm without its norms": (eagle3_checkpoint(root / "o", fc_norm=True)[0], "missing fc_norm.0.weight"),
-        "no fused taps": (eagle3_checkpoint(root / "n", eagle_config={"use_aux_hidden_state": False})[0],
-                          "use_aux_hidden_state false"),
+        "no fused taps": (
+            eagle3_checkpoint(root / "n", eagle_config={"use_aux_hidden_state": False})[0],
+            "use_aux_hidden_state false",
+        ),
     }
 
 
@@ -358,8 +421,21 @@ def test_bad_checkpoints_are_refused_in_one_line(target_dir, tmp_path, capsys):
         with pytest.raises(LoopspecError) as e:
             load_pair(target_dir, directory)
         assert words in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
-        code = main(["generate", "--prompt", "x", "--target", str(target_dir), "--drafter", str(directory),
-                     "--backend", "torch", "--max-new-tokens", "2"])
+        code = main(
+            [
+                "generate",
+                "--prompt",
+                "x",
+                "--target",
+                str(target_dir),
+                "--drafter",
+                str(directory),
+                "--backend",
+                "torch",
+                "--max-new-tokens",
+                "2",
+            ]
+        )
         lines = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and words in lines[0], (name, lines)
 
@@ -397,14 +473,21 @@ def unrolled_logits(drafter, embed, taps, tokens, steps):
     embed = lambda t: F.embedding(t, weight)  # noqa: E731
     empty = torch.zeros(1, drafter.cfg.num_kv_heads, 0, drafter.cfg.head_dim)
     causal = torch.tril(torch.ones(P, P, dtype=torch.bool))
-    out, k, v = drafter(embed(ids[None, 1:]), drafter.fuse(taps[None, :P]), torch.arange(P)[None], empty, empty,
-                        causal[None, None])
+    out, k, v = drafter(
+        embed(ids[None, 1:]), drafter.fuse(taps[None, :P]), torch.arange(P)[None], empty, empty, causal[None, None]
+    )
     keys, values, outs, masks = [k], [v], [out], [causal]
     for j in range(2, steps + 1):
         following = torch.cat([ids[j:], torch.zeros(j - 1, dtype=torch.long)])  # token p+j (0 past the end)
         mask = torch.cat(masks + [torch.eye(P, dtype=torch.bool)], dim=-1)
-        out, k, v = drafter(embed(following[None]), out, (torch.arange(P) + j - 1)[None],
-                            torch.cat(keys, 2), torch.cat(values, 2), mask[None, None])
+        out, k, v = drafter(
+            embed(following[None]),
+            out,
+            (torch.arange(P) + j - 1)[None],
+            torch.cat(keys, 2),
+            torch.cat(values, 2),
+            mask[None, None],
+        )
         keys.append(k)
         values.append(v)
         outs.append(out)
@@ -443,8 +526,9 @@ def agreeing_eagle3(target, prompts, new_tokens=40, steps=150, seed=0, also=()):
 
 def prompts(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 120, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, 120, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 PROMPTS = prompts(4, seed=7)
@@ -457,8 +541,9 @@ def engine(target_dir):
     on what it samples at T = 1 with SEEDS (so that seeded drafts are accepted too)."""
     target = lively(load_target_dir(target_dir))
     plain = TorchEngine(target, None, max_context=128)
-    sampled = [(p, generate(plain, p, Method(), max_new_tokens=30, params=T1, seed=s).tokens)
-               for s, p in zip(SEEDS, PROMPTS)]
+    sampled = [
+        (p, generate(plain, p, Method(), max_new_tokens=30, params=T1, seed=s).tokens) for s, p in zip(SEEDS, PROMPTS)
+    ]
     return TorchEngine(target, agreeing_eagle3(target, PROMPTS, also=sampled), max_context=128)
 
 
@@ -483,11 +568,15 @@ def test_dloop_stages_run_on_as_one_longer_stage(target_dir, tmp_path):
     assert torch.equal(again.candidates, drafted.candidates)
 
 
-@pytest.mark.parametrize("settings", [Method("dflash", block_size=BLOCK),
-                                      Method("dflash", block_size=BLOCK, tree_budget=8),
-                                      Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0),
-                                      Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0,
-                                             tree_budget=10)])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        Method("dflash", block_size=BLOCK),
+        Method("dflash", block_size=BLOCK, tree_budget=8),
+        Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0),
+        Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0, tree_budget=10),
+    ],
+)
 def test_greedy_dflash_with_an_eagle3_drafter_commits_plain_decodings_tokens(settings, engine):
     accepted = 0
     for p in PROMPTS:
@@ -512,8 +601,10 @@ def test_seeded_walk_at_temperature_one_equals_plain_sampling(engine):
         assert spec.tokens == ar.tokens
         accepted += accepted_drafts([spec])
     assert accepted >= 50, accepted  # of 90 tokens (measured 69): the drafter learnt these samples
-    assert generate(engine, PROMPTS[0], Method(), max_new_tokens=30, params=T1, seed=99).tokens != \
-        generate(engine, PROMPTS[0], Method(), max_new_tokens=30, params=T1, seed=SEEDS[0]).tokens
+    assert (
+        generate(engine, PROMPTS[0], Method(), max_new_tokens=30, params=T1, seed=99).tokens
+        != generate(engine, PROMPTS[0], Method(), max_new_tokens=30, params=T1, seed=SEEDS[0]).tokens
+    )
 
 
 def test_drafts_sampled_from_q_reproduce_their_seed_batched(engine):
@@ -523,11 +614,16 @@ def test_drafts_sampled_from_q_reproduce_their_seed_batched(engine):
 
     settings = Method("dflash", block_size=BLOCK, draft_sampling="drafter")
     params = [T1, SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
-    alone = [generate(engine, p, settings, max_new_tokens=24, params=q, seed=s)
-             for p, q, s in zip(PROMPTS, params, SEEDS)]
-    done = decode_all(Decoder(engine.with_rows(3), settings),
-                      [dict(key=i, prompt_ids=p, max_new_tokens=24, params=q, seed=s)
-                       for i, (p, q, s) in enumerate(zip(PROMPTS, params, SEEDS))])
+    alone = [
+        generate(engine, p, settings, max_new_tokens=24, params=q, seed=s) for p, q, s in zip(PROMPTS, params, SEEDS)
+    ]
+    done = decode_all(
+        Decoder(engine.with_rows(3), settings),
+        [
+            dict(key=i, prompt_ids=p, max_new_tokens=24, params=q, seed=s)
+            for i, (p, q, s) in enumerate(zip(PROMPTS, params, SEEDS))
+        ],
+    )
     assert [done[i].tokens for i in range(3)] == [r.tokens for r in alone]
     assert alone[2].tokens == generate(engine, PROMPTS[2], Method(), max_new_tokens=24).tokens  # greedy row: ar's
     assert accepted_drafts(alone) > 0
@@ -553,12 +649,29 @@ def test_context_kept_across_rounds_drafts_as_a_fresh_prefill(engine):
 
 def test_cli_generates_with_an_eagle3_drafter_what_ar_does(target_dir, tmp_path, capsys):
     directory, _ = eagle3_checkpoint(tmp_path / "eagle3")
-    base = ["generate", "--prompt", "hello world", "--target", str(target_dir), "--drafter", str(directory),
-            "--backend", "torch", "--max-new-tokens", "12"]
+    base = [
+        "generate",
+        "--prompt",
+        "hello world",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(directory),
+        "--backend",
+        "torch",
+        "--max-new-tokens",
+        "12",
+    ]
     texts = {}
     for method in ("ar", "dflash"):
-        assert main(base + ["--method", method, "--block-size", str(BLOCK)] if method != "ar"
-                    else base + ["--method", method]) == 0
+        assert (
+            main(
+                base + ["--method", method, "--block-size", str(BLOCK)]
+                if method != "ar"
+                else base + ["--method", method]
+            )
+            == 0
+        )
         texts[method] = capsys.readouterr().out
     assert texts["ar"] == texts["dflash"] and texts["ar"].strip()
     auto = [a for a in base if a not in ("--backend", "torch")]  # 'auto' takes the torch engine for it
@@ -569,4 +682,3 @@ def test_cli_generates_with_an_eagle3_drafter_what_ar_does(target_dir, tmp_path,
     assert main(base + ["--method", "dflash", "--suffix-first", "2", "--suffix-then-draft"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "EAGLE-3" in err[0]
-

@@ -37,8 +37,9 @@ def target_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory):
     """A SpecForge-layout drafter with a reduced draft vocabulary and its taps left unpinned."""
-    directory, _ = eagle3_checkpoint(tmp_path_factory.mktemp("eagle3-drafter") / "drafter",
-                                     loopspec={"block_size": BLOCK})
+    directory, _ = eagle3_checkpoint(
+        tmp_path_factory.mktemp("eagle3-drafter") / "drafter", loopspec={"block_size": BLOCK}
+    )
     return directory
 
 
@@ -57,9 +58,13 @@ def trtllm_spec(out: Path) -> dict:
 
 def sglang_shape(out: Path) -> tuple:
     argv = launch_argv(out / "sglang" / "launch.sh")
-    return (flag(argv, "--speculative-algorithm"), flag(argv, "--speculative-draft-model-path"),
-            int(flag(argv, "--speculative-num-steps")), int(flag(argv, "--speculative-eagle-topk")),
-            int(flag(argv, "--speculative-num-draft-tokens")))
+    return (
+        flag(argv, "--speculative-algorithm"),
+        flag(argv, "--speculative-draft-model-path"),
+        int(flag(argv, "--speculative-num-steps")),
+        int(flag(argv, "--speculative-eagle-topk")),
+        int(flag(argv, "--speculative-num-draft-tokens")),
+    )
 
 
 def test_chain_bundle_carries_each_frameworks_eagle3_fields(target_dir, drafter_dir, tmp_path):
@@ -67,19 +72,30 @@ def test_chain_bundle_carries_each_frameworks_eagle3_fields(target_dir, drafter_
     manifest = build_bundle(target_dir, str(drafter_dir), out, "trtllm,vllm,sglang")
     drafts = BLOCK - 1
     argv = launch_argv(out / "vllm" / "launch.sh")
-    assert json.loads(flag(argv, "--speculative-config")) == {"method": "eagle3", "model": "./drafter",
-                                                              "num_speculative_tokens": drafts}
+    assert json.loads(flag(argv, "--speculative-config")) == {
+        "method": "eagle3",
+        "model": "./drafter",
+        "num_speculative_tokens": drafts,
+    }
     assert not (out / "vllm" / "drafter").exists()  # drafter/ carries the reduced vocabulary itself
     assert sglang_shape(out) == ("EAGLE3", "./drafter", drafts, 1, drafts + 1)
     # the one-model path is TensorRT-LLM's default: eagle3_one_model is left out (gone from 1.3.0rc27's config)
-    assert trtllm_spec(out) == {"decoding_type": "Eagle3", "speculative_model": "./drafter", "max_draft_len": drafts,
-                                "eagle3_layers_to_capture": DEFAULT_TAPS}
+    assert trtllm_spec(out) == {
+        "decoding_type": "Eagle3",
+        "speculative_model": "./drafter",
+        "max_draft_len": drafts,
+        "eagle3_layers_to_capture": DEFAULT_TAPS,
+    }
     config = json.loads((out / "drafter" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == DRAFT_VOCAB
     # vLLM / llama.cpp read the stream entering layer j; SGLang (eagle_config) and TensorRT-LLM the output of i
     assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in DEFAULT_TAPS]
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == DEFAULT_TAPS
-    assert (manifest["drafter_kind"], manifest["block_convention"], manifest["drafts_per_block"]) == ("EAGLE-3", "eagle3", drafts)
+    assert (manifest["drafter_kind"], manifest["block_convention"], manifest["drafts_per_block"]) == (
+        "EAGLE-3",
+        "eagle3",
+        drafts,
+    )
     assert manifest["draft_tree_nodes"] == 0 and manifest["mask_token_id"] is None
     assert manifest["target_layer_ids"] == DEFAULT_TAPS
     assert manifest["draft_vocab"] == {"trtllm": DRAFT_VOCAB, "vllm": DRAFT_VOCAB, "sglang": DRAFT_VOCAB}
@@ -104,15 +120,23 @@ def test_the_drafter_directory_loads_back_with_identical_weights(target_dir, dra
 def test_the_setting_sets_the_chain_or_the_tree(target_dir, drafter_dir, tmp_path):
     out = tmp_path / "k7"
     build_bundle(target_dir, str(drafter_dir), out, "vllm,sglang", setting={"block_size": 7})
-    assert json.loads(flag(launch_argv(out / "vllm" / "launch.sh"), "--speculative-config"))["num_speculative_tokens"] == 6
+    assert (
+        json.loads(flag(launch_argv(out / "vllm" / "launch.sh"), "--speculative-config"))["num_speculative_tokens"] == 6
+    )
     assert sglang_shape(out)[2:] == (6, 1, 7)
 
     out = tmp_path / "tree12"
     manifest = build_bundle(target_dir, str(drafter_dir), out, "trtllm,sglang", setting={"tree_budget": 12})
     assert sglang_shape(out) == ("EAGLE3", "./drafter", BLOCK - 1, DRAFT_CANDIDATES, 13)
-    assert trtllm_spec(out) == {"decoding_type": "Eagle3", "speculative_model": "./drafter", "max_draft_len": BLOCK - 1,
-                                "eagle3_layers_to_capture": DEFAULT_TAPS, "use_dynamic_tree": True,
-                                "dynamic_tree_max_topK": DRAFT_CANDIDATES, "max_total_draft_tokens": 12}
+    assert trtllm_spec(out) == {
+        "decoding_type": "Eagle3",
+        "speculative_model": "./drafter",
+        "max_draft_len": BLOCK - 1,
+        "eagle3_layers_to_capture": DEFAULT_TAPS,
+        "use_dynamic_tree": True,
+        "dynamic_tree_max_topK": DRAFT_CANDIDATES,
+        "max_total_draft_tokens": 12,
+    }
     assert manifest["draft_tree_nodes"] == 12 and "a draft tree of 12 nodes" in (out / "README.md").read_text()
 
     # the setting stored with the drafter applies when none is given (loopspec tune keeps it there)
@@ -139,12 +163,23 @@ def test_every_tree_fits_each_engines_own_validation(drafter_dir):
     cfg = Eagle3Drafter.load(drafter_dir).cfg
     for block_size in (2, 3, 5, 9):
         for budget in (1, 2, 3, 5, 8, 9, 12, 17, 40, 100):
-            s = LaunchSettings(name="t", tp=1, block_size=block_size, drafts=block_size - 1, mask_token_id=None,
-                               target_layer_ids=DEFAULT_TAPS, precision=None, max_batch_size=4, max_context=64,
-                               drafter=cfg, tree_budget=budget)
+            s = LaunchSettings(
+                name="t",
+                tp=1,
+                block_size=block_size,
+                drafts=block_size - 1,
+                mask_token_id=None,
+                target_layer_ids=DEFAULT_TAPS,
+                precision=None,
+                max_batch_size=4,
+                max_context=64,
+                drafter=cfg,
+                tree_budget=budget,
+            )
             spec, argv = eagle3_speculative_config(s), speculative_argv(s)
-            steps, topk, tokens = (int(flag(argv, f"--speculative-{n}")) for n in ("num-steps", "eagle-topk",
-                                                                                  "num-draft-tokens"))
+            steps, topk, tokens = (
+                int(flag(argv, f"--speculative-{n}")) for n in ("num-steps", "eagle-topk", "num-draft-tokens")
+            )
             nodes = min(budget, DRAFT_CANDIDATES * (block_size - 1))
             case = (block_size, budget, spec, argv)
             assert spec["max_total_draft_tokens"] == nodes == tokens - 1 == s.verified_tokens - 1, case
@@ -162,11 +197,26 @@ def one_line_error(capsys, argv) -> str:
 
 
 def test_what_an_engine_cannot_take_is_refused_in_one_line(target_dir, drafter_dir, tmp_path, capsys):
-    argv = ["convert", "bundle", "--framework", "vllm", "--target", str(target_dir), "--drafter", str(drafter_dir),
-            "--out", str(tmp_path / "b"), "--tree-budget", "6"]
+    argv = [
+        "convert",
+        "bundle",
+        "--framework",
+        "vllm",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(drafter_dir),
+        "--out",
+        str(tmp_path / "b"),
+        "--tree-budget",
+        "6",
+    ]
     line = one_line_error(capsys, argv)
-    for words in ("vLLM cannot serve this EAGLE-3 drafter with a draft tree (6 nodes)", "chain",
-                  "engines that can: TensorRT-LLM >= 1.3, SGLang"):
+    for words in (
+        "vLLM cannot serve this EAGLE-3 drafter with a draft tree (6 nodes)",
+        "chain",
+        "engines that can: TensorRT-LLM >= 1.3, SGLang",
+    ):
         assert words in line, line
     assert not (tmp_path / "b").exists()
     with pytest.raises(LoopspecError, match="block size must be >= 2, got 1") as e:  # no drafts at all
@@ -192,8 +242,13 @@ def test_eagle3_1_goes_where_its_switches_are_read_and_is_refused_elsewhere(targ
     vLLM and llama.cpp, not SGLang."""
     from test_eagle3 import switch_tensors
 
-    directory, _ = eagle3_checkpoint(tmp_path / "e31", loopspec={"block_size": BLOCK}, fc_norm=True, norm_output=True,
-                                     tensors=switch_tensors(("fc_norm",)))
+    directory, _ = eagle3_checkpoint(
+        tmp_path / "e31",
+        loopspec={"block_size": BLOCK},
+        fc_norm=True,
+        norm_output=True,
+        tensors=switch_tensors(("fc_norm",)),
+    )
     manifest = build_bundle(target_dir, str(directory), tmp_path / "ok", "vllm,sglang")
     assert manifest["drafter_kind"] == "EAGLE-3 (fc_norm, norm_output)"
     config = json.loads((tmp_path / "ok" / "drafter" / "config.json").read_text())
@@ -201,7 +256,9 @@ def test_eagle3_1_goes_where_its_switches_are_read_and_is_refused_elsewhere(targ
     written = Eagle3Drafter.load(tmp_path / "ok" / "drafter")
     assert written.cfg.variant.switched_on == ("fc_norm", "norm_output") and written.fc_norm is not None
     for framework, title, target in (("llamacpp", "llama.cpp", "default"), ("trtllm", "TensorRT-LLM", target_dir)):
-        with pytest.raises(LoopspecError, match=f"{title}'s EAGLE-3 reader does not implement fc_norm, norm_output") as e:
+        with pytest.raises(
+            LoopspecError, match=f"{title}'s EAGLE-3 reader does not implement fc_norm, norm_output"
+        ) as e:
             build_bundle(target, str(directory), tmp_path / framework, framework)
         assert "\n" not in str(e.value) and not (tmp_path / framework).exists()
     directory, _ = eagle3_checkpoint(tmp_path / "nbr", loopspec={"block_size": BLOCK}, norm_before_residual=True)
@@ -245,8 +302,11 @@ def test_llamacpp_bundle_is_what_llamacpps_converter_reads(tmp_path):
     out = tmp_path / "bundle"
     manifest = build_bundle("default", str(tmp_path / "drafter"), out, "llamacpp")
     argv = launch_argv(out / "llamacpp" / "launch.sh")
-    assert (flag(argv, "-md"), flag(argv, "--spec-type"), flag(argv, "--spec-draft-n-max")) == \
-        ("./llamacpp/drafter.gguf", "draft-eagle3", "3")
+    assert (flag(argv, "-md"), flag(argv, "--spec-type"), flag(argv, "--spec-draft-n-max")) == (
+        "./llamacpp/drafter.gguf",
+        "draft-eagle3",
+        "3",
+    )
     assert "|| sh ./llamacpp/convert.sh" in (out / "llamacpp" / "launch.sh").read_text()
     convert = (out / "llamacpp" / "convert.sh").read_text()
     assert "./llamacpp/eagle3" in convert and "--target-model-dir ./llamacpp/target-config" in convert
@@ -262,15 +322,19 @@ def test_llamacpp_bundle_is_what_llamacpps_converter_reads(tmp_path):
 
     converter = llamacpp_converter()
     if converter is None:
-        pytest.skip(f"no llama.cpp converter: set LLAMACPP_CONVERT (scripts/build_llama_server.sh keeps it at "
-                    f"{VENDORED_CONVERTER})")
+        pytest.skip(
+            f"no llama.cpp converter: set LLAMACPP_CONVERT (scripts/build_llama_server.sh keeps it at "
+            f"{VENDORED_CONVERTER})"
+        )
     python, script = converter
     env = {**os.environ, "LLAMACPP_CONVERT": script, "PYTHON": python}
     run = subprocess.run(["sh", str(out / "llamacpp" / "convert.sh")], env=env, capture_output=True, text=True)
     if run.returncode and "No module named" in run.stderr:
         pytest.skip(f"the converter's Python lacks a requirement: {run.stderr.strip().splitlines()[-1]}")
     assert run.returncode == 0, run.stderr[-2000:]
-    gguf = pytest.importorskip("gguf", reason="needs the gguf package (a loopspec dependency) to read the converted drafter")
+    gguf = pytest.importorskip(
+        "gguf", reason="needs the gguf package (a loopspec dependency) to read the converted drafter"
+    )
     reader = gguf.GGUFReader(str(out / "llamacpp" / "drafter.gguf"))
     assert reader.fields["general.architecture"].contents() == "eagle3"
     assert list(reader.fields["eagle3.target_layers"].contents()) == [i + 1 for i in taps]

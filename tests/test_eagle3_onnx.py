@@ -65,7 +65,10 @@ def test_the_graphs_draft_what_the_torch_engine_drafts(reduced):
     target, drafter, onnx_dir = reduced
     manifest = read_manifest(onnx_dir)
     assert sorted(manifest.engines) == [EAGLE3_FUSE, EAGLE3_STEP, TARGET_VERIFY] and manifest.has_drafter
-    te, oe = (prefilled(e) for e in (TorchEngine(target, drafter, CONTEXT, max_rows=3), OrtEngine(onnx_dir, CONTEXT, max_rows=3)))
+    te, oe = (
+        prefilled(e)
+        for e in (TorchEngine(target, drafter, CONTEXT, max_rows=3), OrtEngine(onnx_dir, CONTEXT, max_rows=3))
+    )
     assert oe.has_drafter and oe.drafter_cfg.kind.chain and oe.drafter_cfg.draft_vocab_size == DRAFT_VOCAB
     assert torch.allclose(oe.context.states, te.context.states, atol=1e-5)  # the fused taps (eagle3_fuse)
     rows, order = [2, 0, 1], [len(PROMPTS[b]) for b in (2, 0, 1)]
@@ -91,15 +94,23 @@ def test_every_config_switch_drafts_on_the_graphs_what_the_torch_engine_drafts(t
     from test_eagle3 import switch_tensors
 
     switches = ("fc_norm", "norm_before_fc", "norm_output")
-    directory, _ = eagle3_checkpoint(tmp_path / "e31", tensors=switch_tensors(switches), fc_norm=True,
-                                     norm_before_fc=True, norm_output=True, norm_before_residual=True)
+    directory, _ = eagle3_checkpoint(
+        tmp_path / "e31",
+        tensors=switch_tensors(switches),
+        fc_norm=True,
+        norm_before_fc=True,
+        norm_output=True,
+        norm_before_residual=True,
+    )
     target = load_target_dir(target_dir)
     drafter = Eagle3Drafter.load(directory)
     drafter.cfg.fit(target.cfg)
     assert len(drafter.cfg.variant.switched_on) == 4
     export_pair(target, drafter, tmp_path / "onnx", target_dir=target_dir, max_context=CONTEXT)
-    te, oe = (prefilled(e, (0, 1)) for e in (TorchEngine(target, drafter, CONTEXT, max_rows=2),
-                                               OrtEngine(tmp_path / "onnx", CONTEXT, max_rows=2)))
+    te, oe = (
+        prefilled(e, (0, 1))
+        for e in (TorchEngine(target, drafter, CONTEXT, max_rows=2), OrtEngine(tmp_path / "onnx", CONTEXT, max_rows=2))
+    )
     assert torch.allclose(oe.context.states, te.context.states, atol=1e-5)
     rows, lengths = [1, 0], [len(PROMPTS[1]), len(PROMPTS[0])]
     (dt, pt, ht), (do, po, ho) = (e.draft(rows, [ANCHORS[1], ANCHORS[0]], lengths, BLOCK) for e in (te, oe))
@@ -141,10 +152,15 @@ def trained(target_dir, tmp_path_factory):
 TRAINED_PROMPTS, NEW_TOKENS = prompts(2, seed=7), 30
 
 
-@pytest.mark.parametrize("settings", [Method("dflash", block_size=BLOCK),
-                                      Method("dflash", block_size=BLOCK, tree_budget=8),
-                                      Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0)],
-                         ids=["chain", "tree", "dloop"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        Method("dflash", block_size=BLOCK),
+        Method("dflash", block_size=BLOCK, tree_budget=8),
+        Method("dloop", block_size=BLOCK, max_stages=3, gate_threshold=-2.0),
+    ],
+    ids=["chain", "tree", "dloop"],
+)
 def test_greedy_decoding_on_onnxruntime_commits_plain_decodings_tokens(settings, trained):
     te, oe = trained
     accepted = 0
@@ -176,23 +192,44 @@ def test_validation_refuses_a_wrong_graph(engine, output, reduced, tmp_path):
 def test_cli_converts_and_generates_on_onnxruntime_what_ar_does(target_dir, tmp_path, monkeypatch, capsys):
     directory, _ = eagle3_checkpoint(tmp_path / "eagle3")
     out = tmp_path / "onnx"
-    assert main(["convert", "onnx", "--target", str(target_dir), "--drafter", str(directory), "--out", str(out),
-                 "--max-context", str(CONTEXT)]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "onnx",
+                "--target",
+                str(target_dir),
+                "--drafter",
+                str(directory),
+                "--out",
+                str(out),
+                "--max-context",
+                str(CONTEXT),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "PASSED" in printed and EAGLE3_STEP in printed
     manifest = read_manifest(out)
     report = manifest.data["validation"]
-    assert report["passed"] and set(report["engines"]) == set(manifest.engines) == {TARGET_VERIFY, EAGLE3_FUSE, EAGLE3_STEP}
+    assert report["passed"] and set(report["engines"]) == set(manifest.engines) == {
+        TARGET_VERIFY,
+        EAGLE3_FUSE,
+        EAGLE3_STEP,
+    }
     assert report["greedy_identical"] and report["acceptance"]["relative_drop"] <= 0.02
     assert json.loads((out / "drafter" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     base = ["generate", "--prompt", "hello world", "--max-new-tokens", "12"]
     pair = ["--target", str(target_dir), "--drafter", str(directory)]
     drafting = ["--block-size", str(BLOCK), "--method"]
-    runs = {"torch ar": pair + ["--backend", "torch", "--method", "ar"],
-            "artifact dflash": ["--backend", "onnxruntime", "--onnx-dir", str(out)] + drafting + ["dflash"],
-            "artifact dloop": ["--backend", "onnxruntime", "--onnx-dir", str(out)] + drafting + ["dloop"],
-            "exported once, dloop": pair + ["--backend", "onnxruntime"] + drafting + ["dloop"]}
+    runs = {
+        "torch ar": pair + ["--backend", "torch", "--method", "ar"],
+        "artifact dflash": ["--backend", "onnxruntime", "--onnx-dir", str(out)] + drafting + ["dflash"],
+        "artifact dloop": ["--backend", "onnxruntime", "--onnx-dir", str(out)] + drafting + ["dloop"],
+        "exported once, dloop": pair + ["--backend", "onnxruntime"] + drafting + ["dloop"],
+    }
     texts = {}
     for name, argv in runs.items():
         assert main(base + argv) == 0, name
@@ -206,11 +243,14 @@ def test_quantized_drafter_graphs_refuse_it_in_one_line(reduced, tmp_path):
     target, drafter, _ = reduced
     kind = drafter.cfg.kind
     assert not kind.exports_quantized
-    for refused in (lambda: require_zlab_block(drafter.cfg, "quantization"),
-                    lambda: block_drafter(drafter, None, "gguf-int8act"),
-                    lambda: export_pair(target, drafter, tmp_path / "q", target_dir=tmp_path,
-                                        draft_drafter=drafter)):
-        with pytest.raises(LoopspecError, match="does not take EAGLE-3 drafters: their graphs are exported in fp32") as e:
+    for refused in (
+        lambda: require_zlab_block(drafter.cfg, "quantization"),
+        lambda: block_drafter(drafter, None, "gguf-int8act"),
+        lambda: export_pair(target, drafter, tmp_path / "q", target_dir=tmp_path, draft_drafter=drafter),
+    ):
+        with pytest.raises(
+            LoopspecError, match="does not take EAGLE-3 drafters: their graphs are exported in fp32"
+        ) as e:
             refused()
         assert "\n" not in str(e.value)
     assert block_drafter(drafter, None, "gguf-fp32act") is None  # fp32 activations: the drafter stays fp32

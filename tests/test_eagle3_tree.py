@@ -10,9 +10,28 @@ import pytest
 import torch
 
 from conftest import accepted_drafts, batched_greedy_equals_plain, lively
-from test_distribution import P_FAIL, P_PASS, PROMPT as LAW_PROMPT, RUNS, V as LAW_V, exact_distribution, gof_pvalue, seeds
-from test_eagle3 import (ANCHOR, BLOCK, PROMPT, PROMPTS, agreeing_eagle3, eagle3_checkpoint, fp64_pair,
-                         hf_hidden_states, reference_chain, target_dir)  # noqa: F401 (target_dir: a fixture)
+from test_distribution import (
+    P_FAIL,
+    P_PASS,
+    PROMPT as LAW_PROMPT,
+    RUNS,
+    V as LAW_V,
+    exact_distribution,
+    gof_pvalue,
+    seeds,
+)
+from test_eagle3 import (
+    ANCHOR,
+    BLOCK,
+    PROMPT,
+    PROMPTS,
+    agreeing_eagle3,
+    eagle3_checkpoint,
+    fp64_pair,
+    hf_hidden_states,
+    reference_chain,
+    target_dir,
+)  # noqa: F401 (target_dir: a fixture)
 from test_real_q import committed_counts
 import loopspec.runtime.decoder as decoder_module
 from loopspec.cli import main
@@ -48,8 +67,9 @@ def largest_difference_from_reference(tree: DynamicTree, sd, target_dir, top_k=T
     worst = 0.0
     for node in range(1, len(tree)):
         path = [tree.tokens[n] for n in tree.ancestors(node) + [node]]
-        _, logits, _, _ = reference_chain(sd, hidden_states, embed, PROMPT, ANCHOR, len(path) + 1, [2, 4, 5],
-                                          forced=path)
+        _, logits, _, _ = reference_chain(
+            sd, hidden_states, embed, PROMPT, ANCHOR, len(path) + 1, [2, 4, 5], forced=path
+        )
         logprobs = torch.log_softmax(logits, -1)  # [len(path) + 1, Vd]: step i+1 predicts depth i+1
         want = sum(float(logprobs[i, row_of[t]]) for i, t in enumerate(path))
         worst = max(worst, abs(want - tree.scores[node]))
@@ -91,7 +111,9 @@ def test_a_node_conditioned_on_a_siblings_path_fails_the_reference(target_dir, t
     real = DynamicTree.ancestors
 
     def siblings_ancestors(self, node):
-        other = [n for n in range(len(self)) if self.depths[n] == self.depths[node] and self.parents[n] != self.parents[node]]
+        other = [
+            n for n in range(len(self)) if self.depths[n] == self.depths[node] and self.parents[n] != self.parents[node]
+        ]
         return real(self, other[0] if other else node)
 
     monkeypatch.setattr(DynamicTree, "ancestors", siblings_ancestors)
@@ -111,8 +133,9 @@ def test_rows_grow_batched_what_they_grow_alone(target_dir, tmp_path):
     for b, p in enumerate(prompts):
         engine.prefill(b, p, want_taps=True)
     order = (2, 0, 1)
-    batched = engine.draft_dynamic(list(order), [anchors[b] for b in order], [len(prompts[b]) for b in order],
-                                   TOP_K, DEPTH)
+    batched = engine.draft_dynamic(
+        list(order), [anchors[b] for b in order], [len(prompts[b]) for b in order], TOP_K, DEPTH
+    )
     for tree, b in zip(batched, order):
         assert tree.tokens == alone[b].tokens and tree.parents == alone[b].parents
         assert max(abs(x - y) for x, y in zip(tree.scores, alone[b].scores)) <= 1e-12
@@ -136,12 +159,15 @@ def engine(target_dir):
     return TorchEngine(target, agreeing_eagle3(target, PROMPTS, steps=60), max_context=128)
 
 
-@pytest.mark.parametrize("settings", [DYNAMIC,
-                                      Method("dflash", block_size=BLOCK, tree_budget=6, tree_kind="dynamic",
-                                             tree_top_k=2, tree_depth=3),
-                                      Method("dflash", block_size=BLOCK, tree_budget=10, tree_kind="dynamic",
-                                             tree_top_k=TOP_K, suffix=True)],
-                         ids=["top3", "top2-depth3", "top3+suffix"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        DYNAMIC,
+        Method("dflash", block_size=BLOCK, tree_budget=6, tree_kind="dynamic", tree_top_k=2, tree_depth=3),
+        Method("dflash", block_size=BLOCK, tree_budget=10, tree_kind="dynamic", tree_top_k=TOP_K, suffix=True),
+    ],
+    ids=["top3", "top2-depth3", "top3+suffix"],
+)
 def test_greedy_dynamic_tree_commits_plain_decodings_tokens(settings, engine, plain):
     accepted = 0
     for p, ar in zip(PROMPTS, plain):
@@ -187,9 +213,19 @@ def law_engine(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=LAW_V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=LAW_V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
@@ -252,20 +288,41 @@ def test_a_block_drafter_is_refused_in_one_line(tiny_pair, capsys):
     with pytest.raises(LoopspecError, match="--tree-kind dynamic") as e:
         check_engine_runs(engine, Method("dflash", block_size=4, tree_budget=6, tree_kind="dynamic"))
     assert "\n" not in str(e.value) and "best-first" in str(e.value)
-    code = main(["generate", "--prompt", "x", "--target", str(target_dir_), "--drafter", str(drafter_dir),
-                 "--backend", "torch", "--method", "dflash", "--tree-budget", "6", "--tree-kind", "dynamic",
-                 "--max-new-tokens", "2"])
+    code = main(
+        [
+            "generate",
+            "--prompt",
+            "x",
+            "--target",
+            str(target_dir_),
+            "--drafter",
+            str(drafter_dir),
+            "--backend",
+            "torch",
+            "--method",
+            "dflash",
+            "--tree-budget",
+            "6",
+            "--tree-kind",
+            "dynamic",
+            "--max-new-tokens",
+            "2",
+        ]
+    )
     lines = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "--tree-kind dynamic" in lines[0], lines
 
 
-@pytest.mark.parametrize("knobs, words", [
-    (dict(method="dflash", tree_kind="dynamic"), "give --tree-budget N"),
-    (dict(method="dflash", tree_budget=4, tree_top_k=2), "add --tree-kind dynamic"),
-    (dict(method="dflash", tree_budget=4, tree_kind="dynamic", tree_depth=BLOCK), "raise --block-size"),
-    (dict(method="dloop", tree_budget=4, tree_kind="dynamic"), "--tree-kind does not apply to method dloop"),
-    (dict(method="dflash", tree_budget=4, tree_kind="wide"), "unknown tree kind"),
-])
+@pytest.mark.parametrize(
+    "knobs, words",
+    [
+        (dict(method="dflash", tree_kind="dynamic"), "give --tree-budget N"),
+        (dict(method="dflash", tree_budget=4, tree_top_k=2), "add --tree-kind dynamic"),
+        (dict(method="dflash", tree_budget=4, tree_kind="dynamic", tree_depth=BLOCK), "raise --block-size"),
+        (dict(method="dloop", tree_budget=4, tree_kind="dynamic"), "--tree-kind does not apply to method dloop"),
+        (dict(method="dflash", tree_budget=4, tree_kind="wide"), "unknown tree kind"),
+    ],
+)
 def test_bad_dynamic_settings_are_refused_in_one_line(knobs, words):
     with pytest.raises(LoopspecError) as e:
         Method(block_size=BLOCK, **knobs)

@@ -26,16 +26,45 @@ WINDOW = 8
 def tiny_family_config(family: str, **overrides):
     from transformers import GptOssConfig, Qwen3MoeConfig
 
-    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, max_position_embeddings=2048, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        eos_token_id=2,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
     common.update(overrides)
     if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), the others 4 experts, 2 per token
-        return Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=32, num_experts=4,
-                              num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
-    return GptOssConfig(**common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-                        sliding_window=WINDOW, rope_parameters={
-                            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                            "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False})
+        return Qwen3MoeConfig(
+            **common,
+            intermediate_size=48,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    return GptOssConfig(
+        **common,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 64,
+            "truncate": False,
+        },
+    )
 
 
 def save_family_target(family: str, directory, seed: int = 0):
@@ -55,7 +84,9 @@ def save_family_target(family: str, directory, seed: int = 0):
             elif "embed" in name or "lm_head" in name:
                 p.copy_(0.5 * torch.randn_like(p))
             else:  # lively: the greedy text follows the context; routers spread tokens over the experts
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 * (3.0 if "router" in name or "gate.w" in name else 1.5))
+                p.copy_(
+                    torch.randn_like(p) / p.shape[-1] ** 0.5 * (3.0 if "router" in name or "gate.w" in name else 1.5)
+                )
     model.save_pretrained(str(directory))
     return directory
 
@@ -75,8 +106,9 @@ def hf_outputs(directory, ids, dtype):
     # the eager experts loop (the grouped kernel takes no fp64); attention in the model's dtype (the
     # eager path of most families takes its softmax in fp32; gpt-oss's, with sinks, in the model's)
     attention = "eager" if json.loads((directory / "config.json").read_text())["model_type"] == "gpt_oss" else "sdpa"
-    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, experts_implementation="eager",
-                                              attn_implementation=attention).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(directory), dtype=dtype, experts_implementation="eager", attn_implementation=attention
+    ).eval()
     with torch.no_grad():
         out = hf(ids, output_hidden_states=True)
     return out.logits, out.hidden_states
@@ -113,7 +145,7 @@ def test_stepwise_decoding_and_rollback_match_one_forward(family, family_dirs):
         junk = target(torch.randint(0, 128, (1, 5)), cache)  # a verification whose drafts are all rejected
         assert junk.logits.shape[1] == 5
         cache.rollback([i])
-        parts.append(target(ids[:, i:i + 1], cache))
+        parts.append(target(ids[:, i : i + 1], cache))
     parts.append(target(ids[:, 20:], cache))
     logits = torch.cat([p.logits for p in parts], dim=1)
     taps = torch.cat([p.taps for p in parts], dim=1)
@@ -155,7 +187,7 @@ def test_routing_does_not_depend_on_the_batch(family, family_dirs):
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     for b, r in enumerate(rows):
-        ids[b, :len(r)] = r
+        ids[b, : len(r)] = r
     seen.clear()
     batched = target(ids, target.new_cache(64, rows=3), counts=torch.tensor([len(r) for r in rows]))
     picked, weights = (t.view(len(rows), width, -1) for t in seen[0])
@@ -169,10 +201,13 @@ def test_routing_does_not_depend_on_the_batch(family, family_dirs):
     assert used == set(range(4))  # every expert ran for some token: the routing was exercised
 
 
-METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
-           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
-           "tree": Method("dflash", block_size=5, tree_budget=8, suffix=True),
-           "suffix": Method("suffix", block_size=6)}
+METHODS = {
+    "ar": Method(),
+    "dflash": Method("dflash", block_size=5),
+    "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
+    "tree": Method("dflash", block_size=5, tree_budget=8, suffix=True),
+    "suffix": Method("suffix", block_size=6),
+}
 PROMPTS = [torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 9, 15, 22)]
 
 
@@ -208,8 +243,10 @@ def test_exported_engines_refuse_the_family_in_one_line(family, family_dirs):
 
 
 def test_bad_family_checkpoints_are_refused_in_one_line(family_dirs, tmp_path):
-    for family, drop in (("qwen3_moe", "model.layers.2.mlp.experts.3.up_proj.weight"),
-                         ("gpt_oss", "model.layers.0.self_attn.sinks")):
+    for family, drop in (
+        ("qwen3_moe", "model.layers.2.mlp.experts.3.up_proj.weight"),
+        ("gpt_oss", "model.layers.0.self_attn.sinks"),
+    ):
         d = tmp_path / family
         d.mkdir()
         (d / "config.json").write_text((family_dirs[family] / "config.json").read_text())
@@ -219,11 +256,12 @@ def test_bad_family_checkpoints_are_refused_in_one_line(family_dirs, tmp_path):
         with pytest.raises(LoopspecError, match="lacks tensor") as e:
             load_target_dir(d)
         assert drop.removeprefix("model.") in str(e.value) and "\n" not in str(e.value)
-    for family, change, match in (("gpt_oss", {"layer_types": ["sliding_attention"]}, "layer_types"),
-                                  ("gpt_oss", {"layer_types": ["full_attention", "local", "full_attention",
-                                                               "full_attention"]}, "layer_types"),
-                                  ("qwen3_moe", {"num_experts_per_tok": 9}, "experts per token"),
-                                  ("qwen3_moe", {"num_experts": 0, "num_local_experts": 0}, "num_experts")):
+    for family, change, match in (
+        ("gpt_oss", {"layer_types": ["sliding_attention"]}, "layer_types"),
+        ("gpt_oss", {"layer_types": ["full_attention", "local", "full_attention", "full_attention"]}, "layer_types"),
+        ("qwen3_moe", {"num_experts_per_tok": 9}, "experts per token"),
+        ("qwen3_moe", {"num_experts": 0, "num_local_experts": 0}, "num_experts"),
+    ):
         d = tmp_path / f"{family}-{len(str(change))}"
         d.mkdir()
         config = json.loads((family_dirs[family] / "config.json").read_text())
@@ -246,8 +284,14 @@ def test_backends_follow_the_family(family_dirs, tmp_path):
     with pytest.raises(LoopspecError, match="onnxruntime engine is not built for qwen3_moe"):
         EngineChoice(target=str(directory), drafter="none", backend="onnxruntime")
     with pytest.raises(LoopspecError, match="ONNX engine is not built for gpt_oss"):
-        convert_onnx(load_target_dir(family_dirs["gpt_oss"]), None, tmp_path / "out", target_dir=family_dirs["gpt_oss"],
-                     max_context=64, validate=False)
+        convert_onnx(
+            load_target_dir(family_dirs["gpt_oss"]),
+            None,
+            tmp_path / "out",
+            target_dir=family_dirs["gpt_oss"],
+            max_context=64,
+            validate=False,
+        )
     assert not (tmp_path / "out").exists()
     mxfp4 = tmp_path / "mxfp4"
     mxfp4.mkdir()
@@ -278,8 +322,9 @@ def test_bundles_name_the_family_for_every_reader(family_dirs, tmp_path):
         build_bundle(str(target_dir), str(tmp_path / f"{family}-drafter"), out, "trtllm,vllm,sglang")
         source = json.loads((target_dir / "config.json").read_text())
         exported = json.loads((out / "target" / "config.json").read_text())
-        assert exported["model_type"] == family and {k: exported[k] for k in source if k != "dtype"} == \
-            {k: v for k, v in source.items() if k != "dtype"}
+        assert exported["model_type"] == family and {k: exported[k] for k in source if k != "dtype"} == {
+            k: v for k, v in source.items() if k != "dtype"
+        }
         if family == "qwen3_moe":
             assert exported["num_experts"] == source["num_local_experts"] == 4
         else:
@@ -308,8 +353,13 @@ def law_engines(tmp_path_factory):
         if family == "qwen3_5":  # a hybrid as tests/test_hybrid.py builds them: one linear-attention layer, one full
             from test_hybrid import tiny_text_config
 
-            config = tiny_text_config(vocab_size=V, eos_token_id=None, hidden_size=32, num_hidden_layers=2,
-                                      layer_types=["linear_attention", "full_attention"])
+            config = tiny_text_config(
+                vocab_size=V,
+                eos_token_id=None,
+                hidden_size=32,
+                num_hidden_layers=2,
+                layer_types=["linear_attention", "full_attention"],
+            )
         else:
             config = tiny_family_config(family, vocab_size=V, hidden_size=32, num_hidden_layers=2, eos_token_id=None)
         torch.manual_seed(i)
@@ -387,7 +437,7 @@ def test_sliding_layers_keep_their_window_only(family_dirs):
     for i in range(100, 120):
         target(torch.randint(0, 128, (1, 6)), cache)  # a rejected verification
         cache.rollback([i])
-        parts.append(target(ids[:, i:i + 1], cache).logits)
+        parts.append(target(ids[:, i : i + 1], cache).logits)
     other = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(6))
     target(other, cache, first_row=1)
     batch = torch.zeros(2, 20, dtype=torch.long)

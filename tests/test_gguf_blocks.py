@@ -47,10 +47,19 @@ def write_tiny_gguf(target_dir, path, bad_type=None):
     cfg = json.loads((target_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     state = {k: v.float().numpy() for k, v in read_safetensors_dir(target_dir).items()}
-    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "embed_tokens": "token_embd",
+        "norm": "output_norm",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     writer = gguf.GGUFWriter(str(path), "llama")
     expanded = {}
     for hf_name, w in state.items():
@@ -59,8 +68,11 @@ def write_tiny_gguf(target_dir, path, bad_type=None):
             continue  # tied
         layer, _, rest = name.partition("layers.")[2].partition(".") if name.startswith("layers.") else ("", "", name)
         gguf_name = (f"blk.{layer}." if layer else "") + names[rest] + ".weight"
-        stored = llama_cpp_permute(w, heads if "q_proj" in rest else kv_heads) if rest in (
-            "self_attn.q_proj", "self_attn.k_proj") else w
+        stored = (
+            llama_cpp_permute(w, heads if "q_proj" in rest else kv_heads)
+            if rest in ("self_attn.q_proj", "self_attn.k_proj")
+            else w
+        )
         kind = Q.F32 if w.ndim == 1 else Q.Q8_0 if rest == "embed_tokens" else Q.Q4_1
         if bad_type is not None and rest == "mlp.down_proj":
             kind = bad_type
@@ -108,8 +120,16 @@ def exported(tiny_gguf, tmp_path_factory):
     out = {}
     for precision in PRECISIONS:
         onnx_dir = tmp_path_factory.mktemp("onnx") / precision
-        _, report = convert_onnx(target, drafter, onnx_dir, target_dir=target_dir, drafter_dir=drafter_dir,
-                                 precision=precision, gguf_path=path, num_threads=1)
+        _, report = convert_onnx(
+            target,
+            drafter,
+            onnx_dir,
+            target_dir=target_dir,
+            drafter_dir=drafter_dir,
+            precision=precision,
+            gguf_path=path,
+            num_threads=1,
+        )
         out[precision] = (onnx_dir, report)
     return out
 
@@ -135,9 +155,16 @@ def run_one_product(module, x: np.ndarray, path) -> np.ndarray:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(OneProduct(module).eval(), (torch.from_numpy(x),), str(path), dynamo=False,
-                          opset_version=17, input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "batch", 1: "tokens"}})
+        torch.onnx.export(
+            OneProduct(module).eval(),
+            (torch.from_numpy(x),),
+            str(path),
+            dynamo=False,
+            opset_version=17,
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_axes={"x": {0: "batch", 1: "tokens"}},
+        )
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -157,8 +184,9 @@ def test_blocks_expand_to_the_checkpoint_and_minimums_are_not_codes(tiny_gguf):
     assert np.abs(ratio - np.round(ratio)).max() > 0.1
 
 
-@pytest.mark.parametrize("name", ["layers.0.mlp.gate_up_proj.weight", "layers.0.mlp.down_proj.weight",
-                                  "layers.1.self_attn.qkv_proj.weight"])
+@pytest.mark.parametrize(
+    "name", ["layers.0.mlp.gate_up_proj.weight", "layers.0.mlp.down_proj.weight", "layers.1.self_attn.qkv_proj.weight"]
+)
 def test_one_q4_1_product_equals_the_fp32_expansion(tiny_gguf, name, tmp_path):
     matrix = tiny_blocks(tiny_gguf)[name]
     w = matrix.dequantize()  # [N, K]
@@ -195,8 +223,7 @@ def test_quantize_blocks_writes_what_the_gguf_package_reads(kind):
     assert np.array_equal(matrix.dequantize(), back)
     # round to nearest: every weight within half a step of its block, give or take the fp16 rounding of
     # the scale and minimum (truncating codes would leave up to a whole step)
-    steps = (np.abs(w).reshape(6, 3, 32).max(-1) / 127 if kind == "Q8_0"
-             else np.ptp(w.reshape(6, 3, 32), axis=-1) / 15)
+    steps = np.abs(w).reshape(6, 3, 32).max(-1) / 127 if kind == "Q8_0" else np.ptp(w.reshape(6, 3, 32), axis=-1) / 15
     assert (np.abs(back - w).reshape(6, 3, 32) <= steps[..., None] * 0.52).all()
     # weights the blocks hold exactly come back exactly
     assert np.array_equal(quantize_blocks(back, kind).dequantize(), back)
@@ -225,8 +252,9 @@ def test_the_graphs_hold_the_blocks_and_the_manifest_names_them(exported):
         counts[precision] = bits
         for engine in ("drafter_context", "drafter_context_hidden", "drafter_block"):
             g = onnx.load(str(onnx_dir / f"{engine}.onnx"), load_external_data=False).graph
-            counts[precision, engine] = sorted(next(a.i for a in n.attribute if a.name == "bits")
-                                               for n in g.node if n.op_type == "MatMulNBits")
+            counts[precision, engine] = sorted(
+                next(a.i for a in n.attribute if a.name == "bits") for n in g.node if n.op_type == "MatMulNBits"
+            )
     n_layers = json.loads((exported["gguf-fp32act"][0] / "target" / "config.json").read_text())["num_hidden_layers"]
     assert counts["gguf-fp32act"] == [4] * (4 * n_layers)  # Q8_0 lm_head as its exact fp32 expansion
     assert counts["gguf-int8act"] == [4] * (4 * n_layers) + [8]  # and as the 8-bit block product
@@ -240,7 +268,9 @@ def test_the_graphs_hold_the_blocks_and_the_manifest_names_them(exported):
     assert counts["gguf-int8act", "drafter_context"] == [8] * 2
     assert counts["gguf-int8act", "drafter_context_hidden"] == [8]
     account = json.loads((exported["gguf-int8act"][0] / "manifest.json").read_text())["settings"]["drafter"]
-    assert account["products"].startswith("7 Q8_0")  # fc, q, k, v, o, gate_up, down and "lm_head (Q8_0)" in account["draft_head"]
+    assert account["products"].startswith(
+        "7 Q8_0"
+    )  # fc, q, k, v, o, gate_up, down and "lm_head (Q8_0)" in account["draft_head"]
 
 
 def test_fp32_activations_match_the_fp32_reference(exported):
@@ -254,7 +284,9 @@ def test_fp32_activations_match_the_fp32_reference(exported):
     assert report["verify_equals_plain"] and report["verify_plain_agreement"] == 1.0
     # its drafter is a quantized one too: off the fp32 drafter measurably, within the same bound
     for engine in ("drafter_context", "drafter_block"):
-        assert 1e-5 < report["engines"][engine]["errors"]["hidden" if engine == "drafter_block" else "context_key"] < 0.25
+        assert (
+            1e-5 < report["engines"][engine]["errors"]["hidden" if engine == "drafter_block" else "context_key"] < 0.25
+        )
         assert report["engines"][engine]["tolerance"] == 0.25
 
 
@@ -267,8 +299,12 @@ def test_ar_dflash_dloop_identical_on_the_block_engines(exported, precision):
     assert len(ar.tokens) == 40
     # draft trees too, on int8 activations included (the order-free softmax: tests/test_invariance.py)
     assert not engine.chains_only
-    for settings in (DecodingSettings("dflash", 5), DecodingSettings("dloop", 5, 3, -1e9), DecodingSettings("suffix", 6),
-                     DecodingSettings("dflash", 5, tree_budget=8, suffix=True)):
+    for settings in (
+        DecodingSettings("dflash", 5),
+        DecodingSettings("dloop", 5, 3, -1e9),
+        DecodingSettings("suffix", 6),
+        DecodingSettings("dflash", 5, tree_budget=8, suffix=True),
+    ):
         result = generate(engine, prompt, settings, max_new_tokens=40)
         assert result.tokens == ar.tokens, settings
         assert accepted_drafts([result]) >= 20, (settings, accepted_drafts([result]))  # measured 31 to 36 of 40
@@ -302,8 +338,23 @@ def test_bad_input_is_one_clear_error(tiny_gguf, tmp_path, capsys):
     with pytest.raises(LoopspecError, match="MatMulNBits, which TensorRT does not run"):
         check_precision_supported("gguf-int8act", (10, 0))
     capsys.readouterr()  # the tiny checkpoints' own progress output
-    assert main(["convert", "onnx", "--target", str(target_dir), "--drafter", "none", "--precision", "gguf-int8act",
-                 "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(
+            [
+                "convert",
+                "onnx",
+                "--target",
+                str(target_dir),
+                "--drafter",
+                "none",
+                "--precision",
+                "gguf-int8act",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "need a GGUF target" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "o").exists()
@@ -353,8 +404,25 @@ def test_default_target_over_its_gguf_blocks(tmp_path):
     outputs = {}
     for precision in PRECISIONS:
         out = tmp_path / precision
-        assert main(["convert", "onnx", "--target", "default", "--drafter", "default", "--precision", precision,
-                     "--out", str(out), "--threads", "1"]) == 0
+        assert (
+            main(
+                [
+                    "convert",
+                    "onnx",
+                    "--target",
+                    "default",
+                    "--drafter",
+                    "default",
+                    "--precision",
+                    precision,
+                    "--out",
+                    str(out),
+                    "--threads",
+                    "1",
+                ]
+            )
+            == 0
+        )
         assert json.loads((out / "manifest.json").read_text())["validation"]["passed"]
         pipe = load_pipeline(backend="onnxruntime", onnx_dir=out, num_threads=1)
         prompt = prompt or pipe.encode("Write a Python function that reverses a string.")

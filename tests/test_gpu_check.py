@@ -30,18 +30,25 @@ def test_a_skip_passes_only_where_its_reason_holds():
 def test_gpu_check_dry_run_lists_every_check_and_passes():
     # python3 on PATH is this interpreter (the wrapper runs `python3` where the checkout has no .venv)
     env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
-    result = subprocess.run(["sh", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=170)
+    result = subprocess.run(
+        ["sh", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-2000:]
     assert re.search(r"torch \S+, CUDA", out) and "transformers" in out  # versions printed first
-    table = out[out.index("check             result"):]
+    table = out[out.index("check             result") :]
     for name in CHECK_NAMES:
         row = re.search(rf"^{re.escape(name)}\s+(pass|skip)\s+([\d.]+)\s+(.*)$", table, re.M)
         assert row, f"{name} missing from the table or failed:\n{table}"
         result, figure = row.group(1), row.group(3).strip()
-        assert result == "pass" or may_skip(name, figure, torch.cuda.is_available()), \
+        assert result == "pass" or may_skip(name, figure, torch.cuda.is_available()), (
             f"{name} skipped where it should have run: {figure}"
+        )
         assert figure, name  # a passed check states its key figure, a skipped one its reason
     assert "graphs identity   pass" in table and "identical=True" in table  # the static-buffer path, really run
     assert re.search(r"^8B cost\s+pass.*tok/s", table, re.M)

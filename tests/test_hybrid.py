@@ -44,18 +44,48 @@ def one_thread():
 def tiny_text_config(family: str = "qwen3_5", **changes):
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
-    fields = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
-                  linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES,
-                  max_position_embeddings=512, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_conv_kernel_dim=4,
+        layer_types=LAYER_TYPES,
+        max_position_embeddings=512,
+        eos_token_id=2,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
     if family == "qwen3_5_moe":  # 4 experts, 2 per token, and the shared one
-        return Qwen3_5MoeTextConfig(**fields, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=48, **changes)
+        return Qwen3_5MoeTextConfig(
+            **fields,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            **changes,
+        )
     if family == "qwen3_next":  # layer 0 dense (mlp_only_layers), layers 1-3 the experts and the shared one
-        return Qwen3NextConfig(**fields, intermediate_size=96, num_experts=4, num_experts_per_tok=2,
-                               moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=1,
-                               mlp_only_layers=[0], **changes)
-    return Qwen3_5TextConfig(**{**fields, "intermediate_size": 96, **changes})  # partial rotary 0.25: RoPE on 8 of 32 dims
+        return Qwen3NextConfig(
+            **fields,
+            intermediate_size=96,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            **changes,
+        )
+    return Qwen3_5TextConfig(
+        **{**fields, "intermediate_size": 96, **changes}
+    )  # partial rotary 0.25: RoPE on 8 of 32 dims
 
 
 def lively_(model, seed: int, short_memory: bool = False):
@@ -111,8 +141,9 @@ def hf_model(directory, dtype):
     from transformers import AutoModelForCausalLM
 
     # the eager experts loop: the grouped kernel takes no fp64
-    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, attn_implementation="sdpa",
-                                                experts_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(directory), dtype=dtype, attn_implementation="sdpa", experts_implementation="eager"
+    ).eval()
 
 
 @torch.no_grad()
@@ -129,8 +160,10 @@ def hf_one_token_decoding(directory, ids, dtype):
             mixer = layer.linear_attn
             cache.update_conv_state(torch.zeros(1, mixer.conv_dim, mixer.conv_kernel_size, dtype=dtype), i)
             cache.update_recurrent_state(torch.zeros(1, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim), i)
-    steps = [hf(ids[:, t:t + 1], past_key_values=cache, use_cache=True, output_hidden_states=True)
-             for t in range(ids.shape[1])]
+    steps = [
+        hf(ids[:, t : t + 1], past_key_values=cache, use_cache=True, output_hidden_states=True)
+        for t in range(ids.shape[1])
+    ]
     hidden = [torch.cat([s.hidden_states[i] for s in steps], dim=1) for i in range(len(steps[0].hidden_states))]
     return torch.cat([s.logits for s in steps], dim=1), hidden
 
@@ -149,8 +182,9 @@ def relative(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("dtype,oracle,tolerance", [(torch.float64, hf_one_token_decoding, 1e-9),
-                                                    (torch.float32, hf_prefill, 1e-5)])
+@pytest.mark.parametrize(
+    "dtype,oracle,tolerance", [(torch.float64, hf_one_token_decoding, 1e-9), (torch.float32, hf_prefill, 1e-5)]
+)
 @pytest.mark.parametrize("family", FAMILIES_HERE)
 def test_logits_and_taps_match_transformers(family, dtype, oracle, tolerance, hybrid_dirs):
     ids = prompt_ids()
@@ -177,9 +211,15 @@ def test_fp64_prefill_is_transformers_chunked_prefill_up_to_its_fp32_delta_rule(
 def test_text_positions_make_multimodal_rope_plain_rope_over_the_rotary_dims():
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
-    config = tiny_text_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                               "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
-                                               "mrope_interleaved": True})
+    config = tiny_text_config(
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        }
+    )
     mrope = Qwen3_5TextRotaryEmbedding(config)
     positions = torch.arange(40)[None, None, :].expand(3, 1, -1)  # text: one position in all three sections
     cos, sin = mrope(torch.zeros(1, dtype=torch.float32), positions)
@@ -201,7 +241,7 @@ def speculative_replay(target, ids, junk_seed: int = 3) -> float:
     i, accepted = 6, 0
     while i < 40:  # verifications of 5 tokens: `accepted` real ones, then junk that is rejected
         junk = torch.randint(0, 128, (1, 5 - accepted), generator=g)
-        out = target(torch.cat([ids[:, i:i + accepted], junk], dim=1), cache)
+        out = target(torch.cat([ids[:, i : i + accepted], junk], dim=1), cache)
         cache.rollback([i + accepted])
         if accepted:
             parts.append(type(out)(out.logits[:, :accepted], out.taps[:, :accepted]))
@@ -231,6 +271,7 @@ def test_stepwise_decoding_and_rollback_match_one_forward(family, hybrid_dirs):
 def test_qwen3_next_projections_read_in_checkpoint_order_are_caught(hybrid_dirs, monkeypatch):
     """Planted: in_proj_qkvz read as q, k, v, z laid end to end (and in_proj_ba as b then a) rather
     than per key-head group: the logits leave transformers' far behind."""
+
     def end_to_end(qkvz, ba, cfg, prefix):
         dims = cfg.linear_attention
         return torch.cat([*qkvz.split((dims.key_dim, dims.key_dim, dims.value_dim, dims.value_dim)), ba])
@@ -263,8 +304,12 @@ def test_a_rollback_outside_the_latest_forward_is_refused_in_one_line(fp64_targe
     with pytest.raises(LoopspecError, match="not kept"):
         fp64_target(prompt_ids(1), prefill)
     prefill.rollback([0])  # length 0 is the zero state: a new request starts there
-    assert relative(fp64_target(prompt_ids(10), prefill).logits,
-                    fp64_target(prompt_ids(10), fp64_target.new_cache(64)).logits) == 0
+    assert (
+        relative(
+            fp64_target(prompt_ids(10), prefill).logits, fp64_target(prompt_ids(10), fp64_target.new_cache(64)).logits
+        )
+        == 0
+    )
 
 
 def test_padding_never_advances_a_rows_state(fp64_target):
@@ -281,7 +326,7 @@ def test_padding_never_advances_a_rows_state(fp64_target):
     def padded(seqs):
         ids = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
         for b, s in enumerate(seqs):
-            ids[b, :len(s)] = s
+            ids[b, : len(s)] = s
         return ids, torch.tensor([len(s) for s in seqs])
 
     cache = fp64_target.new_cache(64, rows=3)
@@ -294,18 +339,25 @@ def test_padding_never_advances_a_rows_state(fp64_target):
     ids, counts = padded([more[b] for b in order])
     second = fp64_target(ids, cache, counts=counts).logits
     for b, (r, m) in enumerate(zip(rows, more)):
-        assert relative(first[b, :len(r)], alone[b][0]) <= 1e-9
-        assert relative(second[order.index(b), :len(m)], alone[b][1]) <= 1e-9
+        assert relative(first[b, : len(r)], alone[b][0]) <= 1e-9
+        assert relative(second[order.index(b), : len(m)], alone[b][1]) <= 1e-9
 
 
 # measured accepted drafts of 160 tokens: Qwen3.5-MoE dloop 135, as on Qwen3.5 (every draft the budget
 # allows); Qwen3-Next dflash 124, dloop 136
-MOE_FLOORS = {("qwen3_5_moe", "dloop"): 90, ("qwen3_next", "ar"): 0, ("qwen3_next", "dflash"): 90,
-              ("qwen3_next", "dloop"): 90}
+MOE_FLOORS = {
+    ("qwen3_5_moe", "dloop"): 90,
+    ("qwen3_next", "ar"): 0,
+    ("qwen3_next", "dflash"): 90,
+    ("qwen3_next", "dloop"): 90,
+}
 
-METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
-           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
-           "suffix": Method("suffix", block_size=6)}
+METHODS = {
+    "ar": Method(),
+    "dflash": Method("dflash", block_size=5),
+    "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
+    "suffix": Method("suffix", block_size=6),
+}
 PROMPTS = [torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 9, 15, 22)]
 
 
@@ -382,8 +434,17 @@ def test_the_multimodal_checkpoint_loads_its_language_model(hybrid_dir, tmp_path
     its tensors under model.language_model. (the vision tower's are not read)."""
     from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=2,
-                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=2,
+        temporal_patch_size=1,
+        spatial_merge_size=1,
+        num_position_embeddings=16,
+    )
     config = Qwen3_5Config(text_config=tiny_text_config().to_dict(), vision_config=vision, tie_word_embeddings=False)
     model = Qwen3_5ForConditionalGeneration(config).eval()
     text = AutoModelForCausalLM.from_pretrained(str(hybrid_dir), dtype=torch.float32)
@@ -402,12 +463,14 @@ def test_the_multimodal_checkpoint_loads_its_language_model(hybrid_dir, tmp_path
 
 
 def test_bad_checkpoints_are_refused_in_one_line(hybrid_dir, hybrid_dirs, tmp_path):
-    for family, drop in (("qwen3_5", "model.layers.1.linear_attn.A_log"),
-                         ("qwen3_5", "model.layers.3.linear_attn.conv1d.weight"),
-                         ("qwen3_5_moe", "model.layers.2.mlp.shared_expert_gate.weight"),
-                         ("qwen3_next", "model.layers.1.linear_attn.in_proj_qkvz.weight"),
-                         ("qwen3_next", "model.layers.3.linear_attn.in_proj_ba.weight"),
-                         ("qwen3_next", "model.layers.2.mlp.experts.3.up_proj.weight")):
+    for family, drop in (
+        ("qwen3_5", "model.layers.1.linear_attn.A_log"),
+        ("qwen3_5", "model.layers.3.linear_attn.conv1d.weight"),
+        ("qwen3_5_moe", "model.layers.2.mlp.shared_expert_gate.weight"),
+        ("qwen3_next", "model.layers.1.linear_attn.in_proj_qkvz.weight"),
+        ("qwen3_next", "model.layers.3.linear_attn.in_proj_ba.weight"),
+        ("qwen3_next", "model.layers.2.mlp.experts.3.up_proj.weight"),
+    ):
         d = tmp_path / drop.split(".")[-2]
         d.mkdir()
         (d / "config.json").write_text((hybrid_dirs[family] / "config.json").read_text())
@@ -418,11 +481,13 @@ def test_bad_checkpoints_are_refused_in_one_line(hybrid_dir, hybrid_dirs, tmp_pa
             load_target_dir(d)
         assert drop.removeprefix("model.") in str(e.value) and "\n" not in str(e.value)
     swapped = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
-    for change, match in (({"layer_types": LAYER_TYPES[:3]}, "layer_types"),
-                          ({"layer_types": LAYER_TYPES[:3] + ["sliding_attention"]}, "layer_types"),
-                          ({"layer_types": swapped}, "lacks tensor 'layers.1.self_attn"),
-                          ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
-                          ({"linear_key_head_dim": None}, "linear_key_head_dim")):
+    for change, match in (
+        ({"layer_types": LAYER_TYPES[:3]}, "layer_types"),
+        ({"layer_types": LAYER_TYPES[:3] + ["sliding_attention"]}, "layer_types"),
+        ({"layer_types": swapped}, "lacks tensor 'layers.1.self_attn"),
+        ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
+        ({"linear_key_head_dim": None}, "linear_key_head_dim"),
+    ):
         d = tmp_path / f"config-{len(str(change))}-{match[:6]}"
         d.mkdir()
         config = json.loads((hybrid_dir / "config.json").read_text())

@@ -29,20 +29,26 @@ from test_gguf_blocks import write_tiny_gguf  # noqa: E402
 
 CONTEXT = 400
 PRECISIONS = ("fp32", "gguf-fp32act", "gguf-int8act")
-METHODS = {"ar": Method(), "dflash": Method("dflash", block_size=5),
-           "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
-           "tree": Method("dflash", block_size=5, tree_budget=8, suffix=True),
-           "dloop-tree": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, tree_budget=10, suffix=True),
-           "suffix": Method("suffix", block_size=6),
-           "dloop+first2": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, suffix_first=2),
-           "dloop+first2+thendraft": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, suffix_first=2,
-                                            suffix_then_draft=True)}
+METHODS = {
+    "ar": Method(),
+    "dflash": Method("dflash", block_size=5),
+    "dloop": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9),
+    "tree": Method("dflash", block_size=5, tree_budget=8, suffix=True),
+    "dloop-tree": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, tree_budget=10, suffix=True),
+    "suffix": Method("suffix", block_size=6),
+    "dloop+first2": Method("dloop", block_size=5, max_stages=3, gate_threshold=-1e9, suffix_first=2),
+    "dloop+first2+thendraft": Method(
+        "dloop", block_size=5, max_stages=3, gate_threshold=-1e9, suffix_first=2, suffix_then_draft=True
+    ),
+}
 
 
 def prompts(n, seed, low=2, high=40):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 120, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, 120, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 BATCH_PROMPTS, BATCH_BUDGETS = prompts(7, seed=2), [40, 9, 33, 1, 40, 17, 26]
@@ -73,11 +79,20 @@ def drafter(tmp_path_factory):
     decoding's commits with plain decoding's."""
     root = tmp_path_factory.mktemp("drafter")
     target_dir, gguf_path, target = lively_gguf_target(root)
-    convert_onnx(target, None, root / "int8", target_dir=target_dir, max_context=CONTEXT, validate=False,
-                 precision="gguf-int8act", gguf_path=gguf_path)
+    convert_onnx(
+        target,
+        None,
+        root / "int8",
+        target_dir=target_dir,
+        max_context=CONTEXT,
+        validate=False,
+        precision="gguf-int8act",
+        gguf_path=gguf_path,
+    )
     cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=5, mask_token_id=127)
-    return agreeing_drafter(target, BATCH_PROMPTS + CHUNK_PROMPTS, cfg,
-                            also_engines=[OrtEngine(root / "int8", CONTEXT, num_threads=1)])
+    return agreeing_drafter(
+        target, BATCH_PROMPTS + CHUNK_PROMPTS, cfg, also_engines=[OrtEngine(root / "int8", CONTEXT, num_threads=1)]
+    )
 
 
 def export_pair(root, drafter, **mutations) -> dict:
@@ -93,8 +108,16 @@ def export_pair(root, drafter, **mutations) -> dict:
                 setattr(m, name, mutant)
         for precision in PRECISIONS:
             out = root / precision
-            convert_onnx(target, drafter, out, target_dir=target_dir, max_context=CONTEXT, validate=False,
-                         precision=precision, gguf_path=gguf_path if precision != "fp32" else None)
+            convert_onnx(
+                target,
+                drafter,
+                out,
+                target_dir=target_dir,
+                max_context=CONTEXT,
+                validate=False,
+                precision=precision,
+                gguf_path=gguf_path if precision != "fp32" else None,
+            )
             engines[precision] = OrtEngine(out, CONTEXT, num_threads=1)
     finally:
         for (m, name), function in real.items():
@@ -126,14 +149,18 @@ def rows_against_alone(engine, prompt_list, calls):
             for b, (t, m) in enumerate(call):
                 masks[b] = torch.eye(width, dtype=torch.bool) | torch.ones(width, width, dtype=torch.bool).tril()
                 if m is not None:
-                    masks[b, :len(t), :len(t)] = m
+                    masks[b, : len(t), : len(t)] = m
         logits, taps = batch.verify(tokens, want_taps=True, tree_masks=masks)
         for b, (t, m) in enumerate(call):
-            alone_logits, alone_taps = singles[b].verify([t], want_taps=True,
-                                                        tree_masks=m[None] if m is not None else None)
+            alone_logits, alone_taps = singles[b].verify(
+                [t], want_taps=True, tree_masks=m[None] if m is not None else None
+            )
             n = len(t)
-            worst = max(worst, float((logits[b, :n] - alone_logits[0, :n]).abs().max()),
-                        float((taps[b, :n] - alone_taps[0, :n]).abs().max()))
+            worst = max(
+                worst,
+                float((logits[b, :n] - alone_logits[0, :n]).abs().max()),
+                float((taps[b, :n] - alone_taps[0, :n]).abs().max()),
+            )
     return worst
 
 
@@ -144,9 +171,11 @@ def tree_mask_of(parents: list[int]) -> torch.Tensor:
     return tree_masks([tree], len(parents) + 1)[0]
 
 
-CALLS = [[([7], None), ([8, 9, 10], None), ([11, 12], None)],  # chains of different counts
-         [([13], None), ([14], None), ([15], None)],  # plain decoding, one token a row
-         [([5, 10, 11, 12], tree_mask_of([0, 0, 1])), ([16], None), ([5, 10, 11], tree_mask_of([0, 1]))]]
+CALLS = [
+    [([7], None), ([8, 9, 10], None), ([11, 12], None)],  # chains of different counts
+    [([13], None), ([14], None), ([15], None)],  # plain decoding, one token a row
+    [([5, 10, 11, 12], tree_mask_of([0, 0, 1])), ([16], None), ([5, 10, 11], tree_mask_of([0, 1]))],
+]
 
 
 # rows of 3, 17, 36 and 270 prompt tokens: the longest past crosses the value product's 256-slot block
@@ -211,8 +240,16 @@ def alone_commits(engine, method) -> tuple[list[list[int]], int]:
 # tokens for the drafter's methods (int8's roundings differ between CPUs), far above a drafter that
 # never agrees (0), so commits of accepted drafts are what is compared. The suffix index alone finds
 # little to copy in a lively target's text (0 to 4): its floor is 0.
-MIN_ACCEPTED = {"ar": 0, "dflash": 60, "dloop": 60, "tree": 60, "dloop-tree": 60, "suffix": 0, "dloop+first2": 60,
-                "dloop+first2+thendraft": 60}
+MIN_ACCEPTED = {
+    "ar": 0,
+    "dflash": 60,
+    "dloop": 60,
+    "tree": 60,
+    "dloop-tree": 60,
+    "suffix": 0,
+    "dloop+first2": 60,
+    "dloop+first2+thendraft": 60,
+}
 
 
 def commits_of(engine, method) -> tuple[bool, int, int]:
@@ -245,7 +282,10 @@ def test_committing_only_the_anchor_breaks_it(engines, monkeypatch):
     refuses — for every drafting method on the int8 engine and for chains on the others."""
     engine_class = type(engines["fp32"])
     real = engine_class.target_commit
-    monkeypatch.setattr(engine_class, "target_commit", lambda self, starts, kept: real(self, starts, [k[:1] for k in kept]))
+    monkeypatch.setattr(
+        engine_class, "target_commit", lambda self, starts, kept: real(self, starts, [k[:1] for k in kept])
+    )
+
     def passes(precision, name) -> bool:
         try:
             return commits_of(engines[precision], METHODS[name])[0]
@@ -278,8 +318,13 @@ def nodes_unlike_plain(engine, prompt, mask=None) -> list[int]:
     row = engine.with_rows(1)
     row.prefill(0, prompt, want_taps=False)
     logits = row.verify([tokens], want_taps=False, tree_masks=mask[None])[0][0]
-    return [node for node in range(len(tokens))
-            if not torch.equal(logits[node], plain_logits(engine, prompt, [t for t, seen in zip(tokens, paths[node]) if seen]))]
+    return [
+        node
+        for node in range(len(tokens))
+        if not torch.equal(
+            logits[node], plain_logits(engine, prompt, [t for t, seen in zip(tokens, paths[node]) if seen])
+        )
+    ]
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -292,7 +337,9 @@ def test_every_tree_node_computes_what_plain_decoding_computes(engines, precisio
 def test_the_plain_softmax_breaks_trees(tmp_path, drafter):
     """Mutation check: with ONNX Runtime's own softmax (a masked sibling inside a node's row moves
     its later elements to other SIMD lanes) some tree node's logits differ from plain decoding's."""
-    engine = export_pair(tmp_path, drafter, order_free_softmax=lambda scores: torch.softmax(scores, dim=-1))["gguf-int8act"]
+    engine = export_pair(tmp_path, drafter, order_free_softmax=lambda scores: torch.softmax(scores, dim=-1))[
+        "gguf-int8act"
+    ]
     assert nodes_unlike_plain(engine, prompts(1, 8, 20, 21)[0]) != []
 
 
@@ -325,8 +372,10 @@ def lone_token_agrees_with_padded(engine, contexts: int = 4) -> bool:
     for i, prompt in enumerate(prompts(contexts, seed=31, low=5, high=90)):
         single.prefill(0, prompt, want_taps=False)
         alone, padded = (single.run_target([0], [[3 + i]], width, all_logits=True) for width in (1, 2))
-        if not (torch.equal(alone["logits"][:, :1], padded["logits"][:, :1])
-                and torch.equal(alone["new_key"][..., :1, :], padded["new_key"][..., :1, :])):
+        if not (
+            torch.equal(alone["logits"][:, :1], padded["logits"][:, :1])
+            and torch.equal(alone["new_key"][..., :1, :], padded["new_key"][..., :1, :])
+        ):
             return False
     return True
 
@@ -366,7 +415,10 @@ def test_an_engine_of_a_short_context_measures_its_lone_step_within_it(engines):
     short = OrtEngine(full.artifact_dir, 6)
     assert short.lone_step_width in (1, 2) and int(short.cache.lengths.max()) == 0
     prompt = prompts(1, 12, 2, 3)[0]
-    assert generate(short, prompt, Method(), max_new_tokens=3).tokens == generate(full, prompt, Method(), max_new_tokens=3).tokens
+    assert (
+        generate(short, prompt, Method(), max_new_tokens=3).tokens
+        == generate(full, prompt, Method(), max_new_tokens=3).tokens
+    )
 
 
 def test_an_int8_export_without_the_order_free_softmax_verifies_chains_only(engines, tmp_path):

@@ -41,8 +41,22 @@ def generated(monkeypatch):
 
 
 def data_args(target_dir, prompts, out, *extra):
-    return ["data", "--prompts", str(prompts), "--target", str(target_dir), "--out", str(out),
-            "--max-new-tokens", "12", "--batch-size", "3", "--tap-layers", "1,4", *extra]
+    return [
+        "data",
+        "--prompts",
+        str(prompts),
+        "--target",
+        str(target_dir),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "12",
+        "--batch-size",
+        "3",
+        "--tap-layers",
+        "1,4",
+        *extra,
+    ]
 
 
 def test_samples_name_their_prompt_line(tiny_pair, prompts, tmp_path):
@@ -120,13 +134,16 @@ def test_mismatched_or_corrupt_kept_data_is_refused(tiny_pair, prompts, tmp_path
         err = capsys.readouterr().err.strip()
         assert words in err and "\n" not in err, err
 
-    refused(data_args(target_dir, prompts, tmp_path / "a", "--kept", str(kept), "--max-new-tokens", "5"),
-            "other settings: max_new_tokens 12 there, 5 here")
+    refused(
+        data_args(target_dir, prompts, tmp_path / "a", "--kept", str(kept), "--max-new-tokens", "5"),
+        "other settings: max_new_tokens 12 there, 5 here",
+    )
     other = save_tiny_target("llama", tmp_path / "other", seed=7)  # another random llama, same tokenizer
     save_tiny_tokenizer(other)
     refused(data_args(other, prompts, tmp_path / "b", "--kept", str(kept)), "was kept for another target")
-    refused(data_args(target_dir, prompts, tmp_path / "c", "--kept", str(tmp_path / "nowhere")),
-            "not a kept data directory")
+    refused(
+        data_args(target_dir, prompts, tmp_path / "c", "--kept", str(tmp_path / "nowhere")), "not a kept data directory"
+    )
     # packing data of another target into it is refused as well, leaving it as it was
     assert main(data_args(other, prompts, tmp_path / "other-data", "--limit", "2")) == 0
     before = (kept / "samples.jsonl.xz").read_bytes()
@@ -170,22 +187,45 @@ def test_training_runs_from_data_resumed_from_kept(tiny_pair, prompts, tmp_path)
     assert main(data_args(target_dir, prompts, tmp_path / "first")) == 0
     assert main(["data", "--pack", str(kept), "--out", str(tmp_path / "first")]) == 0
     assert main(data_args(target_dir, prompts, resumed, "--kept", str(kept))) == 0
-    common = ["train", "--data", str(resumed), "--target", str(target_dir), "--anchors", "8",
-              "--batch-sequences", "2", "--max-steps", "2", "--eval-every", "2", "--save-every", "2"]
+    common = [
+        "train",
+        "--data",
+        str(resumed),
+        "--target",
+        str(target_dir),
+        "--anchors",
+        "8",
+        "--batch-sequences",
+        "2",
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--save-every",
+        "2",
+    ]
     base, deeper, looped = tmp_path / "base", tmp_path / "deeper", tmp_path / "looped"
-    assert main(common + ["--out", str(base), "--block-size", "4", "--tap-layers", "1,4",
-                          "--mask-token-id", "127"]) == 0
+    assert (
+        main(common + ["--out", str(base), "--block-size", "4", "--tap-layers", "1,4", "--mask-token-id", "127"]) == 0
+    )
     cache = ["--tap-cache", str(tmp_path / "taps")]
-    assert main(common + ["--init", str(base), "--num-layers", "2", "--compute-dtype", "bfloat16", "--out",
-                          str(deeper), *cache]) == 0
+    assert (
+        main(
+            common
+            + ["--init", str(base), "--num-layers", "2", "--compute-dtype", "bfloat16", "--out", str(deeper), *cache]
+        )
+        == 0
+    )
     assert main(common + ["--init", str(deeper), "--loop-stages", "3", "--out", str(looped), *cache]) == 0
     for out in (base, deeper, looped):
         log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
         assert [r["step"] for r in log] == [0, 1, 2] and "heldout_tau" in log[-1]
         assert (out / "model.safetensors").is_file()
     assert Drafter.load(looped).cfg.num_layers == 2
-    assert json.loads((deeper / "train_log.jsonl").read_text().splitlines()[0])["heldout_tau"] == \
-        json.loads((base / "train_log.jsonl").read_text().splitlines()[-1])["heldout_tau"]  # grown = base
+    assert (
+        json.loads((deeper / "train_log.jsonl").read_text().splitlines()[0])["heldout_tau"]
+        == json.loads((base / "train_log.jsonl").read_text().splitlines()[-1])["heldout_tau"]
+    )  # grown = base
 
 
 def test_half_written_last_line_is_not_a_sample(tiny_pair, prompts, tmp_path):
@@ -212,12 +252,36 @@ def test_tap_cache_computes_taps_once_and_refuses_a_mismatch(tiny_pair, prompts,
     data = tmp_path / "data"
     assert main(data_args(target_dir, prompts, data)) == 0  # no --cache-taps: token ids only
     cache = tmp_path / "taps"
-    train = ["train", "--data", str(data), "--target", str(target_dir), "--block-size", "4",
-             "--mask-token-id", "127", "--anchors", "8", "--batch-sequences", "2", "--epochs", "2",
-             "--max-steps", "6", "--eval-every", "3", "--save-every", "3", "--tap-cache", str(cache)]
+    train = [
+        "train",
+        "--data",
+        str(data),
+        "--target",
+        str(target_dir),
+        "--block-size",
+        "4",
+        "--mask-token-id",
+        "127",
+        "--anchors",
+        "8",
+        "--batch-sequences",
+        "2",
+        "--epochs",
+        "2",
+        "--max-steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--save-every",
+        "3",
+        "--tap-cache",
+        str(cache),
+    ]
     passes = []
     real = DrafterTrainer.target_pass
-    monkeypatch.setattr(DrafterTrainer, "target_pass", lambda self, tokens, want: passes.append(1) or real(self, tokens, want))
+    monkeypatch.setattr(
+        DrafterTrainer, "target_pass", lambda self, tokens, want: passes.append(1) or real(self, tokens, want)
+    )
     assert main(train + ["--tap-layers", "1,4", "--out", str(tmp_path / "first")]) == 0
     samples = [s for s in read_samples(data) if len(s.tokens) - s.prompt_len >= 2]  # those training uses
     files = sorted(p.name for p in cache.glob("*.safetensors"))
@@ -238,7 +302,9 @@ def test_tap_cache_computes_taps_once_and_refuses_a_mismatch(tiny_pair, prompts,
     other = tmp_path / "other-data"
     assert main(data_args(target_dir, prompts, other, "--max-new-tokens", "7")) == 0
     passes.clear()
-    assert main(["train", "--data", str(other)] + train[3:] + ["--tap-layers", "1,4", "--out", str(tmp_path / "o")]) == 0
+    assert (
+        main(["train", "--data", str(other)] + train[3:] + ["--tap-layers", "1,4", "--out", str(tmp_path / "o")]) == 0
+    )
     changed = [s for s in read_samples(other) if len(s.tokens) - s.prompt_len >= 2]
     assert len(passes) == len(changed) > 0
     s = changed[0]

@@ -11,10 +11,29 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"loopspec": ROOT / "loopspec", "loopspec.engines": ROOT / "engines",
-           "loopspec.convert": ROOT / "convert", "loopspec.runtime": ROOT / "runtime", "loopspec.cli": ROOT / "cli"}
-OPTIONAL = {"onnxruntime", "onnx", "onnxscript", "tensorrt", "tensorrt_llm", "modelopt", "fastapi", "uvicorn",
-            "openai", "matplotlib", "vllm", "sglang", "xgrammar", "llguidance"}
+FOLDERS = {
+    "loopspec": ROOT / "loopspec",
+    "loopspec.engines": ROOT / "engines",
+    "loopspec.convert": ROOT / "convert",
+    "loopspec.runtime": ROOT / "runtime",
+    "loopspec.cli": ROOT / "cli",
+}
+OPTIONAL = {
+    "onnxruntime",
+    "onnx",
+    "onnxscript",
+    "tensorrt",
+    "tensorrt_llm",
+    "modelopt",
+    "fastapi",
+    "uvicorn",
+    "openai",
+    "matplotlib",
+    "vllm",
+    "sglang",
+    "xgrammar",
+    "llguidance",
+}
 STDLIB = set(sys.stdlib_module_names)
 
 
@@ -127,7 +146,7 @@ def test_no_import_cycles():
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"
@@ -143,8 +162,12 @@ def test_engines_are_reached_through_backends():
     imports a backend's own module, nor a backend class from anywhere, so every caller (validation
     included) runs an engine the way the runtime opens it. convert/trt.py builds plans with
     engines/trt_engine.py's helpers, which open no engine."""
-    backend_modules = {"loopspec.engines.torch_engine", "loopspec.engines.cuda_graphs",
-                       "loopspec.engines.artifact_engine", "loopspec.engines.ort_engine"}
+    backend_modules = {
+        "loopspec.engines.torch_engine",
+        "loopspec.engines.cuda_graphs",
+        "loopspec.engines.artifact_engine",
+        "loopspec.engines.ort_engine",
+    }
     backend_classes = {"TorchEngine", "OrtEngine", "TrtEngine", "ArtifactEngine", "EngineSession"}
     problems = []
     for path in python_files():
@@ -160,12 +183,15 @@ def test_engines_are_reached_through_backends():
                 continue
             hits = {m for m in backend_modules for x in modules if x == m or x.startswith(m + ".")}
             for backend in sorted(hits):
-                problems.append(f"{path}:{node.lineno}: imports {backend} (open engines through "
-                                f"loopspec.engines.backends, hold them as Engine)")
+                problems.append(
+                    f"{path}:{node.lineno}: imports {backend} (open engines through "
+                    f"loopspec.engines.backends, hold them as Engine)"
+                )
             for name in names:
                 if name in backend_classes:
-                    problems.append(f"{path}:{node.lineno}: imports {name} (hold engines as "
-                                    f"loopspec.engines.protocol.Engine)")
+                    problems.append(
+                        f"{path}:{node.lineno}: imports {name} (hold engines as loopspec.engines.protocol.Engine)"
+                    )
     assert not problems, "\n".join(problems)
 
 
@@ -189,9 +215,14 @@ def kind_field_uses(path: Path, names) -> list[str]:
         if isinstance(node, ast.Attribute) and node.attr in names:
             if not (isinstance(node.value, ast.Name) and node.value.id == "args"):
                 name = node.attr
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) >= 2
-              and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in names
+        ):
             name = node.args[1].value
         if name is not None:
             found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{name}")
@@ -213,17 +244,24 @@ def test_only_the_model_reads_a_drafter_kinds_fields():
     # the list covers every field the kind lookup reads, so a field added to a kind is guarded at once
     lookup = ast.parse(textwrap.dedent(inspect.getsource(drafter_kinds.drafter_kind)))
     param = lookup.body[0].args.args[0].arg
-    read = {n.attr for n in ast.walk(lookup) if isinstance(n, ast.Attribute)
-            and isinstance(n.value, ast.Name) and n.value.id == param}
+    read = {
+        n.attr
+        for n in ast.walk(lookup)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == param
+    }
     assert read and read <= names, f"drafter_kind reads fields KIND_FIELDS lacks: {sorted(read - names)}"
-    problems = sorted(use for path in source_files() if not path.is_relative_to(MODEL)
-                      for use in kind_field_uses(path, names))
+    problems = sorted(
+        use for path in source_files() if not path.is_relative_to(MODEL) for use in kind_field_uses(path, names)
+    )
     assert not problems, "ask DrafterConfig.kind instead of reading its fields:\n" + "\n".join(problems)
 
 
 def test_no_source_file_is_over_the_line_limit():
-    long = [f"{path.relative_to(ROOT)}: {n} lines" for path in source_files()
-            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    long = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for path in source_files()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    ]
     assert not long, f"split these by topic (at most {MAX_LINES} lines a file):\n" + "\n".join(long)
 
 
@@ -263,13 +301,17 @@ def private_reaches(path: Path) -> list[str]:
                     found.append(f"{label}:{node.lineno}: bare import of {alias.name} (use loopspec.{alias.name})")
                 if alias.name.split(".")[0] == "loopspec" and any(map(private, alias.name.split("."))):
                     found.append(f"{label}:{node.lineno}: imports {alias.name}")
-        if (isinstance(node, ast.ImportFrom) and node.module
-                and node.module.split(".")[0] in ("runtime", "convert", "engines", "cli")):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in ("runtime", "convert", "engines", "cli")
+        ):
             found.append(f"{label}:{node.lineno}: bare import of {node.module} (use loopspec.{node.module})")
     subclassed = set()  # private members a subclass of a loopspec class defines (overrides)
     for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id in loopspec_names
-                                                  for b in node.bases):
+        if isinstance(node, ast.ClassDef) and any(
+            isinstance(b, ast.Name) and b.id in loopspec_names for b in node.bases
+        ):
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and private(item.name):
                     subclassed.add(item.name)
@@ -282,15 +324,16 @@ def private_reaches(path: Path) -> list[str]:
             continue
         if (path.name, node.attr) in THIRD_PARTY_PRIVATE:
             continue
-        shown = owner or ("super()" if isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "super"
-                          else "…")
+        shown = owner or (
+            "super()" if isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "super" else "…"
+        )
         found.append(f"{label}:{node.lineno}: {shown}.{node.attr}")
     return sorted(set(found), key=lambda s: (s.split(":")[0], int(s.split(":")[1]), s))
 
 
 def test_scripts_reach_no_private_member_of_loopspec():
     problems = [p for path in sorted(SCRIPTS.glob("*.py")) for p in private_reaches(path)]
-    assert not problems, ("give what a script needs a public name where it belongs:\n" + "\n".join(problems))
+    assert not problems, "give what a script needs a public name where it belongs:\n" + "\n".join(problems)
 
 
 def test_private_reach_check_catches_planted_ones(tmp_path):
@@ -309,7 +352,8 @@ def test_private_reach_check_catches_planted_ones(tmp_path):
         "def main():\n"
         "    engine = artifact_engine('onnxruntime', 'dir')\n"
         "    out = engine._run_target([0], [[1]], 1, all_logits=True)\n"
-        "    return out, constraint._bitmask\n")
+        "    return out, constraint._bitmask\n"
+    )
     assert private_reaches(planted) == [
         "planted.py:3: imports _xgrammar from loopspec.runtime.constraint",
         "planted.py:6: Oracle overrides _static_runner",
@@ -329,7 +373,8 @@ def test_private_reach_check_catches_planted_ones(tmp_path):
         "        return self._start, self.__class__.__name__\n"
         "\n"
         "def main():\n"
-        "    return artifact_engine('onnxruntime', 'dir').run_target([0], [[1]], 1, all_logits=True)\n")
+        "    return artifact_engine('onnxruntime', 'dir').run_target([0], [[1]], 1, all_logits=True)\n"
+    )
     assert private_reaches(clean) == []
     vllm = tmp_path / "check_bundles_parsers.py"  # the allowed third-party name, in its own script only
     vllm.write_text("def check(config):\n    return config._is_dflash_candidate_draft()\n")
@@ -344,8 +389,9 @@ def test_private_reach_check_catches_planted_ones(tmp_path):
 # kind in engines/drafter_contexts.py. The engines' backends and the runtime therefore never test which
 # family a drafter is: no import of a family's engine modules, no read of a kind's family markers, no
 # isinstance against a family's classes.
-FAMILY_BLIND = sorted(ROOT.glob("engines/*_engine.py")) + [ROOT / "engines" / "protocol.py"] + sorted(
-    ROOT.glob("runtime/**/*.py"))
+FAMILY_BLIND = (
+    sorted(ROOT.glob("engines/*_engine.py")) + [ROOT / "engines" / "protocol.py"] + sorted(ROOT.glob("runtime/**/*.py"))
+)
 FAMILY_ENGINE_MODULES = re.compile(r"loopspec\.engines\.(dflash|dflash2|dspark|eagle3)_")
 FAMILY_MARKERS = {"chain", "selector", "eagle3", "markov", "confidence", "convention", "name", "family", "context"}
 FAMILY_CLASSES = re.compile(r"^(Eagle3|DFlash2|DSpark|DFlash)\w*$|^Drafter$")
@@ -360,13 +406,22 @@ def family_tests(path: Path) -> list[str]:
         if isinstance(node, ast.ImportFrom) and node.module and FAMILY_ENGINE_MODULES.match(node.module):
             found.append(f"{where}:{node.lineno}: imports {node.module}")
         elif isinstance(node, ast.Import):
-            found += [f"{where}:{node.lineno}: imports {a.name}" for a in node.names if FAMILY_ENGINE_MODULES.match(a.name)]
-        elif (isinstance(node, ast.Attribute) and node.attr in FAMILY_MARKERS
-              and isinstance(node.value, (ast.Attribute, ast.Name))
-              and (node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id) == "kind"):
+            found += [
+                f"{where}:{node.lineno}: imports {a.name}" for a in node.names if FAMILY_ENGINE_MODULES.match(a.name)
+            ]
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr in FAMILY_MARKERS
+            and isinstance(node.value, (ast.Attribute, ast.Name))
+            and (node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id) == "kind"
+        ):
             found.append(f"{where}:{node.lineno}: reads kind.{node.attr}")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
-              and len(node.args) == 2):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and len(node.args) == 2
+        ):
             classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
             named = [c.id if isinstance(c, ast.Name) else getattr(c, "attr", "") for c in classes]
             found += [f"{where}:{node.lineno}: isinstance(…, {n})" for n in named if FAMILY_CLASSES.match(n)]
@@ -376,8 +431,10 @@ def family_tests(path: Path) -> list[str]:
 def test_engines_and_runtime_never_test_a_drafters_family():
     assert len(FAMILY_BLIND) > 20 and ROOT / "engines" / "torch_engine.py" in FAMILY_BLIND
     problems = [hit for path in FAMILY_BLIND for hit in family_tests(path)]
-    assert not problems, ("ask the drafter's context (engines/protocol.py DrafterContext) or a kind's capability "
-                          "instead:\n" + "\n".join(problems))
+    assert not problems, (
+        "ask the drafter's context (engines/protocol.py DrafterContext) or a kind's capability "
+        "instead:\n" + "\n".join(problems)
+    )
 
 
 def test_the_family_check_catches_planted_family_tests(tmp_path):
@@ -391,7 +448,8 @@ def test_the_family_check_catches_planted_family_tests(tmp_path):
         "        self.steps_drafts = drafter is not None and drafter.cfg.kind.chain\n"
         "        self.selects = drafter.cfg.kind.selector is not None\n"
         "        self.eagle = isinstance(drafter, (Eagle3Drafter, int))\n"
-        "        self.capture = drafter.cfg.kind.captured_stages  # a capability: allowed\n")
+        "        self.capture = drafter.cfg.kind.captured_stages  # a capability: allowed\n"
+    )
     assert family_tests(planted) == [
         "planted_engine.py:1: imports loopspec.engines.eagle3_context",
         "planted_engine.py:6: reads kind.chain",
@@ -407,6 +465,9 @@ def family_prefixed(name: str) -> bool:
 def test_a_familys_files_carry_its_name_first():
     """Every module that names a drafter family in its file name names it first (eagle3_export.py, not
     export_eagle3.py): a family's files sort together in each folder."""
-    misnamed = [str(path.relative_to(ROOT)) for path in source_files()
-                if re.search(r"_(dflash2?|dspark|eagle3)(_|\.py$)", path.name) and not family_prefixed(path.name)]
+    misnamed = [
+        str(path.relative_to(ROOT))
+        for path in source_files()
+        if re.search(r"_(dflash2?|dspark|eagle3)(_|\.py$)", path.name) and not family_prefixed(path.name)
+    ]
     assert not misnamed, "put the family first: " + ", ".join(misnamed)

@@ -15,8 +15,12 @@ import torch
 gguf = pytest.importorskip("gguf", reason="needs gguf: pip install gguf (a core dependency)")
 
 from loopspec.convert.bundles import build_bundle  # noqa: E402
-from loopspec.engines.llamacpp import (find_llama_server, llama_server_command, read_dflash_gguf,  # noqa: E402
-                                       write_dflash_gguf)
+from loopspec.engines.llamacpp import (
+    find_llama_server,
+    llama_server_command,
+    read_dflash_gguf,  # noqa: E402
+    write_dflash_gguf,
+)
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.model.dflash import Drafter, DrafterConfig  # noqa: E402
 from loopspec.weights import file_sha256  # noqa: E402
@@ -28,10 +32,22 @@ NO_SERVER = "no llama-server on PATH (scripts/build_llama_server.sh builds one)"
 
 def tiny_drafter(draft_vocab: int | None = 32, **changes) -> Drafter:
     """A random 2-layer drafter for the tiny target, norms random too so every tensor is told apart."""
-    cfg = DrafterConfig(hidden_size=HIDDEN, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=16, vocab_size=VOCAB, num_target_layers=TARGET_LAYERS, target_layer_ids=[1, 3, 4],
-                        mask_token_id=127, block_size=6, rms_norm_eps=1e-6, rope_theta=10000.0,
-                        max_position_embeddings=CONTEXT)
+    cfg = DrafterConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        num_target_layers=TARGET_LAYERS,
+        target_layer_ids=[1, 3, 4],
+        mask_token_id=127,
+        block_size=6,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=CONTEXT,
+    )
     torch.manual_seed(0)
     model = Drafter(replace(cfg, **changes))
     with torch.no_grad():
@@ -80,19 +96,33 @@ def target(tmp_path_factory):
 def tensors_of(path) -> dict[str, tuple[str, np.ndarray]]:
     """{name: (type name, values in PyTorch [out, in] layout)} as gguf's reader gives them."""
     reader = gguf.GGUFReader(str(path))
-    return {t.name: (t.tensor_type.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))))
-            for t in reader.tensors}
+    return {
+        t.name: (t.tensor_type.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))))
+        for t in reader.tensors
+    }
 
 
 def expected_tensors(model: Drafter) -> dict[str, np.ndarray]:
     """The drafter's weights by llama.cpp dflash name, written out by hand from the z-lab names."""
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-             "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     state = {k: v.float().numpy() for k, v in model.zlab_state_dict().items()}
-    out = {"fc.weight": state["fc.weight"], "enc.output_norm.weight": state["hidden_norm.weight"],
-           "output_norm.weight": state["norm.weight"]}
+    out = {
+        "fc.weight": state["fc.weight"],
+        "enc.output_norm.weight": state["hidden_norm.weight"],
+        "output_norm.weight": state["norm.weight"],
+    }
     for i in range(model.cfg.num_layers):
         for hf, ours in names.items():
             out[f"blk.{i}.{ours}.weight"] = state[f"layers.{i}.{hf}.weight"]
@@ -114,18 +144,29 @@ def test_keys_tensors_and_values_read_back(target, tmp_path):
     assert path == tmp_path / "drafter.gguf" and sorted(p.name for p in tmp_path.iterdir()) == ["drafter.gguf"]
     keys = read_dflash_gguf(path)["keys"]
     expected_keys = {
-        "general.architecture": "dflash", "general.file_type": 0,
-        "dflash.block_count": 2, "dflash.context_length": CONTEXT, "dflash.embedding_length": HIDDEN,
-        "dflash.feed_forward_length": 96, "dflash.attention.head_count": 4, "dflash.attention.head_count_kv": 2,
-        "dflash.attention.key_length": 16, "dflash.attention.value_length": 16, "dflash.rope.freq_base": 10000.0,
-        "dflash.block_size": 6, "dflash.target_layers": [2, 4, 5],  # HF hidden_states indices: taps + 1
-        "tokenizer.ggml.mask_token_id": 127}
+        "general.architecture": "dflash",
+        "general.file_type": 0,
+        "dflash.block_count": 2,
+        "dflash.context_length": CONTEXT,
+        "dflash.embedding_length": HIDDEN,
+        "dflash.feed_forward_length": 96,
+        "dflash.attention.head_count": 4,
+        "dflash.attention.head_count_kv": 2,
+        "dflash.attention.key_length": 16,
+        "dflash.attention.value_length": 16,
+        "dflash.rope.freq_base": 10000.0,
+        "dflash.block_size": 6,
+        "dflash.target_layers": [2, 4, 5],  # HF hidden_states indices: taps + 1
+        "tokenizer.ggml.mask_token_id": 127,
+    }
     assert {k: keys[k] for k in expected_keys} == expected_keys
     assert keys["dflash.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
     assert keys["general.name"] == "tiny.Q8_0 DFlash drafter"
     # the target's tokenizer, key for key, plus the drafter's mask token
     assert {k: v for k, v in keys.items() if k.startswith("tokenizer.")} == {
-        **tokenizer_keys(target["path"]), "tokenizer.ggml.mask_token_id": 127}
+        **tokenizer_keys(target["path"]),
+        "tokenizer.ggml.mask_token_id": 127,
+    }
 
     tensors = tensors_of(path)
     weights = expected_tensors(model)
@@ -170,13 +211,16 @@ def test_f16_keeps_norms_in_f32(target, tmp_path):
     assert tensors["output.weight"][0] == "F16" and tensors["d2t"][0] == "I64"
 
 
-@pytest.mark.parametrize("problem, drafter, match", [
-    ("hidden size", lambda: tiny_drafter(hidden_size=32, intermediate_size=48), "hidden size 32 != target's 64"),
-    ("tap out of range", lambda: tiny_drafter(target_layer_ids=[1, 6]), r"tap ids \[6\] out of range"),
-    ("target depth", lambda: tiny_drafter(num_target_layers=8), "built for 8 target layers, target has 6"),
-    ("no mask token", lambda: tiny_drafter(mask_token_id=None), "no mask token id"),
-    ("vocab", lambda: tiny_drafter(draft_vocab=None, vocab_size=256), "vocab size 256 != target's 128"),
-])
+@pytest.mark.parametrize(
+    "problem, drafter, match",
+    [
+        ("hidden size", lambda: tiny_drafter(hidden_size=32, intermediate_size=48), "hidden size 32 != target's 64"),
+        ("tap out of range", lambda: tiny_drafter(target_layer_ids=[1, 6]), r"tap ids \[6\] out of range"),
+        ("target depth", lambda: tiny_drafter(num_target_layers=8), "built for 8 target layers, target has 6"),
+        ("no mask token", lambda: tiny_drafter(mask_token_id=None), "no mask token id"),
+        ("vocab", lambda: tiny_drafter(draft_vocab=None, vocab_size=256), "vocab size 256 != target's 128"),
+    ],
+)
 def test_a_drafter_that_does_not_fit_is_refused_and_nothing_written(target, tmp_path, problem, drafter, match):
     with pytest.raises(LoopspecError, match=match):
         write_dflash_gguf(drafter(), target["path"], tmp_path / "drafter.gguf")
@@ -221,10 +265,28 @@ def test_a_failed_write_leaves_no_file_and_keeps_the_old_one(target, tmp_path, m
 def test_llama_server_command_plain_and_dflash():
     plain = llama_server_command("/bin/llama-server", "t.gguf", port=9000)
     assert plain == ["/bin/llama-server", "-m", "t.gguf", "--host", "127.0.0.1", "--port", "9000"]
-    spec = llama_server_command("llama-server", "t.gguf", drafter_gguf="d.gguf", draft_max=7, threads=2,
-                                context=2048, host="0.0.0.0", port=8081)
-    assert spec == ["llama-server", "-m", "t.gguf", "--host", "0.0.0.0", "--port", "8081", "-t", "2", "-c", "2048",
-                    "-md", "d.gguf", "--spec-type", "draft-dflash", "--spec-draft-n-max", "7"]
+    spec = llama_server_command(
+        "llama-server", "t.gguf", drafter_gguf="d.gguf", draft_max=7, threads=2, context=2048, host="0.0.0.0", port=8081
+    )
+    assert spec == [
+        "llama-server",
+        "-m",
+        "t.gguf",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8081",
+        "-t",
+        "2",
+        "-c",
+        "2048",
+        "-md",
+        "d.gguf",
+        "--spec-type",
+        "draft-dflash",
+        "--spec-draft-n-max",
+        "7",
+    ]
     with pytest.raises(LoopspecError, match="draft_max needs a drafter"):
         llama_server_command("llama-server", "t.gguf", draft_max=3)
 
@@ -267,12 +329,22 @@ def test_llamacpp_bundle(target, drafter_dir, tmp_path):
     out = tmp_path / "bundle"
     manifest = build_bundle(str(target["path"]), str(drafter_dir), out, "llamacpp", threads=3)
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
-    assert on_disk == {"llamacpp/target.gguf", "llamacpp/drafter.gguf", "llamacpp/launch.sh", "README.md",
-                       "manifest.json"}  # no HF target/ or z-lab drafter/: llama.cpp reads neither
+    assert on_disk == {
+        "llamacpp/target.gguf",
+        "llamacpp/drafter.gguf",
+        "llamacpp/launch.sh",
+        "README.md",
+        "manifest.json",
+    }  # no HF target/ or z-lab drafter/: llama.cpp reads neither
     assert manifest["engines"] == ["llamacpp"] and manifest["precision"] == "gguf"
     assert manifest["draft_vocab"] == {"llamacpp": 32}
-    assert manifest["llamacpp"] == {"target": "llamacpp/target.gguf", "drafter": "llamacpp/drafter.gguf",
-                                    "drafter_dtype": "f32", "spec_type": "draft-dflash", "draft_max": 5}
+    assert manifest["llamacpp"] == {
+        "target": "llamacpp/target.gguf",
+        "drafter": "llamacpp/drafter.gguf",
+        "drafter_dtype": "f32",
+        "spec_type": "draft-dflash",
+        "draft_max": 5,
+    }
     assert manifest["max_context"] == CONTEXT and manifest["served_model_name"] == "tiny.Q8_0"
     assert manifest["sources"]["target_gguf"] == str(target["path"])
     assert set(manifest["files"]) == on_disk - {"manifest.json"}
@@ -288,9 +360,28 @@ def test_llamacpp_bundle(target, drafter_dir, tmp_path):
     script = out / "llamacpp" / "launch.sh"
     assert script.stat().st_mode & 0o111 and subprocess.run(["sh", "-n", str(script)]).returncode == 0
     argv = launch_argv(script)
-    assert argv == ["$LLAMA_SERVER", "-m", "./llamacpp/target.gguf", "--host", "$HOST", "--port", "$PORT",
-                    "-t", "$THREADS", "-c", str(CONTEXT), "-md", "./llamacpp/drafter.gguf", "--spec-type",
-                    "draft-dflash", "--spec-draft-n-max", "5", "--alias", "tiny.Q8_0", "$@"]
+    assert argv == [
+        "$LLAMA_SERVER",
+        "-m",
+        "./llamacpp/target.gguf",
+        "--host",
+        "$HOST",
+        "--port",
+        "$PORT",
+        "-t",
+        "$THREADS",
+        "-c",
+        str(CONTEXT),
+        "-md",
+        "./llamacpp/drafter.gguf",
+        "--spec-type",
+        "draft-dflash",
+        "--spec-draft-n-max",
+        "5",
+        "--alias",
+        "tiny.Q8_0",
+        "$@",
+    ]
     readme = (out / "README.md").read_text()
     assert "sh llamacpp/launch.sh" in readme and "--spec-draft-n-max 5" in readme
 
@@ -306,8 +397,9 @@ def test_launch_script_runs_llama_server_from_the_bundle_root(target, drafter_di
     env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}", "PORT": "9123"}
     env.pop("THREADS", None)
     env.pop("LLAMA_SERVER", None)
-    run = subprocess.run(["sh", str(out / "llamacpp" / "launch.sh"), "--verbose"], capture_output=True, text=True,
-                         env=env, cwd=tmp_path)
+    run = subprocess.run(
+        ["sh", str(out / "llamacpp" / "launch.sh"), "--verbose"], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0] == str(out)
@@ -351,8 +443,9 @@ def default_peer(tmp_path_factory):
     target_gguf = target_gguf_path("default")
     drafter = Drafter.load(DEFAULT_DRAFTER_DIR)
     drafter_gguf = write_dflash_gguf(drafter, target_gguf, tmp_path_factory.mktemp("llamacpp-e2e") / "drafter.gguf")
-    peer = LlamaServerPeer(binary, target_gguf, drafter_gguf, drafter.cfg.block_size - 1,
-                           min(2, os.cpu_count() or 1), context=2048)
+    peer = LlamaServerPeer(
+        binary, target_gguf, drafter_gguf, drafter.cfg.block_size - 1, min(2, os.cpu_count() or 1), context=2048
+    )
     try:
         yield peer
     finally:
@@ -369,8 +462,10 @@ def test_shipped_drafter_drafts_in_llama_server(default_peer):
     from loopspec.weights import load_tokenizer, resolve_target_dir
 
     tokenizer = load_tokenizer(resolve_target_dir("default"))
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that returns the "
-                                          "n-th Fibonacci number."}], add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
+        add_generation_prompt=True,
+    )
     ids = [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
     ref, spec = default_peer.run(ids, "llamacpp", 16), default_peer.run(ids, "llamacpp-dflash", 16)
     assert len(ref.tokens) == 16 and len(spec.tokens) == 16
@@ -381,5 +476,7 @@ def test_shipped_drafter_drafts_in_llama_server(default_peer):
     assert default_peer.run(ids, "llamacpp", 16).tokens == ref.tokens
     assert default_peer.run(ids, "llamacpp-dflash", 16).tokens == spec.tokens
     same = next((i for i, (a, b) in enumerate(zip(ref.tokens, spec.tokens)) if a != b), 16)
-    print(f"llama-server DFlash on the default pair: drafted {spec.drafted}, accepted {spec.accepted} over 16 "
-          f"tokens; its output equals its plain output for the first {same} of 16 tokens")
+    print(
+        f"llama-server DFlash on the default pair: drafted {spec.drafted}, accepted {spec.accepted} over 16 "
+        f"tokens; its output equals its plain output for the first {same} of 16 tokens"
+    )

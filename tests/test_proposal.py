@@ -19,9 +19,16 @@ def engine(max_context=100):
 
 
 def row(prompt, tokens, max_new_tokens=50, suffix=True):
-    return Row(key=0, prompt_len=len(prompt), max_new_tokens=max_new_tokens, params=SamplingParams(),
-               generator=torch.Generator(), stop_token_ids=frozenset(), tokens=list(tokens),
-               suffix_index=SuffixIndex(list(prompt) + list(tokens)) if suffix else None)
+    return Row(
+        key=0,
+        prompt_len=len(prompt),
+        max_new_tokens=max_new_tokens,
+        params=SamplingParams(),
+        generator=torch.Generator(),
+        stop_token_ids=frozenset(),
+        tokens=list(tokens),
+        suffix_index=SuffixIndex(list(prompt) + list(tokens)) if suffix else None,
+    )
 
 
 def test_depth_is_the_least_of_the_method_the_tokens_left_and_the_room():
@@ -68,9 +75,15 @@ def test_the_suffix_branch_is_what_the_settings_say_and_the_chains_only_guard_se
     from loopspec.runtime.proposal import check_engine_runs
 
     text = [5, 6, 7, 8, 9, 10, 5, 6, 7]
-    chains_only = SimpleNamespace(has_drafter=True, chains_only=True, precision="int8", samples_drafts=True,
-                                  drafter_cfg=ZLAB, max_context=100,
-                                  target_cfg=SimpleNamespace(family="qwen3", linear_attention=None))
+    chains_only = SimpleNamespace(
+        has_drafter=True,
+        chains_only=True,
+        precision="int8",
+        samples_drafts=True,
+        drafter_cfg=ZLAB,
+        max_context=100,
+        target_cfg=SimpleNamespace(family="qwen3", linear_attention=None),
+    )
     policy_alone = DecodingSettings("dflash", 8, suffix_first=4)
     check_engine_runs(chains_only, policy_alone)  # chains only: accepted
     assert not policy_alone.verifies_trees and not policy_alone.suffix_branch
@@ -78,8 +91,11 @@ def test_the_suffix_branch_is_what_the_settings_say_and_the_chains_only_guard_se
     for tokens in (text, [1, 2, 3, 4], [5, 6, 7, 5, 6]):
         plan = plan_row(row(tokens[:-1], tokens[-1:]), policy_alone, chains_only, 7, cap=7)
         assert plan.suffix == []
-    for settings in (DecodingSettings("dflash", 8, suffix=True), DecodingSettings("dflash", 8, suffix=True, suffix_first=4),
-                     DecodingSettings("dloop", 4, 2, tree_budget=4)):
+    for settings in (
+        DecodingSettings("dflash", 8, suffix=True),
+        DecodingSettings("dflash", 8, suffix=True, suffix_first=4),
+        DecodingSettings("dloop", 4, 2, tree_budget=4),
+    ):
         assert settings.verifies_trees
         with pytest.raises(LoopspecError, match="verifies chains exactly"):
             check_engine_runs(chains_only, settings)

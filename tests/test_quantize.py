@@ -51,8 +51,9 @@ def trained_like_pair(tiny_pair, tmp_path_factory):
 def pair(trained_like_pair):
     target_dir, drafter_dir = trained_like_pair
     target = load_target_dir(target_dir)
-    sequences = Q.calibration_sequences(target, load_tokenizer(target_dir), Q.read_calib_prompts(None), 3,
-                                        new_tokens=24)
+    sequences = Q.calibration_sequences(
+        target, load_tokenizer(target_dir), Q.read_calib_prompts(None), 3, new_tokens=24
+    )
     return target_dir, drafter_dir, target, Drafter.load(drafter_dir), sequences
 
 
@@ -62,8 +63,24 @@ def fp8_out(trained_like_pair, tmp_path_factory):
     own validation: a rejected output would exit 2."""
     target_dir, drafter_dir = trained_like_pair
     out = tmp_path_factory.mktemp("fp8") / "q"
-    code = main(["convert", "quantize", "--precision", "fp8", "--target", str(target_dir), "--drafter",
-                 str(drafter_dir), "--out", str(out), "--calib-size", "3", "--max-context", MAX_CONTEXT])
+    code = main(
+        [
+            "convert",
+            "quantize",
+            "--precision",
+            "fp8",
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--out",
+            str(out),
+            "--calib-size",
+            "3",
+            "--max-context",
+            MAX_CONTEXT,
+        ]
+    )
     assert code == 0
     return out
 
@@ -74,8 +91,15 @@ def nvfp4_out(pair, tmp_path_factory):
     the PyTorch emulation of NVFP4 (its graphs are not runnable here)."""
     target_dir, drafter_dir = pair[:2]
     out = tmp_path_factory.mktemp("nvfp4") / "q"
-    report = Q.quantize_pair(target=str(target_dir), drafter=str(drafter_dir), out_dir=out, precision="nvfp4",
-                             calib_size=2, target_too=True, max_context=int(MAX_CONTEXT))
+    report = Q.quantize_pair(
+        target=str(target_dir),
+        drafter=str(drafter_dir),
+        out_dir=out,
+        precision="nvfp4",
+        calib_size=2,
+        target_too=True,
+        max_context=int(MAX_CONTEXT),
+    )
     return out, report
 
 
@@ -136,8 +160,15 @@ def test_fp8_checkpoint_layout(fp8_out, pair):
     state = read_safetensors(ckpt / "model.safetensors")
     assert "embed_tokens.weight" not in state and "lm_head.weight" not in state
     assert state["norm.weight"].dtype == torch.bfloat16
-    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+    for proj in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ):
         w, scale = state[f"layers.0.{proj}.weight"], state[f"layers.0.{proj}.weight_scale"]
         assert w.dtype == torch.float8_e4m3fn and scale.dim() == 0 and scale.dtype == torch.float32
         assert state[f"layers.0.{proj}.input_scale"].dim() == 0
@@ -246,8 +277,6 @@ def test_nvfp4_linear_is_close_to_fp32_and_not_equal(pair):
     assert 0 < error < 0.25  # 4-bit arithmetic: really rounded, and still the same linear
 
 
-
-
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [out, in/2] (low nibble first) → e2m1 values [out, in]."""
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
@@ -281,8 +310,10 @@ def test_nvfp4_checkpoints_hold_packed_weights_and_scales(nvfp4_out, pair):
     assert target_state["model.layers.0.self_attn.k_proj.weight"].dtype == torch.uint8
     assert target_state["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert (out / "target" / "tokenizer.json").is_file()
-    assert "model.embed_tokens" in json.loads((out / "target" / "hf_quant_config.json").read_text())[
-        "quantization"]["exclude_modules"]
+    assert (
+        "model.embed_tokens"
+        in json.loads((out / "target" / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    )
 
 
 def test_nvfp4_drafter_error_is_bounded_on_the_cpu(nvfp4_out):
@@ -311,8 +342,11 @@ def test_nvfp4_onnx_graphs(nvfp4_out):
     weights = [i for i in block.graph.initializer if i.data_type == onnx.TensorProto.FLOAT4E2M1]
     assert weights and all(len(i.raw_data) * 2 == int(np.prod(i.dims)) for i in weights)  # two values per byte
     assert "TRT_FP4DynamicQuantize" in {n.op_type for n in block.graph.node}
-    blocked = [n for n in block.graph.node if n.op_type == "DequantizeLinear"
-               and any(a.name == "block_size" and a.i == 16 for a in n.attribute)]
+    blocked = [
+        n
+        for n in block.graph.node
+        if n.op_type == "DequantizeLinear" and any(a.name == "block_size" and a.i == 16 for a in n.attribute)
+    ]
     assert len(blocked) >= len(weights)
 
 
@@ -325,8 +359,18 @@ def test_nvfp4_is_refused_where_it_would_run(nvfp4_out, capsys):
         OrtEngine(out / "onnx")
     with pytest.raises(LoopspecError, match="Blackwell"):
         validate_onnx(out / "onnx", None, None, "nvfp4")
-    code, _, err = run(capsys, "generate", "--prompt", "hi", "--backend", "onnxruntime", "--onnx-dir",
-                       str(out / "onnx"), "--max-new-tokens", "4")
+    code, _, err = run(
+        capsys,
+        "generate",
+        "--prompt",
+        "hi",
+        "--backend",
+        "onnxruntime",
+        "--onnx-dir",
+        str(out / "onnx"),
+        "--max-new-tokens",
+        "4",
+    )
     assert code == 2 and "NVFP4 numerics need a Blackwell GPU" in one_error_line(err)
 
 
@@ -349,21 +393,33 @@ def test_cli_bad_input_exits_2_with_one_line(tiny_pair, tmp_path, capsys):
     (occupied / "notes.txt").write_text("mine")
     cases = [
         (["--precision", "int4", "--out", str(tmp_path / "a")], "unknown quantization precision 'int4'"),
-        (["--precision", "fp8", "--out", str(tmp_path / "b"), "--calib-prompts", str(tmp_path / "none.jsonl")],
-         "calibration prompt file does not exist"),
+        (
+            ["--precision", "fp8", "--out", str(tmp_path / "b"), "--calib-prompts", str(tmp_path / "none.jsonl")],
+            "calibration prompt file does not exist",
+        ),
         (["--precision", "fp8", "--out", str(occupied)], "not a quantize output directory"),
     ]
     for extra, message in cases:
         code, _, err = run(capsys, *base, *extra)
         assert code == 2 and message in one_error_line(err), err
-    code, _, err = run(capsys, "convert", "quantize", "--precision", "fp8", "--target", str(target_dir),
-                       "--drafter", "none", "--out", str(tmp_path / "c"))
+    code, _, err = run(
+        capsys,
+        "convert",
+        "quantize",
+        "--precision",
+        "fp8",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        "none",
+        "--out",
+        str(tmp_path / "c"),
+    )
     assert code == 2 and "needs a drafter" in one_error_line(err)
     assert (occupied / "notes.txt").read_text() == "mine"
 
 
-def test_cli_failed_validation_exits_2_and_keeps_the_previous_output(tiny_pair, fp8_out, tmp_path, capsys,
-                                                                      monkeypatch):
+def test_cli_failed_validation_exits_2_and_keeps_the_previous_output(tiny_pair, fp8_out, tmp_path, capsys, monkeypatch):
     target_dir, drafter_dir = tiny_pair
     out = tmp_path / "q"
     shutil.copytree(fp8_out, out)  # an earlier output, which a rejected run must not touch
@@ -378,9 +434,23 @@ def test_cli_failed_validation_exits_2_and_keeps_the_previous_output(tiny_pair, 
         return weights
 
     monkeypatch.setattr(Q, "quantized_weights", sign_flipped)
-    code, stdout, err = run(capsys, "convert", "quantize", "--precision", "fp8", "--target", str(target_dir),
-                            "--drafter", str(drafter_dir), "--out", str(out), "--calib-size", "2",
-                            "--max-context", MAX_CONTEXT)
+    code, stdout, err = run(
+        capsys,
+        "convert",
+        "quantize",
+        "--precision",
+        "fp8",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(drafter_dir),
+        "--out",
+        str(out),
+        "--calib-size",
+        "2",
+        "--max-context",
+        MAX_CONTEXT,
+    )
     rejected = tmp_path / "q.rejected"
     line = one_error_line(err)
     assert code == 2 and line.startswith("loopspec: error: fp8 validation failed: drafter_"), err
@@ -390,6 +460,8 @@ def test_cli_failed_validation_exits_2_and_keeps_the_previous_output(tiny_pair, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "q.rejected"]  # no temporary left behind
     report = json.loads((rejected / "quantize.json").read_text())
     assert any(c.startswith("drafter_block hidden relative error") for c in report["failed_checks"])
-    assert report["validation"]["passed"] is False and report["validation"]["engines"]["drafter_block"]["errors"][
-        "hidden"] > 0.05
+    assert (
+        report["validation"]["passed"] is False
+        and report["validation"]["engines"]["drafter_block"]["errors"]["hidden"] > 0.05
+    )
     assert json.loads((rejected / "onnx" / "manifest.json").read_text())["validation"]["passed"] is False

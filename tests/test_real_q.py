@@ -23,8 +23,19 @@ from loopspec.settings import DecodingSettings, resolve_settings
 from loopspec.weights import load_target_dir
 
 from conftest import accepted_drafts, agreeing_drafter, lively
-from test_distribution import MASK, P_FAIL, P_PASS, PROMPT, RUNS, T1, V, distribution_target, exact_distribution, \
-    gof_pvalue, seeds
+from test_distribution import (
+    MASK,
+    P_FAIL,
+    P_PASS,
+    PROMPT,
+    RUNS,
+    T1,
+    V,
+    distribution_target,
+    exact_distribution,
+    gof_pvalue,
+    seeds,
+)
 from test_dspark import dspark_config, liven_heads
 
 
@@ -92,8 +103,13 @@ def markov_drafter(target) -> Drafter:
     """A DSpark drafter of DeepSpec's block convention with a live vanilla Markov head (its bias moves
     q well away from the uncorrected softmax) and a confidence head."""
     torch.manual_seed(2)
-    cfg = replace(DrafterConfig.for_target(target.cfg, num_layers=1, block_size=3, mask_token_id=MASK),
-                  anchor_predicts=True, markov_rank=2, confidence_head=True, confidence_with_markov=True)
+    cfg = replace(
+        DrafterConfig.for_target(target.cfg, num_layers=1, block_size=3, mask_token_id=MASK),
+        anchor_predicts=True,
+        markov_rank=2,
+        confidence_head=True,
+        confidence_with_markov=True,
+    )
     return liven_heads(Drafter(cfg), seed=3).eval()
 
 
@@ -103,10 +119,12 @@ def plain_drafter(target) -> Drafter:
 
 
 def committed_counts(engine, n: int, settings: DecodingSettings, run_seeds) -> tuple[torch.Tensor, list]:
-    counts = torch.zeros(V ** n, dtype=torch.float64)
+    counts = torch.zeros(V**n, dtype=torch.float64)
     first_rounds = []
     for seed in run_seeds:
-        res = generate(engine, PROMPT, settings, max_new_tokens=n, params=T1, generator=torch.Generator().manual_seed(seed))
+        res = generate(
+            engine, PROMPT, settings, max_new_tokens=n, params=T1, generator=torch.Generator().manual_seed(seed)
+        )
         assert len(res.tokens) == n
         index = 0
         for t in res.tokens:
@@ -140,7 +158,9 @@ def test_negative_control_q_without_the_markov_bias_is_rejected(target, monkeypa
         stage = real_draft(rows, anchors, positions, block_size, sampling=sampling)
         hidden = stage[2]
         with torch.inference_mode():
-            stage.q = torch.softmax(engine.context.draft_head(hidden[:, engine.drafter_cfg.first_draft:]).float(), -1).cpu()
+            stage.q = torch.softmax(
+                engine.context.draft_head(hidden[:, engine.drafter_cfg.first_draft :]).float(), -1
+            ).cpu()
         return stage
 
     monkeypatch.setattr(engine, "draft", draft_with_uncorrected_q)
@@ -152,7 +172,7 @@ def bonus_from_p(drafts, q, target_logits, params, generator):
     """The mutant rule: at the first rejection the bonus is drawn from p, not from normalize(max(0, p - q))."""
     accepted, bonus = speculative_accept(drafts, q, target_logits, params, generator)
     if accepted < len(drafts):
-        bonus = int(sample(probabilities(target_logits[accepted:accepted + 1], params)[0], generator))
+        bonus = int(sample(probabilities(target_logits[accepted : accepted + 1], params)[0], generator))
     return accepted, bonus
 
 
@@ -180,8 +200,9 @@ def test_a_wrong_real_q_rule_is_rejected(mutant, target, monkeypatch):
 
 def prompts(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 120, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, 120, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 BATCH_PROMPTS, GREEDY_PROMPTS = prompts(4, seed=3), prompts(3, seed=5)
@@ -197,12 +218,16 @@ def lively_engines(tiny_targets):
     plain_cfg = DrafterConfig.for_target(target.cfg, num_layers=2, block_size=5, mask_token_id=127)
     dspark = agreeing_drafter(target, taught, dspark_config(target.cfg, head_type="rnn"))
     plain = agreeing_drafter(target, taught, plain_cfg)
-    return {"dspark": TorchEngine(target, dspark, max_context=160), "dflash": TorchEngine(target, plain, max_context=160)}
+    return {
+        "dspark": TorchEngine(target, dspark, max_context=160),
+        "dflash": TorchEngine(target, plain, max_context=160),
+    }
 
 
-BATCH_SETTINGS = {"dspark": DecodingSettings("dflash", block_size=5, draft_sampling="drafter"),
-                  "dflash": DecodingSettings("dloop", block_size=5, max_stages=2, gate_threshold=-1e9,
-                                             draft_sampling="drafter")}
+BATCH_SETTINGS = {
+    "dspark": DecodingSettings("dflash", block_size=5, draft_sampling="drafter"),
+    "dflash": DecodingSettings("dloop", block_size=5, max_stages=2, gate_threshold=-1e9, draft_sampling="drafter"),
+}
 
 
 @pytest.mark.parametrize("kind", list(BATCH_SETTINGS))
@@ -211,20 +236,35 @@ def test_a_row_commits_what_it_commits_alone(kind, lively_engines):
     each commits, seeded, exactly what the same request commits alone."""
     engine, settings = lively_engines[kind], BATCH_SETTINGS[kind]
     ps = BATCH_PROMPTS
-    params = [T1, SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(), SamplingParams(temperature=1.3, top_k=20)]
-    alone = [generate(engine, p, settings, max_new_tokens=30, params=q, seed=s)
-             for p, q, s in zip(ps, params, (11, 12, 13, 14))]
+    params = [
+        T1,
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(),
+        SamplingParams(temperature=1.3, top_k=20),
+    ]
+    alone = [
+        generate(engine, p, settings, max_new_tokens=30, params=q, seed=s)
+        for p, q, s in zip(ps, params, (11, 12, 13, 14))
+    ]
     decoder = Decoder(engine.with_rows(4), settings)
-    done = decode_all(decoder, [dict(key=i, prompt_ids=p, max_new_tokens=30, params=q, seed=s)
-                                for i, (p, q, s) in enumerate(zip(ps, params, (11, 12, 13, 14)))])
+    done = decode_all(
+        decoder,
+        [
+            dict(key=i, prompt_ids=p, max_new_tokens=30, params=q, seed=s)
+            for i, (p, q, s) in enumerate(zip(ps, params, (11, 12, 13, 14)))
+        ],
+    )
     assert [done[i].tokens for i in range(4)] == [r.tokens for r in alone]
     assert sum(sum(r.stats.accepted_per_round) for r in alone) > 0  # drafts were accepted
     # the greedy row is plain decoding's
     assert alone[2].tokens == generate(engine, ps[2], DecodingSettings(), max_new_tokens=30).tokens
     # and the setting changed what the sampled rows drew (the walk reproduces ar's tokens)
     walk = replace(settings, draft_sampling="walk")
-    assert any(generate(engine, p, walk, max_new_tokens=30, params=q, seed=s).tokens != r.tokens
-               for p, q, s, r in zip(ps, params, (11, 12, 13, 14), alone) if not q.greedy)
+    assert any(
+        generate(engine, p, walk, max_new_tokens=30, params=q, seed=s).tokens != r.tokens
+        for p, q, s, r in zip(ps, params, (11, 12, 13, 14), alone)
+        if not q.greedy
+    )
 
 
 # so cold that the target's and the drafter's laws are one-hot at their argmax (a logit 1e-3 below the
@@ -243,8 +283,9 @@ def test_near_greedy_real_q_commits_what_ar_commits(kind, lively_engines, monkey
     engine, settings = lively_engines[kind], BATCH_SETTINGS[kind]
     rounds_by_real_q = []
     real_rule = decoder.speculative_accept
-    monkeypatch.setattr(decoder, "speculative_accept",
-                        lambda *args: rounds_by_real_q.append(1) or real_rule(*args))  # a spy: counts, changes nothing
+    monkeypatch.setattr(
+        decoder, "speculative_accept", lambda *args: rounds_by_real_q.append(1) or real_rule(*args)
+    )  # a spy: counts, changes nothing
     results = []
     for p in GREEDY_PROMPTS:
         ref = generate(engine, p, DecodingSettings(), max_new_tokens=40).tokens
@@ -256,8 +297,11 @@ def test_near_greedy_real_q_commits_what_ar_commits(kind, lively_engines, monkey
 
 
 def test_bad_combinations_are_refused(lively_engines):
-    for kw, needle in ((dict(tree_budget=4), "chain only"), (dict(suffix=True), "chain only"),
-                       (dict(suffix_first=3), "chain only")):
+    for kw, needle in (
+        (dict(tree_budget=4), "chain only"),
+        (dict(suffix=True), "chain only"),
+        (dict(suffix_first=3), "chain only"),
+    ):
         with pytest.raises(LoopspecError, match=needle):
             DecodingSettings("dflash", block_size=4, draft_sampling="drafter", **kw)
     with pytest.raises(LoopspecError, match="has no drafter"):
@@ -307,13 +351,30 @@ def test_cli_flag(capsys, agreeing_pair, monkeypatch):
 
     target, drafter = agreeing_pair
     rounds_by_real_q, real_rule = [], decoder.speculative_accept
-    monkeypatch.setattr(decoder, "speculative_accept",
-                        lambda *args: rounds_by_real_q.append(1) or real_rule(*args))  # a spy: counts, changes nothing
-    base = ["generate", "--prompt", CLI_PROMPT, "--target", str(target), "--drafter", str(drafter),
-            "--backend", "torch", "--max-new-tokens", "12", "--tree-budget", "0", "--no-suffix"]
+    monkeypatch.setattr(
+        decoder, "speculative_accept", lambda *args: rounds_by_real_q.append(1) or real_rule(*args)
+    )  # a spy: counts, changes nothing
+    base = [
+        "generate",
+        "--prompt",
+        CLI_PROMPT,
+        "--target",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--backend",
+        "torch",
+        "--max-new-tokens",
+        "12",
+        "--tree-budget",
+        "0",
+        "--no-suffix",
+    ]
     texts, taus = [], []
-    for extra in (["--method", "ar"], ["--method", "dflash", "--draft-sampling", "drafter",
-                                       "--temperature", str(NEAR_GREEDY.temperature)]):
+    for extra in (
+        ["--method", "ar"],
+        ["--method", "dflash", "--draft-sampling", "drafter", "--temperature", str(NEAR_GREEDY.temperature)],
+    ):
         assert main(base + extra) == 0
         captured = capsys.readouterr()
         texts.append(captured.out)
@@ -321,8 +382,10 @@ def test_cli_flag(capsys, agreeing_pair, monkeypatch):
     assert texts[0].split("\n")[0] == texts[1].split("\n")[0]  # plain decoding's text
     assert float(taus[0]) == 1.0 and float(taus[1]) >= 3.0, taus  # drafts accepted (a block drafts 5)
     assert rounds_by_real_q  # by the real-q rule
-    for extra, needle in ((["--tree-budget", "4", "--temperature", "0.8"], "chain only"),
-                          ([], "temperature > 0")):  # greedy: it cannot apply
+    for extra, needle in (
+        (["--tree-budget", "4", "--temperature", "0.8"], "chain only"),
+        ([], "temperature > 0"),
+    ):  # greedy: it cannot apply
         assert main(base[:-3] + ["--method", "dflash", "--draft-sampling", "drafter", *extra]) == 2
         line = capsys.readouterr().err.strip()
         assert line.startswith("loopspec: error: ") and needle in line and "\n" not in line

@@ -32,8 +32,15 @@ def help_command(path: Path) -> list[str]:
 def run_help(path: Path) -> subprocess.CompletedProcess | str:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     try:
-        return subprocess.run(help_command(path), cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            help_command(path),
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         return f"still running after {TIMEOUT_S} s"
 
@@ -42,8 +49,11 @@ def run_help(path: Path) -> subprocess.CompletedProcess | str:
 def help_runs(request):
     """{script: its --help run, as a future}: the selected scripts' runs start at once, one per core
     (2 to 4 at a time; each is mostly one import), so the file takes a fraction of their sum."""
-    wanted = [item.callspec.params["script"] for item in request.session.items
-              if item.path == Path(__file__) and getattr(item, "originalname", None) == "test_help"]
+    wanted = [
+        item.callspec.params["script"]
+        for item in request.session.items
+        if item.path == Path(__file__) and getattr(item, "originalname", None) == "test_help"
+    ]
     with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
         yield {path: pool.submit(run_help, path) for path in dict.fromkeys(wanted)}
 
@@ -58,9 +68,14 @@ def test_help(script, help_runs):
 
 def is_main_guard(node: ast.stmt) -> bool:
     test = node.test if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
-            and len(test.comparators) == 1 and isinstance(test.comparators[0], ast.Constant)
-            and test.comparators[0].value == "__main__")
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and len(test.comparators) == 1
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value == "__main__"
+    )
 
 
 def main_guard_problems(path: Path) -> list[str]:
@@ -76,19 +91,27 @@ def main_guard_problems(path: Path) -> list[str]:
     guards = [n for n in tree.body if is_main_guard(n)]
     if not guards:
         problems.append(f'{label}: no `if __name__ == "__main__":` (its work runs on import)')
-    elif not any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "main"
-                 for g in guards for n in ast.walk(g)):
+    elif not any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "main"
+        for g in guards
+        for n in ast.walk(g)
+    ):
         problems.append(f'{label}:{guards[0].lineno}: `if __name__ == "__main__":` does not call main()')
-    if not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "argparse" in
-               ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module]) for n in ast.walk(tree)):
+    if not any(
+        isinstance(n, (ast.Import, ast.ImportFrom))
+        and "argparse" in ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module])
+        for n in ast.walk(tree)
+    ):
         problems.append(f"{label}: no argparse (--help is argparse's)")
     for i, node in enumerate(tree.body):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             for module in modules:
                 if module.split(".")[0] in LAZY:
-                    problems.append(f"{label}:{node.lineno}: imports {module} at module level (import it in "
-                                    "the function that needs it)")
+                    problems.append(
+                        f"{label}:{node.lineno}: imports {module} at module level (import it in "
+                        "the function that needs it)"
+                    )
                 if module.split(".")[0] == "loopspec" and isinstance(node, ast.ImportFrom):
                     loopspec_names |= {a.asname or a.name for a in node.names}
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or is_main_guard(node):
@@ -100,8 +123,10 @@ def main_guard_problems(path: Path) -> list[str]:
             if any(isinstance(c.func, ast.Name) and c.func.id in loopspec_names for c in calls):
                 problems.append(f"{label}:{node.lineno}: calls loopspec at import (move it into main())")
         else:
-            problems.append(f"{label}:{node.lineno}: a {type(node).__name__} statement at module level runs on "
-                            "import (move it into main())")
+            problems.append(
+                f"{label}:{node.lineno}: a {type(node).__name__} statement at module level runs on "
+                "import (move it into main())"
+            )
     return problems
 
 
@@ -123,12 +148,19 @@ def test_shell_scripts_answer_help_first():
     for path in SCRIPTS:
         if path.suffix != ".sh":
             continue
-        commands = [line.strip() for line in path.read_text().splitlines()[1:]
-                    if line.strip() and not line.lstrip().startswith(("#", "set ", "USAGE="))]
+        commands = [
+            line.strip()
+            for line in path.read_text().splitlines()[1:]
+            if line.strip() and not line.lstrip().startswith(("#", "set ", "USAGE="))
+        ]
         if path.name in DELEGATES:
-            if not (commands and DELEGATES[path.name] in commands[-1] and commands[-1].endswith('"$@"')
-                    and commands[-1].startswith(("exec ", 'PYTHONPATH="$(pwd)'))):
-                problems.append(f"{path.name}: does not end handing \"$@\" to {DELEGATES[path.name]}")
+            if not (
+                commands
+                and DELEGATES[path.name] in commands[-1]
+                and commands[-1].endswith('"$@"')
+                and commands[-1].startswith(("exec ", 'PYTHONPATH="$(pwd)'))
+            ):
+                problems.append(f'{path.name}: does not end handing "$@" to {DELEGATES[path.name]}')
         elif not (commands and commands[0].startswith(HELP_CASE)):
             problems.append(f"{path.name}: first command {(commands or [''])[0][:80]!r}")
     assert not problems, f"answer -h/--help first ({HELP_CASE} ... exit 0 ;; esac):\n" + "\n".join(problems)
@@ -139,14 +171,16 @@ def test_main_guard_check_catches_a_planted_script(tmp_path):
     an optional library imported at module level; the same script with its work in main() is not.
     --help alone would not catch the first: argparse answers it even at module level."""
     planted = tmp_path / "planted.py"
-    planted.write_text('"""Planted."""\n'
-                       "import argparse\n"
-                       "from loopspec.runtime.pipeline import load_pipeline\n"
-                       "import vllm\n"
-                       "args = argparse.ArgumentParser().parse_args()\n"
-                       "pipe = load_pipeline()\n"
-                       "for mode in ('a', 'b'):\n"
-                       "    print(pipe.run(mode))\n")
+    planted.write_text(
+        '"""Planted."""\n'
+        "import argparse\n"
+        "from loopspec.runtime.pipeline import load_pipeline\n"
+        "import vllm\n"
+        "args = argparse.ArgumentParser().parse_args()\n"
+        "pipe = load_pipeline()\n"
+        "for mode in ('a', 'b'):\n"
+        "    print(pipe.run(mode))\n"
+    )
     problems = main_guard_problems(planted)
     assert problems == [
         "planted.py: no module-level main()",
@@ -156,19 +190,21 @@ def test_main_guard_check_catches_a_planted_script(tmp_path):
         "planted.py:7: a For statement at module level runs on import (move it into main())",
     ]
     fixed = tmp_path / "fixed.py"
-    fixed.write_text('"""Fixed."""\n'
-                     "import argparse\n"
-                     "from loopspec.runtime.pipeline import load_pipeline\n"
-                     "MODES = tuple('ab')\n"
-                     "\n"
-                     "def main():\n"
-                     "    args = argparse.ArgumentParser().parse_args()\n"
-                     "    import vllm\n"
-                     "    pipe = load_pipeline()\n"
-                     "    return 0\n"
-                     "\n"
-                     'if __name__ == "__main__":\n'
-                     "    raise SystemExit(main())\n")
+    fixed.write_text(
+        '"""Fixed."""\n'
+        "import argparse\n"
+        "from loopspec.runtime.pipeline import load_pipeline\n"
+        "MODES = tuple('ab')\n"
+        "\n"
+        "def main():\n"
+        "    args = argparse.ArgumentParser().parse_args()\n"
+        "    import vllm\n"
+        "    pipe = load_pipeline()\n"
+        "    return 0\n"
+        "\n"
+        'if __name__ == "__main__":\n'
+        "    raise SystemExit(main())\n"
+    )
     assert main_guard_problems(fixed) == []
     result = run_help(fixed)  # and it answers --help without loading anything
     assert result.returncode == 0 and result.stdout.startswith("usage:"), result

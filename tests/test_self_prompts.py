@@ -13,8 +13,10 @@ from loopspec.runtime.decoder import regenerate_responses
 from loopspec.train.data import write_prompts
 from loopspec.weights import load_target_dir, load_tokenizer
 
-TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-            "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +37,31 @@ def ending_ids(tokenizer):
 
 def write(chat_target, path, count, **kw):
     target, tokenizer, _ = chat_target
-    kw = {"params": SamplingParams(temperature=1.0), "max_prompt_tokens": 6, "batch_size": 4,
-          "stop_ids": ending_ids(tokenizer), **kw}
-    return write_prompts(target=target, tokenizer=tokenizer, out_path=path, count=count, progress=False,
-                         respond=regenerate_responses, **kw)
+    kw = {
+        "params": SamplingParams(temperature=1.0),
+        "max_prompt_tokens": 6,
+        "batch_size": 4,
+        "stop_ids": ending_ids(tokenizer),
+        **kw,
+    }
+    return write_prompts(
+        target=target,
+        tokenizer=tokenizer,
+        out_path=path,
+        count=count,
+        progress=False,
+        respond=regenerate_responses,
+        **kw,
+    )
 
 
 def test_user_turn_prefix_is_the_template_before_the_user_text(chat_target):
     _, tokenizer, _ = chat_target
     prefix = user_turn_prefix_ids(tokenizer)
     assert tokenizer.decode(prefix) == "<s>user: "
-    whole = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False),
-                             add_special_tokens=False)
+    whole = tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False), add_special_tokens=False
+    )
     assert whole[: len(prefix)] == prefix and len(whole) > len(prefix)
 
 
@@ -94,8 +109,9 @@ def test_a_model_that_never_ends_a_prompt_stops_with_a_clear_error(chat_target, 
 
 def test_cli_prompts_refuses_greedy(chat_target, tmp_path, capsys):
     out = tmp_path / "p.jsonl"
-    assert main(["prompts", "--target", str(chat_target[2]), "--out", str(out), "--count", "2",
-                 "--temperature", "0"]) == 2
+    assert (
+        main(["prompts", "--target", str(chat_target[2]), "--out", str(out), "--count", "2", "--temperature", "0"]) == 2
+    )
     assert "needs --temperature > 0" in capsys.readouterr().err
     assert not out.exists()
     assert main(["prompts", "--target", str(chat_target[2]), "--out", str(tmp_path), "--count", "2"]) == 2
@@ -106,7 +122,25 @@ def test_written_prompts_feed_loopspec_data(chat_target, tmp_path):
     path = tmp_path / "self.jsonl"
     write(chat_target, path, 3)
     out = tmp_path / "data"
-    assert main(["data", "--prompts", str(path), "--target", str(chat_target[2]), "--out", str(out),
-                 "--max-new-tokens", "4", "--batch-size", "3", "--tap-layers", "1,4"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "--prompts",
+                str(path),
+                "--target",
+                str(chat_target[2]),
+                "--out",
+                str(out),
+                "--max-new-tokens",
+                "4",
+                "--batch-size",
+                "3",
+                "--tap-layers",
+                "1,4",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert sorted(s["id"] for s in lines) == ["self.jsonl:1", "self.jsonl:2", "self.jsonl:3"]

@@ -95,8 +95,16 @@ def alone(pipe, ids, n, method="ar", params=SamplingParams(), seed=0):
     return pipe.run(ids, pipe.settings(method, adaptive=False), max_new_tokens=n, params=params, seed=seed)
 
 
-PROMPTS = ["The quick brown fox", "Hello, world!", "def f(x): return", "1 2 3 4 5", "Once upon a time",
-           "Lorem ipsum dolor", "abc", "zyx wvu"]
+PROMPTS = [
+    "The quick brown fox",
+    "Hello, world!",
+    "def f(x): return",
+    "1 2 3 4 5",
+    "Once upon a time",
+    "Lorem ipsum dolor",
+    "abc",
+    "zyx wvu",
+]
 
 
 def test_models_health_metrics(server):
@@ -109,8 +117,13 @@ def test_models_health_metrics(server):
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["engine"] == engine == health.json()["engine"]
     metrics = httpx.get(server.url + "/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
-    for name in ("loopspec_requests_total", "loopspec_generation_tokens_total", "loopspec_tokens_per_second",
-                 "loopspec_queue_depth", "loopspec_acceptance_length_bucket"):
+    for name in (
+        "loopspec_requests_total",
+        "loopspec_generation_tokens_total",
+        "loopspec_tokens_per_second",
+        "loopspec_queue_depth",
+        "loopspec_acceptance_length_bucket",
+    ):
         assert name in metrics.text
 
 
@@ -132,8 +145,14 @@ def test_completions_and_chat_with_openai_client(server, pipe):
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == pipe.decode(chat_ref.tokens)
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
@@ -157,8 +176,9 @@ def test_concurrent_streams_equal_requests_alone(server, pipe):
     assert len(set(refs)) == 8 and min(len(set(r)) for r in refs if len(r) > 10) >= 4  # varied text
 
     def one(i):
-        stream = server.client().completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=budgets[i],
-                                                    temperature=0, stream=True)
+        stream = server.client().completions.create(
+            model="tiny", prompt=PROMPTS[i], max_tokens=budgets[i], temperature=0, stream=True
+        )
         return "".join(c.choices[0].text for c in stream)
 
     with ThreadPoolExecutor(8) as pool:
@@ -173,17 +193,24 @@ def test_sampling_seed_and_stop_strings(server, pipe):
     ref = pipe.decode(alone(pipe, ids, 30, method="dloop", params=params, seed=7).tokens)
 
     def sampled(seed):
-        return client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=30, temperature=0.8,
-                                         top_p=0.9, seed=seed).choices[0].text
+        return (
+            client.completions.create(
+                model="tiny", prompt=PROMPTS[4], max_tokens=30, temperature=0.8, top_p=0.9, seed=seed
+            )
+            .choices[0]
+            .text
+        )
+
     assert sampled(7) == sampled(7) == ref
     assert sampled(8) != ref
 
     greedy = pipe.decode(alone(pipe, ids, 40).tokens)
     stop = greedy[10:12]
     out = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=40, temperature=0, stop=[stop, "\x00"])
-    assert out.choices[0].text == greedy[:greedy.index(stop)] and out.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=40, temperature=0, stop=stop,
-                                         stream=True)
+    assert out.choices[0].text == greedy[: greedy.index(stop)] and out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model="tiny", prompt=PROMPTS[4], max_tokens=40, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
 
 
@@ -201,8 +228,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
             assert err["param"] == param
         return err
 
-    error(httpx.post(url, content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"}),
-          400, code="invalid_json")
+    error(
+        httpx.post(url, content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"}),
+        400,
+        code="invalid_json",
+    )
     error(httpx.post(url, json=[1, 2]), 400)
     error(httpx.post(url, json={**ok, "model": "gpt-17"}), 404, code="model_not_found", param="model")
     error(httpx.post(url, json={**ok, "max_tokens": -5}), 400, param="max_tokens")
@@ -252,8 +282,9 @@ def test_queue_full_is_429_and_a_disconnect_cancels(slow_server):
             first = next(line for line in lines if line)  # A holds the only row
             assert first.startswith("data: ")
             with ThreadPoolExecutor(1) as pool:
-                waiting = pool.submit(httpx.post, s.url + "/v1/completions",
-                                      json={**LONG, "max_tokens": 4}, timeout=60)  # B waits in the queue
+                waiting = pool.submit(
+                    httpx.post, s.url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=60
+                )  # B waits in the queue
                 s.wait_metric("loopspec_queue_depth", 1)
                 full = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 4})  # C: no room
                 assert full.status_code == 429
@@ -289,8 +320,11 @@ def test_scheduler_isolates_a_failing_request(pipe):
     from loopspec.runtime.scheduler import Request, Scheduler
     from loopspec.settings import DecodingSettings
 
-    scheduler = Scheduler(Decoder(pipe.engine.with_rows(4), DecodingSettings("dflash", 6)), pipe.decode,
-                          stop_token_ids=pipe.stop_token_ids).start()
+    scheduler = Scheduler(
+        Decoder(pipe.engine.with_rows(4), DecodingSettings("dflash", 6)),
+        pipe.decode,
+        stop_token_ids=pipe.stop_token_ids,
+    ).start()
     try:
         events = {name: [] for name in ("good", "broken", "too_long")}
         done = threading.Event()
@@ -305,8 +339,9 @@ def test_scheduler_isolates_a_failing_request(pipe):
 
         ids = pipe.tokenizer.encode("hello")
         scheduler.submit(Request(prompt_ids=ids, max_tokens=200, on_event=broken))
-        scheduler.submit(Request(prompt_ids=list(range(3, 3 + CONTEXT)), max_tokens=5,
-                                 on_event=events["too_long"].append))
+        scheduler.submit(
+            Request(prompt_ids=list(range(3, 3 + CONTEXT)), max_tokens=5, on_event=events["too_long"].append)
+        )
         scheduler.submit(Request(prompt_ids=ids, max_tokens=30, on_event=good))
         assert done.wait(30)
         assert events["good"][-1].kind == "done"
@@ -327,15 +362,20 @@ def test_default_pair_four_concurrent_greedy_streams_equal_alone():
     from loopspec.runtime.pipeline import load_pipeline
 
     pipe = load_pipeline("default", "default", max_context=1024, backend="torch")
-    prompts = ["What is the capital of France?", "Write a haiku about the sea.",
-               "Give me three tips for writing clean Python.", "Explain what a hash table is."]
+    prompts = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Give me three tips for writing clean Python.",
+        "Explain what a hash table is.",
+    ]
     refs = [pipe.decode(alone(pipe, pipe.encode(p), 32).tokens) for p in prompts]
     with ServerThread(make_app(pipe, method="dloop", model_name=None, adaptive=True)) as s:
         name = s.client().models.list().data[0].id
 
         def one(prompt):
-            stream = s.client().chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
-                                                        max_tokens=32, temperature=0, stream=True)
+            stream = s.client().chat.completions.create(
+                model=name, messages=[{"role": "user", "content": prompt}], max_tokens=32, temperature=0, stream=True
+            )
             return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
         with ThreadPoolExecutor(4) as pool:
@@ -347,8 +387,11 @@ def test_serve_cli_rejects_bad_settings_with_one_line(tiny_pair, capsys):
 
     target_dir, drafter_dir = tiny_pair
     base = ["serve", "--target", str(target_dir), "--drafter", str(drafter_dir), "--max-context", "128"]
-    for extra, message in ((["--method", "beam"], "unknown method"),
-                           (["--backend", "tpu"], "unknown backend"), (["--drafter", "none", "--method", "dloop"], "drafter")):
+    for extra, message in (
+        (["--method", "beam"], "unknown method"),
+        (["--backend", "tpu"], "unknown backend"),
+        (["--drafter", "none", "--method", "dloop"], "drafter"),
+    ):
         assert main(base + extra) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1
@@ -378,9 +421,154 @@ def test_inputs_that_once_broke_the_server_get_a_4xx(server):
     bad(httpx.post(url, content=stop, headers=as_json), param="stop")
     deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     assert "nests deeper" in bad(httpx.post(url, content=deep, headers=as_json), code="invalid_json")
-    shallow_but_deep = {"prompt": "hi", "stream_options": {"x": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}
+    shallow_but_deep = {
+        "prompt": "hi",
+        "stream_options": {
+            "x": [
+                [
+                    [
+                        [
+                            [
+                                [
+                                    [
+                                        [
+                                            [
+                                                [
+                                                    [
+                                                        [
+                                                            [
+                                                                [
+                                                                    [
+                                                                        [
+                                                                            [
+                                                                                [
+                                                                                    [
+                                                                                        [
+                                                                                            [
+                                                                                                [
+                                                                                                    [
+                                                                                                        [
+                                                                                                            [
+                                                                                                                [
+                                                                                                                    [
+                                                                                                                        [
+                                                                                                                            [
+                                                                                                                                [
+                                                                                                                                    [
+                                                                                                                                        [
+                                                                                                                                            [
+                                                                                                                                                [
+                                                                                                                                                    [
+                                                                                                                                                        [
+                                                                                                                                                            [
+                                                                                                                                                                [
+                                                                                                                                                                    [
+                                                                                                                                                                        [
+                                                                                                                                                                            [
+                                                                                                                                                                                [
+                                                                                                                                                                                    [
+                                                                                                                                                                                        [
+                                                                                                                                                                                            [
+                                                                                                                                                                                                [
+                                                                                                                                                                                                    [
+                                                                                                                                                                                                        [
+                                                                                                                                                                                                            [
+                                                                                                                                                                                                                [
+                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                                                                    1
+                                                                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                ]
+                                                                                                                                                                                                            ]
+                                                                                                                                                                                                        ]
+                                                                                                                                                                                                    ]
+                                                                                                                                                                                                ]
+                                                                                                                                                                                            ]
+                                                                                                                                                                                        ]
+                                                                                                                                                                                    ]
+                                                                                                                                                                                ]
+                                                                                                                                                                            ]
+                                                                                                                                                                        ]
+                                                                                                                                                                    ]
+                                                                                                                                                                ]
+                                                                                                                                                            ]
+                                                                                                                                                        ]
+                                                                                                                                                    ]
+                                                                                                                                                ]
+                                                                                                                                            ]
+                                                                                                                                        ]
+                                                                                                                                    ]
+                                                                                                                                ]
+                                                                                                                            ]
+                                                                                                                        ]
+                                                                                                                    ]
+                                                                                                                ]
+                                                                                                            ]
+                                                                                                        ]
+                                                                                                    ]
+                                                                                                ]
+                                                                                            ]
+                                                                                        ]
+                                                                                    ]
+                                                                                ]
+                                                                            ]
+                                                                        ]
+                                                                    ]
+                                                                ]
+                                                            ]
+                                                        ]
+                                                    ]
+                                                ]
+                                            ]
+                                        ]
+                                    ]
+                                ]
+                            ]
+                        ]
+                    ]
+                ]
+            ]
+        },
+    }
     bad(httpx.post(url, json=shallow_but_deep), code="invalid_json")
-    for seed in (2 ** 70, -(2 ** 70)):
+    for seed in (2**70, -(2**70)):
         bad(httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "seed": seed}), param="seed")
     wrong = httpx.get(url)
     assert wrong.status_code == 405 and "POST" in wrong.headers["allow"]
@@ -408,9 +596,16 @@ REFUSED = [
     ("chat", {"function_call": "auto"}, "function_call"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
     ("chat", {"tool_choice": "none"}, "tool_choice"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"},
-                           {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function"}]}]},
-     "messages"),
+    (
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function"}]},
+            ]
+        },
+        "messages",
+    ),
     ("completions", {"logprobs": 0}, "logprobs"),  # completions: a count; 0 still returns the token's own
     ("chat", {"logprobs": True}, "logprobs"),
     # the right value in the wrong JSON type (Python's == would let each one through)
@@ -426,7 +621,11 @@ REFUSED = [
     ("completions", {"stream_options": []}, "stream_options"),
     ("completions", {"stream_options": 0}, "stream_options"),
     ("chat", {"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
-    ("chat", {"stream": True, "stream_options": {"include_usage": True, "include_usage_stats": True}}, "stream_options"),
+    (
+        "chat",
+        {"stream": True, "stream_options": {"include_usage": True, "include_usage_stats": True}},
+        "stream_options",
+    ),
     ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": 0}}, "stream_options"),
     ("chat", {"max_completion_tokens": 3, "max_tokens": "ten"}, "max_tokens"),
     ("completions", {"user": 42}, "user"),
@@ -445,11 +644,30 @@ def test_unsupported_or_mistyped_options_get_a_400_naming_them(server, endpoint,
     assert error["param"] == param and error["type"] == "invalid_request_error", error
 
 
-@pytest.mark.parametrize("change", [{"n": 1, "best_of": 1, "echo": False, "top_logprobs": 0},
-                                    {"presence_penalty": 0.0, "frequency_penalty": 0, "repetition_penalty": 1.0,
-                                     "min_p": 0, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": []},
-                                    {"logprobs": False, "tools": [], "tool_choice": None, "user": "u1",
-                                     "stream_options": None, "max_tokens": 3, "max_completion_tokens": 3}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"n": 1, "best_of": 1, "echo": False, "top_logprobs": 0},
+        {
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0,
+            "repetition_penalty": 1.0,
+            "min_p": 0,
+            "min_tokens": 0,
+            "ignore_eos": False,
+            "stop_token_ids": [],
+        },
+        {
+            "logprobs": False,
+            "tools": [],
+            "tool_choice": None,
+            "user": "u1",
+            "stream_options": None,
+            "max_tokens": 3,
+            "max_completion_tokens": 3,
+        },
+    ],
+)
 def test_the_neutral_value_of_each_unsupported_option_is_accepted(server, change):
     """The values that leave the output unchanged are no reason to refuse a request."""
     response = httpx.post(server.url + "/v1/chat/completions", json={**OK_CHAT, **change})
@@ -475,13 +693,16 @@ def test_a_client_that_leaves_mid_body_is_a_cancellation_not_an_error(server, ca
     host, port = server.url.removeprefix("http://").split(":")
     with caplog.at_level(logging.INFO, logger="loopspec.server"):
         with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 200\r\n\r\n" + b'{"prompt": "hel')  # 15 of the 200 bytes promised
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 200\r\n\r\n" + b'{"prompt": "hel'
+            )  # 15 of the 200 bytes promised
         server.wait_metric('loopspec_requests_total{outcome="cancelled"}', cancelled + 1)
     assert server.metric('loopspec_requests_total{outcome="error"}') == errors
     records = [r for r in caplog.records if r.name == "loopspec.server"]
-    assert any("before sending all of its request body" in r.getMessage() and r.levelno == logging.INFO
-               for r in records), records
+    assert any(
+        "before sending all of its request body" in r.getMessage() and r.levelno == logging.INFO for r in records
+    ), records
     assert not any(r.levelno >= logging.WARNING or r.exc_info for r in records), records
     assert httpx.post(server.url + "/v1/completions", json=OK_COMPLETION).status_code == 200
 
@@ -492,7 +713,7 @@ EMOJI = "\N{GRINNING FACE}"
 
 
 def emoji_bytes(tokens: list[int]) -> str:
-    return (EMOJI.encode() * len(tokens))[:len(tokens)].decode("utf-8", errors="replace")
+    return (EMOJI.encode() * len(tokens))[: len(tokens)].decode("utf-8", errors="replace")
 
 
 def test_a_replacement_character_stop_does_not_cut_a_reply_at_a_partial_character(pipe):
@@ -501,8 +722,11 @@ def test_a_replacement_character_stop_does_not_cut_a_reply_at_a_partial_characte
     from loopspec.runtime.decoder import Decoder
     from loopspec.runtime.scheduler import Request, Scheduler
 
-    scheduler = Scheduler(Decoder(pipe.engine.with_rows(2), pipe.settings("dflash", adaptive=False)), emoji_bytes,
-                          stop_token_ids=frozenset()).start()  # no end-of-sequence: exactly max_tokens tokens
+    scheduler = Scheduler(
+        Decoder(pipe.engine.with_rows(2), pipe.settings("dflash", adaptive=False)),
+        emoji_bytes,
+        stop_token_ids=frozenset(),
+    ).start()  # no end-of-sequence: exactly max_tokens tokens
     try:
         events, done = [], threading.Event()
 
@@ -511,8 +735,9 @@ def test_a_replacement_character_stop_does_not_cut_a_reply_at_a_partial_characte
             if event.kind in ("done", "error"):
                 done.set()
 
-        scheduler.submit(Request(prompt_ids=pipe.tokenizer.encode("hello"), max_tokens=8, on_event=collect,
-                                 stop=("\ufffd",)))
+        scheduler.submit(
+            Request(prompt_ids=pipe.tokenizer.encode("hello"), max_tokens=8, on_event=collect, stop=("\ufffd",))
+        )
         assert done.wait(30)
     finally:
         scheduler.close()
@@ -532,8 +757,11 @@ def test_stop_strings_are_matched_in_decoded_text_only():
     alphabet = st.sampled_from(["a", "b", " ", "é", "\u20ac", EMOJI, "\ufffd"])  # 1- to 4-byte characters
 
     @settings(max_examples=300, deadline=None, derandomize=True)
-    @given(st.lists(alphabet, max_size=12).map("".join), st.lists(alphabet, min_size=1, max_size=3).map("".join),
-           st.lists(st.integers(1, 5), max_size=40))
+    @given(
+        st.lists(alphabet, max_size=12).map("".join),
+        st.lists(alphabet, min_size=1, max_size=3).map("".join),
+        st.lists(st.integers(1, 5), max_size=40),
+    )
     def check(text, stop, cuts):
         data = text.encode()
         tail = TextTail(lambda tokens: bytes(tokens).decode("utf-8", errors="replace"), (stop,))
@@ -541,13 +769,13 @@ def test_stop_strings_are_matched_in_decoded_text_only():
         for size in cuts + [len(data)]:
             if fed >= len(data) or stopped:
                 break
-            out, stopped = tail.feed(list(data[fed:fed + size]))
+            out, stopped = tail.feed(list(data[fed : fed + size]))
             released.append(out)
             fed += size
         if not stopped:
             out, stopped = tail.flush()
             released.append(out)
-        expected = text[:text.index(stop)] if stop in text else text
+        expected = text[: text.index(stop)] if stop in text else text
         assert ("".join(released), stopped) == (expected, stop in text)
 
     check()
@@ -556,20 +784,38 @@ def test_stop_strings_are_matched_in_decoded_text_only():
 # --------------------------------------------------------------------------------------------------
 # Every request field: honoured, refused unless neutral, or ignored, as runtime/openai_api.py's table says
 
-from loopspec.runtime.openai_api import (CHAT, COMPLETIONS, ENDPOINT_PATHS, FIELDS, HONOURED,  # noqa: E402
-                                         NEUTRAL_ONLY)
+from loopspec.runtime.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    ENDPOINT_PATHS,
+    FIELDS,
+    HONOURED,  # noqa: E402
+    NEUTRAL_ONLY,
+)
 
-FIELD_BASE = {COMPLETIONS: {"model": "tiny", "prompt": PROMPTS[4], "max_tokens": 8, "temperature": 0},
-              CHAT: {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[4]}], "max_tokens": 8,
-                     "temperature": 0}}
+FIELD_BASE = {
+    COMPLETIONS: {"model": "tiny", "prompt": PROMPTS[4], "max_tokens": 8, "temperature": 0},
+    CHAT: {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[4]}], "max_tokens": 8, "temperature": 0},
+}
 # an honoured field: a value it takes, and one it refuses naming itself
 HONOURED_CASES = {
-    "model": ("tiny", "gpt-17"), "prompt": ("abc", ""), "messages": ([{"role": "user", "content": "abc"}], []),
-    "max_tokens": (2, 0), "max_completion_tokens": (2, "2"), "temperature": (0.5, 3), "top_p": (0.5, 0),
-    "top_k": (5, -1), "seed": (3, 2 ** 70), "stop": ("zz", [""]), "stream": (True, "yes"),
-    "stream_options": ({"include_usage": True}, {"continuous_usage_stats": True}), "user": ("u1", 42),
-    "response_format": ({"type": "json_object"}, {"type": "yaml"}), "guided_json": ({"type": "object"}, 3),
-    "guided_regex": ("[a-z ]+", "a("), "guided_choice": (["yes", "no"], []),
+    "model": ("tiny", "gpt-17"),
+    "prompt": ("abc", ""),
+    "messages": ([{"role": "user", "content": "abc"}], []),
+    "max_tokens": (2, 0),
+    "max_completion_tokens": (2, "2"),
+    "temperature": (0.5, 3),
+    "top_p": (0.5, 0),
+    "top_k": (5, -1),
+    "seed": (3, 2**70),
+    "stop": ("zz", [""]),
+    "stream": (True, "yes"),
+    "stream_options": ({"include_usage": True}, {"continuous_usage_stats": True}),
+    "user": ("u1", 42),
+    "response_format": ({"type": "json_object"}, {"type": "yaml"}),
+    "guided_json": ({"type": "object"}, 3),
+    "guided_regex": ("[a-z ]+", "a("),
+    "guided_choice": (["yes", "no"], []),
 }
 IGNORED_EXAMPLES = {"string": ("anything", 7), "boolean": (True, "yes"), "object": ({"k": "v"}, ["k"])}
 
@@ -634,10 +880,12 @@ def test_neutral_and_ignored_fields_leave_the_reply_as_it_is(server, http, endpo
     """The reply to a request is the same with every neutral-only field null, with each at its
     neutral value, and with every ignored field set: none of them changes the output."""
     fields = [f for f in FIELDS if endpoint in f.endpoints and f.use != HONOURED]
-    bodies = {"none": {},
-              "null": {f.name: None for f in fields},
-              "neutral": {f.name: f.neutral for f in fields if f.use == NEUTRAL_ONLY},
-              "ignored": {f.name: IGNORED_EXAMPLES[f.schema["type"]][0] for f in fields if f.use != NEUTRAL_ONLY}}
+    bodies = {
+        "none": {},
+        "null": {f.name: None for f in fields},
+        "neutral": {f.name: f.neutral for f in fields if f.use == NEUTRAL_ONLY},
+        "ignored": {f.name: IGNORED_EXAMPLES[f.schema["type"]][0] for f in fields if f.use != NEUTRAL_ONLY},
+    }
     replies = {}
     for name, extra in bodies.items():
         response = http.post(server.url + ENDPOINT_PATHS[endpoint], json={**FIELD_BASE[endpoint], **extra})
@@ -647,14 +895,23 @@ def test_neutral_and_ignored_fields_leave_the_reply_as_it_is(server, http, endpo
     assert replies["null"] == replies["neutral"] == replies["ignored"] == replies["none"]
 
 
-@pytest.mark.parametrize("endpoint, field, value", [
-    (CHAT, "guided_grammar", 'root ::= "a"+'), (CHAT, "structured_outputs", {"regex": "[0-9]+"}),
-    (CHAT, "guided_decoding_backend", "xgrammar"), (COMPLETIONS, "guided_whitespace_pattern", " *"),
-    (COMPLETIONS, "grammar", 'root ::= "a"+'), (COMPLETIONS, "json_schema", {"type": "object"}),
-    (CHAT, "chat_template_kwargs", {"enable_thinking": False}), (CHAT, "skip_special_tokens", True),
-    (COMPLETIONS, "include_stop_str_in_output", True), (COMPLETIONS, "typical_p", 0.9),
-    (COMPLETIONS, "mirostat", 2), (COMPLETIONS, "max_new_tokens", 16),
-])
+@pytest.mark.parametrize(
+    "endpoint, field, value",
+    [
+        (CHAT, "guided_grammar", 'root ::= "a"+'),
+        (CHAT, "structured_outputs", {"regex": "[0-9]+"}),
+        (CHAT, "guided_decoding_backend", "xgrammar"),
+        (COMPLETIONS, "guided_whitespace_pattern", " *"),
+        (COMPLETIONS, "grammar", 'root ::= "a"+'),
+        (COMPLETIONS, "json_schema", {"type": "object"}),
+        (CHAT, "chat_template_kwargs", {"enable_thinking": False}),
+        (CHAT, "skip_special_tokens", True),
+        (COMPLETIONS, "include_stop_str_in_output", True),
+        (COMPLETIONS, "typical_p", 0.9),
+        (COMPLETIONS, "mirostat", 2),
+        (COMPLETIONS, "max_new_tokens", 16),
+    ],
+)
 def test_constrained_and_output_changing_extensions_are_refused(server, http, endpoint, field, value):
     """What vLLM and llama.cpp clients send to constrain or change the output that this server does not
     do is refused, never ignored (response_format and guided_json / regex / choice are honoured:
@@ -681,7 +938,7 @@ def test_the_docs_list_every_field_as_the_table_does():
         return f"| `{field.name}` | {where} | {use} |"
 
     docs = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
-    table = docs[docs.index("| field | endpoint | handling |"):].split("\n\n")[0].splitlines()[2:]
+    table = docs[docs.index("| field | endpoint | handling |") :].split("\n\n")[0].splitlines()[2:]
     assert table == [row(f) for f in FIELDS]
 
 
@@ -789,8 +1046,10 @@ def test_requests_that_do_not_arrive_whole_in_time_are_closed(pipe, caplog):
         cancelled = s.metric('loopspec_requests_total{outcome="cancelled"}')
         silent, half, short_body, kept_alive = (socket.create_connection(s.address) for _ in range(4))
         half.sendall(HALF_HEADER)
-        short_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: 200\r\n\r\n" + b'{"prompt": "hel')
+        short_body.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 200\r\n\r\n" + b'{"prompt": "hel'
+        )
         kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         with caplog.at_level(logging.INFO, logger="loopspec.server"):
             with http.stream("POST", s.url + "/v1/completions", json={**LONG, "stream": True}) as running:
@@ -844,8 +1103,12 @@ def test_repeated_warnings_are_logged_once_per_interval_with_a_count(caplog):
             time.sleep(0.35)
             logger.warning("accept failed: %s", "Too many open files")
         messages = [r.getMessage() for r in caplog.records]
-        assert messages[:4] == ["accept failed: Too many open files", "another kind", "info passes untouched",
-                                "info passes untouched"]
+        assert messages[:4] == [
+            "accept failed: Too many open files",
+            "another kind",
+            "info passes untouched",
+            "info passes untouched",
+        ]
         assert len(messages) == 5 and messages[4].startswith("accept failed: Too many open files [999 more like this")
     finally:
         logger.removeFilter(repeats)
@@ -881,9 +1144,18 @@ def test_serve_refuses_connection_settings_that_cannot_apply(tiny_pair, capsys):
         assert e.value.code == 2 and flag in err and len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("field, value", [("request_timeout_s", float("inf")), ("request_timeout_s", 0),
-                                          ("read_timeout_s", float("nan")), ("max_batch_size", 0),
-                                          ("max_queue", 2.5), ("prefill_chunk", 0), ("max_stop_strings", -1)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("request_timeout_s", float("inf")),
+        ("request_timeout_s", 0),
+        ("read_timeout_s", float("nan")),
+        ("max_batch_size", 0),
+        ("max_queue", 2.5),
+        ("prefill_chunk", 0),
+        ("max_stop_strings", -1),
+    ],
+)
 def test_a_serve_config_that_cannot_serve_is_refused_in_one_line(field, value):
     """The Python API refuses what the serve flags refuse, naming the field, before any app exists."""
     from loopspec.errors import LoopspecError
@@ -897,12 +1169,16 @@ def test_a_serve_config_that_cannot_serve_is_refused_in_one_line(field, value):
 def test_metrics_count_every_verification_beside_tau(server):
     """Tokens per verification over every round (plain ones included) can be read beside τ: the
     verifications of a finished request and the tokens they committed (all but the prefill's first)."""
+
     def counters():
         text = httpx.get(server.url + "/metrics").text
         values = {}
         for line in text.splitlines():
-            for name in ('loopspec_verifications_total{kind="drafting"}', 'loopspec_verifications_total{kind="plain"}',
-                         "loopspec_verified_tokens_total"):
+            for name in (
+                'loopspec_verifications_total{kind="drafting"}',
+                'loopspec_verifications_total{kind="plain"}',
+                "loopspec_verified_tokens_total",
+            ):
                 if line.startswith(name + " "):
                     values[name] = float(line.split()[-1])
         return values
@@ -913,5 +1189,7 @@ def test_metrics_count_every_verification_beside_tau(server):
     after = counters()
     delta = {k: after[k] - before[k] for k in after}
     assert delta["loopspec_verified_tokens_total"] == 23
-    verifications = delta['loopspec_verifications_total{kind="drafting"}'] + delta['loopspec_verifications_total{kind="plain"}']
+    verifications = (
+        delta['loopspec_verifications_total{kind="drafting"}'] + delta['loopspec_verifications_total{kind="plain"}']
+    )
     assert 1 <= verifications <= 23

@@ -12,14 +12,23 @@ pytest.importorskip("fastapi", reason="needs fastapi: pip install 'loopspec[serv
 
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from loopspec.runtime.openai_api import (CHAT, CHAT_BODY, COMPLETION_BODY, COMPLETIONS, ENDPOINT_PATHS,  # noqa: E402
-                                         FIELDS, endpoint_fields)
+from loopspec.runtime.openai_api import (
+    CHAT,
+    CHAT_BODY,
+    COMPLETION_BODY,
+    COMPLETIONS,
+    ENDPOINT_PATHS,  # noqa: E402
+    FIELDS,
+    endpoint_fields,
+)
 from test_server import ServerThread, httpx  # noqa: E402
 
 # any JSON value, nested a little: what a careless or hostile client may send in any field
-JUNK = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                    max_leaves=12)
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=12,
+)
 
 
 def valid(schema: dict):
@@ -40,8 +49,12 @@ def valid(schema: dict):
     if kind == "integer":
         return st.integers(schema.get("minimum"), schema.get("maximum"))
     if kind == "number":
-        return st.floats(schema.get("exclusiveMinimum", schema.get("minimum")), schema.get("maximum"),
-                         exclude_min="exclusiveMinimum" in schema, allow_nan=False)
+        return st.floats(
+            schema.get("exclusiveMinimum", schema.get("minimum")),
+            schema.get("maximum"),
+            exclude_min="exclusiveMinimum" in schema,
+            allow_nan=False,
+        )
     return st.booleans()
 
 
@@ -63,8 +76,14 @@ def client(tiny_pair):
 
     target_dir, drafter_dir = tiny_pair
     pipe = load_pipeline(str(target_dir), str(drafter_dir), max_context=96, backend="torch")
-    config = ServeConfig(settings=pipe.settings("dloop", adaptive=False), model_name="tiny", max_batch_size=2,
-                         max_tokens_limit=4, default_max_tokens=4, max_body_bytes=4096)
+    config = ServeConfig(
+        settings=pipe.settings("dloop", adaptive=False),
+        model_name="tiny",
+        max_batch_size=2,
+        max_tokens_limit=4,
+        default_max_tokens=4,
+        max_body_bytes=4096,
+    )
     with ServerThread(create_app(pipe, config)) as server, httpx.Client(base_url=server.url, timeout=30) as c:
         yield c
 
@@ -86,8 +105,12 @@ def check_answer(response, spec: dict, path: str) -> None:
     jsonschema.validate(response.json(), schema)
 
 
-FUZZ = settings(max_examples=70, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=70,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @FUZZ
@@ -102,22 +125,26 @@ def test_chat_completions_never_5xx(client, spec, body):
     check_answer(post(client, "/v1/chat/completions", body), spec, "/v1/chat/completions")
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.binary(max_size=64) | st.text(max_size=64).map(str.encode))
 def test_raw_bytes_never_5xx(client, spec, raw):
     response = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     check_answer(response, spec, "/v1/completions")
 
 
-OK_BODIES = {COMPLETIONS: {"prompt": "hello", "max_tokens": 2}, CHAT: {"messages": [{"role": "user", "content": "hi"}],
-                                                                     "max_tokens": 2}}
+OK_BODIES = {
+    COMPLETIONS: {"prompt": "hello", "max_tokens": 2},
+    CHAT: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+}
 KNOWN = {f.name for f in FIELDS}
 
 
 @FUZZ
-@given(endpoint=st.sampled_from([CHAT, COMPLETIONS]),
-       name=st.text(min_size=1, max_size=12).filter(lambda n: n not in KNOWN), value=JUNK)
+@given(
+    endpoint=st.sampled_from([CHAT, COMPLETIONS]),
+    name=st.text(min_size=1, max_size=12).filter(lambda n: n not in KNOWN),
+    value=JUNK,
+)
 def test_a_field_the_table_does_not_know_gets_a_400_naming_it(client, endpoint, name, value):
     response = post(client, ENDPOINT_PATHS[endpoint], {**OK_BODIES[endpoint], name: value})
     assert response.status_code == 400, response.text
@@ -145,4 +172,3 @@ def test_a_field_of_the_other_endpoint_is_refused_with_where_it_belongs(client):
         assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
         other = CHAT if endpoint == COMPLETIONS else COMPLETIONS
         assert ENDPOINT_PATHS[other] in response.json()["error"]["message"]
-

@@ -8,19 +8,42 @@ import pytest
 from loopspec.errors import LoopspecError
 from loopspec.model.dflash import DrafterConfig
 from loopspec.runtime.tune import check_grid
-from loopspec.settings import (KNOBS, METHODS, DecodingSettings, check_knobs_apply, knobs_for,
-                               resolve_settings)
+from loopspec.settings import KNOBS, METHODS, DecodingSettings, check_knobs_apply, knobs_for, resolve_settings
 
 
 def drafter():
-    return DrafterConfig(hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
-                         vocab_size=16, num_target_layers=4, target_layer_ids=[2], mask_token_id=3, block_size=8)
+    return DrafterConfig(
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        vocab_size=16,
+        num_target_layers=4,
+        target_layer_ids=[2],
+        mask_token_id=3,
+        block_size=8,
+    )
 
 
 # a value each knob may take where it applies, different from its field's default
-GIVEN = {"block_size": 4, "max_stages": 3, "gate_threshold": -1.0, "gate": "confidence", "adaptive": True,
-         "tree_budget": 4, "suffix": True, "suffix_first": 3, "suffix_then_draft": True, "draft_sampling": "drafter",
-         "shared_suffix": 8, "tree_kind": "dynamic", "tree_top_k": 2, "tree_depth": 2}
+GIVEN = {
+    "block_size": 4,
+    "max_stages": 3,
+    "gate_threshold": -1.0,
+    "gate": "confidence",
+    "adaptive": True,
+    "tree_budget": 4,
+    "suffix": True,
+    "suffix_first": 3,
+    "suffix_then_draft": True,
+    "draft_sampling": "drafter",
+    "shared_suffix": 8,
+    "tree_kind": "dynamic",
+    "tree_top_k": 2,
+    "tree_depth": 2,
+}
 
 
 def test_every_knob_has_a_value_to_plant():
@@ -56,8 +79,16 @@ def test_knobs_that_apply_are_taken():
     assert resolve_settings("ar", None) == DecodingSettings()
     assert resolve_settings("ar", None, **{name: None for name in KNOBS}) == DecodingSettings()
     # a knob given as its off value asks for nothing, so any method takes it ...
-    off = dict(block_size=1, max_stages=1, adaptive=False, tree_budget=0, suffix=False, suffix_first=0,
-               suffix_then_draft=False, draft_sampling="walk")
+    off = dict(
+        block_size=1,
+        max_stages=1,
+        adaptive=False,
+        tree_budget=0,
+        suffix=False,
+        suffix_first=0,
+        suffix_then_draft=False,
+        draft_sampling="walk",
+    )
     assert resolve_settings("ar", None, **off) == DecodingSettings()
     assert resolve_settings("suffix", None, **(off | {"block_size": 6})).tree_budget == 0
     # ... but a gate threshold or a gate type describes a gate, whatever its value
@@ -99,14 +130,18 @@ def test_drafts_sampled_from_the_drafter_need_a_sampling_run():
 def test_the_suffix_branch_is_one_rule():
     """`suffix` is the branch; the chain policy neither needs nor adds it; the method suffix's own
     continuation is a chain; a tree is a tree budget or the branch beside the drafter."""
-    cases = {DecodingSettings("dflash", 8, suffix_first=3): (False, False, True),
-             DecodingSettings("dflash", 8, suffix_first=3, suffix=True): (True, True, True),
-             DecodingSettings("dflash", 8, suffix=True): (True, True, True),
-             DecodingSettings("dflash", 8, tree_budget=4): (False, True, False),
-             DecodingSettings("suffix", 8): (True, False, True),
-             DecodingSettings("dflash", 8): (False, False, False)}
+    cases = {
+        DecodingSettings("dflash", 8, suffix_first=3): (False, False, True),
+        DecodingSettings("dflash", 8, suffix_first=3, suffix=True): (True, True, True),
+        DecodingSettings("dflash", 8, suffix=True): (True, True, True),
+        DecodingSettings("dflash", 8, tree_budget=4): (False, True, False),
+        DecodingSettings("suffix", 8): (True, False, True),
+        DecodingSettings("dflash", 8): (False, False, False),
+    }
     for settings, (branch, trees, index) in cases.items():
-        assert (settings.suffix_branch, settings.verifies_trees, settings.uses_suffix) == (branch, trees, index), settings
+        assert (settings.suffix_branch, settings.verifies_trees, settings.uses_suffix) == (branch, trees, index), (
+            settings
+        )
     policy = resolve_settings("dloop", drafter(), suffix=False, suffix_first=3)  # --no-suffix --suffix-first 3
     assert (policy.suffix, policy.suffix_first, policy.suffix_branch) == (False, 3, False)
     assert "suffix" in KNOBS["suffix_first"].help and "--suffix" in KNOBS["suffix_first"].help
@@ -114,12 +149,14 @@ def test_the_suffix_branch_is_one_rule():
 
 def test_tune_refuses_a_grid_value_by_the_settings_rule():
     check_grid(thresholds=[-1.0, -0.5], stages=[1, 4], block_sizes=None, tree_budgets=[0, 8], suffix_firsts=[0, 2, 6])
-    for grid, says in ((dict(thresholds=[-1.0, math.inf]), "--thresholds inf: the gate threshold"),
-                       (dict(thresholds=[math.nan]), "--thresholds nan: the gate threshold"),
-                       (dict(stages=[0]), "--stages 0: max stages must be >= 1"),
-                       (dict(block_sizes=[1]), "--block-sizes 1: dloop needs a block size >= 2"),
-                       (dict(tree_budgets=[-1]), "--tree-budgets -1: tree budget must be >= 0"),
-                       (dict(suffix_firsts=[7]), "--suffix-firsts 7: suffix-first match length must be 2..6"),
-                       (dict(stages=[]), "--stages needs at least one value")):
+    for grid, says in (
+        (dict(thresholds=[-1.0, math.inf]), "--thresholds inf: the gate threshold"),
+        (dict(thresholds=[math.nan]), "--thresholds nan: the gate threshold"),
+        (dict(stages=[0]), "--stages 0: max stages must be >= 1"),
+        (dict(block_sizes=[1]), "--block-sizes 1: dloop needs a block size >= 2"),
+        (dict(tree_budgets=[-1]), "--tree-budgets -1: tree budget must be >= 0"),
+        (dict(suffix_firsts=[7]), "--suffix-firsts 7: suffix-first match length must be 2..6"),
+        (dict(stages=[]), "--stages needs at least one value"),
+    ):
         with pytest.raises(LoopspecError, match="^" + says.replace("(", r"\(").replace(")", r"\)")):
             check_grid(**grid)

@@ -31,18 +31,18 @@ def prompt(seed: int, n: int = 10) -> list[int]:
 # small edit); Q: another task
 P, Q = prompt(4), prompt(7)
 EDIT = [5] + P[1:]
-METHODS = {"suffix": Method("suffix", block_size=6, shared_suffix=4),
-           "dflash+suffix": Method("dflash", block_size=5, suffix=True, shared_suffix=4),
-           "dloop+first2": Method("dloop", block_size=5, max_stages=2, gate_threshold=-1e9, suffix_first=2,
-                                  shared_suffix=4)}
+METHODS = {
+    "suffix": Method("suffix", block_size=6, shared_suffix=4),
+    "dflash+suffix": Method("dflash", block_size=5, suffix=True, shared_suffix=4),
+    "dloop+first2": Method("dloop", block_size=5, max_stages=2, gate_threshold=-1e9, suffix_first=2, shared_suffix=4),
+}
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
     """A lively tiny llama (its greedy text follows the context) with a random drafter, 4 rows."""
     target_dir, drafter_dir = tiny_pair
-    return torch_engine(lively(load_target_dir(target_dir)), Drafter.load(drafter_dir).float().eval(), 256,
-                        max_rows=4)
+    return torch_engine(lively(load_target_dir(target_dir)), Drafter.load(drafter_dir).float().eval(), 256, max_rows=4)
 
 
 def one_by_one(decoder, prompts, scopes=None, **kw) -> list:
@@ -120,8 +120,9 @@ def test_seeded_sampling_walks_plain_decoding_s_tokens_with_the_library_on(engin
     proposed: a seeded request returns what `ar` returns with its seed."""
     params = SamplingParams(temperature=0.8, top_p=0.95)
     rows = one_by_one(Decoder(engine, METHODS["suffix"]), [P, P, EDIT], params=params, seed=11)
-    assert [r.tokens for r in rows] == [generate(engine, p, max_new_tokens=NEW, params=params, seed=11).tokens
-                                        for p in (P, P, EDIT)]
+    assert [r.tokens for r in rows] == [
+        generate(engine, p, max_new_tokens=NEW, params=params, seed=11).tokens for p in (P, P, EDIT)
+    ]
 
 
 def test_a_row_commits_the_same_tokens_in_any_batch(engine):
@@ -161,8 +162,19 @@ def test_shared_suffix_is_refused_in_one_line_where_it_cannot_apply(capsys):
     from loopspec.cli import main
     from loopspec.model.dflash import DrafterConfig
 
-    cfg = DrafterConfig(hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
-                        vocab_size=16, num_target_layers=4, target_layer_ids=[2], mask_token_id=3, block_size=8)
+    cfg = DrafterConfig(
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        vocab_size=16,
+        num_target_layers=4,
+        target_layer_ids=[2],
+        mask_token_id=3,
+        block_size=8,
+    )
     assert resolve_settings("suffix", None, shared_suffix=16).shared_suffix == 16
     assert resolve_settings("dflash", cfg, suffix=True, shared_suffix=16).describe().endswith("library of 16 outputs")
     assert resolve_settings("dflash", cfg, suffix=True).shared_suffix == 0
@@ -172,14 +184,17 @@ def test_shared_suffix_is_refused_in_one_line_where_it_cannot_apply(capsys):
         resolve_settings("ar", None, shared_suffix=16)
     with pytest.raises(LoopspecError, match="^the shared suffix library keeps >= 0 outputs"):
         Method("suffix", block_size=6, shared_suffix=-1)
-    for argv, needle in ((["generate", "--prompt", "x", "--shared-suffix", "-1"], "--shared-suffix must be >= 0"),
-                         (["serve", "--shared-suffix", "many"], "--shared-suffix must be an integer"),
-                         (["generate", "--prompt", "x", "--method", "suffix", "--shared-suffix", "4"],
-                          "generate decodes one request"),
-                         (["bench", "--prompts", "mbpp", "--methods", "suffix", "--shared-suffix", "4"],
-                          "bench decodes each prompt alone"),
-                         (["serve", "--api-key", ""], "an API key must be a non-empty string"),
-                         (["serve", "--api-key", "two words"], "printable ASCII without spaces")):
+    for argv, needle in (
+        (["generate", "--prompt", "x", "--shared-suffix", "-1"], "--shared-suffix must be >= 0"),
+        (["serve", "--shared-suffix", "many"], "--shared-suffix must be an integer"),
+        (["generate", "--prompt", "x", "--method", "suffix", "--shared-suffix", "4"], "generate decodes one request"),
+        (
+            ["bench", "--prompts", "mbpp", "--methods", "suffix", "--shared-suffix", "4"],
+            "bench decodes each prompt alone",
+        ),
+        (["serve", "--api-key", ""], "an API key must be a non-empty string"),
+        (["serve", "--api-key", "two words"], "printable ASCII without spaces"),
+    ):
         try:
             code = main(argv)
         except SystemExit as e:
@@ -243,8 +258,9 @@ class Served:
 
         headers = {} if key is None else {"Authorization": f"Bearer {key}"}
         body = {"model": "tiny", "prompt": TEXT, "max_tokens": 24, "temperature": 0, "user": user} | body
-        return httpx.post(self.thread.url + path, json={k: v for k, v in body.items() if v is not None},
-                          headers=headers, timeout=60)
+        return httpx.post(
+            self.thread.url + path, json={k: v for k, v in body.items() if v is not None}, headers=headers, timeout=60
+        )
 
     def proposed(self, key=None, user=None) -> tuple[int, str]:
         """One request's library proposals and its text (requests go one at a time)."""
@@ -260,8 +276,13 @@ def test_without_a_valid_key_a_v1_request_gets_401(pipe):
 
     with Served(pipe) as served:
         url = served.thread.url
-        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEYS[0]},
-                        {"Authorization": f"Basic {KEYS[0]}"}, {"Authorization": f"Bearer {KEYS[0]}x"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer nope"},
+            {"Authorization": KEYS[0]},
+            {"Authorization": f"Basic {KEYS[0]}"},
+            {"Authorization": f"Bearer {KEYS[0]}x"},
+        ):
             for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
                 response = httpx.request(method, url + path, headers=headers, json={"prompt": "x"})
                 assert response.status_code == 401, (headers, path, response.text)
@@ -272,8 +293,12 @@ def test_without_a_valid_key_a_v1_request_gets_401(pipe):
         for key in KEYS:
             assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
             assert served.post(key).status_code == 200
-        assert served.post(KEYS[0], path="/v1/chat/completions", prompt=None,
-                           messages=[{"role": "user", "content": "hi"}]).status_code == 200
+        assert (
+            served.post(
+                KEYS[0], path="/v1/chat/completions", prompt=None, messages=[{"role": "user", "content": "hi"}]
+            ).status_code
+            == 200
+        )
 
 
 def cross_key_proposals(pipe) -> int:

@@ -44,7 +44,7 @@ def test_incremental_decoding_and_rollback_match_full_forward(family, tiny_targe
     junk = target(torch.randint(0, 128, (1, 7)), cache)  # speculative tokens that get rejected
     assert junk.logits.shape[1] == 7 and cache.lengths[0] == 27
     cache.rollback([20])
-    rest = [target(ids[:, i:i + 1], cache) for i in range(20, 25)]
+    rest = [target(ids[:, i : i + 1], cache) for i in range(20, 25)]
     tail = target(ids[:, 25:], cache)
     logits = torch.cat([first.logits] + [r.logits for r in rest] + [tail.logits], dim=1)
     taps = torch.cat([first.taps] + [r.taps for r in rest] + [tail.taps], dim=1)
@@ -97,7 +97,9 @@ def test_a_growing_cache_holds_what_a_static_one_holds():
         for cache in (static, grown):
             getattr(cache, op)(*args)
 
-    for step, (rows, counts) in enumerate([([0, 1, 2], [5, 3, 7]), ([0, 1], [9, 9]), ([2], [20]), ([0, 1, 2], [4, 6, 1])]):
+    for step, (rows, counts) in enumerate(
+        [([0, 1, 2], [5, 3, 7]), ([0, 1], [9, 9]), ([2], [20]), ([0, 1, 2], [4, 6, 1])]
+    ):
         T = max(counts)
         k, v = torch.randn(2, len(rows), 2, T, 4, generator=g), torch.randn(2, len(rows), 2, T, 4, generator=g)
         both("append", k, v, rows, counts)

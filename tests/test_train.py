@@ -10,8 +10,14 @@ import torch
 from loopspec.errors import LoopspecError
 from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.train.samples import Sample
-from loopspec.train.trainer import (DrafterTrainer, TrainConfig, block_mask_dense, default_gamma,
-                                    position_weights, sample_anchors)
+from loopspec.train.trainer import (
+    DrafterTrainer,
+    TrainConfig,
+    block_mask_dense,
+    default_gamma,
+    position_weights,
+    sample_anchors,
+)
 from loopspec.weights import load_target_dir
 
 
@@ -54,8 +60,10 @@ def test_weight_formula():
 def cycle_samples(n, length, cycle=11, prompt_len=4, seed=0):
     """Deterministic toy continuation: tokens walk a fixed cycle 3, 4, ..., 3 + cycle - 1, 3, ..."""
     g = random.Random(seed)
-    return [Sample(f"s{i}", [3 + (g.randrange(cycle) + t) % cycle for t in range(length)], prompt_len, "length")
-            for i in range(n)]
+    return [
+        Sample(f"s{i}", [3 + (g.randrange(cycle) + t) % cycle for t in range(length)], prompt_len, "length")
+        for i in range(n)
+    ]
 
 
 def test_heldout_split_is_seeded_disjoint_and_capped():
@@ -146,24 +154,86 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path, capsy
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"prompt number {i} says hello"]}) + "\n" for i in range(12)))
     data = tmp_path / "data"
-    assert main(["data", "--prompts", str(prompts), "--target", str(target_dir), "--out", str(data),
-                 "--max-new-tokens", "24", "--batch-size", "5", "--cache-taps", "--tap-layers", "1,4",
-                 "--limit", "7"]) == 0
-    assert main(["data", "--prompts", str(prompts), "--target", str(target_dir), "--out", str(data),
-                 "--max-new-tokens", "24", "--batch-size", "5", "--cache-taps", "--tap-layers", "1,4"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "--prompts",
+                str(prompts),
+                "--target",
+                str(target_dir),
+                "--out",
+                str(data),
+                "--max-new-tokens",
+                "24",
+                "--batch-size",
+                "5",
+                "--cache-taps",
+                "--tap-layers",
+                "1,4",
+                "--limit",
+                "7",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "data",
+                "--prompts",
+                str(prompts),
+                "--target",
+                str(target_dir),
+                "--out",
+                str(data),
+                "--max-new-tokens",
+                "24",
+                "--batch-size",
+                "5",
+                "--cache-taps",
+                "--tap-layers",
+                "1,4",
+            ]
+        )
+        == 0
+    )
     lines = (data / "samples.jsonl").read_text().splitlines()
     assert len(lines) == 12 and len({json.loads(l)["id"] for l in lines}) == 12  # resumed, no duplicates
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["samples"] == 12 and manifest["settings"]["tap_layer_ids"] == [1, 4]
     first = json.loads(lines[0])
     from loopspec.weights import read_safetensors
+
     taps = read_safetensors(data / "taps" / "p.jsonl_1.safetensors")["taps"]
     assert taps.shape == (len(first["tokens"]) - 1, 2 * 64)
 
     out = tmp_path / "drafter"
-    common = ["train", "--data", str(data), "--target", str(target_dir), "--out", str(out), "--block-size", "4",
-              "--tap-layers", "1,4", "--mask-token-id", "127", "--anchors", "8", "--batch-sequences", "2",
-              "--draft-vocab-size", "40", "--eval-every", "2", "--save-every", "2"]
+    common = [
+        "train",
+        "--data",
+        str(data),
+        "--target",
+        str(target_dir),
+        "--out",
+        str(out),
+        "--block-size",
+        "4",
+        "--tap-layers",
+        "1,4",
+        "--mask-token-id",
+        "127",
+        "--anchors",
+        "8",
+        "--batch-sequences",
+        "2",
+        "--draft-vocab-size",
+        "40",
+        "--eval-every",
+        "2",
+        "--save-every",
+        "2",
+    ]
     assert main(common + ["--max-steps", "2"]) == 0
     with open(out / "train_log.jsonl", "a") as f:  # a step logged after the last save (then killed): redone
         f.write(json.dumps({"step": 3, "loss": -1.0}) + "\n")
@@ -182,6 +252,7 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path, capsy
 
     # --stop-after-steps stops on the unchanged schedule: stop at 3 + resume == 5 steps in one go
     from loopspec.weights import read_safetensors as read
+
     runs = {}
     for name, stops in (("straight", [None]), ("stopped", [3, None])):
         for stop in stops:
@@ -195,12 +266,24 @@ def test_data_train_resume_and_lossless_reduced_vocab(tiny_pair, tmp_path, capsy
     # not its tuned setting (measured with the weights the run replaces); fewer layers than the
     # init's is refused with a one-line error and writes nothing
     from loopspec.runtime.tune import store_setting
+
     tuned = {"block_size": 4, "max_stages": 3, "gate_threshold": -0.5, "tree_budget": 0, "suffix": False}
     store_setting(out, tuned, "onnxruntime")
     assert Drafter.load(out).cfg.extra["dloop"] == tuned
     grown = tmp_path / "grown"
-    deepen = ["train", "--data", str(data), "--target", str(target_dir), "--anchors", "8", "--batch-sequences", "2",
-              "--max-steps", "1"]
+    deepen = [
+        "train",
+        "--data",
+        str(data),
+        "--target",
+        str(target_dir),
+        "--anchors",
+        "8",
+        "--batch-sequences",
+        "2",
+        "--max-steps",
+        "1",
+    ]
     assert main(deepen + ["--init", str(out), "--num-layers", "2", "--out", str(grown)]) == 0
     deeper = Drafter.load(grown)
     assert deeper.cfg.num_layers == 2 and deeper.draft_ids.numel() == 40
@@ -229,8 +312,8 @@ def test_block_mask_with_private_pseudo_context():
     for q in range(6):
         b = q // B
         assert mask[q, :C].tolist() == [j < int(anchors[b]) for j in range(C)]
-        assert mask[q, C:C + 2 * m].tolist() == [j // m == b for j in range(2 * m)]
-        assert mask[q, C + 2 * m:].tolist() == [j // B == b for j in range(2 * B)]
+        assert mask[q, C : C + 2 * m].tolist() == [j // m == b for j in range(2 * m)]
+        assert mask[q, C + 2 * m :].tolist() == [j // B == b for j in range(2 * B)]
 
 
 def test_loop_aware_stages_match_inference_exactly(tiny_targets):
@@ -306,8 +389,11 @@ def test_dpace_and_kl_options_change_the_loss(tiny_targets):
     s = cycle_samples(1, 30)[0]
     tokens, mask = torch.tensor(s.tokens), torch.tensor(s.loss_mask)
     losses = {}
-    for name, tc in {"plain": TrainConfig(anchors=8), "dpace": TrainConfig(anchors=8, dpace=True),
-                     "kl": TrainConfig(anchors=8, kl_weight=1.0)}.items():
+    for name, tc in {
+        "plain": TrainConfig(anchors=8),
+        "dpace": TrainConfig(anchors=8, dpace=True),
+        "kl": TrainConfig(anchors=8, kl_weight=1.0),
+    }.items():
         trainer = DrafterTrainer(target, drafter, tc)
         taps, logits = trainer.target_pass(tokens, True)
         loss, _ = trainer.sequence_loss(tokens, mask, taps, random.Random(0), logits)
@@ -378,8 +464,9 @@ def test_bfloat16_compute_matches_float32_and_trains(tiny_targets):
         tc = TrainConfig(anchors=16, compute_dtype=dtype)
         trainer = DrafterTrainer(target, drafter, tc)
         taps, _ = trainer.target_pass(tokens, False)
-        history = adam_steps(drafter, 60, lambda rng: trainer.sequence_loss(tokens, mask, taps, rng)[0],
-                             compute_context(tc))
+        history = adam_steps(
+            drafter, 60, lambda rng: trainer.sequence_loss(tokens, mask, taps, rng)[0], compute_context(tc)
+        )
         assert sum(history[-5:]) / 5 < sum(history[:5]) / 5 - 0.3, (dtype, history)
         final[dtype] = sum(history[-5:]) / 5
     assert abs(final["bfloat16"] - final["float32"]) < 0.1 * final["float32"], final

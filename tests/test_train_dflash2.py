@@ -26,8 +26,9 @@ BLOCK, MASK, TAPS = 6, 127, [1, 4]
 
 def dflash_drafter(target, seed=0):
     torch.manual_seed(seed)
-    return Drafter(DrafterConfig.for_target(target.cfg, num_layers=1, block_size=BLOCK, mask_token_id=MASK,
-                                            target_layer_ids=TAPS))
+    return Drafter(
+        DrafterConfig.for_target(target.cfg, num_layers=1, block_size=BLOCK, mask_token_id=MASK, target_layer_ids=TAPS)
+    )
 
 
 def dflash2_trainer_for(target, seed=0, top_k=16, rank=16, anchors=16):
@@ -78,18 +79,18 @@ def test_training_time_selector_scores_are_the_walks(tiny_targets, monkeypatch):
         _, hidden = trainer.stage(prefix, torch.tensor([anchor]), ctx_k, ctx_v)
         drafts, logprobs, _ = selector_stage(trainer.drafter, hidden, prefix[[anchor]], target.lm_head)
     tokens = torch.cat([prefix, drafts[0, :, 0]])  # the data continues with the walk's path
-    assert len(set(tokens[anchor + 1:].tolist())) > 1  # a path, not one token repeated
+    assert len(set(tokens[anchor + 1 :].tolist())) > 1  # a path, not one token repeated
     mask = torch.arange(tokens.numel()) >= anchor  # anchors from `anchor` on; the first one's block is its walk
     seen = []
     real = dflash2_trainer.selector_scores
     monkeypatch.setattr(dflash2_trainer, "selector_scores", lambda *a: seen.append(real(*a)) or seen[-1])
     with torch.no_grad():
         _, stats = trainer.sequence_loss(tokens, mask, trainer.target_pass(tokens, False)[0], random.Random(0))
-    (scores, candidates), = seen
+    ((scores, candidates),) = seen
     D = BLOCK - 1
     assert stats["anchors"] == D and stats["selector_slots"] == D * (D + 1) // 2
     scores, candidates = scores[:D], candidates[:D]  # the rows of the first anchor's block (rows are block-major)
-    order = scores.sort(dim=-1, descending=True, stable=True).indices[:, :drafts.shape[-1]]
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[:, : drafts.shape[-1]]
     assert torch.equal(candidates.gather(-1, order), drafts[0])
     mine = torch.log_softmax(scores, -1).gather(-1, order)
     assert torch.allclose(mine, logprobs[0], atol=1e-5), (mine - logprobs[0]).abs().max()
@@ -109,8 +110,9 @@ def test_each_anchors_block_is_the_engines_stage(tiny_targets):
         for row, a in enumerate(anchors.tolist()):
             ids = torch.full((1, BLOCK), MASK)
             ids[0, 0] = tokens[a]
-            alone = trainer.drafter(target.embed_tokens(ids), positions[row][None, None], ctx_k[:, :, :, :a],
-                                    ctx_v[:, :, :, :a])
+            alone = trainer.drafter(
+                target.embed_tokens(ids), positions[row][None, None], ctx_k[:, :, :, :a], ctx_v[:, :, :, :a]
+            )
             assert torch.allclose(together[row], alone[0], atol=1e-5), (row, (together[row] - alone[0]).abs().max())
 
 
@@ -123,8 +125,11 @@ def test_a_dflash2_drafter_made_from_a_dflash_one_drafts_as_it_did(tiny_targets)
         for p in base.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     dflash = DrafterTrainer(target, base, TrainConfig(anchors=16))
-    dflash2 = DFlash2Trainer(target, DFlash2Drafter.from_dflash(base, selector_rank=8, selector_top_k=8),
-                             TrainConfig(family="dflash2", anchors=16))
+    dflash2 = DFlash2Trainer(
+        target,
+        DFlash2Drafter.from_dflash(base, selector_rank=8, selector_top_k=8),
+        TrainConfig(family="dflash2", anchors=16),
+    )
     tokens = torch.randint(3, 120, (24,))
     anchors = torch.tensor([2, 5, 11, 18])
     with torch.no_grad():
@@ -193,13 +198,30 @@ def data_dir(tiny_pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("d2data")
     prompts = root / "p.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"prompt number {i} says hello"]}) + "\n" for i in range(12)))
-    assert main(["data", "--prompts", str(prompts), "--target", str(target_dir), "--out", str(root / "data"),
-                 "--max-new-tokens", "24", "--batch-size", "6"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "--prompts",
+                str(prompts),
+                "--target",
+                str(target_dir),
+                "--out",
+                str(root / "data"),
+                "--max-new-tokens",
+                "24",
+                "--batch-size",
+                "6",
+            ]
+        )
+        == 0
+    )
     return root / "data"
 
 
 def test_cli_trains_a_dflash2_drafter_from_a_dflash_one_that_resumes_loads_and_decodes_losslessly(
-        tiny_pair, data_dir, tmp_path):
+    tiny_pair, data_dir, tmp_path
+):
     from loopspec.engines.torch_engine import TorchEngine
     from loopspec.pair import load_pair
     from loopspec.runtime.decoder import generate
@@ -207,9 +229,31 @@ def test_cli_trains_a_dflash2_drafter_from_a_dflash_one_that_resumes_loads_and_d
     from loopspec.weights import read_safetensors
 
     target_dir, dflash_dir = tiny_pair
-    common = ["train", "--family", "dflash2", "--data", str(data_dir), "--target", str(target_dir), "--init",
-              str(dflash_dir), "--anchors", "8", "--batch-sequences", "2", "--lr", "3e-3", "--eval-every", "4",
-              "--save-every", "2", "--epochs", "3", "--max-steps", "6"]
+    common = [
+        "train",
+        "--family",
+        "dflash2",
+        "--data",
+        str(data_dir),
+        "--target",
+        str(target_dir),
+        "--init",
+        str(dflash_dir),
+        "--anchors",
+        "8",
+        "--batch-sequences",
+        "2",
+        "--lr",
+        "3e-3",
+        "--eval-every",
+        "4",
+        "--save-every",
+        "2",
+        "--epochs",
+        "3",
+        "--max-steps",
+        "6",
+    ]
     runs = {}
     for name, stops in (("straight", [None]), ("stopped", [3, None])):
         for stop in stops:
@@ -220,7 +264,9 @@ def test_cli_trains_a_dflash2_drafter_from_a_dflash_one_that_resumes_loads_and_d
     assert all(torch.equal(runs["straight"][k], runs["stopped"][k]) for k in runs["straight"])
     log = [json.loads(line) for line in (tmp_path / "straight" / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(7)) and "heldout_tau" in log[0] and "heldout_tau" in log[-1]
-    assert all(0 <= r["selector_acc"] <= r["selector_coverage"] <= 1 for r in log[1:]) and log[-1]["selector_coverage"] > 0
+    assert (
+        all(0 <= r["selector_acc"] <= r["selector_coverage"] <= 1 for r in log[1:]) and log[-1]["selector_coverage"] > 0
+    )
 
     config = json.loads((tmp_path / "straight" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 16
@@ -238,23 +284,49 @@ def test_cli_trains_a_dflash2_drafter_from_a_dflash_one_that_resumes_loads_and_d
         assert spec.tokens == ar.tokens
 
     # --init continues a DFlash2 drafter
-    assert main(["train", "--family", "dflash2", "--data", str(data_dir), "--target", str(target_dir), "--init",
-                 str(tmp_path / "straight"), "--out", str(tmp_path / "more"), "--max-steps", "1",
-                 "--anchors", "8", "--batch-sequences", "2"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--family",
+                "dflash2",
+                "--data",
+                str(data_dir),
+                "--target",
+                str(target_dir),
+                "--init",
+                str(tmp_path / "straight"),
+                "--out",
+                str(tmp_path / "more"),
+                "--max-steps",
+                "1",
+                "--anchors",
+                "8",
+                "--batch-sequences",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert isinstance(DFlash2Drafter.load(tmp_path / "more"), DFlash2Drafter)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--family", "dflash2", "--loop-stages", "2"], "--loop-stages does not apply to DFlash2 training"),
-    (["--family", "dflash2", "--causal-in-block"], "--causal-in-block does not apply to DFlash2 training"),
-    (["--family", "dflash2", "--markov-rank", "4"], "--markov-rank / --markov-head / --confidence-head does not "
-                                                    "apply to DFlash2 training"),
-    (["--family", "dflash2", "--draft-vocab-size", "40"], "--draft-vocab-size does not apply to DFlash2 training"),
-    (["--family", "dflash2", "--init", "DFLASH2", "--num-layers", "2"], "a DFlash2 drafter cannot be deepened"),
-    (["--init", "DFLASH2"], "the --init drafter (DFlash2) is trained with --family dflash2, not --family dflash"),
-    (["--family", "eagle3", "--init", "DFLASH2"], "trained with --family dflash2, not --family eagle3"),
-    (["--family", "dflash2", "--init", "EAGLE3"], "not this EAGLE-3 drafter"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--family", "dflash2", "--loop-stages", "2"], "--loop-stages does not apply to DFlash2 training"),
+        (["--family", "dflash2", "--causal-in-block"], "--causal-in-block does not apply to DFlash2 training"),
+        (
+            ["--family", "dflash2", "--markov-rank", "4"],
+            "--markov-rank / --markov-head / --confidence-head does not apply to DFlash2 training",
+        ),
+        (["--family", "dflash2", "--draft-vocab-size", "40"], "--draft-vocab-size does not apply to DFlash2 training"),
+        (["--family", "dflash2", "--init", "DFLASH2", "--num-layers", "2"], "a DFlash2 drafter cannot be deepened"),
+        (["--init", "DFLASH2"], "the --init drafter (DFlash2) is trained with --family dflash2, not --family dflash"),
+        (["--family", "eagle3", "--init", "DFLASH2"], "trained with --family dflash2, not --family eagle3"),
+        (["--family", "dflash2", "--init", "EAGLE3"], "not this EAGLE-3 drafter"),
+    ],
+)
 def test_bad_settings_are_refused_in_one_line(tiny_pair, data_dir, tmp_path, capsys, flags, message):
     target_dir, dflash_dir = tiny_pair
     dirs = {"DFLASH2": tmp_path / "d2", "EAGLE3": tmp_path / "e3"}
@@ -264,8 +336,9 @@ def test_bad_settings_are_refused_in_one_line(tiny_pair, data_dir, tmp_path, cap
         fresh_eagle3(load_target_dir(target_dir).cfg, target_layer_ids=[0, 2, 4]).save(dirs["EAGLE3"])
     flags = [str(dirs[f]) if f in dirs else f for f in flags]
     out = tmp_path / "out"
-    code = main(["train", "--data", str(data_dir), "--target", str(target_dir), "--out", str(out),
-                 "--max-steps", "1"] + flags)
+    code = main(
+        ["train", "--data", str(data_dir), "--target", str(target_dir), "--out", str(out), "--max-steps", "1"] + flags
+    )
     assert code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("loopspec: error:") and message in err[0], err
@@ -275,9 +348,19 @@ def test_bad_settings_are_refused_in_one_line(tiny_pair, data_dir, tmp_path, cap
 def test_the_kind_record_says_how_dflash2_trains():
     from loopspec.model.dflash2 import DFlash2Config
 
-    base = DrafterConfig(hidden_size=64, intermediate_size=80, num_layers=1, num_heads=4, num_kv_heads=2,
-                         head_dim=16, vocab_size=128, num_target_layers=6, target_layer_ids=[1],
-                         mask_token_id=MASK, block_size=BLOCK)
+    base = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=80,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        num_target_layers=6,
+        target_layer_ids=[1],
+        mask_token_id=MASK,
+        block_size=BLOCK,
+    )
     kind = DFlash2Config.over(base).kind
     assert kind.training_family == "dflash2" and not kind.trains_loop_aware
     assert TrainConfig(family="dflash2").anchors == 512

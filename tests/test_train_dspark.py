@@ -21,10 +21,17 @@ from loopspec.weights import load_target_dir
 
 
 def dspark_drafter(target, head_type: str, anchor_predicts: bool, block_size: int = 5, seed: int = 0) -> Drafter:
-    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=block_size, mask_token_id=127,
-                                   target_layer_ids=[1, 4])
-    cfg = replace(cfg, anchor_predicts=anchor_predicts, markov_rank=6, markov_head_type=head_type,
-                  confidence_head=True, confidence_with_markov=True)
+    cfg = DrafterConfig.for_target(
+        target.cfg, num_layers=1, block_size=block_size, mask_token_id=127, target_layer_ids=[1, 4]
+    )
+    cfg = replace(
+        cfg,
+        anchor_predicts=anchor_predicts,
+        markov_rank=6,
+        markov_head_type=head_type,
+        confidence_head=True,
+        confidence_with_markov=True,
+    )
     torch.manual_seed(seed)
     drafter = Drafter(cfg)
     with torch.no_grad():  # a Markov bias strong enough to change the argmax
@@ -52,7 +59,7 @@ def test_trained_drafts_are_the_inference_drafts(tiny_targets, head_type, anchor
     tokens = torch.randint(3, 120, (40,), generator=torch.Generator().manual_seed(7)).tolist()
     a0 = 17
     drafted = inference_drafts(engine, tokens, a0, B)
-    tokens[a0 + 1:a0 + 1 + len(drafted)] = drafted  # in either convention the first draft is a0+1's token
+    tokens[a0 + 1 : a0 + 1 + len(drafted)] = drafted  # in either convention the first draft is a0+1's token
     D = drafter.cfg.drafts_per_block(B)
     assert len(drafted) == D
 
@@ -85,8 +92,9 @@ def test_heads_added_to_a_drafter_keep_its_drafts(tiny_targets):
     assert with_heads.cfg.markov_rank == 4 and with_heads.cfg.confidence_with_markov
     tokens = torch.randint(3, 120, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     for a in (6, 13, 22):
-        assert (inference_drafts(TorchEngine(target, with_heads, max_context=64), tokens, a, 5)
-                == inference_drafts(TorchEngine(target, plain, max_context=64), tokens, a, 5))
+        assert inference_drafts(TorchEngine(target, with_heads, max_context=64), tokens, a, 5) == inference_drafts(
+            TorchEngine(target, plain, max_context=64), tokens, a, 5
+        )
     with pytest.raises(LoopspecError, match="Markov head type"):
         DSparkHeads(markov_rank=4, markov_head_type="lstm")
     with pytest.raises(LoopspecError, match="needs a Markov head"):
@@ -145,13 +153,59 @@ def test_train_cli_adds_dspark_heads(tiny_pair, tmp_path, capsys):
     data = tmp_path / "data"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"prompt {i} says hi"]}) + "\n" for i in range(6)))
-    assert main(["data", "--prompts", str(prompts), "--target", str(target_dir), "--out", str(data),
-                 "--max-new-tokens", "16", "--batch-size", "3"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "--prompts",
+                str(prompts),
+                "--target",
+                str(target_dir),
+                "--out",
+                str(data),
+                "--max-new-tokens",
+                "16",
+                "--batch-size",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "dspark"
-    common = ["train", "--data", str(data), "--target", str(target_dir), "--init", str(drafter_dir),
-              "--anchors", "8", "--batch-sequences", "2", "--max-steps", "2", "--eval-every", "1"]
-    assert main(common + ["--out", str(out), "--markov-rank", "4", "--markov-head", "rnn", "--confidence-head",
-                          "--draft-vocab-size", "40"]) == 0
+    common = [
+        "train",
+        "--data",
+        str(data),
+        "--target",
+        str(target_dir),
+        "--init",
+        str(drafter_dir),
+        "--anchors",
+        "8",
+        "--batch-sequences",
+        "2",
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "1",
+    ]
+    assert (
+        main(
+            common
+            + [
+                "--out",
+                str(out),
+                "--markov-rank",
+                "4",
+                "--markov-head",
+                "rnn",
+                "--confidence-head",
+                "--draft-vocab-size",
+                "40",
+            ]
+        )
+        == 0
+    )
     log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines()]
     assert "confidence_brier" in log[-1] and "heldout_tau" in log[-1]
     config = json.loads((out / "config.json").read_text())
@@ -159,9 +213,15 @@ def test_train_cli_adds_dspark_heads(tiny_pair, tmp_path, capsys):
     heads = config["dflash_config"]
     assert heads["markov_rank"] == 4 and heads["markov_head_type"] == "rnn" and heads["enable_confidence_head"]
     drafter = Drafter.load(out)
-    assert not drafter.cfg.anchor_predicts and drafter.markov_head.head_type == "rnn" and drafter.confidence_head is not None
+    assert (
+        not drafter.cfg.anchor_predicts
+        and drafter.markov_head.head_type == "rnn"
+        and drafter.confidence_head is not None
+    )
     misplaced = dict(config, markov_rank=heads["markov_rank"])  # DeepSpec's place on a z-lab architecture: refused
-    with pytest.raises(LoopspecError, match="markov_rank of a \\['DFlashDraftModel'\\] drafter belong inside dflash_config"):
+    with pytest.raises(
+        LoopspecError, match="markov_rank of a \\['DFlashDraftModel'\\] drafter belong inside dflash_config"
+    ):
         DrafterConfig.from_checkpoint(misplaced)
     with pytest.raises(LoopspecError, match="z-lab DFlash drafters only"):
         require_zlab_block(drafter.cfg, "the vLLM DFlash bundle")
@@ -198,23 +258,29 @@ def test_the_train_config_refuses_what_cannot_apply(tiny_targets):
     from loopspec.train.trainer import TrainConfig
     from loopspec.weights import load_target_dir
 
-    for bad, says in ((dict(loop_stages=-2), r"\(--loop-stages\) must be an integer >= 0"),
-                      (dict(loop_stages=True), "--loop-stages"),
-                      (dict(confidence_weight=math.nan), r"\(--confidence-weight\) must be a finite number >= 0"),
-                      (dict(confidence_weight=-1.0), "--confidence-weight")):
+    for bad, says in (
+        (dict(loop_stages=-2), r"\(--loop-stages\) must be an integer >= 0"),
+        (dict(loop_stages=True), "--loop-stages"),
+        (dict(confidence_weight=math.nan), r"\(--confidence-weight\) must be a finite number >= 0"),
+        (dict(confidence_weight=-1.0), "--confidence-weight"),
+    ):
         with pytest.raises(LoopspecError, match=says):
             TrainConfig(**bad)
     with pytest.raises(LoopspecError, match="--heads-only .* needs --init"):
         TrainConfig(heads_only=True).check_init(from_init=False)
     TrainConfig(heads_only=True).check_init(from_init=True)
     TrainConfig().check_init(from_init=False)
-    cfg = DrafterConfig.for_target(load_target_dir(tiny_targets["qwen3"]).cfg, num_layers=1, block_size=4,
-                                   mask_token_id=127)
+    cfg = DrafterConfig.for_target(
+        load_target_dir(tiny_targets["qwen3"]).cfg, num_layers=1, block_size=4, mask_token_id=127
+    )
     plain, confident = cfg, replace(cfg, confidence_head=True)
     with pytest.raises(LoopspecError, match="--confidence-weight weighs a confidence head's loss"):
         TrainConfig(confidence_weight=0.5).check_drafter(plain)
     TrainConfig(confidence_weight=0.5).check_drafter(confident)
-    assert (TrainConfig().confidence_loss_weight, TrainConfig(confidence_weight=0.5).confidence_loss_weight) == (1.0, 0.5)
+    assert (TrainConfig().confidence_loss_weight, TrainConfig(confidence_weight=0.5).confidence_loss_weight) == (
+        1.0,
+        0.5,
+    )
     with pytest.raises(LoopspecError, match="--heads-only trains the DSpark heads"):
         TrainConfig(heads_only=True).check_drafter(plain)
     with pytest.raises(LoopspecError, match="loop-aware training"):
@@ -223,4 +289,4 @@ def test_the_train_config_refuses_what_cannot_apply(tiny_targets):
         DSparkHeads(markov_head_type="gated", confidence_head=True)
     assert DSparkHeads(markov_rank=4).markov_head_type == "vanilla"
     with pytest.raises(LoopspecError, match="markov_rank 1099511627776 is larger than the vocabulary"):
-        replace(cfg, markov_rank=2 ** 40)
+        replace(cfg, markov_rank=2**40)

@@ -41,8 +41,9 @@ def eagle3_trainer_for(target, seed=0, ttt_steps=4, vocab=None):
     drafter = fresh_eagle3(target.cfg, block_size=BLOCK, draft_ids=ids, target_layer_ids=TAPS)
     with torch.no_grad():  # as prepare_eagle3 starts it: the target's rows of the draft vocabulary
         drafter.lm_head.weight.copy_(target.lm_head.weight if ids is None else target.lm_head.weight[ids])
-    return Eagle3Trainer(target, drafter, TrainConfig(family="eagle3", ttt_steps=ttt_steps),
-                         None if ids is None else DraftVocab(ids))
+    return Eagle3Trainer(
+        target, drafter, TrainConfig(family="eagle3", ttt_steps=ttt_steps), None if ids is None else DraftVocab(ids)
+    )
 
 
 def test_ttt_unroll_drafts_as_the_inference_module(tiny_targets, monkeypatch):
@@ -63,8 +64,9 @@ def test_ttt_unroll_drafts_as_the_inference_module(tiny_targets, monkeypatch):
         mine = torch.stack([drafter.logits(o) for o in trainer.unroll(tokens, taps, rows, steps)])
         assert torch.allclose(mine, reference, atol=1e-4), (mine - reference).abs().max()
         real = eagle3_trainer.unrolled_attention
-        monkeypatch.setattr(eagle3_trainer, "unrolled_attention",
-                            lambda q, ck, cv, ok, ov, m: real(q, ck, cv, ok[:-1], ov[:-1], m))
+        monkeypatch.setattr(
+            eagle3_trainer, "unrolled_attention", lambda q, ck, cv, ok, ov, m: real(q, ck, cv, ok[:-1], ov[:-1], m)
+        )
         planted = torch.stack([drafter.logits(o) for o in trainer.unroll(tokens, taps, rows, steps)])
     assert torch.allclose(planted[0], reference[0], atol=1e-4)  # step 1 has no own keys
     assert (planted[1:] - reference[1:]).abs().max() > 1e-2
@@ -114,8 +116,24 @@ def data_dir(tiny_pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("e3data")
     prompts = root / "p.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"prompt number {i} says hello"]}) + "\n" for i in range(12)))
-    assert main(["data", "--prompts", str(prompts), "--target", str(target_dir), "--out", str(root / "data"),
-                 "--max-new-tokens", "24", "--batch-size", "6"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "--prompts",
+                str(prompts),
+                "--target",
+                str(target_dir),
+                "--out",
+                str(root / "data"),
+                "--max-new-tokens",
+                "24",
+                "--batch-size",
+                "6",
+            ]
+        )
+        == 0
+    )
     return root / "data"
 
 
@@ -127,9 +145,35 @@ def test_cli_trains_an_eagle3_drafter_that_loads_resumes_and_decodes_losslessly(
     from loopspec.weights import read_safetensors
 
     target_dir, _ = tiny_pair
-    common = ["train", "--family", "eagle3", "--data", str(data_dir), "--target", str(target_dir), "--block-size", "4",
-              "--tap-layers", ",".join(map(str, TAPS)), "--draft-vocab-size", "40", "--batch-sequences", "2", "--lr", "3e-3", "--eval-every", "4",
-              "--save-every", "2", "--ttt-steps", "3", "--epochs", "3", "--max-steps", "8"]
+    common = [
+        "train",
+        "--family",
+        "eagle3",
+        "--data",
+        str(data_dir),
+        "--target",
+        str(target_dir),
+        "--block-size",
+        "4",
+        "--tap-layers",
+        ",".join(map(str, TAPS)),
+        "--draft-vocab-size",
+        "40",
+        "--batch-sequences",
+        "2",
+        "--lr",
+        "3e-3",
+        "--eval-every",
+        "4",
+        "--save-every",
+        "2",
+        "--ttt-steps",
+        "3",
+        "--epochs",
+        "3",
+        "--max-steps",
+        "8",
+    ]
     runs = {}
     for name, stops in (("straight", [None]), ("stopped", [3, None])):
         for stop in stops:
@@ -154,26 +198,51 @@ def test_cli_trains_an_eagle3_drafter_that_loads_resumes_and_decodes_losslessly(
         assert spec.tokens == ar.tokens
 
     # --init continues an EAGLE-3 drafter (its d2t kept)
-    assert main(["train", "--family", "eagle3", "--data", str(data_dir), "--target", str(target_dir), "--init",
-                 str(tmp_path / "straight"), "--out", str(tmp_path / "more"), "--max-steps", "1",
-                 "--batch-sequences", "2"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--family",
+                "eagle3",
+                "--data",
+                str(data_dir),
+                "--target",
+                str(target_dir),
+                "--init",
+                str(tmp_path / "straight"),
+                "--out",
+                str(tmp_path / "more"),
+                "--max-steps",
+                "1",
+                "--batch-sequences",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert torch.equal(Eagle3Drafter.load(tmp_path / "more").draft_ids, pair.drafter.draft_ids)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--family", "eagle4"], "training family (--family) must be one of dflash, eagle3"),
-    (["--family", "eagle3", "--anchors", "8"], "--anchors applies to DFlash training only"),
-    (["--family", "eagle3", "--loop-stages", "2", "--dpace"], "--dpace, --loop-stages apply to DFlash training"),
-    (["--family", "eagle3", "--ttt-steps", "0"], "--ttt-steps"),
-    (["--ttt-steps", "3"], "--ttt-steps applies to EAGLE-3 training only"),
-    (["--family", "eagle3", "--num-layers", "2"], "--num-layers does not apply to EAGLE-3 training"),
-    (["--family", "eagle3", "--num-taps", "5"], "--num-taps does not apply"),
-    (["--family", "eagle3", "--tap-layers", "1,2"], "EAGLE-3 fuses exactly 3 distinct target layers"),
-    (["--family", "eagle3", "--markov-rank", "4"], "--markov-rank / --markov-head / --confidence-head does not"),
-    (["--family", "eagle3", "--mask-token-id", "5"], "--mask-token-id does not apply"),
-    (["--family", "eagle3", "--init", "DFLASH"], "the --init drafter (z-lab DFlash) is trained with --family dflash, not --family eagle3"),
-    (["--init", "EAGLE3"], "the --init drafter (EAGLE-3) is trained with --family eagle3, not --family dflash"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--family", "eagle4"], "training family (--family) must be one of dflash, eagle3"),
+        (["--family", "eagle3", "--anchors", "8"], "--anchors applies to DFlash training only"),
+        (["--family", "eagle3", "--loop-stages", "2", "--dpace"], "--dpace, --loop-stages apply to DFlash training"),
+        (["--family", "eagle3", "--ttt-steps", "0"], "--ttt-steps"),
+        (["--ttt-steps", "3"], "--ttt-steps applies to EAGLE-3 training only"),
+        (["--family", "eagle3", "--num-layers", "2"], "--num-layers does not apply to EAGLE-3 training"),
+        (["--family", "eagle3", "--num-taps", "5"], "--num-taps does not apply"),
+        (["--family", "eagle3", "--tap-layers", "1,2"], "EAGLE-3 fuses exactly 3 distinct target layers"),
+        (["--family", "eagle3", "--markov-rank", "4"], "--markov-rank / --markov-head / --confidence-head does not"),
+        (["--family", "eagle3", "--mask-token-id", "5"], "--mask-token-id does not apply"),
+        (
+            ["--family", "eagle3", "--init", "DFLASH"],
+            "the --init drafter (z-lab DFlash) is trained with --family dflash, not --family eagle3",
+        ),
+        (["--init", "EAGLE3"], "the --init drafter (EAGLE-3) is trained with --family eagle3, not --family dflash"),
+    ],
+)
 def test_bad_settings_are_refused_in_one_line(tiny_pair, data_dir, tmp_path, capsys, flags, message):
     target_dir, dflash_dir = tiny_pair
     eagle3_dir = tmp_path / "e3"
@@ -182,8 +251,10 @@ def test_bad_settings_are_refused_in_one_line(tiny_pair, data_dir, tmp_path, cap
     flags = [{"DFLASH": str(dflash_dir), "EAGLE3": str(eagle3_dir)}.get(f, f) for f in flags]
     out = tmp_path / "out"
     try:
-        code = main(["train", "--data", str(data_dir), "--target", str(target_dir), "--out", str(out),
-                     "--max-steps", "1"] + flags)
+        code = main(
+            ["train", "--data", str(data_dir), "--target", str(target_dir), "--out", str(out), "--max-steps", "1"]
+            + flags
+        )
     except SystemExit as e:  # a flag's own type check is argparse's exit
         code = e.code
     assert code == 2

@@ -21,8 +21,17 @@ from loopspec.settings import DecodingSettings, resolve_settings
 from loopspec.tree import DraftTree, SuffixIndex, best_first, draft_tree, tree_masks
 from loopspec.weights import load_target_dir
 
-from test_distribution import (P_FAIL, P_PASS, RUNS, T1, V, engine, exact_distribution,  # noqa: F401
-                               gof_pvalue, seeds)
+from test_distribution import (
+    P_FAIL,
+    P_PASS,
+    RUNS,
+    T1,
+    V,
+    engine,
+    exact_distribution,  # noqa: F401
+    gof_pvalue,
+    seeds,
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -34,8 +43,8 @@ def brute_continuation(tokens, length, min_match=2, max_match=6):
     earlier, its latest such end, and what followed it (the loop's period past the text's end)."""
     t = len(tokens) - 1
     for n in range(min(max_match, t + 1), min_match - 1, -1):
-        suffix = tokens[t - n + 1:]
-        ends = [e for e in range(n - 1, t) if tokens[e - n + 1:e + 1] == suffix]
+        suffix = tokens[t - n + 1 :]
+        ends = [e for e in range(n - 1, t) if tokens[e - n + 1 : e + 1] == suffix]
         if ends:
             end = ends[-1]
             return [tokens[end + 1 + i % (t - end)] for i in range(length)]
@@ -77,7 +86,7 @@ def all_scores(logprobs: torch.Tensor, stage_sizes=None) -> list[float]:
     for depth in range(1, D + 1):
         for ranks in itertools.product(range(C), repeat=depth):
             # a later stage continues only the argmax chain of the stages before it
-            if any(stage_of[d + 1] != stage_of[d] and any(ranks[:d + 1]) for d in range(depth - 1)):
+            if any(stage_of[d + 1] != stage_of[d] and any(ranks[: d + 1]) for d in range(depth - 1)):
                 continue
             scores.append(sum(float(logprobs[d, r]) for d, r in enumerate(ranks)))
     return sorted(scores, reverse=True)
@@ -131,27 +140,51 @@ def test_draft_tree_chain_suffix_merge_and_node_cap():
 
 
 def test_settings_for_trees_and_suffix():
-    drafter = DrafterConfig(hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
-                            vocab_size=16, num_target_layers=4, target_layer_ids=[2], mask_token_id=3, block_size=8)
+    drafter = DrafterConfig(
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        vocab_size=16,
+        num_target_layers=4,
+        target_layer_ids=[2],
+        mask_token_id=3,
+        block_size=8,
+    )
     s = resolve_settings("dloop", drafter, tree_budget=16, suffix=True)
     assert (s.tree_budget, s.suffix, s.uses_drafter, s.uses_suffix) == (16, True, True, True)
     assert "tree 16" in s.describe() and "suffix" in s.describe()
     plain = resolve_settings("suffix", None)  # no drafter needed
     assert plain.method == "suffix" and plain.block_size == 8 and not plain.uses_drafter and plain.uses_suffix
-    drafter.extra = {"dloop": {"tree_budget": 12, "suffix": True},  # what tune stored: for any backend,
-                     "tuned": {"torch": {"tree_budget": 0, "suffix": True}}}  # and per backend
+    drafter.extra = {
+        "dloop": {"tree_budget": 12, "suffix": True},  # what tune stored: for any backend,
+        "tuned": {"torch": {"tree_budget": 0, "suffix": True}},
+    }  # and per backend
     assert (resolve_settings("dflash", drafter).tree_budget, resolve_settings("dflash", drafter).suffix) == (12, True)
     assert resolve_settings("dflash", drafter, engine="onnxruntime").tree_budget == 12
     assert resolve_settings("dflash", drafter, engine="torch").tree_budget == 0
     assert resolve_settings("dflash", drafter, tree_budget=0, suffix=False).tree_budget == 0
     # bench/tune names: a bare name is the resolved setting; parts name tree and suffix completely
     assert method_variant("dflash") == ("dflash", {})
-    assert method_variant("dflash+tree8") == ("dflash", {"tree_budget": 8, "suffix": False, "suffix_first": 0, "suffix_then_draft": False})
-    assert method_variant("dloop+tree16+suffix") == ("dloop", {"tree_budget": 16, "suffix": True, "suffix_first": 0, "suffix_then_draft": False})
-    assert method_variant("dflash+chain") == ("dflash", {"tree_budget": 0, "suffix": False, "suffix_first": 0, "suffix_then_draft": False})
+    assert method_variant("dflash+tree8") == (
+        "dflash",
+        {"tree_budget": 8, "suffix": False, "suffix_first": 0, "suffix_then_draft": False},
+    )
+    assert method_variant("dloop+tree16+suffix") == (
+        "dloop",
+        {"tree_budget": 16, "suffix": True, "suffix_first": 0, "suffix_then_draft": False},
+    )
+    assert method_variant("dflash+chain") == (
+        "dflash",
+        {"tree_budget": 0, "suffix": False, "suffix_first": 0, "suffix_then_draft": False},
+    )
     assert variant_name(resolve_settings("dflash", drafter, **method_variant("dflash+tree8")[1])) == "dflash+tree8"
-    assert method_variant("dloop+first3") == ("dloop", {"tree_budget": 0, "suffix": False, "suffix_first": 3,
-                                                        "suffix_then_draft": False})
+    assert method_variant("dloop+first3") == (
+        "dloop",
+        {"tree_budget": 0, "suffix": False, "suffix_first": 3, "suffix_then_draft": False},
+    )
     then = resolve_settings("dloop", drafter, **method_variant("dloop+first3+thendraft")[1])
     assert (then.suffix_first, then.suffix_then_draft, variant_name(then)) == (3, True, "dloop+first3+thendraft")
     with pytest.raises(LoopspecError, match="name a match length"):
@@ -167,19 +200,28 @@ def test_settings_for_trees_and_suffix():
     assert resolve_settings("dflash", drafter, engine="torch").suffix_then_draft is True
     assert resolve_settings("dflash", drafter, engine="torch", suffix_first=2).suffix_then_draft is False
     assert "then the drafter" in resolve_settings("dflash", drafter, engine="torch").describe()
-    for bad in ("dflash+tree0", "suffix+chain", "magic", "dflash+fast", "dflash+first1", "dflash+first7",
-                "suffix+first3"):
+    for bad in (
+        "dflash+tree0",
+        "suffix+chain",
+        "magic",
+        "dflash+fast",
+        "dflash+first1",
+        "dflash+first7",
+        "suffix+first3",
+    ):
         with pytest.raises(LoopspecError):
             method_variant(bad)
-    for bad, match in ((dict(method="suffix", block_size=8, tree_budget=4), "tree"),
-                       (dict(method="ar", suffix=True), "suffix"),
-                       (dict(method="dflash", block_size=8, tree_budget=-1), "tree budget"),
-                       (dict(method="suffix", block_size=8, suffix_first=3), "--suffix-first does not apply to method suffix"),
-                       (dict(method="ar", block_size=4), "--block-size does not apply to method ar"),
-                       (dict(method="dflash", block_size=8, max_stages=2), "--max-stages does not apply"),
-                       (dict(method="dflash", block_size=8, suffix_first=7), "2..6"),
-                       (dict(method="dflash", block_size=8, suffix_first=1), "2..6"),
-                       (dict(method="dflash", block_size=8, suffix_then_draft=True), "needs suffix-first")):
+    for bad, match in (
+        (dict(method="suffix", block_size=8, tree_budget=4), "tree"),
+        (dict(method="ar", suffix=True), "suffix"),
+        (dict(method="dflash", block_size=8, tree_budget=-1), "tree budget"),
+        (dict(method="suffix", block_size=8, suffix_first=3), "--suffix-first does not apply to method suffix"),
+        (dict(method="ar", block_size=4), "--block-size does not apply to method ar"),
+        (dict(method="dflash", block_size=8, max_stages=2), "--max-stages does not apply"),
+        (dict(method="dflash", block_size=8, suffix_first=7), "2..6"),
+        (dict(method="dflash", block_size=8, suffix_first=1), "2..6"),
+        (dict(method="dflash", block_size=8, suffix_then_draft=True), "needs suffix-first"),
+    ):
         with pytest.raises(LoopspecError, match=match):
             DecodingSettings(**bad)
 
@@ -252,17 +294,22 @@ def random_drafter(target, block_size=5, seed=0):
     return Drafter(cfg).eval()
 
 
-SETTINGS = {"tree": DecodingSettings("dflash", block_size=5, tree_budget=12),
-            "tree+suffix": DecodingSettings("dflash", block_size=5, tree_budget=8, suffix=True),
-            "chain+suffix": DecodingSettings("dflash", block_size=5, suffix=True),
-            "dloop-tree+suffix": DecodingSettings("dloop", block_size=5, max_stages=3, gate_threshold=-1e9,
-                                                  tree_budget=14, suffix=True),
-            "suffix": DecodingSettings("suffix", block_size=8),
-            "dloop+first3+suffix": DecodingSettings("dloop", block_size=5, max_stages=2, gate_threshold=-1e9,
-                                                    suffix=True, suffix_first=3),
-            "tree+first2": DecodingSettings("dflash", block_size=5, tree_budget=8, suffix_first=2),
-            "dloop+first2+thendraft": DecodingSettings("dloop", block_size=5, max_stages=2, gate_threshold=-1e9,
-                                                       suffix_first=2, suffix_then_draft=True)}
+SETTINGS = {
+    "tree": DecodingSettings("dflash", block_size=5, tree_budget=12),
+    "tree+suffix": DecodingSettings("dflash", block_size=5, tree_budget=8, suffix=True),
+    "chain+suffix": DecodingSettings("dflash", block_size=5, suffix=True),
+    "dloop-tree+suffix": DecodingSettings(
+        "dloop", block_size=5, max_stages=3, gate_threshold=-1e9, tree_budget=14, suffix=True
+    ),
+    "suffix": DecodingSettings("suffix", block_size=8),
+    "dloop+first3+suffix": DecodingSettings(
+        "dloop", block_size=5, max_stages=2, gate_threshold=-1e9, suffix=True, suffix_first=3
+    ),
+    "tree+first2": DecodingSettings("dflash", block_size=5, tree_budget=8, suffix_first=2),
+    "dloop+first2+thendraft": DecodingSettings(
+        "dloop", block_size=5, max_stages=2, gate_threshold=-1e9, suffix_first=2, suffix_then_draft=True
+    ),
+}
 
 
 def repeating_prompt(seed: int) -> list[int]:
@@ -295,17 +342,26 @@ def test_greedy_tree_decoding_equals_ar(family, name, agreeing_engines):
     # of the 120 tokens: measured 79 to 104 for the drafter's settings, 2 to 24 for the suffix index alone
     assert accepted_drafts(outs) >= (40 if settings.uses_drafter else 1), accepted_drafts(outs)
     if settings.tree_budget:  # it branched: a round verified more nodes than its stages' chain
-        assert any(nodes > stages * (settings.block_size - 1) for o in outs
-                   for nodes, stages in zip(o.stats.nodes_per_round, o.stats.stages_per_round))
-    done = decode_all(Decoder(engine.with_rows(3), settings),
-                      [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)])
+        assert any(
+            nodes > stages * (settings.block_size - 1)
+            for o in outs
+            for nodes, stages in zip(o.stats.nodes_per_round, o.stats.stages_per_round)
+        )
+    done = decode_all(
+        Decoder(engine.with_rows(3), settings), [dict(key=i, prompt_ids=p, max_new_tokens=40) for i, p in enumerate(ps)]
+    )
     assert [done[i].tokens for i in range(3)] == refs  # batched rows too
     if settings.uses_suffix and settings.uses_drafter:
         # the agreeing drafter proposes what the suffix index copies; beside a random drafter the
         # suffix index's own nodes are accepted. (The same taps: an engine sets its target's taps.)
         torch.manual_seed(0)
-        cfg = DrafterConfig.for_target(engine.target_cfg, num_layers=2, block_size=5, mask_token_id=127,
-                                       target_layer_ids=engine.drafter_cfg.target_layer_ids)
+        cfg = DrafterConfig.for_target(
+            engine.target_cfg,
+            num_layers=2,
+            block_size=5,
+            mask_token_id=127,
+            target_layer_ids=engine.drafter_cfg.target_layer_ids,
+        )
         guessing = TorchEngine(engine.target, Drafter(cfg).eval(), max_context=200)
         outs = [generate(guessing, p, settings, max_new_tokens=40) for p in ps]
         assert [o.tokens for o in outs] == refs and sum(o.stats.suffix_tokens for o in outs) > 0
@@ -322,8 +378,14 @@ class CountingEngine(TorchEngine):
 
 def brute_match_length(tokens, min_match=2, max_match=6) -> int:
     t = len(tokens) - 1
-    return next((n for n in range(min(max_match, t + 1), min_match - 1, -1)
-                 if any(tokens[e - n + 1:e + 1] == tokens[t - n + 1:] for e in range(n - 1, t))), 0)
+    return next(
+        (
+            n
+            for n in range(min(max_match, t + 1), min_match - 1, -1)
+            if any(tokens[e - n + 1 : e + 1] == tokens[t - n + 1 :] for e in range(n - 1, t))
+        ),
+        0,
+    )
 
 
 @pytest.mark.parametrize("suffix_first", [2, 4])
@@ -351,7 +413,7 @@ def test_the_chain_policy_copies_after_a_long_match_and_drafts_otherwise(tiny_ta
             elif depth:
                 assert nodes == depth  # the copy fills the chain's depth
                 copied += 1
-            text = prompt + ref[:len(text) - len(prompt) + accepted + 1]
+            text = prompt + ref[: len(text) - len(prompt) + accepted + 1]
         assert engine.drafted_at == expected_drafts
     assert copied >= 3 and drafted >= 3  # both kinds of round happened
 
@@ -360,7 +422,7 @@ def brute_copy(tokens, length, min_match=2, max_match=6) -> list[int]:
     """What followed the latest earlier occurrence of the text's longest repeated suffix, `length`
     tokens (a run into the suffix itself repeats its period)."""
     t, n = len(tokens) - 1, brute_match_length(tokens, min_match, max_match)
-    end = max(e for e in range(n - 1, t) if tokens[e - n + 1:e + 1] == tokens[t - n + 1:])
+    end = max(e for e in range(n - 1, t) if tokens[e - n + 1 : e + 1] == tokens[t - n + 1 :])
     return [tokens[end + 1 + i % (t - end)] for i in range(length)]
 
 
@@ -393,7 +455,7 @@ def test_the_chain_policy_then_draft_extends_the_copy_from_its_end(tiny_targets)
                     expected.append((len(text) - 1 + depth, copy[-1]))
                 assert nodes == depth + drafts  # the copy, then the drafter's chain from its end
                 extended += drafts > 0
-            text = prompt + ref[:produced + accepted + 1]
+            text = prompt + ref[: produced + accepted + 1]
         assert list(zip(engine.drafted_at, engine.anchors)) == expected
     assert extended >= 3 and plain >= 3
 
@@ -427,6 +489,7 @@ def test_tree_accepts_what_the_chain_misses_and_a_sibling_leak_breaks_equality(t
     tree = generate(oracle, prompt, DecodingSettings("dflash", block_size=5, tree_budget=16), max_new_tokens=40)
     assert chain.tokens == tree.tokens == ar
     assert chain.stats.acceptance_length == 1.0 and tree.stats.acceptance_length >= 3.0  # 16 nodes reach depth 2 or 3
+
     # mutation: every node also sees its earlier siblings — the output is no longer plain decoding's
     def leaky_masks(trees, width):
         masks = tree_masks(trees, width)
@@ -438,13 +501,16 @@ def test_tree_accepts_what_the_chain_misses_and_a_sibling_leak_breaks_equality(t
         return masks
 
     monkeypatch.setattr(decoder_module, "tree_masks", leaky_masks)
-    assert generate(oracle, prompt, DecodingSettings("dflash", block_size=5, tree_budget=16),
-                    max_new_tokens=40).tokens != ar
+    assert (
+        generate(oracle, prompt, DecodingSettings("dflash", block_size=5, tree_budget=16), max_new_tokens=40).tokens
+        != ar
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # at T > 0 the committed tokens are distributed as the target's samples (engine: test_distribution's
 # vocabulary-8 target and random drafter)
+
 
 def repeating(target) -> list[int]:
     """The prompt [a, b, c, a, b] whose target law gives the suffix index's proposal c (the suffix
@@ -456,11 +522,12 @@ def repeating(target) -> list[int]:
 
 
 def tree_counts(engine, prompt, n, params, settings, seed_list):
-    counts = torch.zeros(V ** n, dtype=torch.float64)
+    counts = torch.zeros(V**n, dtype=torch.float64)
     accepted = nodes = 0
     for seed in seed_list:
-        res = generate(engine, prompt, settings, max_new_tokens=n, params=params,
-                       generator=torch.Generator().manual_seed(seed))
+        res = generate(
+            engine, prompt, settings, max_new_tokens=n, params=params, generator=torch.Generator().manual_seed(seed)
+        )
         assert len(res.tokens) == n
         index = 0
         for t in res.tokens:
@@ -471,15 +538,26 @@ def tree_counts(engine, prompt, n, params, settings, seed_list):
     return counts, accepted, nodes
 
 
-CASES = {"tree dflash": (DecodingSettings("dflash", block_size=4, tree_budget=6), T1, 3),
-         "tree dflash top-k top-p": (DecodingSettings("dflash", block_size=4, tree_budget=6),
-                                     SamplingParams(temperature=1.0, top_k=5, top_p=0.9), 3),
-         "tree dloop + suffix": (DecodingSettings("dloop", block_size=3, max_stages=2, gate_threshold=-1e9,
-                                                  tree_budget=6, suffix=True), T1, 4),
-         "suffix": (DecodingSettings("suffix", block_size=4), T1, 3),
-         "chain policy": (DecodingSettings("dflash", block_size=4, suffix_first=2), T1, 4),
-         "chain policy, then the drafter": (DecodingSettings("dflash", block_size=4, suffix_first=2,
-                                                             suffix_then_draft=True), T1, 4)}
+CASES = {
+    "tree dflash": (DecodingSettings("dflash", block_size=4, tree_budget=6), T1, 3),
+    "tree dflash top-k top-p": (
+        DecodingSettings("dflash", block_size=4, tree_budget=6),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.9),
+        3,
+    ),
+    "tree dloop + suffix": (
+        DecodingSettings("dloop", block_size=3, max_stages=2, gate_threshold=-1e9, tree_budget=6, suffix=True),
+        T1,
+        4,
+    ),
+    "suffix": (DecodingSettings("suffix", block_size=4), T1, 3),
+    "chain policy": (DecodingSettings("dflash", block_size=4, suffix_first=2), T1, 4),
+    "chain policy, then the drafter": (
+        DecodingSettings("dflash", block_size=4, suffix_first=2, suffix_then_draft=True),
+        T1,
+        4,
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -497,6 +575,7 @@ def test_tree_sampling_matches_target_distribution(engine, name):  # noqa: F811
 def test_tree_negative_control_following_the_drafter_is_rejected(engine, monkeypatch):  # noqa: F811
     """Power: a walk that takes the drafter's first child whenever p allows it, without drawing
     from p, is rejected by the same test."""
+
     def wrong_accept(tree, logits, params, generator):
         p, node, path = probabilities(logits, params), 0, [0]
         while True:

@@ -18,18 +18,21 @@ HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
 needs_trt_gpu = pytest.mark.skipif(not (HAVE_TRT and torch.cuda.is_available()), reason="needs TensorRT and a CUDA GPU")
 
 
-@pytest.mark.parametrize("precision, capability, ok", [
-    ("nvfp4", (9, 0), False),   # Hopper (H100/H200): no FP4 kernels
-    ("nvfp4", (8, 9), False),
-    ("nvfp4", (10, 0), True),   # Blackwell B200
-    ("nvfp4", (12, 0), True),   # Blackwell RTX
-    ("fp8", (8, 6), False),     # Ampere A10/RTX 30xx
-    ("fp8", (8, 9), True),      # Ada L4/L40
-    ("fp8", (9, 0), True),
-    ("bf16", (7, 5), False),
-    ("bf16", (8, 0), True),
-    ("fp32", (7, 5), True),
-])
+@pytest.mark.parametrize(
+    "precision, capability, ok",
+    [
+        ("nvfp4", (9, 0), False),  # Hopper (H100/H200): no FP4 kernels
+        ("nvfp4", (8, 9), False),
+        ("nvfp4", (10, 0), True),  # Blackwell B200
+        ("nvfp4", (12, 0), True),  # Blackwell RTX
+        ("fp8", (8, 6), False),  # Ampere A10/RTX 30xx
+        ("fp8", (8, 9), True),  # Ada L4/L40
+        ("fp8", (9, 0), True),
+        ("bf16", (7, 5), False),
+        ("bf16", (8, 0), True),
+        ("fp32", (7, 5), True),
+    ],
+)
 def test_precision_needs_the_right_gpu(precision, capability, ok):
     if ok:
         check_precision_supported(precision, capability, "GPU X")
@@ -39,8 +42,9 @@ def test_precision_needs_the_right_gpu(precision, capability, ok):
 
 
 def test_nvfp4_refusal_names_blackwell():
-    with pytest.raises(LoopspecError, match="nvfp4 engines need a Blackwell GPU .compute capability >= 10.0.; "
-                                            "NVIDIA H200 has 9.0"):
+    with pytest.raises(
+        LoopspecError, match="nvfp4 engines need a Blackwell GPU .compute capability >= 10.0.; NVIDIA H200 has 9.0"
+    ):
         check_precision_supported("nvfp4", (9, 0), "NVIDIA H200")
     with pytest.raises(LoopspecError, match="unknown engine precision"):
         check_precision_supported("int3", (10, 0))
@@ -119,8 +123,9 @@ def test_a_plan_that_is_not_order_exact_verifies_chains_only(tiny_targets, tmp_p
     target = load_target_dir(tiny_targets["llama"])
     torch.manual_seed(0)
     drafter_cfg = DrafterConfig.for_target(target.cfg, num_layers=1, block_size=4, mask_token_id=127)
-    export_engines(target, Drafter(drafter_cfg).eval(), tmp_path / "onnx", target_dir=tiny_targets["llama"],
-                   max_context=64)
+    export_engines(
+        target, Drafter(drafter_cfg).eval(), tmp_path / "onnx", target_dir=tiny_targets["llama"], max_context=64
+    )
     assert not OrtEngine(tmp_path / "onnx", max_context=64).chains_only
     manifest = read_manifest(tmp_path / "onnx")
     manifest.data["settings"]["arithmetic"] = plan_arithmetic("bf16")
@@ -178,8 +183,12 @@ def plans(tiny_pair, tmp_path_factory):
 
     target_dir, drafter_dir = tiny_pair
     root = tmp_path_factory.mktemp("trt")
-    assert main(["convert", "onnx", "--target", str(target_dir), "--drafter", str(drafter_dir),
-                 "--out", str(root / "onnx")]) == 0
+    assert (
+        main(
+            ["convert", "onnx", "--target", str(target_dir), "--drafter", str(drafter_dir), "--out", str(root / "onnx")]
+        )
+        == 0
+    )
     assert main(["convert", "trt", "--onnx", str(root / "onnx"), "--out", str(root / "plans")]) == 0
     return root / "plans"
 
@@ -238,6 +247,8 @@ def test_trt_batched_rows_equal_alone(plans):
     batch = engine.with_rows(3)
     assert batch.max_rows == 3
     for method in (Method(), Method("dflash", 6), Method("dloop", 6, 3, -1e9)):
-        done = decode_all(Decoder(batch, method),
-                               [dict(key=i, prompt_ids=p, max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, budgets))])
+        done = decode_all(
+            Decoder(batch, method),
+            [dict(key=i, prompt_ids=p, max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, budgets))],
+        )
         assert [done[i].tokens for i in range(5)] == refs, method

@@ -7,8 +7,14 @@ from loopspec.runtime.tune import choose
 
 
 def row(k, stages, gate, tau, speed, lossless=True):
-    return {"block_size": k, "max_stages": stages, "gate_threshold": gate, "tau": tau, "tokens_per_s": speed,
-            "lossless": lossless}
+    return {
+        "block_size": k,
+        "max_stages": stages,
+        "gate_threshold": gate,
+        "tau": tau,
+        "tokens_per_s": speed,
+        "lossless": lossless,
+    }
 
 
 def test_more_stages_without_more_tau_is_noise():
@@ -82,7 +88,11 @@ def test_a_tune_result_for_the_shipped_drafter_goes_to_the_user_store_and_wins(t
     as_shipped = dataclasses.replace(pipe, drafter_dir=DEFAULT_DRAFTER_DIR, tuned_store=store)
     store_setting(DEFAULT_DRAFTER_DIR, mine, pipe.tuning_key, store=store)
     settings = as_shipped.settings("dloop")
-    assert (settings.block_size, settings.max_stages, settings.gate_threshold, settings.tree_budget,
-            settings.suffix) == (5, 3, -2.0, 8, True)
+    assert (
+        settings.block_size,
+        settings.max_stages,
+        settings.gate_threshold,
+        settings.tree_budget,
+        settings.suffix,
+    ) == (5, 3, -2.0, 8, True)
     assert pipe.settings("dloop").block_size == pipe.engine.drafter_cfg.block_size  # no user result: its own
-

@@ -38,8 +38,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loopspec.convert.bundles.common import (DTYPES, GGUF_TARGET, HF_TARGET, BundleParts, LaunchSettings,
-                                             ServingFramework, drafts_in_steps, manifest, readme)
+from loopspec.convert.bundles.common import (
+    DTYPES,
+    GGUF_TARGET,
+    HF_TARGET,
+    BundleParts,
+    LaunchSettings,
+    ServingFramework,
+    drafts_in_steps,
+    manifest,
+    readme,
+)
 from loopspec.convert.bundles.common import support_matrix_markdown as _support_matrix
 from loopspec.convert.bundles.hf_checkpoint import write_hf_checkpoint
 from loopspec.convert.bundles.llamacpp import LLAMACPP
@@ -64,11 +73,15 @@ PRECISIONS = precision_names(weights=("modelopt",))  # quantized checkpoints a b
 DEFAULT_MAX_CONTEXT = 4096  # tokens per request (prompt + output), capped at the target's own maximum
 SETTING_KNOBS = ("block_size", "tree_budget")  # the decoding knobs a bundle's engines take (an EAGLE-3 drafter's)
 
-HF_ONLY_OPTIONS = ("--tp and --precision apply to TensorRT-LLM, vLLM and SGLang; llama.cpp serves the target GGUF "
-                   "as it is, in one process")
-NEEDS_GGUF = ("{title} serves a GGUF target, and {target} is a checkpoint directory: pass --target "
-              "default or a .gguf file (llama.cpp's convert_hf_to_gguf.py makes one from a Hugging Face "
-              "checkpoint), or leave {name} out of --engine")
+HF_ONLY_OPTIONS = (
+    "--tp and --precision apply to TensorRT-LLM, vLLM and SGLang; llama.cpp serves the target GGUF "
+    "as it is, in one process"
+)
+NEEDS_GGUF = (
+    "{title} serves a GGUF target, and {target} is a checkpoint directory: pass --target "
+    "default or a .gguf file (llama.cpp's convert_hf_to_gguf.py makes one from a Hugging Face "
+    "checkpoint), or leave {name} out of --engine"
+)
 
 
 def support_matrix_markdown() -> str:
@@ -76,11 +89,23 @@ def support_matrix_markdown() -> str:
     return _support_matrix(list(FRAMEWORKS.values()))
 
 
-def build_bundle(target: str | Path | TargetSource, drafter: str, out_dir: str | Path, frameworks: str | list[str],
-                 *, precision: str | None = None, tp: int = 1, dtype: str = "bfloat16",
-                 mask_token_id: int | None = None, max_batch_size: int = 8, max_context: int | None = None,
-                 calib_prompts: str | None = None, calib_size: int | None = None,
-                 threads: int | None = None, setting: dict | None = None) -> dict:
+def build_bundle(
+    target: str | Path | TargetSource,
+    drafter: str,
+    out_dir: str | Path,
+    frameworks: str | list[str],
+    *,
+    precision: str | None = None,
+    tp: int = 1,
+    dtype: str = "bfloat16",
+    mask_token_id: int | None = None,
+    max_batch_size: int = 8,
+    max_context: int | None = None,
+    calib_prompts: str | None = None,
+    calib_size: int | None = None,
+    threads: int | None = None,
+    setting: dict | None = None,
+) -> dict:
     """Write a serving bundle for `frameworks` (names, comma-separated or a list, or 'all') into
     `out_dir`; returns its manifest. `threads` is the llama.cpp launch's default -t (None: all cores).
     `setting`: the decoding knobs an EAGLE-3 drafter's engines draft with ({"block_size": k,
@@ -134,20 +159,41 @@ def build_bundle(target: str | Path | TargetSource, drafter: str, out_dir: str |
 
     # the reduced draft vocabulary (d2t), None when the drafter has none
     vocab = None if model.draft_ids is None else int(model.draft_ids.numel())
-    s = LaunchSettings(name=source.display_name, tp=tp, block_size=drafting.block_size,
-                       drafts=cfg.kind.drafts_per_block(drafting.block_size), mask_token_id=cfg.mask_token_id,
-                       target_layer_ids=list(cfg.target_layer_ids), precision=precision,
-                       max_batch_size=max_batch_size, max_context=max_context, drafter=cfg, draft_vocab=vocab,
-                       threads=threads, tree_budget=drafting.tree_budget)
+    s = LaunchSettings(
+        name=source.display_name,
+        tp=tp,
+        block_size=drafting.block_size,
+        drafts=cfg.kind.drafts_per_block(drafting.block_size),
+        mask_token_id=cfg.mask_token_id,
+        target_layer_ids=list(cfg.target_layer_ids),
+        precision=precision,
+        max_batch_size=max_batch_size,
+        max_context=max_context,
+        drafter=cfg,
+        draft_vocab=vocab,
+        threads=threads,
+        tree_budget=drafting.tree_budget,
+    )
     fingerprint = target_fingerprint(target_dir) if hf else file_sha256(source.gguf, limit_bytes=16 << 20)
-    sources = {"target": str(source), "target_fingerprint": fingerprint,
-               "drafter": str(drafter_dir),
-               "drafter_files": {p.name: file_sha256(p) for p in sorted(drafter_dir.glob("*")) if p.is_file()}}
+    sources = {
+        "target": str(source),
+        "target_fingerprint": fingerprint,
+        "drafter": str(drafter_dir),
+        "drafter_files": {p.name: file_sha256(p) for p in sorted(drafter_dir.glob("*")) if p.is_file()},
+    }
     if source.gguf is not None:
         sources["target_gguf"] = str(source.gguf)
-    parts = BundleParts(drafter=model, drafter_dir=drafter_dir, source=source, target_dir=target_dir,
-                        target_cfg=target_cfg, dtype=dtype, precision=precision, calib_prompts=calib_prompts,
-                        calib_size=calib_size)
+    parts = BundleParts(
+        drafter=model,
+        drafter_dir=drafter_dir,
+        source=source,
+        target_dir=target_dir,
+        target_cfg=target_cfg,
+        dtype=dtype,
+        precision=precision,
+        calib_prompts=calib_prompts,
+        calib_size=calib_size,
+    )
 
     with staged_dir(out) as tmp:
         for framework in chosen:  # first: their own parts (the GGUFs) fail fast, before a quantization
@@ -182,8 +228,9 @@ def parse_frameworks(text: str | list[str], gguf_target: bool = True) -> list[st
         return [f.name for f in FRAMEWORKS.values() if gguf_target or f.target == HF_TARGET]
     unknown = [n for n in names if n not in FRAMEWORKS]
     if unknown or not names:
-        raise LoopspecError(f"unknown engine {', '.join(unknown) or repr(text)} "
-                            f"(choose from {', '.join(FRAMEWORKS)} or all)")
+        raise LoopspecError(
+            f"unknown engine {', '.join(unknown) or repr(text)} (choose from {', '.join(FRAMEWORKS)} or all)"
+        )
     return [name for name in FRAMEWORKS if name in names]
 
 
@@ -199,8 +246,10 @@ def frameworks_for(kind: DrafterKind, names: list[str], every: bool, tree_budget
         if why:
             able = [f.title for f in FRAMEWORKS.values() if f.refuses(kind, tree_budget) is None]
             what = f"this {kind.title} drafter" + (f" with a draft tree ({tree_budget} nodes)" if tree_budget else "")
-            raise LoopspecError(f"{FRAMEWORKS[name].title} cannot serve {what}: {why}"
-                                + (f" (engines that can: {', '.join(able)})" if able else ""))
+            raise LoopspecError(
+                f"{FRAMEWORKS[name].title} cannot serve {what}: {why}"
+                + (f" (engines that can: {', '.join(able)})" if able else "")
+            )
     return names
 
 
@@ -214,12 +263,16 @@ def drafting_setting(cfg, setting: dict | None) -> DecodingSettings:
         raise LoopspecError(f"a bundle takes {' and '.join(SETTING_KNOBS)} from the decoding setting, not {unknown[0]}")
     if not drafts_in_steps(cfg.kind):
         if given:
-            raise LoopspecError(f"--block-size and --tree-budget set an EAGLE-3 drafter's chain or tree; the engines "
-                                f"run this {cfg.kind.title} drafter's trained block of {cfg.block_size} as a chain")
+            raise LoopspecError(
+                f"--block-size and --tree-budget set an EAGLE-3 drafter's chain or tree; the engines "
+                f"run this {cfg.kind.title} drafter's trained block of {cfg.block_size} as a chain"
+            )
         return DecodingSettings("dflash", block_size=cfg.block_size)
     if given.get("block_size", 2) < 2:
-        raise LoopspecError(f"an EAGLE-3 bundle drafts at least one token per verification: block size must be >= 2, "
-                            f"got {given['block_size']}")
+        raise LoopspecError(
+            f"an EAGLE-3 bundle drafts at least one token per verification: block size must be >= 2, "
+            f"got {given['block_size']}"
+        )
     return resolve_settings("dflash", cfg, **given)
 
 
@@ -233,8 +286,10 @@ def check_tp(tp: int, heads: int, kv_heads: int, what: str) -> None:
     if tp < 1:
         raise LoopspecError(f"--tp must be >= 1, got {tp}")
     if heads % tp or (kv_heads % tp and tp % kv_heads):
-        raise LoopspecError(f"tensor parallel size {tp} does not split the {what}'s {heads} attention heads / "
-                            f"{kv_heads} K/V heads evenly")
+        raise LoopspecError(
+            f"tensor parallel size {tp} does not split the {what}'s {heads} attention heads / "
+            f"{kv_heads} K/V heads evenly"
+        )
 
 
 def resolve_max_context(max_context: int | None, limit: int) -> int:
@@ -250,7 +305,8 @@ def resolve_max_context(max_context: int | None, limit: int) -> int:
 def _resolve_drafter(drafter: str, source: TargetSource) -> Path:
     if drafter == "default":
         if not source.is_default or not DEFAULT_DRAFTER_DIR.is_dir():
-            raise LoopspecError("a bundle needs a trained drafter: pass --drafter DIR (the shipped one fits "
-                                "only --target default)")
+            raise LoopspecError(
+                "a bundle needs a trained drafter: pass --drafter DIR (the shipped one fits only --target default)"
+            )
         return DEFAULT_DRAFTER_DIR
     return Path(drafter)

@@ -143,8 +143,10 @@ def eagle3_switch_refusal(kind: DrafterKind, title: str, switches_read: tuple[st
     unread = [name for name in (kind.eagle3.switched_on if kind.eagle3 else ()) if name not in switches_read]
     if not unread:
         return None
-    return (f"{title}'s EAGLE-3 reader does not implement {', '.join(unread)} (this drafter's config.json turns "
-            f"{'it' if len(unread) == 1 else 'them'} on), so it would draft with a different model")
+    return (
+        f"{title}'s EAGLE-3 reader does not implement {', '.join(unread)} (this drafter's config.json turns "
+        f"{'it' if len(unread) == 1 else 'them'} on), so it would draft with a different model"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,11 +178,12 @@ def _command(argv: list[str]) -> str:
 
 
 def launch_script(title: str, argv: list[str], settings: str = "") -> str:
-    return ("#!/bin/sh\n"
-            f"# Serve this bundle with {title}: target + drafter. Extra flags are passed on.\n"
-            "set -eu\n"
-            'cd "$(dirname "$0")/.."  # paths below are relative to the bundle root\n'
-            + settings + _command(argv))
+    return (
+        "#!/bin/sh\n"
+        f"# Serve this bundle with {title}: target + drafter. Extra flags are passed on.\n"
+        "set -eu\n"
+        'cd "$(dirname "$0")/.."  # paths below are relative to the bundle root\n' + settings + _command(argv)
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,13 +191,31 @@ def launch_script(title: str, argv: list[str], settings: str = "") -> str:
 
 # Which framework supports what, declared once (README and docs/serving.md print it): loopspec's own
 # runtime, then each framework's row (ServingFramework.support)
-SUPPORT_COLUMNS = ("DFlash", "DSpark", "EAGLE-3", "DFlash2", "DLoop", "d2t reduced vocab", "FP8", "NVFP4",
-                   "tensor parallel")
-RUNTIME_SUPPORT = ("loopspec runtime", ("yes", "yes (every head and block convention)",
-                                        "chains and trees (torch backend)", "chains and trees (torch backend)",
-                                        "yes", "yes",
-                                        "drafter (ONNX Runtime / TensorRT)",
-                                        "TensorRT on Blackwell", "no (one device)"))
+SUPPORT_COLUMNS = (
+    "DFlash",
+    "DSpark",
+    "EAGLE-3",
+    "DFlash2",
+    "DLoop",
+    "d2t reduced vocab",
+    "FP8",
+    "NVFP4",
+    "tensor parallel",
+)
+RUNTIME_SUPPORT = (
+    "loopspec runtime",
+    (
+        "yes",
+        "yes (every head and block convention)",
+        "chains and trees (torch backend)",
+        "chains and trees (torch backend)",
+        "yes",
+        "yes",
+        "drafter (ONNX Runtime / TensorRT)",
+        "TensorRT on Blackwell",
+        "no (one device)",
+    ),
+)
 
 
 def support_matrix_markdown(frameworks: list[ServingFramework]) -> str:
@@ -204,25 +225,35 @@ def support_matrix_markdown(frameworks: list[ServingFramework]) -> str:
     return "\n".join(lines)
 
 
-def draft_vocab_per_framework(frameworks: list[ServingFramework], draft_vocab_size: int | None,
-                              kind: DrafterKind | None = None) -> dict:
+def draft_vocab_per_framework(
+    frameworks: list[ServingFramework], draft_vocab_size: int | None, kind: DrafterKind | None = None
+) -> dict:
     """{framework: draft vocabulary it drafts over}: the reduced size where the bundle carries it, else "full"."""
     every = kind is not None and serves_its_draft_vocab(kind)
-    return {f.name: draft_vocab_size if draft_vocab_size and (every or f.reduced_vocab_line) else "full"
-            for f in frameworks}
+    return {
+        f.name: draft_vocab_size if draft_vocab_size and (every or f.reduced_vocab_line) else "full" for f in frameworks
+    }
 
 
 def _draft_vocab_lines(frameworks: list[ServingFramework], vocab: int | None, kind: DrafterKind) -> list[str]:
     if not vocab:
         return ["- Draft vocabulary: full (the drafter was trained on the whole vocabulary)."]
     if serves_its_draft_vocab(kind):
-        return [f"- Draft vocabulary: reduced, {vocab} tokens, as the drafter was trained: every engine drafts "
-                "with the drafter's own `lm_head` of those rows and maps them to target ids with `d2t` (target "
-                "id = draft id + d2t), from `drafter/`" + (" (llama.cpp: the `d2t` tensor of absolute ids in its "
-                                                             "converted GGUF)." if any(f.name == "llamacpp" for f in frameworks) else ".")]
-    lines = [f"- Draft vocabulary: the drafter was trained with a reduced draft vocabulary of {vocab} tokens "
-             "(`d2t`). Drafting over the full vocabulary instead keeps the output exact (verification "
-             "decides) but can lower τ a little."]
+        return [
+            f"- Draft vocabulary: reduced, {vocab} tokens, as the drafter was trained: every engine drafts "
+            "with the drafter's own `lm_head` of those rows and maps them to target ids with `d2t` (target "
+            "id = draft id + d2t), from `drafter/`"
+            + (
+                " (llama.cpp: the `d2t` tensor of absolute ids in its converted GGUF)."
+                if any(f.name == "llamacpp" for f in frameworks)
+                else "."
+            )
+        ]
+    lines = [
+        f"- Draft vocabulary: the drafter was trained with a reduced draft vocabulary of {vocab} tokens "
+        "(`d2t`). Drafting over the full vocabulary instead keeps the output exact (verification "
+        "decides) but can lower τ a little."
+    ]
     lines += [f.reduced_vocab_line(vocab) for f in frameworks if f.reduced_vocab_line]
     lines += [f"  - {f.title}: full, from `drafter/`. {f.full_vocab_reason}" for f in frameworks if f.full_vocab_reason]
     return lines
@@ -231,32 +262,49 @@ def _draft_vocab_lines(frameworks: list[ServingFramework], vocab: int | None, ki
 def _convention_lines(s: LaunchSettings) -> list[str]:
     """The block convention, stated: which block outputs are drafts decides how a framework must run it."""
     if drafts_in_steps(s.kind):
-        shape = (f"a draft tree of {s.tree_nodes} nodes per verification, {s.tree_depth} drafter steps deep with "
-                 f"{s.tree_topk} candidates a step" if s.tree_nodes else
-                 f"a chain of {s.drafts} drafts per verification (block size {s.block_size})")
-        trees = (" The engines grow their own trees (EAGLE-2's dynamic tree, best candidates first) within that "
-                 "budget, so a tree's nodes can differ from loopspec's; outputs are the target's either way."
-                 if s.tree_nodes else "")
-        return [f"Drafting: EAGLE-3, one drafter step per draft over the target's three fused taps; {shape}, "
-                "from the decoding setting (`--block-size`, `--tree-budget`, else the drafter's stored setting)."
-                + trees, ""]
+        shape = (
+            f"a draft tree of {s.tree_nodes} nodes per verification, {s.tree_depth} drafter steps deep with "
+            f"{s.tree_topk} candidates a step"
+            if s.tree_nodes
+            else f"a chain of {s.drafts} drafts per verification (block size {s.block_size})"
+        )
+        trees = (
+            " The engines grow their own trees (EAGLE-2's dynamic tree, best candidates first) within that "
+            "budget, so a tree's nodes can differ from loopspec's; outputs are the target's either way."
+            if s.tree_nodes
+            else ""
+        )
+        return [
+            f"Drafting: EAGLE-3, one drafter step per draft over the target's three fused taps; {shape}, "
+            "from the decoding setting (`--block-size`, `--tree-budget`, else the drafter's stored setting)." + trees,
+            "",
+        ]
     if s.kind.selector:
         selector = s.kind.selector
-        return [f"Drafting: DFlash2, z-lab's block. The block is [anchor, mask x {s.block_size - 1}]; block positions "
-                f"1..{s.block_size - 1} each keep the target head's top {selector.top_k} candidates, and the candidate "
-                f"selector's walk from the anchor picks one per position ({s.drafts} drafts), after "
-                f"{selector.conv_taps}-tap grouped dynamic convolutions around every sublayer.", ""]
+        return [
+            f"Drafting: DFlash2, z-lab's block. The block is [anchor, mask x {s.block_size - 1}]; block positions "
+            f"1..{s.block_size - 1} each keep the target head's top {selector.top_k} candidates, and the candidate "
+            f"selector's walk from the anchor picks one per position ({s.drafts} drafts), after "
+            f"{selector.conv_taps}-tap grouped dynamic convolutions around every sublayer.",
+            "",
+        ]
     if s.kind.convention is DEEPSPEC_BLOCK:
-        return [f"Block convention: DeepSpec's. The block is [anchor, mask x {s.block_size - 1}] and every block "
-                f"position i drafts the token at anchor+i+1, so one block gives {s.drafts} drafts (vLLM "
-                f"`num_speculative_tokens` {s.drafts}, llama.cpp `--spec-draft-n-max` {s.drafts}); the Markov "
-                "head's first predecessor is the anchor. A z-lab DFlash reader (drafts from positions 1.., the "
-                "token at anchor+i) would draft one position off, so the drafter is written for DSpark readers "
-                "only (`Qwen3DSparkModel`, `dflash.sample_from_anchor` true).", ""]
+        return [
+            f"Block convention: DeepSpec's. The block is [anchor, mask x {s.block_size - 1}] and every block "
+            f"position i drafts the token at anchor+i+1, so one block gives {s.drafts} drafts (vLLM "
+            f"`num_speculative_tokens` {s.drafts}, llama.cpp `--spec-draft-n-max` {s.drafts}); the Markov "
+            "head's first predecessor is the anchor. A z-lab DFlash reader (drafts from positions 1.., the "
+            "token at anchor+i) would draft one position off, so the drafter is written for DSpark readers "
+            "only (`Qwen3DSparkModel`, `dflash.sample_from_anchor` true).",
+            "",
+        ]
     if s.kind.heads:
-        return [f"Block convention: z-lab's. The block is [anchor, mask x {s.block_size - 1}] and block positions "
-                f"1..{s.block_size - 1} draft the token at their own position ({s.drafts} drafts); the Markov head's "
-                "first predecessor is the anchor (`dflash.sample_from_anchor` false).", ""]
+        return [
+            f"Block convention: z-lab's. The block is [anchor, mask x {s.block_size - 1}] and block positions "
+            f"1..{s.block_size - 1} draft the token at their own position ({s.drafts} drafts); the Markov head's "
+            "first predecessor is the anchor (`dflash.sample_from_anchor` false).",
+            "",
+        ]
     return []
 
 
@@ -267,61 +315,91 @@ def _in_prose(names: list[str]) -> str:
 def readme(frameworks: list[ServingFramework], s: LaunchSettings, dtype: str, sources: dict, matrix: str) -> str:
     precision = s.precision or dtype
     hf = any(f.target == HF_TARGET for f in frameworks)
-    lines = [f"# Serving bundle: {s.name}", "",
-             f"Target `{s.name}` ({precision}, from `{sources['target']}`) with the {s.kind.title} drafter "
-             f"`{sources['drafter']}` "
-             f"(block size {s.block_size}, {s.drafts} drafts per block, taps {s.target_layer_ids}"
-             + (f", mask token {s.mask_token_id}), " if s.mask_token_id is not None else "), ")
-             + f"tensor parallel size {s.tp}, up to {s.max_batch_size} requests at once of up to "
-             f"{s.max_context} tokens each (prompt + output). Every engine serves it as `{s.name}`.", "",
-             *_convention_lines(s), "## Launch", ""]
+    lines = [
+        f"# Serving bundle: {s.name}",
+        "",
+        f"Target `{s.name}` ({precision}, from `{sources['target']}`) with the {s.kind.title} drafter "
+        f"`{sources['drafter']}` "
+        f"(block size {s.block_size}, {s.drafts} drafts per block, taps {s.target_layer_ids}"
+        + (f", mask token {s.mask_token_id}), " if s.mask_token_id is not None else "), ")
+        + f"tensor parallel size {s.tp}, up to {s.max_batch_size} requests at once of up to "
+        f"{s.max_context} tokens each (prompt + output). Every engine serves it as `{s.name}`.",
+        "",
+        *_convention_lines(s),
+        "## Launch",
+        "",
+    ]
     lines += [f"- {f.title}: `sh {f.name}/launch.sh [extra engine flags]`" for f in frameworks]
     for f in frameworks:
         lines += f.readme_launch(s) if f.readme_launch else []
-    lines += ["", "Every launch script changes into the bundle root first: the paths below are relative to it.",
-              "", "## What each engine uses", ""]
+    lines += [
+        "",
+        "Every launch script changes into the bundle root first: the paths below are relative to it.",
+        "",
+        "## What each engine uses",
+        "",
+    ]
     if hf and s.kind.convention is DEEPSPEC_BLOCK:
-        lines.append("- `drafter/`: DeepSpec's DSpark format (`config.json` with `architectures: [\"Qwen3DSparkModel\"]`, "
-                     "`block_size`, `mask_token_id`, `target_layer_ids`, `markov_rank`, `markov_head_type`, "
-                     "`enable_confidence_head`, `confidence_head_with_markov` at the top level, mask and taps also in "
-                     "`dflash_config`; `model.safetensors` under DeepSpec's key names `markov_head.markov_w1/w2`, "
-                     "`confidence_head.proj`, without the `embed_tokens` / `lm_head` copies: vLLM shares the "
-                     f"target's), read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])} "
-                     "as a DSpark drafter.")
+        lines.append(
+            '- `drafter/`: DeepSpec\'s DSpark format (`config.json` with `architectures: ["Qwen3DSparkModel"]`, '
+            "`block_size`, `mask_token_id`, `target_layer_ids`, `markov_rank`, `markov_head_type`, "
+            "`enable_confidence_head`, `confidence_head_with_markov` at the top level, mask and taps also in "
+            "`dflash_config`; `model.safetensors` under DeepSpec's key names `markov_head.markov_w1/w2`, "
+            "`confidence_head.proj`, without the `embed_tokens` / `lm_head` copies: vLLM shares the "
+            f"target's), read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])} "
+            "as a DSpark drafter."
+        )
     elif hf and drafts_in_steps(s.kind):
-        lines.append("- `drafter/`: SpecForge's EAGLE-3 layout (`config.json` with `architectures: "
-                     "[\"LlamaForCausalLMEagle3\"]`, `draft_vocab_size`, the taps as "
-                     f"`eagle_aux_hidden_state_layer_ids` {[i + 1 for i in s.target_layer_ids]} at the top level (vLLM's "
-                     "and llama.cpp's numbering: the stream entering layer j) and in `eagle_config` "
-                     f"{s.target_layer_ids} (SGLang's: the output of layer i); `model.safetensors` with `fc`, "
-                     "`midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, without `embed_tokens`: the target's is shared), "
-                     f"read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])}.")
+        lines.append(
+            "- `drafter/`: SpecForge's EAGLE-3 layout (`config.json` with `architectures: "
+            '["LlamaForCausalLMEagle3"]`, `draft_vocab_size`, the taps as '
+            f"`eagle_aux_hidden_state_layer_ids` {[i + 1 for i in s.target_layer_ids]} at the top level (vLLM's "
+            "and llama.cpp's numbering: the stream entering layer j) and in `eagle_config` "
+            f"{s.target_layer_ids} (SGLang's: the output of layer i); `model.safetensors` with `fc`, "
+            "`midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, without `embed_tokens`: the target's is shared), "
+            f"read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])}."
+        )
     elif hf and s.kind.selector:
-        lines.append("- `drafter/`: z-lab's DFlash2 layout (`config.json` with `architectures: [\"DFlash2DraftModel\"]`, "
-                     "`dflash_config` holding `block_size`, `mask_token_id`, `target_layer_ids`, `conv_kernel_size`, "
-                     "`conv_group_size`, `selector_rank`, `selector_top_k`, `output_multiplier`, "
-                     "`input_embedding_scale`; `is_causal`, `use_sliding_window`, `sliding_window` and `layer_types` "
-                     "at the top level; `model.safetensors` with DFlash's tensors plus `layers.i.attention_conv` / "
-                     "`layers.i.mlp_conv` (`base_kernel`, `kernel_projection.weight`) and `candidate_selector` "
-                     "(`hidden_projection.weight`, `predecessor_codebook`, `successor_codebook`), over the full "
-                     f"vocabulary), read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])}, "
-                     "which pick their DFlash2 model from the architecture.")
+        lines.append(
+            '- `drafter/`: z-lab\'s DFlash2 layout (`config.json` with `architectures: ["DFlash2DraftModel"]`, '
+            "`dflash_config` holding `block_size`, `mask_token_id`, `target_layer_ids`, `conv_kernel_size`, "
+            "`conv_group_size`, `selector_rank`, `selector_top_k`, `output_multiplier`, "
+            "`input_embedding_scale`; `is_causal`, `use_sliding_window`, `sliding_window` and `layer_types` "
+            "at the top level; `model.safetensors` with DFlash's tensors plus `layers.i.attention_conv` / "
+            "`layers.i.mlp_conv` (`base_kernel`, `kernel_projection.weight`) and `candidate_selector` "
+            "(`hidden_projection.weight`, `predecessor_codebook`, `successor_codebook`), over the full "
+            f"vocabulary), read by {_in_prose([f.title for f in frameworks if f.target == HF_TARGET])}, "
+            "which pick their DFlash2 model from the architecture."
+        )
     elif hf:
-        lines.append("- `drafter/`: z-lab DFlash format (`config.json` with `dflash_config.mask_token_id` and "
-                     "`target_layer_ids`, `model.safetensors`), read by TensorRT-LLM, vLLM and SGLang.")
+        lines.append(
+            "- `drafter/`: z-lab DFlash format (`config.json` with `dflash_config.mask_token_id` and "
+            "`target_layer_ids`, `model.safetensors`), read by TensorRT-LLM, vLLM and SGLang."
+        )
     for f in frameworks:
         lines += f.readme_uses(s) if f.readme_uses else []
-    lines += [*_draft_vocab_lines(frameworks, s.draft_vocab, s.kind),
-              "- DLoop (several draft stages per verification) runs only in loopspec's own runtime; the "
-              "engines run one draft stage per verification."]
+    lines += [
+        *_draft_vocab_lines(frameworks, s.draft_vocab, s.kind),
+        "- DLoop (several draft stages per verification) runs only in loopspec's own runtime; the "
+        "engines run one draft stage per verification.",
+    ]
     if hf:
-        lines.append("- `target/`: Hugging Face checkpoint" + (f", modelopt {s.precision.upper()}-quantized."
-                                                                if s.precision else f" in {dtype}.")
-                     + " Its config.json carries `rope_theta` beside `rope_parameters` for transformers-4 readers.")
+        lines.append(
+            "- `target/`: Hugging Face checkpoint"
+            + (f", modelopt {s.precision.upper()}-quantized." if s.precision else f" in {dtype}.")
+            + " Its config.json carries `rope_theta` beside `rope_parameters` for transformers-4 readers."
+        )
     if s.precision == "nvfp4":
         lines.append("- NVFP4 kernels need a Blackwell GPU (compute capability >= 10.0); other GPUs refuse it.")
-    lines += ["", "## Support matrix", "", matrix, "",
-              "`manifest.json` lists the sha256 of every file, the sources' hashes and the tool versions.", ""]
+    lines += [
+        "",
+        "## Support matrix",
+        "",
+        matrix,
+        "",
+        "`manifest.json` lists the sha256 of every file, the sources' hashes and the tool versions.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -338,17 +416,34 @@ def manifest(out: Path, frameworks: list[ServingFramework], s: LaunchSettings, d
             pass
     files = {str(p.relative_to(out)): file_sha256(p) for p in sorted(out.rglob("*")) if p.is_file()}
     vocab = s.draft_vocab
-    reasons = {f.name: f.full_vocab_reason for f in frameworks
-               if vocab and f.full_vocab_reason and not serves_its_draft_vocab(s.kind)}
+    reasons = {
+        f.name: f.full_vocab_reason
+        for f in frameworks
+        if vocab and f.full_vocab_reason and not serves_its_draft_vocab(s.kind)
+    }
     entries = [f for f in frameworks if f.manifest_entry]
     # the manifest names its frameworks "engines", as bundles always have (scripts and users read it)
-    return {"kind": "serving-bundle", "engines": [f.name for f in frameworks], "served_model_name": s.name,
-            "tensor_parallel_size": s.tp, "max_batch_size": s.max_batch_size, "max_context": s.max_context,
-            "precision": s.precision or dtype, "block_size": s.block_size, "mask_token_id": s.mask_token_id,
-            "drafter_kind": s.kind.title, "block_convention": s.kind.convention.name,
-            "drafts_per_block": s.drafts, **({"draft_tree_nodes": s.tree_nodes} if drafts_in_steps(s.kind) else {}),
-            **{f.name: f.manifest_entry(s) for f in entries if f.manifest_entry_with_drafting},
-            "target_layer_ids": s.target_layer_ids, "trained_draft_vocab_size": vocab,
-            "draft_vocab": draft_vocab_per_framework(frameworks, vocab, s.kind),
-            "full_draft_vocab_reasons": reasons, "sources": sources, "tools": tools, "files": files,
-            **{f.name: f.manifest_entry(s) for f in entries if not f.manifest_entry_with_drafting}}
+    return {
+        "kind": "serving-bundle",
+        "engines": [f.name for f in frameworks],
+        "served_model_name": s.name,
+        "tensor_parallel_size": s.tp,
+        "max_batch_size": s.max_batch_size,
+        "max_context": s.max_context,
+        "precision": s.precision or dtype,
+        "block_size": s.block_size,
+        "mask_token_id": s.mask_token_id,
+        "drafter_kind": s.kind.title,
+        "block_convention": s.kind.convention.name,
+        "drafts_per_block": s.drafts,
+        **({"draft_tree_nodes": s.tree_nodes} if drafts_in_steps(s.kind) else {}),
+        **{f.name: f.manifest_entry(s) for f in entries if f.manifest_entry_with_drafting},
+        "target_layer_ids": s.target_layer_ids,
+        "trained_draft_vocab_size": vocab,
+        "draft_vocab": draft_vocab_per_framework(frameworks, vocab, s.kind),
+        "full_draft_vocab_reasons": reasons,
+        "sources": sources,
+        "tools": tools,
+        "files": files,
+        **{f.name: f.manifest_entry(s) for f in entries if not f.manifest_entry_with_drafting},
+    }

@@ -18,9 +18,18 @@ from loopspec.model.dflash import Drafter
 from loopspec.weights import read_json, read_safetensors, write_safetensors
 
 # what a framework needs beside the weights to serve the target (chat template, stop tokens, tokenizer)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 def full_vocab_drafter(drafter: Drafter) -> Drafter:
@@ -52,8 +61,9 @@ def export_target(src: Path, dst: Path, dtype: torch.dtype) -> None:
     dst.mkdir(parents=True)
     for shard in shards:
         state = read_safetensors(shard)
-        write_safetensors({k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in state.items()},
-                          dst / shard.name)
+        write_safetensors(
+            {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in state.items()}, dst / shard.name
+        )
     index = src / "model.safetensors.index.json"
     if index.is_file():
         shutil.copyfile(index, dst / index.name)
@@ -90,8 +100,9 @@ def add_rope_theta(config_path: Path) -> None:
     config_path.write_text(json.dumps(with_rope_theta(read_json(config_path, "target config")), indent=2) + "\n")
 
 
-def quantize_target(src: Path, dst: Path, precision: str, calib_prompts: str | None = None,
-                    calib_size: int | None = None) -> None:
+def quantize_target(
+    src: Path, dst: Path, precision: str, calib_prompts: str | None = None, calib_size: int | None = None
+) -> None:
     """A modelopt-quantized HF checkpoint of the target (convert/quantize.py does the calibration)."""
     from loopspec.convert.quantize import quantize_target_checkpoint
 

@@ -32,8 +32,15 @@ from pathlib import Path
 
 import torch
 
-from loopspec.convert.bundles.common import (GGUF_TARGET, BundleParts, LaunchSettings, ServingFramework,
-                                             drafts_in_steps, eagle3_switch_refusal, launch_script)
+from loopspec.convert.bundles.common import (
+    GGUF_TARGET,
+    BundleParts,
+    LaunchSettings,
+    ServingFramework,
+    drafts_in_steps,
+    eagle3_switch_refusal,
+    launch_script,
+)
 from loopspec.convert.bundles.hf_checkpoint import TOKENIZER_FILES
 from loopspec.engines.llamacpp import cached_drafter_gguf, dflash_gguf_refusal, llama_server_command, spec_type
 from loopspec.model.drafter_kinds import DrafterKind
@@ -46,8 +53,9 @@ LLAMACPP_EAGLE3 = "llamacpp/eagle3"  # the SpecForge checkpoint, f32
 LLAMACPP_DFLASH2 = "llamacpp/dflash2"  # z-lab's DFlash2 checkpoint, f32
 LLAMACPP_TARGET_CONFIG = "llamacpp/target-config"  # the target's config.json and tokenizer (--target-model-dir)
 LLAMACPP_CONVERT = "llamacpp/convert.sh"
-LLAMACPP_DFLASH2_VERSION = ("a llama.cpp from master after pull request 27816 (August 2026), e.g. the one "
-                            "llama-cpp-python 0.3.36 vendors")
+LLAMACPP_DFLASH2_VERSION = (
+    "a llama.cpp from master after pull request 27816 (August 2026), e.g. the one llama-cpp-python 0.3.36 vendors"
+)
 # the EAGLE-3 config switches its reader implements (llama.cpp's converter and eagle3 graph, llama-cpp-python
 # 0.3.36's)
 EAGLE3_SWITCHES_READ = ("norm_before_fc", "norm_before_residual")
@@ -63,9 +71,11 @@ def llamacpp_kind_refusal(kind: DrafterKind) -> str | None:
     if kind.name == "dflash2":
         selector = kind.selector
         if selector is not None and selector.width < selector.top_k * (selector.top_k + 1):
-            return (f"llama.cpp's DFlash2 loader needs a hidden size of at least selector_top_k x (selector_top_k + 1) "
-                    f"= {selector.top_k * (selector.top_k + 1)} for its selector lattice, and this drafter's is "
-                    f"{selector.width}")
+            return (
+                f"llama.cpp's DFlash2 loader needs a hidden size of at least selector_top_k x (selector_top_k + 1) "
+                f"= {selector.top_k * (selector.top_k + 1)} for its selector lattice, and this drafter's is "
+                f"{selector.width}"
+            )
         return None
     return dflash_gguf_refusal(kind)
 
@@ -83,21 +93,33 @@ def converter_source(kind) -> str:
 
 def llamacpp_files(s: LaunchSettings) -> dict[str, str]:
     threads = str(s.threads) if s.threads else "$(nproc 2>/dev/null || echo 4)"
-    settings = ("# LLAMA_SERVER: the llama-server binary (default: llama-server on PATH; "
-                "scripts/build_llama_server.sh builds one)\n"
-                'LLAMA_SERVER="${LLAMA_SERVER:-llama-server}"\n'
-                f'THREADS="${{THREADS:-{threads}}}"\n'
-                'HOST="${HOST:-127.0.0.1}"\n'
-                'PORT="${PORT:-8080}"\n')
+    settings = (
+        "# LLAMA_SERVER: the llama-server binary (default: llama-server on PATH; "
+        "scripts/build_llama_server.sh builds one)\n"
+        'LLAMA_SERVER="${LLAMA_SERVER:-llama-server}"\n'
+        f'THREADS="${{THREADS:-{threads}}}"\n'
+        'HOST="${HOST:-127.0.0.1}"\n'
+        'PORT="${PORT:-8080}"\n'
+    )
     # llama.cpp drafts at most the drafter's drafts per block
-    argv = llama_server_command("$LLAMA_SERVER", f"./{LLAMACPP_TARGET}", drafter_gguf=f"./{LLAMACPP_DRAFTER}",
-                                draft_max=s.drafts, threads="$THREADS", context=s.max_context,
-                                host="$HOST", port="$PORT", spec=spec_type(s.drafter))
+    argv = llama_server_command(
+        "$LLAMA_SERVER",
+        f"./{LLAMACPP_TARGET}",
+        drafter_gguf=f"./{LLAMACPP_DRAFTER}",
+        draft_max=s.drafts,
+        threads="$THREADS",
+        context=s.max_context,
+        host="$HOST",
+        port="$PORT",
+        spec=spec_type(s.drafter),
+    )
     argv += ["--alias", s.name]
     if not converted_by_llamacpp(s.kind):
         return {"llamacpp/launch.sh": launch_script(TITLE, argv, settings)}
-    settings += (f"[ -f ./{LLAMACPP_DRAFTER} ] || sh ./{LLAMACPP_CONVERT}  # the {_gguf_arch(s.kind)} GGUF, "
-                 "converted once by llama.cpp's own converter\n")
+    settings += (
+        f"[ -f ./{LLAMACPP_DRAFTER} ] || sh ./{LLAMACPP_CONVERT}  # the {_gguf_arch(s.kind)} GGUF, "
+        "converted once by llama.cpp's own converter\n"
+    )
     return {"llamacpp/launch.sh": launch_script(TITLE, argv, settings), LLAMACPP_CONVERT: convert_script(s.kind)}
 
 
@@ -107,20 +129,22 @@ def _gguf_arch(kind) -> str:
 
 def convert_script(kind) -> str:
     """The shell script running llama.cpp's convert_hf_to_gguf.py on the drafter's checkpoint."""
-    return ("#!/bin/sh\n"
-            f"# Convert the {kind.title} drafter to llama.cpp's {_gguf_arch(kind)} GGUF with llama.cpp's own converter. "
-            "Use the\n"
-            "# convert_hf_to_gguf.py of the llama.cpp that built llama-server (scripts/build_llama_server.sh keeps\n"
-            "# it under PREFIX/src); it needs torch, numpy, transformers and sentencepiece. Extra flags are passed on.\n"
-            "set -eu\n"
-            'cd "$(dirname "$0")/.."  # paths below are relative to the bundle root\n'
-            'LLAMACPP_CONVERT="${LLAMACPP_CONVERT:-convert_hf_to_gguf.py}"\n'
-            'PYTHON="${PYTHON:-python3}"\n'
-            f'exec "$PYTHON" "$LLAMACPP_CONVERT" ./{converter_source(kind)} \\\n'
-            f"    --target-model-dir ./{LLAMACPP_TARGET_CONFIG} \\\n"
-            "    --outtype f32 \\\n"
-            f'    --outfile ./{LLAMACPP_DRAFTER} \\\n'
-            '    "$@"\n')
+    return (
+        "#!/bin/sh\n"
+        f"# Convert the {kind.title} drafter to llama.cpp's {_gguf_arch(kind)} GGUF with llama.cpp's own converter. "
+        "Use the\n"
+        "# convert_hf_to_gguf.py of the llama.cpp that built llama-server (scripts/build_llama_server.sh keeps\n"
+        "# it under PREFIX/src); it needs torch, numpy, transformers and sentencepiece. Extra flags are passed on.\n"
+        "set -eu\n"
+        'cd "$(dirname "$0")/.."  # paths below are relative to the bundle root\n'
+        'LLAMACPP_CONVERT="${LLAMACPP_CONVERT:-convert_hf_to_gguf.py}"\n'
+        'PYTHON="${PYTHON:-python3}"\n'
+        f'exec "$PYTHON" "$LLAMACPP_CONVERT" ./{converter_source(kind)} \\\n'
+        f"    --target-model-dir ./{LLAMACPP_TARGET_CONFIG} \\\n"
+        "    --outtype f32 \\\n"
+        f"    --outfile ./{LLAMACPP_DRAFTER} \\\n"
+        '    "$@"\n'
+    )
 
 
 def _write_parts(parts: BundleParts, tmp: Path) -> None:
@@ -146,59 +170,100 @@ def write_converter_sources(parts: BundleParts, tmp: Path) -> None:
 
 
 def _readme_launch(s: LaunchSettings) -> list[str]:
-    convert = ([f" Before its first launch it runs `{LLAMACPP_CONVERT}`: llama.cpp's own `convert_hf_to_gguf.py` "
-                "(`$LLAMACPP_CONVERT`, the one of the llama.cpp that built llama-server; `$PYTHON` runs it) writes "
-                f"`{LLAMACPP_DRAFTER}` from `{converter_source(s.kind)}/` with `--target-model-dir "
-                f"{LLAMACPP_TARGET_CONFIG}`."] if converted_by_llamacpp(s.kind) else [""])
-    return ["", f"`llamacpp/launch.sh` runs llama-server (`$LLAMA_SERVER`, else `llama-server` on PATH) on "
-            f"`{LLAMACPP_TARGET}` (a copy of the target GGUF) with the drafter `{LLAMACPP_DRAFTER}` "
-            f"(`--spec-type {spec_type(s.drafter)} --spec-draft-n-max {s.drafts}`); `THREADS`, `HOST` and `PORT` "
-            "in the environment set `-t`, `--host` and `--port` (defaults: all cores, 127.0.0.1, 8080)."
-            + convert[0]]
+    convert = (
+        [
+            f" Before its first launch it runs `{LLAMACPP_CONVERT}`: llama.cpp's own `convert_hf_to_gguf.py` "
+            "(`$LLAMACPP_CONVERT`, the one of the llama.cpp that built llama-server; `$PYTHON` runs it) writes "
+            f"`{LLAMACPP_DRAFTER}` from `{converter_source(s.kind)}/` with `--target-model-dir "
+            f"{LLAMACPP_TARGET_CONFIG}`."
+        ]
+        if converted_by_llamacpp(s.kind)
+        else [""]
+    )
+    return [
+        "",
+        f"`llamacpp/launch.sh` runs llama-server (`$LLAMA_SERVER`, else `llama-server` on PATH) on "
+        f"`{LLAMACPP_TARGET}` (a copy of the target GGUF) with the drafter `{LLAMACPP_DRAFTER}` "
+        f"(`--spec-type {spec_type(s.drafter)} --spec-draft-n-max {s.drafts}`); `THREADS`, `HOST` and `PORT` "
+        "in the environment set `-t`, `--host` and `--port` (defaults: all cores, 127.0.0.1, 8080)." + convert[0],
+    ]
 
 
 def _readme_uses(s: LaunchSettings) -> list[str]:
     kind = s.kind
     if drafts_in_steps(kind):
-        return [f"- `{LLAMACPP_EAGLE3}/`: the EAGLE-3 drafter in SpecForge's layout (f32), and "
-                f"`{LLAMACPP_TARGET_CONFIG}/`: the target's `config.json` and tokenizer, what llama.cpp's converter "
-                f"reads to write `{LLAMACPP_DRAFTER}` (its `eagle3` architecture: `extract_layers` "
-                f"{[i + 1 for i in s.target_layer_ids]}, the inputs of those target layers) for `{LLAMACPP_TARGET}`."]
+        return [
+            f"- `{LLAMACPP_EAGLE3}/`: the EAGLE-3 drafter in SpecForge's layout (f32), and "
+            f"`{LLAMACPP_TARGET_CONFIG}/`: the target's `config.json` and tokenizer, what llama.cpp's converter "
+            f"reads to write `{LLAMACPP_DRAFTER}` (its `eagle3` architecture: `extract_layers` "
+            f"{[i + 1 for i in s.target_layer_ids]}, the inputs of those target layers) for `{LLAMACPP_TARGET}`."
+        ]
     if kind.selector:
-        return [f"- `{LLAMACPP_DFLASH2}/`: the DFlash2 drafter in z-lab's layout (f32), and `{LLAMACPP_TARGET_CONFIG}/`: "
-                f"the target's `config.json` and tokenizer, what llama.cpp's converter reads to write `{LLAMACPP_DRAFTER}` "
-                f"(its `dflash` architecture with the convolutions and the selector: `dflash.selector_top_k` "
-                f"{kind.selector.top_k}, `target_layers` {[i + 1 for i in s.target_layer_ids]}) for `{LLAMACPP_TARGET}`; "
-                f"it needs {LLAMACPP_DFLASH2_VERSION}."]
-    heads = (" with its Markov head (`markov_w1`, `markov_w2`)" + (" and confidence head (`conf_proj`)"
-                                                                    if kind.confidence else "")
-             if kind.markov else "")
-    return [f"- `{LLAMACPP_DRAFTER}`: the drafter as a llama.cpp `dflash` GGUF{heads} (f32, the target's "
-            f"tokenizer), for `{LLAMACPP_TARGET}`."]
+        return [
+            f"- `{LLAMACPP_DFLASH2}/`: the DFlash2 drafter in z-lab's layout (f32), and `{LLAMACPP_TARGET_CONFIG}/`: "
+            f"the target's `config.json` and tokenizer, what llama.cpp's converter reads to write `{LLAMACPP_DRAFTER}` "
+            f"(its `dflash` architecture with the convolutions and the selector: `dflash.selector_top_k` "
+            f"{kind.selector.top_k}, `target_layers` {[i + 1 for i in s.target_layer_ids]}) for `{LLAMACPP_TARGET}`; "
+            f"it needs {LLAMACPP_DFLASH2_VERSION}."
+        ]
+    heads = (
+        " with its Markov head (`markov_w1`, `markov_w2`)"
+        + (" and confidence head (`conf_proj`)" if kind.confidence else "")
+        if kind.markov
+        else ""
+    )
+    return [
+        f"- `{LLAMACPP_DRAFTER}`: the drafter as a llama.cpp `dflash` GGUF{heads} (f32, the target's "
+        f"tokenizer), for `{LLAMACPP_TARGET}`."
+    ]
 
 
 def _reduced_vocab_line(vocab: int) -> str:
-    return (f"  - llama.cpp: reduced, in `{LLAMACPP_DRAFTER}` (the `d2t` tensor of absolute target ids "
-            "and the draft's own `output` head: the target's lm_head rows of the draft tokens).")
+    return (
+        f"  - llama.cpp: reduced, in `{LLAMACPP_DRAFTER}` (the `d2t` tensor of absolute target ids "
+        "and the draft's own `output` head: the target's lm_head rows of the draft tokens)."
+    )
 
 
 def _manifest_entry(s: LaunchSettings) -> dict:
-    entry = {"target": LLAMACPP_TARGET, "drafter": LLAMACPP_DRAFTER, "drafter_dtype": "f32",
-             "spec_type": spec_type(s.drafter), "draft_max": s.drafts}
+    entry = {
+        "target": LLAMACPP_TARGET,
+        "drafter": LLAMACPP_DRAFTER,
+        "drafter_dtype": "f32",
+        "spec_type": spec_type(s.drafter),
+        "draft_max": s.drafts,
+    }
     if converted_by_llamacpp(s.kind):  # converted at the first launch, by llama.cpp's own converter
-        entry.update(drafter_source=converter_source(s.kind), converter_target_dir=LLAMACPP_TARGET_CONFIG,
-                     convert=LLAMACPP_CONVERT)
+        entry.update(
+            drafter_source=converter_source(s.kind),
+            converter_target_dir=LLAMACPP_TARGET_CONFIG,
+            convert=LLAMACPP_CONVERT,
+        )
     return entry
 
 
 LLAMACPP = ServingFramework(
-    name="llamacpp", title=TITLE, target=GGUF_TARGET,
-    support=("yes (`--spec-type draft-dflash`)", "vanilla Markov head (`draft-dspark`)",
-             "chains (`draft-eagle3`, from llama.cpp's own converter)",
-             "yes (`draft-dflash`, from llama.cpp's own converter; hidden size >= top-k x (top-k + 1))", "no",
-             "yes (`d2t` + the draft's own `output` head)",
-             "no (the target's own GGUF quantization)", "no", "no (one process)"),
-    launch_files=llamacpp_files, write_parts=_write_parts, readme_launch=_readme_launch, readme_uses=_readme_uses,
-    kind_refusal=llamacpp_kind_refusal, reduced_vocab_line=_reduced_vocab_line, manifest_entry=_manifest_entry,
+    name="llamacpp",
+    title=TITLE,
+    target=GGUF_TARGET,
+    support=(
+        "yes (`--spec-type draft-dflash`)",
+        "vanilla Markov head (`draft-dspark`)",
+        "chains (`draft-eagle3`, from llama.cpp's own converter)",
+        "yes (`draft-dflash`, from llama.cpp's own converter; hidden size >= top-k x (top-k + 1))",
+        "no",
+        "yes (`d2t` + the draft's own `output` head)",
+        "no (the target's own GGUF quantization)",
+        "no",
+        "no (one process)",
+    ),
+    launch_files=llamacpp_files,
+    write_parts=_write_parts,
+    readme_launch=_readme_launch,
+    readme_uses=_readme_uses,
+    kind_refusal=llamacpp_kind_refusal,
+    reduced_vocab_line=_reduced_vocab_line,
+    manifest_entry=_manifest_entry,
     reads_checkpoint=converted_by_llamacpp,
-    tree_refusal="llama.cpp's draft-eagle3 drafts a chain of up to --spec-draft-n-max tokens: it has no draft tree")
+    tree_refusal="llama.cpp's draft-eagle3 drafts a chain of up to --spec-draft-n-max tokens: it has no draft tree",
+)

@@ -52,8 +52,14 @@ always written. Which drafter kinds it takes, and why it refuses the rest, is `s
 
 from __future__ import annotations
 
-from loopspec.convert.bundles.common import (HF_TARGET, LaunchSettings, ServingFramework, drafts_in_steps,
-                                             eagle3_switch_refusal, launch_script)
+from loopspec.convert.bundles.common import (
+    HF_TARGET,
+    LaunchSettings,
+    ServingFramework,
+    drafts_in_steps,
+    eagle3_switch_refusal,
+    launch_script,
+)
 from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK, DrafterKind
 
 TITLE = "SGLang"
@@ -71,19 +77,25 @@ def sglang_kind_refusal(kind: DrafterKind) -> str | None:
         return eagle3_switch_refusal(kind, "SGLang", EAGLE3_SWITCHES_READ)
     if kind.name == "dflash2":
         if kind.selector is not None and kind.selector.input_embedding_scale != 1.0:
-            return (f"SGLang's DFLASH (0.5.19 to 0.5.23) does not read dflash_config.input_embedding_scale "
-                    f"({kind.selector.input_embedding_scale:g} in this drafter): it would draft with unscaled "
-                    "embeddings")
+            return (
+                f"SGLang's DFLASH (0.5.19 to 0.5.23) does not read dflash_config.input_embedding_scale "
+                f"({kind.selector.input_embedding_scale:g} in this drafter): it would draft with unscaled "
+                "embeddings"
+            )
         return None
     if kind.plain:
         return None  # z-lab DFlash: DFLASH
     if kind.convention is not DEEPSPEC_BLOCK:
-        return ("SGLang's DSPARK reads block slot k as the draft of the token at anchor+k+1 (DeepSpec's block "
-                "convention), and this drafter's heads were trained in z-lab's (position i drafts the token at "
-                "anchor+i): SGLang would draft one position off")
+        return (
+            "SGLang's DSPARK reads block slot k as the draft of the token at anchor+k+1 (DeepSpec's block "
+            "convention), and this drafter's heads were trained in z-lab's (position i drafts the token at "
+            "anchor+i): SGLang would draft one position off"
+        )
     if kind.markov is None:
-        return ("SGLang's DSPARK requires a Markov head (markov_rank > 0), and this drafter has none; its DFLASH "
-                "reads z-lab's block convention")
+        return (
+            "SGLang's DSPARK requires a Markov head (markov_rank > 0), and this drafter has none; its DFLASH "
+            "reads z-lab's block convention"
+        )
     return None  # DSPARK, any of the three Markov heads
 
 
@@ -99,20 +111,56 @@ def speculative_argv(s: LaunchSettings) -> list[str]:
     EAGLE3 for an EAGLE-3 drafter (its steps, topk and verified tokens: the setting's chain or tree)."""
     if drafts_in_steps(s.kind):
         steps, topk = (s.tree_depth, s.tree_topk) if s.tree_nodes else (s.drafts, 1)
-        return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "./drafter",
-                "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
-                "--speculative-num-draft-tokens", str(s.verified_tokens)]
+        return [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            "./drafter",
+            "--speculative-num-steps",
+            str(steps),
+            "--speculative-eagle-topk",
+            str(topk),
+            "--speculative-num-draft-tokens",
+            str(s.verified_tokens),
+        ]
     if zlab_dflash_reader(s.kind):  # a DFlash2 drafter too: SGLang picks its model from the architecture
-        return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "./drafter",
-                "--speculative-num-draft-tokens", str(s.block_size)]
-    return ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", "./drafter",
-            "--speculative-dspark-block-size", str(s.drafts), "--speculative-num-draft-tokens", str(s.drafts + 1)]
+        return [
+            "--speculative-algorithm",
+            "DFLASH",
+            "--speculative-draft-model-path",
+            "./drafter",
+            "--speculative-num-draft-tokens",
+            str(s.block_size),
+        ]
+    return [
+        "--speculative-algorithm",
+        "DSPARK",
+        "--speculative-draft-model-path",
+        "./drafter",
+        "--speculative-dspark-block-size",
+        str(s.drafts),
+        "--speculative-num-draft-tokens",
+        str(s.drafts + 1),
+    ]
 
 
 def sglang_files(s: LaunchSettings) -> dict[str, str]:
-    argv = ["python", "-m", "sglang.launch_server", "--model-path", "./target", "--served-model-name", s.name,
-            "--tp-size", str(s.tp), "--context-length", str(s.max_context),
-            "--max-running-requests", str(s.max_batch_size), *speculative_argv(s)]
+    argv = [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "./target",
+        "--served-model-name",
+        s.name,
+        "--tp-size",
+        str(s.tp),
+        "--context-length",
+        str(s.max_context),
+        "--max-running-requests",
+        str(s.max_batch_size),
+        *speculative_argv(s),
+    ]
     if s.precision is not None:  # SGLang quantizes the drafter like the target unless told otherwise
         argv += ["--speculative-draft-model-quantization", "unquant"]
     return {"sglang/launch.sh": launch_script(TITLE, argv)}
@@ -120,42 +168,69 @@ def sglang_files(s: LaunchSettings) -> dict[str, str]:
 
 def _readme_launch(s: LaunchSettings) -> list[str]:
     if drafts_in_steps(s.kind):
-        shape = (f"a dynamic tree: `--speculative-num-steps {s.tree_depth} --speculative-eagle-topk {s.tree_topk} "
-                 f"--speculative-num-draft-tokens {s.verified_tokens}` (the {s.tree_nodes} best of its candidates "
-                 "and the root)" if s.tree_nodes else
-                 f"a chain: `--speculative-num-steps {s.drafts} --speculative-eagle-topk 1 "
-                 f"--speculative-num-draft-tokens {s.verified_tokens}`")
-        return ["", f"SGLang runs the EAGLE-3 drafter with `--speculative-algorithm EAGLE3` as {shape}, reading the "
-                "taps from `eagle_config.eagle_aux_hidden_state_layer_ids` and its reduced vocabulary from `d2t`."]
+        shape = (
+            f"a dynamic tree: `--speculative-num-steps {s.tree_depth} --speculative-eagle-topk {s.tree_topk} "
+            f"--speculative-num-draft-tokens {s.verified_tokens}` (the {s.tree_nodes} best of its candidates "
+            "and the root)"
+            if s.tree_nodes
+            else f"a chain: `--speculative-num-steps {s.drafts} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {s.verified_tokens}`"
+        )
+        return [
+            "",
+            f"SGLang runs the EAGLE-3 drafter with `--speculative-algorithm EAGLE3` as {shape}, reading the "
+            "taps from `eagle_config.eagle_aux_hidden_state_layer_ids` and its reduced vocabulary from `d2t`.",
+        ]
     if s.kind.selector:
-        return ["", f"SGLang (>= {DFLASH2_MIN_VERSION}) runs the DFlash2 drafter with `--speculative-algorithm DFLASH` "
-                f"and `--speculative-num-draft-tokens {s.block_size}` (the block, anchor included), building its "
-                "`DFlash2DraftModel` (the grouped dynamic convolutions and the candidate selector over the target's "
-                "lm_head) from `drafter/`'s architecture and `dflash_config`."]
+        return [
+            "",
+            f"SGLang (>= {DFLASH2_MIN_VERSION}) runs the DFlash2 drafter with `--speculative-algorithm DFLASH` "
+            f"and `--speculative-num-draft-tokens {s.block_size}` (the block, anchor included), building its "
+            "`DFlash2DraftModel` (the grouped dynamic convolutions and the candidate selector over the target's "
+            "lm_head) from `drafter/`'s architecture and `dflash_config`.",
+        ]
     if s.kind.plain:
         return []
-    lines = ["", f"SGLang runs the DSpark drafter with `--speculative-algorithm DSPARK` (SGLang >= 0.5.16), "
-             f"`--speculative-dspark-block-size {s.drafts}` (drafts per block) and `--speculative-num-draft-tokens "
-             f"{s.drafts + 1}` (the verify window, anchor included)."]
+    lines = [
+        "",
+        f"SGLang runs the DSpark drafter with `--speculative-algorithm DSPARK` (SGLang >= 0.5.16), "
+        f"`--speculative-dspark-block-size {s.drafts}` (drafts per block) and `--speculative-num-draft-tokens "
+        f"{s.drafts + 1}` (the verify window, anchor included).",
+    ]
     if s.kind.confidence:
-        lines[-1] += (" Its confidence-scheduled (ragged) verification is left off: it is switched by "
-                      "`SGLANG_RAGGED_VERIFY_MODE` and reads `--speculative-dspark-sps-table-path` (SGLang's own "
-                      "decode-step throughput by batch tokens: `sample_batch_tokens`, `sample_steps_per_sec`, or "
-                      "`bias_seconds` / `alpha_seconds` / `theta_seconds`) and `--speculative-dspark-confidence-sts-path` "
-                      "(per-position `temperatures` fitted to its confidence head), which SGLang's profiler and "
-                      "calibration tools measure on the serving GPU; loopspec's step-cost table (`loopspec costs`) "
-                      "times loopspec's engine, not SGLang's, so neither is written. Every step verifies the whole "
-                      "block (outputs are the same either way).")
+        lines[-1] += (
+            " Its confidence-scheduled (ragged) verification is left off: it is switched by "
+            "`SGLANG_RAGGED_VERIFY_MODE` and reads `--speculative-dspark-sps-table-path` (SGLang's own "
+            "decode-step throughput by batch tokens: `sample_batch_tokens`, `sample_steps_per_sec`, or "
+            "`bias_seconds` / `alpha_seconds` / `theta_seconds`) and `--speculative-dspark-confidence-sts-path` "
+            "(per-position `temperatures` fitted to its confidence head), which SGLang's profiler and "
+            "calibration tools measure on the serving GPU; loopspec's step-cost table (`loopspec costs`) "
+            "times loopspec's engine, not SGLang's, so neither is written. Every step verifies the whole "
+            "block (outputs are the same either way)."
+        )
     return lines
 
 
 SGLANG = ServingFramework(
-    name="sglang", title=TITLE, target=HF_TARGET,
-    support=("yes (`DFLASH`)", "DeepSpec block convention, a Markov head required (`DSPARK`)",
-             "chains and trees (`EAGLE3`)",
-             f"yes (`DFLASH`, >= {DFLASH2_MIN_VERSION}; `input_embedding_scale` 1 only)", "no",
-             "EAGLE-3 only (`d2t`); DFLASH drafts over the full vocab", "yes (modelopt checkpoint)",
-             "Blackwell only", "yes (`--tp-size`)"),
-    launch_files=sglang_files, kind_refusal=sglang_kind_refusal, readme_launch=_readme_launch,
-    full_vocab_reason=("SGLang's DFLASH drafter has no lm_head of its own: it drafts with the target's lm_head over "
-                       "the full vocabulary and ignores a d2t tensor."))
+    name="sglang",
+    title=TITLE,
+    target=HF_TARGET,
+    support=(
+        "yes (`DFLASH`)",
+        "DeepSpec block convention, a Markov head required (`DSPARK`)",
+        "chains and trees (`EAGLE3`)",
+        f"yes (`DFLASH`, >= {DFLASH2_MIN_VERSION}; `input_embedding_scale` 1 only)",
+        "no",
+        "EAGLE-3 only (`d2t`); DFLASH drafts over the full vocab",
+        "yes (modelopt checkpoint)",
+        "Blackwell only",
+        "yes (`--tp-size`)",
+    ),
+    launch_files=sglang_files,
+    kind_refusal=sglang_kind_refusal,
+    readme_launch=_readme_launch,
+    full_vocab_reason=(
+        "SGLang's DFLASH drafter has no lm_head of its own: it drafts with the target's lm_head over "
+        "the full vocabulary and ignores a d2t tensor."
+    ),
+)

@@ -66,8 +66,14 @@ Which drafter kinds it takes, and why it refuses the rest, is `trtllm_kind_refus
 
 from __future__ import annotations
 
-from loopspec.convert.bundles.common import (HF_TARGET, LaunchSettings, ServingFramework, drafts_in_steps,
-                                             eagle3_switch_refusal, launch_script)
+from loopspec.convert.bundles.common import (
+    HF_TARGET,
+    LaunchSettings,
+    ServingFramework,
+    drafts_in_steps,
+    eagle3_switch_refusal,
+    launch_script,
+)
 from loopspec.model.drafter_kinds import DEEPSPEC_BLOCK, DrafterKind
 
 TITLE = "TensorRT-LLM >= 1.3"
@@ -84,17 +90,23 @@ def trtllm_kind_refusal(kind: DrafterKind) -> str | None:
     if kind.name == "eagle3":
         return eagle3_switch_refusal(kind, "TensorRT-LLM", EAGLE3_SWITCHES_READ)
     if kind.name == "dflash2":
-        return ("TensorRT-LLM's DFlashDecodingConfig runs z-lab DFlash drafters only: it has no DFlash2 model "
-                "(no grouped dynamic convolutions, no candidate selector for DFlash2DraftModel)")
+        return (
+            "TensorRT-LLM's DFlashDecodingConfig runs z-lab DFlash drafters only: it has no DFlash2 model "
+            "(no grouped dynamic convolutions, no candidate selector for DFlash2DraftModel)"
+        )
     if kind.plain:
         return None  # z-lab DFlash: decoding_type DFlash
     if kind.convention is not DEEPSPEC_BLOCK:
-        return ("TensorRT-LLM's standalone DSpark drafter drafts from the anchor's own block position (DeepSpec's "
-                "block convention, its shift_label default), and this drafter's heads were trained in z-lab's "
-                "(position i drafts the token at anchor+i): TensorRT-LLM would draft one position off")
+        return (
+            "TensorRT-LLM's standalone DSpark drafter drafts from the anchor's own block position (DeepSpec's "
+            "block convention, its shift_label default), and this drafter's heads were trained in z-lab's "
+            "(position i drafts the token at anchor+i): TensorRT-LLM would draft one position off"
+        )
     if kind.markov is not None and kind.markov.head_type != "vanilla":
-        return (f"TensorRT-LLM's standalone DSpark drafter implements the vanilla Markov head only (markov_w1, "
-                f"markov_w2), not this drafter's {kind.markov.head_type} head")
+        return (
+            f"TensorRT-LLM's standalone DSpark drafter implements the vanilla Markov head only (markov_w1, "
+            f"markov_w2), not this drafter's {kind.markov.head_type} head"
+        )
     return None  # DeepSpec's convention: decoding_type DSpark (markov_rank 0 for a DeepSpec DFlash drafter)
 
 
@@ -103,23 +115,38 @@ def trtllm_options(s: LaunchSettings) -> dict:
     if drafts_in_steps(s.kind):
         spec = eagle3_speculative_config(s)
     elif s.kind.plain:
-        spec = {"decoding_type": "DFlash", "speculative_model": "./drafter", "max_draft_len": s.block_size - 1,
-                "mask_token_id": s.mask_token_id, "target_layer_ids": list(s.target_layer_ids)}
+        spec = {
+            "decoding_type": "DFlash",
+            "speculative_model": "./drafter",
+            "max_draft_len": s.block_size - 1,
+            "mask_token_id": s.mask_token_id,
+            "target_layer_ids": list(s.target_layer_ids),
+        }
     else:
         spec = dspark_speculative_config(s)
-    return {"tensor_parallel_size": s.tp, "max_batch_size": s.max_batch_size, "max_seq_len": s.max_context,
-            "max_num_tokens": s.max_num_tokens,
-            "cuda_graph_config": {"enable_padding": True, "max_batch_size": s.max_batch_size},
-            "speculative_config": spec}
+    return {
+        "tensor_parallel_size": s.tp,
+        "max_batch_size": s.max_batch_size,
+        "max_seq_len": s.max_context,
+        "max_num_tokens": s.max_num_tokens,
+        "cuda_graph_config": {"enable_padding": True, "max_batch_size": s.max_batch_size},
+        "speculative_config": spec,
+    }
 
 
 def dspark_speculative_config(s: LaunchSettings) -> dict:
     """`DSparkDecodingConfig` for a drafter of DeepSpec's block convention: every block position drafts,
     so max_draft_len is the block size; markov_rank 0 (no Markov head) runs no Markov bias."""
     markov = s.kind.markov
-    spec = {"decoding_type": "DSpark", "speculative_model": "./drafter", "max_draft_len": s.drafts,
-            "block_size": s.block_size, "mask_token_id": s.mask_token_id,
-            "target_layer_ids": list(s.target_layer_ids), "markov_rank": markov.rank if markov else 0}
+    spec = {
+        "decoding_type": "DSpark",
+        "speculative_model": "./drafter",
+        "max_draft_len": s.drafts,
+        "block_size": s.block_size,
+        "mask_token_id": s.mask_token_id,
+        "target_layer_ids": list(s.target_layer_ids),
+        "markov_rank": markov.rank if markov else 0,
+    }
     if markov:
         spec["markov_head_type"] = markov.head_type
     return spec
@@ -128,9 +155,12 @@ def dspark_speculative_config(s: LaunchSettings) -> dict:
 def eagle3_speculative_config(s: LaunchSettings) -> dict:
     """`Eagle3DecodingConfig`: the drafter's steps as max_draft_len and its taps as the layers to capture;
     a tree setting adds the dynamic tree's candidates per step and the nodes it verifies."""
-    spec = {"decoding_type": "Eagle3", "speculative_model": "./drafter",
-            "max_draft_len": s.tree_depth if s.tree_nodes else s.drafts,
-            "eagle3_layers_to_capture": list(s.target_layer_ids)}
+    spec = {
+        "decoding_type": "Eagle3",
+        "speculative_model": "./drafter",
+        "max_draft_len": s.tree_depth if s.tree_nodes else s.drafts,
+        "eagle3_layers_to_capture": list(s.target_layer_ids),
+    }
     if s.tree_nodes:
         spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=s.tree_topk, max_total_draft_tokens=s.tree_nodes)
     return spec
@@ -142,55 +172,78 @@ def trtllm_files(s: LaunchSettings) -> dict[str, str]:
     options = "# TensorRT-LLM LLM API options (trtllm-serve --extra_llm_api_options / --config)\n"
     options += yaml.safe_dump(trtllm_options(s), sort_keys=False)
     # no --tp_size: the YAML's tensor_parallel_size is the one trtllm-serve applies (it overrides flags)
-    argv = ["trtllm-serve", "./target", "--backend", "pytorch", "--served-model-name", s.name,
-            "--extra_llm_api_options", "./trtllm/extra_llm_api_options.yaml"]
+    argv = [
+        "trtllm-serve",
+        "./target",
+        "--backend",
+        "pytorch",
+        "--served-model-name",
+        s.name,
+        "--extra_llm_api_options",
+        "./trtllm/extra_llm_api_options.yaml",
+    ]
     return {"trtllm/extra_llm_api_options.yaml": options, "trtllm/launch.sh": launch_script(TITLE, argv)}
 
 
 def _readme_launch(s: LaunchSettings) -> list[str]:
-    lines = ["", "`trtllm/extra_llm_api_options.yaml` holds `tensor_parallel_size`, `max_batch_size`, "
-             f"`max_seq_len`, `max_num_tokens`, the `speculative_config` ({_decoding_type(s)}) "
-             "and `cuda_graph_config`; "
-             "trtllm-serve reads it with `--extra_llm_api_options` (alias `--config`) and lets it override "
-             "its own flags, so change those values in the YAML, not with `--tp_size` and the like. "
-             "`--served-model-name` needs a trtllm-serve that has it (TensorRT-LLM pull request 11711); on "
-             "an older one remove that line and the model is named after its directory (`target`)."]
+    lines = [
+        "",
+        "`trtllm/extra_llm_api_options.yaml` holds `tensor_parallel_size`, `max_batch_size`, "
+        f"`max_seq_len`, `max_num_tokens`, the `speculative_config` ({_decoding_type(s)}) "
+        "and `cuda_graph_config`; "
+        "trtllm-serve reads it with `--extra_llm_api_options` (alias `--config`) and lets it override "
+        "its own flags, so change those values in the YAML, not with `--tp_size` and the like. "
+        "`--served-model-name` needs a trtllm-serve that has it (TensorRT-LLM pull request 11711); on "
+        "an older one remove that line and the model is named after its directory (`target`).",
+    ]
     if drafts_in_steps(s.kind):
         spec = eagle3_speculative_config(s)
-        lines += ["", f"The EAGLE-3 drafter runs as `decoding_type: Eagle3` (`Eagle3DecodingConfig`) with "
-                  f"`max_draft_len: {spec['max_draft_len']}` and `eagle3_layers_to_capture: {s.target_layer_ids}` (the "
-                  "target layers whose outputs it fuses), on TensorRT-LLM's one-model path (its default; "
-                  "`eagle3_one_model` is left out: releases from 1.3.0rc27 on no longer have the field and would "
-                  "refuse it)."]
+        lines += [
+            "",
+            f"The EAGLE-3 drafter runs as `decoding_type: Eagle3` (`Eagle3DecodingConfig`) with "
+            f"`max_draft_len: {spec['max_draft_len']}` and `eagle3_layers_to_capture: {s.target_layer_ids}` (the "
+            "target layers whose outputs it fuses), on TensorRT-LLM's one-model path (its default; "
+            "`eagle3_one_model` is left out: releases from 1.3.0rc27 on no longer have the field and would "
+            "refuse it).",
+        ]
         if s.tree_nodes:
-            lines[-1] += (f" The draft tree is its dynamic tree (`use_dynamic_tree`, `dynamic_tree_max_topK: "
-                          f"{s.tree_topk}`, `max_total_draft_tokens: {s.tree_nodes}`), which needs TensorRT-LLM >= "
-                          f"{EAGLE3_TREE_VERSION} and a target without sliding-window or MLA attention (not gpt-oss).")
+            lines[-1] += (
+                f" The draft tree is its dynamic tree (`use_dynamic_tree`, `dynamic_tree_max_topK: "
+                f"{s.tree_topk}`, `max_total_draft_tokens: {s.tree_nodes}`), which needs TensorRT-LLM >= "
+                f"{EAGLE3_TREE_VERSION} and a target without sliding-window or MLA attention (not gpt-oss)."
+            )
         return lines
     if s.kind.plain:
         return lines
-    lines += ["", f"The DSpark drafter needs TensorRT-LLM >= {DSPARK_MIN_VERSION} (`DSparkDecodingConfig`): "
-              f"`decoding_type: DSpark` with `max_draft_len: {s.drafts}` (DeepSpec's block convention: every one of "
-              f"the {s.block_size} block positions drafts), `block_size`, `mask_token_id`, `target_layer_ids`, "
-              "`markov_rank`" + (" and `markov_head_type`" if s.kind.markov else " (0: no Markov head)")
-              + ". TensorRT-LLM runs the vanilla Markov head only."]
+    lines += [
+        "",
+        f"The DSpark drafter needs TensorRT-LLM >= {DSPARK_MIN_VERSION} (`DSparkDecodingConfig`): "
+        f"`decoding_type: DSpark` with `max_draft_len: {s.drafts}` (DeepSpec's block convention: every one of "
+        f"the {s.block_size} block positions drafts), `block_size`, `mask_token_id`, `target_layer_ids`, "
+        "`markov_rank`"
+        + (" and `markov_head_type`" if s.kind.markov else " (0: no Markov head)")
+        + ". TensorRT-LLM runs the vanilla Markov head only.",
+    ]
     if s.kind.confidence:
-        lines += ["", "Confidence-scheduled verification is left out of the YAML (every step verifies the whole "
-                  "block; outputs are the same either way). TensorRT-LLM's current code reads it from "
-                  "`enable_confidence_scheduling` with `confidence_sps_table_path`, "
-                  "`confidence_sps_live_fingerprint_path`, `confidence_admission_receipt_path` and "
-                  f"`confidence_admission_receipt_sha256` ({CONFIDENCE_SCHEDULING_VERSION} spelled them "
-                  "`confidence_cost_table_path`, `confidence_calibration_path`, "
-                  "`confidence_min_predicted_gain`): the cost table must be "
-                  "`schema_version: 2`, whole-step times per CUDA-graph batch size and verifier-token count with an "
-                  "`engine_fingerprint` (GPU, GPU snapshot hash, runtime snapshot, source head and diff hash, "
-                  "topology, graph batch sizes) that the loader compares field by field with a fingerprint taken "
-                  "from the live TensorRT-LLM engine, and startup switches the feature off without a workload "
-                  "receipt that hashes both. No such engine exists where this bundle was written, and loopspec's "
-                  "own step-cost table (`loopspec costs`) times loopspec's engine rather than TensorRT-LLM's, so "
-                  "none of these fields is written: the table and fingerprint come from TensorRT-LLM on the serving "
-                  "GPU, and the receipt from a reviewed deployment package (TensorRT-LLM ships no public command "
-                  "that writes one)."]
+        lines += [
+            "",
+            "Confidence-scheduled verification is left out of the YAML (every step verifies the whole "
+            "block; outputs are the same either way). TensorRT-LLM's current code reads it from "
+            "`enable_confidence_scheduling` with `confidence_sps_table_path`, "
+            "`confidence_sps_live_fingerprint_path`, `confidence_admission_receipt_path` and "
+            f"`confidence_admission_receipt_sha256` ({CONFIDENCE_SCHEDULING_VERSION} spelled them "
+            "`confidence_cost_table_path`, `confidence_calibration_path`, "
+            "`confidence_min_predicted_gain`): the cost table must be "
+            "`schema_version: 2`, whole-step times per CUDA-graph batch size and verifier-token count with an "
+            "`engine_fingerprint` (GPU, GPU snapshot hash, runtime snapshot, source head and diff hash, "
+            "topology, graph batch sizes) that the loader compares field by field with a fingerprint taken "
+            "from the live TensorRT-LLM engine, and startup switches the feature off without a workload "
+            "receipt that hashes both. No such engine exists where this bundle was written, and loopspec's "
+            "own step-cost table (`loopspec costs`) times loopspec's engine rather than TensorRT-LLM's, so "
+            "none of these fields is written: the table and fingerprint come from TensorRT-LLM on the serving "
+            "GPU, and the receipt from a reviewed deployment package (TensorRT-LLM ships no public command "
+            "that writes one).",
+        ]
     return lines
 
 
@@ -199,16 +252,28 @@ def _decoding_type(s: LaunchSettings) -> str:
 
 
 TRTLLM = ServingFramework(
-    name="trtllm", title=TITLE, target=HF_TARGET,
-    support=("yes (`DFlashDecodingConfig`)",
-             "DeepSpec block convention, vanilla Markov head or none "
-             f"(`DSparkDecodingConfig`, >= {DSPARK_MIN_VERSION})",
-             f"chains; dynamic trees >= {EAGLE3_TREE_VERSION} (`Eagle3DecodingConfig`)",
-             "no (`DFlashDecodingConfig` only)", "no", "EAGLE-3 only (`d2t`); DFlash / DSpark draft over the full vocab",
-             "yes (modelopt checkpoint)", "Blackwell only", "yes (`tensor_parallel_size`)"),
-    launch_files=trtllm_files, kind_refusal=trtllm_kind_refusal, readme_launch=_readme_launch,
+    name="trtllm",
+    title=TITLE,
+    target=HF_TARGET,
+    support=(
+        "yes (`DFlashDecodingConfig`)",
+        f"DeepSpec block convention, vanilla Markov head or none (`DSparkDecodingConfig`, >= {DSPARK_MIN_VERSION})",
+        f"chains; dynamic trees >= {EAGLE3_TREE_VERSION} (`Eagle3DecodingConfig`)",
+        "no (`DFlashDecodingConfig` only)",
+        "no",
+        "EAGLE-3 only (`d2t`); DFlash / DSpark draft over the full vocab",
+        "yes (modelopt checkpoint)",
+        "Blackwell only",
+        "yes (`tensor_parallel_size`)",
+    ),
+    launch_files=trtllm_files,
+    kind_refusal=trtllm_kind_refusal,
+    readme_launch=_readme_launch,
     # checked against TensorRT-LLM's source; see docs/serving.md
-    full_vocab_reason=("TensorRT-LLM's DFlash drafter always takes the target's lm_head (full vocabulary) when it "
-                       "loads, and the backbone it builds has no d2t, so the worker's d2t lookup finds none; it also "
-                       "reads draft_vocab_size from the drafter's config.json to size its tensor-parallel gather and "
-                       "rejection-sampling buffers, so drafter/ carries neither d2t nor draft_vocab_size."))
+    full_vocab_reason=(
+        "TensorRT-LLM's DFlash drafter always takes the target's lm_head (full vocabulary) when it "
+        "loads, and the backbone it builds has no d2t, so the worker's d2t lookup finds none; it also "
+        "reads draft_vocab_size from the drafter's config.json to size its tensor-parallel gather and "
+        "rejection-sampling buffers, so drafter/ carries neither d2t nor draft_vocab_size."
+    ),
+)

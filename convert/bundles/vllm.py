@@ -62,9 +62,17 @@ from pathlib import Path
 
 import torch
 
-from loopspec.convert.bundles.common import (DTYPES, HF_TARGET, BundleParts, LaunchSettings, ServingFramework,
-                                             drafts_in_steps, eagle3_switch_refusal, launch_script,
-                                             serves_its_draft_vocab)
+from loopspec.convert.bundles.common import (
+    DTYPES,
+    HF_TARGET,
+    BundleParts,
+    LaunchSettings,
+    ServingFramework,
+    drafts_in_steps,
+    eagle3_switch_refusal,
+    launch_script,
+    serves_its_draft_vocab,
+)
 from loopspec.convert.bundles.hf_checkpoint import full_vocab_drafter
 from loopspec.errors import LoopspecError
 from loopspec.model.dflash import Drafter
@@ -89,15 +97,21 @@ def vllm_kind_refusal(kind: DrafterKind) -> str | None:
     if kind.plain:
         return None  # z-lab DFlash: method dflash
     if kind.convention is not DEEPSPEC_BLOCK:
-        return ("vLLM's DSpark drafts from the anchor's own block position (DeepSpec's block convention: position "
-                "i drafts the token at anchor+i+1), and this drafter's heads were trained in z-lab's (position i "
-                "drafts the token at anchor+i): vLLM would draft one position off")
+        return (
+            "vLLM's DSpark drafts from the anchor's own block position (DeepSpec's block convention: position "
+            "i drafts the token at anchor+i+1), and this drafter's heads were trained in z-lab's (position i "
+            "drafts the token at anchor+i): vLLM would draft one position off"
+        )
     if kind.markov is None:
-        return ("vLLM's Qwen3 DSpark model always builds a Markov head, and this drafter has none (markov_rank 0) "
-                "to load into it")
+        return (
+            "vLLM's Qwen3 DSpark model always builds a Markov head, and this drafter has none (markov_rank 0) "
+            "to load into it"
+        )
     if kind.markov.head_type != "vanilla":
-        return (f"vLLM's DSpark Markov head is the vanilla one only (markov_w1, markov_w2), not this drafter's "
-                f"{kind.markov.head_type} head")
+        return (
+            f"vLLM's DSpark Markov head is the vanilla one only (markov_w1, markov_w2), not this drafter's "
+            f"{kind.markov.head_type} head"
+        )
     return None
 
 
@@ -124,9 +138,21 @@ def vllm_speculative_config(s: LaunchSettings) -> dict:
 
 
 def vllm_files(s: LaunchSettings) -> dict[str, str]:
-    argv = ["vllm", "serve", "./target", "--served-model-name", s.name, "--tensor-parallel-size", str(s.tp),
-            "--max-model-len", str(s.max_context), "--max-num-seqs", str(s.max_batch_size),
-            "--speculative-config", json.dumps(vllm_speculative_config(s))]
+    argv = [
+        "vllm",
+        "serve",
+        "./target",
+        "--served-model-name",
+        s.name,
+        "--tensor-parallel-size",
+        str(s.tp),
+        "--max-model-len",
+        str(s.max_context),
+        "--max-num-seqs",
+        str(s.max_batch_size),
+        "--speculative-config",
+        json.dumps(vllm_speculative_config(s)),
+    ]
     return {"vllm/launch.sh": launch_script(TITLE, argv)}
 
 
@@ -152,8 +178,9 @@ def target_lm_head(target_dir: Path, tied: bool) -> torch.Tensor:
     raise LoopspecError(f"the target {target_dir} has no {names[0]} tensor")
 
 
-def write_vllm_drafter(model: Drafter, draft_ids: torch.Tensor, lm_head: torch.Tensor, dst: Path,
-                       dtype: torch.dtype) -> None:
+def write_vllm_drafter(
+    model: Drafter, draft_ids: torch.Tensor, lm_head: torch.Tensor, dst: Path, dtype: torch.dtype
+) -> None:
     """The drafter as vLLM's DFlash model reads a reduced draft vocabulary: `draft_vocab_size` in
     config.json, `d2t` (target id = draft id + d2t) and its own lm_head of the draft rows."""
     model.save(dst, dtype=dtype)
@@ -170,9 +197,11 @@ def write_vllm_drafter(model: Drafter, draft_ids: torch.Tensor, lm_head: torch.T
 
 
 def _reduced_vocab_line(vocab: int) -> str:
-    return (f"  - vLLM: reduced, from `{VLLM_DRAFTER}/` (`draft_vocab_size: {vocab}` in config.json, "
-            "`d2t.safetensors`, and `lm_head.safetensors` with the target's lm_head rows of the draft "
-            "tokens, since vLLM's DFlash model computes draft logits with its own head of that size).")
+    return (
+        f"  - vLLM: reduced, from `{VLLM_DRAFTER}/` (`draft_vocab_size: {vocab}` in config.json, "
+        "`d2t.safetensors`, and `lm_head.safetensors` with the target's lm_head rows of the draft "
+        "tokens, since vLLM's DFlash model computes draft logits with its own head of that size)."
+    )
 
 
 def _manifest_entry(s: LaunchSettings) -> dict:
@@ -184,34 +213,58 @@ def _manifest_entry(s: LaunchSettings) -> dict:
 
 def _readme_launch(s: LaunchSettings) -> list[str]:
     if drafts_in_steps(s.kind):
-        return ["", f"vLLM runs the EAGLE-3 drafter with `method: eagle3` and `num_speculative_tokens: {s.drafts}` "
-                "(drafter steps per verification, a chain), reading `drafter/` as its `LlamaForCausalLMEagle3` "
-                "model and the taps from `eagle_aux_hidden_state_layer_ids`."]
+        return [
+            "",
+            f"vLLM runs the EAGLE-3 drafter with `method: eagle3` and `num_speculative_tokens: {s.drafts}` "
+            "(drafter steps per verification, a chain), reading `drafter/` as its `LlamaForCausalLMEagle3` "
+            "model and the taps from `eagle_aux_hidden_state_layer_ids`.",
+        ]
     if s.kind.selector:
-        return ["", f"vLLM (>= {DFLASH2_MIN_VERSION}) runs the DFlash2 drafter with `method: dflash` and "
-                f"`num_speculative_tokens: {s.drafts}`, picking its DFlash2 model (the grouped dynamic convolutions and "
-                "the candidate selector over the target's lm_head) from `drafter/`'s `architectures: "
-                "[\"DFlash2DraftModel\"]`. It runs on vLLM's V2 model runner, the default where Triton has a GPU; "
-                "`VLLM_USE_V2_MODEL_RUNNER=0` is refused for it."]
+        return [
+            "",
+            f"vLLM (>= {DFLASH2_MIN_VERSION}) runs the DFlash2 drafter with `method: dflash` and "
+            f"`num_speculative_tokens: {s.drafts}`, picking its DFlash2 model (the grouped dynamic convolutions and "
+            "the candidate selector over the target's lm_head) from `drafter/`'s `architectures: "
+            '["DFlash2DraftModel"]`. It runs on vLLM\'s V2 model runner, the default where Triton has a GPU; '
+            "`VLLM_USE_V2_MODEL_RUNNER=0` is refused for it.",
+        ]
     if not adaptive_verification(s):
         return []
-    return ["", "vLLM's `--speculative-config` sets `enable_adaptive_verification`: each step vLLM verifies as many "
-            "of a request's drafts as the confidence head's acceptance estimates and the current load make worth "
-            "their cost (step costs it profiles itself), instead of the whole block. It changes how many drafts are "
-            "verified, never which tokens are accepted, so outputs stay the target's; set it to false to verify "
-            "every draft. It needs vLLM >= 0.28 (its adaptive speculative token budget for DSpark) and full CUDA "
-            "graphs (vLLM's configuration refuses it otherwise, e.g. with `--enforce-eager` or on the CPU)."]
+    return [
+        "",
+        "vLLM's `--speculative-config` sets `enable_adaptive_verification`: each step vLLM verifies as many "
+        "of a request's drafts as the confidence head's acceptance estimates and the current load make worth "
+        "their cost (step costs it profiles itself), instead of the whole block. It changes how many drafts are "
+        "verified, never which tokens are accepted, so outputs stay the target's; set it to false to verify "
+        "every draft. It needs vLLM >= 0.28 (its adaptive speculative token budget for DSpark) and full CUDA "
+        "graphs (vLLM's configuration refuses it otherwise, e.g. with `--enforce-eager` or on the CPU).",
+    ]
 
 
 VLLM = ServingFramework(
-    name="vllm", title=TITLE, target=HF_TARGET,
-    support=("yes (`method: dflash`)",
-             "DeepSpec block convention, vanilla Markov head (`method: dspark`, `enable_adaptive_verification`)",
-             "chains (`method: eagle3`)",
-             f"yes (`method: dflash`, >= {DFLASH2_MIN_VERSION}, V2 model runner)", "no", "yes (`draft_vocab_size` + `d2t`)", "yes (modelopt checkpoint)",
-             "Blackwell only", "yes (`--tensor-parallel-size`)"),
-    launch_files=vllm_files, kind_refusal=vllm_kind_refusal, readme_launch=_readme_launch, write_parts=_write_parts,
+    name="vllm",
+    title=TITLE,
+    target=HF_TARGET,
+    support=(
+        "yes (`method: dflash`)",
+        "DeepSpec block convention, vanilla Markov head (`method: dspark`, `enable_adaptive_verification`)",
+        "chains (`method: eagle3`)",
+        f"yes (`method: dflash`, >= {DFLASH2_MIN_VERSION}, V2 model runner)",
+        "no",
+        "yes (`draft_vocab_size` + `d2t`)",
+        "yes (modelopt checkpoint)",
+        "Blackwell only",
+        "yes (`--tensor-parallel-size`)",
+    ),
+    launch_files=vllm_files,
+    kind_refusal=vllm_kind_refusal,
+    readme_launch=_readme_launch,
+    write_parts=_write_parts,
     reduced_vocab_line=_reduced_vocab_line,
-    manifest_entry=_manifest_entry, manifest_entry_with_drafting=True,
-    tree_refusal=("vLLM 0.33 drafts EAGLE-3 as a chain of num_speculative_tokens: its speculative config has no "
-                  "draft-tree setting (bundle the chain: --tree-budget 0)"))
+    manifest_entry=_manifest_entry,
+    manifest_entry_with_drafting=True,
+    tree_refusal=(
+        "vLLM 0.33 drafts EAGLE-3 as a chain of num_speculative_tokens: its speculative config has no "
+        "draft-tree setting (bundle the chain: --tree-budget 0)"
+    ),
+)

@@ -29,8 +29,13 @@ from loopspec.decoding import DraftSampler
 from loopspec.errors import LoopspecError
 from loopspec.files import one_line, read_json, read_safetensors, refuse_quantized, write_safetensors
 from loopspec.model.draft_head import StageDrafts, draft_stage, sample_stage
-from loopspec.model.drafter_kinds import (ARCHITECTURE, DEEPSPEC_ARCHITECTURE, MARKOV_HEAD_TYPES, DrafterKind,
-                                          drafter_kind)
+from loopspec.model.drafter_kinds import (
+    ARCHITECTURE,
+    DEEPSPEC_ARCHITECTURE,
+    MARKOV_HEAD_TYPES,
+    DrafterKind,
+    drafter_kind,
+)
 from loopspec.model.dspark import ConfidenceHead, DSparkHeads, MarkovHead
 from loopspec.model.kv_cache import KVCache
 from loopspec.model.target import MLP, RMSNorm, RotaryTable, TargetConfig, apply_rope, default_target_layer_ids
@@ -66,16 +71,20 @@ class DrafterConfig:
 
     def __post_init__(self):
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise LoopspecError(f"unknown markov_head_type {self.markov_head_type!r} "
-                                f"(choose from {', '.join(MARKOV_HEAD_TYPES)})")
+            raise LoopspecError(
+                f"unknown markov_head_type {self.markov_head_type!r} (choose from {', '.join(MARKOV_HEAD_TYPES)})"
+            )
         if self.markov_rank < 0:
             raise LoopspecError(f"markov_rank must be >= 0, got {self.markov_rank}")
         if self.markov_rank > self.vocab_size:  # W1 [V, r] and W2 [r, V]: a larger rank adds nothing but memory
-            raise LoopspecError(f"markov_rank {self.markov_rank} is larger than the vocabulary of {self.vocab_size}: "
-                                "a low-rank head's rank is at most the vocabulary size")
+            raise LoopspecError(
+                f"markov_rank {self.markov_rank} is larger than the vocabulary of {self.vocab_size}: "
+                "a low-rank head's rank is at most the vocabulary size"
+            )
         if self.confidence_with_markov and not (self.confidence_head and self.markov_rank):
-            raise LoopspecError("confidence_head_with_markov needs both a confidence head and a Markov head "
-                                "(markov_rank > 0)")
+            raise LoopspecError(
+                "confidence_head_with_markov needs both a confidence head and a Markov head (markov_rank > 0)"
+            )
 
     @property
     def kind(self) -> DrafterKind:
@@ -90,7 +99,9 @@ class DrafterConfig:
         if self.vocab_size != target.vocab_size:
             problems.append(f"vocab size {self.vocab_size} != target's {target.vocab_size}")
         if self.num_target_layers != target.num_layers:
-            problems.append(f"drafter was built for {self.num_target_layers} target layers, target has {target.num_layers}")
+            problems.append(
+                f"drafter was built for {self.num_target_layers} target layers, target has {target.num_layers}"
+            )
         bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
         if bad:
             problems.append(f"tap ids {bad} out of range for a target with {target.num_layers} layers")
@@ -116,25 +127,44 @@ class DrafterConfig:
         return bool(self.kind.heads)
 
     @classmethod
-    def for_target(cls, target: TargetConfig, num_layers: int = 1, block_size: int = 16,
-                   target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
-                   intermediate_size: int | None = None) -> "DrafterConfig":
+    def for_target(
+        cls,
+        target: TargetConfig,
+        num_layers: int = 1,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        mask_token_id: int | None = None,
+        intermediate_size: int | None = None,
+    ) -> "DrafterConfig":
         """A fresh drafter whose widths are all set explicitly from the target's."""
         if num_layers < 1:
             raise LoopspecError(f"a drafter needs at least one layer, got {num_layers}")
         if block_size < 2:
             raise LoopspecError(f"block size must be at least 2, got {block_size}")
-        ids = target_layer_ids if target_layer_ids is not None else default_target_layer_ids(target.num_layers, num_layers)
+        ids = (
+            target_layer_ids
+            if target_layer_ids is not None
+            else default_target_layer_ids(target.num_layers, num_layers)
+        )
         if not ids:
             raise LoopspecError("target_layer_ids must name at least one target layer")
-        return cls(hidden_size=target.hidden_size,
-                   intermediate_size=intermediate_size or target.intermediate_size,
-                   num_layers=num_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
-                   head_dim=target.head_dim, vocab_size=target.vocab_size,
-                   num_target_layers=target.num_layers, target_layer_ids=list(ids),
-                   mask_token_id=mask_token_id, block_size=block_size, rms_norm_eps=target.rms_norm_eps,
-                   rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
-                   max_position_embeddings=target.max_position_embeddings)
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            num_layers=num_layers,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            vocab_size=target.vocab_size,
+            num_target_layers=target.num_layers,
+            target_layer_ids=list(ids),
+            mask_token_id=mask_token_id,
+            block_size=block_size,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            max_position_embeddings=target.max_position_embeddings,
+        )
 
     @property
     def num_taps(self) -> int:
@@ -175,8 +205,14 @@ class DrafterConfig:
         if self.confidence_head:
             heads["confidence_head_with_markov"] = self.confidence_with_markov
         if self.anchor_predicts:
-            cfg.update({"architectures": [DEEPSPEC_ARCHITECTURE], "mask_token_id": self.mask_token_id,
-                        "target_layer_ids": self.target_layer_ids, **heads})
+            cfg.update(
+                {
+                    "architectures": [DEEPSPEC_ARCHITECTURE],
+                    "mask_token_id": self.mask_token_id,
+                    "target_layer_ids": self.target_layer_ids,
+                    **heads,
+                }
+            )
         elif self.is_dspark:  # z-lab's convention with heads: the head fields beside the mask and taps
             cfg["dflash_config"].update(heads)
         if self.extra:
@@ -192,22 +228,33 @@ class DrafterConfig:
             raise LoopspecError(f"drafter config.json must hold a JSON object, got {type(cfg).__name__}")
         archs = cfg.get("architectures") or []
         if not isinstance(archs, list) or not ({ARCHITECTURE, DEEPSPEC_ARCHITECTURE} & set(archs)):
-            raise LoopspecError(f"not a DFlash drafter: architectures={archs} "
-                                f"(expected {ARCHITECTURE} or {DEEPSPEC_ARCHITECTURE})")
+            raise LoopspecError(
+                f"not a DFlash drafter: architectures={archs} (expected {ARCHITECTURE} or {DEEPSPEC_ARCHITECTURE})"
+            )
         deepspec = DEEPSPEC_ARCHITECTURE in archs
         dflash = cfg.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise LoopspecError("drafter config.json: dflash_config must be an object")
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "vocab_size", "num_target_layers", "num_key_value_heads", "head_dim", "block_size"):
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "vocab_size",
+            "num_target_layers",
+            "num_key_value_heads",
+            "head_dim",
+            "block_size",
+        ):
             value = cfg.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise LoopspecError(f"drafter config.json: {key} must be a positive integer, got {value!r}")
         if cfg.get("block_size", 16) < 2:
             raise LoopspecError(f"drafter config.json: block_size must be at least 2, got {cfg['block_size']}")
         ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
-        if ids is not None and (not isinstance(ids, list) or not ids
-                                or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        if ids is not None and (
+            not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        ):
             raise LoopspecError(f"drafter config.json: target_layer_ids must be a non-empty list of ints, got {ids!r}")
         mask = dflash.get("mask_token_id", cfg.get("mask_token_id") if deepspec else None)
         if mask is not None and (not isinstance(mask, int) or isinstance(mask, bool)):
@@ -217,15 +264,19 @@ class DrafterConfig:
         heads = cfg if deepspec else dflash
         misplaced = sorted(k for k in ("markov_rank", "enable_confidence_head") if not deepspec and k in cfg)
         if misplaced:
-            raise LoopspecError(f"drafter config.json: {', '.join(misplaced)} of a {cfg.get('architectures')} drafter "
-                                "belong inside dflash_config (DeepSpec's top-level fields go with Qwen3DSparkModel)")
+            raise LoopspecError(
+                f"drafter config.json: {', '.join(misplaced)} of a {cfg.get('architectures')} drafter "
+                "belong inside dflash_config (DeepSpec's top-level fields go with Qwen3DSparkModel)"
+            )
         rank = heads.get("markov_rank", 0)
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise LoopspecError(f"drafter config.json: markov_rank must be an integer >= 0, got {rank!r}")
         head_type = heads.get("markov_head_type", "vanilla") if rank else "vanilla"
         if head_type not in MARKOV_HEAD_TYPES:
-            raise LoopspecError(f"drafter config.json: unknown markov_head_type {head_type!r} "
-                                f"(loopspec runs {', '.join(MARKOV_HEAD_TYPES)})")
+            raise LoopspecError(
+                f"drafter config.json: unknown markov_head_type {head_type!r} "
+                f"(loopspec runs {', '.join(MARKOV_HEAD_TYPES)})"
+            )
         confidence = bool(heads.get("enable_confidence_head", False))
         # DeepSpec writes confidence_head_with_markov only with a confidence head, and defaults it on
         with_markov = bool(heads.get("confidence_head_with_markov", bool(rank))) if confidence else False
@@ -241,18 +292,29 @@ class DrafterConfig:
                 rope = {k: v for k, v in rope.items() if k != "rope_theta"}
                 if rope.get("rope_type", rope.get("type", "default")) == "default":
                     rope = None
-            return cls(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-                       num_layers=num_layers, num_heads=heads,
-                       num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                       vocab_size=cfg["vocab_size"], num_target_layers=num_target_layers,
-                       target_layer_ids=list(ids), mask_token_id=mask,
-                       block_size=cfg.get("block_size", 16), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                       rope_theta=float(rope_theta), rope_scaling=rope,
-                       max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-                       anchor_predicts=deepspec, markov_rank=rank, markov_head_type=head_type,
-                       confidence_head=confidence, confidence_with_markov=with_markov,
-                       extra=dict(cfg.get("loopspec") or {}))
+            return cls(
+                hidden_size=cfg["hidden_size"],
+                intermediate_size=cfg["intermediate_size"],
+                num_layers=num_layers,
+                num_heads=heads,
+                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                vocab_size=cfg["vocab_size"],
+                num_target_layers=num_target_layers,
+                target_layer_ids=list(ids),
+                mask_token_id=mask,
+                block_size=cfg.get("block_size", 16),
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope_theta),
+                rope_scaling=rope,
+                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                anchor_predicts=deepspec,
+                markov_rank=rank,
+                markov_head_type=head_type,
+                confidence_head=confidence,
+                confidence_with_markov=with_markov,
+                extra=dict(cfg.get("loopspec") or {}),
+            )
         except KeyError as e:
             raise LoopspecError(f"drafter config.json lacks {e.args[0]!r}") from None
 
@@ -263,8 +325,9 @@ def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, voc
         return configured
     if tokenizer_len is not None and tokenizer_len < vocab_size:
         return tokenizer_len
-    raise LoopspecError("the drafter has no mask_token_id and the target's vocabulary has no unused row; "
-                        "pass --mask-token-id")
+    raise LoopspecError(
+        "the drafter has no mask_token_id and the target's vocabulary has no unused row; pass --mask-token-id"
+    )
 
 
 class DrafterAttention(nn.Module):
@@ -334,9 +397,15 @@ class Drafter(nn.Module):
     def new_context(self, max_length: int, rows: int = 1) -> KVCache:
         """Every layer's context K/V for `rows` sequences (one length each)."""
         p = self.fc.weight
-        return KVCache(self.cfg.num_layers, rows, self.cfg.num_kv_heads,
-                            min(max_length, self.cfg.max_position_embeddings), self.cfg.head_dim,
-                            dtype=p.dtype, device=p.device)
+        return KVCache(
+            self.cfg.num_layers,
+            rows,
+            self.cfg.num_kv_heads,
+            min(max_length, self.cfg.max_position_embeddings),
+            self.cfg.head_dim,
+            dtype=p.dtype,
+            device=p.device,
+        )
 
     def features(self, taps: torch.Tensor) -> torch.Tensor:
         """Context features hidden_norm(fc(concat(taps))): [B, T, n*H] → [B, T, H]."""
@@ -360,8 +429,14 @@ class Drafter(nn.Module):
             cos, sin = cos[None, :, None], sin[None, :, None]  # [1, B, 1, T, hd]
         return apply_rope(k, cos, sin), v
 
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One stage: block embeddings [B, k, H] at `positions` [k] (or [B, 1, k]) attending to the
         context K/V [N, B, kvh, C, hd] and the whole block → final-norm hidden states [B, k, H]."""
         cos, sin = self.rotary(positions)
@@ -372,8 +447,14 @@ class Drafter(nn.Module):
             x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
         return self.norm(x)
 
-    def stage_drafts(self, hidden: torch.Tensor, anchors: torch.Tensor, head, draft_ids: torch.Tensor | None,
-                     sampling: list | None = None) -> StageDrafts:
+    def stage_drafts(
+        self,
+        hidden: torch.Tensor,
+        anchors: torch.Tensor,
+        head,
+        draft_ids: torch.Tensor | None,
+        sampling: list | None = None,
+    ) -> StageDrafts:
         """One stage's drafts from its block's final-norm states hidden [R, k, H] (anchors [R]; `head`
         the target's lm_head or its draft rows over `draft_ids`): the draft-head step's ranked
         candidates, or with `sampling` (each row's SamplingParams and generator) drafts sampled from q."""
@@ -382,7 +463,9 @@ class Drafter(nn.Module):
             drafts, logq, confidence, q = sample_stage(self, hidden, anchors, head, draft_ids, sampler)
             return StageDrafts(drafts, logq, hidden, None if confidence is None else confidence.cpu(), q)
         drafts, logprobs, confidence = draft_stage(self, hidden, anchors, head, draft_ids)  # [R, D, C] each, [R, D]
-        return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden, None if confidence is None else confidence.cpu())
+        return StageDrafts(
+            drafts.cpu(), logprobs.float().cpu(), hidden, None if confidence is None else confidence.cpu()
+        )
 
     def grow(self, num_layers: int) -> "Drafter":
         """This drafter deepened to `num_layers`: the existing layers kept, new ones appended with their
@@ -397,7 +480,7 @@ class Drafter(nn.Module):
         missing, unexpected = grown.load_state_dict(self.state_dict(), strict=False)
         assert not unexpected and all(k.startswith("layers.") for k in missing), (missing, unexpected)
         with torch.no_grad():
-            for layer in grown.layers[self.cfg.num_layers:]:
+            for layer in grown.layers[self.cfg.num_layers :]:
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
         grown.draft_ids = self.draft_ids
@@ -408,11 +491,14 @@ class Drafter(nn.Module):
         markov_w2 zeroed, so the drafter drafts exactly as this one did until training moves them."""
         from dataclasses import replace
 
-        cfg = replace(self.cfg, markov_rank=heads.markov_rank,
-                      markov_head_type=heads.markov_head_type if heads.markov_rank else "vanilla",
-                      confidence_head=heads.confidence_head,
-                      confidence_with_markov=heads.confidence_head and heads.markov_rank > 0,
-                      extra=dict(self.cfg.extra))
+        cfg = replace(
+            self.cfg,
+            markov_rank=heads.markov_rank,
+            markov_head_type=heads.markov_head_type if heads.markov_rank else "vanilla",
+            confidence_head=heads.confidence_head,
+            confidence_with_markov=heads.confidence_head and heads.markov_rank > 0,
+            extra=dict(self.cfg.extra),
+        )
         p = self.fc.weight
         out = Drafter(cfg).to(p.dtype)
         own = out.state_dict()
@@ -474,8 +560,10 @@ class Drafter(nn.Module):
             shapes = {name: tuple(t.shape) for name, t in cls(cfg).state_dict().items()}
         for name, shape in shapes.items():
             if name in state and tuple(state[name].shape) != shape:
-                raise LoopspecError(f"drafter weights do not match its config.json: size mismatch for {name}: "
-                                    f"{list(state[name].shape)} in the file, the config makes it {list(shape)}")
+                raise LoopspecError(
+                    f"drafter weights do not match its config.json: size mismatch for {name}: "
+                    f"{list(state[name].shape)} in the file, the config makes it {list(shape)}"
+                )
         model = cls(cfg)
         for name, t in state.items():
             if not torch.is_floating_point(t):
@@ -513,6 +601,8 @@ def drafter_tensors(directory: Path, num_layers: int) -> dict[str, torch.Tensor]
     for i in range(num_layers):
         m = f"layers.{i}.mlp."
         if m + "gate_proj.weight" in src and m + "up_proj.weight" in src:
-            state[m + "gate_up_proj.weight"] = torch.cat([src.pop(m + "gate_proj.weight"), src.pop(m + "up_proj.weight")])
+            state[m + "gate_up_proj.weight"] = torch.cat(
+                [src.pop(m + "gate_proj.weight"), src.pop(m + "up_proj.weight")]
+            )
     state.update(src)
     return state

@@ -74,20 +74,26 @@ class DFlash2Config(DrafterConfig):
                 problems.append(f"{name} must be a positive integer, got {value!r}")
         if not problems:
             if self.hidden_size % self.conv_group_size:
-                problems.append(f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}")
+                problems.append(
+                    f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}"
+                )
             if self.selector_top_k > self.vocab_size:
-                problems.append(f"selector_top_k {self.selector_top_k} is larger than the vocabulary of "
-                                f"{self.vocab_size}")
+                problems.append(
+                    f"selector_top_k {self.selector_top_k} is larger than the vocabulary of {self.vocab_size}"
+                )
         if not self.output_multiplier > 0:  # a negative one would turn the top-k into the bottom-k
             problems.append(f"output_multiplier must be > 0, got {self.output_multiplier!r}")
         if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
             problems.append(f"final_logit_softcapping must be > 0 (or absent), got {self.final_logit_softcapping!r}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             problems.append(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
-        if self.layer_types and (len(self.layer_types) != self.num_layers
-                                 or any(t not in LAYER_TYPES for t in self.layer_types)):
-            problems.append(f"layer_types must name one of {', '.join(LAYER_TYPES)} for each of the "
-                            f"{self.num_layers} layers, got {list(self.layer_types)}")
+        if self.layer_types and (
+            len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types)
+        ):
+            problems.append(
+                f"layer_types must name one of {', '.join(LAYER_TYPES)} for each of the "
+                f"{self.num_layers} layers, got {list(self.layer_types)}"
+            )
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             problems.append("sliding_attention layers need a sliding_window")
         if self.anchor_predicts or self.markov_rank or self.confidence_head:
@@ -97,8 +103,16 @@ class DFlash2Config(DrafterConfig):
 
     @property
     def kind(self) -> DrafterKind:
-        return dflash2_kind(SelectorKind(self.conv_kernel_size, self.conv_group_size, self.selector_rank,
-                                         self.selector_top_k, self.hidden_size, self.input_embedding_scale))
+        return dflash2_kind(
+            SelectorKind(
+                self.conv_kernel_size,
+                self.conv_group_size,
+                self.selector_rank,
+                self.selector_top_k,
+                self.hidden_size,
+                self.input_embedding_scale,
+            )
+        )
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: it sees every context position)."""
@@ -133,7 +147,9 @@ class DFlash2Config(DrafterConfig):
                 raise LoopspecError(f"DFlash2 drafter config.json lacks dflash_config.{name}")
             return value
 
-        base = DrafterConfig.from_checkpoint({**raw, "architectures": [ARCHITECTURE], "block_size": field("block_size", 16)})
+        base = DrafterConfig.from_checkpoint(
+            {**raw, "architectures": [ARCHITECTURE], "block_size": field("block_size", 16)}
+        )
         softcap = field("final_logit_softcapping", None)
         # as transformers' Qwen3 config reads them: no window without use_sliding_window, and without
         # layer_types the layers from max_window_layers on slide
@@ -156,12 +172,19 @@ class DFlash2Config(DrafterConfig):
                 raise LoopspecError(f"drafter config.json: {name} must be a number, got {numbers[name]!r}")
         if softcap is not None and (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)):
             raise LoopspecError(f"drafter config.json: final_logit_softcapping must be a number, got {softcap!r}")
-        return cls.over(base, conv_kernel_size=field("conv_kernel_size"), conv_group_size=field("conv_group_size"),
-                        selector_rank=field("selector_rank"), selector_top_k=field("selector_top_k"),
-                        output_multiplier=float(numbers["output_multiplier"]),
-                        final_logit_softcapping=float(softcap) if softcap else None,  # 0: none, as z-lab reads it
-                        input_embedding_scale=float(numbers["input_embedding_scale"]),
-                        sliding_window=window, layer_types=tuple(layer_types), is_causal=causal)
+        return cls.over(
+            base,
+            conv_kernel_size=field("conv_kernel_size"),
+            conv_group_size=field("conv_group_size"),
+            selector_rank=field("selector_rank"),
+            selector_top_k=field("selector_top_k"),
+            output_multiplier=float(numbers["output_multiplier"]),
+            final_logit_softcapping=float(softcap) if softcap else None,  # 0: none, as z-lab reads it
+            input_embedding_scale=float(numbers["input_embedding_scale"]),
+            sliding_window=window,
+            layer_types=tuple(layer_types),
+            is_causal=causal,
+        )
 
     def to_zlab(self) -> dict:
         """config.json as z-lab writes a DFlash2 drafter, which every DFlash2 reader loads (an exported
@@ -172,10 +195,15 @@ class DFlash2Config(DrafterConfig):
         """config.json as z-lab writes a DFlash2 drafter (`from_checkpoint` reads it back)."""
         cfg = DrafterConfig.to_zlab(self)
         cfg["architectures"] = [DFLASH2_ARCHITECTURE]
-        cfg["dflash_config"].update(block_size=self.block_size, conv_kernel_size=self.conv_kernel_size,
-                                    conv_group_size=self.conv_group_size, selector_rank=self.selector_rank,
-                                    selector_top_k=self.selector_top_k, output_multiplier=self.output_multiplier,
-                                    input_embedding_scale=self.input_embedding_scale)
+        cfg["dflash_config"].update(
+            block_size=self.block_size,
+            conv_kernel_size=self.conv_kernel_size,
+            conv_group_size=self.conv_group_size,
+            selector_rank=self.selector_rank,
+            selector_top_k=self.selector_top_k,
+            output_multiplier=self.output_multiplier,
+            input_embedding_scale=self.input_embedding_scale,
+        )
         if self.final_logit_softcapping is not None:
             cfg["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
         if self.is_causal is not None:
@@ -221,7 +249,9 @@ class GroupedDynamicConv(nn.Module):
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.taps, self.groups)  # [B, T, 2, taps, G]
-        return grouped_dynamic_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size), dynamic[..., 1, :, :]
+        return grouped_dynamic_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size), dynamic[
+            ..., 1, :, :
+        ]
 
     def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
         return grouped_dynamic_conv(y, dynamic, self.base_kernel[1], self.group_size)
@@ -283,8 +313,14 @@ class DFlash2Drafter(Drafter):
                 codebook.normal_(0.0, 0.02)
             self.candidate_selector.hidden_projection.weight.normal_(0.0, 0.02)
 
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """As `Drafter.forward` (one block per row: the convolutions run along it), the embeddings
         scaled by input_embedding_scale and each layer's window and block causality applied."""
         cos, sin = self.rotary(positions)
@@ -296,14 +332,21 @@ class DFlash2Drafter(Drafter):
             x = layer(x, cos, sin, ctx_k[i], ctx_v[i], masks[i])
         return self.norm(x)
 
-    def stage_drafts(self, hidden: torch.Tensor, anchors: torch.Tensor, head, draft_ids: torch.Tensor | None,
-                     sampling: list | None = None) -> StageDrafts:
+    def stage_drafts(
+        self,
+        hidden: torch.Tensor,
+        anchors: torch.Tensor,
+        head,
+        draft_ids: torch.Tensor | None,
+        sampling: list | None = None,
+    ) -> StageDrafts:
         """One stage's drafts: its candidate selector's walk over the head's top-k per slot
         (`selector_stage`; a DFlash2 drafter drafts over the whole vocabulary: `draft_ids` is None)."""
         return selector_stage(self, hidden, anchors, head, sampling)
 
-    def layer_masks(self, positions: torch.Tensor, context: int, k: int,
-                    mask: torch.Tensor | None) -> list[torch.Tensor | None]:
+    def layer_masks(
+        self, positions: torch.Tensor, context: int, k: int, mask: torch.Tensor | None
+    ) -> list[torch.Tensor | None]:
         """Each layer's attention mask over [context ; block] (bool, True: seen), `mask` (the engine's:
         stale context slots hidden) with the layer's window and causality. Context slot j holds
         position j (the engines' contexts do); the block's slots are at `positions`."""
@@ -313,8 +356,9 @@ class DFlash2Drafter(Drafter):
         for window, causal in rules:
             if (window, causal) in built:
                 continue
-            keys = torch.cat([torch.arange(context, device=queries.device).expand(queries.shape[0], context),
-                              queries], dim=1)  # [R, C + k] positions
+            keys = torch.cat(
+                [torch.arange(context, device=queries.device).expand(queries.shape[0], context), queries], dim=1
+            )  # [R, C + k] positions
             seen = torch.ones(queries.shape[0], k, context + k, dtype=torch.bool, device=queries.device)
             if window is not None:  # z-lab's window both ways: |query - key| < window
                 seen &= (queries[:, :, None] - keys[:, None, :]).abs() < window
@@ -331,8 +375,10 @@ class DFlash2Drafter(Drafter):
         return torch.tanh(logits / cap) * cap if cap is not None else logits
 
     def grow(self, num_layers: int) -> "Drafter":
-        raise LoopspecError(f"a DFlash2 drafter cannot be deepened (--num-layers {num_layers}): deepen the DFlash "
-                            "drafter it starts from (--init a DFlash drafter with --family dflash2)")
+        raise LoopspecError(
+            f"a DFlash2 drafter cannot be deepened (--num-layers {num_layers}): deepen the DFlash "
+            "drafter it starts from (--init a DFlash drafter with --family dflash2)"
+        )
 
     @classmethod
     def from_dflash(cls, base: Drafter, **dflash2_fields) -> "DFlash2Drafter":
@@ -343,15 +389,17 @@ class DFlash2Drafter(Drafter):
         draft vocabulary (d2t) is left behind: the selector reads the target head over the whole
         vocabulary, so the start drafts as `base` would over the whole vocabulary."""
         if not base.cfg.kind.plain:
-            raise LoopspecError(f"a DFlash2 drafter starts from a z-lab DFlash drafter, not this {base.cfg.kind.title} "
-                                "drafter")
+            raise LoopspecError(
+                f"a DFlash2 drafter starts from a z-lab DFlash drafter, not this {base.cfg.kind.title} drafter"
+            )
         p = base.fc.weight
         cfg = DFlash2Config.over(base.cfg, **dflash2_fields)
         cfg.extra = {k: v for k, v in base.cfg.extra.items() if k != "draft_vocab_size"}
         drafter = cls(cfg).to(p.dtype)
         missing, unexpected = drafter.load_state_dict(base.state_dict(), strict=False)
-        assert not unexpected and all(".attention_conv." in k or ".mlp_conv." in k or k.startswith("candidate_selector.")
-                                      for k in missing), (missing, unexpected)
+        assert not unexpected and all(
+            ".attention_conv." in k or ".mlp_conv." in k or k.startswith("candidate_selector.") for k in missing
+        ), (missing, unexpected)
         with torch.no_grad():
             drafter.candidate_selector.successor_codebook.zero_()
         return drafter.to(p.device).train(base.training)
@@ -367,13 +415,15 @@ class DFlash2Drafter(Drafter):
         directory.mkdir(parents=True, exist_ok=True)
         cfg = self.cfg.to_checkpoint()
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-        write_safetensors({k: v.detach().to(dtype).cpu() for k, v in self.zlab_state_dict().items()},
-                          directory / "model.safetensors")
+        write_safetensors(
+            {k: v.detach().to(dtype).cpu() for k, v in self.zlab_state_dict().items()}, directory / "model.safetensors"
+        )
         (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
     @classmethod
-    def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32,
-             raw: dict | None = None) -> "DFlash2Drafter":
+    def load(
+        cls, directory: str | Path, dtype: torch.dtype = torch.float32, raw: dict | None = None
+    ) -> "DFlash2Drafter":
         """The drafter in `directory` (`raw`: its config.json, when the caller has read it)."""
         directory = Path(directory)
         if not directory.is_dir():
@@ -383,8 +433,10 @@ class DFlash2Drafter(Drafter):
         refuse_quantized(raw, directory)
         cfg = DFlash2Config.from_checkpoint(raw)
         if (directory / D2T_FILE).is_file():
-            raise LoopspecError(f"{directory / D2T_FILE}: a DFlash2 drafter selects among the target head's top-k "
-                                "over the whole vocabulary; a reduced draft vocabulary does not apply to it")
+            raise LoopspecError(
+                f"{directory / D2T_FILE}: a DFlash2 drafter selects among the target head's top-k "
+                "over the whole vocabulary; a reduced draft vocabulary does not apply to it"
+            )
         state = drafter_tensors(directory, cfg.num_layers)
         # the config's sizes against the file's tensors on the meta device (no memory) before any is allocated
         with torch.device("meta"):
@@ -398,8 +450,10 @@ class DFlash2Drafter(Drafter):
             raise LoopspecError(f"DFlash2 drafter {directory} holds {extra[0]}, which its config.json does not make")
         for name, shape in shapes.items():
             if tuple(state[name].shape) != shape:
-                raise LoopspecError(f"DFlash2 drafter weights do not match its config.json: size mismatch for {name}: "
-                                    f"{list(state[name].shape)} in the file, the config makes it {list(shape)}")
+                raise LoopspecError(
+                    f"DFlash2 drafter weights do not match its config.json: size mismatch for {name}: "
+                    f"{list(state[name].shape)} in the file, the config makes it {list(shape)}"
+                )
             if not torch.is_floating_point(state[name]):
                 raise LoopspecError(f"drafter tensor {name} has non-float dtype {state[name].dtype}")
         model = cls(cfg)
@@ -411,8 +465,13 @@ class DFlash2Drafter(Drafter):
 # the draft step
 
 
-def selector_stage(drafter: DFlash2Drafter, hidden: torch.Tensor, anchors: torch.Tensor, head,
-                   sampling: list[tuple[SamplingParams, torch.Generator]] | None = None) -> StageDrafts:
+def selector_stage(
+    drafter: DFlash2Drafter,
+    hidden: torch.Tensor,
+    anchors: torch.Tensor,
+    head,
+    sampling: list[tuple[SamplingParams, torch.Generator]] | None = None,
+) -> StageDrafts:
     """One stage's drafts from its block's final-norm states hidden [R, k, H] (anchors [R], `head`
     the target's lm_head) by the selector's walk (module docstring).
 
@@ -424,7 +483,7 @@ def selector_stage(drafter: DFlash2Drafter, hidden: torch.Tensor, anchors: torch
     q = softmax(score / T) over the slot's candidates (a greedy row takes the argmax, q one-hot) →
     drafts [R, D, 1], log q [R, D, 1] and q [R, D, V] on the CPU."""
     cfg = drafter.cfg
-    states = hidden[:, cfg.first_draft:]  # [R, D, H]
+    states = hidden[:, cfg.first_draft :]  # [R, D, H]
     unary, candidates = drafter.unary_logits(head(states)).topk(cfg.selector_top_k, dim=-1)  # [R, D, K], descending
     selector = drafter.candidate_selector
     projected = selector.hidden_projection(states)  # [R, D, rank]
@@ -442,7 +501,7 @@ def selector_stage(drafter: DFlash2Drafter, hidden: torch.Tensor, anchors: torch
             for r, (params, generator) in enumerate(sampling):
                 if params.greedy:
                     index[r] = host[r].sort(descending=True, stable=True).indices[0]
-                    law = torch.zeros(K).index_fill_(0, index[r:r + 1], 1.0)
+                    law = torch.zeros(K).index_fill_(0, index[r : r + 1], 1.0)
                 else:
                     law = probabilities(host[r], SamplingParams(temperature=params.temperature))  # [K]
                     index[r] = sample(law, generator)
@@ -455,15 +514,24 @@ def selector_stage(drafter: DFlash2Drafter, hidden: torch.Tensor, anchors: torch
         drafts = torch.stack(chosen, dim=1).cpu()[..., None]  # [R, D, 1]
         return StageDrafts(drafts, q.gather(-1, drafts).log(), hidden, None, q)
     scores = torch.stack(scores, dim=1)  # [R, D, K]
-    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :min(DRAFT_CANDIDATES, K)]  # [R, D, C]
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., : min(DRAFT_CANDIDATES, K)]  # [R, D, C]
     drafts = candidates.gather(-1, order)
     logprobs = torch.log_softmax(scores, dim=-1).gather(-1, order)
-    return StageDrafts(drafts.cpu(), logprobs.float().cpu(), hidden,
-                       lattice=selector_lattice(selector, unary, candidates, projected, anchors))
+    return StageDrafts(
+        drafts.cpu(),
+        logprobs.float().cpu(),
+        hidden,
+        lattice=selector_lattice(selector, unary, candidates, projected, anchors),
+    )
 
 
-def selector_lattice(selector: CandidateSelector, unary: torch.Tensor, candidates: torch.Tensor,
-                     projected: torch.Tensor, anchors: torch.Tensor) -> Lattice:
+def selector_lattice(
+    selector: CandidateSelector,
+    unary: torch.Tensor,
+    candidates: torch.Tensor,
+    projected: torch.Tensor,
+    anchors: torch.Tensor,
+) -> Lattice:
     """The selector's whole lattice of a stage (loopspec.tree.Lattice): every slot's candidates
     [R, D, K] and, for every candidate a of the slot before (the anchor at slot 0), the log-softmax
     over the slot's candidates b of unary[b] + edge(a → b) [R, D, K, K] — the walk's score from any
@@ -471,11 +539,17 @@ def selector_lattice(selector: CandidateSelector, unary: torch.Tensor, candidate
     pair per row of it."""
     R, D, K = candidates.shape
     first = torch.full((R, K, K), float("-inf"), dtype=torch.float64)  # slot 0: only the anchor leads in
-    first[:, 0] = torch.log_softmax(unary[:, 0] + selector.edges(anchors, projected[:, 0], candidates[:, 0]),
-                                    dim=-1).double().cpu()
+    first[:, 0] = (
+        torch.log_softmax(unary[:, 0] + selector.edges(anchors, projected[:, 0], candidates[:, 0]), dim=-1)
+        .double()
+        .cpu()
+    )
     slots = [first]
     for i in range(1, D):
-        edges = selector.edges(candidates[:, i - 1].reshape(-1), projected[:, i].repeat_interleave(K, dim=0),
-                               candidates[:, i].repeat_interleave(K, dim=0)).view(R, K, K)  # [R, a, b]
+        edges = selector.edges(
+            candidates[:, i - 1].reshape(-1),
+            projected[:, i].repeat_interleave(K, dim=0),
+            candidates[:, i].repeat_interleave(K, dim=0),
+        ).view(R, K, K)  # [R, a, b]
         slots.append(torch.log_softmax(unary[:, i, None, :] + edges, dim=-1).double().cpu())
     return Lattice(candidates.cpu(), torch.stack(slots, dim=1))

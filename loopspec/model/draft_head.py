@@ -24,8 +24,9 @@ def draft_head_weight(lm_head_weight: torch.Tensor, draft_ids: torch.Tensor | No
 DRAFT_CANDIDATES = 8  # ranked candidates the draft head returns per block position (draft trees branch over them)
 
 
-def draft_candidates(logits: torch.Tensor, draft_ids: torch.Tensor | None,
-                     top_k: int = DRAFT_CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_candidates(
+    logits: torch.Tensor, draft_ids: torch.Tensor | None, top_k: int = DRAFT_CANDIDATES
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft-head step: logits [..., V or Vd] over the draft head's rows → each position's `top_k`
     best drafts, rank-ordered, as target ids, and their log-probabilities, both [..., top_k]; rank 0
     is the argmax (the chain). Written in plain ops so that the exported drafter graph runs exactly
@@ -48,16 +49,28 @@ class StageDrafts(tuple):
     q: torch.Tensor | None
     lattice: "Lattice | None"
 
-    def __new__(cls, drafts: torch.Tensor, logprobs: torch.Tensor, hidden: torch.Tensor,
-                confidence: torch.Tensor | None = None, q: torch.Tensor | None = None, lattice=None):
+    def __new__(
+        cls,
+        drafts: torch.Tensor,
+        logprobs: torch.Tensor,
+        hidden: torch.Tensor,
+        confidence: torch.Tensor | None = None,
+        q: torch.Tensor | None = None,
+        lattice=None,
+    ):
         out = super().__new__(cls, (drafts, logprobs, hidden))
         out.confidence, out.q, out.lattice = confidence, q, lattice
         return out
 
 
-def draft_stage(drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor, head,
-                draft_ids: torch.Tensor | None, top_k: int = DRAFT_CANDIDATES
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def draft_stage(
+    drafter: "Drafter",
+    hidden: torch.Tensor,
+    anchors: torch.Tensor,
+    head,
+    draft_ids: torch.Tensor | None,
+    top_k: int = DRAFT_CANDIDATES,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The draft-head step of one stage: the final-norm states of blocks hidden [R, k, H] whose
     anchors are `anchors` [R] → each drafting position's `top_k` candidates [R, D, C] (target ids,
     rank 0 the argmax chain), their log-probabilities [R, D, C], and the confidence head's estimates
@@ -69,7 +82,7 @@ def draft_stage(drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor,
     the chain is the greedy Markov chain and a tree's other ranks come from the same corrected
     logits. Written in plain ops, as `draft_candidates`."""
     cfg = drafter.cfg
-    h = hidden[:, cfg.first_draft:]  # [R, D, H]
+    h = hidden[:, cfg.first_draft :]  # [R, D, H]
     logits = head(h)  # [R, D, V or Vd]
     if not cfg.is_dspark:
         drafts, logprobs = draft_candidates(logits, draft_ids, top_k)
@@ -79,22 +92,28 @@ def draft_stage(drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor,
     return drafts, logprobs, stage_confidence(drafter, h, prevs)
 
 
-def sample_stage(drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor, head,
-                 draft_ids: torch.Tensor | None, sampler
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def sample_stage(
+    drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor, head, draft_ids: torch.Tensor | None, sampler
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The draft-head step of one stage with drafts sampled from the drafter's distribution q
     (`sampler`: a loopspec.decoding.DraftSampler over the stage's rows) instead of its argmax →
     the drafts [R, D, 1] (target ids), their log q [R, D, 1], the confidence head's estimates [R, D]
     (or None) and q [R, D, V] over the target's vocabulary (on the CPU). A DSpark drafter's q at
     position i is its Markov-corrected distribution given the token sampled at i - 1."""
-    h = hidden[:, drafter.cfg.first_draft:]  # [R, D, H]
+    h = hidden[:, drafter.cfg.first_draft :]  # [R, D, H]
     _, prevs = corrected_logits(drafter, h, head(h), anchors, draft_ids, sampler.choose)
     drafts, logq, q = sampler.drafts()
     return drafts, logq, stage_confidence(drafter, h, prevs), q
 
 
-def corrected_logits(drafter: "Drafter", h: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
-                     draft_ids: torch.Tensor | None, choose) -> tuple[torch.Tensor, torch.Tensor]:
+def corrected_logits(
+    drafter: "Drafter",
+    h: torch.Tensor,
+    logits: torch.Tensor,
+    anchors: torch.Tensor,
+    draft_ids: torch.Tensor | None,
+    choose,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left to right over the drafting positions' states h [R, D, H] and logits [R, D, V or Vd]:
     each position's logits plus the Markov head's bias from the token before it (none without a
     Markov head), and the token `choose(corrected logits [R, V or Vd])` picks there (a draft-row

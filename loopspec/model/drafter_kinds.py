@@ -32,8 +32,14 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 # DrafterConfig's fields (and the property) that decide a drafter's kind: only loopspec/model reads
 # them; every other layer asks `DrafterConfig.kind` (tests/test_layout.py holds it to that)
-KIND_FIELDS = ("anchor_predicts", "markov_rank", "markov_head_type", "confidence_head", "confidence_with_markov",
-               "is_dspark")
+KIND_FIELDS = (
+    "anchor_predicts",
+    "markov_rank",
+    "markov_head_type",
+    "confidence_head",
+    "confidence_with_markov",
+    "is_dspark",
+)
 
 
 @dataclass(frozen=True)
@@ -100,8 +106,9 @@ class Eagle3Variant:
     @property
     def switched_on(self) -> tuple[str, ...]:
         """The config.json switches that are on, by their names."""
-        return tuple(name for name in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
-                     if getattr(self, name))
+        return tuple(
+            name for name in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual") if getattr(self, name)
+        )
 
 
 @dataclass(frozen=True)
@@ -222,11 +229,23 @@ class DrafterKind:
         return min(most, vocab_size, self.selector.top_k if self.selector is not None else vocab_size)
 
 
-DRAFTER_KINDS = {kind.name: kind for kind in (DrafterKind("dflash", "DFlash"), DrafterKind("dspark", "DSpark"),
-                                               DrafterKind("eagle3", "EAGLE-3", EAGLE3_CHAIN, chain=True,
-                                                           eagle3=Eagle3Variant(), context="eagle3",
-                                                           exported_by_default=False),
-                                               DrafterKind("dflash2", "DFlash2"))}
+DRAFTER_KINDS = {
+    kind.name: kind
+    for kind in (
+        DrafterKind("dflash", "DFlash"),
+        DrafterKind("dspark", "DSpark"),
+        DrafterKind(
+            "eagle3",
+            "EAGLE-3",
+            EAGLE3_CHAIN,
+            chain=True,
+            eagle3=Eagle3Variant(),
+            context="eagle3",
+            exported_by_default=False,
+        ),
+        DrafterKind("dflash2", "DFlash2"),
+    )
+}
 
 
 def drafter_kind(cfg) -> DrafterKind:
@@ -234,8 +253,9 @@ def drafter_kind(cfg) -> DrafterKind:
     markov = MarkovHeadKind(cfg.markov_head_type, cfg.markov_rank) if cfg.markov_rank else None
     confidence = ConfidenceHeadKind(cfg.confidence_with_markov) if cfg.confidence_head else None
     family = DRAFTER_KINDS["dspark" if markov or confidence else "dflash"]
-    return replace(family, convention=DEEPSPEC_BLOCK if cfg.anchor_predicts else ZLAB_BLOCK, markov=markov,
-                   confidence=confidence)
+    return replace(
+        family, convention=DEEPSPEC_BLOCK if cfg.anchor_predicts else ZLAB_BLOCK, markov=markov, confidence=confidence
+    )
 
 
 def dflash2_kind(selector: SelectorKind) -> DrafterKind:
@@ -252,13 +272,16 @@ def require_zlab_block(cfg, what: str) -> None:
     kind = cfg.kind
     require_quantized_export(kind, what)
     if not kind.plain:
-        raise LoopspecError(f"{what} supports z-lab DFlash drafters only, not this {kind.title} drafter; "
-                            "decode it with --backend torch or onnxruntime")
+        raise LoopspecError(
+            f"{what} supports z-lab DFlash drafters only, not this {kind.title} drafter; "
+            "decode it with --backend torch or onnxruntime"
+        )
 
 
 def require_quantized_export(kind: DrafterKind, what: str) -> None:
     """Refuse, in one line naming the kind, a drafter whose graphs `what` (a quantized export) does not build."""
     if not kind.exports_quantized:
-        raise LoopspecError(f"{what} does not take {kind.title} drafters: their graphs are exported in fp32 only "
-                            "(decode them with --backend torch, or onnxruntime at precision fp32)")
-
+        raise LoopspecError(
+            f"{what} does not take {kind.title} drafters: their graphs are exported in fp32 only "
+            "(decode them with --backend torch, or onnxruntime at precision fp32)"
+        )

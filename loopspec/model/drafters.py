@@ -23,8 +23,7 @@ from loopspec.errors import LoopspecError
 from loopspec.files import read_json
 from loopspec.model.dflash2 import DFlash2Drafter
 from loopspec.model.dflash import Drafter
-from loopspec.model.drafter_kinds import (ARCHITECTURE, DEEPSPEC_ARCHITECTURE, DFLASH2_ARCHITECTURE,
-                                          EAGLE3_ARCHITECTURE)
+from loopspec.model.drafter_kinds import ARCHITECTURE, DEEPSPEC_ARCHITECTURE, DFLASH2_ARCHITECTURE, EAGLE3_ARCHITECTURE
 from loopspec.model.eagle3 import Eagle3Drafter
 
 
@@ -45,22 +44,28 @@ def register_drafter_family(family: DrafterFamily) -> None:
     """Add a family's row; an architecture another family already loads is refused."""
     taken = [a for a in family.architectures if a in DRAFTER_FAMILIES and DRAFTER_FAMILIES[a] != family]
     if taken:
-        raise LoopspecError(f"drafter architecture {taken[0]} is already loaded by the "
-                            f"{DRAFTER_FAMILIES[taken[0]].name} family")
+        raise LoopspecError(
+            f"drafter architecture {taken[0]} is already loaded by the {DRAFTER_FAMILIES[taken[0]].name} family"
+        )
     DRAFTER_FAMILIES.update({architecture: family for architecture in family.architectures})
 
 
-for _family in (DrafterFamily("dflash", (ARCHITECTURE, DEEPSPEC_ARCHITECTURE), Drafter),  # DSpark: DeepSpec's
-                DrafterFamily("dflash2", (DFLASH2_ARCHITECTURE,), DFlash2Drafter),
-                DrafterFamily("eagle3", (EAGLE3_ARCHITECTURE,), Eagle3Drafter)):
+for _family in (
+    DrafterFamily("dflash", (ARCHITECTURE, DEEPSPEC_ARCHITECTURE), Drafter),  # DSpark: DeepSpec's
+    DrafterFamily("dflash2", (DFLASH2_ARCHITECTURE,), DFlash2Drafter),
+    DrafterFamily("eagle3", (EAGLE3_ARCHITECTURE,), Eagle3Drafter),
+):
     register_drafter_family(_family)
 
 
 def drafter_family(raw: dict, where: str | Path) -> DrafterFamily:
     """The family of a drafter's config.json `raw` (read from `where`), by its architecture."""
     archs = raw.get("architectures") if isinstance(raw, dict) else None
-    found = [DRAFTER_FAMILIES[a] for a in archs if isinstance(a, str) and a in DRAFTER_FAMILIES] \
-        if isinstance(archs, list) else []
+    found = (
+        [DRAFTER_FAMILIES[a] for a in archs if isinstance(a, str) and a in DRAFTER_FAMILIES]
+        if isinstance(archs, list)
+        else []
+    )
     if not found:
         known = ", ".join(sorted(DRAFTER_FAMILIES))
         raise LoopspecError(f"{where}: not a drafter loopspec loads: architectures={archs} (expected one of {known})")

@@ -35,13 +35,15 @@ class DSparkHeads:
 
     def __post_init__(self):
         if self.markov_head_type is not None and not self.markov_rank:
-            raise LoopspecError(f"a {self.markov_head_type} Markov head (--markov-head) needs its rank: give "
-                                "--markov-rank")
+            raise LoopspecError(
+                f"a {self.markov_head_type} Markov head (--markov-head) needs its rank: give --markov-rank"
+            )
         if self.markov_head_type is None:
             object.__setattr__(self, "markov_head_type", "vanilla")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise LoopspecError(f"unknown Markov head type {self.markov_head_type!r} "
-                                f"(choose from {', '.join(MARKOV_HEAD_TYPES)})")
+            raise LoopspecError(
+                f"unknown Markov head type {self.markov_head_type!r} (choose from {', '.join(MARKOV_HEAD_TYPES)})"
+            )
         if not isinstance(self.markov_rank, int) or self.markov_rank < 0:
             raise LoopspecError(f"Markov rank must be an integer >= 0, got {self.markov_rank!r}")
         if not (self.markov_rank or self.confidence_head):
@@ -64,8 +66,9 @@ class MarkovHead(nn.Module):
         elif self.head_type == "rnn":
             self.joint_proj = nn.Linear(2 * r + H, 3 * r)  # rows: gate | candidate | output
 
-    def latent(self, prev: torch.Tensor, h: torch.Tensor,
-               state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def latent(
+        self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One position: previous tokens prev [R] (target ids) and final-norm states h [R, H] → the
         rank-r latent u [R, r] whose W2 product is the bias, and the recurrent state after it (rnn)."""
         e = self.markov_w1(prev).to(h.dtype)  # [R, r]

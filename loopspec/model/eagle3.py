@@ -43,7 +43,9 @@ from loopspec.model.drafter_kinds import DRAFTER_KINDS, EAGLE3_ARCHITECTURE, Dra
 from loopspec.model.target import MLP, RMSNorm, TargetConfig, apply_rope, rope_inv_freq
 
 NUM_TAPS = 3  # low, middle and high target layers, fused by fc
-OLD_TAP_NORM_NAMES = {f"aux_norm_{level}.weight": f"fc_norm.{i}.weight" for i, level in enumerate(("low", "mid", "high"))}
+OLD_TAP_NORM_NAMES = {
+    f"aux_norm_{level}.weight": f"fc_norm.{i}.weight" for i, level in enumerate(("low", "mid", "high"))
+}
 DEFAULT_BLOCK_SIZE = 8  # a stage drafts block_size - 1 tokens
 
 
@@ -66,13 +68,13 @@ def _aux_ids(ids, key: str, least: int) -> list[int] | None:
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise LoopspecError(f"EAGLE-3 config.json: {key} must be a list of ints, got {ids!r}")
     if len(ids) != NUM_TAPS:
-        raise LoopspecError(f"EAGLE-3 config.json: {key} names {len(ids)} layers {ids}; EAGLE-3 fuses exactly "
-                            f"{NUM_TAPS} (low, middle, high)")
+        raise LoopspecError(
+            f"EAGLE-3 config.json: {key} names {len(ids)} layers {ids}; EAGLE-3 fuses exactly "
+            f"{NUM_TAPS} (low, middle, high)"
+        )
     if min(ids) < least or len(set(ids)) != NUM_TAPS:
         raise LoopspecError(f"EAGLE-3 config.json: {key} {ids} must be distinct and >= {least}")
     return sorted(ids)
-
-
 
 
 def _variant(cfg: dict, eagle: dict) -> Eagle3Variant:
@@ -82,12 +84,16 @@ def _variant(cfg: dict, eagle: dict) -> Eagle3Variant:
     reader looks, is refused rather than ignored."""
     for key in ("fc_norm", "norm_output", "norm_before_residual", "use_aux_norm"):
         if key in eagle and bool(eagle[key]) != bool(cfg.get(key, False)):
-            raise LoopspecError(f"EAGLE-3 config.json: eagle_config.{key} is {eagle[key]!r} and the top level's "
-                                f"{cfg.get(key, False)!r}; vLLM and SGLang read {key} at the top level only")
-    switches = {"fc_norm": cfg.get("fc_norm") or cfg.get("use_aux_norm", False),
-                "norm_before_fc": eagle.get("norm_before_fc", cfg.get("norm_before_fc", False)),
-                "norm_output": cfg.get("norm_output", False),
-                "norm_before_residual": cfg.get("norm_before_residual", False)}
+            raise LoopspecError(
+                f"EAGLE-3 config.json: eagle_config.{key} is {eagle[key]!r} and the top level's "
+                f"{cfg.get(key, False)!r}; vLLM and SGLang read {key} at the top level only"
+            )
+    switches = {
+        "fc_norm": cfg.get("fc_norm") or cfg.get("use_aux_norm", False),
+        "norm_before_fc": eagle.get("norm_before_fc", cfg.get("norm_before_fc", False)),
+        "norm_output": cfg.get("norm_output", False),
+        "norm_before_residual": cfg.get("norm_before_residual", False),
+    }
     for key, value in switches.items():
         if value is not None and not isinstance(value, bool):
             raise LoopspecError(f"EAGLE-3 config.json: {key} must be true or false, got {value!r}")
@@ -131,18 +137,24 @@ class Eagle3Config:
         if self.target_layer_ids is None:
             ids = default_aux_layer_ids(L)
             if len(set(ids)) != NUM_TAPS or min(ids) < 1:
-                problems.append(f"a target of {L} layers has no three distinct default EAGLE-3 taps (2, L/2, L-3 = {ids}): "
-                                "pin them with eagle_aux_hidden_state_layer_ids")
+                problems.append(
+                    f"a target of {L} layers has no three distinct default EAGLE-3 taps (2, L/2, L-3 = {ids}): "
+                    "pin them with eagle_aux_hidden_state_layer_ids"
+                )
             else:
                 self.target_layer_ids = [j - 1 for j in ids]
         if self.target_layer_ids is not None and not all(0 <= i < L - 1 for i in self.target_layer_ids):
             problems.append(f"aux hidden state layers {self.aux_layer_ids} out of range for a target of {L} layers")
         if self.tap_width != target.hidden_size:
-            problems.append(f"fc reads taps of width {self.tap_width}, the target's hidden size is {target.hidden_size}")
+            problems.append(
+                f"fc reads taps of width {self.tap_width}, the target's hidden size is {target.hidden_size}"
+            )
         if self.vocab_size != target.vocab_size:
             problems.append(f"vocab size {self.vocab_size} != target's {target.vocab_size}")
         if self.hidden_size != target.hidden_size:
-            problems.append(f"hidden size {self.hidden_size} != target's {target.hidden_size} (the embedding is the target's)")
+            problems.append(
+                f"hidden size {self.hidden_size} != target's {target.hidden_size} (the embedding is the target's)"
+            )
         if problems:
             raise LoopspecError("drafter does not fit the target: " + "; ".join(problems))
         self.num_target_layers = L
@@ -177,14 +189,18 @@ class Eagle3Config:
             raise LoopspecError(f"not an EAGLE-3 drafter: architectures={archs} (expected {EAGLE3_ARCHITECTURE})")
         layers = _positive_int(cfg, "num_hidden_layers")
         if layers != 1:
-            raise LoopspecError(f"EAGLE-3 config.json: num_hidden_layers {layers}; loopspec runs the one-layer "
-                                "EAGLE-3 drafter (midlayer) only")
+            raise LoopspecError(
+                f"EAGLE-3 config.json: num_hidden_layers {layers}; loopspec runs the one-layer "
+                "EAGLE-3 drafter (midlayer) only"
+            )
         eagle = cfg.get("eagle_config") or {}
         if not isinstance(eagle, dict):
             raise LoopspecError("EAGLE-3 config.json: eagle_config must be an object")
         if eagle.get("use_aux_hidden_state", True) is False:
-            raise LoopspecError("EAGLE-3 config.json: use_aux_hidden_state false (an EAGLE-1/2 drafter reading the "
-                                "last hidden state) is not run; loopspec runs EAGLE-3's three fused taps")
+            raise LoopspecError(
+                "EAGLE-3 config.json: use_aux_hidden_state false (an EAGLE-1/2 drafter reading the "
+                "last hidden state) is not run; loopspec runs EAGLE-3's three fused taps"
+            )
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
                 raise LoopspecError(f"EAGLE-3 config.json: {key} true is not supported")
@@ -193,11 +209,15 @@ class Eagle3Config:
         # vLLM reads the top-level ids, numbered as the stream entering layer j (the output of j-1);
         # SGLang (and SpecForge) read eagle_config's, numbered as the output of layer i
         vllm = _aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids", 1)
-        sglang = _aux_ids(eagle.get("eagle_aux_hidden_state_layer_ids"), "eagle_config.eagle_aux_hidden_state_layer_ids", 0)
+        sglang = _aux_ids(
+            eagle.get("eagle_aux_hidden_state_layer_ids"), "eagle_config.eagle_aux_hidden_state_layer_ids", 0
+        )
         vllm = None if vllm is None else [j - 1 for j in vllm]
         if vllm is not None and sglang is not None and vllm != sglang:
-            raise LoopspecError(f"EAGLE-3 config.json: eagle_aux_hidden_state_layer_ids (vLLM's numbering: layer outputs "
-                                f"{vllm}) and eagle_config's (SGLang's: {sglang}) name different target layers")
+            raise LoopspecError(
+                f"EAGLE-3 config.json: eagle_aux_hidden_state_layer_ids (vLLM's numbering: layer outputs "
+                f"{vllm}) and eagle_config's (SGLang's: {sglang}) name different target layers"
+            )
         taps = vllm if vllm is not None else sglang
         variant = _variant(cfg, eagle)
         hidden, heads = _positive_int(cfg, "hidden_size"), _positive_int(cfg, "num_attention_heads")
@@ -216,27 +236,49 @@ class Eagle3Config:
         extra.pop("block_size", None)
         if block_size < 2:
             raise LoopspecError(f"EAGLE-3 config.json: loopspec.block_size must be at least 2, got {block_size}")
-        return cls(hidden_size=hidden, intermediate_size=_positive_int(cfg, "intermediate_size"),
-                   num_heads=heads, num_kv_heads=_positive_int(cfg, "num_key_value_heads", heads),
-                   head_dim=_positive_int(cfg, "head_dim", hidden // heads), vocab_size=vocab,
-                   draft_vocab_size=draft_vocab, target_layer_ids=taps,
-                   num_target_layers=cfg.get("num_target_layers"),
-                   target_hidden_size=cfg.get("target_hidden_size"),
-                   block_size=block_size,
-                   rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=rope,
-                   max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-                   variant=variant, extra=extra)
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=_positive_int(cfg, "intermediate_size"),
+            num_heads=heads,
+            num_kv_heads=_positive_int(cfg, "num_key_value_heads", heads),
+            head_dim=_positive_int(cfg, "head_dim", hidden // heads),
+            vocab_size=vocab,
+            draft_vocab_size=draft_vocab,
+            target_layer_ids=taps,
+            num_target_layers=cfg.get("num_target_layers"),
+            target_hidden_size=cfg.get("target_hidden_size"),
+            block_size=block_size,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            variant=variant,
+            extra=extra,
+        )
 
     def to_hf(self) -> dict:
         """SpecForge's config.json, with the taps pinned as vLLM reads them."""
-        cfg = {"architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_size": self.hidden_size,
-               "intermediate_size": self.intermediate_size, "num_hidden_layers": 1,
-               "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-               "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
-               "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-               "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
-               "draft_vocab_size": self.draft_vocab_size, "attention_bias": False, "tie_word_embeddings": False,
-               "torch_dtype": "bfloat16", "loopspec": {**self.extra, "block_size": self.block_size}}
+        cfg = {
+            "architectures": [EAGLE3_ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "loopspec": {**self.extra, "block_size": self.block_size},
+        }
         if self.aux_layer_ids is not None:  # in vLLM's numbering, and in SGLang's
             cfg["eagle_aux_hidden_state_layer_ids"] = self.aux_layer_ids
             cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.target_layer_ids)}
@@ -294,8 +336,11 @@ class Eagle3Drafter(nn.Module):
         self.cfg = cfg
         self.fc = nn.Linear(NUM_TAPS * cfg.tap_width, cfg.hidden_size, bias=False)
         # EAGLE 3.1's norm on each tap, or one norm over the three concatenated, before fc
-        self.fc_norm = (nn.ModuleList(Norm(cfg.tap_width, cfg.rms_norm_eps) for _ in range(NUM_TAPS))
-                        if cfg.variant.fc_norm else None)
+        self.fc_norm = (
+            nn.ModuleList(Norm(cfg.tap_width, cfg.rms_norm_eps) for _ in range(NUM_TAPS))
+            if cfg.variant.fc_norm
+            else None
+        )
         self.input_norm = Norm(NUM_TAPS * cfg.tap_width, cfg.rms_norm_eps) if cfg.variant.norm_before_fc else None
         self.midlayer = Eagle3Layer(cfg)
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -315,7 +360,10 @@ class Eagle3Drafter(nn.Module):
         """cos, sin [B, 1, T, hd] at positions [B, T], computed in fp64."""
         angles = positions.to(self.inv_freq.device).double()[..., None] * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)[:, None]
-        return ((angles.cos() * self.rope_scaling_factor).to(dtype), (angles.sin() * self.rope_scaling_factor).to(dtype))
+        return (
+            (angles.cos() * self.rope_scaling_factor).to(dtype),
+            (angles.sin() * self.rope_scaling_factor).to(dtype),
+        )
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """The target's taps [.., 3·H_target] (low, middle, high) → the fused state [.., H]."""
@@ -325,8 +373,9 @@ class Eagle3Drafter(nn.Module):
             taps = torch.cat([norm(tap) for norm, tap in zip(self.fc_norm, taps.chunk(NUM_TAPS, dim=-1))], dim=-1)
         return self.fc(taps)
 
-    def project(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention's inputs of entries (token embeddings [B, T, H], states [B, T, H]) at
         positions [B, T] → q [B, heads, T, hd], k, v [B, kvh, T, hd] (rope applied) and the residual
         [B, T, H]. Inference (`forward`) and training (its own attention over the unrolled steps) share it."""
@@ -350,9 +399,15 @@ class Eagle3Drafter(nn.Module):
         h = residual + layer.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def forward(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
-                past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        states: torch.Tensor,
+        positions: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Entries (token embeddings [B, T, H], states [B, T, H]) at positions [B, T] attending to the
         past K/V [B, kvh, P, hd] and to each other (`mask` bool [B, 1, T, P + T], None: all) → the
         layer's output before the final norm [B, T, H] and the entries' K, V [B, kvh, T, hd]."""
@@ -398,8 +453,9 @@ class Eagle3Drafter(nn.Module):
         (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
     @classmethod
-    def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32,
-             raw: dict | None = None) -> "Eagle3Drafter":
+    def load(
+        cls, directory: str | Path, dtype: torch.dtype = torch.float32, raw: dict | None = None
+    ) -> "Eagle3Drafter":
         """The drafter in `directory` (`raw`: its config.json, when the caller has read it)."""
         directory = Path(directory)
         if not directory.is_dir():
@@ -421,23 +477,38 @@ class Eagle3Drafter(nn.Module):
         src = {OLD_TAP_NORM_NAMES.get(k, k): v for k, v in src.items()}
         d2t, t2d = src.pop("d2t", None), src.pop("t2d", None)
         if "fc.weight" not in src:
-            raise LoopspecError(f"{directory} lacks fc.weight: an EAGLE-3 drafter fuses three target taps with fc "
-                                "(an EAGLE-1/2 checkpoint is not run)")
+            raise LoopspecError(
+                f"{directory} lacks fc.weight: an EAGLE-3 drafter fuses three target taps with fc "
+                "(an EAGLE-1/2 checkpoint is not run)"
+            )
         model = cls(cfg, own_embedding="embed_tokens.weight" in src)
-        want = {_file_name(n): tuple(t.shape) for n, t in model.state_dict().items()
-                if n != "midlayer.mlp.gate_up_proj.weight"}
+        want = {
+            _file_name(n): tuple(t.shape)
+            for n, t in model.state_dict().items()
+            if n != "midlayer.mlp.gate_up_proj.weight"
+        }
         I, H = cfg.intermediate_size, cfg.hidden_size
         want.update({"midlayer.mlp.gate_proj.weight": (I, H), "midlayer.mlp.up_proj.weight": (I, H)})
         missing = sorted(set(want) - set(src))
         unexpected = sorted(set(src) - set(want))
         if missing or unexpected:
-            raise LoopspecError("EAGLE-3 weights do not match the format: "
-                                + "; ".join(x for x in (f"missing {', '.join(missing)}" if missing else "",
-                                                        f"unexpected {', '.join(unexpected)}" if unexpected else "") if x))
+            raise LoopspecError(
+                "EAGLE-3 weights do not match the format: "
+                + "; ".join(
+                    x
+                    for x in (
+                        f"missing {', '.join(missing)}" if missing else "",
+                        f"unexpected {', '.join(unexpected)}" if unexpected else "",
+                    )
+                    if x
+                )
+            )
         for name, shape in want.items():
             if tuple(src[name].shape) != shape:
-                raise LoopspecError(f"EAGLE-3 weights do not match its config.json: {name} is "
-                                    f"{list(src[name].shape)} in the file, the config makes it {list(shape)}")
+                raise LoopspecError(
+                    f"EAGLE-3 weights do not match its config.json: {name} is "
+                    f"{list(src[name].shape)} in the file, the config makes it {list(shape)}"
+                )
             if not torch.is_floating_point(src[name]):
                 raise LoopspecError(f"EAGLE-3 tensor {name} has non-float dtype {src[name].dtype}")
         state = {}
@@ -456,20 +527,27 @@ def draft_ids(cfg: Eagle3Config, d2t: torch.Tensor | None, t2d: torch.Tensor | N
     None for a full draft vocabulary mapped to itself."""
     if d2t is None or t2d is None:
         if cfg.draft_vocab_size < cfg.vocab_size or (d2t is None) != (t2d is None):
-            raise LoopspecError(f"{where} lacks {'d2t' if d2t is None else 't2d'}: a draft vocabulary of "
-                                f"{cfg.draft_vocab_size} rows over a target vocabulary of {cfg.vocab_size} needs "
-                                "both maps (d2t: draft id → target id offset, t2d: the target ids covered)")
+            raise LoopspecError(
+                f"{where} lacks {'d2t' if d2t is None else 't2d'}: a draft vocabulary of "
+                f"{cfg.draft_vocab_size} rows over a target vocabulary of {cfg.vocab_size} needs "
+                "both maps (d2t: draft id → target id offset, t2d: the target ids covered)"
+            )
         return None
     if d2t.dim() != 1 or d2t.numel() != cfg.draft_vocab_size or d2t.dtype.is_floating_point:
-        raise LoopspecError(f"{where}: d2t must be an integer vector of draft_vocab_size {cfg.draft_vocab_size}, "
-                            f"got {d2t.dtype} {list(d2t.shape)}")
+        raise LoopspecError(
+            f"{where}: d2t must be an integer vector of draft_vocab_size {cfg.draft_vocab_size}, "
+            f"got {d2t.dtype} {list(d2t.shape)}"
+        )
     if t2d.dim() != 1 or t2d.numel() != cfg.vocab_size or t2d.dtype != torch.bool:
-        raise LoopspecError(f"{where}: t2d must be a bool vector of vocab_size {cfg.vocab_size}, "
-                            f"got {t2d.dtype} {list(t2d.shape)}")
+        raise LoopspecError(
+            f"{where}: t2d must be a bool vector of vocab_size {cfg.vocab_size}, got {t2d.dtype} {list(t2d.shape)}"
+        )
     ids = torch.arange(d2t.numel()) + d2t.long()
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
-        raise LoopspecError(f"{where}: d2t maps draft rows to target ids {int(ids.min())}..{int(ids.max())}, "
-                            f"outside the target's vocabulary of {cfg.vocab_size}")
+        raise LoopspecError(
+            f"{where}: d2t maps draft rows to target ids {int(ids.min())}..{int(ids.max())}, "
+            f"outside the target's vocabulary of {cfg.vocab_size}"
+        )
     if ids.unique().numel() != ids.numel():
         raise LoopspecError(f"{where}: d2t maps two draft rows to one target id")
     covered = torch.zeros_like(t2d)
@@ -479,19 +557,31 @@ def draft_ids(cfg: Eagle3Config, d2t: torch.Tensor | None, t2d: torch.Tensor | N
     return None if torch.equal(ids, torch.arange(cfg.vocab_size)) else ids
 
 
-def fresh_eagle3(target: TargetConfig, block_size: int = DEFAULT_BLOCK_SIZE, draft_ids: torch.Tensor | None = None,
-                 intermediate_size: int | None = None, target_layer_ids: list[int] | None = None) -> Eagle3Drafter:
+def fresh_eagle3(
+    target: TargetConfig,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    draft_ids: torch.Tensor | None = None,
+    intermediate_size: int | None = None,
+    target_layer_ids: list[int] | None = None,
+) -> Eagle3Drafter:
     """An untrained EAGLE-3 drafter shaped for `target` (its taps `target_layer_ids`, loopspec's
     numbering; None: vLLM's default)."""
-    cfg = Eagle3Config(hidden_size=target.hidden_size, intermediate_size=intermediate_size or target.intermediate_size,
-                       num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-                       vocab_size=target.vocab_size,
-                       draft_vocab_size=target.vocab_size if draft_ids is None else int(draft_ids.numel()),
-                       target_layer_ids=target_layer_ids, block_size=block_size, rms_norm_eps=target.rms_norm_eps,
-                       rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
-                       max_position_embeddings=target.max_position_embeddings)
+    cfg = Eagle3Config(
+        hidden_size=target.hidden_size,
+        intermediate_size=intermediate_size or target.intermediate_size,
+        num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=target.vocab_size if draft_ids is None else int(draft_ids.numel()),
+        target_layer_ids=target_layer_ids,
+        block_size=block_size,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        rope_scaling=target.rope_scaling,
+        max_position_embeddings=target.max_position_embeddings,
+    )
     cfg.fit(target)
     model = Eagle3Drafter(cfg)
     model.draft_ids = draft_ids
     return model
-

@@ -97,8 +97,9 @@ class SparseExperts(nn.Module):
         return (up + 1) * gate * torch.sigmoid(1.702 * gate)
 
 
-def experts_state(take: Callable[[str], torch.Tensor], prefix: str, cfg: ExpertsConfig,
-                  layout: str) -> dict[str, torch.Tensor]:
+def experts_state(
+    take: Callable[[str], torch.Tensor], prefix: str, cfg: ExpertsConfig, layout: str
+) -> dict[str, torch.Tensor]:
     """One layer's expert tensors from a checkpoint (`take(name)` refuses a missing one) → SparseExperts'
     names under `prefix` (`layers.i.mlp.`). layout "per_expert": `experts.{e}.{gate,up,down}_proj.weight`
     and the router `gate.weight` (Qwen3-MoE; Qwen3.5-MoE with `shared_expert.*` and `shared_expert_gate`);
@@ -108,14 +109,20 @@ def experts_state(take: Callable[[str], torch.Tensor], prefix: str, cfg: Experts
     out: dict[str, torch.Tensor] = {}
     if layout == "per_expert":
         out[prefix + "router.weight"] = take(prefix + "gate.weight")
-        out[prefix + "gate_up"] = torch.stack([
-            torch.cat([take(prefix + f"experts.{e}.gate_proj.weight"), take(prefix + f"experts.{e}.up_proj.weight")])
-            for e in range(E)])  # [E, 2I, H]
+        out[prefix + "gate_up"] = torch.stack(
+            [
+                torch.cat(
+                    [take(prefix + f"experts.{e}.gate_proj.weight"), take(prefix + f"experts.{e}.up_proj.weight")]
+                )
+                for e in range(E)
+            ]
+        )  # [E, 2I, H]
         out[prefix + "down"] = torch.stack([take(prefix + f"experts.{e}.down_proj.weight") for e in range(E)])
         if cfg.shared_intermediate_size:  # Qwen3.5-MoE, Qwen3-Next
             shared = prefix + "shared_expert."
-            out[prefix + "shared_gate_up.weight"] = torch.cat([take(shared + "gate_proj.weight"),
-                                                               take(shared + "up_proj.weight")])
+            out[prefix + "shared_gate_up.weight"] = torch.cat(
+                [take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")]
+            )
             out[prefix + "shared_down.weight"] = take(shared + "down_proj.weight")
             out[prefix + "shared_gate.weight"] = take(prefix + "shared_expert_gate.weight")
     elif layout == "fused_interleaved":
@@ -123,8 +130,9 @@ def experts_state(take: Callable[[str], torch.Tensor], prefix: str, cfg: Experts
         out[prefix + "router.bias"] = take(prefix + "router.bias")
         gate_up, bias = take(prefix + "experts.gate_up_proj"), take(prefix + "experts.gate_up_proj_bias")
         if gate_up.dim() != 3 or gate_up.shape[0] != E or gate_up.shape[2] != 2 * I:
-            raise LoopspecError(f"{prefix}experts.gate_up_proj has shape {list(gate_up.shape)}, "
-                                f"not [{E}, hidden, {2 * I}]")
+            raise LoopspecError(
+                f"{prefix}experts.gate_up_proj has shape {list(gate_up.shape)}, not [{E}, hidden, {2 * I}]"
+            )
         out[prefix + "gate_up"] = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], -1).transpose(1, 2)  # [E, 2I, H]
         out[prefix + "gate_up_bias"] = torch.cat([bias[..., 0::2], bias[..., 1::2]], -1)
         out[prefix + "down"] = take(prefix + "experts.down_proj").transpose(1, 2)  # [E, H, I]

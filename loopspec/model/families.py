@@ -51,43 +51,68 @@ def _qwen3(hf: dict) -> TargetConfig:
 
 def _qwen3_moe(hf: dict) -> TargetConfig:
     num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-    for key, value in (("num_experts", num_experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
-                       ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
+    for key, value in (
+        ("num_experts", num_experts),
+        ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+        ("moe_intermediate_size", hf.get("moe_intermediate_size")),
+    ):
         if not isinstance(value, int) or value < 1:
             raise LoopspecError(f"qwen3_moe config.json needs a positive integer {key}, got {value!r}")
     step, dense_layers = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
     layers = hf.get("num_hidden_layers", 0)
     sparse = tuple(i for i in range(layers) if i not in dense_layers and (i + 1) % step == 0)
-    experts = ExpertsConfig(num_experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"], sparse,
-                            routing="softmax_topk", norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    experts = ExpertsConfig(
+        num_experts,
+        hf["num_experts_per_tok"],
+        hf["moe_intermediate_size"],
+        sparse,
+        routing="softmax_topk",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    )
     return dense_config(hf, qk_norm=True, experts=experts, **_layer_types(hf))
 
 
 def _gpt_oss(hf: dict) -> TargetConfig:
     layers = hf.get("num_hidden_layers", 0)
-    experts = ExpertsConfig(hf.get("num_local_experts", 0), hf.get("num_experts_per_tok", 0),
-                            hf.get("intermediate_size", 0), tuple(range(layers)), routing="topk_softmax",
-                            bias=True, activation="clamped_swiglu", swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+    experts = ExpertsConfig(
+        hf.get("num_local_experts", 0),
+        hf.get("num_experts_per_tok", 0),
+        hf.get("intermediate_size", 0),
+        tuple(range(layers)),
+        routing="topk_softmax",
+        bias=True,
+        activation="clamped_swiglu",
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+    )
     types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    return dense_config(hf, attention_bias=True, attention_sinks=True, experts=experts, layer_types=list(types),
-                        sliding_window=hf.get("sliding_window"))
+    return dense_config(
+        hf,
+        attention_bias=True,
+        attention_sinks=True,
+        experts=experts,
+        layer_types=list(types),
+        sliding_window=hf.get("sliding_window"),
+    )
 
 
-FAMILIES: dict[str, TargetFamily] = {f.model_type: f for f in (
-    TargetFamily("llama", _llama, "dense", exported=True),
-    TargetFamily("qwen2", _qwen2, "dense", exported=True),
-    TargetFamily("qwen3", _qwen3, "dense", exported=True),
-    TargetFamily("qwen3_moe", _qwen3_moe, "qwen3_moe", exported=False),
-    TargetFamily("gpt_oss", _gpt_oss, "gpt_oss", exported=False),
-    # Qwen3.5: published as the multimodal model (its decoder under text_config and model.language_model.),
-    # saved text-only as qwen3_5_text; both read as family qwen3_5 (Qwen3.5-MoE: qwen3_5_moe)
-    TargetFamily("qwen3_5", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
-    TargetFamily("qwen3_5_text", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
-    TargetFamily("qwen3_5_moe", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
-    TargetFamily("qwen3_5_moe_text", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
-    # Qwen3-Next: the same decoder, its linear-attention projections fused per key-head group
-    TargetFamily("qwen3_next", read_qwen3_5_config, "qwen3_next", exported=False, trees=False),
-)}
+FAMILIES: dict[str, TargetFamily] = {
+    f.model_type: f
+    for f in (
+        TargetFamily("llama", _llama, "dense", exported=True),
+        TargetFamily("qwen2", _qwen2, "dense", exported=True),
+        TargetFamily("qwen3", _qwen3, "dense", exported=True),
+        TargetFamily("qwen3_moe", _qwen3_moe, "qwen3_moe", exported=False),
+        TargetFamily("gpt_oss", _gpt_oss, "gpt_oss", exported=False),
+        # Qwen3.5: published as the multimodal model (its decoder under text_config and model.language_model.),
+        # saved text-only as qwen3_5_text; both read as family qwen3_5 (Qwen3.5-MoE: qwen3_5_moe)
+        TargetFamily("qwen3_5", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
+        TargetFamily("qwen3_5_text", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
+        TargetFamily("qwen3_5_moe", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
+        TargetFamily("qwen3_5_moe_text", read_qwen3_5_config, "qwen3_5", exported=False, trees=False),
+        # Qwen3-Next: the same decoder, its linear-attention projections fused per key-head group
+        TargetFamily("qwen3_next", read_qwen3_5_config, "qwen3_next", exported=False, trees=False),
+    )
+}
 
 
 def target_family(model_type: str | None) -> TargetFamily:
@@ -108,8 +133,10 @@ def export_refusal(cfg: TargetConfig, backend: str) -> str | None:
         return None
     what = "sliding-window layers" if family.exported else f"{cfg.family} targets"
     dense = ", ".join(name for name, f in FAMILIES.items() if f.exported)
-    return (f"the {backend} engine is not built for {what} (its graphs cover full-attention {dense}); "
-            f"run this target with --backend torch")
+    return (
+        f"the {backend} engine is not built for {what} (its graphs cover full-attention {dense}); "
+        f"run this target with --backend torch"
+    )
 
 
 def new_target(cfg: TargetConfig, target_layer_ids: list[int] | None = None) -> Target:

@@ -55,6 +55,7 @@ class SlotGrowth:
     widest past a call may pass). Widening copies the valid slots once per `step` new positions of the
     longest row; every call then reads at most step - 1 slots more than its rows need. A buffer more
     than `shrink_after` steps wider than the rows need (a long request ended) is narrowed."""
+
     step: int
     limit: int
     shrink_after: int = 4
@@ -76,9 +77,17 @@ class KVCache:
     every backend. Callers keep their live rows packed at the front (`swap_rows` fills a hole), so
     a call over rows 0..B-1 reads a view, not a copy."""
 
-    def __init__(self, num_layers: int, rows: int, num_kv_heads: int, max_length: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 growth: "SlotGrowth | None" = None):
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        num_kv_heads: int,
+        max_length: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        growth: "SlotGrowth | None" = None,
+    ):
         """growth None: the buffers hold max_length slots from the start, at fixed addresses (what a
         captured CUDA graph reads). With a SlotGrowth they hold as many slots as the rows need,
         rounded up to its step, and are reallocated when that changes (`dense_prefix`)."""
@@ -114,8 +123,13 @@ class KVCache:
     def rows(self) -> int:
         return self.k.shape[1]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, rows: list[int] | None = None,
-               counts: torch.Tensor | list[int] | None = None) -> None:
+    def append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: list[int] | None = None,
+        counts: torch.Tensor | list[int] | None = None,
+    ) -> None:
         """Every layer at once: the first counts[i] entries of k/v [N, R, kvh, T, hd] row i go to cache
         row rows[i] (default i) at its length, which advances by counts[i] (default T)."""
         R, T = k.shape[1], k.shape[3]
@@ -128,8 +142,8 @@ class KVCache:
             self._fit(int((starts + counts).max()))
         first, s = int(rows[0]), one_block(starts, counts, T)
         if s is not None and rows.tolist() == list(range(first, first + R)):  # one block of slots: a slice
-            self.k[:, first:first + R, :, s:s + T] = k
-            self.v[:, first:first + R, :, s:s + T] = v
+            self.k[:, first : first + R, :, s : s + T] = k
+            self.v[:, first : first + R, :, s : s + T] = v
             self.lengths[rows] = starts + counts
             return
         i, t = (torch.arange(T)[None, :] < counts[:, None]).nonzero(as_tuple=True)  # valid (row, token) pairs
@@ -144,8 +158,10 @@ class KVCache:
         lengths = torch.as_tensor(lengths, dtype=torch.long)
         rows = torch.arange(lengths.numel()) if rows is None else torch.as_tensor(rows, dtype=torch.long)
         if bool((lengths < 0).any()) or bool((lengths > self.lengths[rows]).any()):
-            raise ValueError(f"cannot roll a row forward (or below 0): rows {rows.tolist()} of lengths "
-                             f"{self.lengths[rows].tolist()} to {lengths.tolist()}")
+            raise ValueError(
+                f"cannot roll a row forward (or below 0): rows {rows.tolist()} of lengths "
+                f"{self.lengths[rows].tolist()} to {lengths.tolist()}"
+            )
         self.lengths[rows] = lengths
 
     def commit(self, starts: list[int], kept: list[list[int]]) -> None:
@@ -165,7 +181,7 @@ class KVCache:
         follow each other); slots past the buffer (room asked for beyond the max length) are zeros."""
         first = rows[0]
         if rows == list(range(first, first + len(rows))):
-            k, v = self.k[:, first:first + len(rows), :, :width], self.v[:, first:first + len(rows), :, :width]
+            k, v = self.k[:, first : first + len(rows), :, :width], self.v[:, first : first + len(rows), :, :width]
         else:
             index = torch.tensor(rows, device=self.k.device)
             k, v = self.k[:, index, :, :width], self.v[:, index, :, :width]
@@ -206,8 +222,13 @@ class KVCache:
             return KVWrite(rows, keys, start=start)
         row_index, token_index = (torch.arange(width)[None, :] < counts[:, None]).nonzero(as_tuple=True)
         dev = self.k.device
-        return KVWrite(rows, keys, slots=(starts[row_index] + token_index).to(dev), row_index=row_index.to(dev),
-                       token_index=token_index.to(dev))
+        return KVWrite(
+            rows,
+            keys,
+            slots=(starts[row_index] + token_index).to(dev),
+            row_index=row_index.to(dev),
+            token_index=token_index.to(dev),
+        )
 
     def attended(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, window: int | None):
         """An attention layer's new k, v [B, kvh, T, hd] stored as `step` (LayerStep) writes them → the
@@ -222,15 +243,15 @@ class KVCache:
         attend to, [R, kvh, write.keys, hd] (masked per query by the caller)."""
         cache_k, cache_v = self.k[layer, write.rows], self.v[layer, write.rows]  # views [R, kvh, S, hd]
         if write.start is not None:
-            cache_k[:, :, write.start:write.start + k.shape[2]] = k
-            cache_v[:, :, write.start:write.start + k.shape[2]] = v
+            cache_k[:, :, write.start : write.start + k.shape[2]] = k
+            cache_v[:, :, write.start : write.start + k.shape[2]] = v
         elif write.row_index is None:
             cache_k.index_copy_(2, write.slots, k)
             cache_v.index_copy_(2, write.slots, v)
         else:
             cache_k[write.row_index, :, write.slots] = k[write.row_index, :, write.token_index]  # [P, kvh, hd]
             cache_v[write.row_index, :, write.slots] = v[write.row_index, :, write.token_index]
-        return cache_k[:, :, :write.keys], cache_v[:, :, :write.keys]
+        return cache_k[:, :, : write.keys], cache_v[:, :, : write.keys]
 
 
 class RecurrentCache(KVCache):
@@ -248,16 +269,29 @@ class RecurrentCache(KVCache):
     `dims` is the family's linear-attention config (conv_kernel, conv_dim, num_value_heads,
     key_head_dim, value_head_dim)."""
 
-    def __init__(self, linear: list[bool], dims, rows: int, num_kv_heads: int, max_length: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", snapshot_window: int = 64):
+    def __init__(
+        self,
+        linear: list[bool],
+        dims,
+        rows: int,
+        num_kv_heads: int,
+        max_length: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        snapshot_window: int = 64,
+    ):
         attention = [i for i, is_linear in enumerate(linear) if not is_linear]
         super().__init__(len(attention), rows, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
         self.kv_slot = {layer: slot for slot, layer in enumerate(attention)}
-        self.state_slot = {layer: slot for slot, layer in enumerate(i for i, is_linear in enumerate(linear) if is_linear)}
+        self.state_slot = {
+            layer: slot for slot, layer in enumerate(i for i, is_linear in enumerate(linear) if is_linear)
+        }
         n, self.conv_width = len(self.state_slot), dims.conv_kernel - 1
         self.conv = torch.zeros(n, rows, dims.conv_dim, self.conv_width, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(n, rows, dims.num_value_heads, dims.key_head_dim, dims.value_head_dim,
-                                     dtype=torch.float32, device=device)
+        self.recurrent = torch.zeros(
+            n, rows, dims.num_value_heads, dims.key_head_dim, dims.value_head_dim, dtype=torch.float32, device=device
+        )
         self.state_lengths = torch.zeros(rows, dtype=torch.long)
         self.snapshot_window = snapshot_window
         # what the rows' latest forwards kept: conv inputs [n, rows, conv_dim, conv_width + S - 1] and
@@ -287,14 +321,19 @@ class RecurrentCache(KVCache):
             self.recurrent[:, row] = 0
         elif int(self.kept_from[row]) <= length <= int(self.kept_to[row]):
             j = length - int(self.kept_from[row])
-            self.conv[:, row] = self.conv_kept[:, row, :, j:j + self.conv_width]
+            self.conv[:, row] = self.conv_kept[:, row, :, j : j + self.conv_width]
             self.recurrent[:, row] = self.recurrent_kept[:, row, j]
         else:
-            kept = (f"lengths {int(self.kept_from[row])}..{int(self.kept_to[row])}"
-                    if self.kept_to[row] >= self.kept_from[row] else "none")
-            raise LoopspecError(f"row {row}'s linear-attention state at length {length} is not kept (it is at "
-                                f"{int(self.state_lengths[row])}; its latest forward kept {kept}): a hybrid target "
-                                "rolls back only inside its latest forward")
+            kept = (
+                f"lengths {int(self.kept_from[row])}..{int(self.kept_to[row])}"
+                if self.kept_to[row] >= self.kept_from[row]
+                else "none"
+            )
+            raise LoopspecError(
+                f"row {row}'s linear-attention state at length {length} is not kept (it is at "
+                f"{int(self.state_lengths[row])}; its latest forward kept {kept}): a hybrid target "
+                "rolls back only inside its latest forward"
+            )
         self.state_lengths[row] = length
 
     def states(self, layer: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,10 +357,11 @@ class RecurrentCache(KVCache):
                     new = torch.zeros(shape, dtype=old.dtype, device=old.device)
                     new.narrow(dim, 0, old.shape[dim]).copy_(old)
                 setattr(self, name, new)
-        return self.recurrent_kept[self.state_slot[layer], rows, :width + 1]
+        return self.recurrent_kept[self.state_slot[layer], rows, : width + 1]
 
-    def keep(self, layer: int, rows: slice, window: torch.Tensor, final: torch.Tensor, counts: torch.Tensor,
-             kept: bool) -> None:
+    def keep(
+        self, layer: int, rows: slice, window: torch.Tensor, final: torch.Tensor, counts: torch.Tensor, kept: bool
+    ) -> None:
         """After layer `layer` ran a forward over `rows` from their lengths: the conv inputs it saw, window
         [R, conv_dim, conv_width + T] (the states before the forward, then the T new inputs), and its
         final recurrent states [R, Hv, dk, dv] become the rows' states at length + counts [R] (host);
@@ -332,15 +372,17 @@ class RecurrentCache(KVCache):
         self.conv[slot, rows] = torch.gather(window, 2, index.expand(R, C, -1))  # each row's last inputs
         self.recurrent[slot, rows] = final
         if kept:
-            self.conv_kept[slot, rows, :, :window.shape[2]] = window
+            self.conv_kept[slot, rows, :, : window.shape[2]] = window
         self.state_lengths[rows] = starts + counts
         self.kept_from[rows] = starts
         self.kept_to[rows] = starts + counts if kept else starts - 1
 
     def commit(self, starts: list[int], kept: list[list[int]]) -> None:
         if any(offsets != list(range(len(offsets))) for offsets in kept):
-            raise LoopspecError("a linear-attention state follows one path: a hybrid target keeps verified chains, "
-                                "not draft-tree paths (verify chains: --tree-budget 0 --no-suffix)")
+            raise LoopspecError(
+                "a linear-attention state follows one path: a hybrid target keeps verified chains, "
+                "not draft-tree paths (verify chains: --tree-budget 0 --no-suffix)"
+            )
         super().commit(starts, kept)
 
     def swap_rows(self, a: int, b: int) -> None:
@@ -367,9 +409,18 @@ class WindowedCache(KVCache):
     back into a longer forward) is refused in one line. Draft-tree paths move inside the ring as in
     the buffers (`commit`)."""
 
-    def __init__(self, sliding: list[bool], window: int, rows: int, num_kv_heads: int, max_length: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 verify_span: int = 64):
+    def __init__(
+        self,
+        sliding: list[bool],
+        window: int,
+        rows: int,
+        num_kv_heads: int,
+        max_length: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        verify_span: int = 64,
+    ):
         full = [i for i, is_sliding in enumerate(sliding) if not is_sliding]
         super().__init__(len(full), rows, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
         self.kv_slot = {layer: slot for slot, layer in enumerate(full)}
@@ -390,8 +441,10 @@ class WindowedCache(KVCache):
             held = self.ring_positions[row]
             needed = min(self.window - 1, length)
             if int(((held >= length - needed) & (held < length)).sum()) != needed:
-                raise LoopspecError(f"row {row} rolled back to length {length}, past what its sliding-window layers "
-                                    f"keep (the last {self.ring} positions of its latest forward)")
+                raise LoopspecError(
+                    f"row {row} rolled back to length {length}, past what its sliding-window layers "
+                    f"keep (the last {self.ring} positions of its latest forward)"
+                )
         return write
 
     def attended(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, window: int | None):
@@ -419,7 +472,9 @@ class WindowedCache(KVCache):
             among_new = torch.gather(step.mask[:, 0], 2, new_slots[:, None, :].expand(B, T, T))  # [B, T, T]
         among_new = among_new & (queries[:, None, :] > queries[:, :, None] - window)
         if step.counts is not None:  # a padding token's K/V are junk: no query sees them
-            among_new = among_new & (torch.arange(T, device=k.device)[None, None, :] < step.counts.to(k.device)[:, None, None])
+            among_new = among_new & (
+                torch.arange(T, device=k.device)[None, None, :] < step.counts.to(k.device)[:, None, None]
+            )
         mask = torch.cat([old, among_new], dim=-1)[:, None]  # [B, 1, T, ring + T]
         keys = torch.cat([self.ring_k[slot, rows], k], dim=2)
         values = torch.cat([self.ring_v[slot, rows], v], dim=2)

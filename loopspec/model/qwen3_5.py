@@ -38,6 +38,7 @@ HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
 @dataclass(frozen=True)
 class LinearAttentionConfig:
     """The Gated DeltaNet layers' widths (HF linear_* fields)."""
+
     conv_kernel: int  # linear_conv_kernel_dim: the causal conv sees this many inputs, the current one included
     key_head_dim: int
     value_head_dim: int
@@ -79,26 +80,39 @@ def read_qwen3_5_config(hf: dict) -> TargetConfig:
     text = text_config(hf)
     family = hybrid_family(hf.get("model_type"))
     widths = {}
-    for key in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-                "linear_num_value_heads"):
+    for key in (
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+    ):
         value = text.get(key)
         if not isinstance(value, int) or value < 1:
             raise LoopspecError(f"{family} config.json needs a positive integer {key}, got {value!r}")
         widths[key] = value
-    linear = LinearAttentionConfig(widths["linear_conv_kernel_dim"], widths["linear_key_head_dim"],
-                                   widths["linear_value_head_dim"], widths["linear_num_key_heads"],
-                                   widths["linear_num_value_heads"])
+    linear = LinearAttentionConfig(
+        widths["linear_conv_kernel_dim"],
+        widths["linear_key_head_dim"],
+        widths["linear_value_head_dim"],
+        widths["linear_num_key_heads"],
+        widths["linear_num_value_heads"],
+    )
     if linear.num_value_heads % linear.num_key_heads:
-        raise LoopspecError(f"{family} config.json's linear_num_value_heads ({linear.num_value_heads}) must be a "
-                            f"multiple of linear_num_key_heads ({linear.num_key_heads})")
+        raise LoopspecError(
+            f"{family} config.json's linear_num_value_heads ({linear.num_value_heads}) must be a "
+            f"multiple of linear_num_key_heads ({linear.num_key_heads})"
+        )
     layers = text.get("num_hidden_layers", 0)
     types = text.get("layer_types")
     if types is None:  # transformers' default: every `full_attention_interval`-th layer is full attention
         interval = text.get("full_attention_interval", 4)
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers or set(types) - set(HYBRID_LAYER_TYPES):
-        raise LoopspecError(f"{family} config.json's layer_types must name linear_attention or full_attention for "
-                            f"each of its {layers} layers, got {types}")
+        raise LoopspecError(
+            f"{family} config.json's layer_types must name linear_attention or full_attention for "
+            f"each of its {layers} layers, got {types}"
+        )
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     factor = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
     experts = None
@@ -108,12 +122,22 @@ def read_qwen3_5_config(hf: dict) -> TargetConfig:
         experts = moe_experts(text, family, tuple(range(layers)), norm_topk_prob=True)
     if experts is not None and len(experts.sparse_layers) == layers:  # no dense feed-forward: its width is unused
         text = {"intermediate_size": text.get("moe_intermediate_size"), **text}
-    cfg = dense_config(text, family=family, qk_norm=True, attention_output_gate=True, norm_plus_one=True,
-                       partial_rotary_factor=factor, layer_types=list(types), experts=experts,
-                       linear_attention=linear if "linear_attention" in types else None)
+    cfg = dense_config(
+        text,
+        family=family,
+        qk_norm=True,
+        attention_output_gate=True,
+        norm_plus_one=True,
+        partial_rotary_factor=factor,
+        layer_types=list(types),
+        experts=experts,
+        linear_attention=linear if "linear_attention" in types else None,
+    )
     if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
-        raise LoopspecError(f"{family} config.json's partial_rotary_factor {factor} turns {cfg.rotary_dim} of "
-                            f"{cfg.head_dim} head dims: RoPE needs a positive even number")
+        raise LoopspecError(
+            f"{family} config.json's partial_rotary_factor {factor} turns {cfg.rotary_dim} of "
+            f"{cfg.head_dim} head dims: RoPE needs a positive even number"
+        )
     return cfg
 
 
@@ -123,9 +147,15 @@ def moe_experts(text: dict, family: str, sparse_layers: tuple[int, ...], norm_to
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if not isinstance(text.get(key), int) or text[key] < 1:
             raise LoopspecError(f"{family} config.json needs a positive integer {key}, got {text.get(key)!r}")
-    return ExpertsConfig(text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"],
-                         sparse_layers, routing="softmax_topk", norm_topk_prob=norm_topk_prob,
-                         shared_intermediate_size=text["shared_expert_intermediate_size"])
+    return ExpertsConfig(
+        text["num_experts"],
+        text["num_experts_per_tok"],
+        text["moe_intermediate_size"],
+        sparse_layers,
+        routing="softmax_topk",
+        norm_topk_prob=norm_topk_prob,
+        shared_intermediate_size=text["shared_expert_intermediate_size"],
+    )
 
 
 def next_experts(text: dict, layers: int) -> ExpertsConfig | None:
@@ -135,32 +165,39 @@ def next_experts(text: dict, layers: int) -> ExpertsConfig | None:
         return None
     step, dense_layers = text.get("decoder_sparse_step", 1), text.get("mlp_only_layers") or []
     if not isinstance(step, int) or step < 1 or not isinstance(dense_layers, list):
-        raise LoopspecError(f"qwen3_next config.json needs a positive integer decoder_sparse_step and a list "
-                            f"mlp_only_layers, got {step!r} and {dense_layers!r}")
+        raise LoopspecError(
+            f"qwen3_next config.json needs a positive integer decoder_sparse_step and a list "
+            f"mlp_only_layers, got {step!r} and {dense_layers!r}"
+        )
     sparse = tuple(i for i in range(layers) if i not in dense_layers and (i + 1) % step == 0)
     return moe_experts(text, "qwen3_next", sparse, norm_topk_prob=bool(text.get("norm_topk_prob", True)))
 
 
-def linear_attention_state(take, prefix: str, cfg: TargetConfig, fused_per_group: bool = False
-                           ) -> dict[str, torch.Tensor]:
+def linear_attention_state(
+    take, prefix: str, cfg: TargetConfig, fused_per_group: bool = False
+) -> dict[str, torch.Tensor]:
     """One Gated DeltaNet layer's tensors under `prefix` (`layers.i.linear_attn.`): in_proj_qkv, _z, _b
     and _a fused into one matmul (Qwen3-Next's in_proj_qkvz and in_proj_ba with `fused_per_group`),
     the rest as the checkpoint holds them."""
     if fused_per_group:
-        in_proj = ungroup_qwen3_next_projections(take(prefix + "in_proj_qkvz.weight"),
-                                                 take(prefix + "in_proj_ba.weight"), cfg, prefix)
+        in_proj = ungroup_qwen3_next_projections(
+            take(prefix + "in_proj_qkvz.weight"), take(prefix + "in_proj_ba.weight"), cfg, prefix
+        )
     else:
         in_proj = torch.cat([take(prefix + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])
-    return {prefix + "in_proj.weight": in_proj,
-            prefix + "conv_weight": take(prefix + "conv1d.weight"),
-            prefix + "dt_bias": take(prefix + "dt_bias"),
-            prefix + "A_log": take(prefix + "A_log"),
-            prefix + "norm.weight": take(prefix + "norm.weight"),
-            prefix + "out_proj.weight": take(prefix + "out_proj.weight")}
+    return {
+        prefix + "in_proj.weight": in_proj,
+        prefix + "conv_weight": take(prefix + "conv1d.weight"),
+        prefix + "dt_bias": take(prefix + "dt_bias"),
+        prefix + "A_log": take(prefix + "A_log"),
+        prefix + "norm.weight": take(prefix + "norm.weight"),
+        prefix + "out_proj.weight": take(prefix + "out_proj.weight"),
+    }
 
 
-def ungroup_qwen3_next_projections(qkvz: torch.Tensor, ba: torch.Tensor, cfg: TargetConfig,
-                                   prefix: str) -> torch.Tensor:
+def ungroup_qwen3_next_projections(
+    qkvz: torch.Tensor, ba: torch.Tensor, cfg: TargetConfig, prefix: str
+) -> torch.Tensor:
     """Qwen3-Next's fused projections → GatedDeltaNet's in_proj rows [q | k | v | z | b | a]. Its rows
     run per key head h: in_proj_qkvz holds q_h (dk), k_h (dk), then v and z of the key head's group of
     value heads (group × dv each); in_proj_ba holds b then a of that group (group each). A value head's
@@ -168,14 +205,18 @@ def ungroup_qwen3_next_projections(qkvz: torch.Tensor, ba: torch.Tensor, cfg: Ta
     dims: LinearAttentionConfig = cfg.linear_attention
     group = dims.num_value_heads // dims.num_key_heads
     qkvz_rows = 2 * dims.key_head_dim + 2 * group * dims.value_head_dim  # per key head
-    for name, tensor, rows in (("in_proj_qkvz", qkvz, dims.num_key_heads * qkvz_rows),
-                               ("in_proj_ba", ba, 2 * dims.num_value_heads)):
+    for name, tensor, rows in (
+        ("in_proj_qkvz", qkvz, dims.num_key_heads * qkvz_rows),
+        ("in_proj_ba", ba, 2 * dims.num_value_heads),
+    ):
         if tuple(tensor.shape) != (rows, cfg.hidden_size):
-            raise LoopspecError(f"{prefix}{name}.weight has shape {list(tensor.shape)}, not [{rows}, "
-                                f"{cfg.hidden_size}]")
+            raise LoopspecError(
+                f"{prefix}{name}.weight has shape {list(tensor.shape)}, not [{rows}, {cfg.hidden_size}]"
+            )
     per_head = qkvz.reshape(dims.num_key_heads, qkvz_rows, cfg.hidden_size)  # [Hk, 2dk + 2·group·dv, H]
-    q, k, v, z = per_head.split((dims.key_head_dim, dims.key_head_dim, group * dims.value_head_dim,
-                                 group * dims.value_head_dim), dim=1)
+    q, k, v, z = per_head.split(
+        (dims.key_head_dim, dims.key_head_dim, group * dims.value_head_dim, group * dims.value_head_dim), dim=1
+    )
     b, a = ba.reshape(dims.num_key_heads, 2 * group, cfg.hidden_size).split((group, group), dim=1)  # [Hk, group, H]
     return torch.cat([part.reshape(-1, cfg.hidden_size) for part in (q, k, v, z, b, a)])
 
@@ -269,7 +310,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [B, T, Hv]
         # the rule's layout [B, Hv, T, ·] in fp32, as transformers computes it whatever the model's dtype
         q, k, v, beta, g = (t.transpose(1, 2).contiguous().to(torch.float32) for t in (q, k, v, beta, g))
-        q = q * (1 / (dims.key_head_dim ** 0.5))
+        q = q * (1 / (dims.key_head_dim**0.5))
         counts = torch.full((B,), T) if step.counts is None else step.counts
         if bool((counts < T).any()):  # padding keeps the state exactly: decay exp(0) = 1, write strength 0
             padding = (torch.arange(T)[None, :] >= counts[:, None]).to(x.device)[:, None, :]  # [B, 1, T]

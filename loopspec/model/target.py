@@ -97,8 +97,10 @@ def dense_config(hf: dict, **family_fields) -> TargetConfig:
     fields.update(family_fields)
     cfg = TargetConfig(**fields)
     if cfg.layer_types and (len(cfg.layer_types) != cfg.num_layers or set(cfg.layer_types) - set(LAYER_TYPES)):
-        raise LoopspecError(f"target config.json's layer_types must name one of {', '.join(LAYER_TYPES)} for each "
-                            f"of its {cfg.num_layers} layers, got {cfg.layer_types}")
+        raise LoopspecError(
+            f"target config.json's layer_types must name one of {', '.join(LAYER_TYPES)} for each "
+            f"of its {cfg.num_layers} layers, got {cfg.layer_types}"
+        )
     if "sliding_attention" in cfg.layer_types and not (cfg.sliding_window or 0) > 0:
         raise LoopspecError("target config.json has sliding_attention layers but no positive sliding_window")
     return cfg
@@ -311,8 +313,17 @@ class LayerStep:
     (its padding must not advance a row's state) and `keep_states` (whether the cache keeps the state
     after each new token, so that the forward can be rolled back inside)."""
 
-    def __init__(self, cos, sin, cache: KVCache, write: KVWrite, mask: torch.Tensor | None,
-                 positions: torch.Tensor, counts: torch.Tensor | None = None, keep_states: bool = False):
+    def __init__(
+        self,
+        cos,
+        sin,
+        cache: KVCache,
+        write: KVWrite,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        counts: torch.Tensor | None = None,
+        keep_states: bool = False,
+    ):
         self.cos, self.sin = cos, sin  # [B, 1, T, rotary dims]
         self.cache, self.write = cache, write
         self.mask = mask  # [B, 1, T, keys] bool, or None: every slot up to the query is seen
@@ -340,9 +351,9 @@ def key_positions(write: KVWrite, positions: torch.Tensor, lengths: torch.Tensor
     keys = torch.arange(write.keys, device=positions.device).expand(B, -1).clone()  # [B, keys]
     if write.start is not None:
         width = min(T, write.keys - write.start)
-        keys[:, write.start:write.start + width] = positions[:, :width]
+        keys[:, write.start : write.start + width] = positions[:, :width]
     elif write.row_index is None:
-        keys[0, write.slots] = positions[0, :write.slots.shape[0]]
+        keys[0, write.slots] = positions[0, : write.slots.shape[0]]
     else:
         keys[write.row_index, write.slots] = positions[write.row_index, write.token_index]
     return keys
@@ -459,9 +470,7 @@ class Target(nn.Module):
     def set_taps(self, target_layer_ids: list[int]) -> None:
         for layer in target_layer_ids:
             if not 0 <= layer < self.cfg.num_layers:
-                raise LoopspecError(
-                    f"tap layer {layer} is out of range for a target with {self.cfg.num_layers} layers"
-                )
+                raise LoopspecError(f"tap layer {layer} is out of range for a target with {self.cfg.num_layers} layers")
         self.target_layer_ids = list(target_layer_ids)
 
     def new_cache(self, max_length: int, rows: int = 1) -> KVCache:
@@ -472,19 +481,43 @@ class Target(nn.Module):
         length = min(max_length, self.cfg.max_position_embeddings)
         if self.cfg.linear_attention is not None:
             linear = [self.cfg.layer_type(i) == "linear_attention" for i in range(self.cfg.num_layers)]
-            return RecurrentCache(linear, self.cfg.linear_attention, rows, self.cfg.num_kv_heads, length,
-                                  self.cfg.head_dim, dtype=p.dtype, device=p.device)
+            return RecurrentCache(
+                linear,
+                self.cfg.linear_attention,
+                rows,
+                self.cfg.num_kv_heads,
+                length,
+                self.cfg.head_dim,
+                dtype=p.dtype,
+                device=p.device,
+            )
         sliding = [self.cfg.layer_type(i) == "sliding_attention" for i in range(self.cfg.num_layers)]
         if any(sliding):
-            return WindowedCache(sliding, self.cfg.sliding_window, rows, self.cfg.num_kv_heads, length,
-                                 self.cfg.head_dim, dtype=p.dtype, device=p.device)
-        return KVCache(self.cfg.num_layers, rows, self.cfg.num_kv_heads, length, self.cfg.head_dim,
-                       dtype=p.dtype, device=p.device)
+            return WindowedCache(
+                sliding,
+                self.cfg.sliding_window,
+                rows,
+                self.cfg.num_kv_heads,
+                length,
+                self.cfg.head_dim,
+                dtype=p.dtype,
+                device=p.device,
+            )
+        return KVCache(
+            self.cfg.num_layers, rows, self.cfg.num_kv_heads, length, self.cfg.head_dim, dtype=p.dtype, device=p.device
+        )
 
     @torch.no_grad()  # not inference_mode: taps feed drafter training, whose autograd must save them
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, want_taps: bool = True,
-                last_logits_only: bool = False, first_row: int = 0,
-                counts: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> TargetOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        want_taps: bool = True,
+        last_logits_only: bool = False,
+        first_row: int = 0,
+        counts: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+    ) -> TargetOutput:
         """Rows first_row.. of `cache`, each after its own length: row b runs its first counts[b]
         tokens of `input_ids` [B, T] (right-padded; counts a host tensor [B], default all T) and
         advances by counts[b]. Row b's outputs equal those of running its tokens alone (fp32
@@ -501,8 +534,10 @@ class Target(nn.Module):
         each of them, so that the row may be rolled back to any length inside this forward."""
         B, T = input_ids.shape
         if tree_mask is not None and self.cfg.linear_attention is not None:
-            raise LoopspecError(f"a {self.cfg.family} target's linear-attention state follows one path: "
-                                "it verifies chains, not draft trees")
+            raise LoopspecError(
+                f"a {self.cfg.family} target's linear-attention state follows one path: "
+                "it verifies chains, not draft trees"
+            )
         counts = torch.full((B,), T) if counts is None else counts
         write = cache.plan(first_row, counts, T)
         dev = input_ids.device
@@ -517,8 +552,9 @@ class Target(nn.Module):
         last = (counts - 1).to(dev) if last_logits_only else None
         # a caller that reads only the last logits (a prefill) accepts no prefix of the forward: no
         # recurrent state inside it is worth keeping for a rollback
-        step = LayerStep(cos[:, None], sin[:, None], cache, write, mask, positions, counts,
-                         keep_states=not last_logits_only)
+        step = LayerStep(
+            cos[:, None], sin[:, None], cache, write, mask, positions, counts, keep_states=not last_logits_only
+        )
         out = self._stack(self.embed_tokens(input_ids), step, want_taps, last)
         cache.lengths[write.rows] = starts + counts
         return out

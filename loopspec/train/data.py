@@ -29,8 +29,9 @@ from loopspec.train.samples import Sample, read_samples, safe_name, sample_id, s
 
 
 # (target, prompts, max_new_tokens, stop ids, sampling, generator) → per prompt (response tokens, finish reason)
-Respond = Callable[[Target, list[list[int]], int, set[int], SamplingParams, torch.Generator],
-                   list[tuple[list[int], str]]]
+Respond = Callable[
+    [Target, list[list[int]], int, set[int], SamplingParams, torch.Generator], list[tuple[list[int], str]]
+]
 
 
 def cut_unterminated_line(path: Path) -> None:
@@ -45,13 +46,20 @@ def cut_unterminated_line(path: Path) -> None:
 PREFILL_TOKENS_PER_ROW = 512
 
 
-def generation_settings(tokenizer, *, max_new_tokens: int, max_prompt_tokens: int, params: SamplingParams,
-                        seed: int) -> dict:
+def generation_settings(
+    tokenizer, *, max_new_tokens: int, max_prompt_tokens: int, params: SamplingParams, seed: int
+) -> dict:
     """Everything a sample depends on besides the target and its prompt: data resumes only with equal settings."""
     template = getattr(tokenizer, "chat_template", None)
-    return {"max_new_tokens": max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
-            "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest() if template else None}
+    return {
+        "max_new_tokens": max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_prompt_tokens": max_prompt_tokens,
+        "seed": seed,
+        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest() if template else None,
+    }
 
 
 def plan_batches(todo: list[Sample], batch_size: int) -> list[list[Sample]]:
@@ -61,8 +69,11 @@ def plan_batches(todo: list[Sample], batch_size: int) -> list[list[Sample]]:
     for file in dict.fromkeys(s.file for s in todo):
         mine: list[list[Sample]] = []
         for s in sorted((s for s in todo if s.file == file), key=lambda s: s.prompt_len):
-            if mine and len(mine[-1]) < batch_size and \
-                    (len(mine[-1]) + 1) * s.prompt_len <= batch_size * PREFILL_TOKENS_PER_ROW:
+            if (
+                mine
+                and len(mine[-1]) < batch_size
+                and (len(mine[-1]) + 1) * s.prompt_len <= batch_size * PREFILL_TOKENS_PER_ROW
+            ):
                 mine[-1].append(s)
             else:
                 mine.append([s])
@@ -78,11 +89,27 @@ def teacher_forced_taps(target: Target, tokens: list[int]) -> torch.Tensor:
     return out.taps[0, : len(tokens) - 1]
 
 
-def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tokenizer, out_dir: str | Path,
-               stop_ids: set[int], max_new_tokens: int = 256, batch_size: int = 16, limit: int | None = None,
-               max_prompt_tokens: int = 2048, params: SamplingParams = SamplingParams(), seed: int = 0,
-               cache_taps: bool = False, tap_layer_ids: list[int] | None = None, target_hash: str = "",
-               kept_dir: str | Path | None = None, progress: bool = True, respond: Respond) -> dict:
+def build_data(
+    *,
+    prompt_files: list[str],
+    target_dir: Path,
+    target: Target,
+    tokenizer,
+    out_dir: str | Path,
+    stop_ids: set[int],
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    limit: int | None = None,
+    max_prompt_tokens: int = 2048,
+    params: SamplingParams = SamplingParams(),
+    seed: int = 0,
+    cache_taps: bool = False,
+    tap_layer_ids: list[int] | None = None,
+    target_hash: str = "",
+    kept_dir: str | Path | None = None,
+    progress: bool = True,
+    respond: Respond,
+) -> dict:
     """Regenerate the responses of every prompt not yet in out_dir; prompts whose sample is in kept_dir
     are copied from it. `respond` decodes a batch of prompts (the runtime's decoder, handed in by
     the caller: training code does not import the runtime). With cache_taps, every sample's taps come
@@ -95,8 +122,9 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
     names = [Path(f).name for f in prompt_files]
     if len(set(names)) < len(names):
         raise LoopspecError(f"two prompt files have the same name ({', '.join(names)}): sample ids would collide")
-    generation = generation_settings(tokenizer, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-                                     params=params, seed=seed)
+    generation = generation_settings(
+        tokenizer, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, params=params, seed=seed
+    )
     settings = {**generation, "tap_layer_ids": tap_layer_ids if cache_taps else None}
     kept = read_kept(kept_dir, target_hash, generation) if kept_dir is not None else {}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -125,8 +153,9 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
             if k is None:
                 todo.append(Sample(sid, ids, len(ids), "", name, line))
             elif k.tokens[: k.prompt_len] != ids:
-                raise LoopspecError(f"kept sample {sid} has another prompt than {path}:{line} "
-                                    "(prompt file or tokenizer changed)")
+                raise LoopspecError(
+                    f"kept sample {sid} has another prompt than {path}:{line} (prompt file or tokenizer changed)"
+                )
             else:
                 reuse.append(k)
     if cache_taps:
@@ -139,11 +168,18 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
     written: list[Sample] = []
 
     def write_manifest() -> None:
-        manifest = {"kind": "loopspec-training-data", "target": str(target_dir), "target_sha256": target_hash,
-                    "prompt_files": [str(p) for p in prompt_files], "settings": settings,
-                    "samples": len(done) + len(written), "skipped_long_prompts": skipped,
-                    "copied_from_kept_this_run": sum(1 for s in written if s.id in kept),
-                    "generated_tokens_this_run": new_tokens, "seconds_this_run": round(time.time() - t0, 1)}
+        manifest = {
+            "kind": "loopspec-training-data",
+            "target": str(target_dir),
+            "target_sha256": target_hash,
+            "prompt_files": [str(p) for p in prompt_files],
+            "settings": settings,
+            "samples": len(done) + len(written),
+            "skipped_long_prompts": skipped,
+            "copied_from_kept_this_run": sum(1 for s in written if s.id in kept),
+            "generated_tokens_this_run": new_tokens,
+            "seconds_this_run": round(time.time() - t0, 1),
+        }
         manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
 
     def write(f, s: Sample, taps: torch.Tensor | None) -> None:
@@ -162,8 +198,11 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
             rows = respond(target, [s.tokens for s in batch], max_new_tokens, stop_ids, params, generator)
             for s, (response, finish) in zip(batch, rows):
                 tokens = s.tokens + response
-                write(f, Sample(s.id, tokens, s.prompt_len, finish, s.file, s.line),
-                      teacher_forced_taps(target, tokens) if cache_taps else None)
+                write(
+                    f,
+                    Sample(s.id, tokens, s.prompt_len, finish, s.file, s.line),
+                    teacher_forced_taps(target, tokens) if cache_taps else None,
+                )
                 new_tokens += len(response)
             f.flush()
             write_manifest()
@@ -173,9 +212,21 @@ def build_data(*, prompt_files: list[str], target_dir: Path, target: Target, tok
     return json.loads(manifest_path.read_text())
 
 
-def write_prompts(*, target: Target, tokenizer, out_path: str | Path, count: int, stop_ids: set[int],
-                  params: SamplingParams, seed: int = 0, max_prompt_tokens: int = 256, batch_size: int = 16,
-                  starts_with: str = "", progress: bool = True, respond: Respond) -> dict:
+def write_prompts(
+    *,
+    target: Target,
+    tokenizer,
+    out_path: str | Path,
+    count: int,
+    stop_ids: set[int],
+    params: SamplingParams,
+    seed: int = 0,
+    max_prompt_tokens: int = 256,
+    batch_size: int = 16,
+    starts_with: str = "",
+    progress: bool = True,
+    respond: Respond,
+) -> dict:
     """The target writes user prompts: sampled continuations of its chat template's user header
     (`user_turn_prefix_ids`), appended to out_path as `{"turns": [text]}` lines until it holds `count`;
     every prompt begins with `starts_with` (e.g. "Write a Python function" steers the topic to code).
@@ -193,8 +244,11 @@ def write_prompts(*, target: Target, tokenizer, out_path: str | Path, count: int
     prefix = user_turn_prefix_ids(tokenizer) + start
     if out_path.is_file():
         cut_unterminated_line(out_path)  # a prompt a killed run left half-written
-    seen = {turns[0] for _, turns in read_conversations(out_path)} if out_path.is_file() and \
-        out_path.read_text(encoding="utf-8").strip() else set()
+    seen = (
+        {turns[0] for _, turns in read_conversations(out_path)}
+        if out_path.is_file() and out_path.read_text(encoding="utf-8").strip()
+        else set()
+    )
     if len(seen) >= count:
         return {"prompts": len(seen), "written_this_run": 0, "tries_this_run": 0}
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,8 +256,10 @@ def write_prompts(*, target: Target, tokenizer, out_path: str | Path, count: int
     generator = torch.Generator().manual_seed(seed * 1_000_003 + len(seen))
     tries = written = 0
     max_tries = 20 * (count - len(seen)) + batch_size  # a model that rarely ends a prompt stops here, not never
-    with open(out_path, "a", encoding="utf-8") as f, \
-            tqdm(total=count, initial=len(seen), desc="writing prompts", disable=not progress) as bar:
+    with (
+        open(out_path, "a", encoding="utf-8") as f,
+        tqdm(total=count, initial=len(seen), desc="writing prompts", disable=not progress) as bar,
+    ):
         while len(seen) < count:
             rows = respond(target, [prefix] * batch_size, max_prompt_tokens, stop_ids, params, generator)
             tries += batch_size
@@ -217,7 +273,9 @@ def write_prompts(*, target: Target, tokenizer, out_path: str | Path, count: int
                 bar.update(1)
             f.flush()
             if len(seen) < count and tries >= max_tries:
-                raise LoopspecError(f"the target ended only {written} usable prompts in {tries} tries (within "
-                                    f"{max_prompt_tokens} tokens, distinct, not blank); {out_path} keeps them "
-                                    "and re-running continues (a higher --max-prompt-tokens may help)")
+                raise LoopspecError(
+                    f"the target ended only {written} usable prompts in {tries} tries (within "
+                    f"{max_prompt_tokens} tokens, distinct, not blank); {out_path} keeps them "
+                    "and re-running continues (a higher --max-prompt-tokens may help)"
+                )
     return {"prompts": len(seen), "written_this_run": written, "tries_this_run": tries}

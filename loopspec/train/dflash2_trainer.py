@@ -34,8 +34,9 @@ from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, samp
 SELECTOR_WEIGHT = 1.0  # the selector's cross-entropy beside the block's (SpecForge's default alpha)
 
 
-def selector_scores(drafter: DFlash2Drafter, states: torch.Tensor, unary_logits: torch.Tensor,
-                    previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def selector_scores(
+    drafter: DFlash2Drafter, states: torch.Tensor, unary_logits: torch.Tensor, previous: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every drafting slot at once, each after a given predecessor: states [..., H] (final-norm states
     of the slots), their unary logits [..., V], previous [...] (the token before each slot) →
     (scores [..., K] of the slot's top-K unary candidates, those candidates [..., K]) — what the walk
@@ -52,14 +53,19 @@ class DFlash2Trainer(DrafterTrainer):
     """DFlash's block loss on the unary logits plus the selector's (module docstring), with the calls
     `train_drafter` makes of a trainer."""
 
-    def __init__(self, target: Target, drafter: DFlash2Drafter, cfg: TrainConfig, draft_vocab: DraftVocab | None = None):
+    def __init__(
+        self, target: Target, drafter: DFlash2Drafter, cfg: TrainConfig, draft_vocab: DraftVocab | None = None
+    ):
         if draft_vocab is not None:
-            raise LoopspecError("a DFlash2 drafter's selector ranks the target head's top-k over the whole "
-                                "vocabulary: a reduced draft vocabulary does not apply to it")
+            raise LoopspecError(
+                "a DFlash2 drafter's selector ranks the target head's top-k over the whole "
+                "vocabulary: a reduced draft vocabulary does not apply to it"
+            )
         super().__init__(target, drafter, cfg, None)
 
-    def stage(self, tokens: torch.Tensor, anchors: torch.Tensor, ctx_k: torch.Tensor,
-              ctx_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def stage(
+        self, tokens: torch.Tensor, anchors: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One block per anchor, each a row over the context before its anchor (ctx_k/v [N, 1, kvh, C, hd]
         of positions 0..C-1), as the torch engine drafts → (positions [n, B], final-norm hidden [n, B, H])."""
         B, n, C = self.drafter.cfg.block_size, anchors.numel(), ctx_k.shape[3]
@@ -70,8 +76,9 @@ class DFlash2Trainer(DrafterTrainer):
             embeds = self.target.embed_tokens(ids)  # [n, B, H]
         slots = torch.arange(C + B)[None]
         mask = ((slots < anchors[:, None]) | (slots >= C))[:, None, None]  # [n, 1, 1, C + B]: its context, its block
-        hidden = self.drafter(embeds, positions[:, None], ctx_k.expand(-1, n, -1, -1, -1),
-                              ctx_v.expand(-1, n, -1, -1, -1), mask)  # [n, B, H]
+        hidden = self.drafter(
+            embeds, positions[:, None], ctx_k.expand(-1, n, -1, -1, -1), ctx_v.expand(-1, n, -1, -1, -1), mask
+        )  # [n, B, H]
         return positions, hidden
 
     def _chunk_loss(self, tokens, loss_mask, anchors, ctx_k, ctx_v, target_logits):
@@ -91,8 +98,11 @@ class DFlash2Trainer(DrafterTrainer):
         covered = hit.any(-1)  # [R]
         ce = F.cross_entropy(scores[covered].float(), hit[covered].long().argmax(-1), reduction="none")
         picked = candidates.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]  # the walk's pick after the data's token
-        stats = {"selector_slots": int(labels.numel()), "selector_covered": int(covered.sum()),
-                 "selector_correct": int((picked == labels).sum())}
+        stats = {
+            "selector_slots": int(labels.numel()),
+            "selector_covered": int(covered.sum()),
+            "selector_correct": int((picked == labels).sum()),
+        }
         return SELECTOR_WEIGHT * (weights[covered] * ce).sum(), stats
 
     def loop_sequence_loss(self, *args, **kwargs):
@@ -100,8 +110,14 @@ class DFlash2Trainer(DrafterTrainer):
         raise LoopspecError("loop-aware training of DFlash2 drafters is not implemented")
 
     @torch.no_grad()
-    def expected_tau(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
-                     max_anchors: int = 64, top_ks: tuple[int, ...] = ()) -> tuple[dict, int]:
+    def expected_tau(
+        self,
+        tokens: torch.Tensor,
+        loss_mask: torch.Tensor,
+        taps: torch.Tensor,
+        max_anchors: int = 64,
+        top_ks: tuple[int, ...] = (),
+    ) -> tuple[dict, int]:
         """Held-out acceptance over anchors of one sequence, drafted by the selector's walk as inference
         drafts it → ({"tau": Σ 1 + the leading drafts equal to the data's tokens, k: the same where the
         data's token is among the slot's k best candidates scored after the walk's token}, anchors)."""
@@ -113,7 +129,7 @@ class DFlash2Trainer(DrafterTrainer):
         ctx_k, ctx_v = self.drafter.context_kv(features, torch.arange(L - 1))
         positions, hidden = self.stage(tokens, anchors, ctx_k, ctx_v)
         drafts = selector_stage(self.drafter, hidden, tokens[anchors], self.target.lm_head)[0]  # [n, D, C]
-        drafted = positions[:, self.first:]  # [n, D] the position each slot drafts
+        drafted = positions[:, self.first :]  # [n, D] the position each slot drafts
         labels = tokens[drafted.clamp(max=L - 1)]
         counted = (drafted < L) & loss_mask[drafted.clamp(max=L - 1)]
 

@@ -32,14 +32,20 @@ from loopspec.train.trainer import DraftVocab, TrainConfig, sample_anchors
 STEP_DECAY = 0.8  # SpecForge's loss weight of TTT step j: 0.8^(j-1)
 
 
-def unrolled_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, own_k: list[torch.Tensor],
-                       own_v: list[torch.Tensor], ctx_mask: torch.Tensor) -> torch.Tensor:
+def unrolled_attention(
+    q: torch.Tensor,
+    ctx_k: torch.Tensor,
+    ctx_v: torch.Tensor,
+    own_k: list[torch.Tensor],
+    own_v: list[torch.Tensor],
+    ctx_mask: torch.Tensor,
+) -> torch.Tensor:
     """One TTT step's attention without a dense mask over every step's keys: queries q [1, h, R, hd]
     over the context's keys ctx_k/v [1, kvh, P, hd] where ctx_mask [R, P] allows (the entries up to the
     row's own), and over each row's own earlier steps and this one (own_k/v: [1, kvh, R, hd] each,
     row r's key at row r) → [1, h, R, hd]."""
     heads, kv_heads, dim = q.shape[1], ctx_k.shape[1], q.shape[-1]
-    group, scale = heads // kv_heads, dim ** -0.5
+    group, scale = heads // kv_heads, dim**-0.5
     keys, values = ctx_k.repeat_interleave(group, 1), ctx_v.repeat_interleave(group, 1)  # [1, h, P, hd]
     scores = (q @ keys.transpose(-1, -2)) * scale  # [1, h, R, P]
     scores = scores.float().masked_fill(~ctx_mask, float("-inf"))
@@ -67,16 +73,18 @@ class Eagle3Trainer:
         self.draft_vocab = draft_vocab
         rows = drafter.cfg.vocab_size if draft_vocab is None else draft_vocab.ids.numel()
         if rows != drafter.cfg.draft_vocab_size:
-            raise LoopspecError(f"the drafter's lm_head has {drafter.cfg.draft_vocab_size} rows, its draft vocabulary "
-                                f"{rows} tokens")
+            raise LoopspecError(
+                f"the drafter's lm_head has {drafter.cfg.draft_vocab_size} rows, its draft vocabulary {rows} tokens"
+            )
         self.steps = cfg.ttt_steps
         target.set_taps(drafter.cfg.target_layer_ids)
 
     @torch.no_grad()
     def target_pass(self, tokens: torch.Tensor, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Teacher-forced target forward → taps [L, 3*H] (and logits [L, V] when asked)."""
-        out = self.target(tokens[None], self.target.new_cache(tokens.numel()), want_taps=True,
-                          last_logits_only=not want_logits)
+        out = self.target(
+            tokens[None], self.target.new_cache(tokens.numel()), want_taps=True, last_logits_only=not want_logits
+        )
         return out.taps[0], (out.logits[0] if want_logits else None)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -98,8 +106,9 @@ class Eagle3Trainer:
         outs, own_k, own_v = [out[0]], [], []
         for j in range(2, steps + 1):
             following = tokens[(rows + j).clamp(max=L - 1)]  # token p+j (past the end: a row no label reads)
-            q, k, v, residual = drafter.project(self._embed(following[None]), drafter.next_state(out),
-                                                (rows + j - 1)[None])
+            q, k, v, residual = drafter.project(
+                self._embed(following[None]), drafter.next_state(out), (rows + j - 1)[None]
+            )
             own_k.append(k)
             own_v.append(v)
             out = drafter.finish(residual, unrolled_attention(q, ctx_k, ctx_v, own_k, own_v, ctx_mask))
@@ -113,8 +122,14 @@ class Eagle3Trainer:
         return self.draft_vocab.target_to_draft(self.target.cfg.vocab_size)[labels]
 
     # ---- loss of one sequence ----------------------------------------------------------------------
-    def sequence_loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
-                      rng: random.Random, target_logits: torch.Tensor | None = None) -> tuple[torch.Tensor | None, dict]:
+    def sequence_loss(
+        self,
+        tokens: torch.Tensor,
+        loss_mask: torch.Tensor,
+        taps: torch.Tensor,
+        rng: random.Random,
+        target_logits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, dict]:
         """tokens/loss_mask [L]; taps [>= L-1, 3*H] → (Σ_j 0.8^(j-1) · CE sum of step j / step 1's
         label count, stats). `rng` and `target_logits` are the DFlash trainer's (anchors, KL): unused."""
         L = tokens.numel()
@@ -147,8 +162,14 @@ class Eagle3Trainer:
 
     # ---- held-out acceptance ---------------------------------------------------------------------
     @torch.no_grad()
-    def expected_tau(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
-                     max_anchors: int = 64, top_ks: tuple[int, ...] = ()) -> tuple[dict, int]:
+    def expected_tau(
+        self,
+        tokens: torch.Tensor,
+        loss_mask: torch.Tensor,
+        taps: torch.Tensor,
+        max_anchors: int = 64,
+        top_ks: tuple[int, ...] = (),
+    ) -> tuple[dict, int]:
         """Held-out acceptance of a stage of the drafter's block size (block_size - 1 steps) at up to
         `max_anchors` anchors (the DFlash trainer's: positions a where a and a+1 are supervised) →
         ({"tau": Σ 1 + leading drafts equal to the data's tokens, k: the same for the top k}, anchors).

@@ -35,13 +35,17 @@ def read_kept(directory: str | Path, target_hash: str, settings: dict) -> dict[s
     if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
         raise LoopspecError(f"{manifest_path} is not a kept data manifest (kind {KIND!r})")
     if manifest.get("target_sha256") != target_hash:
-        raise LoopspecError(f"{directory} was kept for another target (fingerprint "
-                            f"{str(manifest.get('target_sha256'))[:12]}…, this target's {target_hash[:12]}…)")
+        raise LoopspecError(
+            f"{directory} was kept for another target (fingerprint "
+            f"{str(manifest.get('target_sha256'))[:12]}…, this target's {target_hash[:12]}…)"
+        )
     kept_settings = manifest.get("settings") or {}
     if kept_settings != settings:
         differ = sorted(k for k in set(kept_settings) | set(settings) if kept_settings.get(k) != settings.get(k))
-        raise LoopspecError(f"{directory} was generated with other settings: " + ", ".join(
-            f"{k} {kept_settings.get(k)!r} there, {settings.get(k)!r} here" for k in differ))
+        raise LoopspecError(
+            f"{directory} was generated with other settings: "
+            + ", ".join(f"{k} {kept_settings.get(k)!r} there, {settings.get(k)!r} here" for k in differ)
+        )
     if not samples_path.is_file():
         raise LoopspecError(f"no {SAMPLES} in {directory}")
     data = samples_path.read_bytes()
@@ -54,8 +58,10 @@ def read_kept(directory: str | Path, target_hash: str, settings: dict) -> dict[s
         raise LoopspecError(f"{samples_path} is corrupt (not xz-compressed sample lines)") from None
     kept = {s.id: s for s in samples}
     if len(kept) != len(samples) or len(kept) != manifest.get("samples"):
-        raise LoopspecError(f"{samples_path} holds {len(samples)} samples ({len(kept)} distinct ids), "
-                            f"its manifest says {manifest.get('samples')}")
+        raise LoopspecError(
+            f"{samples_path} holds {len(samples)} samples ({len(kept)} distinct ids), "
+            f"its manifest says {manifest.get('samples')}"
+        )
     return kept
 
 
@@ -76,12 +82,15 @@ def pack_kept(data_dir: str | Path, kept_dir: str | Path) -> dict:
     kept = read_kept(kept_dir, target_hash, settings) if (kept_dir / "manifest.json").is_file() else {}
     for s in read_samples(data_dir):
         if not s.file or not s.line:
-            raise LoopspecError(f"{data_dir}: sample {s.id} has no prompt file and line (made by an older `loopspec data`)")
+            raise LoopspecError(
+                f"{data_dir}: sample {s.id} has no prompt file and line (made by an older `loopspec data`)"
+            )
         kept.setdefault(s.id, s)  # a sample already kept stays as it was kept
     files = list(dict.fromkeys(s.file for s in kept.values()))
     samples = sorted(kept.values(), key=lambda s: (files.index(s.file), s.line))
-    data = lzma.compress("".join(sample_json(s) + "\n" for s in samples).encode("utf-8"),
-                         preset=9 | lzma.PRESET_EXTREME)
+    data = lzma.compress(
+        "".join(sample_json(s) + "\n" for s in samples).encode("utf-8"), preset=9 | lzma.PRESET_EXTREME
+    )
     manifest = {
         "kind": KIND,
         "target": Path(data_manifest.get("target", "")).name,

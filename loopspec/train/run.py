@@ -31,12 +31,21 @@ TAP_CACHE_KIND = "loopspec-tap-cache"
 TUNED_SETTING_KEYS = ("tuned", "dloop")
 
 
-def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = None, block_size: int | None = None,
-                    target_layer_ids: list[int] | None = None, num_taps: int | None = None,
-                    mask_token: int | None = None, draft_vocab_size: int | None = None,
-                    data_dir: str | Path | None = None, seed: int = 0,
-                    heads: DSparkHeads | None = None,
-                    train: TrainConfig | None = None) -> tuple[Drafter, DraftVocab | None]:
+def prepare_drafter(
+    pair: Pair,
+    target_spec: str,
+    *,
+    num_layers: int | None = None,
+    block_size: int | None = None,
+    target_layer_ids: list[int] | None = None,
+    num_taps: int | None = None,
+    mask_token: int | None = None,
+    draft_vocab_size: int | None = None,
+    data_dir: str | Path | None = None,
+    seed: int = 0,
+    heads: DSparkHeads | None = None,
+    train: TrainConfig | None = None,
+) -> tuple[Drafter, DraftVocab | None]:
     """The drafter a run trains: the pair's (--init) one, deepened to num_layers and set to block_size
     where given, else a fresh one for the pair's target (its tap layers, its mask token), with DSpark
     heads added where `heads` asks for them; and its draft vocabulary: the init drafter's d2t, else
@@ -46,29 +55,54 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
     if train is not None:
         train.check_init(pair.drafter is not None)
     if draft_vocab_size is not None and draft_vocab_size > target.cfg.vocab_size:
-        raise LoopspecError(f"a draft vocabulary of {draft_vocab_size} tokens (--draft-vocab-size) is larger than "
-                            f"the target's vocabulary of {target.cfg.vocab_size}")
+        raise LoopspecError(
+            f"a draft vocabulary of {draft_vocab_size} tokens (--draft-vocab-size) is larger than "
+            f"the target's vocabulary of {target.cfg.vocab_size}"
+        )
     if block_size is not None and block_size < 2:
         raise LoopspecError(f"block size must be at least 2, got {block_size}")
     family = train.family if train is not None else "dflash"
     if family == "dflash2":
-        return prepare_dflash2(pair, target_spec, num_layers=num_layers, block_size=block_size,
-                               target_layer_ids=target_layer_ids, num_taps=num_taps, mask_token=mask_token,
-                               draft_vocab_size=draft_vocab_size, seed=seed, heads=heads, train=train)
+        return prepare_dflash2(
+            pair,
+            target_spec,
+            num_layers=num_layers,
+            block_size=block_size,
+            target_layer_ids=target_layer_ids,
+            num_taps=num_taps,
+            mask_token=mask_token,
+            draft_vocab_size=draft_vocab_size,
+            seed=seed,
+            heads=heads,
+            train=train,
+        )
     if pair.drafter is not None and pair.drafter.cfg.kind.training_family != family:
         kind = pair.drafter.cfg.kind
-        raise LoopspecError(f"the --init drafter ({kind.title}) is trained with --family {kind.training_family}, "
-                            f"not --family {family}")
+        raise LoopspecError(
+            f"the --init drafter ({kind.title}) is trained with --family {kind.training_family}, not --family {family}"
+        )
     if family == "eagle3":
-        return prepare_eagle3(pair, num_layers=num_layers, block_size=block_size, target_layer_ids=target_layer_ids,
-                              num_taps=num_taps, mask_token=mask_token, draft_vocab_size=draft_vocab_size,
-                              data_dir=data_dir, seed=seed, heads=heads, train=train)
+        return prepare_eagle3(
+            pair,
+            num_layers=num_layers,
+            block_size=block_size,
+            target_layer_ids=target_layer_ids,
+            num_taps=num_taps,
+            mask_token=mask_token,
+            draft_vocab_size=draft_vocab_size,
+            data_dir=data_dir,
+            seed=seed,
+            heads=heads,
+            train=train,
+        )
     if pair.drafter is not None:
         drafter = pair.drafter
         if num_layers is not None and num_layers != drafter.cfg.num_layers:
             if num_layers < drafter.cfg.num_layers:
-                raise LoopspecError(f"--num-layers {num_layers} is fewer than the --init drafter's "
-                                    f"{drafter.cfg.num_layers}; a drafter can only be deepened")
+                raise LoopspecError(
+                    f"--num-layers {num_layers} is fewer than the --init drafter's "
+                    f"{drafter.cfg.num_layers}; a drafter can only be deepened"
+                )
             drafter = drafter.grow(num_layers)
         if block_size:
             drafter.cfg.block_size = block_size
@@ -76,8 +110,13 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
     else:
         mask = mask_token_id(mask_token, TargetSource.of(target_spec), pair.tokenizer, target.cfg.vocab_size)
         taps = target_layer_ids or default_target_layer_ids(target.cfg.num_layers, num_taps or num_layers or 1)
-        cfg = DrafterConfig.for_target(target.cfg, num_layers=num_layers or 1, block_size=block_size or 16,
-                                       target_layer_ids=taps, mask_token_id=mask)
+        cfg = DrafterConfig.for_target(
+            target.cfg,
+            num_layers=num_layers or 1,
+            block_size=block_size or 16,
+            target_layer_ids=taps,
+            mask_token_id=mask,
+        )
         torch.manual_seed(seed)
         drafter = Drafter(cfg)
     if heads is not None:
@@ -88,42 +127,69 @@ def prepare_drafter(pair: Pair, target_spec: str, *, num_layers: int | None = No
         train.check_drafter(drafter.cfg)
     draft_vocab = DraftVocab(drafter.draft_ids) if drafter.draft_ids is not None else None
     if draft_vocab_size is not None and draft_vocab is not None:
-        raise LoopspecError(f"the --init drafter has its own draft vocabulary of {draft_vocab.ids.numel()} tokens "
-                            "(its d2t map): --draft-vocab-size cannot change it")
+        raise LoopspecError(
+            f"the --init drafter has its own draft vocabulary of {draft_vocab.ids.numel()} tokens "
+            "(its d2t map): --draft-vocab-size cannot change it"
+        )
     if draft_vocab_size and draft_vocab is None:
         if data_dir is None:
             raise LoopspecError("a draft vocabulary size needs the training data to count tokens in")
-        ids = top_token_vocab(read_samples(data_dir), draft_vocab_size, target.cfg.vocab_size,
-                              always=sorted(set(target.cfg.eos_token_ids)))
+        ids = top_token_vocab(
+            read_samples(data_dir),
+            draft_vocab_size,
+            target.cfg.vocab_size,
+            always=sorted(set(target.cfg.eos_token_ids)),
+        )
         draft_vocab = DraftVocab(ids)
         drafter.cfg.extra = {**drafter.cfg.extra, "draft_vocab_size": int(ids.numel())}
     return drafter, draft_vocab
 
 
-def prepare_eagle3(pair: Pair, *, num_layers, block_size, target_layer_ids, num_taps, mask_token, draft_vocab_size,
-                   data_dir, seed, heads, train: TrainConfig) -> tuple[Eagle3Drafter, DraftVocab | None]:
+def prepare_eagle3(
+    pair: Pair,
+    *,
+    num_layers,
+    block_size,
+    target_layer_ids,
+    num_taps,
+    mask_token,
+    draft_vocab_size,
+    data_dir,
+    seed,
+    heads,
+    train: TrainConfig,
+) -> tuple[Eagle3Drafter, DraftVocab | None]:
     """prepare_drafter's EAGLE-3 branch: the --init EAGLE-3 drafter (its block size set where given),
     else a fresh one on the target's taps (vLLM's default, or the three of --tap-layers) whose lm_head
     starts as the target's rows of the draft vocabulary (the draft_vocab_size most frequent response
     tokens of data_dir, SpecForge's d2t / t2d; without a size, the whole vocabulary)."""
     target = pair.target
-    for given, flag, why in ((num_layers not in (None, 1), "--num-layers", "an EAGLE-3 drafter has one layer"),
-                             (num_taps not in (None, NUM_TAPS), "--num-taps", f"EAGLE-3 fuses {NUM_TAPS} taps"),
-                             (mask_token is not None, "--mask-token-id", "an EAGLE-3 stage fills no block with a mask"),
-                             (heads is not None, "--markov-rank / --markov-head / --confidence-head",
-                              "DSpark's heads ride on a DFlash drafter")):
+    for given, flag, why in (
+        (num_layers not in (None, 1), "--num-layers", "an EAGLE-3 drafter has one layer"),
+        (num_taps not in (None, NUM_TAPS), "--num-taps", f"EAGLE-3 fuses {NUM_TAPS} taps"),
+        (mask_token is not None, "--mask-token-id", "an EAGLE-3 stage fills no block with a mask"),
+        (
+            heads is not None,
+            "--markov-rank / --markov-head / --confidence-head",
+            "DSpark's heads ride on a DFlash drafter",
+        ),
+    ):
         if given:
             raise LoopspecError(f"{flag} does not apply to EAGLE-3 training (--family eagle3): {why}")
     if target_layer_ids is not None and (len(target_layer_ids) != NUM_TAPS or len(set(target_layer_ids)) != NUM_TAPS):
-        raise LoopspecError(f"--tap-layers {','.join(map(str, target_layer_ids))}: EAGLE-3 fuses exactly {NUM_TAPS} "
-                            "distinct target layers (low, middle, high)")
+        raise LoopspecError(
+            f"--tap-layers {','.join(map(str, target_layer_ids))}: EAGLE-3 fuses exactly {NUM_TAPS} "
+            "distinct target layers (low, middle, high)"
+        )
     if pair.drafter is not None:
         drafter = pair.drafter
         if target_layer_ids is not None and sorted(target_layer_ids) != drafter.cfg.target_layer_ids:
             raise LoopspecError(f"--tap-layers cannot change the --init drafter's taps {drafter.cfg.target_layer_ids}")
         if draft_vocab_size is not None:
-            raise LoopspecError(f"the --init drafter has its own draft vocabulary of {drafter.cfg.draft_vocab_size} "
-                                "tokens (its d2t map): --draft-vocab-size cannot change it")
+            raise LoopspecError(
+                f"the --init drafter has its own draft vocabulary of {drafter.cfg.draft_vocab_size} "
+                "tokens (its d2t map): --draft-vocab-size cannot change it"
+            )
         if block_size:
             drafter.cfg.block_size = block_size
         drafter.cfg.extra = {k: v for k, v in drafter.cfg.extra.items() if k not in TUNED_SETTING_KEYS}
@@ -133,11 +199,19 @@ def prepare_eagle3(pair: Pair, *, num_layers, block_size, target_layer_ids, num_
     if draft_vocab_size is not None and draft_vocab_size < target.cfg.vocab_size:
         if data_dir is None:
             raise LoopspecError("a draft vocabulary size needs the training data to count tokens in")
-        ids = top_token_vocab(read_samples(data_dir), draft_vocab_size, target.cfg.vocab_size,
-                              always=sorted(set(target.cfg.eos_token_ids)))
+        ids = top_token_vocab(
+            read_samples(data_dir),
+            draft_vocab_size,
+            target.cfg.vocab_size,
+            always=sorted(set(target.cfg.eos_token_ids)),
+        )
     torch.manual_seed(seed)
-    drafter = fresh_eagle3(target.cfg, block_size=block_size or 8, draft_ids=ids,
-                           target_layer_ids=sorted(target_layer_ids) if target_layer_ids else None)
+    drafter = fresh_eagle3(
+        target.cfg,
+        block_size=block_size or 8,
+        draft_ids=ids,
+        target_layer_ids=sorted(target_layer_ids) if target_layer_ids else None,
+    )
     with torch.no_grad():  # the drafter's own lm_head starts as the target's rows of its draft vocabulary
         head = target.lm_head.weight
         drafter.lm_head.weight.copy_(head if ids is None else head[ids])
@@ -145,16 +219,36 @@ def prepare_eagle3(pair: Pair, *, num_layers, block_size, target_layer_ids, num_
     return drafter, DraftVocab(ids) if ids is not None else None
 
 
-def prepare_dflash2(pair: Pair, target_spec: str, *, num_layers, block_size, target_layer_ids, num_taps, mask_token,
-                    draft_vocab_size, seed, heads, train: TrainConfig) -> tuple[DFlash2Drafter, None]:
+def prepare_dflash2(
+    pair: Pair,
+    target_spec: str,
+    *,
+    num_layers,
+    block_size,
+    target_layer_ids,
+    num_taps,
+    mask_token,
+    draft_vocab_size,
+    seed,
+    heads,
+    train: TrainConfig,
+) -> tuple[DFlash2Drafter, None]:
     """prepare_drafter's DFlash2 branch: the --init DFlash2 drafter (its block size set where given); else
     the DFlash drafter prepare_drafter would train (the --init z-lab DFlash one, deepened where asked, or
     a fresh one) made a DFlash2 drafter that drafts as it does (`DFlash2Drafter.from_dflash`: identity
     convolutions, a selector whose edges start at zero, z-lab's published sizes)."""
-    for given, flag, why in ((heads is not None, "--markov-rank / --markov-head / --confidence-head",
-                              "a DFlash2 drafter's draft step is its candidate selector, not DSpark heads"),
-                             (draft_vocab_size is not None, "--draft-vocab-size",
-                              "its selector ranks the target head's top-k over the whole vocabulary")):
+    for given, flag, why in (
+        (
+            heads is not None,
+            "--markov-rank / --markov-head / --confidence-head",
+            "a DFlash2 drafter's draft step is its candidate selector, not DSpark heads",
+        ),
+        (
+            draft_vocab_size is not None,
+            "--draft-vocab-size",
+            "its selector ranks the target head's top-k over the whole vocabulary",
+        ),
+    ):
         if given:
             raise LoopspecError(f"{flag} does not apply to DFlash2 training (--family dflash2): {why}")
     init = pair.drafter
@@ -167,11 +261,20 @@ def prepare_dflash2(pair: Pair, target_spec: str, *, num_layers, block_size, tar
         drafter.cfg.extra = {k: v for k, v in drafter.cfg.extra.items() if k not in TUNED_SETTING_KEYS}
     else:
         if init is not None and not init.cfg.kind.plain:
-            raise LoopspecError(f"--family dflash2 starts from a fresh drafter, a z-lab DFlash drafter or a DFlash2 "
-                                f"drafter (--init), not this {init.cfg.kind.title} drafter")
-        base, _ = prepare_drafter(pair, target_spec, num_layers=num_layers, block_size=block_size,
-                                  target_layer_ids=target_layer_ids, num_taps=num_taps, mask_token=mask_token,
-                                  seed=seed)
+            raise LoopspecError(
+                f"--family dflash2 starts from a fresh drafter, a z-lab DFlash drafter or a DFlash2 "
+                f"drafter (--init), not this {init.cfg.kind.title} drafter"
+            )
+        base, _ = prepare_drafter(
+            pair,
+            target_spec,
+            num_layers=num_layers,
+            block_size=block_size,
+            target_layer_ids=target_layer_ids,
+            num_taps=num_taps,
+            mask_token=mask_token,
+            seed=seed,
+        )
         torch.manual_seed(seed)  # the selector's fresh codebooks, the same on every run of these flags
         drafter = DFlash2Drafter.from_dflash(base)
     drafter.cfg.fit(pair.target.cfg)
@@ -185,23 +288,26 @@ class TapSource:
     the same data); else computed online every time."""
 
     def __init__(self, data_dir: Path, trainer: DrafterTrainer, need_logits: bool, tap_cache: Path | None = None):
-        manifest = json.loads((data_dir / "manifest.json").read_text()) if (data_dir / "manifest.json").is_file() else {}
+        manifest = (
+            json.loads((data_dir / "manifest.json").read_text()) if (data_dir / "manifest.json").is_file() else {}
+        )
         cached = (manifest.get("settings") or {}).get("tap_layer_ids")
         self.cached = cached == trainer.drafter.cfg.target_layer_ids and not need_logits
         self.dir, self.trainer, self.need_logits = data_dir / "taps", trainer, need_logits
         self.tap_cache = None
         if tap_cache is not None and not self.cached:
             if need_logits:
-                raise LoopspecError("--tap-cache keeps taps only; forward KL (--kl-weight) needs the target's "
-                                    "logits at every step, so it computes both online: drop one of the two")
+                raise LoopspecError(
+                    "--tap-cache keeps taps only; forward KL (--kl-weight) needs the target's "
+                    "logits at every step, so it computes both online: drop one of the two"
+                )
             self.tap_cache = Path(tap_cache)
             self._claim(self.tap_cache, manifest.get("target_sha256"), trainer.drafter.cfg.target_layer_ids)
 
     @staticmethod
     def _claim(directory: Path, target_hash: str | None, layers: list[int]) -> None:
         """A tap cache holds one target's taps of one set of layers: refuse to mix another's in."""
-        mine = {"kind": TAP_CACHE_KIND, "target_sha256": target_hash, "tap_layer_ids": list(layers),
-                "dtype": "float16"}
+        mine = {"kind": TAP_CACHE_KIND, "target_sha256": target_hash, "tap_layer_ids": list(layers), "dtype": "float16"}
         path = directory / "manifest.json"
         if path.is_file():
             try:
@@ -209,8 +315,10 @@ class TapSource:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise LoopspecError(f"{path} is corrupt (not a tap cache manifest)") from None
             if theirs != mine:
-                raise LoopspecError(f"{directory} holds taps of another target or layers "
-                                    f"({theirs.get('tap_layer_ids')} there, {list(layers)} here); use a new --tap-cache")
+                raise LoopspecError(
+                    f"{directory} holds taps of another target or layers "
+                    f"({theirs.get('tap_layer_ids')} there, {list(layers)} here); use a new --tap-cache"
+                )
             return
         if directory.is_dir() and any(directory.iterdir()):
             raise LoopspecError(f"{directory} is not empty and not a tap cache; use a new --tap-cache")
@@ -252,10 +360,21 @@ def heldout_split(samples: list, eval_samples: int, rng: random.Random) -> tuple
     return [samples[i] for i in order[:n_eval]], [samples[i] for i in order[n_eval:]]
 
 
-def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out_dir: str | Path, cfg: TrainConfig,
-                  draft_vocab: DraftVocab | None = None, resume: bool = True, progress: bool = True,
-                  max_steps: int | None = None, max_seconds: float | None = None,
-                  stop_after_steps: int | None = None, tap_cache: str | Path | None = None) -> dict:
+def train_drafter(
+    *,
+    data_dir: str | Path,
+    target: Target,
+    drafter: Drafter,
+    out_dir: str | Path,
+    cfg: TrainConfig,
+    draft_vocab: DraftVocab | None = None,
+    resume: bool = True,
+    progress: bool = True,
+    max_steps: int | None = None,
+    max_seconds: float | None = None,
+    stop_after_steps: int | None = None,
+    tap_cache: str | Path | None = None,
+) -> dict:
     """max_steps shortens the schedule; stop_after_steps and max_seconds stop (and save) early on the
     unchanged schedule, so a re-run resumes the same trajectory from the checkpoint."""
     from tqdm import tqdm
@@ -276,8 +395,9 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         drafter.draft_ids = draft_vocab.ids  # every save writes its d2t map
     compute_context(cfg)  # an unknown compute dtype fails here, before any work
     trainer = TRAINERS[cfg.family](target, drafter, cfg, draft_vocab)
-    taps = TapSource(data_dir, trainer, need_logits=cfg.kl_weight > 0,
-                     tap_cache=Path(tap_cache) if tap_cache is not None else None)
+    taps = TapSource(
+        data_dir, trainer, need_logits=cfg.kl_weight > 0, tap_cache=Path(tap_cache) if tap_cache is not None else None
+    )
     if cfg.heads_only:  # (a drafter without heads is refused by the trainer: TrainConfig.check_drafter)
         heads = drafter.cfg.kind.heads
         for name, p in drafter.named_parameters():  # the backbone's drafts stay the init's
@@ -299,8 +419,9 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
     out_dir.mkdir(parents=True, exist_ok=True)
     if log_path.is_file():  # rows of steps after the checkpoint (a run stopped between saves) are redone
         rows = [line for line in log_path.read_text().splitlines() if line.strip()]
-        log_path.write_text("".join(line + "\n" for line in rows if json.loads(line).get("step", 0) <= step)
-                            if step else "")
+        log_path.write_text(
+            "".join(line + "\n" for line in rows if json.loads(line).get("step", 0) <= step) if step else ""
+        )
 
     def evaluate() -> dict:
         """{"heldout_tau": ..., "heldout_tau_top2": ..., "heldout_tau_top4": ...} (see expected_tau)"""
@@ -320,8 +441,17 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         ck = out_dir / "checkpoint"
         ck.mkdir(parents=True, exist_ok=True)
         drafter.save(ck, dtype=torch.float32)
-        torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "elapsed": elapsed, "rng": rng.getstate(), "config": asdict(cfg)}, state_path)
+        torch.save(
+            {
+                "drafter": drafter.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "step": step,
+                "elapsed": elapsed,
+                "rng": rng.getstate(),
+                "config": asdict(cfg),
+            },
+            state_path,
+        )
 
     if step == 0:  # where the run starts (an --init drafter's held-out τ, before any step)
         with open(log_path, "a") as f:
@@ -364,8 +494,14 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         optimizer.step()
         step += 1
         elapsed = time.time() - t_start
-        last = {"step": step, "loss": loss_total / max(used, 1), "acc": correct / max(labels, 1), "lr": lr,
-                "grad_norm": grad_norm, "elapsed_s": round(elapsed, 1)}
+        last = {
+            "step": step,
+            "loss": loss_total / max(used, 1),
+            "acc": correct / max(labels, 1),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "elapsed_s": round(elapsed, 1),
+        }
         if brier is not None:  # the confidence head's Brier score on this step's drafts
             last["confidence_brier"] = brier / max(labels, 1)
         if selector:  # a DFlash2 selector: the share of slots whose data token is a candidate, its teacher-forced pick
@@ -377,15 +513,20 @@ def train_drafter(*, data_dir: str | Path, target: Target, drafter: Drafter, out
         with open(log_path, "a") as f:
             f.write(json.dumps(last) + "\n")
         bar.update(1)
-        bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.2f}",
-                        **({"tau": f"{last['heldout_tau']:.2f}"} if "heldout_tau" in last else {}))
+        bar.set_postfix(
+            loss=f"{last['loss']:.3f}",
+            acc=f"{last['acc']:.2f}",
+            **({"tau": f"{last['heldout_tau']:.2f}"} if "heldout_tau" in last else {}),
+        )
         if step % cfg.save_every == 0:
             save()
         if (max_seconds is not None and elapsed > max_seconds) or (stop_after_steps and step >= stop_after_steps):
             break
     bar.close()
     save()
-    drafter.cfg.extra = {**drafter.cfg.extra, "training": {"steps": step, "wall_s": round(elapsed, 1),
-                                                           "samples": len(train_set), "config": asdict(cfg)}}
+    drafter.cfg.extra = {
+        **drafter.cfg.extra,
+        "training": {"steps": step, "wall_s": round(elapsed, 1), "samples": len(train_set), "config": asdict(cfg)},
+    }
     drafter.save(out_dir, dtype=torch.bfloat16)
     return last

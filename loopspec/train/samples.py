@@ -26,23 +26,27 @@ class Sample:
         return [i >= self.prompt_len for i in range(len(self.tokens))]
 
 
-
 def sample_id(file_name: str, line: int) -> str:
     return f"{file_name}:{line}"
 
 
 def sample_json(s: Sample) -> str:
     """One line of samples.jsonl (also of a kept samples.jsonl.xz)."""
-    return json.dumps({"id": s.id, "file": s.file, "line": s.line, "tokens": s.tokens, "prompt_len": s.prompt_len,
-                       "finish": s.finish})
+    return json.dumps(
+        {"id": s.id, "file": s.file, "line": s.line, "tokens": s.tokens, "prompt_len": s.prompt_len, "finish": s.finish}
+    )
 
 
 def parse_sample(line: str) -> Sample:
     """Inverse of sample_json; raises ValueError/KeyError/TypeError on a corrupt line."""
     d = json.loads(line)
     s = Sample(d["id"], d["tokens"], d["prompt_len"], d.get("finish", ""), d.get("file", ""), d.get("line", 0))
-    if not (isinstance(s.tokens, list) and all(isinstance(t, int) for t in s.tokens)
-            and isinstance(s.prompt_len, int) and 0 < s.prompt_len <= len(s.tokens)):
+    if not (
+        isinstance(s.tokens, list)
+        and all(isinstance(t, int) for t in s.tokens)
+        and isinstance(s.prompt_len, int)
+        and 0 < s.prompt_len <= len(s.tokens)
+    ):
         raise ValueError("bad tokens or prompt_len")
     return s
 

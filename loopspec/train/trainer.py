@@ -50,7 +50,9 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: random.
     return torch.tensor(sorted(candidates), dtype=torch.long)
 
 
-def block_mask_dense(anchors: torch.Tensor, block_size: int, context_len: int, causal_in_block: bool = False) -> torch.Tensor:
+def block_mask_dense(
+    anchors: torch.Tensor, block_size: int, context_len: int, causal_in_block: bool = False
+) -> torch.Tensor:
     """Dense bool mask [nA*B, context_len + nA*B]: query row of block b sees context slots j < a_b and
     the keys of its own block (all of them, or those up to itself with causal_in_block)."""
     n = anchors.numel()
@@ -85,10 +87,16 @@ DEFAULT_ANCHORS = 512
 EAGLE3_TTT_STEPS = 7  # SpecForge's default unroll (its OnlineEagle3Model `length`)
 
 # DFlash-only settings: (field, flag, the value that leaves it unset)
-DFLASH_ONLY = (("anchors", "--anchors", None), ("gamma", "--gamma", None), ("dpace", "--dpace", False),
-               ("kl_weight", "--kl-weight", 0.0), ("confidence_weight", "--confidence-weight", None),
-               ("heads_only", "--heads-only", False), ("causal_in_block", "--causal-in-block", False),
-               ("loop_stages", "--loop-stages", 0))
+DFLASH_ONLY = (
+    ("anchors", "--anchors", None),
+    ("gamma", "--gamma", None),
+    ("dpace", "--dpace", False),
+    ("kl_weight", "--kl-weight", 0.0),
+    ("confidence_weight", "--confidence-weight", None),
+    ("heads_only", "--heads-only", False),
+    ("causal_in_block", "--causal-in-block", False),
+    ("loop_stages", "--loop-stages", 0),
+)
 
 
 @dataclass
@@ -120,42 +128,60 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.family not in TRAIN_FAMILIES:
-            raise LoopspecError(f"training family (--family) must be one of {', '.join(TRAIN_FAMILIES)}, "
-                                f"got {self.family!r}")
+            raise LoopspecError(
+                f"training family (--family) must be one of {', '.join(TRAIN_FAMILIES)}, got {self.family!r}"
+            )
         if self.family == "eagle3":
             given = [flag for name, flag, unset in DFLASH_ONLY if getattr(self, name) != unset]
             if given:
-                raise LoopspecError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to DFlash training "
-                                    "only: EAGLE-3 training (--family eagle3) trains every position of a sequence "
-                                    "with training-time test, its steps weighted 0.8^j")
+                raise LoopspecError(
+                    f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to DFlash training "
+                    "only: EAGLE-3 training (--family eagle3) trains every position of a sequence "
+                    "with training-time test, its steps weighted 0.8^j"
+                )
             if self.ttt_steps is None:
                 self.ttt_steps = EAGLE3_TTT_STEPS
             if isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
-                raise LoopspecError(f"training-time test steps (--ttt-steps) must be an integer >= 1, "
-                                    f"got {self.ttt_steps!r}")
+                raise LoopspecError(
+                    f"training-time test steps (--ttt-steps) must be an integer >= 1, got {self.ttt_steps!r}"
+                )
         else:
             if self.ttt_steps is not None:
                 raise LoopspecError("--ttt-steps applies to EAGLE-3 training only (--family eagle3)")
             if self.anchors is None:
                 self.anchors = DEFAULT_ANCHORS
         if self.family == "dflash2":
-            for given, flag, why in ((self.loop_stages, "--loop-stages", "a later stage would start from the "
-                                      "selector's walk, which the loop-aware loss does not run"),
-                                     (self.causal_in_block, "--causal-in-block", "a DFlash2 drafter's block "
-                                      "causality is its config's is_causal"),
-                                     (self.heads_only, "--heads-only", "it trains DSpark heads, and a DFlash2 "
-                                      "drafter has none"),
-                                     (self.confidence_weight is not None, "--confidence-weight", "it weighs a DSpark "
-                                      "confidence head's loss, and a DFlash2 drafter has none")):
+            for given, flag, why in (
+                (
+                    self.loop_stages,
+                    "--loop-stages",
+                    "a later stage would start from the selector's walk, which the loop-aware loss does not run",
+                ),
+                (
+                    self.causal_in_block,
+                    "--causal-in-block",
+                    "a DFlash2 drafter's block causality is its config's is_causal",
+                ),
+                (self.heads_only, "--heads-only", "it trains DSpark heads, and a DFlash2 drafter has none"),
+                (
+                    self.confidence_weight is not None,
+                    "--confidence-weight",
+                    "it weighs a DSpark confidence head's loss, and a DFlash2 drafter has none",
+                ),
+            ):
                 if given:
                     raise LoopspecError(f"{flag} does not apply to DFlash2 training (--family dflash2): {why}")
         if isinstance(self.loop_stages, bool) or not isinstance(self.loop_stages, int) or self.loop_stages < 0:
-            raise LoopspecError(f"loop stages (--loop-stages) must be an integer >= 0 (0: DFlash training), "
-                                f"got {self.loop_stages!r}")
-        if self.confidence_weight is not None and not (math.isfinite(self.confidence_weight)
-                                                       and self.confidence_weight >= 0):
-            raise LoopspecError(f"the confidence weight (--confidence-weight) must be a finite number >= 0, "
-                                f"got {self.confidence_weight}")
+            raise LoopspecError(
+                f"loop stages (--loop-stages) must be an integer >= 0 (0: DFlash training), got {self.loop_stages!r}"
+            )
+        if self.confidence_weight is not None and not (
+            math.isfinite(self.confidence_weight) and self.confidence_weight >= 0
+        ):
+            raise LoopspecError(
+                f"the confidence weight (--confidence-weight) must be a finite number >= 0, "
+                f"got {self.confidence_weight}"
+            )
 
     @property
     def confidence_loss_weight(self) -> float:
@@ -164,24 +190,32 @@ class TrainConfig:
     def check_init(self, from_init: bool) -> None:
         """Refuse what needs a trained drafter to start from when there is none (`from_init`: --init)."""
         if self.heads_only and not from_init:
-            raise LoopspecError("--heads-only trains the DSpark heads over a trained drafter's frozen backbone: "
-                                "it needs --init DIR (without one the backbone is random and stays so)")
+            raise LoopspecError(
+                "--heads-only trains the DSpark heads over a trained drafter's frozen backbone: "
+                "it needs --init DIR (without one the backbone is random and stays so)"
+            )
 
     def check_drafter(self, drafter: DrafterConfig) -> None:
         """Refuse what this config asks of a drafter that cannot take it."""
         kind = drafter.kind
         if kind.training_family != self.family:
-            raise LoopspecError(f"the drafter ({kind.title}) is trained with --family {kind.training_family}, "
-                                f"not --family {self.family}")
+            raise LoopspecError(
+                f"the drafter ({kind.title}) is trained with --family {kind.training_family}, "
+                f"not --family {self.family}"
+            )
         if self.loop_stages and not kind.trains_loop_aware:
             # a later stage's Markov chain starts from a drafted anchor the data does not hold
-            raise LoopspecError(f"loop-aware training (--loop-stages) of a {kind.title} drafter is not "
-                                "implemented; train it with --loop-stages 0")
+            raise LoopspecError(
+                f"loop-aware training (--loop-stages) of a {kind.title} drafter is not "
+                "implemented; train it with --loop-stages 0"
+            )
         if self.heads_only and not kind.heads:
             raise LoopspecError("--heads-only trains the DSpark heads: give --markov-rank or --confidence-head")
         if self.confidence_weight is not None and not kind.estimates_acceptance:
-            raise LoopspecError("--confidence-weight weighs a confidence head's loss: this drafter has no confidence "
-                                "head (add --confidence-head)")
+            raise LoopspecError(
+                "--confidence-weight weighs a confidence head's loss: this drafter has no confidence "
+                "head (add --confidence-head)"
+            )
 
 
 COMPUTE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
@@ -213,7 +247,7 @@ def top_token_vocab(samples, size: int, vocab_size: int, always: list[int]) -> t
     """The `size` most frequent response tokens (plus `always`), as sorted target ids."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in samples:
-        counts += torch.bincount(torch.tensor(s.tokens[s.prompt_len:], dtype=torch.long), minlength=vocab_size)
+        counts += torch.bincount(torch.tensor(s.tokens[s.prompt_len :], dtype=torch.long), minlength=vocab_size)
     for t in always:
         counts[t] = counts.max() + 1
     return torch.sort(torch.topk(counts, min(size, vocab_size)).indices).values
@@ -246,8 +280,14 @@ class DrafterTrainer:
         return out.taps[0], (out.logits[0] if want_logits else None)
 
     # ---- loss of one sequence ----------------------------------------------------------------------
-    def sequence_loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
-                      rng: random.Random, target_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    def sequence_loss(
+        self,
+        tokens: torch.Tensor,
+        loss_mask: torch.Tensor,
+        taps: torch.Tensor,
+        rng: random.Random,
+        target_logits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict]:
         """tokens/loss_mask [L]; taps [>= L-1, n*H] → (weighted loss, stats). Backward is the caller's."""
         L = tokens.numel()
         anchors = sample_anchors(loss_mask, self.cfg.anchors, rng)
@@ -277,7 +317,7 @@ class DrafterTrainer:
         valid = (label_positions < L) & keep[:, None]
         label_pos = label_positions.clamp(max=L - 1)
         supervised = valid & loss_mask[label_pos]
-        supervised[:, :self.first] = False
+        supervised[:, : self.first] = False
         rows = supervised.nonzero(as_tuple=True)
         y = tokens[label_pos][rows]
         if self.draft_vocab is not None:
@@ -347,8 +387,9 @@ class DrafterTrainer:
             w2 = w2[self.draft_vocab.ids]
         return logits + latent @ w2.T.to(latent.dtype)
 
-    def loop_sequence_loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
-                           rng: random.Random) -> tuple[torch.Tensor | None, dict]:
+    def loop_sequence_loss(
+        self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor, rng: random.Random
+    ) -> tuple[torch.Tensor | None, dict]:
         """Loop-aware loss (DLoop): per anchor S-1 ~ U{1..N}; stage 1 on the target context;
         stages 2..S anchored on the previous stage's argmax at its last position, with the previous
         stages' final-norm hidden states as pseudo-context (feature(p) = z(p+1)), exactly as at
@@ -419,7 +460,7 @@ class DrafterTrainer:
                 with torch.no_grad():  # the next anchor: this stage's argmax at its last row
                     best = (hidden[:, -1] @ self.head_weight.T).argmax(-1)
                     anchor_tokens = self.draft_vocab.ids[best] if self.draft_vocab is not None else best
-                pseudo.append(hidden[:, self.first:])
+                pseudo.append(hidden[:, self.first :])
 
     def _chunk_loss(self, tokens, loss_mask, anchors, ctx_k, ctx_v, target_logits):
         """DFlash: one stage per anchor on the target context, loss over its labelled rows."""
@@ -445,8 +486,14 @@ class DrafterTrainer:
 
     # ---- held-out acceptance ---------------------------------------------------------------------
     @torch.no_grad()
-    def expected_tau(self, tokens: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
-                     max_anchors: int = 64, top_ks: tuple[int, ...] = ()) -> tuple[dict, int]:
+    def expected_tau(
+        self,
+        tokens: torch.Tensor,
+        loss_mask: torch.Tensor,
+        taps: torch.Tensor,
+        max_anchors: int = 64,
+        top_ks: tuple[int, ...] = (),
+    ) -> tuple[dict, int]:
         """Held-out acceptance over anchors of one sequence → ({"tau": sum, k: sum, ...}, anchors).
         "tau": 1 + the number of leading block positions whose drafted argmax equals the data token
         (for greedy-regenerated data: the target's own prediction). k in top_ks: 1 + the leading

@@ -3,5 +3,12 @@
 and llama.cpp measured beside them), report.py (the printed table, bench.md and the plots)."""
 
 from loopspec.runtime.bench.plan import BenchOutput, BenchPlan, load_prompt_sets, load_prompts  # noqa: F401
-from loopspec.runtime.bench.run import (BenchResult, Runs, acceptance_stats, measure_sets, median_run,  # noqa: F401
-                                        run_bench, verifications_saved)
+from loopspec.runtime.bench.run import (
+    BenchResult,
+    Runs,
+    acceptance_stats,
+    measure_sets,
+    median_run,  # noqa: F401
+    run_bench,
+    verifications_saved,
+)

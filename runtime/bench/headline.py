@@ -38,8 +38,11 @@ def headline_table(report: dict) -> str:
         raise LoopspecError("bench.json names no engine (settings.engines): not a loopspec bench report")
     datasets = list(dict.fromkeys(r["dataset"] for r in results))
     reference = _by_dataset(results, "ar", engines[0])
-    lines = [f"| what decodes ({len(datasets)} sets: {', '.join(datasets)}) | tok/s | speed | τ, drafting rounds "
-             "| tokens / verification, all rounds | output = its `ar` |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"| what decodes ({len(datasets)} sets: {', '.join(datasets)}) | tok/s | speed | τ, drafting rounds "
+        "| tokens / verification, all rounds | output = its `ar` |",
+        "|---|---|---|---|---|---|",
+    ]
     best = {d: 0.0 for d in datasets}  # the first engine's fastest method per set, against llama.cpp
     for engine in engines:
         engine_ar = _by_dataset(results, "ar", engine)
@@ -54,29 +57,45 @@ def headline_table(report: dict) -> str:
             setting = DecodingSettings(**decoding).describe().split(", ", 1)  # "dloop, k=4, ..." → the rest
             label = f"`{engine}`, `{method}`" + (f": {setting[1]}" if method != "ar" and len(setting) > 1 else "")
             if method == "ar":
-                speed = ("1×" if engine == engines[0] else
-                         _span([rows[d]["tokens_per_s"] / reference[d]["tokens_per_s"] for d in rows], ".2f",
-                               f"× `{engines[0]}`'s `ar`"))
+                speed = (
+                    "1×"
+                    if engine == engines[0]
+                    else _span(
+                        [rows[d]["tokens_per_s"] / reference[d]["tokens_per_s"] for d in rows],
+                        ".2f",
+                        f"× `{engines[0]}`'s `ar`",
+                    )
+                )
                 lines.append(f"| {label} | {_span(speeds, '.1f')} | {speed} | 1 | 1 | – |")
                 continue
             ratio = _span([rows[d]["tokens_per_s"] / engine_ar[d]["tokens_per_s"] for d in rows], ".2f", "× its `ar`")
             taus = [rows[d]["tau"] for d in rows if rows[d]["tau"] is not None]
-            per_verification = [rows[d]["tokens_per_verification"] if rows[d].get("tokens_per_verification")
-                                is not None else _tokens_per_verification(rows[d]) for d in rows]
-            lines.append(f"| {label} | {_span(speeds, '.1f')} | {ratio} | {_span(taus, '.2f')} "
-                         f"| {_span(per_verification, '.2f')} | {_identical(rows)} |")
+            per_verification = [
+                rows[d]["tokens_per_verification"]
+                if rows[d].get("tokens_per_verification") is not None
+                else _tokens_per_verification(rows[d])
+                for d in rows
+            ]
+            lines.append(
+                f"| {label} | {_span(speeds, '.1f')} | {ratio} | {_span(taus, '.2f')} "
+                f"| {_span(per_verification, '.2f')} | {_identical(rows)} |"
+            )
     plain = _by_dataset(results, PLAIN_PEER, "llama.cpp")
     if plain:
         reach = _span([best[d] / plain[d]["tokens_per_s"] for d in plain], ".2f", "×")
-        lines.append(f"| llama.cpp `llama-server`, same GGUF, plain | {_span([r['tokens_per_s'] for r in plain.values()], '.1f')} "
-                     f"| `{engines[0]}`'s fastest method per set reaches {reach} of it | 1 | 1 | – |")
+        lines.append(
+            f"| llama.cpp `llama-server`, same GGUF, plain | {_span([r['tokens_per_s'] for r in plain.values()], '.1f')} "
+            f"| `{engines[0]}`'s fastest method per set reaches {reach} of it | 1 | 1 | – |"
+        )
         drafting = _by_dataset(results, DRAFTING_PEER, "llama.cpp")
         if drafting:
-            lines.append(f"| llama.cpp's own DFlash, same drafter | {_span([r['tokens_per_s'] for r in drafting.values()], '.1f')} "
-                         f"| {_span([drafting[d]['tokens_per_s'] / plain[d]['tokens_per_s'] for d in drafting], '.2f', '× its plain')} "
-                         f"| {_span([r['tau'] for r in drafting.values()], '.2f')} "
-                         f"| {_span([r['tau'] for r in drafting.values()], '.2f')} "
-                         f"| {_identical(drafting)} (its plain output) |")
+            lines.append(
+                f"| llama.cpp's own DFlash, same drafter | {_span([r['tokens_per_s'] for r in drafting.values()], '.1f')} "
+                f"| {_span([drafting[d]['tokens_per_s'] / plain[d]['tokens_per_s'] for d in drafting], '.2f', '× its plain')} "
+                f"| {_span([r['tau'] for r in drafting.values()], '.2f')} "
+                f"| {_span([r['tau'] for r in drafting.values()], '.2f')} "
+                f"| {_identical(drafting)} (its plain output) |"
+            )
     return "\n".join(lines)
 
 
@@ -106,10 +125,15 @@ def per_set_table(report: dict) -> str:
             elif r["tau"] in (None, 1.0) and method in ("ar", PLAIN_PEER):
                 cells.append(f"{r['tokens_per_s']:.1f}")
             else:
-                per_verification = (r["tokens_per_verification"] if r.get("tokens_per_verification") is not None
-                                    else _tokens_per_verification(r))
-                cells.append(f"{r['tokens_per_s']:.1f} ({r['tau']:.2f} / {per_verification:.2f}, "
-                             f"{r['tokens_per_s'] / reference[d]['tokens_per_s']:.2f}×)")
+                per_verification = (
+                    r["tokens_per_verification"]
+                    if r.get("tokens_per_verification") is not None
+                    else _tokens_per_verification(r)
+                )
+                cells.append(
+                    f"{r['tokens_per_s']:.1f} ({r['tau']:.2f} / {per_verification:.2f}, "
+                    f"{r['tokens_per_s'] / reference[d]['tokens_per_s']:.2f}×)"
+                )
         lines.append(f"| `{method}`, {backend} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -123,10 +147,14 @@ def step_table(ours: dict, genai_runs: list[dict]) -> str:
     curves from separate runs (`scripts/genai_step.py --curve --json`, one or more, shown as `a / b`):
     one line per k new tokens on one row, one column per engine and context; then one line per rows
     of one token (ours only). Used by scripts/step_table.py."""
+
     def at(records: list[dict], k: int, rows: int, context: int) -> float | None:
         # a multi-row point sits at contexts spread below the nominal one: the nearest nominal context
-        hits = [r["ms"] for r in records if r["k"] == k and r["rows"] == rows
-                and min(contexts, key=lambda c: abs(c - r["context"])) == context]
+        hits = [
+            r["ms"]
+            for r in records
+            if r["k"] == k and r["rows"] == rows and min(contexts, key=lambda c: abs(c - r["context"])) == context
+        ]
         return hits[0] if hits else None
 
     steps = ours["steps"]
@@ -136,16 +164,20 @@ def step_table(ours: dict, genai_runs: list[dict]) -> str:
     peers = [(PEER_LABELS.get(name, name), [peer["steps"]]) for name, peer in ours.get("peers", {}).items()]
     if genai_runs:
         peers.append(("GenAI int4", [run["steps"] for run in genai_runs]))
-    columns = [(label, runs, c) for label, runs in peers for c in contexts
-               if any(at(run, 1, 1, c) is not None for run in runs)]
+    columns = [
+        (label, runs, c) for label, runs in peers for c in contexts if any(at(run, 1, 1, c) is not None for run in runs)
+    ]
     header = [f"ours, {c}" for c in contexts] + [f"{label}, {c}" for label, _, c in columns]
     lines = ["| k new tokens, one row (ms) | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
     for k in chains:
         cells = [_ms(at(steps, k, 1, c)) for c in contexts]
         cells += [" / ".join(_ms(at(run, k, 1, c)) for run in runs) for _, runs, c in columns]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
-    lines += ["", "| rows of one token (ms) | " + " | ".join(f"ours, {c}" for c in contexts) + " |",
-              "|---" * (len(contexts) + 1) + "|"]
+    lines += [
+        "",
+        "| rows of one token (ms) | " + " | ".join(f"ours, {c}" for c in contexts) + " |",
+        "|---" * (len(contexts) + 1) + "|",
+    ]
     lines += [f"| {n} | " + " | ".join(_ms(at(steps, 1, n, c)) for c in contexts) + " |" for n in rows]
     return "\n".join(lines)
 

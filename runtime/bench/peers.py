@@ -27,8 +27,12 @@ PLAIN_PEER = {"hf-lookup": "hf", "llamacpp-dflash": "llamacpp"}  # the plain dec
 # llama-server configurations tried in order until one loads: its defaults, then without repacking the
 # weights for the CPU (its AMX repacking crashed at model load on an Intel Xeon with AMX)
 SERVER_FALLBACKS = ([], ["--no-repack"])
-PEER_BACKENDS = {"hf": "transformers", "hf-lookup": "transformers", "llamacpp": "llama.cpp",
-                 "llamacpp-dflash": "llama.cpp"}
+PEER_BACKENDS = {
+    "hf": "transformers",
+    "hf-lookup": "transformers",
+    "llamacpp": "llama.cpp",
+    "llamacpp-dflash": "llama.cpp",
+}
 
 
 @dataclass
@@ -57,9 +61,16 @@ class HFPeer:
         ids = torch.tensor([prompt_ids], device=self.device)
         extra = {"prompt_lookup_num_tokens": 10} if method == "hf-lookup" else {}
         t0 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                  do_sample=False, eos_token_id=self.stop, pad_token_id=self.stop[0], **extra)
-        tokens = out[0, len(prompt_ids):].tolist()  # on the CPU: waits for the device
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=self.stop,
+            pad_token_id=self.stop[0],
+            **extra,
+        )
+        tokens = out[0, len(prompt_ids) :].tolist()  # on the CPU: waits for the device
         return PeerRun(tokens=tokens, seconds=time.perf_counter() - t0)
 
 
@@ -70,8 +81,17 @@ class LlamaServerPeer:
     no prompt cache, so its wall time includes prefill like loopspec's; τ comes from the server's own
     counters (draft_n_accepted)."""
 
-    def __init__(self, binary: str | Path, target_gguf: Path, drafter_gguf: Path | None, draft_max: int | None,
-                 num_threads: int | None, context: int, start_timeout_s: float = 120.0, spec: str = "draft-dflash"):
+    def __init__(
+        self,
+        binary: str | Path,
+        target_gguf: Path,
+        drafter_gguf: Path | None,
+        draft_max: int | None,
+        num_threads: int | None,
+        context: int,
+        start_timeout_s: float = 120.0,
+        spec: str = "draft-dflash",
+    ):
         """`spec`: llama-server's --spec-type for the drafter (engines/llamacpp.py `spec_type`)."""
         from loopspec.engines.llamacpp import llama_server_command
 
@@ -87,10 +107,22 @@ class LlamaServerPeer:
                 for extra in SERVER_FALLBACKS:
                     port = free_port()
                     # one request at a time, on as many threads as loopspec's engines use
-                    command = llama_server_command(binary, target_gguf, threads=num_threads or torch.get_num_threads(),
-                                                   context=context, port=port, slots=1,
-                                                   **({"drafter_gguf": drafter_gguf, "draft_max": draft_max, "spec": spec}
-                                                      if method == "llamacpp-dflash" else {})) + extra
+                    command = (
+                        llama_server_command(
+                            binary,
+                            target_gguf,
+                            threads=num_threads or torch.get_num_threads(),
+                            context=context,
+                            port=port,
+                            slots=1,
+                            **(
+                                {"drafter_gguf": drafter_gguf, "draft_max": draft_max, "spec": spec}
+                                if method == "llamacpp-dflash"
+                                else {}
+                            ),
+                        )
+                        + extra
+                    )
                     why = self._start(method, command, f"http://127.0.0.1:{port}", start_timeout_s)
                     if why is None:
                         break
@@ -131,16 +163,29 @@ class LlamaServerPeer:
         if method not in self.servers:
             raise LoopspecError(f"no llama-server runs {method}")
         _, url = self.servers[method]
-        body = json.dumps({"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
-                           "cache_prompt": False, "return_tokens": True, "stream": False}).encode()
+        body = json.dumps(
+            {
+                "prompt": prompt_ids,
+                "n_predict": max_new_tokens,
+                "temperature": 0.0,
+                "top_k": 1,
+                "cache_prompt": False,
+                "return_tokens": True,
+                "stream": False,
+            }
+        ).encode()
         request = urllib.request.Request(url + "/completion", data=body, headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
         with urllib.request.urlopen(request, timeout=600) as response:
             reply = json.loads(response.read())
         seconds = time.perf_counter() - t0
         timings = reply.get("timings", {})
-        return PeerRun(tokens=list(reply.get("tokens", [])), seconds=seconds,
-                       drafted=int(timings.get("draft_n", 0)), accepted=int(timings.get("draft_n_accepted", 0)))
+        return PeerRun(
+            tokens=list(reply.get("tokens", [])),
+            seconds=seconds,
+            drafted=int(timings.get("draft_n", 0)),
+            accepted=int(timings.get("draft_n_accepted", 0)),
+        )
 
     def close(self) -> None:
         for process, _ in self.servers.values():
@@ -166,8 +211,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llamacpp_peer(pipe, target: TargetSource | str, llama_server: str | None, dflash_block: int | None,
-                  num_threads: int | None, context: int):
+def llamacpp_peer(
+    pipe,
+    target: TargetSource | str,
+    llama_server: str | None,
+    dflash_block: int | None,
+    num_threads: int | None,
+    context: int,
+):
     """(LlamaServerPeer, None), or (None, why the llama.cpp rows are skipped): it needs a llama-server
     binary (`llama_server`, else one on PATH) and the target (EngineChoice.target: a TargetSource, or
     the unread name beside artifacts) as a GGUF; with `dflash_block`, the

@@ -37,8 +37,11 @@ def _drafts(r: dict) -> bool:
 def _tree_point(method: str) -> tuple[str, int, bool] | None:
     """'dflash+tree16+suffix' → ('dflash', 16, True); the chain is budget 0; None for other methods."""
     base, *parts = method.split("+")
-    if base not in ("dflash", "dloop") or not parts or any(
-            p not in ("chain", "suffix") and not (p.startswith("tree") and p[4:].isdigit()) for p in parts):
+    if (
+        base not in ("dflash", "dloop")
+        or not parts
+        or any(p not in ("chain", "suffix") and not (p.startswith("tree") and p[4:].isdigit()) for p in parts)
+    ):
         return None  # a bare name (the tuned setting) or an unknown label: no budget to place it at
     budget = next((int(p[4:]) for p in parts if p.startswith("tree")), 0)
     return base, budget, "suffix" in parts
@@ -86,8 +89,10 @@ def results_table(results: list[dict]) -> str:
     """The table `loopspec bench` prints: one line per (dataset, method, engine) row of bench.json."""
     width = max([11] + [len(r["method"]) + 2 for r in results])  # variants (dloop+tree16+suffix) are long
     engine = max([9] + [len(r["backend"]) + 2 for r in results])  # "onnxruntime gguf-int8act"
-    head = (f"{'dataset':<14}{'method':<{width}}{'engine':<{engine}}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/ver':>8}{'tok/s':>8}"
-            f"{'speedup':>9}{'bound':>8}{'same as ar':>12}{'= fp32':>8}")
+    head = (
+        f"{'dataset':<14}{'method':<{width}}{'engine':<{engine}}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tok/ver':>8}{'tok/s':>8}"
+        f"{'speedup':>9}{'bound':>8}{'same as ar':>12}{'= fp32':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         speed = "-" if r["speedup_vs_ar"] is None else f"{r['speedup_vs_ar']:.2f}x"
@@ -96,8 +101,10 @@ def results_table(results: list[dict]) -> str:
         agree = "-" if r["agreement_with_fp32"] is None else f"{r['agreement_with_fp32']:.0%}"
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
         per_verification = _num(r.get("tokens_per_verification"), ".2f").replace("–", "-")
-        lines.append(f"{r['dataset']:<14}{r['method']:<{width}}{r['backend']:<{engine}}{r['prompts']:>8}"
-                     f"{r['new_tokens']:>8}{tau:>7}{per_verification:>8}{r['tokens_per_s']:>8.1f}{speed:>9}{bound:>8}{same:>12}{agree:>8}")
+        lines.append(
+            f"{r['dataset']:<14}{r['method']:<{width}}{r['backend']:<{engine}}{r['prompts']:>8}"
+            f"{r['new_tokens']:>8}{tau:>7}{per_verification:>8}{r['tokens_per_s']:>8.1f}{speed:>9}{bound:>8}{same:>12}{agree:>8}"
+        )
     return "\n".join(lines)
 
 
@@ -126,8 +133,7 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
             "",
         ]
 
-    lines += ["## Speedup over `ar`", "", "| method | " + " | ".join(datasets) + " |",
-              "|---|" + "---|" * len(datasets)]
+    lines += ["## Speedup over `ar`", "", "| method | " + " | ".join(datasets) + " |", "|---|" + "---|" * len(datasets)]
     for label in dict.fromkeys(_label(r) for r in results):
         cells = []
         for d in datasets:
@@ -138,25 +144,35 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
 
     if cm is not None:
         verify = ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in cm["verify_s"].items())
-        lines += ["## Cost model of this machine", "", "| quantity | value |", "|---|---|",
-                  f"| memory read bandwidth | {cm['bandwidth_gbs']:.1f} GB/s |",
-                  f"| target weights | {cm['target_weight_mb']:.0f} MB |",
-                  f"| plain-decoding bound (bandwidth ÷ weight bytes) | {cm['ar_bound_tokens_per_s']:.1f} tokens/s |",
-                  f"| t_verify(n) after 128 tokens of context, n: ms | {verify} |",
-                  f"| drafter stage | {_num(cm.get('draft_stage_s') and cm['draft_stage_s'] * 1e3, '.1f', ' ms')} |",
-                  "", "Bounds of a drafting method: *drafting* = τ · t_verify(1) / (stages · t_draft + t_verify(drafts + 1)), "
-                  "the speedup if every round drafted at this τ; *as run* = the same over the rounds it ran, where "
-                  "the plain rounds (adaptive fallback, the last token of a request) commit 1 token in t_verify(1). "
-                  "Prefill is outside both.", ""]
+        lines += [
+            "## Cost model of this machine",
+            "",
+            "| quantity | value |",
+            "|---|---|",
+            f"| memory read bandwidth | {cm['bandwidth_gbs']:.1f} GB/s |",
+            f"| target weights | {cm['target_weight_mb']:.0f} MB |",
+            f"| plain-decoding bound (bandwidth ÷ weight bytes) | {cm['ar_bound_tokens_per_s']:.1f} tokens/s |",
+            f"| t_verify(n) after 128 tokens of context, n: ms | {verify} |",
+            f"| drafter stage | {_num(cm.get('draft_stage_s') and cm['draft_stage_s'] * 1e3, '.1f', ' ms')} |",
+            "",
+            "Bounds of a drafting method: *drafting* = τ · t_verify(1) / (stages · t_draft + t_verify(drafts + 1)), "
+            "the speedup if every round drafted at this τ; *as run* = the same over the rounds it ran, where "
+            "the plain rounds (adaptive fallback, the last token of a request) commit 1 token in t_verify(1). "
+            "Prefill is outside both.",
+            "",
+        ]
 
     for d in datasets:
         rows = [r for r in results if r["dataset"] == d]
         count = rows[0]["prompts"]
-        lines += [f"## {d} ({count} prompt{'' if count == 1 else 's'})", "",
-                  "| method | engine | τ | tokens / verification, all rounds | tok/s | speedup vs `ar` | bound: drafting / as run | identical to `ar` "
-                  "| greedy output = fp32 `ar` | nodes / verification | tokens only the suffix proposed | stages / verification "
-                  "| tokens from stages > 1 | verifications saved | prefill / draft / verify / other, ms per token |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {d} ({count} prompt{'' if count == 1 else 's'})",
+            "",
+            "| method | engine | τ | tokens / verification, all rounds | tok/s | speedup vs `ar` | bound: drafting / as run | identical to `ar` "
+            "| greedy output = fp32 `ar` | nodes / verification | tokens only the suffix proposed | stages / verification "
+            "| tokens from stages > 1 | verifications saved | prefill / draft / verify / other, ms per token |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             lines.append(
                 f"| {r['method']} | {r['backend']} | {_num(r['tau'], '.2f')} | {_num(r.get('tokens_per_verification'), '.2f')} "
@@ -168,23 +184,33 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
                 f"| {_num(r.get('suffix_share') and 100 * r['suffix_share'], '.1f', ' %')} "
                 f"| {_num(r['stages_per_verification'], '.2f')} "
                 f"| {_num(r['later_stage_share'] and 100 * r['later_stage_share'], '.1f', ' %')} "
-                f"| {_num(r['verifications_saved'], 'd')} | {_split_ms_per_token(r)} |")
+                f"| {_num(r['verifications_saved'], 'd')} | {_split_ms_per_token(r)} |"
+            )
         curves = [r for r in rows if _drafts(r) and r.get("acceptance_curve")]
         if curves:
             width = min(CURVE_COLUMNS, max(len(r["acceptance_curve"]) for r in curves))
-            lines += ["", "P(the draft at position i is accepted), over the verifications that checked drafts:", "",
-                      "| method | verifications | " + " | ".join(str(i) for i in range(1, width + 1)) + " |",
-                      "|---|---|" + "---|" * width]
+            lines += [
+                "",
+                "P(the draft at position i is accepted), over the verifications that checked drafts:",
+                "",
+                "| method | verifications | " + " | ".join(str(i) for i in range(1, width + 1)) + " |",
+                "|---|---|" + "---|" * width,
+            ]
             for r in curves:
-                cells = [f"{p:.2f}" for p in r["acceptance_curve"][:width]] + ["–"] * (width - len(r["acceptance_curve"]))
+                cells = [f"{p:.2f}" for p in r["acceptance_curve"][:width]] + ["–"] * (
+                    width - len(r["acceptance_curve"])
+                )
                 lines.append(f"| {r['method']} | {r['drafting_verifications']} | " + " | ".join(cells) + " |")
         lines.append("")
 
-    lines += ["Speed is generated tokens per wall-clock second, prefill included. τ counts the tokens committed "
-              "per verification that checked drafts; tokens per verification counts every round, the plain ones (adaptive "
-              "fallback, a request's last tokens) included, and is what the speed sees. Verifications saved (DLoop) = Σ over its verifications of "
-              "ceil(committed / k) − 1: how many more verifications a one-stage DFlash round of block k would have "
-              "needed for the same committed tokens.", ""]
+    lines += [
+        "Speed is generated tokens per wall-clock second, prefill included. τ counts the tokens committed "
+        "per verification that checked drafts; tokens per verification counts every round, the plain ones (adaptive "
+        "fallback, a request's last tokens) included, and is what the speed sees. Verifications saved (DLoop) = Σ over its verifications of "
+        "ceil(committed / k) − 1: how many more verifications a one-stage DFlash round of block k would have "
+        "needed for the same committed tokens.",
+        "",
+    ]
     if plot_files:
         lines += ["## Plots", ""] + [f"![{Path(f).stem.replace('_', ' ')}]({f})" for f in plot_files] + [""]
     return "\n".join(lines)
@@ -192,8 +218,8 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
 
 # ---------------------------------------------------------------- plots
 
-def _figure(columns: int = 1, width: float = 7.5, height: float = 4.0, sharey: bool = True,
-            column_width: float = 4.2):
+
+def _figure(columns: int = 1, width: float = 7.5, height: float = 4.0, sharey: bool = True, column_width: float = 4.2):
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -238,11 +264,20 @@ def plot_speedup(results: list[dict], path: Path) -> Path:
         rows = [next((r for r in results if r["dataset"] == d and _label(r) == label), None) for d in datasets]
         xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(datasets))]
         ax.bar(xs, [r["speedup_vs_ar"] if r else 0 for r in rows], width, label=label)
-        for key, marker, name in (("speedup_bound", "_", "bound: drafting"), ("speedup_bound_as_run", "x", "bound: as run")):
+        for key, marker, name in (
+            ("speedup_bound", "_", "bound: drafting"),
+            ("speedup_bound_as_run", "x", "bound: as run"),
+        ):
             bounds = [(x, r[key]) for x, r in zip(xs, rows) if r and r.get(key)]
             if bounds:
-                ax.scatter(*zip(*bounds), marker=marker, s=120 if marker == "x" else 300, color="black", zorder=3,
-                           label=None if key in legend_done else name)
+                ax.scatter(
+                    *zip(*bounds),
+                    marker=marker,
+                    s=120 if marker == "x" else 300,
+                    color="black",
+                    zorder=3,
+                    label=None if key in legend_done else name,
+                )
                 legend_done.add(key)
     ax.axhline(1.0, color="gray", linewidth=1, linestyle="--", label="ar")
     ax.set_xticks(range(len(datasets)), datasets)
@@ -309,9 +344,12 @@ def plot_time_split(results: list[dict], path: Path) -> Path:
         rows = [r for r in results if r["dataset"] == d]
         bottom = [0.0] * len(rows)
         for key, name in SPLIT:
-            values = [0.0 if (_is_peer(r) and key != "other_s") else r[key] * 1e3 / max(r["new_tokens"], 1)
-                      for r in rows]
-            ax.bar(range(len(rows)), values, 0.7, bottom=bottom, label=name if key != "other_s" else "other (peers: all)")
+            values = [
+                0.0 if (_is_peer(r) and key != "other_s") else r[key] * 1e3 / max(r["new_tokens"], 1) for r in rows
+            ]
+            ax.bar(
+                range(len(rows)), values, 0.7, bottom=bottom, label=name if key != "other_s" else "other (peers: all)"
+            )
             bottom = [b + v for b, v in zip(bottom, values)]
         ax.set_xticks(range(len(rows)), [r["method"] for r in rows], rotation=45)
         ax.set_title(d)
@@ -389,12 +427,14 @@ def plot_cost_model(cm: dict, path: Path) -> Path:
 
 def write_plots(report: dict, out_dir: Path) -> list[Path]:
     results = report["results"]
-    written = [plot_speedup(results, out_dir / "speedup.png"),
-               plot_acceptance(results, report.get("settings", {}).get("block_size", {}), out_dir / "acceptance.png"),
-               plot_tau_histogram(results, out_dir / "tau_histogram.png"),
-               plot_time_split(results, out_dir / "time_split.png"),
-               plot_dloop_stages(results, out_dir / "dloop_stages.png"),
-               plot_tree_budget(results, out_dir / "tree_budget.png")]
+    written = [
+        plot_speedup(results, out_dir / "speedup.png"),
+        plot_acceptance(results, report.get("settings", {}).get("block_size", {}), out_dir / "acceptance.png"),
+        plot_tau_histogram(results, out_dir / "tau_histogram.png"),
+        plot_time_split(results, out_dir / "time_split.png"),
+        plot_dloop_stages(results, out_dir / "dloop_stages.png"),
+        plot_tree_budget(results, out_dir / "tree_budget.png"),
+    ]
     if report.get("cost_model"):
         written.append(plot_cost_model(report["cost_model"], out_dir / "cost_model.png"))
     return [p for p in written if p is not None]

@@ -21,8 +21,15 @@ from pathlib import Path
 
 from loopspec.errors import LoopspecError
 from loopspec.precisions import describe_precision
-from loopspec.runtime.bench.peers import (HF_METHODS, LLAMACPP_METHODS, PEER_BACKENDS, PEER_METHODS, PLAIN_PEER, HFPeer,
-                                          llamacpp_peer)
+from loopspec.runtime.bench.peers import (
+    HF_METHODS,
+    LLAMACPP_METHODS,
+    PEER_BACKENDS,
+    PEER_METHODS,
+    PLAIN_PEER,
+    HFPeer,
+    llamacpp_peer,
+)
 from loopspec.runtime.bench.plan import BenchOutput, BenchPlan
 from loopspec.runtime.bench.report import results_table
 from loopspec.settings import DRAFTER_METHODS, DecodingSettings, check_knobs_apply, knobs_for
@@ -90,8 +97,9 @@ def verifications_saved(accepted: list[int], block_size: int) -> int:
     return sum(max(0, math.ceil((a + 1) / block_size) - 1) for a in accepted)
 
 
-def plain_decoding(run: tuple[str, str], reference: tuple[str, str], fp32_reference: tuple[str, str] | None,
-                   pipes: dict) -> tuple[str, str] | None:
+def plain_decoding(
+    run: tuple[str, str], reference: tuple[str, str], fp32_reference: tuple[str, str] | None, pipes: dict
+) -> tuple[str, str] | None:
     """The run whose greedy output `run` must equal token for token: a method, its engine's own `ar`
     (lossless is relative to the engine's weights and arithmetic); `ar`, the reference's `ar` where
     both engines compute in the same precision (torch and ONNX Runtime fp32); transformers, the fp32
@@ -151,8 +159,9 @@ class Runs:
     fp32_reference: tuple[str, str] | None = None  # the fp32 engine's `ar`, where one runs
 
 
-def run_bench(plan: BenchPlan, choices, knobs: dict | None = None,
-              output: BenchOutput = BenchOutput()) -> list[BenchResult]:
+def run_bench(
+    plan: BenchPlan, choices, knobs: dict | None = None, output: BenchOutput = BenchOutput()
+) -> list[BenchResult]:
     """Every method of `plan` on every engine `choices` names (an EngineChoice, or several: the same
     pair side by side in this process, the first engine's `ar` the reference of every speedup), with
     the decoding `knobs` of loopspec.settings.resolve_settings (loopspec.settings.KNOBS)."""
@@ -182,36 +191,51 @@ def run_bench(plan: BenchPlan, choices, knobs: dict | None = None,
             raise LoopspecError(f"--backend/--precision name the engine {other.engine_name} twice")
         pipes[other.engine_name] = other
     if pipe.target is None and (plan.cost_model or any(m in PEER_METHODS for m in methods)):
-        raise LoopspecError("the transformers and llama.cpp peers and --cost-model need the target's weights: "
-                            "run without --onnx-dir")
+        raise LoopspecError(
+            "the transformers and llama.cpp peers and --cost-model need the target's weights: run without --onnx-dir"
+        )
     # each engine's decoding settings per method, resolved once (tuned settings are per engine);
     # `ar` always runs: each engine's own plain decoding is what its methods must reproduce
-    decoding = {name: {"ar": p.settings("ar")} | {m: p.settings(method, **knobs_for(method, knobs | overrides))
-                                                  for m, (method, overrides) in variants.items()}
-                for name, p in pipes.items()}
+    decoding = {
+        name: {"ar": p.settings("ar")}
+        | {m: p.settings(method, **knobs_for(method, knobs | overrides)) for m, (method, overrides) in variants.items()}
+        for name, p in pipes.items()
+    }
     for settings in decoding[pipe.engine_name].values():
         settings.check_sampling(plan.params.greedy)
     encoded_sets = {name: [pipe.encode(p, chat=plan.chat) for p in prompts] for name, prompts in datasets.items()}
     for name, encoded in encoded_sets.items():
         too_long = [len(ids) for ids in encoded if len(ids) >= pipe.engine.max_context]
         if too_long:
-            raise LoopspecError(f"{name}: a prompt of {too_long[0]} tokens does not fit the context of {pipe.engine.max_context}")
+            raise LoopspecError(
+                f"{name}: a prompt of {too_long[0]} tokens does not fit the context of {pipe.engine.max_context}"
+            )
     if needs_drafter:
         print(f"[loopspec] drafter: {pipe.drafter_description}", file=sys.stderr)
 
     peers, skipped = {}, {}  # peer library → its runner; peer method → why it did not run
     if any(m in HF_METHODS for m in methods):
-        peers["transformers"] = HFPeer(pipe.target_dir, pipe.stop_token_ids, first.threads,
-                                       getattr(pipe.engine, "device", "cpu"))
+        peers["transformers"] = HFPeer(
+            pipe.target_dir, pipe.stop_token_ids, first.threads, getattr(pipe.engine, "device", "cpu")
+        )
     wanted = [m for m in methods if m in LLAMACPP_METHODS]
     if wanted:
         longest = max(len(ids) for encoded in encoded_sets.values() for ids in encoded)
         # llama.cpp drafts the block of the drafter's tuned setting on this machine (loopspec's dloop
         # block): the block whose verification pays on a CPU
-        dflash_block = (pipe.settings("dloop", block_size=knobs.get("block_size")).block_size
-                        if "llamacpp-dflash" in wanted else None)
-        llama, reason = llamacpp_peer(pipe, first.target, plan.llama_server, dflash_block, first.threads,
-                                      context=longest + plan.max_new_tokens + 16)
+        dflash_block = (
+            pipe.settings("dloop", block_size=knobs.get("block_size")).block_size
+            if "llamacpp-dflash" in wanted
+            else None
+        )
+        llama, reason = llamacpp_peer(
+            pipe,
+            first.target,
+            plan.llama_server,
+            dflash_block,
+            first.threads,
+            context=longest + plan.max_new_tokens + 16,
+        )
         skipped = {m: reason for m in wanted} if llama is None else dict(llama.failed)
         for m, why in skipped.items():
             print(f"[loopspec] skipping {m}: {why}", file=sys.stderr)
@@ -226,8 +250,9 @@ def run_bench(plan: BenchPlan, choices, knobs: dict | None = None,
         if method in PEER_METHODS:
             out = peers[on].run(ids, method, new_tokens)
             return out.tokens, time.perf_counter() - t0, out if method in LLAMACPP_METHODS else None
-        out = pipes[on].run(ids, decoding[on][method], max_new_tokens=new_tokens, params=plan.params,
-                            seed=plan.seed + i)
+        out = pipes[on].run(
+            ids, decoding[on][method], max_new_tokens=new_tokens, params=plan.params, seed=plan.seed + i
+        )
         return out.tokens, time.perf_counter() - t0, out.stats
 
     total_runs = sum(len(e) for e in encoded_sets.values()) * len(runs.order) * plan.repeats
@@ -240,12 +265,18 @@ def run_bench(plan: BenchPlan, choices, knobs: dict | None = None,
     progress.close()
 
     cm = measure_cost_model(pipe, decoding[pipe.engine_name], results) if plan.cost_model else None
-    report = {"settings": run_description(plan, output.command, pipe, ",".join(pipes), datasets,
-                                          decoding[pipe.engine_name]),
-              "results": [asdict(r) for r in results]}
-    report["settings"]["engines"] = {name: {"precision": p.engine.precision, "computes_with": describe_precision(p.engine.precision),
-                                            "decoding": {m: d.to_dict() for m, d in decoding[name].items() if m in methods}}
-                                     for name, p in pipes.items()}
+    report = {
+        "settings": run_description(plan, output.command, pipe, ",".join(pipes), datasets, decoding[pipe.engine_name]),
+        "results": [asdict(r) for r in results],
+    }
+    report["settings"]["engines"] = {
+        name: {
+            "precision": p.engine.precision,
+            "computes_with": describe_precision(p.engine.precision),
+            "decoding": {m: d.to_dict() for m, d in decoding[name].items() if m in methods},
+        }
+        for name, p in pipes.items()
+    }
     if "llama.cpp" in peers:
         report["settings"]["llamacpp"] = peers["llama.cpp"].settings
     if skipped:
@@ -254,14 +285,18 @@ def run_bench(plan: BenchPlan, choices, knobs: dict | None = None,
         report["cost_model"] = cm
     print(results_table(report["results"]))
     if cm is not None:
-        print(f"memory bandwidth {cm['bandwidth_gbs']:.1f} GB/s, target weights {cm['target_weight_mb']:.0f} MB "
-              f"→ plain decoding bound {cm['ar_bound_tokens_per_s']:.1f} tok/s; "
-              f"t_verify(n) ms: {', '.join(f'{n}: {t * 1e3:.1f}' for n, t in cm['verify_s'].items())}"
-              + (f"; draft stage {cm['draft_stage_s'] * 1e3:.1f} ms" if cm.get("draft_stage_s") else ""))
+        print(
+            f"memory bandwidth {cm['bandwidth_gbs']:.1f} GB/s, target weights {cm['target_weight_mb']:.0f} MB "
+            f"→ plain decoding bound {cm['ar_bound_tokens_per_s']:.1f} tok/s; "
+            f"t_verify(n) ms: {', '.join(f'{n}: {t * 1e3:.1f}' for n, t in cm['verify_s'].items())}"
+            + (f"; draft stage {cm['draft_stage_s'] * 1e3:.1f} ms" if cm.get("draft_stage_s") else "")
+        )
         for r in results:
             if r.speedup_bound is not None:
-                print(f"  {r.dataset}/{r.method}: speedup {r.speedup_vs_ar:.2f}x of a {r.speedup_bound:.2f}x bound "
-                      f"({r.speedup_bound_as_run:.2f}x over the rounds as run)")
+                print(
+                    f"  {r.dataset}/{r.method}: speedup {r.speedup_vs_ar:.2f}x of a {r.speedup_bound:.2f}x bound "
+                    f"({r.speedup_bound_as_run:.2f}x over the rounds as run)"
+                )
     text = json.dumps(report, indent=2) + "\n"
     if output.json_out is not None:
         Path(output.json_out).write_text(text)
@@ -281,21 +316,40 @@ def plan_runs(plan: BenchPlan, pipes: dict, decoding: dict, peer_methods: list[s
     order = [(m, e) for e in pipes for m in own] + [(m, PEER_BACKENDS[m]) for m in peer_methods]
     reference = order[0]
     fp32_reference = next((("ar", e) for e, p in pipes.items() if p.engine.precision == "fp32"), None)
-    return Runs(order=order, decoding={(m, on): None if m in PEER_METHODS else decoding[on][m] for m, on in order},
-                reported={run for run in order if run[0] in plan.methods}, reference=reference,
-                plain={run: plain_decoding(run, reference, fp32_reference, pipes) for run in order},
-                fp32_reference=fp32_reference)
+    return Runs(
+        order=order,
+        decoding={(m, on): None if m in PEER_METHODS else decoding[on][m] for m, on in order},
+        reported={run for run in order if run[0] in plan.methods},
+        reference=reference,
+        plain={run: plain_decoding(run, reference, fp32_reference, pipes) for run in order},
+        fp32_reference=fp32_reference,
+    )
 
 
-def summarize(method: str, dataset: str, runs: list[tuple], repeats: int, backend: str,
-              decoding: DecodingSettings | None) -> BenchResult:
+def summarize(
+    method: str, dataset: str, runs: list[tuple], repeats: int, backend: str, decoding: DecodingSettings | None
+) -> BenchResult:
     """One row from each prompt's median run: (tokens, wall seconds, GenerationStats or None);
     `decoding` None: a peer (transformers), which reports neither its acceptance nor its time split."""
     seconds = sum(s for _, s, _ in runs)
     new_tokens = sum(len(tokens) for tokens, _, _ in runs)
-    row = BenchResult(method=method, dataset=dataset, prompts=len(runs), new_tokens=new_tokens, tau=None,
-                      tokens_per_s=new_tokens / seconds, speedup_vs_ar=None, identical_to_ar=None, seconds=seconds,
-                      verifications=0, draft_s=0.0, verify_s=0.0, repeats=repeats, other_s=seconds, backend=backend)
+    row = BenchResult(
+        method=method,
+        dataset=dataset,
+        prompts=len(runs),
+        new_tokens=new_tokens,
+        tau=None,
+        tokens_per_s=new_tokens / seconds,
+        speedup_vs_ar=None,
+        identical_to_ar=None,
+        seconds=seconds,
+        verifications=0,
+        draft_s=0.0,
+        verify_s=0.0,
+        repeats=repeats,
+        other_s=seconds,
+        backend=backend,
+    )
     if decoding is None:
         row.tau = 1.0 if method in ("hf", "llamacpp") else None
         counted = [s for _, _, s in runs if s is not None]  # llama.cpp's own counters
@@ -337,18 +391,23 @@ def cpu_description() -> str:
     """The CPU's model name, the wide-vector features the figures depend on, and the core count
     ("AMD EPYC (avx2, avx512f, avx512_vnni, avx512_bf16, 2 cores)")."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.processor() or platform.machine())
+    model = next(
+        (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    field_of = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info.split("\n\n")[0].splitlines())}
+    field_of = {
+        k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info.split("\n\n")[0].splitlines())
+    }
     if "cpu family" in field_of:  # a model name such as "AMD EPYC" names no generation: family and model do
         model += f", family {field_of['cpu family']} model {field_of.get('model', '?')}"
     features = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8") if f in flags]
     return f"{model} ({', '.join(features + [f'{os.cpu_count()} cores'])})"
 
 
-def run_description(plan: BenchPlan, command: str | None, pipe, backend: str, datasets: dict,
-                    decoding: dict[str, DecodingSettings]) -> dict:
+def run_description(
+    plan: BenchPlan, command: str | None, pipe, backend: str, datasets: dict, decoding: dict[str, DecodingSettings]
+) -> dict:
     """What produced the numbers (the report's "settings"): the command, the pair, the prompts, each
     method's decoding settings and the machine."""
     import torch
@@ -361,20 +420,33 @@ def run_description(plan: BenchPlan, command: str | None, pipe, backend: str, da
         "backend": backend,
         "device": str(getattr(pipe.engine, "device", "cpu")),
         "methods": list(plan.methods),
-        "datasets": {name: {"source": src, "prompts": len(p)} for (name, p), src in zip(datasets.items(), plan.prompt_sets)},
-        "limit": plan.limit, "max_new_tokens": plan.max_new_tokens, "repeats": plan.repeats,
-        "all_turns": plan.all_turns, "chat": plan.chat,
+        "datasets": {
+            name: {"source": src, "prompts": len(p)} for (name, p), src in zip(datasets.items(), plan.prompt_sets)
+        },
+        "limit": plan.limit,
+        "max_new_tokens": plan.max_new_tokens,
+        "repeats": plan.repeats,
+        "all_turns": plan.all_turns,
+        "chat": plan.chat,
         "sampling": {"temperature": plan.params.temperature, "top_k": plan.params.top_k, "top_p": plan.params.top_p},
         "decoding": {m: d.to_dict() for m, d in decoding.items() if m in plan.methods},
         "block_size": {m: d.block_size for m, d in decoding.items() if m in plan.methods},
-        "dloop": ({"gate_threshold": decoding["dloop"].gate_threshold, "max_stages": decoding["dloop"].max_stages}
-                  if "dloop" in decoding else None),
+        "dloop": (
+            {"gate_threshold": decoding["dloop"].gate_threshold, "max_stages": decoding["dloop"].max_stages}
+            if "dloop" in decoding
+            else None
+        ),
         "adaptive": any(d.adaptive for d in decoding.values()),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": {"cpu": cpu_description(), "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "python": platform.python_version()},
+        "machine": {
+            "cpu": cpu_description(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
     }
 
 
@@ -388,8 +460,12 @@ def measure_cost_model(pipe, decoding: dict[str, DecodingSettings], results: lis
     weights = weight_bytes(pipe.target)
     sizes = [d.block_size for d in decoding.values() if d.uses_drafter]
     trees = [round(r.nodes_per_verification) + 1 for r in results if r.nodes_per_verification is not None]
-    lengths = sorted({1, 2, 4, 8, 16, 24, 32} | set(sizes) | {min(64, d.max_drafts + 1) for d in decoding.values()}
-                     | {min(64, n) for n in trees})
+    lengths = sorted(
+        {1, 2, 4, 8, 16, 24, 32}
+        | set(sizes)
+        | {min(64, d.max_drafts + 1) for d in decoding.values()}
+        | {min(64, n) for n in trees}
+    )
     t_verify = verify_times(pipe.engine, lengths)
     t_draft = draft_time(pipe.engine, max(sizes)) if pipe.engine.has_drafter and sizes else None
     for r in results:
@@ -407,14 +483,23 @@ def measure_cost_model(pipe, decoding: dict[str, DecodingSettings], results: lis
             # the adaptive fallback and the last rounds of a request verify the anchor alone: 1 token at t(1)
             plain, drafting = r.verifications - r.drafting_verifications, r.drafting_verifications
             committed = plain + drafting * r.tau
-            r.speedup_bound_as_run = committed * t_verify[1] / (
-                plain * t_verify[1] + drafting * (stages * (t_draft or 0.0) + t_verify[nearest]))
-    return {"bandwidth_gbs": bandwidth, "target_weight_mb": weights / 1e6,
-            "ar_bound_tokens_per_s": bandwidth * 1e9 / weights, "verify_s": t_verify, "draft_stage_s": t_draft}
+            r.speedup_bound_as_run = (
+                committed
+                * t_verify[1]
+                / (plain * t_verify[1] + drafting * (stages * (t_draft or 0.0) + t_verify[nearest]))
+            )
+    return {
+        "bandwidth_gbs": bandwidth,
+        "target_weight_mb": weights / 1e6,
+        "ar_bound_tokens_per_s": bandwidth * 1e9 / weights,
+        "verify_s": t_verify,
+        "draft_stage_s": t_draft,
+    }
 
 
-def measure_sets(encoded_sets: dict[str, list[list[int]]], runs: Runs, run_once, plan: BenchPlan,
-                 progress) -> list[BenchResult]:
+def measure_sets(
+    encoded_sets: dict[str, list[list[int]]], runs: Runs, run_once, plan: BenchPlan, progress
+) -> list[BenchResult]:
     """Every run on every dataset (after one short warm-up each): `run_once(run, ids, prompt index,
     new tokens)` → (tokens, wall seconds, stats or None), `plan.repeats` times per prompt; per run and
     dataset a row from each prompt's median repeat, with its speedup against `runs.reference`, its
@@ -437,8 +522,9 @@ def measure_sets(encoded_sets: dict[str, list[list[int]]], runs: Runs, run_once,
             median = [prompt_runs[median_run(prompt_runs)] for prompt_runs in repeats]
             outputs[run] = [tokens for tokens, _, _ in median]
             per_run[run] = summarize(method, dataset, median, plan.repeats, on, runs.decoding[run])
-            per_run[run].same_across_repeats = all(r[0] == prompt_runs[0][0] for prompt_runs in repeats
-                                                   for r in prompt_runs)
+            per_run[run].same_across_repeats = all(
+                r[0] == prompt_runs[0][0] for prompt_runs in repeats for r in prompt_runs
+            )
         base = per_run[runs.reference]
         for run in runs.order:
             if run not in runs.reported:

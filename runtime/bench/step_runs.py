@@ -21,9 +21,15 @@ def reserve_json(path: str | None) -> None:
 
 def run_record(engine_name: str, threads: int, calls: int, **fields) -> dict:
     """The JSON's head: what ran, where and when; its points go in "steps"."""
-    return {"engine": engine_name, "cpu": cpu_description(),
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "threads": threads, "calls": calls,
-            **fields, "steps": []}
+    return {
+        "engine": engine_name,
+        "cpu": cpu_description(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "threads": threads,
+        "calls": calls,
+        **fields,
+        "steps": [],
+    }
 
 
 def write_json(path: str | None, result: dict) -> None:
@@ -47,7 +53,7 @@ def alternating_steps(engines: dict, tokens: list[list[int]], lengths: list[int]
         for name, engine in engines.items():
             start = time.perf_counter()
             logits.append(engine.verify(tokens, want_taps=False)[0])
-            engine.target_rollback(lengths[:len(tokens)])
+            engine.target_rollback(lengths[: len(tokens)])
             times[name].append((time.perf_counter() - start) * 1000)
         same = same and all(torch.equal(logits[0], other) for other in logits[1:])
     return {name: round(statistics.median(t), 2) for name, t in times.items()}, same
