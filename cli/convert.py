@@ -273,8 +273,8 @@ STAGES = {
     "trt": ("build TensorRT plans from ONNX engines (needs TensorRT and an NVIDIA GPU)", _add_trt_args, cmd_trt),
     "bundle": (
         "a TensorRT-LLM / vLLM / SGLang / llama.cpp serving bundle: z-lab drafter (a DSpark drafter: "
-        "DeepSpec's layout, or a GGUF with its heads; an EAGLE-3 drafter: SpecForge's layout), HF target (or the drafter as a llama.cpp GGUF beside the "
-        "target GGUF), launch files",
+        "DeepSpec's layout, or a GGUF with its heads; an EAGLE-3 drafter: SpecForge's layout), HF target "
+        "(or the drafter as a llama.cpp GGUF beside the target GGUF), launch files",
         _add_bundle_args,
         cmd_bundle,
     ),

@@ -204,15 +204,15 @@ def cmd_tune(args) -> int:
             suffix_firsts=suffix_firsts,
         )
         print(
-            f"{'k':>3} {'stages':>6} {'gate':>6} {'tree':>5} {'suffix':>6} {'first':>5} {'then':>4} {'nodes':>6} {'tau':>6} {'tok/s':>7}"
-            f" {'speedup':>8} lossless"
+            f"{'k':>3} {'stages':>6} {'gate':>6} {'tree':>5} {'suffix':>6} {'first':>5} {'then':>4}"
+            f" {'nodes':>6} {'tau':>6} {'tok/s':>7} {'speedup':>8} lossless"
         )
         for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
             print(
                 f"{r['block_size']:>3} {r['max_stages']:>6} {r['gate_threshold']:>6} {r['tree_budget']:>5}"
                 f" {'on' if r['suffix'] else 'off':>6} {r['suffix_first'] or '-':>5}"
-                f" {'yes' if r.get('suffix_then_draft') else '-':>4} {r['nodes_per_verification']:>6.1f} {r['tau']:>6.2f}"
-                f" {r['tokens_per_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}x {r['lossless']}"
+                f" {'yes' if r.get('suffix_then_draft') else '-':>4} {r['nodes_per_verification']:>6.1f}"
+                f" {r['tau']:>6.2f} {r['tokens_per_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}x {r['lossless']}"
             )
         best = choose(rows)
         if args.json_out:

@@ -15,9 +15,10 @@ The ops are torch custom ops (`loopspec::…`) translated to ONNX by `translatio
 dynamo exporter's custom_translation_table). Eagerly, the FP8 ops compute exactly what the ONNX ops
 compute (saturating round-to-nearest-even float8); the NVFP4 ops emulate in PyTorch what TensorRT's FP4
 kernels compute (e2m1 codes, e4m3 block scales, fp32 tensor scale), so a CPU measures an NVFP4
-drafter's accuracy (convert/quantize.py) although ONNX Runtime cannot run its graphs. The modules carry the tensors convert/quantize.py computes with modelopt
-(`QuantizedWeight`); `engines/export.py`'s wrappers call them as they are (`exports_itself`) and fuse
-them (`fused`: one input scale, weights side by side) where the graph has one GEMM for several.
+drafter's accuracy (convert/quantize.py) although ONNX Runtime cannot run its graphs. The modules carry
+the tensors convert/quantize.py computes with modelopt (`QuantizedWeight`); `engines/export.py`'s
+wrappers call them as they are (`exports_itself`) and fuse them (`fused`: one input scale, weights side
+by side) where the graph has one GEMM for several.
 
 `export_quantized_engines` writes the four engines of a pair with these graphs into an artifact
 directory (manifest stage "quantized"); `check_onnx` verifies the Q/DQ structure of what it wrote.

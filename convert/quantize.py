@@ -456,8 +456,8 @@ def quantize_pair(
     measured against the fp32 reference. NVFP4: ONNX Runtime cannot run its graphs, so the drafter's
     logit error and offline τ are measured through the PyTorch emulation of NVFP4 (convert/qdq.py).
 
-    Written staged: `out_dir` is replaced only by artifacts that passed every check. A failed FP8
-    validation (FP8, or the NVFP4 emulation's τ drop) leaves `out_dir` as it was, keeps the artifacts and report aside in `out_dir`.rejected
+    Written staged: `out_dir` is replaced only by artifacts that passed every check. A failed FP8 validation (FP8, or
+    the NVFP4 emulation's τ drop) leaves `out_dir` as it was, keeps the artifacts and report aside in `out_dir`.rejected
     (its onnx/manifest.json says `validation.passed: false`) and raises ValidationFailed."""
     import time
 

@@ -355,9 +355,10 @@ def format_report(report: dict) -> str:
     )
     if "acceptance" in report:
         a = report["acceptance"]
+        tau_drop = report["tolerance"]["tau_drop"]
         lines.append(
             f"  offline tau over {a['anchors']} anchors: PyTorch {a['tau_reference']:.3f}, "
             f"ONNX {a['tau_onnx']:.3f} (drop {a['relative_drop']:+.1%}, "
-            f"limit {'none' if report['tolerance']['tau_drop'] is None else format(report['tolerance']['tau_drop'], '.0%')})"
+            f"limit {'none' if tau_drop is None else format(tau_drop, '.0%')})"
         )
     return "\n".join(lines)

@@ -7,11 +7,11 @@ its rows' past at least as wide as the longest row plus the call's tokens (room 
 the graph writes after each row's own length) and every row's length (the graphs mask the rest). The
 graphs take dense inputs: the past of rows 0..R-1 is the buffer itself, each layer one block, so
 nothing is copied; other rows are copied once per call. The K/V the graph returns for the new
-positions are written back at each row's own length; rollback moves the lengths. A backend supplies `_open` (one runner per engine:
-`run(**tensors) → {output: tensor}`), the buffers' dtype and device; everything else is here. The
-drafter's context and its stages are a `DrafterContext` over the drafter's graphs, looked up by its
-kind (engines/drafter_contexts.py: the block drafters' engines/dflash_graphs.py, EAGLE-3's
-engines/eagle3_graphs.py).
+positions are written back at each row's own length; rollback moves the lengths. A backend supplies
+`_open` (one runner per engine: `run(**tensors) → {output: tensor}`), the buffers' dtype and device;
+everything else is here. The drafter's context and its stages are a `DrafterContext` over the drafter's
+graphs, looked up by its kind (engines/drafter_contexts.py: the block drafters' engines/dflash_graphs.py,
+EAGLE-3's engines/eagle3_graphs.py).
 """
 
 from __future__ import annotations

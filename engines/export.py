@@ -15,11 +15,11 @@ KV cache layout. The target graph takes the cache's past K/V, one input per laye
 every call), of dynamic width W with room for the call's new tokens (W >= every row's length + T),
 and returns only the NEW tokens' `new_key`/`new_value` [L, B, kvh, T, hd].
 The runtime keeps ONE buffer (as wide as its rows need: engines/artifact_engine.py) and writes the
-new K/V at each row's current length; rollback is moving the length, nothing is copied back. Returning the full `present` cache
-instead would make the graph copy the whole cache every step (past + new) and the runtime swap
-buffers, and a graph over the static buffer itself would attend over the full maximum length every
-step. The drafter's context K/V follows the same rule: `drafter_context*` return the new positions'
-K/V, `drafter_block` reads the valid prefix.
+new K/V at each row's current length; rollback is moving the length, nothing is copied back. Returning
+the full `present` cache instead would make the graph copy the whole cache every step (past + new) and
+the runtime swap buffers, and a graph over the static buffer itself would attend over the full maximum
+length every step. The drafter's context K/V follows the same rule: `drafter_context*` return the new
+positions' K/V, `drafter_block` reads the valid prefix.
 
 Batch. Every graph takes B rows (one request, or several decoded together). Rows hold different
 numbers of valid past slots, so the past passed in is as wide as the longest row (plus room) and each
@@ -43,11 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopspec.engines.graph_ops import (
+from loopspec.engines.graph_ops import (  # noqa: F401
     ORDER_FREE_SOFTMAX,
     SOFTMAX_SUM_UNITS,
     attend,
-    attend_with_keys,  # noqa: F401
+    attend_with_keys,
     fixed_linear,
     fused_linear,
     head_scales,
@@ -279,12 +279,10 @@ class DrafterBlock(nn.Module):
             )
         hidden = rms_norm(x, d.norm.weight, d.norm.eps)  # [B, k, H]
         states = hidden
-        if (
-            cfg.kind.unrolled_draft_head
-        ):  # the traced chain is unrolled over max_block positions; the last real one repeats past k
-            states = torch.cat([hidden, hidden[:, -1:].expand(-1, self.max_block, -1)], dim=1)[
-                :, : self.max_block
-            ]  # [B, max_block, H]
+        # the traced chain is unrolled over max_block positions; the last real one repeats past k
+        if cfg.kind.unrolled_draft_head:
+            padded = torch.cat([hidden, hidden[:, -1:].expand(-1, self.max_block, -1)], dim=1)
+            states = padded[:, : self.max_block]  # [B, max_block, H]
         drafts, logprobs, confidence = draft_stage(
             self.heads, states, block_ids[:, 0], lambda h: linear(h, self.head), self.draft_to_target
         )
@@ -405,8 +403,8 @@ def block_graph(kind: DrafterKind):
 
 def export_code_sha256() -> str:
     """The wrappers', the specs' and the drafter model's source (the drafter-block graph traces its
-    `draft_stage` and DSpark heads, a DFlash2 drafter's its own, and its kind decides the graph's outputs): a cached export made
-    by other code (other graphs or other inputs and outputs) is not reused."""
+    `draft_stage` and DSpark heads, a DFlash2 drafter's its own, and its kind decides the graph's outputs):
+    a cached export made by other code (other graphs or other inputs and outputs) is not reused."""
     from loopspec.engines import dflash2_export, graph_ops, specs
     from loopspec.model import dflash, dflash2, draft_head, drafter_kinds, dspark
 

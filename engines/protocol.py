@@ -10,10 +10,10 @@ opened. A single request is one row; a prompt prefilled in chunks sits in anothe
 Tensors that decide (logits, drafts, log-probs) come back on the CPU; features (taps, hidden states)
 stay on the engine's device. An engine keeps its drafter's context in a `DrafterContext` (below), one
 implementation per drafter family and backend (engines/drafter_contexts.py looks it up by the
-drafter kind's `context`): an engine calls it and never asks which family it holds. Backends, all in this package: torch_engine.py (PyTorch; cuda_graphs.py
-an option of it), ort_engine.py (ONNX Runtime) and trt_engine.py (TensorRT), the last two over
-artifact_engine.py (the artifact contract: manifest, specs, caches). Callers outside this package
-hold engines as `Engine` and reach nothing else of theirs.
+drafter kind's `context`): an engine calls it and never asks which family it holds. Backends, all in
+this package: torch_engine.py (PyTorch; cuda_graphs.py an option of it), ort_engine.py (ONNX Runtime)
+and trt_engine.py (TensorRT), the last two over artifact_engine.py (the artifact contract: manifest,
+specs, caches). Callers outside this package hold engines as `Engine` and reach nothing else of theirs.
 """
 
 from __future__ import annotations

@@ -165,12 +165,12 @@ def target_verify_spec(
     [B, kvh, past, hd]), as wide as the longest row's length plus the call's tokens (`past_width`):
     the graph writes each row's new K/V into its slots itself. It returns only the new tokens' K/V;
     the runtime writes them into its static cache at each row's length (rollback = moving the
-    length). Row b's past slot j is seen iff j < past_lengths[b]; new token i sees the new tokens j with tree_mask[b, i, j] — the causal
-    chain (j <= i) for prefill and chains, a draft tree's ancestor mask (loopspec.tree.tree_masks)
-    otherwise, its nodes at positions past length + depth (right padding is never seen by a real
-    token). `logit_index` picks the positions whose logits are needed, the same for every row (all
-    for verification, the last one for a prefill), so a long prefill does not pay the lm_head for every
-    prompt token. num_taps 0: no taps output (plain `ar`)."""
+    length). Row b's past slot j is seen iff j < past_lengths[b]; new token i sees the new tokens j with
+    tree_mask[b, i, j] — the causal chain (j <= i) for prefill and chains, a draft tree's ancestor mask
+    (loopspec.tree.tree_masks) otherwise, its nodes at positions past length + depth (right padding is
+    never seen by a real token). `logit_index` picks the positions whose logits are needed, the same for
+    every row (all for verification, the last one for a prefill), so a long prefill does not pay the
+    lm_head for every prompt token. num_taps 0: no taps output (plain `ar`)."""
     L, kvh, hd = target.num_layers, target.num_kv_heads, target.head_dim
     kv = (L, "batch", kvh)
     past = tuple(

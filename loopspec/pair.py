@@ -20,7 +20,7 @@ from loopspec.defaults import (
     DEFAULT_TARGET_MASK_TOKEN_ID,
 )
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import Drafter, DrafterConfig, resolve_mask_token_id
+from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.model.drafters import load_drafter
 from loopspec.model.eagle3 import Eagle3Drafter
 from loopspec.model.target import Target, TargetConfig
@@ -46,6 +46,17 @@ def stop_token_ids(target: TargetConfig, tokenizer) -> frozenset[int]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         stop.add(tokenizer.eos_token_id)
     return frozenset(stop)
+
+
+def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, vocab_size: int) -> int:
+    """The checkpoint's mask id; else the first unused embedding row; else a clear error."""
+    if configured is not None:
+        return configured
+    if tokenizer_len is not None and tokenizer_len < vocab_size:
+        return tokenizer_len
+    raise LoopspecError(
+        "the drafter has no mask_token_id and the target's vocabulary has no unused row; pass --mask-token-id"
+    )
 
 
 def mask_token_id(configured: int | None, target: TargetSource, tokenizer, vocab_size: int) -> int:

@@ -468,12 +468,13 @@ def resolve_settings(
 ) -> DecodingSettings:
     """The settings of `method` for a drafter on `engine` (`engine_key`): each knob (KNOBS: block_size,
     gate_threshold, max_stages, gate, adaptive, tree_budget, tree_kind, tree_top_k, tree_depth, suffix,
-    suffix_first, suffix_then_draft, draft_sampling, shared_suffix; one not given takes its Knob's `unset`: None, or on for adaptive) as
-    given, else the drafter's tuned setting for that engine (its tree budget, suffix and suffix-first for dflash and dloop; block size,
-    gate and stages for dloop), else its block size, the chain without suffix and the DLoop defaults. `tuned`: a
-    setting stored elsewhere that replaces the drafter's (a user's result for a shipped drafter:
-    loopspec/tuned.py). `draft_sampling` (default "walk"): "drafter" verifies chains, so a stored
-    tree, suffix branch or suffix-first is not taken (one given is refused)."""
+    suffix_first, suffix_then_draft, draft_sampling, shared_suffix; one not given takes its Knob's
+    `unset`: None, or on for adaptive) as given, else the drafter's tuned setting for that engine (its
+    tree budget, suffix and suffix-first for dflash and dloop; block size, gate and stages for dloop),
+    else its block size, the chain without suffix and the DLoop defaults. `tuned`: a setting stored
+    elsewhere that replaces the drafter's (a user's result for a shipped drafter: loopspec/tuned.py).
+    `draft_sampling` (default "walk"): "drafter" verifies chains, so a stored tree, suffix branch or
+    suffix-first is not taken (one given is refused)."""
     unknown = sorted(set(knobs) - set(KNOBS))
     if unknown:
         raise TypeError(f"resolve_settings() got an unexpected keyword argument {unknown[0]!r}")

@@ -17,12 +17,12 @@ import torch
 from loopspec.errors import LoopspecError
 
 # the file helpers, re-exported: callers that load models and read files import both from here
-from loopspec.files import (
+from loopspec.files import (  # noqa: F401
     cache_root,
     file_sha256,
     one_line,
     read_json,
-    read_safetensors,  # noqa: F401
+    read_safetensors,
     read_safetensors_dir,
     refuse_quantized,
     write_safetensors,

@@ -113,8 +113,8 @@ def draft_round(
     budgets: list[int],
     sampling: list | None = None,
 ) -> list[Drafted]:
-    """Draft stages for one verification of rows 0..B-1 (DLoop: the gate decides each next stage) → what each row drafted (at most
-    `budget` depths). A row with budget 0 drafts nothing.
+    """Draft stages for one verification of rows 0..B-1 (DLoop: the gate decides each next stage) → what
+    each row drafted (at most `budget` depths). A row with budget 0 drafts nothing.
 
     Stage 1 drafts [anchor, MASK…] on the target context. While the gate score of a row's newest
     stage (the sum of its argmax drafts' log-probs) is >= the gate threshold and it ran fewer than

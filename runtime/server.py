@@ -3,12 +3,14 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad request,
-401 a missing or wrong API key (when the server has keys), 404 unknown model or path, 405 wrong method (with `Allow`), 408 a request not whole within the read
-timeout, 413 body too large, 429 queue full, 500 failure (a generic message; the traceback goes to the
-server's log), 503 shutting down or every connection busy, 504 timeout. Request bodies are parsed
-and checked by runtime/openai_api.py, not by pydantic, so every bad input gets a clear message naming
-the parameter; the OpenAPI document (/openapi.json) describes the same bodies. What a connection may
-hold (read timeout, connection limit) is runtime/connections.py's.
+401 a missing or wrong API key (when the server has keys), 404 unknown model or path, 405 wrong
+method (with `Allow`), 408 a request not whole within the read timeout, 413 body too large, 429
+queue full, 500 failure (a generic message; the traceback goes to the server's log), 503 shutting
+down or every connection busy, 504 timeout. Request bodies are parsed and checked by
+runtime/openai_api.py, not by pydantic, so every bad input gets a clear message naming the
+parameter; the OpenAPI document (/openapi.json) describes the same bodies and the streamed chunks
+are runtime/openai_wire.py's. What a connection may hold (read timeout, connection limit) is
+runtime/connections.py's.
 
 API keys (ServeConfig.api_keys, `loopspec serve --api-key`): when any is configured, every /v1/ route
 wants `Authorization: Bearer KEY` with one of them, else 401 (/health and /metrics stay open, as
@@ -39,17 +41,14 @@ from loopspec.runtime.constraint import GrammarError
 from loopspec.runtime.decoder import Decoder
 from loopspec.runtime.metrics import Metrics
 from loopspec.runtime.openai_api import (
-    CHAT_BODY,
-    COMPLETION_BODY,
     APIError,
     RequestOptions,
     chat_prompt,
     completion_prompt,
-    error_responses,
     json_depth,
     parse_options,
-    post_route_doc,
 )
+from loopspec.runtime.openai_wire import CHAT_BODY, COMPLETION_BODY, error_responses, post_route_doc, sse_stream
 from loopspec.runtime.scheduler import Event, QueueFull, Request, Scheduler
 
 try:  # the serve extra (fastapi brings starlette); FastAPI reads the handlers' parameter type
@@ -308,7 +307,7 @@ async def respond(
     kind = "chat.completion" if chat else "text_completion"
     if options.stream:
         return _SSE(
-            _stream(events.queue, rid, kind, chat, options.include_usage, state.model_name),
+            sse_stream(events.queue, rid, kind, chat, options.include_usage, state.model_name),
             on_close=lambda: request.finished or scheduler.cancel(request),
         )
     result, gone = asyncio.ensure_future(_collect(events.queue)), asyncio.ensure_future(_disconnected(http))
@@ -526,40 +525,6 @@ if StreamingResponse is not None:
                 await super().__call__(scope, receive, send)
             finally:
                 self.on_close()
-
-
-async def _stream(queue: asyncio.Queue, rid: str, kind: str, chat: bool, include_usage: bool, model: str):
-    """SSE chunks from the scheduler's Events, then `data: [DONE]`."""
-    created = int(time.time())
-    kind = kind + ".chunk" if chat else kind
-
-    def chunk(choice: dict | None, usage: dict | None = None) -> str:
-        out = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice] if choice else []}
-        if include_usage:
-            out["usage"] = usage
-        return f"data: {json.dumps(out)}\n\n"
-
-    def piece(text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
-        if chat:
-            delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-
-    if chat:
-        yield chunk(piece(role=True))
-    while True:
-        event = await queue.get()
-        if event.kind == "text":
-            yield chunk(piece(event.text))
-        elif event.kind == "error":
-            yield f"data: {json.dumps(APIError(event.status, event.message).body())}\n\n"
-            break
-        else:
-            yield chunk(piece(finish=event.finish_reason))
-            if include_usage:
-                yield chunk(None, event.usage)
-            break
-    yield "data: [DONE]\n\n"
 
 
 def http_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):

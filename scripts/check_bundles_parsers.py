@@ -56,7 +56,10 @@ def check_vllm(bundle: Path, manifest: dict) -> str:
         spec_json = json.loads(argv[i])
         expect("enable_adaptive_verification in the launch line", spec_json.pop("enable_adaptive_verification"), True)
         argv[i] = json.dumps(spec_json)
-        cpu_note = " (enable_adaptive_verification: a SpeculativeConfig field; it needs full CUDA graphs, checked without it here)"
+        cpu_note = (
+            " (enable_adaptive_verification: a SpeculativeConfig field; it needs full CUDA graphs,"
+            " checked without it here)"
+        )
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
     args.model = args.model_tag  # what `vllm serve MODEL` does with its positional argument
     config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
@@ -253,7 +256,8 @@ def check_llamacpp_dflash2(bundle: Path, manifest: dict) -> str:
     )
     expect("spec type", entry["spec_type"], "draft-dflash")
     return (
-        f"dflash GGUF with the selector (top-k {field('dflash.selector_top_k')}, rank {field('dflash.selector_rank')}), "
+        f"dflash GGUF with the selector (top-k {field('dflash.selector_top_k')}, "
+        f"rank {field('dflash.selector_rank')}), "
         f"conv {field('dflash.conv_kernel_size')} taps, target layers {list(field('dflash.target_layers'))}, "
         f"{len(reader.tensors)} tensors"
     )

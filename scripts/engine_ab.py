@@ -71,7 +71,8 @@ def main() -> int:
     for s in result["steps"]:
         print(
             f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: {a} {s[a + '_ms']:7.2f} ms, "
-            f"{b} {s[b + '_ms']:7.2f} ms ({s[a + '_ms'] / s[b + '_ms']:.2f}x){'' if s['same_logits'] else ', logits differ'}"
+            f"{b} {s[b + '_ms']:7.2f} ms ({s[a + '_ms'] / s[b + '_ms']:.2f}x)"
+            f"{'' if s['same_logits'] else ', logits differ'}"
         )
     write_json(args.json, result)
     return 0

@@ -202,7 +202,8 @@ def main() -> None:
     for grammar, libs in results.items():
         for lib, r in libs.items():
             print(
-                f"{grammar:12s} {lib:11s} mask {r['mask_us_median']:6.1f} µs (mean {r['mask_us_mean']:.1f}, p90 {r['mask_us_p90']:.1f})  "
+                f"{grammar:12s} {lib:11s} mask {r['mask_us_median']:6.1f} µs "
+                f"(mean {r['mask_us_mean']:.1f}, p90 {r['mask_us_p90']:.1f})  "
                 f"advance {r['advance_us_median']:6.1f} µs  rollback {r['rollback_us_median']:6.1f} µs  "
                 f"compile {r['compile_ms']:.1f} ms"
                 + (f"  loopspec's bool mask {r['allowed_us_median']:.1f} µs" if "allowed_us_median" in r else "")

@@ -309,8 +309,9 @@ def main() -> int:
                 print(
                     f"{method:>12} c={level:<3} {run['tokens']:5d} tokens in {run['wall_s']:6.1f} s = "
                     f"{run['tokens_per_s']:6.1f} tok/s | latency mean {run['mean_latency_s']:5.1f} s, p50 "
-                    f"{run['p50_latency_s']:5.1f} s, p99 {run['p99_latency_s']:5.1f} s, ttft {run['mean_ttft_s']:5.2f} s"
-                    f" | errors {len(run['errors'])} | equal to alone: {not bad if compared else 'not compared'}",
+                    f"{run['p50_latency_s']:5.1f} s, p99 {run['p99_latency_s']:5.1f} s, "
+                    f"ttft {run['mean_ttft_s']:5.2f} s | errors {len(run['errors'])} "
+                    f"| equal to alone: {not bad if compared else 'not compared'}",
                     flush=True,
                 )
             if method != LLAMA_SERVER:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import accepted_drafts, batched_greedy_equals_plain, lively
-from test_dflash2 import (
+from test_dflash2 import (  # noqa: F401 (law_target, target_dir: fixtures)
     ANCHOR,
     BLOCK,
     PROMPT,
@@ -23,7 +23,7 @@ from test_dflash2 import (
     law_engine,
     law_target,
     target_dir,
-)  # noqa: F401 (law_target, target_dir: fixtures)
+)
 from test_distribution import P_FAIL, P_PASS, PROMPT as LAW_PROMPT, RUNS, exact_distribution, gof_pvalue, seeds
 from test_real_q import committed_counts
 from test_eagle3_tree import walk_without_residual

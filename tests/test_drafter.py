@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import Drafter, DrafterConfig, resolve_mask_token_id
+from loopspec.model.dflash import Drafter, DrafterConfig
+from loopspec.pair import resolve_mask_token_id
 from loopspec.model.target import TargetConfig, default_target_layer_ids
 from loopspec.weights import load_target_dir
 

@@ -20,7 +20,7 @@ from test_distribution import (
     gof_pvalue,
     seeds,
 )
-from test_eagle3 import (
+from test_eagle3 import (  # noqa: F401 (target_dir: a fixture)
     ANCHOR,
     BLOCK,
     PROMPT,
@@ -31,7 +31,7 @@ from test_eagle3 import (
     hf_hidden_states,
     reference_chain,
     target_dir,
-)  # noqa: F401 (target_dir: a fixture)
+)
 from test_real_q import committed_counts
 import loopspec.runtime.decoder as decoder_module
 from loopspec.cli import main

@@ -1,4 +1,5 @@
-"""The import arrows (core ← engines ← convert, runtime), no bare subpackage imports, and packaging that matches the folders."""
+"""The import arrows (core ← engines ← convert, runtime), no bare subpackage imports, and packaging that
+matches the folders."""
 
 import ast
 import re

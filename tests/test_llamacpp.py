@@ -15,10 +15,10 @@ import torch
 gguf = pytest.importorskip("gguf", reason="needs gguf: pip install gguf (a core dependency)")
 
 from loopspec.convert.bundles import build_bundle  # noqa: E402
-from loopspec.engines.llamacpp import (
+from loopspec.engines.llamacpp import (  # noqa: E402
     find_llama_server,
     llama_server_command,
-    read_dflash_gguf,  # noqa: E402
+    read_dflash_gguf,
     write_dflash_gguf,
 )
 from loopspec.errors import LoopspecError  # noqa: E402

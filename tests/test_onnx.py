@@ -15,11 +15,11 @@ from loopspec.cli import main  # noqa: E402
 from loopspec.convert.validate import format_report, validate_onnx  # noqa: E402
 from loopspec.engines.export import export_engines  # noqa: E402
 from loopspec.engines.manifest import read_manifest  # noqa: E402
-from loopspec.engines.specs import (
+from loopspec.engines.specs import (  # noqa: E402
     DRAFTER_BLOCK,
     DRAFTER_CONTEXT,
     DRAFTER_CONTEXT_HIDDEN,
-    ENGINE_NAMES,  # noqa: E402
+    ENGINE_NAMES,
     TARGET_VERIFY,
     EngineSpec,
     TensorSpec,

@@ -784,12 +784,12 @@ def test_stop_strings_are_matched_in_decoded_text_only():
 # --------------------------------------------------------------------------------------------------
 # Every request field: honoured, refused unless neutral, or ignored, as runtime/openai_api.py's table says
 
-from loopspec.runtime.openai_api import (
+from loopspec.runtime.openai_api import (  # noqa: E402
     CHAT,
     COMPLETIONS,
     ENDPOINT_PATHS,
     FIELDS,
-    HONOURED,  # noqa: E402
+    HONOURED,
     NEUTRAL_ONLY,
 )
 

@@ -12,15 +12,8 @@ pytest.importorskip("fastapi", reason="needs fastapi: pip install 'loopspec[serv
 
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from loopspec.runtime.openai_api import (
-    CHAT,
-    CHAT_BODY,
-    COMPLETION_BODY,
-    COMPLETIONS,
-    ENDPOINT_PATHS,  # noqa: E402
-    FIELDS,
-    endpoint_fields,
-)
+from loopspec.runtime.openai_api import CHAT, COMPLETIONS, ENDPOINT_PATHS, FIELDS, endpoint_fields  # noqa: E402
+from loopspec.runtime.openai_wire import CHAT_BODY, COMPLETION_BODY  # noqa: E402
 from test_server import ServerThread, httpx  # noqa: E402
 
 # any JSON value, nested a little: what a careless or hostile client may send in any field

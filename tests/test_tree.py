@@ -21,14 +21,14 @@ from loopspec.settings import DecodingSettings, resolve_settings
 from loopspec.tree import DraftTree, SuffixIndex, best_first, draft_tree, tree_masks
 from loopspec.weights import load_target_dir
 
-from test_distribution import (
+from test_distribution import (  # noqa: F401
     P_FAIL,
     P_PASS,
     RUNS,
     T1,
     V,
     engine,
-    exact_distribution,  # noqa: F401
+    exact_distribution,
     gof_pvalue,
     seeds,
 )

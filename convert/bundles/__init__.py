@@ -59,7 +59,7 @@ from loopspec.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET_MASK_TOKEN_ID
 from loopspec.engines.llamacpp import gguf_target_info
 from loopspec.engines.staging import check_out_dir, staged_dir
 from loopspec.errors import LoopspecError
-from loopspec.model.dflash import resolve_mask_token_id
+from loopspec.pair import resolve_mask_token_id
 from loopspec.model.drafter_kinds import DrafterKind
 from loopspec.model.drafters import load_drafter
 from loopspec.model.families import target_config

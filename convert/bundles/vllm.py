@@ -34,8 +34,9 @@ Facts this module relies on (re-check on upgrades):
   `draft_vocab_size` (default vocab_size), `target_hidden_size` (default hidden_size),
   `norm_before_residual`, `eagle_config.use_aux_hidden_state` / `norm_before_fc`, `fc_norm` and
   `norm_output` (EAGLE 3.1: the next step's state is the final-normed output; off, the output before
-  the final norm), each as loopspec runs it (the drafter's config.json carries them at the top level). The target's tap layers are the top-level `eagle_aux_hidden_state_layer_ids`, else
-  `eagle_config`'s, taken as given (v1/worker/gpu_model_runner.py, v1/worker/gpu/spec_decode/eagle/
+  the final norm), each as loopspec runs it (the drafter's config.json carries them at the top level).
+  The target's tap layers are the top-level `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s,
+  taken as given (v1/worker/gpu_model_runner.py, v1/worker/gpu/spec_decode/eagle/
   eagle3_utils.py); id j is the stream entering target layer j (the model appends its aux state after
   layer j-1: model_executor/models/llama.py), loopspec's tap j-1. Weights: `midlayer.` is mapped to
   `layers.0.`, `d2t` to `draft_id_to_target_id` (target id = draft id + d2t), `t2d` skipped, the

@@ -319,17 +319,6 @@ class DrafterConfig:
             raise LoopspecError(f"drafter config.json lacks {e.args[0]!r}") from None
 
 
-def resolve_mask_token_id(configured: int | None, tokenizer_len: int | None, vocab_size: int) -> int:
-    """The checkpoint's mask id; else the first unused embedding row; else a clear error."""
-    if configured is not None:
-        return configured
-    if tokenizer_len is not None and tokenizer_len < vocab_size:
-        return tokenizer_len
-    raise LoopspecError(
-        "the drafter has no mask_token_id and the target's vocabulary has no unused row; pass --mask-token-id"
-    )
-
-
 class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()

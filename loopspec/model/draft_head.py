@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:  # annotations only: the drafter's module imports this one
-    from loopspec.model.dflash import Drafter
+from torch import nn
+
+if TYPE_CHECKING:  # annotations only
     from loopspec.tree import Lattice
 
 
@@ -64,7 +65,7 @@ class StageDrafts(tuple):
 
 
 def draft_stage(
-    drafter: "Drafter",
+    drafter: nn.Module,
     hidden: torch.Tensor,
     anchors: torch.Tensor,
     head,
@@ -93,7 +94,7 @@ def draft_stage(
 
 
 def sample_stage(
-    drafter: "Drafter", hidden: torch.Tensor, anchors: torch.Tensor, head, draft_ids: torch.Tensor | None, sampler
+    drafter: nn.Module, hidden: torch.Tensor, anchors: torch.Tensor, head, draft_ids: torch.Tensor | None, sampler
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The draft-head step of one stage with drafts sampled from the drafter's distribution q
     (`sampler`: a loopspec.decoding.DraftSampler over the stage's rows) instead of its argmax →
@@ -107,7 +108,7 @@ def sample_stage(
 
 
 def corrected_logits(
-    drafter: "Drafter",
+    drafter: nn.Module,
     h: torch.Tensor,
     logits: torch.Tensor,
     anchors: torch.Tensor,
@@ -137,7 +138,7 @@ def corrected_logits(
     return torch.stack(corrected, dim=1), torch.stack(prevs, dim=1)
 
 
-def stage_confidence(drafter: "Drafter", h: torch.Tensor, prevs: torch.Tensor) -> torch.Tensor | None:
+def stage_confidence(drafter: nn.Module, h: torch.Tensor, prevs: torch.Tensor) -> torch.Tensor | None:
     """The confidence head's estimates [R, D] at states h [R, D, H] with predecessors prevs [R, D]
     (None without a confidence head)."""
     if drafter.confidence_head is None:
@@ -145,7 +146,7 @@ def stage_confidence(drafter: "Drafter", h: torch.Tensor, prevs: torch.Tensor) -
     return drafter.confidence_head(confidence_features(drafter, h, prevs))  # [R, D]
 
 
-def confidence_logits(drafter: "Drafter", h: torch.Tensor, prevs: torch.Tensor) -> torch.Tensor | None:
+def confidence_logits(drafter: nn.Module, h: torch.Tensor, prevs: torch.Tensor) -> torch.Tensor | None:
     """The confidence head's logits (before the sigmoid) at states h [..., H] with predecessors
     prevs [...] (None without a confidence head): what training's cross-entropy reads."""
     if drafter.confidence_head is None:
@@ -153,7 +154,7 @@ def confidence_logits(drafter: "Drafter", h: torch.Tensor, prevs: torch.Tensor) 
     return drafter.confidence_head.proj(confidence_features(drafter, h, prevs)).squeeze(-1).float()
 
 
-def confidence_features(drafter: "Drafter", h: torch.Tensor, prevs: torch.Tensor) -> torch.Tensor:
+def confidence_features(drafter: nn.Module, h: torch.Tensor, prevs: torch.Tensor) -> torch.Tensor:
     """What the confidence head reads: [h ; W1[prev]] (with the Markov head's embedding) or h."""
     if drafter.cfg.confidence_with_markov:
         return torch.cat([h, drafter.markov_head.markov_w1(prevs).to(h.dtype)], dim=-1)  # [..., H + r]

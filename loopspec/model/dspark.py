@@ -11,16 +11,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from loopspec.errors import LoopspecError
 from loopspec.model.drafter_kinds import MARKOV_HEAD_TYPES
-
-if TYPE_CHECKING:  # annotations only: the drafter's module imports this one
-    from loopspec.model.dflash import Drafter, DrafterConfig
 
 
 @dataclass(frozen=True)
@@ -55,7 +51,7 @@ class MarkovHead(nn.Module):
     position (`markov_w1`, an embedding [V, r]), gated by the position's state or carried through a
     recurrent state (see the module docstring). Parameter names are DeepSpec's."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg):  # a block drafter's DrafterConfig (model/dflash.py imports this module)
         super().__init__()
         r, H = cfg.markov_rank, cfg.hidden_size
         self.head_type = cfg.markov_head_type
@@ -86,7 +82,7 @@ class MarkovHead(nn.Module):
 class ConfidenceHead(nn.Module):
     """DSpark's per-position acceptance estimate σ(proj(features)), features [h ; W1[prev]] or h."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg):  # a block drafter's DrafterConfig (model/dflash.py imports this module)
         super().__init__()
         self.proj = nn.Linear(cfg.hidden_size + (cfg.markov_rank if cfg.confidence_with_markov else 0), 1)
 
@@ -99,7 +95,7 @@ class DraftHeads(nn.Module):
     modules: the torch engine swaps a drafter's Linears for oneDNN-packed copies in place, whose
     product does not export, so the export runs fresh heads holding the same weights."""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: nn.Module):
         super().__init__()
         self.cfg = drafter.cfg
         self.markov_head = self.confidence_head = None

@@ -21,9 +21,10 @@ final norm) is the next step's state.
 Config switches (`Eagle3Variant`, read where vLLM and SGLang read them): `fc_norm` norms each tap and
 `norm_before_fc` the three concatenated before fc; `norm_output` makes the next step's state the
 final-normed output (EAGLE 3.1 = fc_norm + norm_output); `norm_before_residual` as above.
-Its context pairs the target's fused taps at position p with the token at p+1, so the first step of a round is the entry (anchor at a, fused taps at a-1) at
-position a-1, and step i >= 2 is (draft i-1, the state step i-1 returned) at position a+i-2. Every
-step attends to the row's cached entries and the steps before it (one KV cache, one layer).
+Its context pairs the target's fused taps at position p with the token at p+1, so the first step of a
+round is the entry (anchor at a, fused taps at a-1) at position a-1, and step i >= 2 is (draft i-1, the
+state step i-1 returned) at position a+i-2. Every step attends to the row's cached entries and the steps
+before it (one KV cache, one layer).
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 and llama.cpp measured beside them), report.py (the printed table, bench.md and the plots)."""
 
 from loopspec.runtime.bench.plan import BenchOutput, BenchPlan, load_prompt_sets, load_prompts  # noqa: F401
-from loopspec.runtime.bench.run import (
+from loopspec.runtime.bench.run import (  # noqa: F401
     BenchResult,
     Runs,
     acceptance_stats,
     measure_sets,
-    median_run,  # noqa: F401
+    median_run,
     run_bench,
     verifications_saved,
 )

@@ -120,8 +120,8 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
         sampling = settings.get("sampling", {})
         loop = settings.get("dloop")
         lines += [
-            f"- target `{settings.get('target')}`, drafter: {settings.get('drafter')}, backend `{settings.get('backend')}` "
-            f"on `{settings.get('device', 'cpu')}`",
+            f"- target `{settings.get('target')}`, drafter: {settings.get('drafter')}, "
+            f"backend `{settings.get('backend')}` on `{settings.get('device', 'cpu')}`",
             f"- {settings.get('max_new_tokens')} new tokens, temperature {sampling.get('temperature')}, "
             f"{repeats} repeat(s) (each prompt's median wall time), adaptive fallback "
             f"{'on' if settings.get('adaptive') else 'off'}, block size "
@@ -168,14 +168,17 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
         lines += [
             f"## {d} ({count} prompt{'' if count == 1 else 's'})",
             "",
-            "| method | engine | τ | tokens / verification, all rounds | tok/s | speedup vs `ar` | bound: drafting / as run | identical to `ar` "
-            "| greedy output = fp32 `ar` | nodes / verification | tokens only the suffix proposed | stages / verification "
-            "| tokens from stages > 1 | verifications saved | prefill / draft / verify / other, ms per token |",
+            "| method | engine | τ | tokens / verification, all rounds | tok/s | speedup vs `ar` "
+            "| bound: drafting / as run | identical to `ar` "
+            "| greedy output = fp32 `ar` | nodes / verification | tokens only the suffix proposed "
+            "| stages / verification | tokens from stages > 1 | verifications saved "
+            "| prefill / draft / verify / other, ms per token |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
-                f"| {r['method']} | {r['backend']} | {_num(r['tau'], '.2f')} | {_num(r.get('tokens_per_verification'), '.2f')} "
+                f"| {r['method']} | {r['backend']} | {_num(r['tau'], '.2f')} "
+                f"| {_num(r.get('tokens_per_verification'), '.2f')} "
                 f"| {r['tokens_per_s']:.1f} "
                 f"| {_num(r['speedup_vs_ar'], '.2f', '×')} | {_bound(r)} "
                 f"| {_same(r['identical_to_ar'])}{'' if r.get('same_across_repeats', True) else ' (repeats differ!)'} "
@@ -204,11 +207,11 @@ def markdown(report: dict, plot_files: list[str] = ()) -> str:
         lines.append("")
 
     lines += [
-        "Speed is generated tokens per wall-clock second, prefill included. τ counts the tokens committed "
-        "per verification that checked drafts; tokens per verification counts every round, the plain ones (adaptive "
-        "fallback, a request's last tokens) included, and is what the speed sees. Verifications saved (DLoop) = Σ over its verifications of "
-        "ceil(committed / k) − 1: how many more verifications a one-stage DFlash round of block k would have "
-        "needed for the same committed tokens.",
+        "Speed is generated tokens per wall-clock second, prefill included. τ counts the tokens committed per "
+        "verification that checked drafts; tokens per verification counts every round, the plain ones (adaptive "
+        "fallback, a request's last tokens) included, and is what the speed sees. Verifications saved (DLoop) = "
+        "Σ over its verifications of ceil(committed / k) − 1: how many more verifications a one-stage DFlash "
+        "round of block k would have needed for the same committed tokens.",
         "",
     ]
     if plot_files:
