@@ -50,7 +50,7 @@ from torch import nn
 from loopspec.engines.export import fixed_linear
 from loopspec.errors import LoopspecError
 from loopspec.precisions import precision_names
-from loopspec.gguf_blocks import BLOCK, BlockMatrix, quantize_blocks
+from loopspec.gguf_blocks import BLOCK, BLOCK_BYTES, BlockMatrix, BlockProduct, quantize_blocks
 from loopspec.model.dflash import Drafter
 from loopspec.model.drafter_kinds import require_quantized_export
 from loopspec.model.target import Target
@@ -82,132 +82,120 @@ def _block_reshape(g, x, k_blocks: int):
     return g.op("Reshape", x, shape)
 
 
-class _Q41Product(torch.autograd.Function):
-    """x [B, T, K] · (d·q + m)ᵀ → [B, T, N]."""
+# MatMulNBits subtracts this from every code when no zero-point input is given
+DEFAULT_ZERO_POINT = {4: 8, 8: 128}
+
+
+class _BlockProduct(torch.autograd.Function):
+    """x [B, T, K] · wᵀ → [B, T, N], w = scales·(codes − zero point) per block (+ minimums per 32)."""
 
     @staticmethod
-    def forward(ctx, x, codes, scales, zero_points, minimum, accuracy_level: int):
+    def forward(ctx, x, codes, scales, zero_points, minimum, bits: int, block: int, accuracy_level: int):
         n, kb, _ = codes.shape
-        q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(n, kb, BLOCK).float()  # [N, K/32, 32]
-        w = scales.reshape(n, kb, 1) * q + minimum.t()[..., None]  # [N, K/32, 32]
-        return torch.matmul(x, w.reshape(n, kb * BLOCK).t())
+        if bits == 4:  # two consecutive K elements per byte, the first in the low nibble
+            codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(n, kb, block)
+        zero = 0.0 if zero_points is not None else float(DEFAULT_ZERO_POINT[bits])  # explicit zero points: 0
+        w = (scales.reshape(n, kb, 1) * (codes.float() - zero)).reshape(n, kb * block)
+        if minimum is not None:
+            w = (w.reshape(n, -1, BLOCK) + minimum.t()[..., None]).reshape(n, kb * block)
+        return torch.matmul(x, w.t())
 
     @staticmethod
-    def symbolic(g, x, codes, scales, zero_points, minimum, accuracy_level: int):
+    def symbolic(g, x, codes, scales, zero_points, minimum, bits: int, block: int, accuracy_level: int):
         n, kb, _ = codes.type().sizes()
+        inputs = [x, codes, scales] + ([zero_points] if zero_points is not None else [])
         y = _typed_like(
             g.op(
                 "com.microsoft::MatMulNBits",
-                x,
-                codes,
-                scales,
-                zero_points,
-                K_i=kb * BLOCK,
+                *inputs,
+                K_i=kb * block,
                 N_i=n,
-                bits_i=4,
-                block_size_i=BLOCK,
+                bits_i=bits,
+                block_size_i=block,
                 accuracy_level_i=accuracy_level,
             ),
             x,
             n,
         )
+        if minimum is None:
+            return y
         sums = g.op(
-            "ReduceSum", _block_reshape(g, x, kb), g.op("Constant", value_t=torch.tensor([-1])), keepdims_i=0
+            "ReduceSum",
+            _block_reshape(g, x, kb * block // BLOCK),
+            g.op("Constant", value_t=torch.tensor([-1])),
+            keepdims_i=0,
         )  # [B, T, K/32]
         return g.op("Add", y, g.op("MatMul", sums, minimum))
 
 
-class _Q80Product(torch.autograd.Function):
-    """x [B, T, K] · (d·q)ᵀ → [B, T, N], codes stored as q + 128."""
-
-    @staticmethod
-    def forward(ctx, x, codes, scales, accuracy_level: int):
-        n, kb, _ = codes.shape
-        w = scales.reshape(n, kb, 1) * (codes.float() - 128.0)  # [N, K/32, 32]
-        return torch.matmul(x, w.reshape(n, kb * BLOCK).t())
-
-    @staticmethod
-    def symbolic(g, x, codes, scales, accuracy_level: int):
-        n, kb, _ = codes.type().sizes()
-        return _typed_like(
-            g.op(
-                "com.microsoft::MatMulNBits",
-                x,
-                codes,
-                scales,
-                K_i=kb * BLOCK,
-                N_i=n,
-                bits_i=8,
-                block_size_i=BLOCK,
-                accuracy_level_i=accuracy_level,
-            ),
-            x,
-            n,
-        )
-
-
-class Q41Linear(nn.Module):
-    """A bias-free linear whose weight [N, K] is Q4_1 blocks, in MatMulNBits' layout."""
+class BlockLinear(nn.Module):
+    """A bias-free linear whose weight [N, K] is a GGUF's blocks (`BlockProduct`: Q4_0, Q4_1, Q4_K as
+    4-bit codes; Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 as 8-bit codes), in MatMulNBits' layout: the weights are
+    exactly the file's, whose minimums (Q4_1, Q5_1, the K-quants' sub-block minimums) run as the
+    correction term blocksum(x) · M (module doc)."""
 
     exports_itself = True  # engines/export.py's `linear` calls the module
 
-    def __init__(self, matrix: BlockMatrix, accuracy_level: int):
+    def __init__(self, product: BlockProduct, accuracy_level: int):
         super().__init__()
-        n, k = matrix.shape
-        q = matrix.codes()  # [N, K] in 0..15
-        packed = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, k // BLOCK, BLOCK // 2)
-        self.register_buffer("codes", torch.from_numpy(np.ascontiguousarray(packed)))  # uint8 [N, K/32, 16]
-        self.register_buffer("scales", torch.from_numpy(matrix.scales().reshape(-1)))  # [N·K/32]
-        zero_bytes = n * ((k // BLOCK + 1) // 2)  # two 4-bit zero points per byte, rows padded to a byte
-        self.register_buffer("zero_points", torch.zeros(zero_bytes, dtype=torch.uint8))
-        self.register_buffer("minimum", torch.from_numpy(np.ascontiguousarray(matrix.minimums().T)))  # [K/32, N]
+        n, k = product.shape
+        self.bits, self.block, self.kind = product.bits, product.block, product.kind
         self.accuracy_level = accuracy_level
+        codes = product.codes.astype(np.int16)
+        if product.bits == 8 or product.zero_point == DEFAULT_ZERO_POINT[4]:
+            # the op's default zero point: 8-bit codes shifted to it (exact: c − z + 128 − 128 = c − z)
+            codes = codes - product.zero_point + DEFAULT_ZERO_POINT[product.bits]
+            zero_points = None
+        else:  # 4-bit codes with zero point 0 (Q4_1, Q4_K): given explicitly, two per byte, rows padded
+            if product.zero_point != 0:
+                raise LoopspecError(f"4-bit block codes with zero point {product.zero_point} have no product form")
+            zero_points = torch.zeros(n * ((k // product.block + 1) // 2), dtype=torch.uint8)
+        codes = codes.astype(np.uint8).reshape(n, k // product.block, product.block)
+        if product.bits == 4:
+            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        self.register_buffer("codes", torch.from_numpy(np.ascontiguousarray(codes)))  # uint8 [N, K/block, ...]
+        self.register_buffer("scales", torch.from_numpy(np.ascontiguousarray(product.scales).reshape(-1)))
+        self.register_buffer("zero_points", zero_points)
+        minimum = None if product.minimums is None else torch.from_numpy(np.ascontiguousarray(product.minimums.T))
+        self.register_buffer("minimum", minimum)  # [K/32, N]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:
-            raise LoopspecError(f"Q41Linear takes [B, T, K] activations, got {tuple(x.shape)}")
-        return _Q41Product.apply(x, self.codes, self.scales, self.zero_points, self.minimum, self.accuracy_level)
-
-
-class Q80Linear(nn.Module):
-    """A bias-free linear whose weight [N, K] is Q8_0 blocks: MatMulNBits bits 8 (int8 activations)."""
-
-    exports_itself = True
-
-    def __init__(self, matrix: BlockMatrix, accuracy_level: int):
-        super().__init__()
-        n, k = matrix.shape
-        shifted = (matrix.codes().astype(np.int16) + 128).astype(np.uint8).reshape(n, k // BLOCK, BLOCK)
-        self.register_buffer("codes", torch.from_numpy(shifted))  # uint8 [N, K/32, 32]
-        self.register_buffer("scales", torch.from_numpy(matrix.scales().reshape(-1)))  # [N·K/32]
-        self.accuracy_level = accuracy_level
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Q80Product.apply(x, self.codes, self.scales, self.accuracy_level)
+            raise LoopspecError(f"BlockLinear takes [B, T, K] activations, got {tuple(x.shape)}")
+        return _BlockProduct.apply(
+            x, self.codes, self.scales, self.zero_points, self.minimum, self.bits, self.block, self.accuracy_level
+        )
 
     @classmethod
-    def fused(cls, parts: list["Q80Linear"]) -> "Q80Linear":
+    def fused(cls, parts: list["BlockLinear"]) -> "BlockLinear":
         """The parts' rows one after another (engines/export.py `fused_linear`): blocks run along K
-        inside each row, so stacking quantized rows is the quantization of the stacked matrix."""
-        if len({p.accuracy_level for p in parts}) != 1:
-            raise LoopspecError("cannot fuse block products of different accuracy levels into one")
+        inside each row, so stacking block rows is the blocks of the stacked matrix."""
+        forms = {(p.bits, p.block, p.accuracy_level, p.zero_points is None, p.minimum is None) for p in parts}
+        if len(forms) != 1:
+            raise LoopspecError("cannot fuse block products of different forms into one")
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
-        fused.register_buffer("codes", torch.cat([p.codes for p in parts]))  # [ΣN, K/32, 32]
-        fused.register_buffer("scales", torch.cat([p.scales for p in parts]))  # [ΣN·K/32]
-        fused.accuracy_level = parts[0].accuracy_level
+        first = parts[0]
+        fused.bits, fused.block, fused.accuracy_level = first.bits, first.block, first.accuracy_level
+        fused.kind = "+".join(dict.fromkeys(p.kind for p in parts))
+        fused.register_buffer("codes", torch.cat([p.codes for p in parts]))
+        fused.register_buffer("scales", torch.cat([p.scales for p in parts]))
+        zero = None if first.zero_points is None else torch.cat([p.zero_points for p in parts])
+        fused.register_buffer("zero_points", zero)
+        fused.register_buffer("minimum", None if first.minimum is None else torch.cat([p.minimum for p in parts], 1))
         return fused
 
 
-def block_linear(matrix: BlockMatrix, precision: str) -> nn.Module | None:
+def block_linear(matrix: "BlockMatrix | BlockProduct", precision: str) -> nn.Module | None:
     """The module computing one matrix's product in `precision`; None: the fp32 Linear stays (F32/F16
-    tensors, and Q8_0 with fp32 activations, whose fp32 expansion is exact and fast)."""
+    tensors, and 8-bit codes with fp32 activations, whose fp32 expansion is exact and faster: module doc)."""
     level = ACCURACY_LEVEL[precision]
-    if matrix.kind == "Q4_1":
-        return Q41Linear(matrix, level)
-    if matrix.kind == "Q8_0" and level == ACCURACY_LEVEL["gguf-int8act"]:
-        return Q80Linear(matrix, level)
-    return None
+    if isinstance(matrix, BlockMatrix) and matrix.kind not in BLOCK_BYTES:
+        return None
+    product = matrix.product() if isinstance(matrix, BlockMatrix) else matrix
+    if product.bits == 8 and level != ACCURACY_LEVEL["gguf-int8act"]:
+        return None
+    return BlockLinear(product, level)
 
 
 def check_expansion(name: str, matrix: BlockMatrix, weight: torch.Tensor) -> None:
@@ -237,7 +225,7 @@ def block_target(target: Target, blocks: dict[str, BlockMatrix], precision: str)
             raise LoopspecError(f"{name}: the GGUF block export supports bias-free linears")
         check_expansion(name, matrix, linear.weight)
         module = block_linear(matrix, precision)
-        how = f"{matrix.kind} as {'fp32 MatMul' if module is None else type(module).__name__}"
+        how = f"{matrix.kind} as {'fp32 MatMul' if module is None else f'{module.bits}-bit {type(module).__name__}'}"
         counts[how] = counts.get(how, 0) + 1
         if module is not None:
             setattr(parent, leaf, module)
@@ -269,9 +257,8 @@ def block_drafter(drafter: Drafter, lm_head: BlockMatrix, precision: str) -> tup
             if linear.bias is not None or linear.in_features % BLOCK:  # no blocks along K: stays fp32
                 kept += 1
                 continue
-            setattr(
-                parent, leaf, Q80Linear(quantize_blocks(linear.weight.detach().float().numpy(), DRAFTER_BLOCKS), level)
-            )
+            blocks = quantize_blocks(linear.weight.detach().float().numpy(), DRAFTER_BLOCKS)
+            setattr(parent, leaf, BlockLinear(blocks.product(), level))
             products += 1
     rows = lm_head if drafter.draft_ids is None else lm_head.rows(drafter.draft_ids.numpy())
     head = block_linear(rows, precision)
@@ -279,7 +266,7 @@ def block_drafter(drafter: Drafter, lm_head: BlockMatrix, precision: str) -> tup
         head = fixed_linear(torch.from_numpy(rows.dequantize()))
     account = {
         "products": f"{products} {DRAFTER_BLOCKS} (quantized from its weights, round to nearest) "
-        f"as {Q80Linear.__name__}" + (f", {kept} fp32 (a bias, or rows not in blocks of {BLOCK})" if kept else ""),
+        f"as {BlockLinear.__name__}" + (f", {kept} fp32 (a bias, or rows not in blocks of {BLOCK})" if kept else ""),
         "draft_head": f"the GGUF's lm_head ({lm_head.kind}), {rows.shape[0]} rows",
         "activations": ACTIVATIONS[precision],
     }

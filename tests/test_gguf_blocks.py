@@ -17,7 +17,7 @@ pytest.importorskip("onnx", reason="needs onnx: pip install 'loopspec[onnx]'")
 gguf = pytest.importorskip("gguf", reason="needs gguf: pip install gguf (a core dependency)")
 
 from loopspec.cli import main  # noqa: E402
-from loopspec.engines.gguf_export import Q41Linear, Q80Linear, block_target  # noqa: E402
+from loopspec.engines.gguf_export import BlockLinear, block_target  # noqa: E402
 from loopspec.convert.onnx_export import convert_onnx  # noqa: E402
 from loopspec.engines.export import linear  # noqa: E402
 from loopspec.engines.specs import TARGET_VERIFY  # noqa: E402
@@ -40,10 +40,13 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(target_dir, path, bad_type=None):
-    """The HF checkpoint in `target_dir` → a llama GGUF (Q4_1 matrices, Q8_0 token_embd, F32 norms);
-    the checkpoint is then rewritten to the GGUF's expansion (gguf's own dequantize), so the fp32
-    reference is exactly what the blocks hold."""
+def write_tiny_gguf(target_dir, path, bad_type=None, types=None):
+    """The HF checkpoint in `target_dir` → a llama GGUF (Q4_1 matrices, Q8_0 token_embd, F32 norms;
+    `types(layer, name)` → another GGUF type name per matrix: K-quants written by
+    tests/gguf_encoders.py); the checkpoint is then rewritten to the GGUF's expansion (gguf's own
+    dequantize), so the fp32 reference is exactly what the blocks hold."""
+    from gguf_encoders import quantize_k
+
     cfg = json.loads((target_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     state = {k: v.float().numpy() for k, v in read_safetensors_dir(target_dir).items()}
@@ -76,7 +79,10 @@ def write_tiny_gguf(target_dir, path, bad_type=None):
         kind = Q.F32 if w.ndim == 1 else Q.Q8_0 if rest == "embed_tokens" else Q.Q4_1
         if bad_type is not None and rest == "mlp.down_proj":
             kind = bad_type
-        data = gguf.quants.quantize(stored, kind)
+        if types is not None and w.ndim == 2:
+            kind = Q[types(layer, rest)]
+        data = quantize_k(stored, kind.name) if kind.name.endswith("_K") else gguf.quants.quantize(stored, kind)
+        data = data.reshape(stored.shape[0], -1) if w.ndim == 2 else data
         writer.add_tensor(gguf_name, data, raw_dtype=kind)  # data: the byte rows
         back = gguf.quants.dequantize(data, kind).reshape(stored.shape)
         if rest in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's order undone (HF's rotate-half)
@@ -179,7 +185,7 @@ def test_blocks_expand_to_the_checkpoint_and_minimums_are_not_codes(tiny_gguf):
     for name, matrix in blocks.items():
         assert np.array_equal(matrix.dequantize(), state[name].numpy()), name  # q/k rows back in HF order
     m = blocks["layers.0.mlp.down_proj.weight"]
-    ratio = m.minimums() / m.scales()
+    ratio = m.product().minimums / m.product().scales
     # what the correction term is for: a minimum that no zero-point code of the scale can express
     assert np.abs(ratio - np.round(ratio)).max() > 0.1
 
@@ -193,13 +199,13 @@ def test_one_q4_1_product_equals_the_fp32_expansion(tiny_gguf, name, tmp_path):
     x = np.random.default_rng(0).standard_normal((2, 3, w.shape[1])).astype(np.float32)
     ref = x @ w.T
     scale = np.abs(ref).max()
-    exact = run_one_product(Q41Linear(matrix, accuracy_level=1), x, tmp_path / "q4.onnx")
+    exact = run_one_product(BlockLinear(matrix.product(), accuracy_level=1), x, tmp_path / "q4.onnx")
     assert np.abs(exact - ref).max() / scale < 1e-5
     # without the minimum's term the product would be far off: the correction carries real weight
-    assert np.abs((x @ (w - np.repeat(matrix.minimums(), 32, axis=1)).T) - ref).max() / scale > 0.1
-    int8 = run_one_product(Q41Linear(matrix, accuracy_level=4), x, tmp_path / "q4i.onnx")
+    assert np.abs((x @ (w - np.repeat(matrix.product().minimums, 32, axis=1)).T) - ref).max() / scale > 0.1
+    int8 = run_one_product(BlockLinear(matrix.product(), accuracy_level=4), x, tmp_path / "q4i.onnx")
     assert 1e-6 < np.abs(int8 - ref).max() / scale < 5e-2  # int8 activations: close, not equal
-    eager = Q41Linear(matrix, accuracy_level=1)(torch.from_numpy(x)).numpy()
+    eager = BlockLinear(matrix.product(), accuracy_level=1)(torch.from_numpy(x)).numpy()
     assert np.abs(eager - ref).max() / scale < 1e-6
 
 
@@ -209,7 +215,7 @@ def test_one_q8_0_product_is_the_8_bit_block_product(tiny_gguf, tmp_path):
     w = matrix.dequantize()
     x = np.random.default_rng(1).standard_normal((1, 4, w.shape[1])).astype(np.float32)
     ref = x @ w.T
-    got = run_one_product(Q80Linear(matrix, accuracy_level=4), x, tmp_path / "q8.onnx")
+    got = run_one_product(BlockLinear(matrix.product(), accuracy_level=4), x, tmp_path / "q8.onnx")
     assert np.abs(got - ref).max() / np.abs(ref).max() < 5e-2
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
 
@@ -315,17 +321,18 @@ def test_ar_dflash_dloop_identical_on_the_block_engines(exported, precision):
 def test_block_target_leaves_the_reference_alone(tiny_gguf):
     target = load_target_dir(tiny_gguf[0])
     copy, counts = block_target(target, tiny_blocks(tiny_gguf), "gguf-int8act")
-    assert isinstance(copy.layers[0].mlp.down_proj, Q41Linear) and isinstance(copy.lm_head, Q80Linear)
+    assert isinstance(copy.layers[0].mlp.down_proj, BlockLinear) and isinstance(copy.lm_head, BlockLinear)
+    assert (copy.layers[0].mlp.down_proj.bits, copy.lm_head.bits) == (4, 8)
     assert isinstance(target.layers[0].mlp.down_proj, nn.Linear) and isinstance(target.lm_head, nn.Linear)
-    assert counts == {"Q4_1 as Q41Linear": 4 * target.cfg.num_layers, "Q8_0 as Q80Linear": 1}
+    assert counts == {"Q4_1 as 4-bit BlockLinear": 4 * target.cfg.num_layers, "Q8_0 as 8-bit BlockLinear": 1}
 
 
 def test_bad_input_is_one_clear_error(tiny_gguf, tmp_path, capsys):
     target_dir, path, _ = tiny_gguf
     other = tmp_path / "other"
     shutil.copytree(target_dir, other)
-    bad = write_tiny_gguf(other, tmp_path / "q5.gguf", bad_type=Q.Q5_0)
-    with pytest.raises(LoopspecError, match="Q5_0.*supports Q4_1, Q8_0, F32, F16"):
+    bad = write_tiny_gguf(other, tmp_path / "bf16.gguf", bad_type=Q.BF16)
+    with pytest.raises(LoopspecError, match="is BF16; the GGUF block engine computes with Q4_0, .*--precision fp32"):
         read_tensors(bad)
     target = load_target_dir(target_dir)
     fresh = save_tiny_target("llama", tmp_path / "fresh", seed=9)  # not the GGUF's weights
