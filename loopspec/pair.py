@@ -8,6 +8,9 @@ DeepSpec DFlash / DSpark, or SpecForge EAGLE-3), or 'none'.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +23,17 @@ from loopspec.defaults import (
     DEFAULT_TARGET_MASK_TOKEN_ID,
 )
 from loopspec.errors import LoopspecError
+from loopspec.files import read_json
 from loopspec.model.dflash import Drafter, DrafterConfig
 from loopspec.model.drafters import load_drafter
 from loopspec.model.eagle3 import Eagle3Drafter
 from loopspec.model.target import Target, TargetConfig
 from loopspec.weights import TargetSource, load_target_dir, load_tokenizer
 
-UNTRAINED = "untrained (fresh random init: lossless but few drafts accepted)"
+UNTRAINED = (
+    "untrained (no shipped drafter for this model: lossless but few drafts accepted; train one with "
+    "`loopspec data` and `loopspec train`, docs/training.md, or pass --drafter none)"
+)
 
 
 @dataclass
@@ -67,9 +74,41 @@ def mask_token_id(configured: int | None, target: TargetSource, tokenizer, vocab
     return resolve_mask_token_id(configured, len(tokenizer), vocab_size)
 
 
+SHIPPED_DRAFTERS = DEFAULT_DRAFTER_DIR.parent  # one directory per model, each with its target.json
+TARGET_IDENTITY_FILE = "target.json"  # what identifies the model a shipped drafter was trained for
+
+
+def model_identity(cfg: TargetConfig, tokenizer) -> dict:
+    """What identifies a model whatever file holds it (a GGUF of any quantization, a checkpoint
+    directory): its family and shapes, and its vocabulary (the sha256 of every token's string in id
+    order) — not the file's bytes."""
+    vocab = tokenizer.get_vocab()
+    ordered = sorted(vocab.items(), key=lambda item: item[1])
+    tokens = hashlib.sha256(json.dumps([token for token, _ in ordered], ensure_ascii=False).encode()).hexdigest()
+    return {
+        "family": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_layers": cfg.num_layers,
+        "num_heads": cfg.num_heads,
+        "num_kv_heads": cfg.num_kv_heads,
+        "tokenizer_sha256": tokens,
+    }
+
+
+def shipped_drafter_for(identity: dict) -> Path | None:
+    """The shipped drafter trained for the model `identity` names (its target.json equal), if any."""
+    for record in sorted(SHIPPED_DRAFTERS.glob(f"*/{TARGET_IDENTITY_FILE}")):
+        if read_json(record, "shipped drafter's target") == identity:
+            return record.parent
+    return None
+
+
 def resolve_drafter_dir(drafter: str | Path, target: TargetSource) -> Path | None:
     """The directory a drafter argument names: the shipped one for 'default' with the default target,
-    None for 'default' with any other target (no trained drafter to take) or for 'none'."""
+    None for 'default' with any other target (`load_pair` then looks for a shipped drafter by the
+    model's identity) or for 'none'."""
     if drafter in (None, "none"):
         return None
     if str(drafter) == "default":
@@ -104,6 +143,10 @@ def load_pair(
     target_dir = target.checkpoint_dir()
     model = load_target_dir(target_dir)  # first: a bad directory is named by its config, not its tokenizer
     tokenizer = load_tokenizer(target_dir)
+    shipped = drafter_dir == DEFAULT_DRAFTER_DIR
+    if drafter_dir is None and str(drafter) == "default":  # the same model in another file: its drafter
+        drafter_dir = shipped_drafter_for(model_identity(model.cfg, tokenizer))
+        shipped = drafter_dir is not None
     if drafter_dir is not None:
         draft = load_drafter(drafter_dir)
         if mask_token is not None and not draft.cfg.kind.masks_block:
@@ -118,19 +161,21 @@ def load_pair(
             )
         if draft.cfg.kind.masks_block and draft.cfg.mask_token_id is None:
             draft.cfg.mask_token_id = mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size)
-        description = (
-            f"shipped ({drafter_dir.name})"
-            if drafter_dir == DEFAULT_DRAFTER_DIR and str(drafter) == "default"
-            else str(drafter)
-        )
+        description = f"shipped ({drafter_dir.name})" if shipped and str(drafter) == "default" else str(drafter)
     elif drafter in (None, "none"):
         if mask_token is not None:
             raise LoopspecError(
                 f"--mask-token-id {mask_token} is a drafter's mask token: there is no drafter (--drafter none)"
             )
         draft, description = None, "none"
-    else:  # 'default' for a target we ship no drafter for
-        draft = fresh_drafter(model, mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size))
+    else:  # 'default' for a target we ship no drafter for: an untrained one, said so on the stats line
+        # its mask token: the given one, else an unused row, else any row (an untrained drafter is
+        # lossless with any; a mask token matters to a trained drafter only)
+        try:
+            mask = mask_token_id(mask_token, target, tokenizer, model.cfg.vocab_size)
+        except LoopspecError:
+            mask = model.cfg.vocab_size - 1
+        draft = fresh_drafter(model, mask)
         description = UNTRAINED
     if draft is not None:
         draft.cfg.fit(model.cfg)
