@@ -5,8 +5,9 @@
 #
 #   scripts/build_llama_server.sh [PREFIX]        # PREFIX defaults to ./llamacpp
 #
-# Leaves PREFIX/bin/llama-server and PREFIX/bin/llama-bench (the step timings beside loopspec's:
-# scripts/step_times.py --llama-bench); point `loopspec bench --llama-server PREFIX/bin/llama-server` at it
+# Leaves PREFIX/bin/llama-server, PREFIX/bin/llama-bench (the step timings beside loopspec's:
+# scripts/step_times.py --llama-bench) and PREFIX/bin/llama-quantize (other block types of a GGUF:
+# scripts/quantize_default_target.sh); point `loopspec bench --llama-server PREFIX/bin/llama-server` at it
 # (or put it on PATH). The sdist's own convert_hf_to_gguf.py and gguf-py are kept under PREFIX/src.
 case "${1:-}" in -h|--help) echo "usage: scripts/build_llama_server.sh [PREFIX]"; sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -euo pipefail
@@ -28,7 +29,7 @@ SRC="$PREFIX/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 cmake -S "$SRC" -B "$PREFIX/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-cmake --build "$PREFIX/build" --target llama-server llama-bench -j "$JOBS"
-cp "$PREFIX/build/bin/llama-server" "$PREFIX/build/bin/llama-bench" "$PREFIX/bin/"
+cmake --build "$PREFIX/build" --target llama-server llama-bench llama-quantize -j "$JOBS"
+cp "$PREFIX/build/bin/llama-server" "$PREFIX/build/bin/llama-bench" "$PREFIX/build/bin/llama-quantize" "$PREFIX/bin/"
 "$PREFIX/bin/llama-server" --version 2>&1 | head -n 2
-echo "built $PREFIX/bin/llama-server and $PREFIX/bin/llama-bench"
+echo "built $PREFIX/bin/llama-server, $PREFIX/bin/llama-bench and $PREFIX/bin/llama-quantize"
