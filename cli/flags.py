@@ -237,7 +237,7 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(
                 knob.flag,
                 dest=name,
-                type=int_at_least(knob.flag, knob.least),
+                type=int_at_least(knob.flag, knob.least, knob.most),
                 default=knob.unset,
                 metavar=knob.metavar,
                 help=knob.help,

@@ -185,8 +185,10 @@ def cmd_serve(args) -> int:
     from loopspec.runtime.pipeline import open_pipeline
     from loopspec.runtime.server import ServeConfig, serve
     from loopspec.settings import check_method
+    from loopspec.suffix_library import check_library_size
 
     check_method(args.method, names_a_drafter(args))
+    check_library_size(args.shared_suffix or 0, args.max_tokens_limit)  # (ServeConfig checks it too)
     connection_limit(args.max_connections, raise_open_file_limit())  # refused before the model loads
     check_port_free(args.host, args.port)  # before the model loads, and in one line rather than uvicorn's
     choice = engine_choice(args)

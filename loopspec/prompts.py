@@ -59,13 +59,13 @@ def read_prompts(
     return prompts[:limit] if limit is not None else prompts
 
 
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Chat messages ({role, content}) → the prompt of the tokenizer's chat template with the
-    assistant's turn opened."""
+    assistant's turn opened; `tools` (OpenAI's function list) go to the template as its `tools`."""
     if not getattr(tokenizer, "chat_template", None):
         raise LoopspecError("this model has no chat template")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # noqa: BLE001 — templates raise on role orders they do not accept
         raise LoopspecError(f"the messages do not fit the chat template: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)

@@ -33,14 +33,24 @@ DRAFT_SAMPLINGS = ("walk", "drafter")
 # by a chain drafter node by node (loopspec/tree.py)
 TREE_KINDS = ("best-first", "dynamic")
 DYNAMIC_TOP_K = 4  # the dynamic tree's nodes expanded per step, and children per expanded node
+# What the shared suffix library (DecodingSettings.shared_suffix, loopspec/suffix_library.py) may
+# hold. It costs about 1 KiB per token it keeps (its n-gram index: five n-grams end at each token;
+# tracemalloc measured 620-920 bytes a token, the token ids included, peaks under 1000 while its dicts
+# grow, over outputs of 64 to 4096 tokens), and 8 Mi tokens (8 GiB) is a third of a 24 GB machine, the
+# rest left to the model, its KV caches and the system. A server's N outputs hold up to N × (the most
+# max_tokens a request may ask for + a 6-token lead-in) tokens (suffix_library.check_library_size); N
+# alone is at most 2^20, whatever that limit (8 tokens an output).
+SHARED_SUFFIX_BYTES_PER_TOKEN = 1024
+SHARED_SUFFIX_MAX_TOKENS = 1 << 23
+MAX_SHARED_SUFFIX = SHARED_SUFFIX_MAX_TOKENS // 8
 
 
 @dataclass(frozen=True)
 class Knob:
     """How a user sets one knob of DecodingSettings, declared once in its field's metadata: the
     flag every decoding command takes (its argparse destination is the field's name), its help, what
-    its text parses to (`kind`: int, float, str, or bool for a --x / --no-x switch; `least`: an int's
-    lower bound; `choices`), and `unset`: what resolve_settings takes when the user gives nothing
+    its text parses to (`kind`: int, float, str, or bool for a --x / --no-x switch; `least`, `most`:
+    an int's bounds; `choices`), and `unset`: what resolve_settings takes when the user gives nothing
     (None: resolved from the drafter's tuned setting, else the defaults). `tuned`: `loopspec tune`
     stores it with the drafter (loopspec/tuned.py). `methods`: the methods it applies to; given
     with any other it is refused, never dropped — unless `neutral` and given as its field's default,
@@ -53,6 +63,7 @@ class Knob:
     neutral: bool = True
     kind: type = int
     least: int | None = None
+    most: int | None = None
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     unset: object = None
@@ -207,8 +218,12 @@ class DecodingSettings:
         "--shared-suffix",
         "serve: keep the last N finished outputs in a suffix library shared by later requests of the same "
         "scope (API key and `user`), whose continuation the suffix index proposes where it matches longer "
-        "than the request's own text (0 = off; needs --method suffix, --suffix or --suffix-first)",
+        "than the request's own text (0 = off; needs --method suffix, --suffix or --suffix-first). "
+        "It holds up to N × (--max-tokens-limit + 6) tokens at about 1 KiB each, which must fit in "
+        "8 GiB (a third of a 24 GB machine): N <= 2045 at the default limit of 4096, and never above "
+        f"{MAX_SHARED_SUFFIX}",
         least=0,
+        most=MAX_SHARED_SUFFIX,
         metavar="N",
     )
 
@@ -262,8 +277,12 @@ class DecodingSettings:
                 "draft sampling 'drafter' verifies the drafter's chain only: "
                 "use --tree-budget 0 --no-suffix --suffix-first 0, or --draft-sampling walk"
             )
-        if self.shared_suffix < 0:
-            raise LoopspecError(f"the shared suffix library keeps >= 0 outputs (0: off), got {self.shared_suffix}")
+        if not 0 <= self.shared_suffix <= MAX_SHARED_SUFFIX:
+            raise LoopspecError(
+                f"the shared suffix library keeps >= 0 outputs (0: off) and at most {MAX_SHARED_SUFFIX} "
+                f"(about {SHARED_SUFFIX_BYTES_PER_TOKEN} bytes a token: settings.SHARED_SUFFIX_MAX_TOKENS), "
+                f"got {self.shared_suffix}"
+            )
         if self.shared_suffix and not self.uses_suffix:
             raise LoopspecError(
                 f"--shared-suffix {self.shared_suffix} feeds the suffix index, which {self.method} "

@@ -16,7 +16,9 @@ documents rather than answers.
 Scopes: every output is filed under its request's scope (an opaque hashable the server derives
 from the API key and the `user` field); a lookup reads its own scope only, so text never crosses
 scopes. The bound is on outputs in all (first in, first out across scopes), so the memory the
-library holds does not grow with the number of scopes.
+library holds does not grow with the number of scopes. What it may hold in all is bounded too
+(`check_library_size`): about 1 KiB a token (loopspec/settings.py SHARED_SUFFIX_BYTES_PER_TOKEN), at
+most SHARED_SUFFIX_MAX_TOKENS tokens (8 GiB) for outputs as long as a server lets a request ask for.
 
 Proposals only choose what the target verifies: the output is the target's whatever is proposed.
 """
@@ -28,7 +30,24 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Hashable
 
+from loopspec.errors import LoopspecError
+from loopspec.settings import SHARED_SUFFIX_BYTES_PER_TOKEN, SHARED_SUFFIX_MAX_TOKENS
 from loopspec.tree import SUFFIX_MAX_MATCH, SUFFIX_MIN_MATCH
+
+
+def check_library_size(outputs: int, max_tokens: int) -> None:
+    """Refuse, in one line, a library of `outputs` outputs of up to `max_tokens` tokens each (led in by
+    SUFFIX_MAX_MATCH prompt tokens) that could grow past SHARED_SUFFIX_MAX_TOKENS tokens."""
+    tokens = outputs * (max_tokens + SUFFIX_MAX_MATCH)
+    if tokens > SHARED_SUFFIX_MAX_TOKENS:
+        most = SHARED_SUFFIX_MAX_TOKENS // (max_tokens + SUFFIX_MAX_MATCH)
+        raise LoopspecError(
+            f"--shared-suffix {outputs} would keep up to {tokens} tokens ({outputs} outputs of up to "
+            f"{max_tokens} tokens, --max-tokens-limit, + a {SUFFIX_MAX_MATCH}-token lead-in), about "
+            f"{tokens * SHARED_SUFFIX_BYTES_PER_TOKEN / 2**30:.4g} GiB; the library holds at most "
+            f"{SHARED_SUFFIX_MAX_TOKENS} tokens (8 GiB): use --shared-suffix {most} or less, or a lower "
+            "--max-tokens-limit"
+        )
 
 
 @dataclass

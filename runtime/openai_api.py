@@ -6,11 +6,22 @@ bodies."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loopspec.decoding import SamplingParams
 from loopspec.errors import LoopspecError
 from loopspec.runtime.constraint import GrammarError, GrammarSpec
+from loopspec.runtime.tool_calls import (
+    MESSAGE_SCHEMA,
+    TOOL_CHOICE_SCHEMA,
+    TOOLS_SCHEMA,
+    ToolError,
+    ToolRequest,
+    for_template,
+    history_message,
+    template_source,
+    tool_request,
+)
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
@@ -98,6 +109,7 @@ class RequestOptions:
     include_usage: bool
     grammar: GrammarSpec | None = None  # structured output (response_format or a guided_* field)
     user: str | None = None  # the end user's id: with the API key, the request's scope (runtime/server.py)
+    tools: ToolRequest | None = None  # chat: the functions the reply may call (runtime/tool_calls.py)
 
 
 # Every request field this server knows, one row each (a name whose handling differs between the two
@@ -136,8 +148,9 @@ def _neutral_only(name: str, neutral, note: str, endpoints=BOTH) -> Field:
     return Field(name, NEUTRAL_ONLY, schema, endpoints, neutral, note)
 
 
-def _ignored(name: str, json_type: str, note: str) -> Field:
-    return Field(name, IGNORED, {"type": json_type, "description": f"accepted, unused: {note}"}, note=note)
+def _ignored(name: str, json_type: str, note: str, endpoints=BOTH) -> Field:
+    schema = {"type": json_type, "description": f"accepted, unused: {note}"}
+    return Field(name, IGNORED, schema, endpoints, note=note)
 
 
 FIELDS = (
@@ -152,34 +165,7 @@ FIELDS = (
         },
         (COMPLETIONS,),
     ),
-    _honoured(
-        "messages",
-        {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "required": ["role", "content"],
-                "properties": {
-                    "role": {"enum": ["system", "developer", "user", "assistant"]},
-                    "content": {
-                        "oneOf": [
-                            {"type": "string"},
-                            {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "required": ["type", "text"],
-                                    "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
-                                },
-                            },
-                        ]
-                    },
-                },
-            },
-        },
-        (CHAT,),
-    ),
+    _honoured("messages", {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}, (CHAT,)),
     _honoured("max_tokens", {"type": "integer", "minimum": 1}),
     _honoured("max_completion_tokens", {"type": "integer", "minimum": 1}, (CHAT,)),
     _honoured("temperature", {"type": "number", "minimum": 0, "maximum": 2}),
@@ -220,10 +206,12 @@ FIELDS = (
     _neutral_only("presence_penalty", 0.0, "a penalty on tokens already present"),
     _neutral_only("frequency_penalty", 0.0, "a penalty growing with a token's count"),
     _neutral_only("logit_bias", {}, "biases added to chosen tokens' logits"),
-    _neutral_only("tools", [], "tool calls"),
-    _neutral_only("functions", [], "function calls"),
-    _neutral_only("function_call", None, "a forced function call"),
-    _neutral_only("tool_choice", None, "a forced tool call"),
+    _honoured("tools", TOOLS_SCHEMA, (CHAT,)),
+    _neutral_only("tools", [], "tool calls (on /v1/chat/completions)", (COMPLETIONS,)),
+    _neutral_only("functions", [], "function calls (send tools)"),
+    _neutral_only("function_call", None, "a forced function call (send tool_choice)"),
+    _honoured("tool_choice", TOOL_CHOICE_SCHEMA, (CHAT,)),
+    _neutral_only("tool_choice", None, "a forced tool call (on /v1/chat/completions)", (COMPLETIONS,)),
     _honoured(
         "response_format",
         {
@@ -299,7 +287,8 @@ FIELDS = (
     _ignored("cache_prompt", "boolean", "a hint for a prompt cache (llama.cpp)"),
     _ignored("cache_salt", "string", "isolates a prompt cache (vLLM)"),
     _ignored("prediction", "object", "text the reply is expected to contain, a latency hint only"),
-    _ignored("parallel_tool_calls", "boolean", "applies to tools, which are refused"),
+    _honoured("parallel_tool_calls", {"type": "boolean"}, (CHAT,)),
+    _ignored("parallel_tool_calls", "boolean", "applies to tools, which this endpoint has none of", (COMPLETIONS,)),
 )
 
 
@@ -407,6 +396,15 @@ def parse_options(body: dict, config, chat: bool) -> RequestOptions:
     user = body.get("user")  # whose scope the shared suffix library reads (runtime/server.py request_scope)
     if user is not None and not isinstance(user, str):
         raise APIError(400, f"user must be a string, got {json.dumps(user)[:80]}", "user")
+    try:
+        tools = tool_request(body) if chat else None
+    except ToolError as e:
+        raise APIError(400, str(e), e.param) from None
+    grammar = grammar_of(body)
+    if grammar is not None and tools is not None and tools.choice != "none":
+        raise APIError(
+            400, f'{grammar.param} and tools both shape the reply: send one (or tool_choice "none")', grammar.param
+        )
     return RequestOptions(
         params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         seed=seed,
@@ -414,9 +412,24 @@ def parse_options(body: dict, config, chat: bool) -> RequestOptions:
         stop=tuple(_text(s, "stop") for s in stop),
         stream=bool(stream),
         include_usage=bool(include_usage),
-        grammar=grammar_of(body),
+        grammar=grammar,
         user=_text(user, "user") if user else None,
+        tools=tools,
     )
+
+
+def with_tools(options: RequestOptions, pipeline) -> RequestOptions:
+    """The request's tools read against the chat template: its call format, and under tool_choice
+    "required" or a named function the grammar of the reply (runtime/tool_calls.py)."""
+    if options.tools is None:
+        return options
+    try:
+        tools, grammar = for_template(options.tools, pipeline.tokenizer)
+    except (ToolError, GrammarError) as e:
+        raise APIError(400, str(e), e.param) from None
+    except LoopspecError as e:  # the grammar's library is missing
+        raise APIError(400, f"tools: {e}", "tools") from None
+    return replace(options, tools=tools, grammar=grammar or options.grammar)
 
 
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
@@ -502,18 +515,23 @@ def completion_prompt(body: dict, pipeline) -> list[int]:
     raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
 
 
-def chat_prompt(body: dict, pipeline) -> list[int]:
+def chat_prompt(body: dict, pipeline, tools: ToolRequest | None = None) -> list[int]:
+    """`messages` (earlier calls and their results included) rendered by the chat template, with `tools`."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
-    clean = []
+    clean, tool_history = [], False
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise APIError(400, f"messages[{i}] must be an object with role system, user or assistant", "messages")
-        for name in ("tool_calls", "function_call"):  # earlier tool use: no tools here to render it with
-            if m.get(name) not in (None, []):
-                raise APIError(400, f"messages[{i}].{name} is not supported (this server has no tools)", "messages")
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise APIError(
+                400, f"messages[{i}] must be an object with role system, user, assistant or tool", "messages"
+            )
+        if m.get("function_call") is not None:
+            raise APIError(400, f"messages[{i}].function_call is not supported (send tool_calls)", "messages")
+        called = m.get("tool_calls") not in (None, [])
         content = m.get("content")
+        if content is None and called:  # a reply that only called functions
+            content = ""
         if isinstance(content, list):  # content parts: text only
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
@@ -523,11 +541,20 @@ def chat_prompt(body: dict, pipeline) -> list[int]:
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
+        if role == "tool" or called:
+            try:
+                clean.append(history_message(i, m, _text(content, "messages")))
+            except ToolError as e:
+                raise APIError(400, str(e), e.param) from None
+            tool_history = True
+            continue
         clean.append({"role": role, "content": _text(content, "messages")})
     if not getattr(pipeline.tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    if tool_history and "tool" not in template_source(pipeline.tokenizer, None):
+        raise APIError(400, "this model's chat template does not render tool calls or their results", "messages")
     try:
-        return pipeline.encode_chat(clean)
+        return pipeline.encode_chat(clean, tools=list(tools.tools) if tools is not None else None)
     except LoopspecError as e:
         raise APIError(400, str(e), "messages") from None
 

@@ -10,10 +10,30 @@ import json
 import time
 
 from loopspec.runtime.openai_api import CHAT, COMPLETIONS, APIError, endpoint_fields
+from loopspec.runtime.tool_calls import Call, ToolCallParser, ToolRequest, finish_reason, new_call_id
 
 
-async def sse_stream(queue: asyncio.Queue, rid: str, kind: str, chat: bool, include_usage: bool, model: str):
-    """SSE chunks from the scheduler's Events, then `data: [DONE]`."""
+def tool_call_deltas(call: Call, index: int) -> list[dict]:
+    """A call as OpenAI streams it: its id, type and name (arguments ""), then its arguments' text.
+    (The call is whole when it is sent: it was parsed and checked against its schema first.)"""
+    return [
+        {"index": index, "id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": ""}},
+        {"index": index, "function": {"arguments": call.arguments}},
+    ]
+
+
+async def sse_stream(
+    queue: asyncio.Queue,
+    rid: str,
+    kind: str,
+    chat: bool,
+    include_usage: bool,
+    model: str,
+    tools: ToolRequest | None = None,
+):
+    """SSE chunks from the scheduler's Events, then `data: [DONE]`. With `tools` whose calls are
+    parsed, the text goes through a ToolCallParser: content deltas, and a `delta.tool_calls` per call
+    once it is whole and checked (text that may be a call is held back until then)."""
     created = int(time.time())
     kind = kind + ".chunk" if chat else kind
 
@@ -29,17 +49,37 @@ async def sse_stream(queue: asyncio.Queue, rid: str, kind: str, chat: bool, incl
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
+    parser = ToolCallParser(tools) if chat and tools is not None and tools.parses else None
+    calls = 0
+
+    def classified(pieces: list) -> list[str]:
+        nonlocal calls
+        out = []
+        for p in pieces:
+            if isinstance(p, Call):
+                for delta in tool_call_deltas(p, calls):
+                    out.append(
+                        chunk({"index": 0, "delta": {"tool_calls": [delta]}, "logprobs": None, "finish_reason": None})
+                    )
+                calls += 1
+            elif p:
+                out.append(chunk(piece(p)))
+        return out
+
     if chat:
         yield chunk(piece(role=True))
     while True:
         event = await queue.get()
         if event.kind == "text":
-            yield chunk(piece(event.text))
+            for out in classified(parser.feed(event.text)) if parser else [chunk(piece(event.text))]:
+                yield out
         elif event.kind == "error":
             yield f"data: {json.dumps(APIError(event.status, event.message).body())}\n\n"
             break
         else:
-            yield chunk(piece(finish=event.finish_reason))
+            for out in classified(parser.finish()) if parser else []:
+                yield out
+            yield chunk(piece(finish=finish_reason(event.finish_reason, calls)))
             if include_usage:
                 yield chunk(None, event.usage)
             break

@@ -26,6 +26,7 @@ from loopspec.weights import TargetSource, load_tokenizer
 from loopspec.runtime.budget import pacing
 from loopspec.runtime.constraint import Constraint, Grammars, GrammarSpec
 from loopspec.runtime.decoder import GenerationResult, generate
+from loopspec.runtime.detokenize import Detokenizer
 from loopspec.runtime.step_costs import StepCosts, stored_step_costs
 from loopspec.engines.protocol import Engine
 from loopspec.engines.backends import BACKENDS, artifact_engine, cached_onnx_engine, require_cuda, torch_engine
@@ -168,26 +169,55 @@ class Pipeline:
         """Plain text (no template) → token ids."""
         return self.tokenizer.encode(text)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Chat messages ({role, content} with roles system/user/assistant) → the prompt of the
-        model's chat template with the assistant's turn opened."""
-        return chat_ids(self.tokenizer, messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages ({role, content} with roles system/user/assistant; tool calls and results as
+        runtime/tool_calls.py gives them) → the prompt of the model's chat template with the assistant's
+        turn opened; `tools`: the functions the template shows the model."""
+        return chat_ids(self.tokenizer, messages, tools)
 
     def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(
-            [t for t in tokens if t not in self.stop_token_ids],
-            skip_special_tokens=False,
-            clean_up_tokenization_spaces=False,
-        )
+        """The text of `tokens` (stop tokens left out), ending at a whole character: the bytes of one
+        the tokens have not finished are not text (runtime/detokenize.py)."""
+        return self.detokenizer(tokens)
+
+    @functools.cached_property
+    def detokenizer(self) -> Detokenizer:
+        return Detokenizer(self.tokenizer, frozenset(self.stop_token_ids))
 
     @functools.cached_property
     def grammars(self) -> Grammars:
         """Structured output's compiler for this tokenizer (built once, on first use)."""
         return Grammars(self.tokenizer, self.engine.target_cfg.vocab_size, self.stop_token_ids)
 
-    def constraint(self, grammar: GrammarSpec) -> Constraint:
-        """A new row's grammar state for `grammar` (runtime/constraint.py)."""
-        return self.grammars.constraint(grammar)
+    def constraint(self, grammar: GrammarSpec, prompt_ids: list[int] | None = None) -> Constraint:
+        """A new row's grammar state for `grammar` (runtime/constraint.py), starting after the reply's
+        reasoning where the model reasons first (`after_reasoning`)."""
+        constraint = self.grammars.constraint(grammar)
+        if prompt_ids is not None:
+            self.after_reasoning(constraint, prompt_ids)
+        return constraint
+
+    def after_reasoning(self, constraint: Constraint, prompt_ids: list[int]) -> None:
+        """Start `constraint` where the reply's reasoning ends, when a reply to `prompt_ids` opens with
+        some: the chat template has a `<think>` block, `</think>` is one token, and the prompt does not
+        already end with a closed block (Qwen3's template writes an empty one when thinking is off)."""
+        end = self.reasoning_end_token
+        if end is None:
+            return
+        tail = list(prompt_ids)
+        while tail and not self.tokenizer.decode([tail[-1]]).strip():  # the blank lines after a block
+            tail.pop()
+        if not tail or tail[-1] != end:
+            constraint.after_reasoning(end)
+
+    @functools.cached_property
+    def reasoning_end_token(self) -> int | None:
+        """`</think>`'s id where the model reasons in a `<think>` block (its chat template says so)."""
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        if "<think>" not in str(template):
+            return None
+        ids = self.tokenizer.encode("</think>", add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def run(
         self,
@@ -212,7 +242,7 @@ class Pipeline:
             stop_token_ids=self.stop_token_ids,
             pacing=self.pacing(settings),
             on_tokens=on_tokens,
-            constraint=None if grammar is None else self.constraint(grammar),
+            constraint=None if grammar is None else self.constraint(grammar, prompt_ids),
         )
 
 

@@ -8,7 +8,9 @@ asyncio queue). A failure stays with its request: a bad admission or a failed ac
 request with an error; a failed batched forward ends the requests in that batch, and the loop goes on.
 
 Text: tokens are detokenized per request; text is released only when it can no longer turn out to be
-part of a stop string or of an incomplete UTF-8 character, and it ends before a stop string.
+part of a stop string or of an incomplete UTF-8 character, and it ends before a stop string. The server's
+decode (Pipeline.decode, runtime/detokenize.py) ends at a whole character: the bytes of a character the
+generation never finished (max_tokens cut it) are never sent, in a stream or in the whole reply.
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ class Request:
 
 
 class TextTail:
-    """Incremental detokenization of one request with stop strings."""
+    """Incremental detokenization of one request with stop strings. `decode` gives the text of all the
+    tokens so far; one that ends at a whole character (Pipeline.decode) leaves an unfinished
+    character out of every piece and of the end, while a plain decode's U+FFFD for it is held back
+    until tokens follow and released by `flush` (no later token can finish it then)."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
         self.decode, self.stop = decode, tuple(s for s in stop if s)

@@ -37,7 +37,8 @@ from loopspec.precisions import describe_precision
 from loopspec.errors import LoopspecError
 from loopspec.tenancy import api_key_problem, request_scope
 from loopspec.settings import DecodingSettings
-from loopspec.runtime.constraint import GrammarError
+from loopspec.suffix_library import check_library_size
+from loopspec.runtime.constraint import GrammarBusy, GrammarError
 from loopspec.runtime.decoder import Decoder
 from loopspec.runtime.metrics import Metrics
 from loopspec.runtime.openai_api import (
@@ -47,9 +48,11 @@ from loopspec.runtime.openai_api import (
     completion_prompt,
     json_depth,
     parse_options,
+    with_tools,
 )
 from loopspec.runtime.openai_wire import CHAT_BODY, COMPLETION_BODY, error_responses, post_route_doc, sse_stream
 from loopspec.runtime.scheduler import Event, QueueFull, Request, Scheduler
+from loopspec.runtime.tool_calls import chat_answer
 
 try:  # the serve extra (fastapi brings starlette); FastAPI reads the handlers' parameter type
     from starlette.requests import ClientDisconnect, Request as HTTPRequest
@@ -68,6 +71,7 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting for a row; one more gets 429
     prefill_chunk: int | None = 64  # prompt tokens prefilled per step beside the running rows (None: whole prompts)
     request_timeout_s: float = 600.0  # from arrival, queueing included
+    grammar_timeout_s: float = 10.0  # a grammar not compiled by then gets 429; its compile goes on and is kept
     max_body_bytes: int = 1 << 20
     max_json_depth: int = 64  # nesting of the request body; deeper gets 400
     max_tokens_limit: int = 4096  # the most `max_tokens` one request may ask for
@@ -79,7 +83,7 @@ class ServeConfig:
 
     def __post_init__(self):
         # the CLI's flags refuse the same values; a Python caller gets the same one line
-        for name in ("request_timeout_s", "read_timeout_s"):
+        for name in ("request_timeout_s", "read_timeout_s", "grammar_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise LoopspecError(f"ServeConfig.{name} must be a finite number of seconds > 0, got {value!r}")
@@ -103,6 +107,7 @@ class ServeConfig:
             )
         if not isinstance(self.api_keys, tuple):
             raise LoopspecError(f"ServeConfig.api_keys must be a tuple of strings, got {type(self.api_keys).__name__}")
+        check_library_size(self.settings.shared_suffix, self.max_tokens_limit)  # its memory, bounded
         for i, key in enumerate(self.api_keys):
             problem = api_key_problem(key)
             if problem:  # (the key itself is not repeated: it is a secret)
@@ -238,8 +243,10 @@ def token_budget(state: ServerState, prompt_ids: list[int], options: RequestOpti
     return options.max_tokens or min(state.config.default_max_tokens, room)
 
 
-def request_constraint(state: ServerState, options: RequestOptions):
-    """The request's grammar state (None without structured output); one that cannot apply is a 400."""
+async def request_constraint(state: ServerState, options: RequestOptions, prompt_ids: list[int]):
+    """The request's grammar state (None without structured output), compiled off the event loop; one
+    that cannot apply is a 400, one not compiled within grammar_timeout_s a 429 (its compile goes on).
+    It starts after the reply's reasoning where the model reasons first (Pipeline.after_reasoning)."""
     grammar = options.grammar
     if grammar is None:
         return None
@@ -251,7 +258,12 @@ def request_constraint(state: ServerState, options: RequestOptions):
             grammar.param,
         )
     try:
-        return state.pipeline.constraint(grammar)
+        grammars = await asyncio.to_thread(lambda: state.pipeline.grammars)  # built on first use: the vocabulary
+        constraint = await grammars.constraint_within(grammar, state.config.grammar_timeout_s)
+        state.pipeline.after_reasoning(constraint, prompt_ids)
+        return constraint
+    except GrammarBusy as e:  # not the request's fault: the same request succeeds once the compile is kept
+        raise APIError(429, str(e), e.param, code="grammar_compiling") from None
     except GrammarError as e:
         raise APIError(400, str(e), e.param) from None
     except LoopspecError as e:
@@ -293,7 +305,7 @@ async def respond(
         seed=options.seed,
         stop=options.stop,
         timeout_s=state.config.request_timeout_s,
-        constraint=request_constraint(state, options),
+        constraint=await request_constraint(state, options, prompt_ids),
         scope=scope,
     )
     try:
@@ -307,7 +319,7 @@ async def respond(
     kind = "chat.completion" if chat else "text_completion"
     if options.stream:
         return _SSE(
-            sse_stream(events.queue, rid, kind, chat, options.include_usage, state.model_name),
+            sse_stream(events.queue, rid, kind, chat, options.include_usage, state.model_name, options.tools),
             on_close=lambda: request.finished or scheduler.cancel(request),
         )
     result, gone = asyncio.ensure_future(_collect(events.queue)), asyncio.ensure_future(_disconnected(http))
@@ -320,12 +332,11 @@ async def respond(
     text, event = result.result()
     if event.kind == "error":
         raise APIError(event.status, event.message, counted=True)
-    choice = (
-        {"index": 0, "message": {"role": "assistant", "content": text}}
-        if chat
-        else {"index": 0, "text": text, "logprobs": None}
-    )
-    choice["finish_reason"] = event.finish_reason
+    if chat:  # the reply's tool calls parsed out of its text, if it was given tools
+        message, finish = chat_answer(text, event.finish_reason, options.tools)
+        choice = {"index": 0, "message": message, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": event.finish_reason}
     return {
         "id": rid,
         "object": kind,
@@ -355,10 +366,9 @@ async def chat_completions(http: HTTPRequest):
     state = _state(http)
     key = authorize(http, state.config.api_keys)
     body = await read_body(http, state)
-    options = parse_options(body, state.config, chat=True)
-    return await respond(
-        http, state, chat_prompt(body, state.pipeline), options, chat=True, scope=request_scope(key, options.user)
-    )
+    options = with_tools(parse_options(body, state.config, chat=True), state.pipeline)
+    prompt_ids = chat_prompt(body, state.pipeline, options.tools)
+    return await respond(http, state, prompt_ids, options, chat=True, scope=request_scope(key, options.user))
 
 
 async def models(http: HTTPRequest):

@@ -3,8 +3,10 @@
 A step verifies every live row at once, right-padded to the widest row, so its cost is a function of
 the row count and that width; a drafting step also runs the drafter's stage over the rows that draft.
 `measure_step_costs` times both on the engine itself (`loopspec costs` stores the result per engine in
-loopspec's cache, like `tune`'s setting); `StepCosts.load` reads one back and refuses, in one line, a
-table that cannot be one (missing fields, ragged or non-positive times, unsorted axes, another engine's).
+loopspec's cache, like `tune`'s setting); `StepCosts.load` reads one back and refuses, in one line naming
+the file and the field, a table that cannot be one: missing or unknown fields, a value of the wrong JSON
+type (true is no number), ragged or non-positive times, unsorted axes or ones past what an engine holds
+(LIMITS), a file too large or nested too deep to be a table (the decoder would recurse), another engine's.
 Between measured row counts and widths the cost is interpolated linearly, past the last one extrapolated
 from the last two points (a step never costs less than a narrower or smaller one).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -23,6 +26,15 @@ from loopspec.errors import LoopspecError
 
 ROWS = (1, 2, 4, 8, 16)
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12)
+# What a table may hold. An engine's context holds at most MAX_CONTEXT tokens per row (2^24: beyond any
+# target's trained length), and a table is measured inside it: `context` committed tokens and a
+# verification of up to widths[-1] more (measure_step_costs keeps context + width < the engine's context).
+# A server batches at most MAX_ROWS rows, and `threads` is a CPU's thread count (0: not recorded).
+MAX_CONTEXT = 1 << 24
+MAX_ROWS = 1 << 16
+MAX_THREADS = 1 << 16
+MAX_FILE_BYTES = 1 << 20  # a measured table is a few kilobytes
+MAX_DEPTH = 8  # a table nests three deep (an object, verify_s, its rows)
 
 
 @dataclass(frozen=True)
@@ -41,25 +53,48 @@ class StepCosts:
     threads: int = 0
 
     def __post_init__(self):
-        def axis(name, values):
+        def axis(name, values, most):
             if (
-                not values
-                or any(not isinstance(v, int) or v < 1 for v in values)
+                not isinstance(values, tuple)
+                or not values
+                or any(not _is_int(v) or not 1 <= v <= most for v in values)
                 or list(values) != sorted(set(values))
             ):
-                raise LoopspecError(f"step costs: {name} must be increasing positive integers, got {list(values)}")
+                raise LoopspecError(
+                    f"step costs: {name} must be increasing integers in [1, {most}], got {_shown(values)}"
+                )
 
-        axis("rows", self.rows)
-        axis("widths", self.widths)
+        if not isinstance(self.engine, str) or not self.engine:
+            raise LoopspecError(f"step costs: engine must be the engine's name (a string), got {_shown(self.engine)}")
+        if not _is_int(self.context) or not 1 <= self.context <= MAX_CONTEXT:
+            raise LoopspecError(
+                f"step costs: context must be an integer in [1, {MAX_CONTEXT}], got {_shown(self.context)}"
+            )
+        axis("rows", self.rows, MAX_ROWS)
+        axis("widths", self.widths, MAX_CONTEXT - self.context)  # measured beside `context` tokens
         if self.widths[0] != 1:
             raise LoopspecError("step costs: widths must start at 1 (the plain step)")
-        if len(self.verify_s) != len(self.rows) or any(len(r) != len(self.widths) for r in self.verify_s):
+        if (
+            not isinstance(self.verify_s, tuple)
+            or len(self.verify_s) != len(self.rows)
+            or any(not isinstance(r, tuple) or len(r) != len(self.widths) for r in self.verify_s)
+        ):
             raise LoopspecError(f"step costs: verify_s must be {len(self.rows)} rows of {len(self.widths)} times")
-        if self.draft_s and len(self.draft_s) != len(self.rows):
+        if not isinstance(self.draft_s, tuple) or (self.draft_s and len(self.draft_s) != len(self.rows)):
             raise LoopspecError(f"step costs: draft_s must hold {len(self.rows)} times (one per row count) or none")
-        for t in [t for r in self.verify_s for t in r] + list(self.draft_s):
-            if not isinstance(t, (int, float)) or not 0 < t < 60:
-                raise LoopspecError(f"step costs: every time must be a number of seconds in (0, 60), got {t!r}")
+        for name, times in [("verify_s", t) for t in self.verify_s] + [("draft_s", self.draft_s)]:
+            for t in times:
+                if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 60:
+                    raise LoopspecError(
+                        f"step costs: {name}: every time must be a number of seconds in (0, 60), got {_shown(t)}"
+                    )
+        if not isinstance(self.cpu, str):
+            raise LoopspecError(f"step costs: cpu must be the CPU's name (a string), got {_shown(self.cpu)}")
+        if not _is_int(self.threads) or not 0 <= self.threads <= MAX_THREADS:
+            raise LoopspecError(
+                f"step costs: threads must be an integer in [0, {MAX_THREADS}] (0: not recorded), "
+                f"got {_shown(self.threads)}"
+            )
 
     def verify(self, rows: int, width: int) -> float:
         """Seconds of one verification of `rows` rows padded to `width` tokens."""
@@ -81,10 +116,18 @@ class StepCosts:
     def load(cls, path: str | Path, engine: str | None = None) -> "StepCosts":
         """A stored table; `engine` given: refused unless it was measured on that engine."""
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            with open(path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
         except OSError as e:
             raise LoopspecError(f"step costs {path}: {e.strerror}") from None
-        except ValueError as e:
+        if len(raw) > MAX_FILE_BYTES:
+            raise LoopspecError(f"step costs {path}: larger than {MAX_FILE_BYTES} bytes, so not a step-cost table")
+        try:
+            text = raw.decode("utf-8")
+            if _depth(text) > MAX_DEPTH:  # before parsing: the decoder recurses once per level
+                raise LoopspecError(f"step costs {path}: JSON nested deeper than {MAX_DEPTH} levels, so not a table")
+            data = json.loads(text)
+        except ValueError as e:  # (UnicodeDecodeError and JSONDecodeError, a number of too many digits)
             raise LoopspecError(f"step costs {path}: not JSON ({e})") from None
         if not isinstance(data, dict):
             raise LoopspecError(f"step costs {path}: not a table (a JSON object)")
@@ -102,8 +145,8 @@ class StepCosts:
                 }
             )
         except LoopspecError as e:
-            raise LoopspecError(f"{path}: {e}") from None
-        except TypeError:
+            raise LoopspecError(f"step costs {path}: {str(e).removeprefix('step costs: ')}") from None
+        except TypeError:  # (a field whose value is no list where a list is wanted is refused above)
             raise LoopspecError(f"step costs {path}: verify_s must be a list of lists of seconds") from None
         if engine is not None and costs.engine != engine:
             raise LoopspecError(
@@ -111,6 +154,28 @@ class StepCosts:
                 "measure this one with `loopspec costs`"
             )
         return costs
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON's true is no count
+
+
+def _shown(value) -> str:
+    """A value as the table's JSON writes it, cut short (a refusal stays one readable line)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # (no JSON value; an int of more digits than Python will print)
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _depth(text: str) -> int:
+    """How deep `text`'s JSON arrays and objects nest (brackets inside strings not counted)."""
+    depth = deepest = 0
+    for bracket in re.findall(r"[\[\]{}]", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _interpolate(xs: tuple[int, ...], ys, x: float) -> float:

@@ -594,8 +594,8 @@ REFUSED = [
     ("completions", {"min_tokens": 2}, "min_tokens"),
     ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("chat", {"function_call": "auto"}, "function_call"),
-    ("chat", {"tool_choice": "auto"}, "tool_choice"),
-    ("chat", {"tool_choice": "none"}, "tool_choice"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice"),  # without tools (tool calls: tests/test_tool_calls.py)
+    ("completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (
         "chat",
         {
@@ -816,6 +816,10 @@ HONOURED_CASES = {
     "guided_json": ({"type": "object"}, 3),
     "guided_regex": ("[a-z ]+", "a("),
     "guided_choice": (["yes", "no"], []),
+    # (this template renders no tools: the values that need none; the rest is tests/test_tool_calls.py's)
+    "tools": ([], [{"type": "function"}]),
+    "tool_choice": ("none", "always"),
+    "parallel_tool_calls": (False, "yes"),
 }
 IGNORED_EXAMPLES = {"string": ("anything", 7), "boolean": (True, "yes"), "object": ({"k": "v"}, ["k"])}
 

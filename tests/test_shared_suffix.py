@@ -185,7 +185,7 @@ def test_shared_suffix_is_refused_in_one_line_where_it_cannot_apply(capsys):
     with pytest.raises(LoopspecError, match="^the shared suffix library keeps >= 0 outputs"):
         Method("suffix", block_size=6, shared_suffix=-1)
     for argv, needle in (
-        (["generate", "--prompt", "x", "--shared-suffix", "-1"], "--shared-suffix must be >= 0"),
+        (["generate", "--prompt", "x", "--shared-suffix", "-1"], "--shared-suffix must be in [0, 1048576], got -1"),
         (["serve", "--shared-suffix", "many"], "--shared-suffix must be an integer"),
         (["generate", "--prompt", "x", "--method", "suffix", "--shared-suffix", "4"], "generate decodes one request"),
         (
@@ -201,6 +201,87 @@ def test_shared_suffix_is_refused_in_one_line_where_it_cannot_apply(capsys):
             code = e.code
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and err.startswith("loopspec: error: ") and needle in err, err
+
+
+def library_bytes_per_token(outputs: int, length: int) -> float:
+    """What a library holding `outputs` outputs of `length` new token ids each costs a token it holds
+    (tracemalloc: its index, its lists and the token ids themselves)."""
+    import random
+    import tracemalloc
+
+    rng, library = random.Random(outputs), SuffixLibrary(outputs)
+    tracemalloc.start()
+    try:
+        for i in range(outputs):
+            library.add(
+                i % 3,
+                [rng.randrange(300, 150_000) for _ in range(6)],
+                [rng.randrange(300, 150_000) for _ in range(length)],
+            )
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    return held / (outputs * (length + 6))
+
+
+def serve_refusal(argv, capsys) -> str:
+    """The one line `loopspec serve ARGV` exits 2 with (its target never loads: the line says so when
+    every check before it passes)."""
+    import socket
+
+    from loopspec.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    try:
+        code = main(["serve", "--target", "/never-loaded", "--port", port, *argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("loopspec: error: "), err
+    return err
+
+
+def shared_suffix_is_bounded(capsys) -> None:
+    from loopspec.runtime.server import ServeConfig
+    from loopspec.settings import SHARED_SUFFIX_BYTES_PER_TOKEN, SHARED_SUFFIX_MAX_TOKENS, KNOBS
+    from loopspec.tree import SUFFIX_MAX_MATCH
+
+    limit = ServeConfig(settings=Method("ar")).max_tokens_limit  # serve's default --max-tokens-limit
+    at_default = SHARED_SUFFIX_MAX_TOKENS // (limit + SUFFIX_MAX_MATCH)
+    help_text = KNOBS["shared_suffix"].help
+    assert f"N <= {at_default} at the default limit of {limit}" in help_text and f"+ {SUFFIX_MAX_MATCH})" in help_text
+    assert "--shared-suffix must be in [0, 1048576], got 1000000000000" in serve_refusal(
+        ["--shared-suffix", "1000000000000"], capsys
+    )
+    assert "--shared-suffix must be in [0, 1048576], got -1" in serve_refusal(["--shared-suffix", "-1"], capsys)
+    over = serve_refusal(["--method", "suffix", "--shared-suffix", str(at_default + 1)], capsys)
+    assert f"use --shared-suffix {at_default} or less, or a lower --max-tokens-limit" in over, over
+    # the bound is the memory: at the bound, or with shorter outputs, the next refusal is the target's
+    for argv in (["--shared-suffix", str(at_default)], ["--shared-suffix", "100000", "--max-tokens-limit", "64"]):
+        assert "/never-loaded" in serve_refusal(["--method", "suffix", *argv], capsys)
+    with pytest.raises(LoopspecError, match=f"use --shared-suffix {at_default} or less"):
+        ServeConfig(settings=Method("suffix", block_size=6, shared_suffix=at_default + 1))
+    with pytest.raises(LoopspecError, match="^the shared suffix library keeps >= 0 outputs .* at most 1048576"):
+        Method("suffix", block_size=6, shared_suffix=2**20 + 1)
+    # and the memory a token costs is what the bound assumes
+    assert max(library_bytes_per_token(3, 1024), library_bytes_per_token(40, 64)) <= SHARED_SUFFIX_BYTES_PER_TOKEN
+
+
+def test_shared_suffix_is_bounded_by_the_memory_its_library_may_take(capsys):
+    shared_suffix_is_bounded(capsys)
+
+
+def test_a_server_that_takes_any_library_size_is_caught(capsys, monkeypatch):
+    """The planted bug: no bound at serve (the CLI's and ServeConfig's check gone)."""
+    import loopspec.runtime.server
+    import loopspec.suffix_library
+
+    monkeypatch.setattr(loopspec.suffix_library, "check_library_size", lambda outputs, max_tokens: None)
+    monkeypatch.setattr(loopspec.runtime.server, "check_library_size", lambda outputs, max_tokens: None)
+    with pytest.raises(AssertionError):
+        shared_suffix_is_bounded(capsys)
 
 
 # --------------------------------------------------------------------------------------------------
