@@ -141,6 +141,14 @@ class ArtifactEngine:
         return twin
 
     @property
+    def block_types(self) -> tuple[str, ...]:
+        """The GGUF types its target computes with, as the manifest counts its products ("Q4_K+Q6_K as
+        8-bit BlockLinear": Q4_K and Q6_K); () for an export in fp32 or another precision."""
+        products = self.manifest.data.get("settings", {}).get("weights", {}).get("products", {})
+        kinds = {kind for how in products for kind in how.split(" as ")[0].split("+")}
+        return tuple(sorted(kinds))
+
+    @property
     def max_batch(self) -> int:
         """The most rows one call of these engines takes (the exported `batch` range)."""
         return min(self.manifest.spec(n).ranges["batch"][2] for n in self.runners)

@@ -73,6 +73,7 @@ class DrafterContext(Protocol):
 class Engine(Protocol):
     backend: str  # "torch" | "onnxruntime" | "tensorrt"
     precision: str  # what the target computes with: "fp32", "gguf-int8act", ... (engines/manifest.py)
+    block_types: tuple[str, ...]  # the GGUF types of a target over a file's own blocks ("Q4_1", "Q8_0"); else ()
     device: torch.device
     target_cfg: TargetConfig
     drafter_cfg: DrafterConfig | None  # None: no drafter (plain decoding only)

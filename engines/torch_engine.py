@@ -28,6 +28,7 @@ class TorchEngine:
     samples_drafts = True  # `draft` can sample its drafts from the drafter's q and return q
     grows_dynamic_trees = True  # `draft_dynamic`, where the drafter's context grows one
     tree_span = 0
+    block_types = ()  # the reference modules: no file's blocks
 
     def __init__(
         self,

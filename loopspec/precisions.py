@@ -90,7 +90,7 @@ REGISTRY: dict[str, Precision] = {
         # validation reference is their fp32 expansion
         Precision(
             "gguf-fp32act",
-            "the GGUF's own Q4_1/Q8_0 blocks, fp32 activations",
+            "the GGUF's own blocks, fp32 activations",
             ("onnxruntime",),
             "gguf",
             tolerance={"relative": 1e-4, "target": 1e-3, "tau_drop": 0.02, "greedy": True, "verify_equals_plain": True},
@@ -101,7 +101,7 @@ REGISTRY: dict[str, Precision] = {
         # Its drafter engines compute with Q8_0 blocks and int8 activations too (bounded the same way)
         Precision(
             "gguf-int8act",
-            "the GGUF's own Q4_1/Q8_0 blocks, int8 activations",
+            "the GGUF's own blocks, int8 activations",
             ("onnxruntime",),
             "gguf",
             tolerance={
@@ -138,6 +138,8 @@ def precision_names(
     )
 
 
-def describe_precision(name: str) -> str:
-    """What an engine of this precision computes with, in words (a name the registry lacks: itself)."""
-    return REGISTRY[name].computes_with if name in REGISTRY else name
+def describe_precision(name: str, block_types: tuple[str, ...] = ()) -> str:
+    """What an engine of this precision computes with, in words (a name the registry lacks: itself);
+    `block_types`: the GGUF types an engine over a file's own blocks computes with (its manifest's)."""
+    text = REGISTRY[name].computes_with if name in REGISTRY else name
+    return text.replace("own blocks", f"own {'/'.join(block_types)} blocks") if block_types else text

@@ -84,7 +84,7 @@ class Pipeline:
         return engine_key(self.engine.backend, self.engine.precision)
 
     def describe_engine(self) -> str:
-        return f"{self.engine_name} ({describe_precision(self.engine.precision)})"
+        return f"{self.engine_name} ({describe_precision(self.engine.precision, self.engine.block_types)})"
 
     def on_backend(
         self, backend: str, max_context: int | None = None, num_threads: int | None = None, precision: str = "auto"

@@ -395,7 +395,7 @@ def engine_info(pipeline) -> dict:
     return {
         "backend": engine.backend,
         "precision": engine.precision,
-        "computes_with": describe_precision(engine.precision),
+        "computes_with": describe_precision(engine.precision, engine.block_types),
     }
 
 

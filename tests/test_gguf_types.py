@@ -241,4 +241,7 @@ def test_the_cli_names_what_the_engine_computes_with(mixed_pair, capsys):
         main(["generate", "--onnx-dir", str(onnx_dir), "--prompt", "hello", "--max-new-tokens", "8", "--method", "ar"])
         == 0
     )
-    assert "gguf-int8act" in capsys.readouterr().err
+    # the stats line names what the engine computes with: the file's own types
+    assert "gguf-int8act (the GGUF's own Q4_0/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 blocks, int8 activations)" in (
+        capsys.readouterr().err
+    )

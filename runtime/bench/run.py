@@ -272,7 +272,7 @@ def run_bench(
     report["settings"]["engines"] = {
         name: {
             "precision": p.engine.precision,
-            "computes_with": describe_precision(p.engine.precision),
+            "computes_with": describe_precision(p.engine.precision, p.engine.block_types),
             "decoding": {m: d.to_dict() for m, d in decoding[name].items() if m in methods},
         }
         for name, p in pipes.items()
