@@ -111,7 +111,12 @@ def cached_onnx_engine(
     if precision != "fp32":  # the block modules are export code too
         if gguf_path is None:
             raise LoopspecError(f"precision {precision} reads the target's GGUF blocks, and this target has no GGUF")
-        settings |= {"precision": precision, "gguf_export": file_sha256(Path(gguf_export.__file__))}
+        # the file whose blocks the graphs hold (two files of one model may share an expansion's sample)
+        settings |= {
+            "precision": precision,
+            "gguf_export": file_sha256(Path(gguf_export.__file__)),
+            "gguf_file": file_sha256(gguf_path),
+        }
     if draft_model is not None and draft_model.cfg.kind.chain:  # its graphs' own code
         from loopspec.engines.eagle3_export import eagle3_code_sha256
 

@@ -19,6 +19,23 @@ def cache_root() -> Path:
     return Path(base) / "loopspec"
 
 
+def sampled_sha256(path: str | Path, head_bytes: int = 16 << 20, samples: int = 64, sample_bytes: int = 1 << 16) -> str:
+    """sha256 over a file's size, its first `head_bytes` and `samples` slices spread over the rest:
+    cheap on a large weights file, and two files that differ anywhere in a matrix differ in it (a
+    quantization changes every block of a matrix; the first 16 MiB alone hold only the embedding's
+    first rows, which two files of one model can share)."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    h.update(file_sha256(path, limit_bytes=head_bytes).encode())
+    if size > head_bytes:
+        with open(path, "rb") as f:
+            for i in range(samples):
+                f.seek(head_bytes + (size - head_bytes) * i // samples)
+                h.update(f.read(sample_bytes))
+    return h.hexdigest()
+
+
 def file_sha256(path: str | Path, limit_bytes: int | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -25,6 +25,7 @@ from loopspec.files import (  # noqa: F401
     read_safetensors,
     read_safetensors_dir,
     refuse_quantized,
+    sampled_sha256,
     write_safetensors,
 )
 from loopspec.model.experts import experts_state
@@ -38,12 +39,14 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def target_fingerprint(directory: str | Path) -> str:
-    """sha256 over config.json and the first 16 MiB of every safetensors file (cheap, content-based)."""
+    """sha256 over config.json and a sample of every safetensors file spread over the whole file
+    (files.sampled_sha256: cheap, content-based; the first 16 MiB alone did not tell two files of one
+    model apart, whose embeddings are equal)."""
     directory = Path(directory)
     h = hashlib.sha256()
     for f in [directory / "config.json"] + sorted(directory.glob("*.safetensors")):
         h.update(f.name.encode())
-        h.update(file_sha256(f, limit_bytes=16 << 20).encode())
+        h.update(sampled_sha256(f).encode())
     return h.hexdigest()
 
 

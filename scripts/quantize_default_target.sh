@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The default target (SmolLM2-135M-Instruct) in the GGUF types CPU users download, made with
-# llama.cpp's own tools (a measurement aid, not a dependency): its HF checkpoint (the fp32 expansion
-# loopspec caches) converted by llama.cpp's convert_hf_to_gguf.py to F16, then `llama-quantize` to
-# each type. Needs scripts/build_llama_server.sh's PREFIX (llama-quantize, the converter's sources).
+# llama.cpp's own `llama-quantize` (a measurement aid, not a dependency): the shipped Q4_1 GGUF
+# requantized to each type (--allow-requantize), so every file keeps the original's metadata and
+# tokenizer. Needs scripts/build_llama_server.sh's PREFIX (llama-quantize).
 #
 #   scripts/quantize_default_target.sh [PREFIX] [OUT] [TYPES...]   # defaults: ./llamacpp ./ggufs Q4_0 Q4_K_M Q5_K_M Q6_K Q8_0
 #
@@ -18,15 +18,12 @@ shift $(( $# > 2 ? 2 : $# ))
 TYPES=("$@")
 [ ${#TYPES[@]} -gt 0 ] || TYPES=(Q4_0 Q4_K_M Q5_K_M Q6_K Q8_0)
 PYTHON=${PYTHON:-python3}
-SRC=$(ls -d "$PREFIX"/src/llama_cpp_python-*/vendor/llama.cpp | head -n 1)
 [ -x "$PREFIX/bin/llama-quantize" ] || { echo "no $PREFIX/bin/llama-quantize: run scripts/build_llama_server.sh first" >&2; exit 2; }
 
 mkdir -p "$OUT"
-HF=$("$PYTHON" -c "from loopspec.weights import TargetSource; print(TargetSource.of('default').checkpoint_dir())")
-F16="$OUT/SmolLM2-135M-Instruct-F16.gguf"
-[ -f "$F16" ] || PYTHONPATH="$SRC/gguf-py" "$PYTHON" "$SRC/convert_hf_to_gguf.py" "$HF" --outtype f16 --outfile "$F16"
+SOURCE=$("$PYTHON" -c "from loopspec.weights import default_gguf_path; print(default_gguf_path())")
 for type in "${TYPES[@]}"; do
   out="$OUT/SmolLM2-135M-Instruct-$type.gguf"
-  [ -f "$out" ] || "$PREFIX/bin/llama-quantize" "$F16" "$out" "$type"
+  [ -f "$out" ] || "$PREFIX/bin/llama-quantize" --allow-requantize "$SOURCE" "$out" "$type" > "$out.log" 2>&1
   echo "$out"
 done

@@ -80,3 +80,22 @@ def test_the_shipped_drafters_identity_is_the_default_targets():
     directory = TargetSource.of("default").checkpoint_dir()
     identity = model_identity(load_target_dir(directory).cfg, load_tokenizer(directory))
     assert json.loads((DEFAULT_DRAFTER_DIR / TARGET_IDENTITY_FILE).read_text()) == identity
+
+
+def test_two_files_of_one_model_are_told_apart_past_their_first_16_mib(tmp_path):
+    """The export cache's key (loopspec.weights.target_fingerprint): two checkpoints whose first 16 MiB
+    agree (one model's embedding, quantized alike) and whose later matrices differ get different keys.
+    Planted: the old key (the first 16 MiB of each file) gives them one key."""
+    from loopspec.files import file_sha256
+    from loopspec.weights import target_fingerprint, write_safetensors
+
+    embedding = torch.zeros(5 << 20)  # 20 MiB of fp32: the first 16 MiB of the file are the same
+    for name, last in (("a", 0.0), ("b", 1.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        write_safetensors(
+            {"a.embed": embedding, "z.down": torch.full((64,), last)}, tmp_path / name / "model.safetensors"
+        )
+    assert target_fingerprint(tmp_path / "a") != target_fingerprint(tmp_path / "b")
+    old = [file_sha256(tmp_path / n / "model.safetensors", limit_bytes=16 << 20) for n in "ab"]
+    assert old[0] == old[1]  # what the key read before: the two files looked the same
