@@ -749,7 +749,7 @@ def test_stop_strings_are_matched_in_decoded_text_only():
     """TextTail against an independent oracle: whatever the chunking of a byte-level reply, the text
     released is the decoded text up to the first occurrence of the stop string (all of it when
     there is none), and nothing else."""
-    pytest.importorskip("hypothesis")
+    pytest.importorskip("hypothesis", reason="needs hypothesis (the dev extra): pip install 'loopspec[dev]'")
     from hypothesis import given, settings, strategies as st
 
     from loopspec.runtime.scheduler import TextTail
