@@ -18,11 +18,39 @@ import torch
 from loopspec.errors import LoopspecError
 from loopspec.model.dflash import Drafter
 from loopspec.model.draft_head import StageDrafts, draft_head_weight
+from loopspec.model.kv_cache import KVCache
 from loopspec.model.target import Target, inference_linear
 from loopspec.tree import DynamicTree
 
 
-class DFlashContext:
+class KVRows:
+    """What a block drafter's context does with its rows, on any backend: every drafter layer's
+    context K/V in `kv` (a KVCache with a length per row); it reads the target's taps only, so the
+    target's writes and commits change nothing here."""
+
+    kv: KVCache
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.kv.lengths
+
+    def target_wrote(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> None:
+        pass
+
+    def target_committed(self, starts: list[int], kept: list[list[int]]) -> None:
+        pass
+
+    def restart(self, row: int, start: int) -> None:
+        self.kv.lengths[row] = start
+
+    def rollback(self, rows: list[int], lengths: list[int]) -> None:
+        self.kv.rollback(lengths, rows)
+
+    def swap_rows(self, a: int, b: int) -> None:
+        self.kv.swap_rows(a, b)
+
+
+class DFlashContext(KVRows):
     grows_dynamic_trees = False  # a block drafts every position in one forward, after the anchor alone
 
     def __init__(self, drafter: Drafter, target: Target, max_length: int, rows: int):
@@ -42,21 +70,7 @@ class DFlashContext:
         twin.kv = self.drafter.new_context(self.max_length, max_rows)
         return twin
 
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.kv.lengths
-
-    # ---- the target's side: a block drafter reads its taps only -----------------------------------
-    def target_wrote(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> None:
-        pass
-
-    def target_committed(self, starts: list[int], kept: list[list[int]]) -> None:
-        pass
-
     # ---- the context ------------------------------------------------------------------------------
-    def restart(self, row: int, start: int) -> None:
-        self.kv.lengths[row] = start
-
     def append_taps(self, rows: list[int], taps: torch.Tensor, counts: list[int]) -> None:
         self._append(rows, self.drafter.features(taps), counts)
 
@@ -68,12 +82,6 @@ class DFlashContext:
         positions = self.kv.lengths[rows][:, None] + torch.arange(features.shape[1])[None, :]  # [R, T]
         k, v = self.drafter.context_kv(features, positions.clamp_max(self.max_length - 1).to(self.device))
         self.kv.append(k, v, rows, counts)
-
-    def rollback(self, rows: list[int], lengths: list[int]) -> None:
-        self.kv.rollback(lengths, rows)
-
-    def swap_rows(self, a: int, b: int) -> None:
-        self.kv.swap_rows(a, b)
 
     # ---- drafting ---------------------------------------------------------------------------------
     def draft(

@@ -15,6 +15,7 @@ import copy
 
 import torch
 
+from loopspec.engines.dflash_context import KVRows
 from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, past_width
 from loopspec.errors import LoopspecError
 from loopspec.model.dflash import DrafterConfig
@@ -23,7 +24,7 @@ from loopspec.model.kv_cache import KVCache, SlotGrowth
 from loopspec.tree import DynamicTree
 
 
-class DFlashGraphs:
+class DFlashGraphs(KVRows):
     graphs = (DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, DRAFTER_BLOCK)  # the graphs it runs, beside the target's
     cache_graph = DRAFTER_BLOCK  # the graph whose context K/V inputs its cache feeds
     grows_dynamic_trees = False
@@ -51,21 +52,7 @@ class DFlashGraphs:
         twin.kv = self._new_kv(max_rows)
         return twin
 
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.kv.lengths
-
-    # ---- the target's side: a block drafter reads its taps only -----------------------------------
-    def target_wrote(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> None:
-        pass
-
-    def target_committed(self, starts: list[int], kept: list[list[int]]) -> None:
-        pass
-
     # ---- the context ------------------------------------------------------------------------------
-    def restart(self, row: int, start: int) -> None:
-        self.kv.lengths[row] = start
-
     def append_taps(self, rows: list[int], taps: torch.Tensor, counts: list[int]) -> None:
         self._append(DRAFTER_CONTEXT, "taps", rows, taps, counts)
 
@@ -79,12 +66,6 @@ class DFlashGraphs:
         )  # [R, T]
         out = self.engine.runners[graph].run(**{name: features, "positions": positions})
         self.kv.append(out["context_key"], out["context_value"], rows, counts)
-
-    def rollback(self, rows: list[int], lengths: list[int]) -> None:
-        self.kv.rollback(lengths, rows)
-
-    def swap_rows(self, a: int, b: int) -> None:
-        self.kv.swap_rows(a, b)
 
     # ---- drafting ---------------------------------------------------------------------------------
     def draft(
