@@ -59,7 +59,10 @@ ACCURACY_LEVEL = {"gguf-fp32act": 1, "gguf-int8act": 4}  # precision → MatMulN
 PRECISIONS = precision_names(weights=("gguf",))  # loopspec/precisions.py
 assert set(ACCURACY_LEVEL) == set(PRECISIONS), "one accuracy level per GGUF-block precision"
 DRAFTER_BLOCKS = "Q8_0"  # a drafter's own linears with int8 activations (measured: docs/benchmarks.md)
-ACTIVATIONS = {"gguf-fp32act": "fp32", "gguf-int8act": "int8 (per block of 32, inside MatMulNBits)"}
+ACTIVATIONS = {
+    "gguf-fp32act": "fp32",
+    "gguf-int8act": "int8 (per block of 32, inside MatMulNBits)",
+}
 
 
 def check_precision(precision: str) -> None:
@@ -129,14 +132,15 @@ class _BlockProduct(torch.autograd.Function):
 
 
 class BlockLinear(nn.Module):
-    """A bias-free linear whose weight [N, K] is a GGUF's blocks (`BlockProduct`: Q4_0, Q4_1, Q4_K as
-    4-bit codes; Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 as 8-bit codes), in MatMulNBits' layout: the weights are
+    """A linear whose weight [N, K] is a GGUF's blocks (`BlockProduct`: Q4_0, Q4_1, Q4_K as 4-bit
+    codes; Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 as 8-bit codes), in MatMulNBits' layout: the weights are
     exactly the file's, whose minimums (Q4_1, Q5_1, the K-quants' sub-block minimums) run as the
-    correction term blocksum(x) · M (module doc)."""
+    correction term blocksum(x) · M (module doc). A bias (the file's F32 vector: Qwen2's q/k/v) is
+    added in fp32 after the product, as llama.cpp adds it."""
 
     exports_itself = True  # engines/export.py's `linear` calls the module
 
-    def __init__(self, product: BlockProduct, accuracy_level: int):
+    def __init__(self, product: BlockProduct, accuracy_level: int, bias: np.ndarray | None = None):
         super().__init__()
         n, k = product.shape
         self.bits, self.block, self.kind = product.bits, product.block, product.kind
@@ -158,13 +162,17 @@ class BlockLinear(nn.Module):
         self.register_buffer("zero_points", zero_points)
         minimum = None if product.minimums is None else torch.from_numpy(np.ascontiguousarray(product.minimums.T))
         self.register_buffer("minimum", minimum)  # [K/32, N]
+        if bias is not None and tuple(bias.shape) != (n,):
+            raise LoopspecError(f"a bias of shape {tuple(bias.shape)} for a block product of {n} outputs")
+        self.register_buffer("bias", None if bias is None else torch.from_numpy(np.array(bias, dtype=np.float32)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:
             raise LoopspecError(f"BlockLinear takes [B, T, K] activations, got {tuple(x.shape)}")
-        return _BlockProduct.apply(
+        y = _BlockProduct.apply(
             x, self.codes, self.scales, self.zero_points, self.minimum, self.bits, self.block, self.accuracy_level
         )
+        return y if self.bias is None else y + self.bias
 
     @classmethod
     def fused(cls, parts: list["BlockLinear"]) -> "BlockLinear":
@@ -183,19 +191,26 @@ class BlockLinear(nn.Module):
         zero = None if first.zero_points is None else torch.cat([p.zero_points for p in parts])
         fused.register_buffer("zero_points", zero)
         fused.register_buffer("minimum", None if first.minimum is None else torch.cat([p.minimum for p in parts], 1))
+        biases = None  # a part without a bias adds zeros to its outputs
+        if any(p.bias is not None for p in parts):
+            biases = torch.cat([p.bias if p.bias is not None else torch.zeros(p.codes.shape[0]) for p in parts])
+        fused.register_buffer("bias", biases)
         return fused
 
 
-def block_linear(matrix: "BlockMatrix | BlockProduct", precision: str) -> nn.Module | None:
-    """The module computing one matrix's product in `precision`; None: the fp32 Linear stays (F32/F16
-    tensors, and 8-bit codes with fp32 activations, whose fp32 expansion is exact and faster: module doc)."""
+def block_linear(
+    matrix: "BlockMatrix | BlockProduct", precision: str, bias: np.ndarray | None = None
+) -> nn.Module | None:
+    """The module computing one matrix's product (plus `bias`) in `precision`; None: the fp32 Linear
+    stays, with its own bias (F32/F16 tensors, and 8-bit codes with fp32 activations, whose fp32
+    expansion is exact and faster: module doc)."""
     level = ACCURACY_LEVEL[precision]
     if isinstance(matrix, BlockMatrix) and matrix.kind not in BLOCK_BYTES:
         return None
     product = matrix.product() if isinstance(matrix, BlockMatrix) else matrix
     if product.bits == 8 and level != ACCURACY_LEVEL["gguf-int8act"]:
         return None
-    return BlockLinear(product, level)
+    return BlockLinear(product, level, bias)
 
 
 def check_expansion(name: str, matrix: BlockMatrix, weight: torch.Tensor) -> None:
@@ -210,21 +225,33 @@ def check_expansion(name: str, matrix: BlockMatrix, weight: torch.Tensor) -> Non
 
 def block_target(target: Target, blocks: dict[str, BlockMatrix], precision: str) -> tuple[Target, dict]:
     """A copy of `target` whose linears compute with the GGUF's blocks (`blocks`: from
-    loopspec.gguf_blocks.target_blocks) → (copy, {how each GGUF type runs: count of products})."""
+    loopspec.gguf_blocks `GgufTarget.blocks`) → (copy, {how each GGUF type runs: count of products}).
+    Every vector (norms, q/k norms, biases) must equal the target's too: the norms stay its fp32
+    ones, a bias goes with its product."""
     check_precision(precision)
+    missing = sorted(set(target.state_dict()) - set(blocks))
+    if missing:  # a tensor the target computes with that the file does not hold (Qwen3's q_norm, say)
+        raise LoopspecError(f"the GGUF holds no {missing[0]} of the target: the GGUF and the target checkpoint differ")
     out = copy.deepcopy(target)
     counts: dict[str, int] = {}
     for name, matrix in blocks.items():
         if name == "embed_tokens.weight":
             check_expansion(name, matrix, target.embed_tokens.weight)
             continue  # the Gather reads the fp32 expansion (one row per token)
+        if len(matrix.shape) == 1:
+            check_expansion(name, matrix, target.get_parameter(name))
+            continue
         parent_name, _, leaf = name.removesuffix(".weight").rpartition(".")
         parent = out.get_submodule(parent_name) if parent_name else out
         linear = getattr(parent, leaf)
-        if getattr(linear, "bias", None) is not None:
-            raise LoopspecError(f"{name}: the GGUF block export supports bias-free linears")
+        bias = blocks.get(name.removesuffix(".weight") + ".bias")
+        if (getattr(linear, "bias", None) is None) != (bias is None):
+            which = ("the target's", "the GGUF's") if bias is None else ("the GGUF's", "the target's")
+            raise LoopspecError(
+                f"{name}: {which[0]} linear has a bias, {which[1]} none: the GGUF and the target checkpoint differ"
+            )
         check_expansion(name, matrix, linear.weight)
-        module = block_linear(matrix, precision)
+        module = block_linear(matrix, precision, None if bias is None else bias.dequantize())
         how = f"{matrix.kind} as {'fp32 MatMul' if module is None else f'{module.bits}-bit {type(module).__name__}'}"
         counts[how] = counts.get(how, 0) + 1
         if module is not None:
@@ -280,7 +307,7 @@ def precision_options(
     the target over the blocks of `gguf_path` (the GGUF `target` was expanded from), the drafter's
     block products where they pay (`block_drafter`), the manifest's account of weights and arithmetic."""
     from loopspec.engines.manifest import source_hashes
-    from loopspec.gguf_blocks import target_blocks
+    from loopspec.gguf_blocks import check_target_config, read_gguf_target
 
     if precision == "fp32":
         return {"precision": precision}
@@ -289,8 +316,9 @@ def precision_options(
         raise LoopspecError(
             f"precision {precision} needs the target's GGUF file (a target given as 'default' or FILE.gguf)"
         )
-    cfg = target.cfg
-    blocks = target_blocks(gguf_path, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings)
+    gguf = read_gguf_target(gguf_path)
+    check_target_config(target.cfg, gguf)  # the graphs take shapes, norms and RoPE from target.cfg
+    blocks = gguf.blocks()
     verify_target, counts = block_target(target, blocks, precision)
     path = Path(gguf_path)
     settings = {

@@ -1,4 +1,6 @@
-"""A GGUF target's matrices as the file stores them: ggml blocks of 32 weights, by loopspec name.
+"""A GGUF target's matrices as the file stores them: ggml blocks of 32 weights, by loopspec name;
+and what each dense architecture's file holds (`ARCHITECTURES`: llama, qwen2, qwen3), its metadata read
+as the target's config.
 
 Q4_1 block (20 bytes): fp16 scale d, fp16 minimum m, 16 bytes of 4-bit codes q (byte j holds
 element j in its low nibble and element j + 16 in its high one); w = d·q + m.
@@ -7,17 +9,22 @@ Blocks run along K (a matrix's input dim) inside each output row, so reordering 
 (llama.cpp's q/k row permutation undone, q/k/v and gate/up fused as `weights.hf_to_target_state`
 fuses them) keeps every block whole.
 
-numpy + the `gguf` reader only; the ONNX side is engines/gguf_export.py.
+numpy + the `gguf` reader (loopspec.model read inside the functions that build a config); the ONNX
+side is engines/gguf_export.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from loopspec.errors import LoopspecError
+
+if TYPE_CHECKING:
+    from loopspec.model.target import TargetConfig
 
 BLOCK = 32
 SUPER_BLOCK = 256  # the K-quants' super-block
@@ -173,6 +180,8 @@ def stack_rows(parts: list[BlockMatrix]) -> "BlockMatrix | BlockProduct":
     kinds = {p.kind for p in parts}
     if len(kinds) == 1:
         return BlockMatrix(parts[0].kind, np.concatenate([p.blocks for p in parts]))
+    if not kinds & set(BLOCK_BYTES):  # F32 and F16 values (biases): both held as float32 already
+        return BlockMatrix("F32", np.concatenate([p.blocks for p in parts]))
     unblocked = sorted(k for k in kinds if k not in BLOCK_BYTES)
     if unblocked:
         raise LoopspecError(
@@ -216,20 +225,33 @@ def unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def read_tensors(path: str | Path) -> tuple[dict[str, BlockMatrix], str]:
-    """Every tensor of a GGUF file → ({GGUF name: BlockMatrix}, architecture). Unsupported tensor
-    types are refused here, by name."""
+def _open(path: str | Path):
+    """A GGUFReader over `path`, or one line saying why there is none."""
     from gguf import GGUFReader
 
     path = Path(path)
     if not path.is_file():
         raise LoopspecError(f"GGUF file does not exist: {path}")
     try:
-        reader = GGUFReader(str(path))
+        return GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/struct errors on garbage
         raise LoopspecError(f"cannot read GGUF file {path}: {e}") from None
+
+
+def _architecture_name(reader) -> str:
     field = reader.get_field("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+    return field.contents() if field is not None else "?"
+
+
+def read_tensors(path: str | Path) -> tuple[dict[str, BlockMatrix], str]:
+    """Every tensor of a GGUF file → ({GGUF name: BlockMatrix}, architecture). Unsupported tensor
+    types are refused here, by name."""
+    path = Path(path)
+    reader = _open(path)
+    return _tensors(reader, path), _architecture_name(reader)
+
+
+def _tensors(reader, path: Path) -> dict[str, BlockMatrix]:
     out = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
@@ -245,35 +267,268 @@ def read_tensors(path: str | Path) -> tuple[dict[str, BlockMatrix], str]:
         else:
             blocks = data.astype(np.float32)
         out[t.name] = BlockMatrix(kind, blocks)
-    return out, arch
-
-
-def target_blocks(
-    path: str | Path, num_layers: int, num_heads: int, num_kv_heads: int, tie_word_embeddings: bool
-) -> dict[str, BlockMatrix]:
-    """A Llama GGUF's matrices under the names of loopspec's `Target` (qkv_proj, gate_up_proj fused;
-    q/k rows in HF order): {"embed_tokens.weight", "lm_head.weight", "layers.i.self_attn.qkv_proj.weight", ...}."""
-    tensors, arch = read_tensors(path)
-    if arch != "llama":
-        raise LoopspecError(f"{Path(path).name}: the GGUF block export supports llama GGUFs, not {arch!r}")
-
-    def take(name: str) -> BlockMatrix:
-        if name not in tensors:
-            raise LoopspecError(f"{Path(path).name} lacks tensor {name!r}")
-        return tensors[name]
-
-    out = {"embed_tokens.weight": take("token_embd.weight")}
-    out["lm_head.weight"] = (
-        out["embed_tokens.weight"] if tie_word_embeddings or "output.weight" not in tensors else take("output.weight")
-    )
-    for i in range(num_layers):
-        b = f"blk.{i}."
-        q, k = take(b + "attn_q.weight"), take(b + "attn_k.weight")
-        q = q.rows(unpermute_rows(q.shape[0], num_heads))
-        k = k.rows(unpermute_rows(k.shape[0], num_kv_heads))
-        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        out[a + "qkv_proj.weight"] = stack_rows([q, k, take(b + "attn_v.weight")])
-        out[a + "o_proj.weight"] = take(b + "attn_output.weight")
-        out[m + "gate_up_proj.weight"] = stack_rows([take(b + "ffn_gate.weight"), take(b + "ffn_up.weight")])
-        out[m + "down_proj.weight"] = take(b + "ffn_down.weight")
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The dense architectures: what llama.cpp's converter wrote, per architecture
+
+
+@dataclass(frozen=True)
+class GgufArchitecture:
+    """One llama.cpp architecture the block engine builds: the loopspec family it is, whether the
+    converter reordered q/k rows, and the tensors its layers hold beyond `LAYER_TENSORS`."""
+
+    name: str  # general.architecture, and the prefix of its metadata keys
+    family: str  # loopspec's target family (loopspec.model.families), whose record reads the config
+    # llama.cpp's converter permutes q/k rows (weights and biases) for llama only: its llama RoPE turns
+    # adjacent pairs, HF's the two halves of a head; Qwen2/Qwen3 files keep HF's order (their RoPE in
+    # llama.cpp is the NEOX kind, which turns halves)
+    permute_qk: bool
+    layer_extras: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+# per layer: a Target name ← the GGUF tensor(s) stacked by rows into it (blk.i. prefixed)
+LAYER_TENSORS = (
+    ("self_attn.qkv_proj.weight", ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
+    ("self_attn.o_proj.weight", ("attn_output.weight",)),
+    ("mlp.gate_up_proj.weight", ("ffn_gate.weight", "ffn_up.weight")),
+    ("mlp.down_proj.weight", ("ffn_down.weight",)),
+    ("input_layernorm.weight", ("attn_norm.weight",)),
+    ("post_attention_layernorm.weight", ("ffn_norm.weight",)),
+)
+
+ARCHITECTURES = {
+    a.name: a
+    for a in (
+        GgufArchitecture("llama", "llama", permute_qk=True),
+        # Qwen2: q/k/v carry biases (F32), added after the block product
+        GgufArchitecture(
+            "qwen2",
+            "qwen2",
+            permute_qk=False,
+            layer_extras=(("self_attn.qkv_proj.bias", ("attn_q.bias", "attn_k.bias", "attn_v.bias")),),
+        ),
+        # Qwen3: an RMSNorm per head on q and on k before RoPE, no biases
+        GgufArchitecture(
+            "qwen3",
+            "qwen3",
+            permute_qk=False,
+            layer_extras=(
+                ("self_attn.q_norm.weight", ("attn_q_norm.weight",)),
+                ("self_attn.k_norm.weight", ("attn_k_norm.weight",)),
+            ),
+        ),
+    )
+}
+
+
+def gguf_architecture(name: str, file: str) -> GgufArchitecture:
+    if name not in ARCHITECTURES:
+        raise LoopspecError(
+            f"{file}: the GGUF block engine builds {', '.join(ARCHITECTURES)} GGUFs, not {name!r} "
+            f"(its general.architecture): run this file with --precision fp32"
+        )
+    return ARCHITECTURES[name]
+
+
+def gguf_metadata(path: str | Path) -> dict:
+    """A GGUF file's scalar metadata {key: value} (the tokenizer's arrays are not read)."""
+    return _scalars(_open(path))
+
+
+def gguf_sizes(path: str | Path) -> dict:
+    """What a GGUF of any architecture declares of its sizes, as config fields: the head size
+    (`<arch>.attention.key_length`, where given) and the vocabulary (token_embd's rows; the token list
+    may be shorter)."""
+    reader = _open(path)
+    arch, out = _architecture_name(reader), {}
+    field = reader.get_field(f"{arch}.attention.key_length")
+    if field is not None:
+        out["head_dim"] = int(field.contents())
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            out["vocab_size"] = int(t.shape[-1])  # ggml order: the row length first
+    return out
+
+
+def _scalars(reader) -> dict:
+    from gguf import GGUFValueType
+
+    return {k: f.contents() for k, f in reader.fields.items() if f.types and f.types[0] != GGUFValueType.ARRAY}
+
+
+def _rope_scaling(meta: dict, a: str, file: str) -> dict | None:
+    """RoPE scaling as the metadata declares it (llama.cpp writes linear and YaRN there; llama3's
+    per-frequency factors are a `rope_freqs` tensor instead, compared in `check_target_config`)."""
+    kind = meta.get(f"{a}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(meta[f"{a}.rope.scaling.factor"])}
+    if kind == "yarn":
+        out = {
+            "rope_type": "yarn",
+            "factor": float(meta[f"{a}.rope.scaling.factor"]),
+            "original_max_position_embeddings": int(meta[f"{a}.rope.scaling.original_context_length"]),
+        }
+        for key, hf in (
+            ("yarn_beta_fast", "beta_fast"),
+            ("yarn_beta_slow", "beta_slow"),
+            ("yarn_attn_factor", "attention_factor"),
+        ):
+            if f"{a}.rope.scaling.{key}" in meta:
+                out[hf] = float(meta[f"{a}.rope.scaling.{key}"])
+        return out
+    raise LoopspecError(f"{file}: RoPE scaling {kind!r} is not supported (supported: none, linear, yarn)")
+
+
+def _hf_config(reader, path: Path) -> tuple[GgufArchitecture, dict]:
+    """A dense GGUF's metadata as the config.json its family reads (loopspec.model.families), and the
+    architecture's record: `<arch>.block_count`, `.embedding_length`, `.feed_forward_length`,
+    `.attention.head_count(_kv)`, `.attention.key_length` (else embedding / heads),
+    `.attention.layer_norm_rms_epsilon`, `.rope.freq_base`, `.rope.scaling.*`, `.context_length`; the
+    vocabulary is token_embd's rows, and the head is tied where the file has no output.weight (as
+    llama.cpp reads it)."""
+    arch = gguf_architecture(_architecture_name(reader), path.name)
+    meta, a = _scalars(reader), arch.name
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}  # ggml order: the row length first
+
+    def need(key: str):
+        if f"{a}.{key}" not in meta:
+            raise LoopspecError(f"{path.name} lacks the metadata key {a}.{key}")
+        return meta[f"{a}.{key}"]
+
+    if "token_embd.weight" not in shapes:
+        raise LoopspecError(f"{path.name} lacks tensor 'token_embd.weight'")
+    for key in ("attention.head_count", "attention.head_count_kv"):  # a list: heads per layer (not dense)
+        if f"{a}.{key}" in reader.fields and f"{a}.{key}" not in meta:
+            raise LoopspecError(f"{path.name}: {a}.{key} varies per layer, which the {a} decoder does not compute")
+    heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
+    head_dim = int(meta.get(f"{a}.attention.key_length", hidden // heads))
+    for key in ("attention.value_length", "rope.dimension_count"):  # partial rotary: no dense family computes it
+        if int(meta.get(f"{a}.{key}", head_dim)) != head_dim:
+            raise LoopspecError(
+                f"{path.name}: {a}.{key} {meta[f'{a}.{key}']} differs from the head size {head_dim}, "
+                f"which the {a} decoder does not compute"
+            )
+    hf = {
+        "model_type": arch.family,
+        "vocab_size": shapes["token_embd.weight"][-1],
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta.get(f"{a}.rope.freq_base", 10000.0)),  # llama.cpp's default base
+        "max_position_embeddings": int(meta.get(f"{a}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in shapes,
+    }
+    scaling = _rope_scaling(meta, a, path.name)
+    if scaling is not None:
+        hf["rope_scaling"] = scaling
+    for key, hf_key in (
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+    ):
+        if key in meta:
+            hf[hf_key] = int(meta[key])
+    return arch, hf
+
+
+@dataclass
+class GgufTarget:
+    """A dense GGUF read once: its architecture's record, its metadata as a config, its tensors."""
+
+    path: Path
+    architecture: GgufArchitecture
+    hf_config: dict
+    tensors: dict[str, BlockMatrix]  # by GGUF name
+
+    @property
+    def config(self) -> TargetConfig:
+        from loopspec.model.families import target_config
+
+        return target_config(self.hf_config)
+
+    def take(self, name: str) -> BlockMatrix:
+        if name not in self.tensors:
+            raise LoopspecError(f"{self.path.name} lacks tensor {name!r}")
+        return self.tensors[name]
+
+    def blocks(self) -> dict[str, BlockMatrix]:
+        """The tensors under the names of loopspec's `Target` (q/k/v and gate/up fused, q/k rows in HF
+        order): {"embed_tokens.weight", "lm_head.weight", "norm.weight",
+        "layers.i.self_attn.qkv_proj.weight", "layers.i.input_layernorm.weight", ...} and the
+        architecture's extras (Qwen2's "layers.i.self_attn.qkv_proj.bias", Qwen3's q_norm / k_norm)."""
+        cfg = self.config
+        out = {"embed_tokens.weight": self.take("token_embd.weight")}
+        out["lm_head.weight"] = out["embed_tokens.weight"] if cfg.tie_word_embeddings else self.take("output.weight")
+        out["norm.weight"] = self.take("output_norm.weight")
+        heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+        for i in range(cfg.num_layers):
+            for name, parts in LAYER_TENSORS + self.architecture.layer_extras:
+                rows = []
+                for part in parts:
+                    matrix = self.take(f"blk.{i}.{part}")
+                    stem = part.partition(".")[0]
+                    if self.architecture.permute_qk and stem in heads:
+                        matrix = matrix.rows(unpermute_rows(matrix.shape[0], heads[stem]))
+                    rows.append(matrix)
+                out[f"layers.{i}.{name}"] = rows[0] if len(rows) == 1 else stack_rows(rows)
+        return out
+
+
+def read_gguf_target(path: str | Path) -> GgufTarget:
+    """A dense GGUF (an architecture of `ARCHITECTURES`) read once; others refused in one line."""
+    path = Path(path)
+    reader = _open(path)
+    arch, hf = _hf_config(reader, path)  # the architecture is refused before any tensor's type
+    return GgufTarget(path, arch, hf, _tensors(reader, path))
+
+
+def target_blocks(path: str | Path) -> dict[str, BlockMatrix]:
+    """A dense GGUF's tensors under the names of loopspec's `Target` (`GgufTarget.blocks`)."""
+    return read_gguf_target(path).blocks()
+
+
+# what the graphs compute with, compared as they are (eps and theta: as the file's fp32 holds them)
+SAME_FIELDS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+SAME_FIELDS += ("head_dim", "tie_word_embeddings", "attention_bias", "qk_norm")
+
+
+def check_target_config(cfg: TargetConfig, gguf: GgufTarget) -> None:
+    """The target's config must be what the GGUF declares: its shapes, norms' epsilon, tied head, RoPE
+    base and scaling (a `rope_freqs` tensor is llama.cpp's llama3 scaling: factors dividing each
+    frequency). Otherwise the graphs would compute another model than the file's: one line."""
+    from loopspec.model.target import rope_inv_freq
+
+    theirs, name = gguf.config, gguf.path.name
+
+    def differs(what: str, value, target_value) -> LoopspecError:
+        return LoopspecError(
+            f"{name} declares {what} {value}, the target {target_value}: the GGUF and the target checkpoint differ"
+        )
+
+    for field in SAME_FIELDS:
+        if getattr(theirs, field) != getattr(cfg, field):
+            raise differs(field, getattr(theirs, field), getattr(cfg, field))
+    for field in ("rms_norm_eps", "rope_theta"):
+        if np.float32(getattr(theirs, field)) != np.float32(getattr(cfg, field)):
+            raise differs(field, getattr(theirs, field), getattr(cfg, field))
+    factors = gguf.tensors.get("rope_freqs.weight")
+    if factors is not None and cfg.rope_scaling is None:
+        # transformers' GGUF reader drops rope_freqs, so the fp32 expansion of such a file has no
+        # scaling; the block graphs compute what that reference computes (its decoding stays lossless
+        # relative to it), so this is the expansion's gap and is not refused here
+        return
+    freqs, scale = rope_inv_freq(theirs.head_dim, theirs.rope_theta, theirs.rope_scaling)
+    freqs = freqs.numpy() if factors is None else freqs.numpy() / factors.dequantize().reshape(-1)
+    target_freqs, target_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if freqs.shape != tuple(target_freqs.shape) or not np.allclose(freqs, target_freqs.numpy(), rtol=1e-5, atol=0):
+        declared = "its rope_freqs' factors" if factors is not None else f"scaling {theirs.rope_scaling}"
+        raise differs("RoPE", declared, f"scaling {cfg.rope_scaling}")
+    if not np.isclose(scale, target_scale, rtol=1e-6):
+        raise differs("a RoPE attention factor", scale, target_scale)

@@ -157,7 +157,8 @@ def default_gguf_path() -> Path:
 
 
 def gguf_to_hf_dir(gguf_path: Path, out_dir: Path | None = None) -> Path:
-    """Dequantise a GGUF file to an fp32 HF directory once (≈25 s) and reuse it afterwards."""
+    """Dequantise a GGUF file to an fp32 HF directory once (≈25 s) and reuse it afterwards; its
+    tokenizer is `gguf_tokenizer`'s."""
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise LoopspecError(f"GGUF file does not exist: {gguf_path}")
@@ -167,16 +168,27 @@ def gguf_to_hf_dir(gguf_path: Path, out_dir: Path | None = None) -> Path:
     done = out_dir / ".complete"
     if done.exists():
         return out_dir
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from loopspec.gguf_blocks import gguf_sizes
+
+    tok, from_file = gguf_tokenizer(gguf_path)
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        # transformers reads no attention.key_length for Qwen2/Qwen3 (head_dim stays the config's
+        # default, 128) and takes the vocabulary from the token list: the file's own sizes instead
+        for key, value in gguf_sizes(gguf_path).items():
+            if getattr(config, key, value) != value:
+                setattr(config, key, value)
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, config=config, dtype=torch.float32
+        )
     except Exception as e:
-        raise LoopspecError(f"cannot read GGUF file {gguf_path}: {e}") from None
-    # GGUF metadata may name <|im_start|> as eos; the model config has the real end-of-turn token.
+        raise LoopspecError(f"cannot read GGUF file {gguf_path}: {one_line(e)}") from None
+    # GGUF metadata may name <|im_start|> as eos; the model config has the real end-of-turn token
+    # (a tokenizer that sits beside the file names its own)
     eos = hf.config.eos_token_id
-    if isinstance(eos, int) and 0 <= eos < len(tok):
+    if from_file and isinstance(eos, int) and 0 <= eos < len(tok):
         tok.eos_token = tok.convert_ids_to_tokens(eos)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -189,6 +201,31 @@ def gguf_to_hf_dir(gguf_path: Path, out_dir: Path | None = None) -> Path:
     tmp.rename(out_dir)
     done.write_text(str(gguf_path))
     return out_dir
+
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def gguf_tokenizer(gguf_path: Path):
+    """A GGUF target's tokenizer → (tokenizer, built from the file): a Hugging Face tokenizer that sits
+    beside the file (tokenizer.json / tokenizer_config.json: the model's own, which a GGUF's
+    metadata may have lost detail of), else the one transformers builds from the file's
+    tokenizer.ggml.* metadata; neither: one line saying what to add."""
+    from transformers import AutoTokenizer
+
+    from loopspec.gguf_blocks import gguf_metadata
+
+    gguf_path = Path(gguf_path)
+    directory = gguf_path.parent
+    if any((directory / name).is_file() for name in HF_TOKENIZER_FILES):
+        return load_tokenizer(directory), False
+    add = f"put the model's {' and '.join(HF_TOKENIZER_FILES)} beside it, in {directory}"
+    if "tokenizer.ggml.model" not in gguf_metadata(gguf_path):
+        raise LoopspecError(f"{gguf_path.name} holds no tokenizer (no tokenizer.ggml.* metadata): {add}")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_path.name), True
+    except Exception as e:
+        raise LoopspecError(f"cannot build the tokenizer of {gguf_path.name} ({one_line(e)}): {add}") from None
 
 
 @dataclass(frozen=True)

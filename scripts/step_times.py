@@ -3,9 +3,13 @@ and one token on each of 1 / 4 / 8 / 16 rows, at each context length (256 and 10
 default), then the prefill of a long prompt (tokens/s). Median of repeated calls, each rolled back,
 so every call sees the same context. Run it with nothing else on the machine.
 
-    python scripts/step_times.py [--precision gguf-int8act] [--threads 2] [--calls 40] \
-        [--contexts 256,1024] [--chains 1,2,4,8,16] [--rows 1,4,8,16] [--json FILE] \
+    python scripts/step_times.py [--target default|FILE.gguf|DIR] [--precision gguf-int8act] [--threads 2] \
+        [--calls 40] [--contexts 256,1024] [--chains 1,2,4,8,16] [--rows 1,4,8,16] [--json FILE] \
         [--llama-bench PATH] [--genai-python PY --genai-model DIR]
+
+`--target`: the target whose step is measured (default: the embedded SmolLM2 GGUF, with its shipped
+drafter loaded as a decode would); any other target loads no drafter, which the target's step does
+not call.
 
 The JSON holds one record per measured point: {"k": new tokens per row, "rows": rows, "context":
 positions already in each row's cache, "ms": median step}; rows of a multi-row point sit at contexts
@@ -13,7 +17,7 @@ spread over the 10 % below the nominal one, as a server's rows do.
 
 Peers in the same run, before loopspec's grid (neither is a dependency), each under "peers" in the
 JSON with the same fields for one row: `--llama-bench` (llama.cpp's, built by
-scripts/build_llama_server.sh) on the default GGUF — k = 1 from its token-generation test at each
+scripts/build_llama_server.sh) on the target's GGUF — k = 1 from its token-generation test at each
 depth, k > 1 from its prompt test of k tokens at that depth (-p k -n 0 -d context), with `--repack 0`
 where this CPU has AMX (llama.cpp's AMX repacking crashes at load here); `--genai-python` /
 `--genai-model`: ONNX Runtime GenAI's int4 build (its builder's output directory), timed by
@@ -33,8 +37,6 @@ from tqdm import tqdm
 
 from loopspec.runtime.bench.step_runs import integers, reserve_json, run_record, write_json
 from loopspec.runtime.pipeline import load_pipeline
-
-VOCAB = 49152
 
 
 def median_ms(call, calls: int) -> float:
@@ -127,6 +129,7 @@ def genai_curve(python: str, model: str, threads: int, contexts: list[int], chai
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--target", default="default", help="'default', a .gguf file or a checkpoint directory")
     p.add_argument("--precision", default="gguf-int8act")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--calls", type=int, default=40)
@@ -135,11 +138,11 @@ def main() -> int:
     p.add_argument("--rows", type=integers, default=[1, 4, 8, 16])
     p.add_argument("--prefill-tokens", type=int, default=2000)
     p.add_argument("--json", default=None)
-    p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench: its step on the default GGUF, first")
-    p.add_argument("--genai-python", metavar="PY", help="the Python of an environment with onnxruntime-genai")
     p.add_argument(
-        "--genai-model", metavar="DIR", help="GenAI's int4 build of the default target (its builder's output)"
+        "--llama-bench", metavar="PATH", help="llama.cpp's llama-bench: its step on the target's GGUF, first"
     )
+    p.add_argument("--genai-python", metavar="PY", help="the Python of an environment with onnxruntime-genai")
+    p.add_argument("--genai-model", metavar="DIR", help="GenAI's int4 build of the target (its builder's output)")
     args = p.parse_args()
     if (args.genai_python is None) != (args.genai_model is None):
         p.error("--genai-python and --genai-model go together")
@@ -148,32 +151,34 @@ def main() -> int:
     # engine's idle pool threads, or llama.cpp's, would take the cores from whatever runs beside them)
     peers = {}
     if args.llama_bench:
-        from loopspec.weights import default_gguf_path
+        from loopspec.weights import TargetSource
 
+        gguf = TargetSource.of(args.target).require_gguf("--llama-bench")
         peers["llama.cpp"] = llama_bench_curve(
-            args.llama_bench, str(default_gguf_path()), args.threads, args.contexts, args.chains, repetitions=5
+            args.llama_bench, str(gguf), args.threads, args.contexts, args.chains, repetitions=5
         )
     if args.genai_python:
         peers["onnxruntime-genai"] = genai_curve(
             args.genai_python, args.genai_model, args.threads, args.contexts, args.chains, args.calls
         )
     pipe = load_pipeline(
-        "default",
-        "default",
+        args.target,
+        "default" if args.target == "default" else "none",
         backend="onnxruntime",
         precision=args.precision,
         num_threads=args.threads,
         max_context=max(args.contexts + [args.prefill_tokens]) + 32,
     )
     engine = pipe.engine.with_rows(max(args.rows))
+    vocab = engine.target_cfg.vocab_size  # random prompt ids: the step's time does not depend on them
     g = torch.Generator().manual_seed(0)
-    result = run_record(pipe.engine_name, args.threads, args.calls)
+    result = run_record(pipe.engine_name, args.threads, args.calls, target=args.target)
     points = len(args.contexts) * (len(args.chains) + len(args.rows))
     progress = tqdm(total=points, desc="step times", unit="point")
     for context in args.contexts:
         lengths = torch.linspace(int(context * 0.9), context, max(args.rows)).long().tolist()[::-1]
         for row, n in enumerate(lengths):  # row 0 at the nominal context
-            engine.prefill(row, torch.randint(0, VOCAB, (n,), generator=g).tolist(), want_taps=False)
+            engine.prefill(row, torch.randint(0, vocab, (n,), generator=g).tolist(), want_taps=False)
 
         def step(tokens: list[list[int]]):
             def call():
@@ -194,7 +199,7 @@ def main() -> int:
             result["steps"].append({"k": 1, "rows": rows, "context": lengths[0], "ms": round(ms, 2)})
             progress.update()
     progress.close()
-    prompt = torch.randint(0, VOCAB, (args.prefill_tokens,), generator=g).tolist()
+    prompt = torch.randint(0, vocab, (args.prefill_tokens,), generator=g).tolist()
     start = time.perf_counter()
     engine.prefill(0, prompt, want_taps=False)
     result["prefill"] = {

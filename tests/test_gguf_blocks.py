@@ -40,42 +40,98 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(target_dir, path, bad_type=None, types=None):
-    """The HF checkpoint in `target_dir` → a llama GGUF (Q4_1 matrices, Q8_0 token_embd, F32 norms;
-    `types(layer, name)` → another GGUF type name per matrix: K-quants written by
-    tests/gguf_encoders.py); the checkpoint is then rewritten to the GGUF's expansion (gguf's own
-    dequantize), so the fp32 reference is exactly what the blocks hold."""
+def hf_order(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order undone (HF's rotate-half), written here apart from the reader's."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# HF name (model. and the layer prefix dropped) → llama.cpp's tensor name (gguf's MODEL_TENSORS)
+GGUF_NAMES = {
+    "embed_tokens": "token_embd",
+    "norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+PERMUTED_BY_LLAMA_CPP = {"llama"}  # its converter reorders q/k rows for these architectures only
+
+
+def llama3_rope_factors(head_dim: int, rope: dict) -> np.ndarray:
+    """llama.cpp's rope_freqs for a llama3-scaled RoPE: per frequency, what divides it (1 for the
+    high frequencies, `factor` for the low ones, a smooth blend between)."""
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for wavelen in 2 * np.pi / freqs:
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_tiny_gguf(target_dir, path, bad_type=None, types=None, arch=None, tokenizer=None):
+    """The HF checkpoint in `target_dir` → a GGUF of its family as llama.cpp's converter writes one:
+    the architecture's metadata, Q4_1 matrices, Q8_0 token_embd, F32 norms and biases, q/k rows
+    permuted for llama, rope_freqs for a llama3 RoPE, output.weight unless the head is tied;
+    `types(layer, name)` → another GGUF type name per matrix (K-quants written by
+    tests/gguf_encoders.py). The checkpoint is then rewritten to the GGUF's expansion (gguf's own
+    dequantize), so the fp32 reference is exactly what the blocks hold. `arch`: another
+    general.architecture; `tokenizer(writer)`: writes tokenizer.ggml.* metadata."""
     from gguf_encoders import quantize_k
 
     cfg = json.loads((target_dir / "config.json").read_text())
+    family = cfg["model_type"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0)}
     state = {k: v.float().numpy() for k, v in read_safetensors_dir(target_dir).items()}
-    names = {
-        "embed_tokens": "token_embd",
-        "norm": "output_norm",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch or family)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if cfg.get("head_dim") is not None:  # llama.cpp writes the head size where the config names one
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if family == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    if tokenizer is not None:
+        tokenizer(writer)
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, rope))
     expanded = {}
     for hf_name, w in state.items():
-        name = hf_name.removeprefix("model.").removesuffix(".weight")
-        if name == "lm_head":
-            continue  # tied
+        name, _, suffix = hf_name.removeprefix("model.").rpartition(".")
+        if name == "lm_head" and cfg["tie_word_embeddings"]:
+            continue
         layer, _, rest = name.partition("layers.")[2].partition(".") if name.startswith("layers.") else ("", "", name)
-        gguf_name = (f"blk.{layer}." if layer else "") + names[rest] + ".weight"
-        stored = (
-            llama_cpp_permute(w, heads if "q_proj" in rest else kv_heads)
-            if rest in ("self_attn.q_proj", "self_attn.k_proj")
-            else w
+        gguf_name = (f"blk.{layer}." if layer else "") + GGUF_NAMES[rest] + "." + suffix
+        qk_heads = (
+            {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads}.get(rest)
+            if family in PERMUTED_BY_LLAMA_CPP
+            else None
         )
+        stored = llama_cpp_permute(w, qk_heads) if qk_heads else w
         kind = Q.F32 if w.ndim == 1 else Q.Q8_0 if rest == "embed_tokens" else Q.Q4_1
         if bad_type is not None and rest == "mlp.down_proj":
             kind = bad_type
@@ -85,15 +141,14 @@ def write_tiny_gguf(target_dir, path, bad_type=None, types=None):
         data = data.reshape(stored.shape[0], -1) if w.ndim == 2 else data
         writer.add_tensor(gguf_name, data, raw_dtype=kind)  # data: the byte rows
         back = gguf.quants.dequantize(data, kind).reshape(stored.shape)
-        if rest in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's order undone (HF's rotate-half)
-            h = heads if "q_proj" in rest else kv_heads
-            back = back.reshape(h, back.shape[0] // h // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
-        expanded[hf_name] = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32))
+        expanded[hf_name] = torch.from_numpy(
+            np.ascontiguousarray(hf_order(back, qk_heads) if qk_heads else back, np.float32)
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    if "lm_head.weight" in state:
+    if "lm_head.weight" in state and cfg["tie_word_embeddings"]:
         expanded["lm_head.weight"] = expanded["model.embed_tokens.weight"]
     for f in target_dir.glob("*.safetensors"):
         f.unlink()
@@ -141,9 +196,7 @@ def exported(tiny_gguf, tmp_path_factory):
 
 
 def tiny_blocks(tiny_gguf):
-    target_dir, path, _ = tiny_gguf
-    cfg = load_target_dir(target_dir).cfg
-    return target_blocks(path, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings)
+    return target_blocks(tiny_gguf[1])
 
 
 class OneProduct(nn.Module):
@@ -181,7 +234,8 @@ def test_blocks_expand_to_the_checkpoint_and_minimums_are_not_codes(tiny_gguf):
     blocks = tiny_blocks(tiny_gguf)
     target = load_target_dir(tiny_gguf[0])
     state = target.state_dict()
-    assert {b.kind for b in blocks.values()} == {"Q4_1", "Q8_0"}
+    assert {b.kind for b in blocks.values() if len(b.shape) == 2} == {"Q4_1", "Q8_0"}
+    assert {b.kind for b in blocks.values() if len(b.shape) == 1} == {"F32"}  # the norms
     for name, matrix in blocks.items():
         assert np.array_equal(matrix.dequantize(), state[name].numpy()), name  # q/k rows back in HF order
     m = blocks["layers.0.mlp.down_proj.weight"]
