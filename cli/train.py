@@ -12,13 +12,14 @@ from loopspec.cli.flags import (
     add_target_flag,
     add_threads_flag,
     finite_float,
+    int_at_least,
     int_list,
     positive_int,
     sampling,
     seed,
 )
 from loopspec.errors import LoopspecError
-from loopspec.files import output_dir
+from loopspec.files import output_dir, output_file
 
 
 def add_data(sub) -> None:
@@ -188,6 +189,19 @@ def add_train(sub) -> None:
         default=0.0,
         help="forward KL to the target (online taps)",
     )
+    t.add_argument(
+        "--ce-weight",
+        type=finite_float("--ce-weight", positive=False),
+        default=1.0,
+        help="DFlash: weight of the drafts' cross-entropy against the data's tokens (default 1)",
+    )
+    t.add_argument(
+        "--tv-weight",
+        type=finite_float("--tv-weight", positive=False),
+        default=0.0,
+        help="DFlash: weight of the total variation between the drafter's and the target's "
+        "distributions at each drafted position (online taps; DSpark's recipe: --ce-weight 0.1 --tv-weight 0.9)",
+    )
     t.add_argument("--causal-in-block", action="store_true")
     t.add_argument(
         "--loop-stages",
@@ -234,7 +248,48 @@ def add_train(sub) -> None:
         help="weight of the confidence head's loss beside the drafts' cross-entropy (default 1; "
         "needs a confidence head)",
     )
+    t.add_argument(
+        "--confidence-label",
+        choices=["hit", "tv"],
+        default="hit",
+        help="DSpark: what the confidence head learns: hit (default), whether the draft is the data's "
+        "token; tv, 1 - the total variation between the drafter's and the target's distributions "
+        "(the acceptance probability of sampled drafts; online taps)",
+    )
     t.add_argument("--eval-every", type=positive_int("--eval-every"), default=100)
+    t.add_argument(
+        "--heldout-prompts",
+        default=None,
+        metavar="FILE",
+        help='JSONL of {"turns": [...]} held out of training: the drafter\'s chain tau on them, decoded '
+        "greedily as the runtime decodes, is logged at step 0 and every --heldout-every steps",
+    )
+    t.add_argument(
+        "--heldout-every",
+        type=positive_int("--heldout-every"),
+        default=None,
+        help="steps between held-out chain tau measurements (default: --eval-every)",
+    )
+    t.add_argument(
+        "--heldout-max-new-tokens",
+        type=positive_int("--heldout-max-new-tokens"),
+        default=None,
+        help="tokens decoded per held-out prompt (default 64)",
+    )
+    t.add_argument(
+        "--heldout-block-size",
+        type=int_at_least("--heldout-block-size", 2),
+        default=None,
+        help="the chain's block size on the held-out prompts (default: the one the runtime takes for "
+        "the drafter, its block size)",
+    )
+    t.add_argument(
+        "--campaign",
+        default=None,
+        metavar="FILE",
+        help="a JSON file this run appends its record to (command, data and its sha256, steps, CPU "
+        "seconds, held-out tau curve), rewritten at every checkpoint; restarted runs add theirs",
+    )
     t.add_argument("--save-every", type=positive_int("--save-every"), default=200)
     t.add_argument(
         "--eval-samples",
@@ -264,8 +319,11 @@ def cmd_train(args) -> int:
 
     from loopspec.model.dspark import DSparkHeads
     from loopspec.pair import load_pair
-    from loopspec.train.run import prepare_drafter, train_drafter
-    from loopspec.train.trainer import TrainConfig
+    from loopspec.prompts import prompt_ids, read_conversations
+    from loopspec.runtime.decoder import drafter_chain_tau
+    from loopspec.train.campaign import Campaign
+    from loopspec.train.run import HeldOutPrompts, prepare_drafter, train_drafter
+    from loopspec.train.config import TrainConfig
 
     # what the flags alone decide is checked before the target loads
     cfg = TrainConfig(
@@ -278,7 +336,10 @@ def cmd_train(args) -> int:
         batch_sequences=args.batch_sequences,
         dpace=args.dpace,
         kl_weight=args.kl_weight,
+        ce_weight=args.ce_weight,
+        tv_weight=args.tv_weight,
         confidence_weight=args.confidence_weight,
+        confidence_label=args.confidence_label,
         heads_only=args.heads_only,
         causal_in_block=args.causal_in_block,
         loop_stages=args.loop_stages,
@@ -302,9 +363,24 @@ def cmd_train(args) -> int:
         )
     cfg.check_init(args.init is not None)
     tap_layers = int_list(args.tap_layers, "--tap-layers")
+    heldout_flags = ("--heldout-every", "--heldout-max-new-tokens", "--heldout-block-size")
+    given = [f for f in heldout_flags if getattr(args, f[2:].replace("-", "_")) is not None]
+    if given and args.heldout_prompts is None:
+        raise LoopspecError(f"{given[0]} sets how held-out prompts are measured: it needs --heldout-prompts FILE")
+    conversations = (
+        read_conversations(args.heldout_prompts, what="held-out prompt file") if args.heldout_prompts else []
+    )
+    if args.heldout_prompts and not conversations:
+        raise LoopspecError(f"the held-out prompt file {args.heldout_prompts} holds no prompts")
     if args.threads:
         torch.set_num_threads(args.threads)
-    with output_dir(args.out, "--out"), output_dir(args.tap_cache, "--tap-cache"):
+    with (
+        output_dir(args.out, "--out"),
+        output_dir(args.tap_cache, "--tap-cache"),
+        output_file(args.campaign, "--campaign") as campaign_path,
+    ):
+        # a file that is not a campaign is refused here, before the target loads
+        campaign = Campaign(campaign_path, ["loopspec", *args.argv]) if campaign_path is not None else None
         # the mask token is the --init drafter's (given where its config has none), else the fresh one's
         pair = load_pair(args.target, args.init or "none", mask_token=args.mask_token_id if args.init else None)
         drafter, draft_vocab = prepare_drafter(
@@ -321,6 +397,19 @@ def cmd_train(args) -> int:
             heads=heads,
             train=cfg,
         )
+        heldout = None
+        if conversations:
+            max_new = args.heldout_max_new_tokens or 64
+            stops = set(pair.stop_token_ids)
+            prompts = [prompt_ids(pair.tokenizer, turns[0]) for _, turns in conversations]
+            heldout = HeldOutPrompts(
+                prompts=prompts,
+                names=[f"{Path(args.heldout_prompts).name}:{line}" for line, _ in conversations],
+                measure=lambda d: drafter_chain_tau(
+                    pair.target, d, prompts, max_new, stops, block_size=args.heldout_block_size
+                ),
+                every=args.heldout_every or args.eval_every,
+            )
         last = train_drafter(
             data_dir=args.data,
             target=pair.target,
@@ -332,6 +421,8 @@ def cmd_train(args) -> int:
             max_seconds=args.max_minutes * 60 if args.max_minutes else None,
             stop_after_steps=args.stop_after_steps,
             tap_cache=args.tap_cache,
+            heldout=heldout,
+            campaign=campaign,
         )
     print(json.dumps(last))
     return 0

@@ -21,6 +21,7 @@ commits the same tokens in any batch. `generate()` decodes one request: a decode
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
@@ -31,7 +32,7 @@ from loopspec.decoding import SamplingParams, next_token, speculative_accept, tr
 from loopspec.engines.backends import torch_engine
 from loopspec.engines.protocol import Engine
 from loopspec.errors import LoopspecError
-from loopspec.settings import DecodingSettings
+from loopspec.settings import DecodingSettings, resolve_settings
 from loopspec.runtime.budget import VerifyBudget
 from loopspec.runtime.constraint import masked
 from loopspec.runtime.proposal import (
@@ -44,7 +45,7 @@ from loopspec.runtime.proposal import (
     plan_row,
     row_tree,
 )
-from loopspec.stats import GenerationStats
+from loopspec.stats import GenerationStats, acceptance_length
 from loopspec.suffix_library import SuffixLibrary
 from loopspec.tree import DraftTree, SuffixIndex, tree_masks
 
@@ -445,6 +446,51 @@ def regenerate_responses(
         ],
     )
     return [(done[b].tokens, done[b].finish if done[b].finish == "stop" else "length") for b in range(len(prompts))]
+
+
+def drafter_chain_tau(
+    target,
+    drafter,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_token_ids: set[int],
+    block_size: int | None = None,
+) -> dict:
+    """τ of `drafter`'s chain on `prompts` (a training run's held-out prompts), decoded greedily as the
+    runtime decodes them: `dflash` at the block size the settings resolve for the drafter (or
+    `block_size`), the chain alone (no tree, no suffix branch), one row per prompt, and the adaptive
+    fallback off, since its timing-driven plain rounds would make τ depend on the machine's load
+    → {"tau": τ pooled over the prompts (None where no round drafted), "block_size", "tokens"}.
+
+    The engine prepacks the modules it runs for inference, in place: it runs copies, so the caller's
+    target and drafter (a training run's, between two optimizer steps) compute exactly as before."""
+    settings = resolve_settings(
+        "dflash", drafter.cfg, block_size=block_size, adaptive=False, tree_budget=0, suffix=False, suffix_first=0
+    )
+    with torch.no_grad():
+        target, drafter = copy.deepcopy(target), copy.deepcopy(drafter)
+    room = max(len(p) for p in prompts) + max_new_tokens + settings.block_size
+    engine = torch_engine(target, drafter, room, max_rows=len(prompts))
+    done = decode_all(
+        Decoder(engine, settings),
+        [
+            dict(
+                key=b,
+                prompt_ids=p,
+                max_new_tokens=max_new_tokens,
+                params=SamplingParams(),
+                seed=0,
+                stop_token_ids=frozenset(stop_token_ids),
+            )
+            for b, p in enumerate(prompts)
+        ],
+    )
+    rows = [done[b] for b in range(len(prompts))]
+    return {
+        "tau": acceptance_length(row.stats for row in rows),
+        "block_size": settings.block_size,
+        "tokens": sum(len(row.tokens) for row in rows),
+    }
 
 
 def generate(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -17,10 +18,12 @@ from loopspec.model.dspark import DSparkHeads
 from loopspec.model.eagle3 import NUM_TAPS, Eagle3Drafter, fresh_eagle3
 from loopspec.model.target import Target, default_target_layer_ids
 from loopspec.pair import Pair, mask_token_id
+from loopspec.train.campaign import Campaign
 from loopspec.train.dflash2_trainer import DFlash2Trainer
 from loopspec.train.eagle3_trainer import Eagle3Trainer
 from loopspec.train.samples import Sample, read_samples, safe_name
-from loopspec.train.trainer import DraftVocab, DrafterTrainer, TrainConfig, compute_context, lr_at, top_token_vocab
+from loopspec.train.config import TrainConfig
+from loopspec.train.trainer import DraftVocab, DrafterTrainer, compute_context, lr_at, top_token_vocab
 from loopspec.weights import TargetSource, read_safetensors, write_safetensors
 
 
@@ -298,8 +301,9 @@ class TapSource:
         if tap_cache is not None and not self.cached:
             if need_logits:
                 raise LoopspecError(
-                    "--tap-cache keeps taps only; forward KL (--kl-weight) needs the target's "
-                    "logits at every step, so it computes both online: drop one of the two"
+                    "--tap-cache keeps taps only; forward KL (--kl-weight), total variation (--tv-weight) "
+                    "and the soft confidence label (--confidence-label tv) need the target's logits at "
+                    "every step, so they compute both online: drop one of the two"
                 )
             self.tap_cache = Path(tap_cache)
             self._claim(self.tap_cache, manifest.get("target_sha256"), trainer.drafter.cfg.target_layer_ids)
@@ -351,6 +355,34 @@ TRAINERS = {"dflash": DrafterTrainer, "eagle3": Eagle3Trainer, "dflash2": DFlash
 HELDOUT_TOP_KS = (2, 4)  # the held-out τ of draft trees holding each position's top 2 / top 4
 
 
+@dataclass
+class HeldOutPrompts:
+    """Prompts the user holds out of training (--heldout-prompts), on which the run measures the
+    drafter's chain τ at step 0 and every `every` steps: `measure(drafter)` decodes `prompts` (token
+    ids; `names` says where each came from, "file:line") as the runtime does and returns
+    {"tau": ..., "block_size": ...}. The caller hands it in: training code does not import the runtime."""
+
+    prompts: list[list[int]]
+    names: list[str]
+    measure: Callable[[Drafter], dict]
+    every: int
+
+    def check_held_out(self, train_set: list[Sample]) -> None:
+        """Refuse held-out prompts the run trains on: their τ would measure memory, not drafting."""
+        trained = {tuple(s.tokens[: s.prompt_len]) for s in train_set}
+        seen = [name for name, ids in zip(self.names, self.prompts) if tuple(ids) in trained]
+        if seen:
+            raise LoopspecError(
+                f"{len(seen)} of the {len(self.prompts)} held-out prompts (--heldout-prompts) are prompts "
+                f"the run trains on (the first: {seen[0]}); hold out prompts the data does not hold"
+            )
+
+    def row(self, drafter: Drafter) -> dict:
+        """The log row's keys of one measurement."""
+        measured = self.measure(drafter)
+        return {"heldout_chain_tau": measured["tau"], "heldout_chain_block": measured["block_size"]}
+
+
 def heldout_split(samples: list, eval_samples: int, rng: random.Random) -> tuple[list, list]:
     """(held out, train): a seeded shuffle, then min(eval_samples, a tenth of the data, at least 1)
     samples held out. The split depends on the data, so compare held-out τ across runs on the same data."""
@@ -374,9 +406,13 @@ def train_drafter(
     max_seconds: float | None = None,
     stop_after_steps: int | None = None,
     tap_cache: str | Path | None = None,
+    heldout: HeldOutPrompts | None = None,
+    campaign: Campaign | None = None,
 ) -> dict:
     """max_steps shortens the schedule; stop_after_steps and max_seconds stop (and save) early on the
-    unchanged schedule, so a re-run resumes the same trajectory from the checkpoint."""
+    unchanged schedule, so a re-run resumes the same trajectory from the checkpoint. `heldout`: chain τ
+    on held-out prompts, logged beside the split's expected τ; `campaign`: the campaign file this run
+    keeps its record in (written at its start, at every checkpoint and at its end)."""
     from tqdm import tqdm
 
     data_dir, out_dir = Path(data_dir), Path(out_dir)
@@ -385,6 +421,8 @@ def train_drafter(
         raise LoopspecError(f"{data_dir} has too few usable samples ({len(samples)})")
     rng = random.Random(cfg.seed)
     eval_set, train_set = heldout_split(samples, cfg.eval_samples, rng)
+    if heldout is not None:
+        heldout.check_held_out(train_set)
     steps_per_epoch = max(1, len(train_set) // cfg.batch_sequences)
     total_steps = max(1, int(cfg.epochs * steps_per_epoch))
     if max_steps is not None:
@@ -396,7 +434,10 @@ def train_drafter(
     compute_context(cfg)  # an unknown compute dtype fails here, before any work
     trainer = TRAINERS[cfg.family](target, drafter, cfg, draft_vocab)
     taps = TapSource(
-        data_dir, trainer, need_logits=cfg.kl_weight > 0, tap_cache=Path(tap_cache) if tap_cache is not None else None
+        data_dir,
+        trainer,
+        need_logits=cfg.needs_target_logits,
+        tap_cache=Path(tap_cache) if tap_cache is not None else None,
     )
     if cfg.heads_only:  # (a drafter without heads is refused by the trainer: TrainConfig.check_drafter)
         heads = drafter.cfg.kind.heads
@@ -422,6 +463,19 @@ def train_drafter(
         log_path.write_text(
             "".join(line + "\n" for line in rows if json.loads(line).get("step", 0) <= step) if step else ""
         )
+    step_from = step
+    if campaign is not None:
+        campaign.begin(data_dir=data_dir, out_dir=out_dir, step=step, total_steps=total_steps, config=asdict(cfg))
+
+    def curve() -> list[dict]:
+        """This run's held-out τ rows of the log: its step-0 row when it started fresh, then its own steps."""
+        points = []
+        for line in log_path.read_text().splitlines() if log_path.is_file() else []:
+            row = json.loads(line)
+            mine = row["step"] > step_from or row["step"] == step_from == 0
+            if mine and any(k.startswith("heldout_") for k in row):
+                points.append({k: v for k, v in row.items() if k == "step" or k.startswith("heldout_")})
+        return points
 
     def evaluate() -> dict:
         """{"heldout_tau": ..., "heldout_tau_top2": ..., "heldout_tau_top4": ...} (see expected_tau)"""
@@ -452,10 +506,13 @@ def train_drafter(
             },
             state_path,
         )
+        if campaign is not None:  # the record says what the checkpoint holds: a killed run resumes from it
+            campaign.update(step=step, curve=curve())
 
     if step == 0:  # where the run starts (an --init drafter's held-out τ, before any step)
+        first = {"step": 0, **evaluate(), **(heldout.row(drafter) if heldout is not None else {}), "elapsed_s": 0.0}
         with open(log_path, "a") as f:
-            f.write(json.dumps({"step": 0, **evaluate(), "elapsed_s": 0.0}) + "\n")
+            f.write(json.dumps(first) + "\n")
     drafter.train()
     bar = tqdm(total=total_steps, initial=step, desc="training drafter", disable=not progress)
     t_start = time.time() - elapsed
@@ -466,7 +523,7 @@ def train_drafter(
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        loss_total, correct, labels, used, brier, selector = 0.0, 0, 0, 0, None, {}
+        loss_total, correct, labels, used, brier, tv, selector = 0.0, 0, 0, 0, None, None, {}
         for _ in range(cfg.batch_sequences):
             s = train_set[cursor % len(train_set)]
             cursor += 1
@@ -486,6 +543,8 @@ def train_drafter(
             labels += st["labels"]
             if "confidence_brier" in st:
                 brier = (brier or 0.0) + st["confidence_brier"]
+            if "tv_sum" in st:
+                tv = (tv or 0.0) + st["tv_sum"]
             for key in ("selector_slots", "selector_covered", "selector_correct"):
                 if key in st:
                     selector[key] = selector.get(key, 0) + st[key]
@@ -504,12 +563,16 @@ def train_drafter(
         }
         if brier is not None:  # the confidence head's Brier score on this step's drafts
             last["confidence_brier"] = brier / max(labels, 1)
+        if tv is not None:  # the drafts' mean total variation to the target (1 - it: sampled acceptance)
+            last["tv"] = tv / max(labels, 1)
         if selector:  # a DFlash2 selector: the share of slots whose data token is a candidate, its teacher-forced pick
             slots = max(selector["selector_slots"], 1)
             last["selector_coverage"] = selector["selector_covered"] / slots
             last["selector_acc"] = selector["selector_correct"] / slots
         if step % cfg.eval_every == 0 or step == total_steps:
             last.update(evaluate())
+        if heldout is not None and (step % heldout.every == 0 or step == total_steps):
+            last.update(heldout.row(drafter))
         with open(log_path, "a") as f:
             f.write(json.dumps(last) + "\n")
         bar.update(1)
@@ -529,4 +592,6 @@ def train_drafter(
         "training": {"steps": step, "wall_s": round(elapsed, 1), "samples": len(train_set), "config": asdict(cfg)},
     }
     drafter.save(out_dir, dtype=torch.bfloat16)
+    if campaign is not None:  # finished: the drafter it names is written
+        campaign.update(step=step, curve=curve(), finished=True)
     return last

@@ -10,7 +10,10 @@ evaluated only at the rows that carry a label (and, with a reduced draft vocabul
 rows). A DSpark drafter's Markov head corrects those logits from the token before each drafted one
 (teacher-forced: the data's token, which is the drafted one wherever the drafts so far were
 accepted), and its confidence head learns, by binary cross-entropy, whether the corrected argmax is
-the data's token — for greedy-regenerated data, whether the target accepts that draft.
+the data's token — for greedy-regenerated data, whether the target accepts that draft — or, with
+`confidence_label="tv"`, 1 − the total variation between the drafter's and the target's distributions
+there (DSpark's soft label). `tv_weight` adds that total variation itself to the loss beside the
+cross-entropy (`ce_weight`): DeepSpec's DSpark recipe is 0.1 · CE + 0.9 · TV + the confidence BCE.
 """
 
 from __future__ import annotations
@@ -18,15 +21,15 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from loopspec.errors import LoopspecError
 from loopspec.model.draft_head import confidence_logits
-from loopspec.model.dflash import Drafter, DrafterConfig
+from loopspec.model.dflash import Drafter
 from loopspec.model.target import Target
+from loopspec.train.config import TrainConfig
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -79,145 +82,6 @@ def block_mask_with_private(anchors: torch.Tensor, block_size: int, context_len:
     return torch.cat([ctx, private, own], dim=1)
 
 
-# the recipes `loopspec train --family` chooses between: DFlash's block loss (DSpark's heads ride on
-# it), EAGLE-3's training-time test (loopspec/train/eagle3_trainer.py) and DFlash2's block loss plus
-# its candidate selector's (loopspec/train/dflash2_trainer.py)
-TRAIN_FAMILIES = ("dflash", "eagle3", "dflash2")
-DEFAULT_ANCHORS = 512
-EAGLE3_TTT_STEPS = 7  # SpecForge's default unroll (its OnlineEagle3Model `length`)
-
-# DFlash-only settings: (field, flag, the value that leaves it unset)
-DFLASH_ONLY = (
-    ("anchors", "--anchors", None),
-    ("gamma", "--gamma", None),
-    ("dpace", "--dpace", False),
-    ("kl_weight", "--kl-weight", 0.0),
-    ("confidence_weight", "--confidence-weight", None),
-    ("heads_only", "--heads-only", False),
-    ("causal_in_block", "--causal-in-block", False),
-    ("loop_stages", "--loop-stages", 0),
-)
-
-
-@dataclass
-class TrainConfig:
-    anchors: int | None = None  # DFlash: anchors per sequence (None: DEFAULT_ANCHORS); EAGLE-3 trains every position
-    anchor_chunk: int = 64  # anchors per forward (bounds the dense mask's memory on CPU)
-    gamma: float | None = None
-    lr: float = 6e-4
-    warmup: float = 0.04
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    epochs: float = 1.0
-    batch_sequences: int = 4  # sequences per optimizer step
-    dpace: bool = False
-    kl_weight: float = 0.0  # forward KL to the target's distribution (needs online taps)
-    confidence_weight: float | None = None  # the confidence head's BCE beside the CE (None: 1; set, it needs the head)
-    heads_only: bool = False  # train the DSpark heads alone: the drafter's own drafts stay as they were
-    causal_in_block: bool = False
-    loop_stages: int = 0  # DLoop loop-aware training: S-1 ~ U{1..N} extra stages per anchor (0 = DFlash)
-    eval_samples: int = 16
-    eval_every: int = 100
-    save_every: int = 200
-    seed: int = 0
-    max_len: int = 1024
-    compute_dtype: str = "float32"  # "bfloat16": the drafter's forward and backward under CPU autocast
-    #                                 (fp32 master weights; ~1.8x faster matmuls where the CPU has AVX512-BF16)
-    family: str = "dflash"  # one of TRAIN_FAMILIES
-    ttt_steps: int | None = None  # EAGLE-3: drafter steps unrolled per position (None: EAGLE3_TTT_STEPS)
-
-    def __post_init__(self):
-        if self.family not in TRAIN_FAMILIES:
-            raise LoopspecError(
-                f"training family (--family) must be one of {', '.join(TRAIN_FAMILIES)}, got {self.family!r}"
-            )
-        if self.family == "eagle3":
-            given = [flag for name, flag, unset in DFLASH_ONLY if getattr(self, name) != unset]
-            if given:
-                raise LoopspecError(
-                    f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to DFlash training "
-                    "only: EAGLE-3 training (--family eagle3) trains every position of a sequence "
-                    "with training-time test, its steps weighted 0.8^j"
-                )
-            if self.ttt_steps is None:
-                self.ttt_steps = EAGLE3_TTT_STEPS
-            if isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
-                raise LoopspecError(
-                    f"training-time test steps (--ttt-steps) must be an integer >= 1, got {self.ttt_steps!r}"
-                )
-        else:
-            if self.ttt_steps is not None:
-                raise LoopspecError("--ttt-steps applies to EAGLE-3 training only (--family eagle3)")
-            if self.anchors is None:
-                self.anchors = DEFAULT_ANCHORS
-        if self.family == "dflash2":
-            for given, flag, why in (
-                (
-                    self.loop_stages,
-                    "--loop-stages",
-                    "a later stage would start from the selector's walk, which the loop-aware loss does not run",
-                ),
-                (
-                    self.causal_in_block,
-                    "--causal-in-block",
-                    "a DFlash2 drafter's block causality is its config's is_causal",
-                ),
-                (self.heads_only, "--heads-only", "it trains DSpark heads, and a DFlash2 drafter has none"),
-                (
-                    self.confidence_weight is not None,
-                    "--confidence-weight",
-                    "it weighs a DSpark confidence head's loss, and a DFlash2 drafter has none",
-                ),
-            ):
-                if given:
-                    raise LoopspecError(f"{flag} does not apply to DFlash2 training (--family dflash2): {why}")
-        if isinstance(self.loop_stages, bool) or not isinstance(self.loop_stages, int) or self.loop_stages < 0:
-            raise LoopspecError(
-                f"loop stages (--loop-stages) must be an integer >= 0 (0: DFlash training), got {self.loop_stages!r}"
-            )
-        if self.confidence_weight is not None and not (
-            math.isfinite(self.confidence_weight) and self.confidence_weight >= 0
-        ):
-            raise LoopspecError(
-                f"the confidence weight (--confidence-weight) must be a finite number >= 0, "
-                f"got {self.confidence_weight}"
-            )
-
-    @property
-    def confidence_loss_weight(self) -> float:
-        return 1.0 if self.confidence_weight is None else self.confidence_weight
-
-    def check_init(self, from_init: bool) -> None:
-        """Refuse what needs a trained drafter to start from when there is none (`from_init`: --init)."""
-        if self.heads_only and not from_init:
-            raise LoopspecError(
-                "--heads-only trains the DSpark heads over a trained drafter's frozen backbone: "
-                "it needs --init DIR (without one the backbone is random and stays so)"
-            )
-
-    def check_drafter(self, drafter: DrafterConfig) -> None:
-        """Refuse what this config asks of a drafter that cannot take it."""
-        kind = drafter.kind
-        if kind.training_family != self.family:
-            raise LoopspecError(
-                f"the drafter ({kind.title}) is trained with --family {kind.training_family}, "
-                f"not --family {self.family}"
-            )
-        if self.loop_stages and not kind.trains_loop_aware:
-            # a later stage's Markov chain starts from a drafted anchor the data does not hold
-            raise LoopspecError(
-                f"loop-aware training (--loop-stages) of a {kind.title} drafter is not "
-                "implemented; train it with --loop-stages 0"
-            )
-        if self.heads_only and not kind.heads:
-            raise LoopspecError("--heads-only trains the DSpark heads: give --markov-rank or --confidence-head")
-        if self.confidence_weight is not None and not kind.estimates_acceptance:
-            raise LoopspecError(
-                "--confidence-weight weighs a confidence head's loss: this drafter has no confidence "
-                "head (add --confidence-head)"
-            )
-
-
 COMPUTE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
 
@@ -227,6 +91,25 @@ def compute_context(cfg: TrainConfig):
         raise LoopspecError(f"compute dtype {cfg.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
     dtype = COMPUTE_DTYPES[cfg.compute_dtype]
     return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def total_variation(
+    draft_logp: torch.Tensor, target_logits: torch.Tensor, draft_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """TV(p, q) = ½ Σ_v |p(v) − q(v)| over the target's whole vocabulary, per row: draft_logp [R, Vd]
+    the drafter's log-probabilities over its draft vocabulary (target ids `draft_ids` [Vd]; None: the
+    whole vocabulary), target_logits [R, V] the target's. The drafter puts no mass outside its draft
+    vocabulary, so the target's mass there counts whole: 1 − TV is then the probability that
+    speculative sampling accepts a token the drafter samples (Σ_v min(p, q)), which a reduced
+    vocabulary does lower. → [R], differentiable in draft_logp."""
+    q = torch.softmax(target_logits.float(), dim=-1)
+    p = draft_logp.float().exp()
+    if draft_ids is None:
+        return 0.5 * (p - q).abs().sum(-1)
+    q_in = q[:, draft_ids]
+    outside = torch.ones(q.shape[-1], dtype=torch.bool, device=q.device)
+    outside[draft_ids] = False
+    return 0.5 * ((p - q_in).abs().sum(-1) + q[:, outside].sum(-1))
 
 
 class DraftVocab:
@@ -335,25 +218,44 @@ class DrafterTrainer:
         if self.cfg.dpace:
             w = w * self._dpace_factor(nll.detach(), rows, n, B)
         loss = (w * nll).sum()
-        if self.cfg.kl_weight > 0 and target_logits is not None:
-            t_logits = target_logits[positions[rows] - 1]  # the target row predicting position a+k
-            if self.draft_vocab is not None:
-                t_logits = t_logits[:, self.draft_vocab.ids]
-            p = torch.softmax(t_logits.float(), dim=-1)
+        if self.cfg.ce_weight != 1.0:  # (the default multiplies nothing: the loss stays bit for bit as it was)
+            loss = self.cfg.ce_weight * loss
+        t_logits = None
+        if self.cfg.needs_target_logits:
+            if target_logits is None:
+                raise LoopspecError(
+                    "--kl-weight, --tv-weight and --confidence-label tv read the target's logits, "
+                    "and this step was given none (its taps came from a cache)"
+                )
+            # the target's row predicting each label: logits at position j predict the token at j+1
+            # (the label sits at a+k in z-lab's convention, a+k+1 in DeepSpec's)
+            t_logits = target_logits[label_pos[rows] - 1]  # [R, V]
+        if self.cfg.kl_weight > 0:
+            q_logits = t_logits if self.draft_vocab is None else t_logits[:, self.draft_vocab.ids]
+            p = torch.softmax(q_logits.float(), dim=-1)
             kl = (p * (torch.log(p.clamp_min(1e-30)) - logp)).sum(-1)
             loss = loss + self.cfg.kl_weight * (w * kl).sum()
+        tv = None
+        if self.cfg.tv_weight > 0 or self.cfg.confidence_label == "tv":
+            tv = total_variation(logp, t_logits, None if self.draft_vocab is None else self.draft_vocab.ids)  # [R]
+            if self.cfg.tv_weight > 0:
+                loss = loss + self.cfg.tv_weight * (w * tv).sum()
         hit = logp.argmax(-1) == y  # [R]
         stats = {"correct": int(hit.sum()), "labels": int(y.numel())}
+        if tv is not None:
+            stats["tv_sum"] = float(tv.detach().sum())
         extra = self._row_extra_loss(hidden[rows], logits, y, prev[rows], w)  # a DFlash2 selector's
         if extra is not None:
             loss = loss + extra[0]
             stats.update(extra[1])
         confidence_logit = confidence_logits(self.drafter, hidden[rows], prev[rows])  # [R], None without the head
         if confidence_logit is not None:
-            bce = F.binary_cross_entropy_with_logits(confidence_logit, hit.float(), reduction="none")
+            # the label is a target, not a path for gradients: the soft one must not pull the drafts
+            label = (1.0 - tv.detach()).clamp(0.0, 1.0) if self.cfg.confidence_label == "tv" else hit.float()
+            bce = F.binary_cross_entropy_with_logits(confidence_logit, label, reduction="none")
             loss = loss + self.cfg.confidence_loss_weight * (w * bce).sum()
-            # squared error of the estimate against the outcome (Brier score, summed over rows)
-            stats["confidence_brier"] = float(((torch.sigmoid(confidence_logit.detach()) - hit.float()) ** 2).sum())
+            # squared error of the estimate against its label (Brier score, summed over rows)
+            stats["confidence_brier"] = float(((torch.sigmoid(confidence_logit.detach()) - label) ** 2).sum())
         return loss, float(w.sum()), stats
 
     def _row_extra_loss(self, hidden, logits, labels, prev, weights) -> tuple[torch.Tensor, dict] | None:
