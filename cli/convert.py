@@ -44,9 +44,9 @@ def _add_onnx_args(p: argparse.ArgumentParser) -> None:
         "--precision",
         default="fp32",
         choices=PAIR_PRECISIONS,
-        help="fp32 (default) | gguf-fp32act | gguf-int8act: the target's matrices as its GGUF's own "
-        "Q4_1/Q8_0 blocks (ONNX Runtime MatMulNBits) with fp32 or int8 activations "
-        "(--target default or FILE.gguf)",
+        help="fp32 (default) | gguf-fp32act | gguf-int8act | gguf-fused: the target's matrices as its "
+        "GGUF's own blocks (ONNX Runtime MatMulNBits) with fp32 or int8 activations; gguf-fused in ONNX "
+        "Runtime's fused ops, chains only (--target default or FILE.gguf)",
     )
 
 

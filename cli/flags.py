@@ -159,8 +159,9 @@ def add_backend_flags(p: argparse.ArgumentParser, side_by_side: bool = False) ->
         "--precision",
         default="auto",
         help="what the target computes with: auto (default: on onnxruntime a GGUF target runs its own "
-        "Q4_1/Q8_0 blocks with int8 activations, the fastest CPU engine; else fp32) | fp32 (the "
-        "reference) | gguf-int8act | gguf-fp32act (onnxruntime, GGUF target)"
+        "blocks with int8 activations in the fused step graph, gguf-fused, the fastest CPU engine, chains "
+        "only; else fp32) | fp32 (the reference) | gguf-fused | gguf-int8act (draft trees too) | "
+        "gguf-fp32act (onnxruntime, GGUF target)"
         + ("; a comma list (fp32,gguf-int8act) runs every engine side by side" if side_by_side else ""),
     )
     p.add_argument(

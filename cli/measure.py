@@ -130,14 +130,16 @@ def add_tune(sub) -> None:
     u.add_argument("--block-sizes", default=None, help="comma-separated (default: the drafter's)")
     u.add_argument(
         "--tree-budgets",
-        default="0,8,16,32",
-        help="draft-tree budgets tried on the fastest chain setting (0 = the chain)",
+        default=None,
+        help="draft-tree budgets tried on the fastest chain setting (0 = the chain; default 0,8,16,32, "
+        "only 0 on an engine that verifies chains only)",
     )
     u.add_argument(
         "--suffix",
         choices=("sweep", "on", "off"),
-        default="sweep",
-        help="the suffix branch: tried off and on (sweep), or fixed",
+        default=None,
+        help="the suffix branch: tried off and on (sweep, the default), or fixed (off on an engine that "
+        "verifies chains only)",
     )
     u.add_argument(
         "--suffix-firsts",
@@ -150,6 +152,7 @@ def add_tune(sub) -> None:
 
 
 SUFFIX_SWEEPS = {"sweep": (False, True), "on": (True,), "off": (False,)}
+TREE_BUDGETS = "0,8,16,32"
 
 
 def cmd_tune(args) -> int:
@@ -168,7 +171,7 @@ def cmd_tune(args) -> int:
     if not names_a_drafter(args):
         raise LoopspecError("tune needs a drafter (got --drafter none)")
     block_sizes = int_list(args.block_sizes, "--block-sizes")
-    tree_budgets = int_list(args.tree_budgets, "--tree-budgets")
+    tree_budgets = int_list(args.tree_budgets or TREE_BUDGETS, "--tree-budgets")
     suffix_firsts = int_list(args.suffix_firsts, "--suffix-firsts")
     check_grid(
         thresholds=thresholds,
@@ -191,6 +194,14 @@ def cmd_tune(args) -> int:
         if not pipe.engine.has_drafter:
             raise LoopspecError("tune needs a drafter")
         block_sizes = block_sizes or [pipe.engine.drafter_cfg.block_size]
+        suffix = args.suffix or "sweep"
+        if pipe.engine.chains_only:  # trees and the suffix branch would be refused at the first of them
+            if (args.tree_budgets is not None and any(tree_budgets)) or args.suffix == "on":
+                raise LoopspecError(
+                    f"this engine ({pipe.engine_name}) verifies chains only: --tree-budgets 0 and "
+                    "--suffix off, or an engine with trees (--precision gguf-int8act)"
+                )
+            tree_budgets, suffix = [0], "off"
         prompts = [pipe.encode(t) for t in texts]
         rows = sweep(
             pipe,
@@ -200,7 +211,7 @@ def cmd_tune(args) -> int:
             block_sizes=block_sizes,
             max_new_tokens=args.max_new_tokens,
             tree_budgets=tree_budgets,
-            suffix_options=SUFFIX_SWEEPS[args.suffix],
+            suffix_options=SUFFIX_SWEEPS[suffix],
             suffix_firsts=suffix_firsts,
         )
         print(

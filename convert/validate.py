@@ -39,7 +39,7 @@ from loopspec.convert.eagle3_validate import eagle3_acceptance, eagle3_engine_er
 from loopspec.engines.backends import artifact_engine
 from loopspec.engines.manifest import read_manifest
 from loopspec.engines.protocol import Engine
-from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_VERIFY
+from loopspec.engines.specs import DRAFTER_BLOCK, DRAFTER_CONTEXT, DRAFTER_CONTEXT_HIDDEN, TARGET_STEP, TARGET_VERIFY
 from loopspec.errors import LoopspecError
 from loopspec.precisions import REGISTRY
 from loopspec.model.dflash import Drafter
@@ -113,6 +113,7 @@ def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size:
     T = len(prompt) - P
     tree = torch.ones(1, T, T, dtype=torch.bool).tril()  # the verification checks a draft tree:
     tree[:, 2:, 1] = False  # token 2 is token 1's sibling (both children of token 0), token 3 token 2's child
+    tree = None if engine.chains_only else tree  # an engine that verifies chains only: a chain
     engine.prefill(0, prompt[:P], want_taps=False)
     # the reference verifies over the prefix the engine stored: the figures are the verification's own
     # error, not the prefill's carried along (a quantized target's prefix differs from fp32's)
@@ -130,7 +131,7 @@ def engine_errors(ref: Reference, engine: Engine, prompt: list[int], block_size:
     }
     if taps is not None:
         errors["taps"] = relative_error(taps[:, :T], second.taps)
-    out[TARGET_VERIFY] = errors
+    out[engine.target_graph] = errors
     if ref.drafter is None or ref.drafter.cfg.kind.chain:  # an EAGLE-3 drafter's graphs: convert/eagle3_validate.py
         return out
     taps = torch.cat([first.taps, second.taps], dim=1)  # [1, len(prompt), n·H]
@@ -289,7 +290,7 @@ def validate_onnx(
     for name, outputs in errors.items():
         # draft ids may differ where two logits tie within the tolerance; the τ check covers them
         worst = max(v for k, v in outputs.items() if k != "draft_ids")
-        tolerance = limits.get("target" if name == TARGET_VERIFY else "drafter", limits["relative"])
+        tolerance = limits.get("target" if name in (TARGET_VERIFY, TARGET_STEP) else "drafter", limits["relative"])
         report["engines"][name] = {
             "errors": outputs,
             "tolerance": tolerance,

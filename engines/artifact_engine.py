@@ -9,9 +9,12 @@ graphs take dense inputs: the past of rows 0..R-1 is the buffer itself, each lay
 nothing is copied; other rows are copied once per call. The K/V the graph returns for the new
 positions are written back at each row's own length; rollback moves the lengths. A backend supplies
 `_open` (one runner per engine: `run(**tensors) → {output: tensor}`), the buffers' dtype and device;
-everything else is here. The drafter's context and its stages are a `DrafterContext` over the drafter's
-graphs, looked up by its kind (engines/drafter_contexts.py: the block drafters' engines/dflash_graphs.py,
-EAGLE-3's engines/eagle3_graphs.py).
+everything else is here. An artifact of the `gguf-fused` precision holds the target's step graph
+instead of target_verify (engines/target_step.py): its backend's runner (`_open_step`) binds each
+row of the cache as the graph's past and present, so the graph writes the new K/V itself and the
+cache only moves the lengths; it verifies chains only. The drafter's context and its stages are a
+`DrafterContext` over the drafter's graphs, looked up by its kind (engines/drafter_contexts.py: the
+block drafters' engines/dflash_graphs.py, EAGLE-3's engines/eagle3_graphs.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch
 from loopspec.engines.drafter_contexts import drafter_contexts
 from loopspec.engines.export import ORDER_FREE_SOFTMAX
 from loopspec.engines.manifest import Manifest, read_manifest
-from loopspec.engines.specs import MIN_PRODUCT_ROWS, TARGET_VERIFY, EngineSpec, past_feeds, past_width
+from loopspec.engines.target_step import ATTENTION_PADDING
+from loopspec.engines.specs import MIN_PRODUCT_ROWS, TARGET_STEP, TARGET_VERIFY, EngineSpec, past_feeds, past_width
 from loopspec.errors import LoopspecError
 from loopspec.model.draft_head import StageDrafts
 from loopspec.model.drafters import drafter_config
@@ -61,8 +65,10 @@ class ArtifactEngine:
         self.artifact_dir = Path(artifact_dir)
         self.manifest = read_manifest(self.artifact_dir)
         self._check(self.manifest)
-        inputs = self.manifest.spec(TARGET_VERIFY).input_names
-        if "tree_mask" not in inputs or "past_key" in inputs:
+        # the target's graph: target_verify, or its chains-only fused form (engines/target_step.py)
+        self.target_graph = TARGET_STEP if TARGET_STEP in self.manifest.engines else TARGET_VERIFY
+        inputs = self.manifest.spec(self.target_graph).input_names
+        if self.target_graph == TARGET_VERIFY and ("tree_mask" not in inputs or "past_key" in inputs):
             raise LoopspecError(
                 f"{self.artifact_dir} was exported by an older loopspec (its target graph takes "
                 f"{'a stacked past' if 'tree_mask' in inputs else 'no draft-tree mask'}): export it again"
@@ -74,9 +80,17 @@ class ArtifactEngine:
         self.precision = self.manifest.precision
         settings = self.manifest.data.get("settings", {})
         self.chains_only = verifies_chains_only(settings)
-        spec_limit = self.manifest.spec(TARGET_VERIFY).ranges["tokens"][2]  # the exported max context
+        spec_limit = self.manifest.spec(self.target_graph).ranges["tokens"][2]  # the exported max context
         self.max_context = min(max_context or spec_limit, spec_limit)
-        names = [TARGET_VERIFY] + (list(self.drafter_context.graphs) if self.has_drafter else [])
+        # the target's step graph is run by its backend's runner (chains only: its settings say so)
+        self.step = self._open_step(self.manifest) if self.target_graph == TARGET_STEP else None
+        if self.target_graph == TARGET_STEP and self.step is None:
+            raise LoopspecError(
+                f"{self.artifact_dir}: its {TARGET_STEP} graph runs on ONNX Runtime, not {self.backend}"
+            )
+        names = ([TARGET_VERIFY] if self.step is None else []) + (
+            list(self.drafter_context.graphs) if self.has_drafter else []
+        )
         self.runners = {n: self._open(self.manifest.path(n), self.manifest.spec(n)) for n in names}
         self._new_caches(max_rows)
         self.lone_step_width = self._measure_lone_step_width()
@@ -98,9 +112,9 @@ class ArtifactEngine:
             t.num_kv_heads,
             self.max_context,
             t.head_dim,
-            self._dtype(TARGET_VERIFY, "past_key_0"),
+            self._dtype(self.target_graph, "past_key_0"),
             self.device,
-            self._growth(TARGET_VERIFY, "past"),
+            self._growth(self.target_graph, "past"),
         )
         kind = self.drafter_context
         self.context = (
@@ -151,7 +165,8 @@ class ArtifactEngine:
     @property
     def max_batch(self) -> int:
         """The most rows one call of these engines takes (the exported `batch` range)."""
-        return min(self.manifest.spec(n).ranges["batch"][2] for n in self.runners)
+        step = [self.manifest.data["settings"]["max_batch"]] if self.step is not None else []  # its rows: a graph each
+        return min([self.manifest.spec(n).ranges["batch"][2] for n in self.runners] + step)
 
     # ---- what a backend supplies -----------------------------------------------------------------
     def _check(self, manifest: Manifest) -> None:
@@ -159,6 +174,11 @@ class ArtifactEngine:
 
     def _open(self, path: Path, spec: EngineSpec):
         raise NotImplementedError
+
+    def _open_step(self, manifest: Manifest):
+        """The runner of the target's step graph, if the artifact has one and this backend runs it
+        (`run(cache, first_row, ids, logit_index)`: engines/ort_engine.py StepSessions); else None."""
+        return None
 
     def _dtype(self, engine: str, tensor: str) -> torch.dtype:
         return torch.float32
@@ -185,18 +205,22 @@ class ArtifactEngine:
             self.cache.lengths[0] = 0
             self._target([0], [context], all_logits=False)
             token = [torch.randint(0, vocab, (1,), generator=generator).tolist()]
-            alone, padded = (self.run_target([0], token, width, all_logits=True) for width in (1, MIN_PRODUCT_ROWS))
-            same = (
-                same
-                and all(
-                    torch.equal(alone[name][..., :1, :], padded[name][..., :1, :]) for name in ("new_key", "new_value")
-                )
-                and all(
-                    torch.equal(alone[name][:, :1], padded[name][:, :1]) for name in ("logits", "taps") if name in alone
-                )
-            )
+            alone, padded = (self._probe(token, width, length) for width in (1, MIN_PRODUCT_ROWS))
+            same = same and all(torch.equal(alone[name], padded[name]) for name in alone)
         self.cache.lengths[0] = 0
         return 1 if same else MIN_PRODUCT_ROWS
+
+    def _probe(self, token: list[list[int]], width: int, start: int) -> dict[str, torch.Tensor]:
+        """Row 0's one token at `start`, in a call `width` wide → its logits, taps and K/V (those the
+        graph returns, or, written by the step graph into the cache, read back from its slot)."""
+        out = self.run_target([0], token, width, all_logits=True)
+        first = {name: out[name][:, :1] for name in ("logits", "taps") if name in out}
+        if "new_key" in out:
+            return first | {name: out[name][..., :1, :] for name in ("new_key", "new_value")}
+        return first | {
+            "new_key": self.cache.k[:, :1, :, start].clone(),
+            "new_value": self.cache.v[:, :1, :, start].clone(),
+        }
 
     def _target(
         self, rows: list[int], tokens: list[list[int]], all_logits: bool, tree_masks: torch.Tensor | None = None
@@ -207,7 +231,11 @@ class ArtifactEngine:
         # needs it: see MIN_PRODUCT_ROWS and _measure_lone_step_width
         width = max(max(len(t) for t in tokens), self.lone_step_width if len(tokens) == 1 else 1)
         out = self.run_target(rows, tokens, width, all_logits, tree_masks)
-        self.cache.append(out["new_key"], out["new_value"], rows, torch.tensor([len(t) for t in tokens]))
+        counts = torch.tensor([len(t) for t in tokens])
+        if self.step is not None:  # the step graph wrote them into the cache
+            self.cache.advance(rows, counts)
+        else:
+            self.cache.append(out["new_key"], out["new_value"], rows, counts)
         return out
 
     def run_target(
@@ -229,6 +257,15 @@ class ArtifactEngine:
             raise LoopspecError(
                 f"sequence of {int((starts + counts).max())} tokens exceeds the context of {self.max_context}"
             )
+        last = torch.tensor([max(len(t) for t in tokens) - 1])
+        if self.step is not None:  # the new K/V go into the cache's slots past each row's length
+            if tree_masks is not None:
+                raise LoopspecError("the target's step graph verifies chains only (engines/target_step.py)")
+            if rows != list(range(rows[0], rows[0] + len(rows))):
+                raise LoopspecError(f"the step graph runs rows that follow each other, not {rows}")
+            self.cache.make_room(int(starts.max()) + width + ATTENTION_PADDING)
+            index = torch.arange(width) if all_logits else last
+            return self.step.run(self.cache, rows[0], ids.numpy(), index.numpy())
         past_key, past_value = self.cache.dense_prefix(rows, past_width(starts, width))  # [L, R, kvh, W, hd], with room
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         if tree_masks is None:
@@ -241,7 +278,7 @@ class ArtifactEngine:
         out = self.runners[TARGET_VERIFY].run(
             input_ids=ids,
             positions=(starts[:, None] + depths).clamp_max(self.max_context - 1),
-            logit_index=torch.arange(width) if all_logits else torch.tensor([max(len(t) for t in tokens) - 1]),
+            logit_index=torch.arange(width) if all_logits else last,
             past_lengths=starts,
             tree_mask=tree_masks.contiguous(),
             **past_feeds(

@@ -70,11 +70,14 @@ from loopspec.engines.specs import (
     DRAFTER_CONTEXT,
     DRAFTER_CONTEXT_HIDDEN,
     MAX_BATCH,
+    TARGET_STEP,
     TARGET_VERIFY,
     EngineSpec,
     engine_specs,
+    step_spec,
 )
 from loopspec.engines.staging import check_out_dir, staged_dir
+from loopspec.engines.target_step import STEP_PRECISION, STEP_SETTINGS, step_refusal, write_step_graph
 from loopspec.model.dflash import Drafter
 from loopspec.model.draft_head import draft_head_weight, draft_stage
 from loopspec.model.dspark import DraftHeads
@@ -405,7 +408,7 @@ def export_code_sha256() -> str:
     """The wrappers', the specs' and the drafter model's source (the drafter-block graph traces its
     `draft_stage` and DSpark heads, a DFlash2 drafter's its own, and its kind decides the graph's outputs):
     a cached export made by other code (other graphs or other inputs and outputs) is not reused."""
-    from loopspec.engines import dflash2_export, graph_ops, specs
+    from loopspec.engines import dflash2_export, graph_ops, specs, target_step
     from loopspec.model import dflash, dflash2, draft_head, drafter_kinds, dspark
 
     h = hashlib.sha256()
@@ -419,6 +422,7 @@ def export_code_sha256() -> str:
         Path(graph_ops.__file__),
         Path(dflash2_export.__file__),
         Path(dflash2.__file__),
+        Path(target_step.__file__),
     ):
         h.update(file_sha256(source).encode())
     return h.hexdigest()
@@ -491,7 +495,8 @@ def export_engines(
     drafter engines compute instead of `drafter` and its rows of `target`'s lm_head (the embedding
     stays `target`'s fp32 one). `chain_graphs`: what builds a chain drafter's (EAGLE-3's) specs, modules and
     example inputs (engines/eagle3_export.py `eagle3_engines`, which uses this module's helpers: it is
-    passed in by engines/backends.py `export_pair`)."""
+    passed in by engines/backends.py `export_pair`). Precision gguf-fused: the target's step graph over
+    `verify_target` (engines/target_step.py: ONNX Runtime's fused ops, chains only) instead of target_verify."""
     if drafter is not None and not drafter.cfg.kind.chain:
         block_graph(drafter.cfg.kind)  # refuses, in one line, a kind no block graph is written for
     import onnx  # noqa: F401  (fail early, with the extra to install)
@@ -545,12 +550,23 @@ def export_engines(
             head=draft_head,
         )
 
+    step_graph = precision == STEP_PRECISION  # the target's step graph instead (engines/target_step.py)
+    if step_graph:
+        refusal = step_refusal(target.cfg)
+        if refusal is not None:
+            raise LoopspecError(f"precision {precision}: {refusal} (gguf-int8act runs it)")
+        modules.pop(TARGET_VERIFY)
+        specs = {TARGET_STEP: step_spec(target.cfg, len(taps), 1, max_context)} | {
+            name: spec for name, spec in specs.items() if name != TARGET_VERIFY
+        }
     with staged_dir(out_dir) as work:
         files = {}
         for name, module in modules.items():
             files[name] = f"{name}.onnx"
             args = examples[name] if name in examples else example_inputs(specs[name], target.cfg.vocab_size)
             export_graph(module, specs[name], args, work / files[name], opset)
+        if step_graph:
+            files[TARGET_STEP] = write_step_graph(verify_target, taps, max_context, work)
         copy_run_files(target_dir, drafter, work)
         settings = {
             "opset": opset,
@@ -564,6 +580,7 @@ def export_engines(
             "attention_values": "one product over [past; new]",
             "softmax": ORDER_FREE_SOFTMAX,
             "export_code_sha256": export_code_sha256(),
+            **(STEP_SETTINGS if step_graph else {}),
             **(extra_settings or {}),
         }
         sources = {

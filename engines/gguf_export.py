@@ -55,13 +55,14 @@ from loopspec.model.dflash import Drafter
 from loopspec.model.drafter_kinds import require_quantized_export
 from loopspec.model.target import Target
 
-ACCURACY_LEVEL = {"gguf-fp32act": 1, "gguf-int8act": 4}  # precision → MatMulNBits accuracy_level
+ACCURACY_LEVEL = {"gguf-fp32act": 1, "gguf-int8act": 4, "gguf-fused": 4}  # precision → MatMulNBits accuracy_level
 PRECISIONS = precision_names(weights=("gguf",))  # loopspec/precisions.py
 assert set(ACCURACY_LEVEL) == set(PRECISIONS), "one accuracy level per GGUF-block precision"
 DRAFTER_BLOCKS = "Q8_0"  # a drafter's own linears with int8 activations (measured: docs/benchmarks.md)
 ACTIVATIONS = {
     "gguf-fp32act": "fp32",
     "gguf-int8act": "int8 (per block of 32, inside MatMulNBits)",
+    "gguf-fused": "int8 (per block of 32, inside MatMulNBits)",
 }
 
 

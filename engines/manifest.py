@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loopspec.engines.eagle3_specs import EAGLE3_ENGINES
-from loopspec.engines.specs import DRAFTER_ENGINES, TARGET_VERIFY, EngineSpec
+from loopspec.engines.specs import DRAFTER_ENGINES, TARGET_STEP, TARGET_VERIFY, EngineSpec
 from loopspec.errors import LoopspecError
 from loopspec.weights import file_sha256, read_json
 
@@ -158,8 +158,10 @@ def read_manifest(directory: str | Path, verify: bool = True, require_drafter: b
             raise LoopspecError(f"{path} lacks {key!r}")
     manifest = Manifest(directory, data)
     engines = data["engines"]
-    if TARGET_VERIFY not in engines:
-        raise LoopspecError(f"{directory}: missing engine {TARGET_VERIFY} in the manifest")
+    if TARGET_VERIFY not in engines and TARGET_STEP not in engines:
+        raise LoopspecError(
+            f"{directory}: missing the target's engine ({TARGET_VERIFY} or {TARGET_STEP}) in the manifest"
+        )
     # the drafter's graphs are one whole set: the set any of them belongs to (the block drafter's by default)
     names = next((names for names in DRAFTER_GRAPH_SETS if any(e in engines for e in names)), DRAFTER_ENGINES)
     present = [e for e in names if e in engines]

@@ -16,7 +16,8 @@ import torch
 
 from loopspec.engines.artifact_engine import ArtifactEngine
 from loopspec.engines.manifest import Manifest
-from loopspec.engines.specs import EngineSpec, present_of
+from loopspec.engines.specs import TARGET_STEP, EngineSpec, present_of, step_spec
+from loopspec.engines.target_step import gqa_lengths, with_rows
 from loopspec.errors import LoopspecError
 from loopspec.precisions import precision_names
 
@@ -49,7 +50,16 @@ def check_precision(precision: str, where: str) -> None:
 class EngineSession:
     """One engine's InferenceSession; `run(**inputs)` → {output name: array} in spec order."""
 
-    def __init__(self, path: str | Path, spec: EngineSpec, num_threads: int | None = None):
+    def __init__(
+        self,
+        path: str | Path | bytes,
+        spec: EngineSpec,
+        num_threads: int | None = None,
+        weights_dir: Path | None = None,
+        spin: bool = False,
+    ):
+        """`path`: the graph's file, or the graph itself (bytes) whose external weights lie in `weights_dir`.
+        `spin`: its pool's threads busy-wait between the graph's ops (see below)."""
         ort = require_onnxruntime()
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -59,11 +69,20 @@ class EngineSession:
         options.inter_op_num_threads = 1
         # no busy-waiting between calls: the decode loop alternates ORT runs with small torch ops on the
         # same cores, and spinning ORT threads starve them (measured on 2 cores, default pair: ORT `ar`
-        # 39.5 → 54.1 tok/s, `dflash` 17.6 → 46.3, against 44.8 / 43.1 on the torch backend)
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # 39.5 → 54.1 tok/s, `dflash` 17.6 → 46.3, against 44.8 / 43.1 on the torch backend). A graph of
+        # a few hundred small fused ops (the target's step graph) waits on its pool between every two:
+        # there a sleeping pool costs more than the spinning one takes (`spin`, StepSessions: its session
+        # 19.5 → 14.3 ms at 2 tokens, 256 positions, 2-core Intel Xeon with AMX). The drafter's sessions
+        # do not spin: spinning beside the target's, they doubled the target's verification time there
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         options.log_severity_level = 3  # errors only
+        if weights_dir is not None:
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
+        where = path if isinstance(path, bytes) else str(path)
+        if isinstance(path, bytes):
+            path = f"{spec.name} (in {weights_dir})"
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(where, options, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own Fail/InvalidProtobuf/... types
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise LoopspecError(f"cannot load ONNX engine {path}: {first}") from None
@@ -166,6 +185,63 @@ def value_product_block(head_dim: int, largest: int = 8192) -> int:
     return 0
 
 
+class StepSessions:
+    """The target's step graph (engines/target_step.py) over the cache's own buffers: one session per
+    row count, opened on first use from the exported one-row graph (`with_rows`; the weights stay in
+    the artifact's file, read by each session). Each row's past is bound as both the GroupQueryAttention
+    input and its output, so the graph writes the new K/V into the cache itself; a binding is kept
+    while the cache's buffers stay where they are."""
+
+    def __init__(self, manifest: Manifest, target_cfg, num_threads: int | None):
+        import onnx
+
+        self.path = manifest.path(TARGET_STEP)
+        self.template = onnx.load(str(self.path), load_external_data=False)
+        taps = [t for t in manifest.spec(TARGET_STEP).outputs if t.name == "taps"]
+        self.num_taps = taps[0].dims[-1] // target_cfg.hidden_size if taps else 0
+        self.cfg, self.num_threads = target_cfg, num_threads
+        self.max_context = manifest.spec(TARGET_STEP).ranges["tokens"][2]
+        self.sessions: dict[int, object] = {}
+        self.bindings: dict[tuple, object] = {}
+
+    def session(self, rows: int):
+        if rows not in self.sessions:
+            spec = step_spec(self.cfg, self.num_taps, rows, self.max_context)
+            model = with_rows(self.template, self.cfg, self.num_taps, rows, self.max_context)
+            session = EngineSession(model.SerializeToString(), spec, self.num_threads, self.path.parent, spin=True)
+            self.sessions[rows] = session.session
+        return self.sessions[rows]
+
+    def run(self, cache, first: int, ids: np.ndarray, logit_index: np.ndarray) -> dict[str, torch.Tensor]:
+        """Rows first.. of `cache` run `ids` [R, W] after their lengths; the new K/V land in the cache."""
+        rows, width = ids.shape
+        starts = cache.lengths[first : first + rows].numpy()
+        key = (rows, first, cache.k.data_ptr(), cache.v.data_ptr(), cache.slots)
+        binding = self.bindings.get(key)
+        outputs = ["logits"] + (["taps"] if self.num_taps else [])
+        if binding is None:
+            self.bindings = {k: b for k, b in self.bindings.items() if k[:2] != key[:2]}  # buffers moved
+            binding = self.bindings[key] = self.session(rows).io_binding()
+            for name in outputs:  # first: get_outputs() lists them where they were first bound
+                binding.bind_output(name)
+            for layer in range(self.cfg.num_layers):
+                for row in range(rows):
+                    for kind, buffer in (("key", cache.k), ("value", cache.v)):
+                        past = buffer[layer, first + row].numpy()[None]  # [1, kvh, slots, hd]: the cache itself
+                        for name in (f"past_{kind}", f"present_{kind}"):
+                            bind = binding.bind_input if name.startswith("past") else binding.bind_output
+                            bind(f"{name}_{layer}_{row}", "cpu", 0, np.float32, list(past.shape), past.ctypes.data)
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("logit_index", logit_index)
+        seqlens, total = gqa_lengths(starts, width)
+        binding.bind_cpu_input("seqlens_k", seqlens)
+        binding.bind_cpu_input("total_sequence_length", total)
+        for name in outputs:  # fresh arrays: the caller keeps what a call returned
+            binding.bind_output(name)
+        self.sessions[rows].run_with_iobinding(binding)
+        return {name: torch.from_numpy(value.numpy()) for name, value in zip(outputs, binding.get_outputs())}
+
+
 class OrtEngine(ArtifactEngine):
     backend = "onnxruntime"
 
@@ -185,3 +261,8 @@ class OrtEngine(ArtifactEngine):
 
     def _open(self, path: Path, spec: EngineSpec) -> OrtRunner:
         return OrtRunner(EngineSession(path, spec, self.num_threads))
+
+    def _open_step(self, manifest: Manifest) -> StepSessions | None:
+        if TARGET_STEP not in manifest.engines:
+            return None
+        return StepSessions(manifest, self.target_cfg, self.num_threads)

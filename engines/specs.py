@@ -23,6 +23,7 @@ from loopspec.model.draft_head import DRAFT_CANDIDATES
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 
 TARGET_VERIFY = "target_verify"
+TARGET_STEP = "target_step"  # target_verify's chains-only fused form (engines/target_step.py)
 DRAFTER_CONTEXT = "drafter_context"
 DRAFTER_CONTEXT_HIDDEN = "drafter_context_hidden"
 DRAFTER_BLOCK = "drafter_block"
@@ -202,6 +203,42 @@ def target_verify_spec(
         "past": (1, max_context // 2, max_context + max_verify),
     }
     return EngineSpec(TARGET_VERIFY, inputs, tuple(outputs), ranges)
+
+
+def row_past_name(kind: str, layer: int, row: int) -> str:
+    return f"{kind}_{layer}_{row}"
+
+
+def step_spec(cfg, num_taps: int, rows: int, max_context: int, max_verify: int = 16) -> EngineSpec:
+    """The step graph for `rows` rows: tokens (right-padded to a common width) after each row's own
+    K/V → logits at `logit_index`, taps, and each row's past with the new K/V written in.
+
+    `seqlens_k[r]` is row r's length plus the call's width minus 1 and `total_sequence_length[r]` its
+    length plus the width (GroupQueryAttention's inputs); row r's past is one row of the cache,
+    [1, kvh, slots, hd], with room for the call's tokens, and its present output is the same buffer."""
+    L, kvh, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    past = tuple(
+        TensorSpec(row_past_name(kind, i, r), "float32", (1, kvh, "past", hd))
+        for i in range(L)
+        for r in range(rows)
+        for kind in ("past_key", "past_value")
+    )
+    inputs = (
+        TensorSpec("input_ids", "int64", (rows, "tokens")),
+        TensorSpec("logit_index", "int64", ("logits",)),
+        TensorSpec("seqlens_k", "int32", (rows,)),
+        TensorSpec("total_sequence_length", "int32", (rows,)),
+    ) + past
+    outputs = [TensorSpec("logits", "float32", (rows, "logits", cfg.vocab_size))]
+    if num_taps:
+        outputs.append(TensorSpec("taps", "float32", (rows, "tokens", num_taps * cfg.hidden_size)))
+    outputs += [TensorSpec(t.name.replace("past_", "present_", 1), "float32", t.dims) for t in past]
+    ranges = {
+        "tokens": (1, max_verify, max_context),
+        "logits": (1, max_verify, max_context),
+        "past": (MIN_PRODUCT_ROWS, max_context // 2, max_context + max_verify),  # room for the copied query
+    }
+    return EngineSpec(TARGET_STEP, inputs, tuple(outputs), ranges)
 
 
 def present_of(past_name: str) -> str:

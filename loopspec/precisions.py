@@ -113,6 +113,24 @@ REGISTRY: dict[str, Precision] = {
                 "verify_equals_plain": True,
             },
         ),
+        # the same blocks and activations in ONNX Runtime's fused ops (engines/target_step.py:
+        # GroupQueryAttention writing each row's cache in place, fused norms): a model of its own, whose
+        # attention sums in its own order, so it verifies chains only (trees: gguf-int8act)
+        Precision(
+            "gguf-fused",
+            "the GGUF's own blocks, int8 activations, fused attention",
+            ("onnxruntime",),
+            "gguf",
+            order_exact=False,
+            tolerance={
+                "relative": 1e-4,
+                "target": 0.25,
+                "drafter": 0.25,
+                "tau_drop": None,
+                "greedy": False,
+                "verify_equals_plain": True,
+            },
+        ),
     )
 }
 

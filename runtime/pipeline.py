@@ -30,6 +30,8 @@ from loopspec.runtime.detokenize import Detokenizer
 from loopspec.runtime.step_costs import StepCosts, stored_step_costs
 from loopspec.engines.protocol import Engine
 from loopspec.engines.backends import BACKENDS, artifact_engine, cached_onnx_engine, require_cuda, torch_engine
+from loopspec.engines.target_step import step_refusal
+from loopspec.gguf_blocks import read_gguf_target
 
 # what a pair's target computes with on the torch and onnxruntime backends (loopspec/precisions.py);
 # "auto" picks the fastest this backend has for this target (`resolve_precision`). Artifact
@@ -271,10 +273,11 @@ def resolve_backend(
 
 def resolve_precision(precision: str, backend: str, target: "TargetSource | str | None") -> str:
     """'auto' → the fastest engine this backend builds for `target` (a TargetSource; a name is
-    resolved): on ONNX Runtime, a GGUF target ('default' or a .gguf) runs its own Q4_1/Q8_0 blocks
-    with int8 activations (docs/benchmarks.md: plain decoding 1.6-1.8x fp32's, and the best method
-    faster than fp32's on average over the five eval sets); everything else fp32. An explicit gguf-*
-    precision needs ONNX Runtime and a GGUF target."""
+    resolved): on ONNX Runtime, a GGUF target ('default' or a .gguf) runs its own blocks with int8
+    activations in the fused step graph (gguf-fused, chains only; docs/benchmarks.md: its plain
+    decoding 1.5-1.6x the exact-tree engine's, whose best method it passes), or where that graph does
+    not build the target's layer in gguf-int8act; everything else fp32. An explicit gguf-* precision
+    needs ONNX Runtime and a GGUF target."""
     if precision not in PRECISIONS:
         raise LoopspecError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
     if precision == "fp32" or (precision == "auto" and backend != "onnxruntime"):
@@ -284,7 +287,13 @@ def resolve_precision(precision: str, backend: str, target: "TargetSource | str 
             gguf = TargetSource.of(target).gguf
         except LoopspecError:  # a target that cannot be read has no GGUF to read blocks from (its load says why)
             gguf = None
-        return "fp32" if gguf is None else "gguf-int8act"
+        if gguf is None:
+            return "fp32"
+        try:  # the fused step graph where it builds the file's layer (chains only); else the exact-tree one
+            fused = step_refusal(read_gguf_target(gguf).config) is None
+        except LoopspecError:  # a file the block engines do not build: loading it says why
+            fused = False
+        return "gguf-fused" if fused else "gguf-int8act"
     if backend != "onnxruntime":
         raise LoopspecError(f"precision {precision} runs on ONNX Runtime (--backend onnxruntime), not {backend}")
     TargetSource.of(target).require_gguf("the GGUF block precisions")  # a clear error for a target that is no GGUF

@@ -375,6 +375,59 @@ def test_a_llama_server_that_dies_at_load_is_a_skipped_row(tiny_pair, prompt_set
     assert len(tried) == 2 and "--no-repack" not in tried[0] and tried[1].endswith("--no-repack")
 
 
+FAKE_SERVER_DYING_ON_ITS_FIRST_BATCH = """#!{python}
+import http.server, os, sys
+with open({calls!r}, "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # /health: loaded
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{{}}")
+
+    def do_POST(self):  # the first batch: the crash llama.cpp's AMX repacking had on one Xeon
+        print("ggml_amx: batch", flush=True)
+        os._exit(139)
+
+    def log_message(self, *args):
+        pass
+
+
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_a_llama_server_that_dies_on_its_first_batch_is_a_skipped_row(tiny_pair, prompt_sets, tmp_path):
+    """A llama-server that loads and answers /health but crashes on its first prompt of several tokens
+    (as llama.cpp's AMX repacking did on an Intel Xeon): the bench probes a batch before it times
+    anything, tries again without repacking, and skips the rows with the reason; the bench runs on."""
+    import stat
+    import sys
+
+    target, drafter = tiny_pair
+    gguf = tmp_path / "target.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls = tmp_path / "calls.txt"
+    binary = tmp_path / "llama-server"
+    binary.write_text(FAKE_SERVER_DYING_ON_ITS_FIRST_BATCH.format(python=sys.executable, calls=str(calls)))
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    source = TargetSource(name=str(target), is_default=False, gguf=gguf, directory=target)
+    report = tmp_path / "b.json"
+    results = run_bench(
+        BenchPlan([str(prompt_sets[1])], ["ar", "llamacpp"], max_new_tokens=8, llama_server=str(binary)),
+        EngineChoice(source, str(drafter), backend="torch"),
+        output=BenchOutput(json_out=str(report)),
+    )
+    assert [r.method for r in results] == ["ar"]
+    why = json.loads(report.read_text())["settings"]["skipped"]["llamacpp"]
+    assert "exited with code 139 on its first batch of 8 tokens (ggml_amx: batch)" in why and "--no-repack" in why
+    tried = calls.read_text().splitlines()
+    assert len(tried) == 2 and "--no-repack" not in tried[0] and tried[1].endswith("--no-repack")
+
+
 @pytest.mark.e2e
 def test_llamacpp_peers_beside_the_default_engines(tmp_path):
     """llama-server on the default GGUF, plain and with the shipped drafter, in one bench run with

@@ -102,11 +102,14 @@ def test_cli_generate_default():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tau" in proc.stderr and "drafter:" in proc.stderr
-    # the default CPU engine is the GGUF's own blocks with int8 activations, and the stats line says so
+    # the default CPU engine is the GGUF's own blocks with int8 activations in the fused step graph,
+    # and the stats line says so
     import importlib.util
 
     if importlib.util.find_spec("onnxruntime") is not None:
-        assert "onnxruntime gguf-int8act (the GGUF's own Q4_1/Q8_0 blocks, int8 activations)" in proc.stderr
+        assert (
+            "onnxruntime gguf-fused (the GGUF's own Q4_1/Q8_0 blocks, int8 activations, fused attention)" in proc.stderr
+        )
 
 
 def test_bench_compares_the_fp32_and_4_bit_engines(tmp_path):

@@ -422,13 +422,15 @@ def test_bad_input_is_one_clear_error(tiny_gguf, tmp_path, capsys):
 
 
 def test_the_runtime_picks_and_names_the_precision(tiny_gguf, exported, tmp_path, capsys):
-    """auto: the GGUF's blocks with int8 activations on ONNX Runtime for a GGUF target, fp32 elsewhere;
-    an explicit block precision needs ONNX Runtime and a GGUF; artifacts keep their own precision."""
+    """auto: the GGUF's blocks with int8 activations in the fused step graph on ONNX Runtime for a GGUF
+    target, fp32 elsewhere; an explicit block precision needs ONNX Runtime and a GGUF; artifacts keep
+    their own precision."""
     from loopspec.runtime.pipeline import cached_ort_engine, load_pipeline, resolve_precision
 
     target_dir, path, drafter_dir = tiny_gguf
-    assert resolve_precision("auto", "onnxruntime", str(path)) == "gguf-int8act"
-    assert resolve_precision("auto", "onnxruntime", "default") == "gguf-int8act"
+    assert resolve_precision("auto", "onnxruntime", str(path)) == "gguf-fused"
+    assert resolve_precision("auto", "onnxruntime", "default") == "gguf-fused"
+    assert resolve_precision("gguf-int8act", "onnxruntime", str(path)) == "gguf-int8act"
     assert resolve_precision("auto", "torch", str(path)) == "fp32"
     assert resolve_precision("auto", "onnxruntime", str(target_dir)) == "fp32"
     assert resolve_precision("gguf-fp32act", "onnxruntime", str(path)) == "gguf-fp32act"

@@ -123,6 +123,20 @@ class KVCache:
     def rows(self) -> int:
         return self.k.shape[1]
 
+    def make_room(self, needed: int) -> None:
+        """Buffers of at least `needed` slots (with `growth`; without, they hold max_length already):
+        what a graph that writes its new K/V into the buffers itself needs before its call."""
+        if needed > self.slots:
+            self._fit(needed)
+
+    def advance(self, rows: list[int], counts: torch.Tensor | list[int]) -> None:
+        """Rows `rows` hold counts[i] more slots, written by the caller into the buffers themselves."""
+        rows, counts = torch.as_tensor(rows, dtype=torch.long), torch.as_tensor(counts, dtype=torch.long)
+        ends = self.lengths[rows] + counts
+        if int(ends.max()) > min(self.max_length, self.slots):
+            raise LoopspecError(f"sequence of {int(ends.max())} exceeds the context of {self.max_length}")
+        self.lengths[rows] = ends
+
     def append(
         self,
         k: torch.Tensor,

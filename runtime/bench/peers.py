@@ -24,9 +24,11 @@ HF_METHODS = ("hf", "hf-lookup")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-dflash")
 PEER_METHODS = HF_METHODS + LLAMACPP_METHODS
 PLAIN_PEER = {"hf-lookup": "hf", "llamacpp-dflash": "llamacpp"}  # the plain decoding each peer must equal
-# llama-server configurations tried in order until one loads: its defaults, then without repacking the
-# weights for the CPU (its AMX repacking crashed at model load on an Intel Xeon with AMX)
+# llama-server configurations tried in order until one loads and decodes a first batch: its defaults,
+# then without repacking the weights for the CPU (its AMX repacking crashed at model load on one Intel
+# Xeon with AMX, and on another loaded but crashed on the first batch of more than one token)
 SERVER_FALLBACKS = ([], ["--no-repack"])
+FIRST_BATCH = list(range(1, 9))  # the probe's prompt ids: a batch of several tokens, as every prompt is
 PEER_BACKENDS = {
     "hf": "transformers",
     "hf-lookup": "transformers",
@@ -148,16 +150,43 @@ class LlamaServerPeer:
                 break
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        self.servers[method], self.logs[method] = (process, url), log
-                        self.settings[method] = [str(c) for c in command]
-                        return None
+                    ready = response.status == 200
             except (urllib.error.URLError, OSError):
-                pass  # still loading the model
+                ready = False  # still loading the model
+            if ready:
+                why = self._first_batch(process, url, log)
+                if why is None:
+                    self.servers[method], self.logs[method] = (process, url), log
+                    self.settings[method] = [str(c) for c in command]
+                    return None
+                break
             time.sleep(0.2)
         stop(process)
         log.close()
         return why
+
+    @staticmethod
+    def _first_batch(process: subprocess.Popen, url: str, log) -> str | None:
+        """A loaded server decodes one token after a prompt of several → None, or why it did not."""
+        body = json.dumps({"prompt": FIRST_BATCH, "n_predict": 1, "temperature": 0.0, "cache_prompt": False})
+        request = urllib.request.Request(
+            url + "/completion", data=body.encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                response.read()
+            return None
+        except (urllib.error.URLError, OSError) as e:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                return f"loaded but failed its first batch of {len(FIRST_BATCH)} tokens ({e})"
+            log.seek(0)
+            tail = " | ".join(log.read().strip().splitlines()[-2:])
+            return (
+                f"loaded but exited with code {process.returncode} on its first batch of {len(FIRST_BATCH)} "
+                f"tokens ({tail or 'no output'})"
+            )
 
     def run(self, prompt_ids: list[int], method: str, max_new_tokens: int) -> PeerRun:
         if method not in self.servers:
