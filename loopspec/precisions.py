@@ -27,6 +27,7 @@ class Precision:
     # a plan or graph in it verifies a draft tree bit for bit as plain decoding (False: chains only).
     # ONNX Runtime graphs declare theirs in their manifest (engines/export.py's order-free softmax).
     order_exact: bool = True
+    trees_instead: str = ""  # where not order_exact: the precision over the same weights that verifies trees
     # validation against the PyTorch fp32 reference (convert/validate.py): relative error of every
     # output, the largest relative τ drop (None: reported, not gated), "target": the target_verify's
     # own error where it differs, whether greedy decoding must equal the reference's, whether one
@@ -122,6 +123,7 @@ REGISTRY: dict[str, Precision] = {
             ("onnxruntime",),
             "gguf",
             order_exact=False,
+            trees_instead="gguf-int8act",
             tolerance={
                 "relative": 1e-4,
                 "target": 0.25,

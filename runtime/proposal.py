@@ -19,6 +19,7 @@ import torch
 from loopspec.engines.protocol import Engine
 from loopspec.errors import LoopspecError
 from loopspec.model.draft_head import DRAFT_CANDIDATES
+from loopspec.precisions import REGISTRY as PRECISIONS
 from loopspec.settings import DecodingSettings
 from loopspec.tree import DraftTree, DynamicTree, Lattice, draft_tree
 
@@ -276,9 +277,11 @@ def check_engine_runs(engine: Engine, settings: DecodingSettings) -> None:
             if target.linear_attention is not None
             else f"its arithmetic is not order-exact: {engine.precision}"
         )
+        instead = PRECISIONS[engine.precision].trees_instead if engine.precision in PRECISIONS else ""
         raise LoopspecError(
             f"this engine verifies chains exactly, not trees ({why}): "
             "use --tree-budget 0 --no-suffix, or --method suffix"
+            + (f", or --precision {instead} (its engine verifies trees)" if instead else "")
         )
     drafts = settings.uses_drafter and engine.has_drafter
     if drafts and settings.suffix_then_draft and not engine.drafter_cfg.kind.drafts_past_a_gap:

@@ -12,7 +12,9 @@ drafter loaded as a decode would); any other target loads no drafter, which the 
 not call.
 
 The JSON holds one record per measured point: {"k": new tokens per row, "rows": rows, "context":
-positions already in each row's cache, "ms": median step}; rows of a multi-row point sit at contexts
+positions already in each row's cache, "ms": median step}, and on an engine with a step graph
+(gguf-fused) "bare_ms" for one row: its session alone on the same feeds, the engine's own cost
+being the difference; rows of a multi-row point sit at contexts
 spread over the 10 % below the nominal one, as a server's rows do.
 
 Peers in the same run, before loopspec's grid (neither is a dependency), each under "peers" in the
@@ -46,6 +48,24 @@ def median_ms(call, calls: int) -> float:
         call()
         times.append((time.perf_counter() - start) * 1000)
     return statistics.median(times)
+
+
+def bare_step(engine, k: int):
+    """The one-row step graph's session alone on the feeds of a k-token call (the binding the engine's
+    calls keep: the cache's own buffers; the same ids, lengths and logit rows bound here once): the
+    call without the engine around it. Row 0's length stays where it is, so every run writes the
+    same slots."""
+    import numpy as np
+
+    from loopspec.engines.target_step import gqa_lengths
+
+    session = engine.step.sessions[1]
+    binding = next(b for key, b in engine.step.bindings.items() if key[:2] == (1, 0))
+    feeds = {"input_ids": np.arange(1, k + 1, dtype=np.int64)[None], "logit_index": np.arange(k, dtype=np.int64)}
+    feeds["seqlens_k"], feeds["total_sequence_length"] = gqa_lengths(engine.cache.lengths[:1].numpy(), k)
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, value)
+    return lambda: session.run_with_iobinding(binding)
 
 
 def cpu_has_amx() -> bool:
@@ -189,7 +209,10 @@ def main() -> int:
 
         for k in args.chains:
             ms = median_ms(step([list(range(1, k + 1))]), args.calls)
-            result["steps"].append({"k": k, "rows": 1, "context": lengths[0], "ms": round(ms, 2)})
+            point = {"k": k, "rows": 1, "context": lengths[0], "ms": round(ms, 2)}
+            if engine.step is not None:  # the step graph's session alone, on the feeds the engine's call bound
+                point["bare_ms"] = round(median_ms(bare_step(engine, k), args.calls), 2)
+            result["steps"].append(point)
             progress.update()
         for rows in args.rows:
             if rows == 1 and 1 in args.chains:  # the one-token, one-row point is measured above
@@ -207,7 +230,8 @@ def main() -> int:
         "tokens_per_s": round(args.prefill_tokens / (time.perf_counter() - start), 1),
     }
     for s in result["steps"]:
-        print(f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: {s['ms']:7.2f} ms")
+        bare = f" (its session alone: {s['bare_ms']:.2f} ms)" if "bare_ms" in s else ""
+        print(f"k {s['k']:2d} x {s['rows']:2d} rows at {s['context']:5d} positions: {s['ms']:7.2f} ms{bare}")
     print(f"prefill of {args.prefill_tokens} tokens: {result['prefill']['tokens_per_s']} tokens/s")
     result["peers"] = peers
     for name, peer in peers.items():

@@ -11,7 +11,7 @@ from loopspec.runtime.bench.headline import headline_table, per_set_table, step_
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-HEADLINE_REPORT = "docs/bench-engines/bench.json"
+HEADLINE_REPORT = "docs/bench-fused/bench.json"
 DOCS = [README] + sorted((ROOT / "docs").glob("*.md"))
 
 
@@ -89,8 +89,13 @@ def test_the_benchmarks_page_quotes_the_committed_step_runs():
 
 
 @pytest.mark.parametrize(
-    "path", ["docs/runs/2026-12-06/steps-with-peers.json", "docs/runs/2026-12-06/step/steps-with-peers.json"]
-)  # before / after the in-place past
+    "path",
+    [
+        "docs/runs/2026-12-06/steps-with-peers.json",
+        "docs/runs/2026-12-06/step/steps-with-peers.json",
+        "docs/runs/2026-12-07/step-times-fused.json",
+    ],
+)  # before / after the in-place past; the fused step graph
 def test_the_benchmarks_page_quotes_the_step_run_with_its_peers(path):
     page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     assert "python scripts/step_table.py " + path in page
@@ -126,6 +131,21 @@ def test_the_step_table_reads_each_point_once():
         "| 1 | 10.0 | 11.0 |",
         "| 2 | 17.0 | 19.0 |",
     ]
+
+
+def test_the_step_table_shows_the_session_alone_where_the_run_timed_it():
+    """A step-graph engine's run carries its session's own time on one row ("bare_ms"): one column per
+    context beside ours; a point without it shows a dash."""
+    ours = {
+        "steps": [
+            {"k": 1, "rows": 1, "context": 256, "ms": 14.07, "bare_ms": 11.93},
+            {"k": 4, "rows": 1, "context": 256, "ms": 19.73},
+            {"k": 1, "rows": 4, "context": 250, "ms": 29.0},
+        ]
+    }
+    lines = step_table(ours, []).splitlines()
+    assert lines[0] == "| k new tokens, one row (ms) | ours, 256 | ours' session alone, 256 |"
+    assert lines[2:4] == ["| 1 | 14.1 | 11.9 |", "| 4 | 19.7 | – |"]
 
 
 PATH = re.compile(r"(?<![\w./~-])((?:loopspec|engines|runtime|convert|cli|scripts|tests|docs|data)/[\w./*-]*[\w*])")

@@ -83,8 +83,11 @@ def headline_table(report: dict) -> str:
     plain = _by_dataset(results, PLAIN_PEER, "llama.cpp")
     if plain:
         reach = _span([best[d] / plain[d]["tokens_per_s"] for d in plain], ".2f", "×")
+        # a server that had to run without its weight repacking (it crashed with it) is not its normal speed
+        commands = settings.get("llamacpp", {}).values()
+        no_repack = ", `--no-repack`" if any("--no-repack" in command for command in commands) else ""
         lines.append(
-            f"| llama.cpp `llama-server`, same GGUF, plain "
+            f"| llama.cpp `llama-server`, same GGUF, plain{no_repack} "
             f"| {_span([r['tokens_per_s'] for r in plain.values()], '.1f')} "
             f"| `{engines[0]}`'s fastest method per set reaches {reach} of it | 1 | 1 | – |"
         )
@@ -148,15 +151,19 @@ def step_table(ours: dict, genai_runs: list[dict]) -> str:
     """Markdown table of a step grid (`scripts/step_times.py --json`) beside its peers: those the same
     run timed (its "peers": llama.cpp's llama-bench, ONNX Runtime GenAI) and ONNX Runtime GenAI's
     curves from separate runs (`scripts/genai_step.py --curve --json`, one or more, shown as `a / b`):
-    one line per k new tokens on one row, one column per engine and context; then one line per rows
-    of one token (ours only). Used by scripts/step_table.py."""
+    one line per k new tokens on one row, one column per engine and context (and our step graph's
+    session alone where the run timed it: "bare_ms"); then one line per rows of one token (ours
+    only). Used by scripts/step_table.py."""
 
-    def at(records: list[dict], k: int, rows: int, context: int) -> float | None:
+    def at(records: list[dict], k: int, rows: int, context: int, field: str = "ms") -> float | None:
         # a multi-row point sits at contexts spread below the nominal one: the nearest nominal context
         hits = [
-            r["ms"]
+            r[field]
             for r in records
-            if r["k"] == k and r["rows"] == rows and min(contexts, key=lambda c: abs(c - r["context"])) == context
+            if r["k"] == k
+            and r["rows"] == rows
+            and field in r
+            and min(contexts, key=lambda c: abs(c - r["context"])) == context
         ]
         return hits[0] if hits else None
 
@@ -170,10 +177,12 @@ def step_table(ours: dict, genai_runs: list[dict]) -> str:
     columns = [
         (label, runs, c) for label, runs in peers for c in contexts if any(at(run, 1, 1, c) is not None for run in runs)
     ]
-    header = [f"ours, {c}" for c in contexts] + [f"{label}, {c}" for label, _, c in columns]
+    bare = [c for c in contexts if at(steps, 1, 1, c, "bare_ms") is not None]  # its session alone, where timed
+    header = [f"ours, {c}" for c in contexts] + [f"ours' session alone, {c}" for c in bare]
+    header += [f"{label}, {c}" for label, _, c in columns]
     lines = ["| k new tokens, one row (ms) | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
     for k in chains:
-        cells = [_ms(at(steps, k, 1, c)) for c in contexts]
+        cells = [_ms(at(steps, k, 1, c)) for c in contexts] + [_ms(at(steps, k, 1, c, "bare_ms")) for c in bare]
         cells += [" / ".join(_ms(at(run, k, 1, c)) for run in runs) for _, runs, c in columns]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     lines += [
