@@ -158,12 +158,18 @@ def test_bench_compares_the_fp32_and_4_bit_engines(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "precision, methods", [("gguf-int8act", ("ar", "dflash", "dloop", "suffix")), ("fp32", ("ar", "dloop"))]
+    "precision, methods",
+    [
+        ("gguf-fused", ("ar", "dloop", "suffix")),
+        ("gguf-int8act", ("ar", "dloop")),
+        ("fp32", ("ar", "dloop")),
+    ],
 )
 def test_the_server_on_the_default_engine_answers_each_request_as_alone(precision, methods):
     """16 concurrent greedy chat requests of different lengths through `serve` on the default CPU
-    engine (ONNX Runtime over the GGUF's blocks, int8 activations) and on fp32: each reply equals the
-    same request sent alone, for ar, dflash, dloop (a tree of 8 + suffix) and suffix."""
+    engine (ONNX Runtime's fused step graph over the GGUF's blocks, int8 activations: chains), on the
+    tree engine over the same blocks and on fp32: each reply equals the same request sent alone, for
+    ar, dloop (a tree of 8 + suffix where the engine verifies trees, its chain where not) and suffix."""
     pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'loopspec[onnx]'")
     pytest.importorskip("fastapi", reason="needs fastapi: pip install 'loopspec[serve]'")
     from concurrent.futures import ThreadPoolExecutor
@@ -202,8 +208,9 @@ def test_the_server_on_the_default_engine_answers_each_request_as_alone(precisio
     ]
     settings = {
         "ar": pipe.settings("ar"),
-        "dflash": pipe.settings("dflash", adaptive=False),
-        "dloop": pipe.settings("dloop", tree_budget=8, suffix=True, adaptive=False),
+        "dloop": pipe.settings(
+            "dloop", tree_budget=0 if pipe.engine.chains_only else 8, suffix=not pipe.engine.chains_only, adaptive=False
+        ),
         "suffix": pipe.settings("suffix", adaptive=False),
     }
     for name in methods:
