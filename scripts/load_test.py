@@ -166,9 +166,15 @@ async def one_request(client, prompt: str, max_tokens: int, gate: asyncio.Semaph
 
 
 async def run_level(url: str, prompts: list[str], max_tokens: int, concurrency: int, timeout: float) -> dict:
+    import httpx
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+    # a connection per request, for every server alike: llama-server closes a kept-alive connection after a
+    # few requests, and a request sent on it as it closes failed with a connection error (no retries here)
+    fresh = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=timeout)
+    client = openai.AsyncOpenAI(
+        base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout, http_client=fresh
+    )
     gate = asyncio.Semaphore(concurrency)
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one_request(client, p, max_tokens, gate) for p in prompts), return_exceptions=True)
